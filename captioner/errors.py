@@ -1,0 +1,28 @@
+"""Exception types.
+
+Every error a user can cause (a bad file, a wrong checkpoint, a bad option) is raised as a
+``CaptionerError`` subclass with a one-line message that names the offending file or value.
+The CLI prints that line and exits non-zero instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+
+class CaptionerError(Exception):
+    """Base class for user-facing errors (one-line message, no traceback in the CLI)."""
+
+
+class ConfigError(CaptionerError, ValueError):
+    """An invalid configuration value, preset name or override."""
+
+
+class DataError(CaptionerError):
+    """A bad annotation file, a missing image or a dataset that cannot be used."""
+
+
+class ImageLoadError(DataError):
+    """An image file that is missing, empty, truncated or not an image."""
+
+
+class CheckpointError(CaptionerError):
+    """A checkpoint that is truncated, foreign, unsafe or does not match."""

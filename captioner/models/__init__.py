@@ -1,0 +1,1 @@
+"""Encoders, attention modules and the two decoder families (SAT LSTM, Transformer)."""

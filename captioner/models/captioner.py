@@ -1,0 +1,90 @@
+"""The full model: encoder + decoder, built from a ``ModelConfig`` through small registries.
+
+Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from captioner.config import DecoderConfig, ModelConfig
+from captioner.errors import ConfigError
+from captioner.models.base import CaptionDecoder, DecoderOutput
+
+# builder(cfg, feature_dim=D, vocab_size=V, grid=g) -> CaptionDecoder
+DecoderBuilder = Callable[..., CaptionDecoder]
+_DECODERS: dict[str, DecoderBuilder] = {}
+
+
+def register_decoder(name: str) -> Callable[[DecoderBuilder], DecoderBuilder]:
+    """Register a decoder builder under ``DecoderConfig.name``."""
+
+    def wrap(fn: DecoderBuilder) -> DecoderBuilder:
+        _DECODERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _load_builtin_decoders() -> None:
+    # Imported here so that `import captioner` stays light; importing registers the builders.
+    from captioner.models import lstm, transformer  # noqa: F401
+
+
+def list_decoders() -> list[str]:
+    _load_builtin_decoders()
+    return sorted(_DECODERS)
+
+
+def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> CaptionDecoder:
+    _load_builtin_decoders()
+    if cfg.name not in _DECODERS:
+        raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
+    return _DECODERS[cfg.name](cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)
+
+
+class Captioner(nn.Module):
+    """Encoder + decoder. ``config`` travels with the model into checkpoints.
+
+    Args:
+        encoder: maps images (B,3,H,W) to (features (B,N,D), grid (g,g)).
+        decoder: a ``CaptionDecoder``.
+        config: the ``ModelConfig`` both were built from.
+        vocab_size: output vocabulary size V.
+    """
+
+    def __init__(self, encoder: nn.Module, decoder: CaptionDecoder, config: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+        self.config = config
+        self.vocab_size = vocab_size
+
+    def encode(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """images (B,3,H,W) -> features (B,N,D), grid (g,g)."""
+        return self.encoder(images)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
+        features, _ = self.encoder(images)  # (B, N, D)
+        return self.decoder(features, tokens, need_all_attention=need_all_attention)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> Captioner:
+    """Build encoder and decoder from config.
+
+    Args:
+        cfg: model configuration.
+        vocab_size: output vocabulary size.
+        load_pretrained: load the encoder's ImageNet weights when ``cfg.encoder.pretrained``;
+            False when the weights will come from a checkpoint (never downloads then).
+    """
+    from captioner.models.encoder import build_encoder
+
+    if vocab_size < 5:
+        raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
+    encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
+    decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
+    return Captioner(encoder, decoder, cfg, vocab_size)

@@ -1,0 +1,155 @@
+"""Caption text: a regex tokenizer and the token ``Vocabulary``.
+
+The tokenizer lowercases, drops apostrophes (``man's`` -> ``mans``) and splits on anything that is
+not a letter or digit, so punctuation never becomes a token. It needs no nltk downloads and is the
+single tokenization used for training targets, hypotheses and BLEU references alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from captioner.errors import DataError
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+
+_WORD = re.compile(r"[^\W_]+")
+_APOSTROPHES = re.compile(r"['\u2019`]")
+
+
+def tokenize(text: str) -> list[str]:
+    """Split a caption into lowercase word tokens without punctuation.
+
+    Args:
+        text: raw caption, e.g. ``"A man's dog, running."``.
+
+    Returns:
+        Tokens, e.g. ``["a", "mans", "dog", "running"]``.
+    """
+    return _WORD.findall(_APOSTROPHES.sub("", text.lower()))
+
+
+class Vocabulary:
+    """Maps tokens to ids. Ids 0..3 are ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``.
+
+    Args:
+        tokens: the ordinary (non-special) tokens, in id order.
+    """
+
+    def __init__(self, tokens: Sequence[str] = ()) -> None:
+        self.itos: list[str] = list(SPECIALS)
+        for tok in tokens:
+            if tok in SPECIALS:
+                continue
+            self.itos.append(tok)
+        self.stoi: dict[str, int] = {tok: i for i, tok in enumerate(self.itos)}
+        if len(self.stoi) != len(self.itos):
+            raise DataError("vocabulary has duplicate tokens")
+
+    # ids of the special tokens
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+    unk_id = 3
+
+    @classmethod
+    def build(
+        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None
+    ) -> "Vocabulary":
+        """Build from captions (raw strings or token lists).
+
+        Args:
+            captions: raw caption strings (tokenized with :func:`tokenize`) or token lists.
+            min_freq: tokens seen fewer times are mapped to ``<unk>``.
+            max_size: keep at most this many ordinary tokens (most frequent first).
+
+        Returns:
+            A vocabulary whose tokens are sorted by decreasing frequency, ties alphabetically.
+        """
+        if min_freq < 1:
+            raise DataError(f"min_freq must be >= 1, got {min_freq}")
+        counts: Counter[str] = Counter()
+        for cap in captions:
+            counts.update(tokenize(cap) if isinstance(cap, str) else cap)
+        kept = sorted((t for t, c in counts.items() if c >= min_freq), key=lambda t: (-counts[t], t))
+        if max_size is not None:
+            kept = kept[:max_size]
+        return cls(kept)
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def __contains__(self, token: str) -> bool:
+        return token in self.stoi
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vocabulary) and self.itos == other.itos
+
+    def __repr__(self) -> str:
+        return f"Vocabulary(size={len(self)})"
+
+    def encode(self, caption: str | Sequence[str], max_len: int | None = None) -> list[int]:
+        """Caption -> ``[<bos>, w1 .. wn, <eos>]`` ids; words beyond ``max_len`` are dropped.
+
+        Args:
+            caption: raw string (tokenized here) or a token list.
+            max_len: maximum number of words (``<bos>``/``<eos>`` not counted).
+        """
+        words = tokenize(caption) if isinstance(caption, str) else list(caption)
+        if max_len is not None:
+            words = words[:max_len]
+        return [self.bos_id] + [self.stoi.get(w, self.unk_id) for w in words] + [self.eos_id]
+
+    def decode_tokens(self, ids: Iterable[int]) -> list[str]:
+        """Ids -> words, stopping at ``<eos>`` and skipping ``<bos>``/``<pad>``."""
+        words = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i in (self.bos_id, self.pad_id):
+                continue
+            words.append(self.itos[i] if 0 <= i < len(self.itos) else UNK)
+        return words
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> caption text (words joined by spaces)."""
+        return " ".join(self.decode_tokens(ids))
+
+    def to_dict(self) -> dict:
+        return {"format": "captioner-vocab", "version": 1, "itos": self.itos}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Vocabulary":
+        if not isinstance(data, dict) or not isinstance(data.get("itos"), list):
+            raise DataError("not a captioner vocabulary (expected a JSON object with an 'itos' list)")
+        itos = data["itos"]
+        if [str(t) for t in itos[: len(SPECIALS)]] != list(SPECIALS):
+            raise DataError(f"vocabulary must start with {list(SPECIALS)}, got {itos[:4]}")
+        return cls([str(t) for t in itos[len(SPECIALS):]])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON atomically (temp file + rename)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Vocabulary":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise DataError(f"{path}: vocabulary file not found") from None
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: cannot read vocabulary ({exc})") from None
+        try:
+            return cls.from_dict(data)
+        except DataError as exc:
+            raise DataError(f"{path}: {exc}") from None
