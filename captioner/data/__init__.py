@@ -1,0 +1,40 @@
+"""Data layer: image loading, encoder transforms, caption datasets, synthetic scenes.
+
+Modules: ``images`` (``load_image``), ``transforms`` (``ImageTransform``, ``crop_box``),
+``coco`` (``load_caption_set``, ``check_images``, ``load_instances``; Karpathy files in
+``karpathy``), ``dataset`` (datasets and collate functions), ``shapes`` (``make_shapes``).
+The names below are importable from ``captioner.data`` directly; each submodule is imported on
+first use, so ``import captioner.data`` stays cheap (no torch until a torch-backed name is used).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_image": "images",
+    "ImageTransform": "transforms",
+    "crop_box": "transforms",
+    "denormalize": "transforms",
+    "ImageRecord": "coco",
+    "CaptionSet": "coco",
+    "ObjectBox": "coco",
+    "load_caption_set": "coco",
+    "check_images": "coco",
+    "load_instances": "coco",
+    "image_loader": "dataset",
+    "CaptionTrainDataset": "dataset",
+    "CaptionEvalDataset": "dataset",
+    "collate_captions": "dataset",
+    "collate_images": "dataset",
+    "make_shapes": "shapes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"captioner.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'captioner.data' has no attribute {name!r}")

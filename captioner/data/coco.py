@@ -1,0 +1,489 @@
+"""Caption datasets: one loader for every layout the project accepts.
+
+``load_caption_set(root, split)`` detects the layout of ``root``:
+
+* a flat folder with ``captions_<split>.json`` and ``images/`` (the synthetic shapes set);
+* the official COCO layout, ``annotations/captions_<split>.json`` with images in ``<split>/``
+  (e.g. ``train2017``, ``val2014``);
+* the Flickr8k-subset layout, ``captions_coco_format.json`` + ``splits.tsv`` + ``images/``;
+* a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``; see ``karpathy.py``),
+  given directly or as the only ``dataset_*.json`` in the folder;
+* a COCO captions JSON file given directly (``images_dir`` says where its images are).
+
+Annotation files are validated before anything trains: invalid JSON names the file and line,
+a malformed entry names its index and the missing key. COCO-format files are indexed with
+``pycocotools.coco.COCO``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from captioner.errors import DataError
+from captioner.text import tokenize
+
+log = logging.getLogger(__name__)
+
+ALL_SPLIT = "all"  # the whole file, for layouts whose one file holds several splits
+FLICKR_JSON, FLICKR_SPLITS = "captions_coco_format.json", "splits.tsv"
+_BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmentation"}
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image of a caption set: its dataset id, file name and resolved path."""
+
+    image_id: int
+    file_name: str
+    path: Path
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass(frozen=True)
+class ObjectBox:
+    """One annotated object: category name, ``(x, y, w, h)`` box in original pixels, extra keys."""
+
+    category: str
+    bbox: tuple[float, float, float, float]
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CaptionSet:
+    """Images of one split and their reference captions (raw text, whitespace-normalised).
+
+    ``len(cs)`` is the number of images; dataset items refer to images by their index in
+    ``cs.images``.
+    """
+
+    name: str
+    split: str
+    images: list[ImageRecord]
+    captions: dict[int, list[str]]
+    root: Path
+    images_dir: Path | None = None  # where image files were looked for (for messages)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def num_captions(self) -> int:
+        return sum(len(self.captions[r.image_id]) for r in self.images)
+
+    def all_captions(self) -> list[str]:
+        """Every caption of every image, in image order (e.g. to build a vocabulary)."""
+        return [c for r in self.images for c in self.captions[r.image_id]]
+
+    def references(self, image_id: int) -> list[str]:
+        """All reference captions of one image."""
+        return list(self.captions[image_id])
+
+    def subset(self, indices: Sequence[int]) -> "CaptionSet":
+        """A copy holding only ``cs.images[i]`` for ``i`` in ``indices`` (in that order)."""
+        images = [self.images[i] for i in indices]
+        captions = {r.image_id: list(self.captions[r.image_id]) for r in images}
+        return dataclasses.replace(self, images=images, captions=captions)
+
+    def __repr__(self) -> str:
+        return (f"CaptionSet(name={self.name!r}, split={self.split!r}, images={len(self)}, "
+                f"captions={self.num_captions})")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_caption_set(
+    root: str | Path, split: str, images_dir: str | Path | None = None, *, include_restval: bool = True
+) -> CaptionSet:
+    """Load one split of a caption dataset, whatever its layout (see the module docstring).
+
+    Args:
+        root: dataset folder, a COCO captions JSON file or a Karpathy split JSON file.
+        split: split name, e.g. ``"train"``, ``"val2017"``, ``"dev"``; ``"all"`` for a whole file.
+        images_dir: folder holding the images when it is not where the layout puts them.
+        include_restval: Karpathy files only: split ``"train"`` also takes the ``restval`` images
+            (the usual 113k-image COCO training set).
+
+    Returns:
+        The caption set (``root`` as given); image paths are resolved but not checked (see
+        :func:`check_images`).
+
+    Raises:
+        DataError: no layout matches, the split is unknown (the message lists the available
+            ones), or an annotation file is invalid.
+    """
+    root = Path(root)
+    images = Path(images_dir) if images_dir is not None else None
+    if not root.exists():
+        raise DataError(f"{root}: dataset path does not exist")
+    cs = _load(root, str(split), images, include_restval)
+    cs.root = root
+    return cs
+
+
+def _load(root: Path, split: str, images: Path | None, include_restval: bool) -> CaptionSet:
+    if root.is_file():
+        return _load_file(root, split, images, include_restval)
+
+    flat = root / f"captions_{split}.json"
+    official = root / "annotations" / f"captions_{split}.json"
+    if flat.is_file():
+        image_dir = images or _first_dir(root / "images", root)
+        return caption_set_from_coco(flat, read_json(flat), split, image_dir, root.name)
+    if official.is_file():
+        image_dir = images or _first_dir(root / split, root / "images" / split)
+        return caption_set_from_coco(official, read_json(official), split, image_dir, root.name)
+    if (root / FLICKR_JSON).is_file() and (root / FLICKR_SPLITS).is_file():
+        json_path = root / FLICKR_JSON
+        return _load_flickr(json_path, read_json(json_path), split, images, root.name)
+    karpathy_files = sorted(root.glob("dataset_*.json"))
+    if len(karpathy_files) == 1:
+        return _load_file(karpathy_files[0], split, images, include_restval)
+    if len(karpathy_files) > 1:
+        names = ", ".join(p.name for p in karpathy_files)
+        raise DataError(f"{root}: several Karpathy split files ({names}); pass the one to use as the path")
+    available = available_splits(root)
+    if available:
+        raise DataError(f"{root}: unknown split {split!r}; available: {', '.join(available)}")
+    raise DataError(
+        f"{root}: no caption data found (looked for captions_{split}.json, annotations/captions_{split}.json, "
+        f"{FLICKR_JSON} + {FLICKR_SPLITS}, dataset_*.json)"
+    )
+
+
+def available_splits(root: str | Path) -> list[str]:
+    """Split names offered by a dataset folder's ``captions_<split>.json`` files."""
+    root = Path(root)
+    names = {p.stem[len("captions_"):] for d in (root, root / "annotations") for p in d.glob("captions_*.json")}
+    names.discard(Path(FLICKR_JSON).stem[len("captions_"):])
+    return sorted(names)
+
+
+def _load_file(path: Path, split: str, images_dir: Path | None, include_restval: bool) -> CaptionSet:
+    data = read_json(path)
+    from captioner.data import karpathy  # karpathy imports this module
+
+    if karpathy.is_karpathy(data):
+        return karpathy.caption_set_from_karpathy(path, data, split, images_dir, include_restval)
+    if not (isinstance(data, dict) and "images" in data and "annotations" in data):
+        raise DataError(f"{path}: not a COCO captions file (no 'images' and 'annotations') "
+                        "nor a Karpathy split file (no 'images' with 'sentences')")
+    if (path.parent / FLICKR_SPLITS).is_file():
+        return _load_flickr(path, data, split, images_dir, path.parent.name)
+    own = path.stem[len("captions_"):] if path.stem.startswith("captions_") else path.stem
+    if split not in (own, ALL_SPLIT):
+        raise DataError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, {ALL_SPLIT}")
+    image_dir = images_dir or _first_dir(path.parent.parent / own, path.parent / "images", path.parent)
+    return caption_set_from_coco(path, data, split, image_dir, path.stem)
+
+
+def _load_flickr(json_path: Path, data: Any, split: str, images_dir: Path | None, name: str) -> CaptionSet:
+    tsv = json_path.parent / FLICKR_SPLITS
+    splits = _read_splits_tsv(tsv)
+    available = list(dict.fromkeys(splits.values())) + [ALL_SPLIT]
+    if split not in available:
+        raise DataError(f"{json_path.parent}: unknown split {split!r}; available: {', '.join(available)}")
+    image_dir = images_dir or _first_dir(json_path.parent / "images", json_path.parent)
+    keep = None if split == ALL_SPLIT else (lambda img: splits.get(img["file_name"]) == split)
+    return caption_set_from_coco(json_path, data, split, image_dir, name, keep=keep)
+
+
+def _read_splits_tsv(path: Path) -> dict[str, str]:
+    """``image<TAB>split`` lines (an ``image<TAB>split`` header is optional) -> {file_name: split}."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read split file ({exc})") from None
+    splits: dict[str, str] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip() or (number == 1 and line.strip().lower() == "image\tsplit"):
+            continue
+        parts = line.rstrip("\r\n").split("\t")
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise DataError(f"{path}: line {number}: expected 'image<TAB>split', got {line[:60]!r}")
+        splits[parts[0]] = parts[1]
+    if not splits:
+        raise DataError(f"{path}: split file lists no images")
+    return splits
+
+
+def _first_dir(*candidates: Path) -> Path:
+    """The first candidate that is a folder, else the first one (missing images are reported later)."""
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; DataError naming the file (and line) when it is missing or invalid."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg})") from None
+    except ValueError as exc:  # undecodable bytes
+        raise DataError(f"{path}: invalid JSON ({str(exc)[:120]})") from None
+    except RecursionError:  # e.g. "[[[[..." nested deeper than the parser's recursion limit
+        raise DataError(f"{path}: invalid JSON (nested too deeply)") from None
+
+
+# ----------------------------------------------------------------------------- COCO format
+
+
+def coco_index(data: dict, with_categories: bool = False) -> Any:
+    """A ``pycocotools.coco.COCO`` index over an already parsed and validated dict (quietly).
+
+    Only ``images`` and ``annotations`` (and ``categories`` when asked) are handed to pycocotools,
+    so an unvalidated extra key (a captions file that carries a ``categories`` list while its
+    annotations have no ``category_id``) cannot make the indexing fail.
+    """
+    from pycocotools.coco import COCO
+
+    keys = ("images", "annotations", "categories") if with_categories else ("images", "annotations")
+    with contextlib.redirect_stdout(io.StringIO()):  # COCO prints progress lines
+        coco = COCO()
+        coco.dataset = {k: data[k] for k in keys if k in data}
+        coco.createIndex()
+    return coco
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_coco(path: Path, data: Any, ann_keys: Sequence[str] = ("id", "image_id", "caption")) -> None:
+    """Check the structure of a COCO-format annotation dict; DataError names the first bad entry."""
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object with 'images' and 'annotations'")
+    for key in ("images", "annotations"):
+        if not isinstance(data.get(key), list):
+            raise DataError(f"{path}: no '{key}' list")
+    ids: set[int] = set()
+    for i, img in enumerate(data["images"]):
+        if not isinstance(img, dict):
+            raise DataError(f"{path}: image {i} is not an object")
+        for key in ("id", "file_name"):
+            if key not in img:
+                raise DataError(f"{path}: image {i} has no '{key}'")
+        if not _is_int(img["id"]):
+            raise DataError(f"{path}: image {i} has a non-integer id {_short(img['id'])}")
+        if not isinstance(img["file_name"], str) or not img["file_name"]:
+            raise DataError(f"{path}: image {i} has an invalid file_name {_short(img['file_name'])}")
+        if img["id"] in ids:
+            raise DataError(f"{path}: image {i} repeats image id {img['id']}")
+        ids.add(img["id"])
+    for j, ann in enumerate(data["annotations"]):
+        if not isinstance(ann, dict):
+            raise DataError(f"{path}: annotation {j} is not an object")
+        for key in ann_keys:
+            if key not in ann:
+                raise DataError(f"{path}: annotation {j} has no '{key}'")
+        if not (_is_int(ann["id"]) or isinstance(ann["id"], str)):
+            raise DataError(f"{path}: annotation {j} has an id that is not an integer: {_short(ann['id'])}")
+        if "caption" in ann_keys and not isinstance(ann["caption"], str):
+            raise DataError(f"{path}: annotation {j} has a caption that is not a string")
+        if not _is_int(ann["image_id"]) or ann["image_id"] not in ids:
+            raise DataError(f"{path}: annotation {j} refers to unknown image id {_short(ann['image_id'])}")
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``repr`` cut to ``limit`` characters (messages stay one short line whatever the file holds)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def caption_set_from_coco(
+    path: Path, data: Any, split: str, images_dir: Path, name: str,
+    keep: Callable[[dict], bool] | None = None,
+) -> CaptionSet:
+    """Validate a COCO captions dict and build the caption set of the images ``keep`` accepts."""
+    validate_coco(path, data)
+    coco = coco_index(data)
+    entries = []
+    for img in coco.dataset["images"]:
+        if keep is not None and not keep(img):
+            continue
+        record = ImageRecord(
+            image_id=img["id"], file_name=img["file_name"], path=images_dir / img["file_name"],
+            width=img.get("width") if _is_int(img.get("width")) else None,
+            height=img.get("height") if _is_int(img.get("height")) else None,
+        )
+        entries.append((record, [ann["caption"] for ann in coco.imgToAnns.get(img["id"], [])]))
+    return build_caption_set(path, name, split, entries, images_dir)
+
+
+def build_caption_set(
+    source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]], images_dir: Path
+) -> CaptionSet:
+    """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
+    images: list[ImageRecord] = []
+    captions: dict[int, list[str]] = {}
+    empty = uncaptioned = 0
+    for record, raw in entries:
+        texts = [" ".join(c.split()) for c in raw]
+        kept = [t for t in texts if tokenize(t)]
+        empty += len(texts) - len(kept)
+        if not kept:
+            uncaptioned += 1
+            continue
+        images.append(record)
+        captions[record.image_id] = kept
+    if empty:
+        log.warning("%s: dropped %d empty caption(s)", source, empty)
+    if uncaptioned:
+        log.warning("%s: skipped %d image(s) without captions in split %r", source, uncaptioned, split)
+    if not images:
+        raise DataError(f"{source}: split {split!r} has no captioned images")
+    return CaptionSet(name=name, split=split, images=images, captions=captions, root=source.parent,
+                      images_dir=images_dir)
+
+
+# ----------------------------------------------------------------------------- checks and boxes
+
+
+def check_images(cs: CaptionSet, skip_missing: bool = False, check_headers: bool = True,
+                 max_pixels: int | None = None, workers: int = 8) -> CaptionSet:
+    """Find missing and unreadable image files before training.
+
+    Every file must exist; with ``check_headers`` its header must also parse as an image of at
+    most ``max_pixels`` pixels (:func:`captioner.data.images.probe_image`, no pixel decoding), so
+    empty files, text files named ``.jpg``, broken headers and decompression bombs are found here
+    rather than in the middle of an epoch. Truncated pixel data is only seen when an image is
+    decoded (the feature cache and evaluation skip such images when asked).
+
+    Args:
+        cs: a caption set.
+        skip_missing: return a copy without the missing or unreadable images (logged) instead of
+            failing.
+        check_headers: also open each file's header (threaded; about a millisecond per file).
+        max_pixels: size limit (default :data:`captioner.data.images.DEFAULT_MAX_PIXELS`).
+        workers: threads for the header checks.
+
+    Returns:
+        ``cs`` itself when every file is fine, else the filtered copy.
+
+    Raises:
+        DataError: some files are missing or unreadable and ``skip_missing`` is False, or all of
+            them are.
+    """
+    missing = [i for i, r in enumerate(cs.images) if not r.path.is_file()]
+    where = cs.images_dir if cs.images_dir is not None else (cs.images[0].path.parent if cs.images else cs.root)
+    total = len(cs.images)
+    if missing:
+        examples = ", ".join(cs.images[i].file_name for i in missing[:3])
+        if len(missing) == total:
+            raise DataError(f"all {total} image files are missing (e.g. {examples}) under {where}; "
+                            "is the image folder right?")
+        if not skip_missing:
+            raise DataError(f"{len(missing)} of {total} image files are missing (e.g. {examples}) under {where}; "
+                            "pass --skip-missing to skip them")
+        log.warning("skipping %d of %d images whose files are missing (e.g. %s) under %s",
+                    len(missing), total, examples, where)
+    gone = set(missing)
+    bad: list[tuple[int, str]] = []
+    if check_headers:
+        bad = _unreadable([i for i in range(total) if i not in gone], cs, max_pixels, workers)
+    if bad:
+        examples = "; ".join(f"{cs.images[i].file_name}: {reason}" for i, reason in bad[:3])
+        if len(bad) + len(gone) == total:
+            raise DataError(f"none of the {total} image files can be read (e.g. {examples}) under {where}")
+        if not skip_missing:
+            raise DataError(f"{len(bad)} of {total} image files cannot be read (e.g. {examples}) under {where}; "
+                            "pass --skip-missing to skip them")
+        log.warning("skipping %d of %d images whose files cannot be read (e.g. %s) under %s",
+                    len(bad), total, examples, where)
+        gone |= {i for i, _ in bad}
+    if not gone:
+        return cs
+    return cs.subset([i for i in range(total) if i not in gone])
+
+
+def _unreadable(indices: list[int], cs: CaptionSet, max_pixels: int | None, workers: int) -> list[tuple[int, str]]:
+    """``(index, reason)`` of the images whose header does not parse (reason without the path)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from captioner.data.images import DEFAULT_MAX_PIXELS, probe_image
+    from captioner.errors import ImageLoadError
+
+    limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+
+    def probe(i: int) -> str | None:
+        path = cs.images[i].path
+        try:
+            probe_image(path, max_pixels=limit)
+        except ImageLoadError as exc:
+            text = str(exc)
+            prefix = f"{path}: "
+            return text[len(prefix):] if text.startswith(prefix) else text
+        return None
+
+    if len(indices) < 64 or workers <= 1:
+        reasons = [probe(i) for i in indices]
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            reasons = list(pool.map(probe, indices, chunksize=64))
+    return [(i, r) for i, r in zip(indices, reasons) if r is not None]
+
+
+def load_instances(
+    root: str | Path, split: str, images_dir: str | Path | None = None
+) -> dict[int, list[ObjectBox]] | None:
+    """Object boxes from ``instances_<split>.json`` when the dataset has one.
+
+    Looks for ``root/instances_<split>.json`` (shapes) and ``root/annotations/instances_<split>.json``
+    (COCO); for a captions JSON file, the ``instances_*`` file beside it.
+
+    Args:
+        root: as for :func:`load_caption_set`.
+        split: split name.
+        images_dir: accepted for symmetry with :func:`load_caption_set`; boxes do not need images.
+
+    Returns:
+        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included), or
+        ``None`` when there is no instances file.
+    """
+    del images_dir
+    root = Path(root)
+    if root.is_file():
+        stem = root.stem.replace("captions_", "instances_", 1)
+        candidates = [root.parent / f"instances_{split}.json", root.parent / f"{stem}.json"]
+    else:
+        candidates = [root / f"instances_{split}.json", root / "annotations" / f"instances_{split}.json"]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        return None
+    data = read_json(path)
+    validate_coco(path, data, ann_keys=("id", "image_id", "category_id", "bbox"))
+    categories = data.get("categories")
+    if not isinstance(categories, list) or not all(isinstance(c, dict) and _is_int(c.get("id")) and "name" in c
+                                                   for c in categories):
+        raise DataError(f"{path}: no valid 'categories' list (each needs an integer 'id' and a 'name')")
+    names = {c["id"]: str(c["name"]) for c in categories}
+    for j, ann in enumerate(data["annotations"]):
+        if not _is_int(ann["category_id"]) or ann["category_id"] not in names:
+            raise DataError(f"{path}: annotation {j} has unknown category_id {_short(ann['category_id'])}")
+        box = ann["bbox"]
+        if not (isinstance(box, list) and len(box) == 4
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
+            raise DataError(f"{path}: annotation {j} has an invalid bbox {_short(box)} (need [x, y, w, h])")
+    coco = coco_index(data, with_categories=True)
+    boxes: dict[int, list[ObjectBox]] = {}
+    for image_id in coco.imgs:
+        boxes[image_id] = [
+            ObjectBox(names[ann["category_id"]], tuple(float(v) for v in ann["bbox"]),
+                      {k: v for k, v in ann.items() if k not in _BOX_KEYS})
+            for ann in coco.imgToAnns.get(image_id, [])
+        ]
+    return boxes

@@ -1,0 +1,235 @@
+"""Robust image loading: any file a user hands us becomes an RGB ``PIL.Image`` or an ``ImageLoadError``.
+
+``load_image`` handles the image modes real datasets contain (greyscale, 16-bit, float, alpha,
+palette transparency, CMYK, EXIF-rotated JPEGs, animated GIFs) and turns every failure (missing,
+empty, unreadable, truncated, corrupt, not an image, too large) into a one-line
+``ImageLoadError("<path>: <reason>")``. PIL exceptions and warnings never escape.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from captioner.errors import ImageLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PIXELS = 64_000_000  # refuse larger images before decoding (decompression bombs)
+BACKGROUND = (255, 255, 255)  # transparent pixels are composited onto white
+
+# File signatures: a file that starts like an image but cannot be parsed is corrupt, not "not an image".
+_SIGNATURES = {
+    b"\x89PNG\r\n\x1a\n": "PNG",
+    b"\xff\xd8\xff": "JPEG",
+    b"GIF87a": "GIF",
+    b"GIF89a": "GIF",
+    b"BM": "BMP",
+    b"II*\x00": "TIFF",
+    b"MM\x00*": "TIFF",
+}
+_BOMB = re.compile(r"\((\d+) pixels\)")
+
+
+def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
+
+    Args:
+        path: image file.
+        max_pixels: refuse images with more pixels than this (checked from the header, before
+            decoding). ``None`` disables this check; PIL's own ``Image.MAX_IMAGE_PIXELS`` guard
+            (about 179 megapixels) still applies.
+
+    Returns:
+        A fully loaded ``PIL.Image`` in mode ``"RGB"``.
+
+    Raises:
+        ImageLoadError: the file is missing, unreadable, empty, not an image, truncated or
+            corrupt, too large, or in a mode that cannot be converted to RGB.
+    """
+    path = Path(path)
+    data = _read_bytes(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            image = _decode(path, data, max_pixels)
+        finally:
+            for w in caught:
+                log.debug("%s: %s", path, w.message)
+    return image
+
+
+def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """Cheap check of an image file without decoding its pixels: it opens and its header parses.
+
+    Catches missing, unreadable, empty, non-image and too-large files (what :func:`check_images
+    <captioner.data.coco.check_images>` reports before training); a file whose pixel data is
+    truncated or corrupt passes and is caught by :func:`load_image` when it is decoded.
+
+    Returns:
+        ``(width, height)`` from the header.
+
+    Raises:
+        ImageLoadError: as :func:`load_image`, for the problems visible in the header.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if not head:
+                raise ImageLoadError(f"{path}: file is empty")
+            f.seek(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(f) as im:
+                    width, height = im.size
+    except ImageLoadError:
+        raise
+    except FileNotFoundError:
+        raise ImageLoadError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ImageLoadError(f"{path}: is a directory, not an image file") from None
+    except PermissionError:
+        raise ImageLoadError(f"{path}: permission denied") from None
+    except Image.DecompressionBombError as exc:
+        found = _BOMB.search(str(exc))
+        size = f"{found.group(1)} pixels" if found else "over PIL's MAX_IMAGE_PIXELS"
+        raise ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)") from None
+    except UnidentifiedImageError:
+        kind = _signature(head)
+        if kind:
+            raise ImageLoadError(f"{path}: truncated or corrupt image (unreadable {kind} header)") from None
+        raise ImageLoadError(f"{path}: not an image file") from None
+    except Exception as exc:  # OSError (read errors, broken headers), SyntaxError, ValueError, ...
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ImageLoadError(f"{path}: truncated or corrupt image ({reason})") from None
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageLoadError(f"{path}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)")
+    return width, height
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ImageLoadError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ImageLoadError(f"{path}: is a directory, not an image file") from None
+    except PermissionError:
+        raise ImageLoadError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise ImageLoadError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+    if not data:
+        raise ImageLoadError(f"{path}: file is empty")
+    return data
+
+
+def _decode(path: Path, data: bytes, max_pixels: int | None) -> Image.Image:
+    """Header check, full decode (so truncation shows up here), EXIF transpose, RGB conversion."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageLoadError(
+                    f"{path}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)"
+                )
+            if im.format == "PNG":
+                im.verify()  # checks every chunk's CRC, which load() does not
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()  # force decoding inside the try: truncated data raises here
+            image = ImageOps.exif_transpose(im)  # a new, loaded image
+        return to_rgb(image)
+    except ImageLoadError:
+        raise
+    except Image.DecompressionBombError as exc:
+        found = _BOMB.search(str(exc))
+        size = f"{found.group(1)} pixels" if found else "over PIL's MAX_IMAGE_PIXELS"
+        raise ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)") from None
+    except UnidentifiedImageError:
+        kind = _signature(data)
+        if kind:
+            raise ImageLoadError(f"{path}: truncated or corrupt image (unreadable {kind} header)") from None
+        raise ImageLoadError(f"{path}: not an image file") from None
+    except _UnsupportedMode as exc:
+        raise ImageLoadError(f"{path}: unsupported image mode {exc}") from None
+    except MemoryError:
+        raise ImageLoadError(f"{path}: not enough memory to decode the image") from None
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ImageLoadError(f"{path}: truncated or corrupt image ({reason})") from None
+
+
+def _signature(data: bytes) -> str | None:
+    for magic, kind in _SIGNATURES.items():
+        if data.startswith(magic):
+            return kind
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+class _UnsupportedMode(Exception):
+    """Internal: a decoded image mode that has no sensible RGB conversion."""
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert a loaded image of any PIL mode to RGB.
+
+    16-bit greyscale (``I;16*``) is scaled so 65535 -> 255; 32-bit ``I`` is read as 16-bit when its
+    values fit 0..65535, else min-max scaled; float ``F`` is read as 0..1 when it fits, else as
+    0..255, else min-max scaled. Alpha (RGBA, LA, PA, palette or colour-key transparency) is
+    composited onto white.
+    """
+    mode = image.mode
+    if mode == "RGB" and "transparency" not in image.info:
+        return image
+    if mode.startswith("I") or mode == "F":
+        return Image.fromarray(_wide_to_uint8(image)).convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    try:
+        return image.convert("RGB")
+    except (ValueError, OSError):
+        raise _UnsupportedMode(mode) from None
+
+
+def _wide_to_uint8(image: Image.Image) -> np.ndarray:
+    """(H, W) uint8 from a 16-bit, 32-bit integer or float greyscale image."""
+    mode = image.mode
+    if mode.startswith("I;16"):
+        values = np.asarray(image).astype(np.float64)  # (H, W) 0..65535
+        return _round_u8(values / 257.0)
+    if mode == "I":
+        values = np.asarray(image).astype(np.float64)  # (H, W) int32
+        if values.size and values.min() >= 0 and values.max() <= 65535:
+            return _round_u8(values / 257.0)
+        return _minmax_u8(values)
+    if mode == "F":
+        values = np.asarray(image).astype(np.float64)  # (H, W) float32
+        values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        if values.size and values.min() >= 0.0 and values.max() <= 1.0:
+            return _round_u8(values * 255.0)
+        if values.size and values.min() >= 0.0 and values.max() <= 255.0:
+            return _round_u8(values)
+        return _minmax_u8(values)
+    raise _UnsupportedMode(mode)
+
+
+def _round_u8(values: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(values), 0, 255).astype(np.uint8)
+
+
+def _minmax_u8(values: np.ndarray) -> np.ndarray:
+    lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if hi <= lo:
+        return np.zeros(values.shape, np.uint8)
+    return _round_u8((values - lo) * (255.0 / (hi - lo)))

@@ -1,0 +1,169 @@
+"""Encoder transforms (geometry, normalisation) and the caption datasets / collate functions."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from captioner.config import EncoderConfig
+from captioner.data.coco import load_caption_set
+from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
+                                    image_loader)
+from captioner.data.transforms import ImageTransform, crop_box, denormalize, to_pil
+from captioner.errors import ImageLoadError
+from captioner.text import Vocabulary
+
+RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def enc(**kw) -> EncoderConfig:
+    return EncoderConfig(name="tiny", pretrained=False, image_size=kw.pop("image_size", 16), **kw)
+
+
+def stripes(width: int, height: int, colors: list[tuple[int, int, int]], vertical: bool = True) -> Image.Image:
+    """Equal bands of colour, left to right (vertical) or top to bottom."""
+    image = Image.new("RGB", (width, height))
+    n = len(colors)
+    for k, c in enumerate(colors):
+        box = (k * width // n, 0, (k + 1) * width // n, height) if vertical else \
+              (0, k * height // n, width, (k + 1) * height // n)
+        image.paste(c, box)
+    return image
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def test_crop_box_geometry() -> None:
+    stretch, crop = enc(resize="stretch"), enc(resize="center_crop")
+    assert crop_box(640, 480, stretch) == (0, 0, 640, 480)
+    assert crop_box(60, 20, crop) == (20, 0, 40, 20)
+    assert crop_box(20, 61, crop) == (0, 20, 20, 40)
+    assert crop_box(33, 33, crop) == (0, 0, 33, 33)
+
+
+def test_normalisation_uses_config_mean_std() -> None:
+    cfg = enc(mean=(0.5, 0.25, 0.0), std=(0.5, 0.25, 2.0))
+    x = ImageTransform(cfg)(Image.new("RGB", (10, 7), (255, 51, 102)))
+    assert x.shape == (3, 16, 16) and x.dtype == torch.float32
+    expected = torch.tensor([(1.0 - 0.5) / 0.5, (0.2 - 0.25) / 0.25, 0.4 / 2.0])
+    assert torch.allclose(x.mean(dim=(1, 2)), expected, atol=1e-6)
+    assert torch.allclose(x.std(dim=(1, 2)), torch.zeros(3), atol=1e-6)
+
+
+def test_stretch_keeps_whole_image_and_center_crop_cuts_sides() -> None:
+    image = stripes(60, 20, [RED, GREEN, BLUE])
+    stretched = to_pil(ImageTransform(enc(resize="stretch"))(image), enc())
+    assert stretched.getpixel((1, 8)) == RED and stretched.getpixel((8, 8)) == GREEN
+    assert stretched.getpixel((14, 8)) == BLUE
+    cropped = to_pil(ImageTransform(enc(resize="center_crop"))(image), enc())
+    assert {cropped.getpixel((x, y)) for x in range(16) for y in range(16)} == {GREEN}
+
+
+def test_center_crop_portrait() -> None:
+    image = stripes(20, 60, [RED, GREEN, BLUE], vertical=False)
+    cropped = to_pil(ImageTransform(enc(resize="center_crop"))(image), enc())
+    assert {cropped.getpixel((x, y)) for x in range(16) for y in range(16)} == {GREEN}
+
+
+def test_interpolation_is_read_from_config() -> None:
+    image = Image.effect_noise((50, 50), 80).convert("RGB")
+    bilinear = ImageTransform(enc(interpolation="bilinear"))(image)
+    bicubic = ImageTransform(enc(interpolation="bicubic"))(image)
+    expected = torch.from_numpy(__import__("numpy").asarray(
+        image.resize((16, 16), Image.Resampling.BICUBIC), dtype="float32")).permute(2, 0, 1) / 255
+    cfg = enc()
+    assert torch.allclose(denormalize(bicubic, cfg), expected, atol=1e-5)
+    assert not torch.allclose(bilinear, bicubic)
+
+
+def test_denormalize_batch_and_non_rgb_input() -> None:
+    cfg = enc()
+    x = ImageTransform(cfg)(Image.new("L", (9, 9), 128))
+    batch = torch.stack([x, x])  # (2, 3, S, S)
+    out = denormalize(batch, cfg)
+    assert out.shape == (2, 3, 16, 16) and torch.allclose(out, torch.full_like(out, 128 / 255), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+@pytest.fixture()
+def tiny_set(tmp_path: Path):
+    colors = {1: RED, 2: GREEN, 3: BLUE}
+    captions = {1: ["a red image", "red all over the place here"], 2: ["a green image"], 3: ["blue", "a blue one"]}
+    (tmp_path / "images").mkdir()
+    images, anns = [], []
+    for image_id, color in colors.items():
+        Image.new("RGB", (12, 10), color).save(tmp_path / "images" / f"{image_id}.png")
+        images.append({"id": image_id, "file_name": f"{image_id}.png"})
+        anns += [{"id": len(anns) + k + 1, "image_id": image_id, "caption": c}
+                 for k, c in enumerate(captions[image_id])]
+    (tmp_path / "captions_train.json").write_text(json.dumps({"images": images, "annotations": anns}))
+    cs = load_caption_set(tmp_path, "train")
+    return cs, Vocabulary.build(cs.all_captions())
+
+
+def test_image_loader(tiny_set) -> None:
+    cs, _ = tiny_set
+    cfg = enc(image_size=16)
+    load = image_loader(cs, ImageTransform(cfg))
+    x = load(1)
+    assert x.shape == (3, 16, 16)
+    assert to_pil(x, cfg).getpixel((8, 8)) == GREEN
+    clone = pickle.loads(pickle.dumps(load))  # DataLoader workers may need to pickle it
+    assert torch.equal(clone(2), load(2))
+    cs.images[0].path.unlink()
+    with pytest.raises(ImageLoadError, match="1.png: file not found$"):
+        load(0)
+
+
+def test_train_dataset_items(tiny_set) -> None:
+    cs, vocab = tiny_set
+    ds = CaptionTrainDataset(cs, vocab, load=lambda i: torch.full((4, 2), float(i)), max_len=3)
+    assert len(ds) == cs.num_captions == 5
+    texts = [(r.image_id, c) for r in cs.images for c in cs.captions[r.image_id]]
+    for item, (image_id, caption) in enumerate(texts):
+        x, tokens, index = ds[item]
+        assert cs.images[index].image_id == image_id
+        assert torch.equal(x, torch.full((4, 2), float(index)))  # x is whatever load returns
+        assert tokens.dtype == torch.long and tokens.tolist() == vocab.encode(caption, 3)
+    assert ds[1][1].tolist()[1:-1] == [vocab.stoi[w] for w in ("red", "all", "over")]  # cut to 3 words
+    assert ds.lengths.tolist() == [5, 5, 5, 3, 5]
+
+
+def test_eval_dataset_items(tiny_set) -> None:
+    cs, _ = tiny_set
+    ds = CaptionEvalDataset(cs, load=lambda i: torch.tensor([i]))
+    assert len(ds) == 3 and [ds[i][1] for i in range(3)] == [0, 1, 2] and ds[2][0].item() == 2
+
+
+def test_collate_captions_pads_with_zero() -> None:
+    batch = [(torch.ones(3, 4, 4), torch.tensor([1, 7, 2]), 5),
+             (torch.zeros(3, 4, 4), torch.tensor([1, 8, 9, 10, 2]), 0)]
+    x, tokens, index = collate_captions(batch)
+    assert x.shape == (2, 3, 4, 4) and x[0].sum() == 48
+    assert tokens.tolist() == [[1, 7, 2, 0, 0], [1, 8, 9, 10, 2]] and tokens.dtype == torch.long
+    assert index.tolist() == [5, 0] and index.dtype == torch.long
+
+
+def test_collate_images() -> None:
+    x, index = collate_images([(torch.zeros(16, 8), 3), (torch.ones(16, 8), 1)])
+    assert x.shape == (2, 16, 8) and index.tolist() == [3, 1]
+
+
+def test_dataloader_end_to_end(tiny_set) -> None:
+    cs, vocab = tiny_set
+    cfg = enc(image_size=16)
+    ds = CaptionTrainDataset(cs, vocab, image_loader(cs, ImageTransform(cfg)), max_len=10)
+    batches = list(DataLoader(ds, batch_size=2, collate_fn=collate_captions))
+    assert [b[0].shape[0] for b in batches] == [2, 2, 1]
+    x, tokens, index = batches[0]
+    assert x.shape == (2, 3, 16, 16) and tokens.shape == (2, 8)  # "red all over the place here" + bos/eos
+    assert (tokens[0, 5:] == 0).all() and index.tolist() == [0, 0]
