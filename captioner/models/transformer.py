@@ -1,0 +1,294 @@
+"""Transformer caption decoder (Vaswani et al. 2017) with cross-attention over image regions.
+
+Shape legend: B batch, N regions (= g*g), D feature width, T caption steps, V vocabulary,
+d model width, L layers, H heads, dh = d // H, t tokens decoded so far.
+
+Pre-norm blocks written by hand (``nn.TransformerDecoderLayer`` cannot return cross-attention
+weights)::
+
+    x = x + Drop(SelfAttn(LN(x)))          causal, fused kernel
+    x = x + Drop(CrossAttn(LN(x), memory)) memory = LN(Linear(features)) + row/col embedding
+    x = x + Drop(FFN(LN(x)))
+
+The overlay view ``attention`` is the last layer's cross-attention averaged over heads; only that
+layer takes the manual (weight-returning) attention path unless ``need_all_attention=True``.
+``init_state`` projects the regions to keys/values once per image; ``step`` keeps a key/value
+cache of the self-attention, so one step costs O(t) instead of re-running the whole prefix.
+No key-padding mask is needed: padding sits after ``<eos>`` and causal attention never lets a
+real token see a later one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioner.config import DecoderConfig
+from captioner.errors import ConfigError
+from captioner.models.base import CaptionDecoder, DecoderOutput, State, attention_entropy
+from captioner.models.captioner import register_decoder
+from captioner.models.mha import MultiHeadAttention
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
+
+
+def sinusoidal_positions(length: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Sinusoidal position table (length, dim): sin on even, cos on odd channels."""
+    pos = torch.arange(length, dtype=torch.float32, device=device)[:, None]  # (length, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * (-math.log(10000.0) / dim))
+    angles = pos * freq  # (length, ceil(dim/2))
+    table = torch.zeros(length, dim, device=device)
+    table[:, 0::2] = angles.sin()
+    table[:, 1::2] = angles.cos()[:, : dim // 2]
+    return table
+
+
+class RegionEmbedding(nn.Module):
+    """Region features -> memory: LN(Linear(features)) + row embedding + column embedding.
+
+    Region n of the g x g grid sits at row n // g, column n % g.
+    """
+
+    def __init__(self, feature_dim: int, d_model: int, grid: int) -> None:
+        super().__init__()
+        self.feature_dim = feature_dim
+        self.grid = grid
+        self.proj = nn.Linear(feature_dim, d_model)
+        self.norm = nn.LayerNorm(d_model)
+        self.row = nn.Embedding(grid, d_model)
+        self.col = nn.Embedding(grid, d_model)
+        nn.init.normal_(self.row.weight, std=0.02)
+        nn.init.normal_(self.col.weight, std=0.02)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B, N, D) -> memory (B, N, d)."""
+        if features.dim() != 3:
+            raise ConfigError(f"features must be (B, N, D), got shape {tuple(features.shape)}")
+        n, dim = features.shape[1:]
+        if n != self.grid**2 or dim != self.feature_dim:
+            raise ConfigError(f"features of shape (N={n}, D={dim}) do not match the decoder "
+                              f"(grid {self.grid} -> N={self.grid ** 2}, D={self.feature_dim})")
+        idx = torch.arange(n, device=features.device)  # (N,)
+        pos = self.row(idx // self.grid) + self.col(idx % self.grid)  # (N, d)
+        return self.norm(self.proj(features)) + pos  # (B, N, d)
+
+
+class DecoderBlock(nn.Module):
+    """One pre-norm block: causal self-attention, cross-attention over regions, feed-forward."""
+
+    def __init__(self, d_model: int, num_heads: int, ff_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_self = nn.LayerNorm(d_model)
+        self.self_attn = MultiHeadAttention(d_model, num_heads)
+        self.ln_cross = nn.LayerNorm(d_model)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads)
+        self.ln_ff = nn.LayerNorm(d_model)
+        self.ff = nn.Sequential(nn.Linear(d_model, ff_dim), nn.ReLU(), nn.Linear(ff_dim, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(
+        self, x: torch.Tensor, memory: KV, past: KV | None = None, need_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, KV]:
+        """Run the block.
+
+        Args:
+            x: (B, T, d) token states; T must be 1 when ``past`` is given.
+            memory: this layer's projected region keys/values, (B, H, N, dh) each.
+            past: cached self-attention keys/values of earlier steps, (B, H, t, dh) each.
+            need_weights: return the cross-attention weights.
+
+        Returns:
+            (x (B, T, d), cross weights (B, H, T, N) or None, self keys/values incl. this step).
+        """
+        h = self.ln_self(x)  # (B, T, d)
+        q = self.self_attn.project_q(h)  # (B, H, T, dh)
+        k, v = self.self_attn.project_kv(h)  # (B, H, T, dh) each
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)  # (B, H, t+1, dh)
+            v = torch.cat([past[1], v], dim=2)  # (B, H, t+1, dh)
+        a, _ = self.self_attn.attend(q, k, v, causal=past is None)  # (B, T, d)
+        x = x + self.drop(a)
+        h = self.ln_cross(x)  # (B, T, d)
+        c, weights = self.cross_attn.attend(self.cross_attn.project_q(h), *memory, need_weights=need_weights)
+        x = x + self.drop(c)  # (B, T, d)
+        x = x + self.drop(self.ff(self.ln_ff(x)))  # (B, T, d)
+        return x, weights, (k, v)
+
+
+class TransformerCaptionDecoder(CaptionDecoder):
+    """Transformer decoder over g x g image regions.
+
+    Args:
+        vocab_size: output vocabulary size V.
+        feature_dim: region feature width D.
+        grid: regions per side g (N = g*g).
+        d_model: model width d.
+        num_layers: number of blocks L.
+        num_heads: attention heads H.
+        ff_dim: hidden width of the feed-forward layers.
+        dropout: dropout on embeddings, memory and every residual branch.
+        max_len: longest caption in words; sets the precomputed position table (longer inputs
+            still work, the sinusoids are extended on the fly).
+        tie_embeddings: share the token embedding with the output projection.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        feature_dim: int,
+        grid: int,
+        d_model: int = 512,
+        num_layers: int = 3,
+        num_heads: int = 8,
+        ff_dim: int = 2048,
+        dropout: float = 0.1,
+        max_len: int = 50,
+        tie_embeddings: bool = False,
+    ) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ConfigError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.max_len = max_len
+        self.regions = RegionEmbedding(feature_dim, d_model, grid)
+        self.embed = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)  # x sqrt(d) -> unit scale
+        self.embed_scale = math.sqrt(d_model)
+        # <bos> + max_len words (+1 spare); not saved in checkpoints, rebuilt from the arguments.
+        self.register_buffer("positions", sinusoidal_positions(max_len + 2, d_model), persistent=False)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(DecoderBlock(d_model, num_heads, ff_dim, dropout) for _ in range(num_layers))
+        self.ln_final = nn.LayerNorm(d_model)
+        self.out = nn.Linear(d_model, vocab_size)
+        if tie_embeddings:
+            self.out.weight = self.embed.weight
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def _embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens (B, T) at positions start.. -> (B, T, d)."""
+        end = start + tokens.shape[1]
+        table = self.positions
+        if end > table.shape[0]:
+            table = sinusoidal_positions(end, self.d_model, device=table.device)
+        x = self.embed(tokens) * self.embed_scale + table[start:end].to(self.embed.weight.dtype)  # (B, T, d)
+        return self.drop(x)
+
+    def _memory(self, features: torch.Tensor) -> list[KV]:
+        """Project the regions once: per layer (keys, values), (B, H, N, dh) each."""
+        memory = self.drop(self.regions(features))  # (B, N, d)
+        # contiguous once here, so the per-step matmuls do not copy them at every step
+        return [tuple(t.contiguous() for t in block.cross_attn.project_kv(memory)) for block in self.blocks]
+
+    def _run(
+        self, x: torch.Tensor, memory: list[KV], pasts: list[KV] | None, need_all: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV]]:
+        """Blocks + final norm. Returns (h (B, T, d), cross weights per layer that returned them
+        (B, H, T, N), new self-attention keys/values per layer)."""
+        weights, presents = [], []
+        for i, block in enumerate(self.blocks):
+            need = need_all or i == self.num_layers - 1
+            x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need)
+            if w is not None:
+                weights.append(w)
+            presents.append(kv)
+        return self.ln_final(x), weights, presents
+
+    # ------------------------------------------------------------------ CaptionDecoder API
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
+        """Teacher forcing.
+
+        Args:
+            features: (B, N, D) region features.
+            tokens: (B, T) inputs ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``.
+            need_all_attention: also return every layer's per-head cross-attention.
+
+        Returns:
+            ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T)
+            and all_attention (B, T, L, H, N) when asked.
+        """
+        memory = self._memory(features)  # L x (B, H, N, dh)
+        h, weights, _ = self._run(self._embed(tokens, 0), memory, None, need_all_attention)  # (B, T, d)
+        logits = self.out(h)  # (B, T, V)
+        attention = weights[-1].mean(dim=1)  # (B, T, N)
+        all_attention = None
+        if need_all_attention:
+            all_attention = torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, T, L, H, N)
+        return DecoderOutput(logits=logits, attention=attention, all_attention=all_attention,
+                             attention_entropy=attention_entropy(attention))
+
+    def init_state(self, features: torch.Tensor, use_cache: bool = True) -> State:
+        """Project the regions once and start empty caches.
+
+        Args:
+            features: (B, N, D) region features.
+            use_cache: keep a self-attention key/value cache (default). False re-runs the whole
+                prefix at every step (same outputs; the baseline of ``scripts/bench_transformer.py``).
+
+        Returns:
+            State with ``memory_k``/``memory_v`` (L x (B, H, N, dh)), ``self_k``/``self_v``
+            (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int, tokens consumed).
+        """
+        memory = self._memory(features)
+        b = features.shape[0]
+        state: dict[str, Any] = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory], "step": 0}
+        if use_cache:
+            empty = memory[0][0].new_zeros(b, self.num_heads, 0, self.d_model // self.num_heads)  # (B, H, 0, dh)
+            state["self_k"] = [empty] * self.num_layers
+            state["self_v"] = [empty] * self.num_layers
+        else:
+            state["prefix"] = torch.zeros(b, 0, dtype=torch.long, device=features.device)  # (B, 0)
+        return state
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        """One decoding step.
+
+        Args:
+            prev_tokens: (B,) the token emitted at the previous step (``<bos>`` first).
+            state: from ``init_state`` / the previous ``step`` (not modified).
+
+        Returns:
+            (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads).
+        """
+        memory = list(zip(state["memory_k"], state["memory_v"]))
+        new_state = dict(state, step=state["step"] + 1)
+        if "prefix" in state:  # uncached: re-run every earlier token
+            prefix = torch.cat([state["prefix"], prev_tokens[:, None]], dim=1)  # (B, t+1)
+            h, weights, _ = self._run(self._embed(prefix, 0), memory, None, need_all=False)  # (B, t+1, d)
+            new_state["prefix"] = prefix
+        else:
+            x = self._embed(prev_tokens[:, None], state["step"])  # (B, 1, d)
+            pasts = list(zip(state["self_k"], state["self_v"]))
+            h, weights, presents = self._run(x, memory, pasts, need_all=False)  # (B, 1, d)
+            new_state["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
+            new_state["self_v"] = [v for _, v in presents]
+        log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
+        attention = weights[-1][:, :, -1].mean(dim=1)  # (B, N)
+        return log_probs, new_state, attention
+
+
+@register_decoder("transformer")
+def build_transformer_decoder(
+    cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int
+) -> TransformerCaptionDecoder:
+    """Builder registered as ``decoder.name = "transformer"``."""
+    return TransformerCaptionDecoder(
+        vocab_size=vocab_size,
+        feature_dim=feature_dim,
+        grid=grid,
+        d_model=cfg.d_model,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        ff_dim=cfg.ff_dim,
+        dropout=cfg.dropout,
+        max_len=cfg.max_len,
+        tie_embeddings=cfg.tie_embeddings,
+    )
