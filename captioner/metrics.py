@@ -1,0 +1,285 @@
+"""Caption metrics: corpus BLEU-1..4 (nltk), CIDEr-D (written here), METEOR / ROUGE-L (pycocoevalcap).
+
+Every metric sees the same tokenization on both sides: :func:`captioner.text.tokenize` (lowercase,
+punctuation and apostrophes dropped) for the hypothesis and for ALL references of each image.
+
+Scales: BLEU, METEOR and ROUGE-L are on the 0-1 scale; CIDEr-D is on coco-caption's x10 scale
+(a perfect consensus caption scores about 10, typical COCO models 0.8-1.3).
+
+BLEU is nltk's ``corpus_bleu`` without smoothing: clipped n-gram counts and lengths are summed over
+the corpus before dividing (Papineni et al. 2002), so a corpus score needs no smoothing; a corpus with
+no matching n-gram of some order scores exactly 0 for that BLEU-n. The brevity penalty uses, per
+image, the reference length closest to the hypothesis (ties: the shorter), as coco-caption does. Two
+nltk details differ from coco-caption's scorer (``pycocoevalcap.bleu``): nltk counts at least one
+n-gram in each hypothesis's precision denominator even when the hypothesis has fewer than n words
+(coco-caption counts 0), and coco-caption adds 1e-9 / 1e-15 epsilons. On real COCO captions the two
+agree within 1e-4 absolute (see ``tests/test_metrics.py``); they differ visibly only when many
+hypotheses are shorter than 4 words or empty.
+
+CIDEr-D follows Vedantam et al. (2015) exactly as coco-caption computes it (``cider_scorer.py``):
+TF-IDF vectors of 1- to 4-grams, document frequencies over the reference sets of the evaluated
+images, candidate n-gram weights clipped by the reference weights, a Gaussian length penalty
+(sigma = 6), mean over n and over references, times 10.
+
+SPICE is never computed: it needs Stanford CoreNLP models that cannot be downloaded offline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from captioner.errors import DataError
+from captioner.text import tokenize
+
+logger = logging.getLogger(__name__)
+
+BLEU_KEYS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4")
+METRIC_KEYS = (*BLEU_KEYS, "CIDEr-D", "METEOR", "ROUGE-L", "SPICE")
+SCALE_NOTE = "BLEU, METEOR and ROUGE-L on 0-1 scale; CIDEr-D on coco-caption's x10 scale"
+UNAVAILABLE_NOTES = {
+    "METEOR": "needs pycocoevalcap and Java",
+    "ROUGE-L": "needs pycocoevalcap",
+    "SPICE": "needs Stanford CoreNLP models, which cannot be downloaded offline",
+}
+
+
+def _tokenized(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[
+        list[list[str]], list[list[list[str]]]]:
+    """Validate and tokenize: hypotheses -> token lists, references -> per image, token lists."""
+    if isinstance(hypotheses, str) or isinstance(references, str):
+        raise DataError("hypotheses and references must be lists (one entry per image), not a string")
+    if len(hypotheses) != len(references):
+        raise DataError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
+    if not hypotheses:
+        raise DataError("no hypotheses to score")
+    hyps, refs = [], []
+    for i, (hyp, image_refs) in enumerate(zip(hypotheses, references)):
+        if not isinstance(hyp, str):
+            raise DataError(f"hypothesis {i} is {type(hyp).__name__}, expected a string")
+        if isinstance(image_refs, str) or not image_refs:
+            raise DataError(f"image {i} needs a non-empty list of reference strings")
+        hyps.append(tokenize(hyp))
+        refs.append([tokenize(r) for r in image_refs])
+    return hyps, refs
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Corpus BLEU-1..4 on the 0-1 scale (nltk ``corpus_bleu``, no smoothing).
+
+    Args:
+        hypotheses: one generated caption per image (raw text; tokenized here).
+        references: per image, all its reference captions (raw text).
+
+    Returns:
+        ``{"BLEU-1": .., "BLEU-2": .., "BLEU-3": .., "BLEU-4": ..}``.
+    """
+    from nltk.translate.bleu_score import corpus_bleu
+
+    hyps, refs = _tokenized(hypotheses, references)
+    weights = [(1.0,), (0.5, 0.5), (1 / 3, 1 / 3, 1 / 3), (0.25, 0.25, 0.25, 0.25)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nltk warns when an n-gram order has no match
+        scores = corpus_bleu(refs, hyps, weights=weights)
+    if not isinstance(scores, list):  # nltk returns a bare 0 when no unigram matches at all
+        scores = [0.0] * 4
+    # Without smoothing nltk stands in sys.float_info.min for a zero precision, so a missing order
+    # yields ~1e-77 instead of 0: report the true 0.
+    return {key: (float(s) if s > 1e-50 else 0.0) for key, s in zip(BLEU_KEYS, scores)}
+
+
+# ----------------------------------------------------------------------------- CIDEr-D
+
+
+def _ngram_counts(tokens: list[str], n: int = 4) -> Counter:
+    counts: Counter = Counter()
+    for k in range(1, n + 1):
+        for i in range(len(tokens) - k + 1):
+            counts[tuple(tokens[i:i + k])] += 1
+    return counts
+
+
+def _tfidf(counts: Counter, df: Mapping[tuple, float], log_images: float, n: int) -> tuple[
+        list[dict[tuple, float]], list[float], int]:
+    """Per order: {ngram: tf * idf}, the vector norms, and the length used by the penalty."""
+    vec: list[dict[tuple, float]] = [{} for _ in range(n)]
+    norm = [0.0] * n
+    for gram, tf in counts.items():
+        weight = tf * (log_images - math.log(max(1.0, df.get(gram, 0.0))))
+        vec[len(gram) - 1][gram] = weight
+        norm[len(gram) - 1] += weight * weight
+    # coco-caption measures length as the number of bigrams; for captions with at least one word the
+    # difference of two such lengths is the difference in words.
+    length = sum(tf for gram, tf in counts.items() if len(gram) == 2)
+    return vec, [math.sqrt(x) for x in norm], length
+
+
+def cider_d_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]], sigma: float = 6.0,
+                   n: int = 4) -> list[float]:
+    """Per-image CIDEr-D (x10 scale); document frequencies come from the references given here."""
+    hyps, refs = _tokenized(hypotheses, references)
+    hyp_counts = [_ngram_counts(h, n) for h in hyps]
+    ref_counts = [[_ngram_counts(r, n) for r in rs] for rs in refs]
+    df: Counter = Counter()
+    for image_refs in ref_counts:
+        df.update({gram for counts in image_refs for gram in counts})  # one per image
+    log_images = math.log(float(len(refs)))
+    scores = []
+    for counts, image_refs in zip(hyp_counts, ref_counts):
+        vec, norm, length = _tfidf(counts, df, log_images, n)
+        total = [0.0] * n
+        for rcounts in image_refs:
+            rvec, rnorm, rlength = _tfidf(rcounts, df, log_images, n)
+            penalty = math.exp(-((length - rlength) ** 2) / (2 * sigma ** 2))
+            for k in range(n):
+                dot = sum(min(w, rvec[k].get(g, 0.0)) * rvec[k].get(g, 0.0) for g, w in vec[k].items())
+                if norm[k] != 0 and rnorm[k] != 0:
+                    dot /= norm[k] * rnorm[k]
+                total[k] += dot * penalty
+        scores.append(10.0 * (sum(total) / n) / len(image_refs))
+    return scores
+
+
+def cider_d(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """Corpus CIDEr-D (mean over images, coco-caption's x10 scale).
+
+    Args:
+        hypotheses: one caption per image.
+        references: per image, all its reference captions.
+    """
+    scores = cider_d_scores(hypotheses, references)
+    return sum(scores) / len(scores)
+
+
+# ----------------------------------------------------------------------------- pycocoevalcap extras
+
+
+def _coco_inputs(hyps: list[list[str]], refs: list[list[list[str]]]) -> tuple[dict, dict]:
+    gts = {i: [" ".join(r) for r in rs] for i, rs in enumerate(refs)}
+    res = {i: [" ".join(h)] for i, h in enumerate(hyps)}
+    return gts, res
+
+
+def _meteor(gts: dict, res: dict) -> float | None:
+    """METEOR through pycocoevalcap's Java wrapper; None (with a warning) when it cannot run."""
+    try:
+        from pycocoevalcap.meteor.meteor import Meteor
+    except ImportError:
+        return None
+    scorer = None
+    try:
+        scorer = Meteor()
+        # METEOR's Java side cannot parse an empty hypothesis line: score it as a lone space.
+        res = {k: [v[0] or " "] for k, v in res.items()}
+        score, _ = scorer.compute_score(gts, res)
+        return float(score)
+    except Exception as exc:  # no Java, jar crash, broken pipe, unparsable output
+        logger.warning("METEOR unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    finally:
+        proc = getattr(scorer, "meteor_p", None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            if scorer.lock.locked():  # its __del__ takes the lock again
+                scorer.lock.release()
+
+
+def _rouge_l(gts: dict, res: dict) -> float | None:
+    try:
+        from pycocoevalcap.rouge.rouge import Rouge
+    except ImportError:
+        return None
+    return float(Rouge().compute_score(gts, res)[0])
+
+
+def caption_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
+                    meteor: bool = True) -> dict[str, float | None]:
+    """All caption metrics on one tokenization.
+
+    Args:
+        hypotheses: one caption per image.
+        references: per image, all its reference captions.
+        meteor: try METEOR (starts a Java process, a few seconds).
+
+    Returns:
+        ``BLEU-1..4``, ``CIDEr-D``, ``METEOR``, ``ROUGE-L``, ``SPICE``; a metric that cannot be
+        computed here is None (never 0): METEOR / ROUGE-L without pycocoevalcap (or Java), SPICE always.
+    """
+    out: dict[str, float | None] = dict(bleu(hypotheses, references))
+    out["CIDEr-D"] = cider_d(hypotheses, references)
+    gts, res = _coco_inputs(*_tokenized(hypotheses, references))
+    out["METEOR"] = _meteor(gts, res) if meteor else None
+    out["ROUGE-L"] = _rouge_l(gts, res)
+    out["SPICE"] = None
+    return out
+
+
+def format_metrics(metrics: Mapping[str, float | None]) -> str:
+    """Readable block, one metric per line, with the scale; None shows as ``unavailable (why)``."""
+    keys = [k for k in METRIC_KEYS if k in metrics] + [k for k in metrics if k not in METRIC_KEYS]
+    width = max((len(k) for k in keys), default=0)
+    lines = []
+    for key in keys:
+        value = metrics[key]
+        if value is None:
+            note = UNAVAILABLE_NOTES.get(key)
+            lines.append(f"{key:<{width}}  unavailable" + (f" ({note})" if note else ""))
+        elif isinstance(value, (int, float)):
+            lines.append(f"{key:<{width}}  {value:.4f}")
+        else:
+            lines.append(f"{key:<{width}}  {value}")
+    lines.append(f"({SCALE_NOTE})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- COCO results files
+
+
+def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mapping[str, Any]]) -> Path:
+    """Write a COCO captioning results file ``[{"image_id": int, "caption": str}, ...]`` atomically.
+
+    Args:
+        path: output JSON file.
+        items: ``(image_id, caption)`` pairs or ``{"image_id", "caption"}`` mappings.
+    """
+    from captioner.checkpoint import atomic_write
+
+    rows = []
+    for i, item in enumerate(items):
+        try:
+            image_id, caption = (item["image_id"], item["caption"]) if isinstance(item, Mapping) else item
+            ok = not isinstance(image_id, bool) and int(image_id) == image_id and isinstance(caption, str)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise DataError(f"result {i}: need an integer image_id and a string caption, got {item!r}")
+        rows.append({"image_id": int(image_id), "caption": caption})
+    data = json.dumps(rows, ensure_ascii=False).encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
+    return Path(path)
+
+
+def read_coco_results(path: str | Path) -> list[tuple[int, str]]:
+    """Read a COCO captioning results file back as ``(image_id, caption)`` pairs."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: results file not found") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read results JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of {{image_id, caption}} objects")
+    out = []
+    for i, row in enumerate(data):
+        if not (isinstance(row, dict) and isinstance(row.get("image_id"), int)
+                and isinstance(row.get("caption"), str)):
+            raise DataError(f"{path}: entry {i} is not {{\"image_id\": int, \"caption\": str}}")
+        out.append((row["image_id"], row["caption"]))
+    return out
