@@ -1,0 +1,89 @@
+"""``captioner evaluate``: score a checkpoint on a split (BLEU, CIDEr-D, attention statistics)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+NAME = "evaluate"
+HELP = "score a checkpoint on a dataset split; writes metrics_<split>.json and a COCO results file"
+EXAMPLES = """
+  captioner evaluate runs/sat/best.safetensors --data data/shapes --split test --beam 3
+  captioner evaluate runs/coco_sat_soft/best.safetensors --data data/coco --split test --beam 3   # Karpathy test
+  captioner evaluate runs/tf/best.safetensors --data data/shapes --max-images 100 --json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file (.safetensors) written by training")
+    parser.add_argument("--data", required=True, metavar="PATH", help="dataset folder, COCO captions JSON or Karpathy split JSON")
+    parser.add_argument("--images", default=None, metavar="DIR", help="image folder when it is not where the layout puts it")
+    parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")
+    parser.add_argument("--beam", type=int, default=3, metavar="K", help="beam size; 1 = greedy (default: 3)")
+    parser.add_argument("--max-len", type=int, default=20, metavar="N", help="longest caption in words (default: 20)")
+    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per decoding batch (default: 32)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the checkpoint's folder)")
+    parser.add_argument("--max-images", type=int, default=None, metavar="N", help="score only the first N images")
+    parser.add_argument("--skip-missing", action="store_true", help="skip missing or unreadable images")
+    parser.add_argument("--workers", type=int, default=0, metavar="N", help="DataLoader workers for image decoding")
+    parser.add_argument("--device", default="auto", metavar="NAME", help="cpu, cuda, cuda:1 or auto (default)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-meteor", action="store_true", help="skip METEOR (saves starting Java)")
+    parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+
+
+def format_report(report: dict) -> str:
+    """A readable table of the scores, the counts and the files written."""
+    from captioner.metrics import METRIC_KEYS, format_metrics
+
+    def num(value: object, digits: int = 4) -> str:
+        return "unavailable" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{report['checkpoint']} on {report['data']} [{report['split']}]: {report['num_images']} images, "
+             f"{report['num_references']} references, beam {report['beam_size']}"]
+    lines += ["  " + line for line in format_metrics({k: report.get(k) for k in METRIC_KEYS}).splitlines()]
+    if report.get("BLEU-4") is not None:
+        lines.append(f"  (papers print every score x100: BLEU-4 {report['BLEU-4']:.4f} is "
+                     f"{100 * report['BLEU-4']:.1f} in a paper's table)")
+    att = report.get("attention") or {}
+    if att.get("attention_entropy") is not None:
+        lines.append(f"  attention entropy: {num(att['attention_entropy'], 3)} nats "
+                     f"(uniform {num(att.get('uniform_entropy'), 3)})")
+    corr = report.get("attention_correctness") or {}
+    if corr and not corr.get("words_scored"):
+        lines.append("  attention correctness: no object word was generated, nothing to score")
+    elif corr:
+        lines.append(f"  attention correctness: {num(corr.get('attention_correctness'))} "
+                     f"(uniform baseline {num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)")
+        lines.append(f"  pointing accuracy: {num(corr.get('pointing_accuracy'))}")
+    if corr.get("objects_correct") is not None:
+        lines.append(f"  objects correct: {num(corr['objects_correct'])} (captions naming every object right)")
+    if report.get("missing_images") or report.get("unreadable_images"):
+        lines.append(f"skipped: {report.get('missing_images', 0)} missing, "
+                     f"{len(report.get('unreadable_images') or [])} unreadable images")
+    lines.append(f"wrote {report['paths']['metrics']}")
+    lines.append(f"wrote {report['paths']['results']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from captioner.errors import ConfigError
+    from captioner.evaluate import evaluate_checkpoint
+
+    for flag in ("beam", "max_len", "batch_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    report = evaluate_checkpoint(
+        args.checkpoint, args.data, split=args.split, beam_size=args.beam, max_len=args.max_len,
+        batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
+        skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
+        num_workers=args.workers, meteor=not args.no_meteor,
+    )
+    report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+    return 0

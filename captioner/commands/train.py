@@ -1,0 +1,81 @@
+"""``captioner train``: train a captioner from a preset and/or config file, with overrides."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+NAME = "train"
+HELP = "train a caption model (checkpoints, metrics.csv and resume state go to the run folder)"
+EXAMPLES = """
+  captioner train --preset sat_soft_lite --data data/shapes --out runs/sat
+  captioner train --preset transformer_tiny --data data/shapes --epochs 3 --set decoder.num_layers=1
+  captioner train --config my_run.yaml --set train.lr=1e-3 --set decoder.hidden_dim=256
+  captioner train --out runs/sat --resume                  # continue where it stopped (config from the run)
+  captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
+  torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``captioner train`` (also used by ``scripts/train.py``)."""
+    cfg = parser.add_argument_group("configuration (later wins: preset, --config, --set, flags)")
+    cfg.add_argument("--preset", metavar="NAME", help="named preset, e.g. sat_soft_tiny, sat_soft_lite, transformer")
+    cfg.add_argument("--config", metavar="FILE", help="JSON or YAML config file (nested model/data/train keys)")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one config value, e.g. train.lr=1e-3 or decoder.hidden_dim=256 (repeatable)")
+    run = parser.add_argument_group("common settings")
+    run.add_argument("--data", metavar="DIR", help="dataset folder or annotation file (data.root)")
+    run.add_argument("--out", metavar="DIR", help="run folder (default runs/<preset>)")
+    run.add_argument("--epochs", type=int, help="train.epochs")
+    run.add_argument("--batch-size", type=int, help="train.batch_size (global batch, split over torchrun processes)")
+    run.add_argument("--lr", type=float, help="train.lr (decoder learning rate)")
+    run.add_argument("--time-budget", type=float, metavar="SECONDS",
+                     help="stop after this many seconds, validating and saving first (train.time_budget)")
+    run.add_argument("--device", help="train.device: auto, cpu, cuda, cuda:1")
+    run.add_argument("--skip-missing", action="store_true", help="skip missing/unreadable images (data.skip_missing)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --out from train_state.pt (its config.json is the base config)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
+    """The ``Config`` and run folder that ``args`` describe.
+
+    With ``--resume`` and neither ``--preset`` nor ``--config``, the run folder's ``config.json``
+    is the base, so ``captioner train --out runs/x --resume`` needs nothing else.
+    """
+    from captioner.config import resolve_config
+    from captioner.errors import ConfigError
+
+    out = Path(args.out) if args.out else Path("runs") / (args.preset or "train")
+    config_file = args.config
+    if args.resume and not args.preset and not args.config:
+        if not (out / "config.json").exists():
+            raise ConfigError(f"--resume: {out / 'config.json'} not found; pass --out with the run folder")
+        config_file = out / "config.json"
+    cfg = resolve_config(args.preset, config_file, list(args.overrides))
+    flags = {
+        "data.root": args.data,
+        "train.epochs": args.epochs,
+        "train.batch_size": args.batch_size,
+        "train.lr": args.lr,
+        "train.time_budget": args.time_budget,
+        "train.device": args.device,
+        "data.skip_missing": True if args.skip_missing else None,
+    }
+    flags = {k: v for k, v in flags.items() if v is not None}
+    return (cfg.override(**flags) if flags else cfg), out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train and print a one-line summary (rank 0 only under torchrun)."""
+    from captioner.train import train
+
+    cfg, out = resolve(args)
+    result = train(cfg, out, resume=args.resume, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"best val BLEU-4 {result.best_bleu4:.4f} (0-1 scale): {result.best_checkpoint}; "
+              f"latest: {result.latest_checkpoint}; {result.seconds:.0f} s")
+    return 0

@@ -1,0 +1,228 @@
+"""Score a checkpoint on a dataset split and write the metrics and a COCO results file.
+
+``evaluate_checkpoint`` loads the checkpoint, decodes every image of the split with (batched) beam
+search, and scores the captions against **all** raw references of each image:
+
+* BLEU-1..4 (corpus BLEU, nltk), METEOR and ROUGE-L on the **0-1 scale**, CIDEr-D on coco-caption's
+  scale (about 1.0 for a good COCO model); papers print every score x100;
+* METEOR and ROUGE-L need ``pycocoevalcap`` (METEOR also Java), else they are None ("unavailable");
+* the mean attention entropy per generated word (nats; log N is uniform attention);
+* attention correctness when the dataset has object boxes (``instances_<split>.json``).
+
+It writes ``metrics_<split>.json`` and ``captions_<split>_results.json`` (``[{"image_id",
+"caption"}]``, the COCO results format) to ``out_dir`` (default: the checkpoint's folder).
+``caption_split`` is the decoding part alone, for callers that want the per-image captions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from captioner.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+PAPER_NOTE = ("papers print every score x100 (BLEU-4 0.243 -> 24.3, CIDEr-D 1.06 -> 106); "
+              "None means the metric is unavailable here")
+
+
+@dataclass
+class SplitCaptions:
+    """Decoded captions of a split, aligned with ``caption_set.images``.
+
+    Attributes:
+        caption_set: the images that were captioned (missing/unreadable ones removed when skipped).
+        results: one ``CaptionResult`` per image (text, words, attention (L, g, g)).
+        skipped: file names of images that could not be read (only with ``skip_missing``).
+    """
+
+    caption_set: Any
+    results: list[Any]
+    skipped: list[str]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names are checked."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a valid torch device (use cpu, cuda, cuda:1 or auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} was asked for but CUDA is not available")
+    return dev
+
+
+def caption_split(
+    model: torch.nn.Module,
+    vocab: Any,
+    caption_set: Any,
+    beam_size: int = 3,
+    max_len: int = 20,
+    batch_size: int = 32,
+    skip_bad: bool = False,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    num_workers: int = 0,
+) -> SplitCaptions:
+    """Caption every image of ``caption_set`` in batches.
+
+    Args:
+        model: a ``Captioner`` already on ``device`` (its config gives the image transform).
+        vocab: its vocabulary.
+        caption_set: the images (file presence should be checked with ``check_images`` first).
+        beam_size, max_len: search options (beam 1 = greedy).
+        batch_size: images per decoding batch.
+        skip_bad: leave out unreadable images (logged) instead of raising ``ImageLoadError``.
+        device: where the pixels go.
+        progress: show a tqdm bar.
+        num_workers: DataLoader workers for image decoding.
+
+    Returns:
+        The captions, aligned with the (possibly filtered) caption set.
+    """
+    from captioner.data.dataset import image_loader
+    from captioner.data.transforms import ImageTransform
+    from captioner.decoding import DecodeOptions, caption_images
+    from captioner.features import SafeImages, check_batch_errors, collate_safe
+
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
+    load = image_loader(caption_set, ImageTransform(model.config.encoder))
+    data = SafeImages(load, len(caption_set.images))
+    batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+    kept: list[int] = []
+    results: list[Any] = []
+    with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress) as bar:
+        for pixels, indices, errors in batches:
+            check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
+            if pixels is not None:
+                results += caption_images(model, pixels.to(device, non_blocking=True), vocab, options)
+                kept += [i for i, error in zip(indices, errors) if error is None]
+            bar.update(len(indices))
+    skipped = [caption_set.images[i].file_name for i in sorted(set(range(len(data))) - set(kept))]
+    if len(kept) != len(caption_set.images):
+        caption_set = caption_set.subset(kept)
+    return SplitCaptions(caption_set, results, skipped)
+
+
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike,
+    data_root: str | os.PathLike,
+    split: str = "test",
+    beam_size: int = 3,
+    max_len: int = 20,
+    batch_size: int = 32,
+    out_dir: str | os.PathLike | None = None,
+    images_dir: str | os.PathLike | None = None,
+    max_images: int | None = None,
+    skip_missing: bool = False,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    num_workers: int = 0,
+    meteor: bool = True,
+) -> dict[str, Any]:
+    """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
+
+    Args:
+        checkpoint: a ``.safetensors`` checkpoint written by training.
+        data_root: dataset folder or annotation file (as for ``load_caption_set``).
+        split: split to score, e.g. ``"test"`` (Karpathy test for COCO).
+        beam_size, max_len: search options.
+        batch_size: images per decoding batch.
+        out_dir: where the two JSON files go (default: the checkpoint's folder).
+        images_dir: image folder when it is not where the layout puts it.
+        max_images: score only the first N images of the split.
+        skip_missing: leave out missing or unreadable images instead of failing.
+        device: ``"cpu"``, ``"cuda"``, ``"auto"``, ...
+        progress: show tqdm bars.
+        num_workers: DataLoader workers for image decoding.
+        meteor: compute METEOR (starts a Java process; None when unavailable or off).
+
+    Returns:
+        The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` at the top level,
+        ``"attention"``, ``"attention_correctness"``, counts, ``"paths"``), plus ``"results"``
+        (the ``CaptionResult`` list) and ``"caption_set"`` (the images they belong to), which are
+        not written to the file.
+    """
+    from captioner.attention_metrics import attention_correctness_for_results, attention_entropy_summary
+    from captioner.checkpoint import atomic_write, load_checkpoint
+    from captioner.data.coco import check_images, load_caption_set, load_instances
+    from captioner.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
+
+    if max_images is not None and max_images < 1:
+        raise ConfigError(f"max_images must be >= 1, got {max_images}")
+    start = time.perf_counter()
+    checkpoint = Path(checkpoint)
+    dev = resolve_device(device)
+    loaded = load_checkpoint(checkpoint, device=str(dev))
+    model = loaded.model.eval()
+    cs = load_caption_set(data_root, split, images_dir)
+    listed = len(cs.images)
+    cs = check_images(cs, skip_missing=skip_missing)
+    missing = listed - len(cs.images)
+    if max_images is not None and max_images < len(cs.images):
+        cs = cs.subset(range(max_images))
+    log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), beam_size)
+    decoded = caption_split(model, loaded.vocab, cs, beam_size=beam_size, max_len=max_len, batch_size=batch_size,
+                            skip_bad=skip_missing, device=dev, progress=progress, num_workers=num_workers)
+    cs, results = decoded.caption_set, decoded.results
+    hypotheses = [r.text for r in results]
+    references = [cs.references(rec.image_id) for rec in cs.images]
+    scores = caption_metrics(hypotheses, references, meteor=meteor)
+
+    instances = load_instances(data_root, split, images_dir)
+    correctness = None
+    if instances is not None:
+        correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
+
+    out = Path(out_dir) if out_dir is not None else checkpoint.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"{out}: cannot create the output folder ({exc.strerror or exc})") from None
+    name = split.replace(os.sep, "_")
+    metrics_path = out / f"metrics_{name}.json"
+    results_path = out / f"captions_{name}_results.json"
+    report: dict[str, Any] = {key: scores.get(key) for key in METRIC_KEYS}
+    report.update({k: v for k, v in scores.items() if k not in report})
+    report.update({
+        "scale": SCALE_NOTE,
+        "note": PAPER_NOTE,
+        "checkpoint": str(checkpoint),
+        "data": str(data_root),
+        "split": split,
+        "beam_size": beam_size,
+        "max_len": max_len,
+        "num_images": len(cs.images),
+        "num_references": sum(len(r) for r in references),
+        "images_listed": listed,
+        "missing_images": missing,
+        "unreadable_images": decoded.skipped,
+        "unfinished_captions": sum(not getattr(r, "finished", True) for r in results),
+        "attention": attention_entropy_summary(results),
+        "attention_correctness": correctness,
+        "decoder": loaded.config.decoder.name,
+        "attention_type": loaded.config.decoder.attention if loaded.config.decoder.name == "sat" else "cross",
+        "seconds": round(time.perf_counter() - start, 3),
+        "paths": {"metrics": str(metrics_path), "results": str(results_path)},
+    })
+    write_coco_results(results_path, [(rec.image_id, r.text) for rec, r in zip(cs.images, results)])
+    text = json.dumps(report, indent=2) + "\n"
+    atomic_write(metrics_path, lambda f: f.write(text.encode()))
+    log.info("wrote %s and %s", metrics_path, results_path)
+    report["results"] = results
+    report["caption_set"] = cs
+    return report

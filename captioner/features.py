@@ -1,0 +1,472 @@
+"""On-disk cache of encoder region features for training a decoder over a frozen encoder.
+
+Shape legend: C images in the cache, N regions (grid*grid), D feature width.
+
+One cache file holds the fp16 features of every image of a caption set, row ``i`` belonging to
+``caption_set.images[i]``::
+
+    [ C*N*D float16 values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
+
+The features sit at offset 0 and are read through a read-only ``numpy.memmap``, so memory stays
+flat however large the dataset is; they are also written batch by batch, never held in RAM. The
+trailer (format version, C, N, D, grid, dtype, key, the indices of images that failed to load)
+is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
+under an exclusive ``fcntl.flock`` on ``<path>.lock`` (holding the writer's pid); a killed build
+therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
+by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
+configuration and the image list; a cache whose key differs is stale and is refused by
+``FeatureCache.open(path, key=...)`` or rebuilt by ``get_feature_cache``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from captioner.config import ModelConfig
+from captioner.errors import CaptionerError, DataError, ImageLoadError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"CAPFEAT1"
+FORMAT_VERSION = 1
+SUFFIX = ".feats"
+_TAIL = struct.Struct("<Q")  # trailer length
+_ROW_DTYPE = np.float16
+
+
+def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | None = None) -> str:
+    """Hash of everything that decides the cached features.
+
+    Args:
+        model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
+            resize, mean/std, interpolation); the decoder part does not.
+        caption_set: a ``CaptionSet``; its ordered image list (ids and paths) counts, plus size
+            and mtime of up to 64 evenly spaced images, so regenerated images invalidate the cache.
+        encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
+
+    Returns:
+        A hex SHA-256 digest.
+    """
+    enc = model_config.encoder
+    h = hashlib.sha256()
+    conf = {
+        "format": FORMAT_VERSION,
+        "encoder": {k: getattr(enc, k) for k in ("name", "weights", "pretrained", "grid", "width", "image_size",
+                                                   "resize", "interpolation")},
+        "mean": list(enc.mean),
+        "std": list(enc.std),
+    }
+    h.update(json.dumps(conf, sort_keys=True).encode())
+    images = caption_set.images
+    for rec in images:
+        h.update(f"{rec.image_id}\t{Path(rec.path).resolve()}\n".encode())
+    step = max(1, len(images) // 64)
+    for rec in images[::step]:
+        try:
+            st = os.stat(rec.path)
+            h.update(f"{st.st_size}:{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(b"missing\n")
+    if encoder is not None:
+        for name, tensor in sorted(encoder.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path:
+    """``<cache_dir>/<set name>_<split>_<key[:16]>.feats``."""
+    name = f"{caption_set.name}_{caption_set.split}".replace(os.sep, "_").replace(" ", "_")
+    return Path(cache_dir) / f"{name}_{key[:16]}{SUFFIX}"
+
+
+# ----------------------------------------------------------------------------- locking
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _partial_path(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def _busy_error(path: Path) -> CaptionerError:
+    lock = _lock_path(path)
+    try:
+        holder = lock.read_text().strip()
+    except OSError:
+        holder = ""
+    who = f", pid {holder}" if holder.isdigit() else ""
+    return CaptionerError(f"feature cache {path} is being written by another process (lock {lock}{who})")
+
+
+@contextlib.contextmanager
+def _write_lock(path: Path, timeout: float) -> Iterator[None]:
+    """Hold an exclusive flock on ``<path>.lock``; wait up to ``timeout`` s, then raise."""
+    lock = _lock_path(path)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _busy_error(path) from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _wait_unlocked(path: Path, timeout: float) -> bool:
+    """True when nobody holds the write lock (after waiting up to ``timeout`` s)."""
+    lock = _lock_path(path)
+    if not lock.exists():
+        return True
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- encoding input
+
+class SafeImages(Dataset):
+    """Items ``(pixels or None, index, error or None)``: an unreadable image never kills a batch.
+
+    The caller decides what an error means (raise, or skip the image), also with DataLoader workers,
+    whose exceptions would otherwise reach the main process wrapped in a traceback.
+    """
+
+    def __init__(self, load: Callable[[int], torch.Tensor], count: int) -> None:
+        self.load, self.count = load, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, str | None]:
+        try:
+            return self.load(index), index, None
+        except ImageLoadError as exc:
+            return None, index, str(exc)
+
+
+def collate_safe(batch: list[tuple[torch.Tensor | None, int, str | None]]
+                 ) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
+    """-> (pixels of the readable images (b, ...) or None, indices (B), error per item or None)."""
+    pixels = [x for x, _, _ in batch if x is not None]
+    return (torch.stack(pixels) if pixels else None), [i for _, i, _ in batch], [e for _, _, e in batch]
+
+
+def check_batch_errors(errors: list[str | None], skip_bad: bool, what: str) -> None:
+    """Raise ``ImageLoadError`` for the first error unless ``skip_bad``; then log each skipped image."""
+    bad = [e for e in errors if e is not None]
+    if bad and not skip_bad:
+        raise ImageLoadError(bad[0])
+    for message in bad:
+        log.warning("%s: skipping unreadable image (%s)", what, message)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+class FeatureCache:
+    """Read-only view of a complete cache file. Use ``build`` / ``open``, not the constructor.
+
+    Attributes:
+        path: the cache file.
+        count: number of images C (rows).
+        num_regions: N.  dim: D.  grid: (g, g) as reported by the encoder.
+        key: the ``cache_key`` it was built for ("" when built without one).
+        valid: (C,) bool array, False for images that failed to load (rows of zeros).
+    """
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.count = int(header["count"])
+        self.num_regions = int(header["num_regions"])
+        self.dim = int(header["dim"])
+        self.grid = tuple(header["grid"])
+        self.key = str(header.get("key", ""))
+        self.valid = np.ones(self.count, dtype=bool)
+        self.valid[np.asarray(header.get("invalid", []), dtype=np.int64)] = False
+        self.invalid_names: list[str] = list(header.get("invalid_names", []))
+        self._features: np.memmap | None = None
+
+    @property
+    def features(self) -> np.memmap:
+        """The (C, N, D) float16 memory map (opened lazily, also after unpickling in a worker)."""
+        if self._features is None:
+            self._features = np.memmap(self.path, dtype=_ROW_DTYPE, mode="r",
+                                       shape=(self.count, self.num_regions, self.dim))
+        return self._features
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen the map, never copy it
+        state = self.__dict__.copy()
+        state["_features"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __repr__(self) -> str:
+        return f"FeatureCache({self.path}, count={self.count}, N={self.num_regions}, D={self.dim})"
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Row ``index`` as a float32 (N, D) tensor (a copy; the map stays on disk)."""
+        index = int(index)
+        if not 0 <= index < self.count:
+            raise IndexError(f"feature cache {self.path} has {self.count} images, index {index} is out of range")
+        if not self.valid[index]:
+            raise ImageLoadError(f"image #{index} failed to load when feature cache {self.path} was built")
+        return torch.from_numpy(np.array(self.features[index], dtype=np.float32))
+
+    def loader(self) -> Callable[[int], torch.Tensor]:
+        """A picklable ``load(index) -> (N, D) float32`` for the caption datasets."""
+        return self.__getitem__
+
+    def valid_indices(self) -> list[int]:
+        """Indices (into ``caption_set.images``) whose features are present."""
+        return np.flatnonzero(self.valid).tolist()
+
+    # ------------------------------------------------------------------ open / build
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, key: str | None = None, lock_timeout: float = 0.0) -> "FeatureCache":
+        """Open a complete cache file.
+
+        Args:
+            path: the cache file.
+            key: expected ``cache_key``; a different stored key raises (stale cache).
+            lock_timeout: when the file is absent and another process is writing it, wait this
+                many seconds for it to finish before raising.
+
+        Raises:
+            CaptionerError: missing, incomplete, truncated, foreign, stale, or being written.
+        """
+        path = Path(path)
+        if not path.exists():
+            if not _wait_unlocked(path, lock_timeout):
+                raise _busy_error(path)
+            if not path.exists():
+                if _partial_path(path).exists():
+                    raise DataError(f"feature cache {path} is incomplete (an interrupted build left "
+                                    f"{_partial_path(path).name}); rebuild it")
+                raise DataError(f"feature cache {path} does not exist")
+        header = _read_trailer(path)
+        if key is not None and header.get("key") != key:
+            raise DataError(f"feature cache {path} is stale: built for another encoder config or image list "
+                            f"(key {str(header.get('key'))[:12]}, expected {key[:12]}); delete it or rebuild")
+        return cls(path, header)
+
+    @classmethod
+    def build(
+        cls,
+        encoder: nn.Module,
+        caption_set: Any,
+        transform: Callable[[Any], torch.Tensor],
+        path: str | os.PathLike,
+        batch_size: int = 32,
+        device: str | torch.device = "cpu",
+        skip_bad: bool = False,
+        progress: bool = True,
+        num_workers: int = 0,
+        key: str = "",
+        lock_timeout: float = 0.0,
+    ) -> "FeatureCache":
+        """Encode every image of ``caption_set`` and write the cache atomically.
+
+        Args:
+            encoder: ``encoder(images (B,3,S,S)) -> (features (B,N,D), grid)``; run in eval mode
+                under ``torch.inference_mode`` on ``device`` (its mode and device are restored).
+            caption_set: the images, row i = ``caption_set.images[i]``.
+            transform: PIL image -> (3,S,S) tensor (an ``ImageTransform``).
+            path: the cache file to write.
+            batch_size, device, num_workers: encoding batch size, device, DataLoader workers.
+            skip_bad: store unreadable images as invalid rows instead of raising ``ImageLoadError``.
+            progress: show a tqdm bar.
+            key: the ``cache_key`` stored in the trailer.
+            lock_timeout: seconds to wait when another process holds the lock; then raise.
+
+        Returns:
+            The opened cache.
+        """
+        from captioner.data.dataset import image_loader
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if len(caption_set.images) == 0:
+            raise DataError(f"feature cache {path}: the caption set has no images")
+        with _write_lock(path, lock_timeout):
+            if key and path.exists():  # another process finished it while we waited for the lock
+                with contextlib.suppress(DataError):
+                    return cls.open(path, key=key)
+            partial = _partial_path(path)
+            data = SafeImages(image_loader(caption_set, transform), len(caption_set.images))
+            batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+            try:
+                header = _encode_to_file(encoder, batches, partial, path, len(data), device, progress, skip_bad)
+                header["key"] = key
+                header["invalid_names"] = [caption_set.images[i].file_name for i in header["invalid"]]
+                with open(partial, "ab") as f:
+                    _write_trailer(f, header)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(partial, path)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        if header["invalid"]:
+            log.warning("feature cache %s: %d of %d images could not be loaded", path, len(header["invalid"]),
+                        len(data))
+        log.info("feature cache %s: %d images, %d regions x %d dims", path, len(data), header["num_regions"],
+                 header["dim"])
+        return cls.open(path)
+
+
+def _encode_to_file(encoder: nn.Module, batches: DataLoader, out: Path, final: Path, count: int,
+                    device: str | torch.device, progress: bool, skip_bad: bool) -> dict[str, Any]:
+    """Write feature rows in image order to ``out``; returns the trailer fields."""
+    params = next(encoder.parameters(), None)
+    old_device = params.device if params is not None else None
+    was_training = encoder.training
+    encoder.to(device).eval()
+    shape: tuple[int, int] | None = None
+    grid: tuple[int, int] | None = None
+    invalid: list[int] = []
+    pending_zeros = 0  # invalid rows seen before the row shape is known
+    try:
+        with open(out, "wb") as f, torch.inference_mode(), \
+                tqdm(total=count, desc="encoding features", unit="img", disable=not progress) as bar:
+            for pixels, indices, errors in batches:
+                check_batch_errors(errors, skip_bad, f"feature cache {final}")
+                rows = None
+                if pixels is not None:
+                    feats, grid = encoder(pixels.to(device, non_blocking=True))  # (b, N, D)
+                    rows = feats.to("cpu", torch.float16).numpy()
+                    if shape is None:
+                        shape = rows.shape[1:]
+                        f.write(np.zeros((pending_zeros, *shape), _ROW_DTYPE).tobytes())
+                it = iter(rows if rows is not None else ())
+                for index, error in zip(indices, errors):
+                    if error is None:
+                        f.write(np.ascontiguousarray(next(it)).tobytes())
+                        continue
+                    invalid.append(index)
+                    if shape is None:
+                        pending_zeros += 1
+                    else:
+                        f.write(np.zeros(shape, _ROW_DTYPE).tobytes())
+                bar.update(len(indices))
+    finally:
+        encoder.train(was_training)
+        if old_device is not None:
+            encoder.to(old_device)
+    if shape is None:
+        raise DataError(f"feature cache {final}: none of the {count} images could be loaded")
+    return {"format": "captioner-features", "version": FORMAT_VERSION, "count": count, "num_regions": shape[0],
+            "dim": shape[1], "grid": [int(g) for g in grid], "dtype": "float16", "invalid": invalid}
+
+
+def _write_trailer(f: Any, header: dict[str, Any]) -> None:
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    f.write(blob)
+    f.write(_TAIL.pack(len(blob)))
+    f.write(MAGIC)
+
+
+def _read_trailer(path: Path) -> dict[str, Any]:
+    """Parse and check the trailer; the data size must match exactly."""
+    size = path.stat().st_size
+    end = _TAIL.size + len(MAGIC)
+    bad = f"feature cache {path} is truncated or not a captioner feature cache"
+    if size < end:
+        raise DataError(bad)
+    with open(path, "rb") as f:
+        f.seek(size - end)
+        tail = f.read(end)
+        if tail[_TAIL.size:] != MAGIC:
+            raise DataError(bad)
+        (length,) = _TAIL.unpack(tail[:_TAIL.size])
+        if length > size - end:
+            raise DataError(bad)
+        f.seek(size - end - length)
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise DataError(bad) from None
+    if not isinstance(header, dict) or header.get("format") != "captioner-features":
+        raise DataError(bad)
+    if header.get("version") != FORMAT_VERSION:
+        raise DataError(f"feature cache {path} has format version {header.get('version')}, "
+                        f"this captioner reads {FORMAT_VERSION}; rebuild it")
+    expected = int(header["count"]) * int(header["num_regions"]) * int(header["dim"]) * 2
+    if size - end - length != expected:
+        raise DataError(f"feature cache {path} is truncated: {size - end - length} data bytes, expected {expected}")
+    return header
+
+
+def get_feature_cache(
+    model_config: ModelConfig,
+    encoder: nn.Module,
+    caption_set: Any,
+    transform: Callable[[Any], torch.Tensor],
+    cache_dir: str | os.PathLike,
+    hash_weights: bool = True,
+    lock_timeout: float = 0.0,
+    **build_kwargs: Any,
+) -> FeatureCache:
+    """Open the matching cache in ``cache_dir`` or build it (stale or broken files are rebuilt).
+
+    Args:
+        model_config, encoder, caption_set: as for ``cache_key`` (``hash_weights`` passes the
+            encoder's weights into the key).
+        transform: as for ``FeatureCache.build``.
+        cache_dir: folder of cache files, named by ``cache_path``.
+        lock_timeout: seconds to wait for another process writing the same cache.
+        **build_kwargs: ``batch_size``, ``device``, ``skip_bad``, ``progress``, ``num_workers``.
+    """
+    key = cache_key(model_config, caption_set, encoder if hash_weights else None)
+    path = cache_path(cache_dir, caption_set, key)
+    if path.exists() or _lock_path(path).exists():
+        try:
+            return FeatureCache.open(path, key=key, lock_timeout=lock_timeout)
+        except DataError as exc:
+            if "does not exist" not in str(exc):
+                log.warning("%s; rebuilding", exc)
+    return FeatureCache.build(encoder, caption_set, transform, path, key=key, lock_timeout=lock_timeout,
+                              **build_kwargs)

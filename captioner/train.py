@@ -1,0 +1,434 @@
+"""The training loop: ``train(cfg, out_dir)`` with ``train_one_epoch`` and ``validate`` pieces.
+
+Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), N regions, D feature width.
+
+A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors`` (best validation BLEU-4),
+``latest.safetensors``, ``train_state.pt`` (everything needed to resume exactly), ``metrics.csv``,
+``features/`` (cached encoder features, frozen encoder only) and ``tensorboard/`` (if installed).
+Validation decodes captions for real (greedy or beam) and scores corpus BLEU against all
+references; early stopping and the best checkpoint follow validation BLEU-4 (0-1 scale).
+
+Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
+``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
+gathered, and only rank 0 writes files, logs and progress bars.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from tqdm import tqdm
+
+from captioner.config import Config
+from captioner.errors import CaptionerError, CheckpointError
+from captioner.models.base import attention_entropy
+from captioner.models.captioner import Captioner
+from captioner.text import Vocabulary
+from captioner.training import distributed as ddp
+from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
+                                     val_loader)
+from captioner.training.logging_utils import MetricsLogger
+from captioner.training.optim import Precision, build_optimizer, clip_and_step, schedule_width, setup_precision
+from captioner.training.state import Progress, capture_rng, check_resume_config, restore_rng, seed_everything
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "captioner-train-state"
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns.
+
+    Attributes:
+        best_checkpoint: ``best.safetensors`` (highest validation BLEU-4).
+        latest_checkpoint: ``latest.safetensors`` (weights after the last trained batch).
+        best_bleu4: validation BLEU-4 of the best checkpoint, 0-1 scale.
+        history: one dict per validation (epoch rows of ``metrics.csv``).
+        seconds: wall time of this call.
+    """
+
+    best_checkpoint: Path
+    latest_checkpoint: Path
+    best_bleu4: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class TrainForward(nn.Module):
+    """The module DDP wraps: cached features -> decoder, or images -> encoder -> decoder.
+
+    Args:
+        model: the captioner.
+        on_features: inputs are region features (B,N,D) rather than images (B,3,S,S).
+    """
+
+    def __init__(self, model: Captioner, on_features: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.on_features = on_features
+        self.encoder_trainable = any(p.requires_grad for p in model.encoder.parameters())
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor):  # -> DecoderOutput
+        if not self.on_features:
+            with torch.set_grad_enabled(self.encoder_trainable and torch.is_grad_enabled()):
+                x, _ = self.model.encoder(x)  # (B, N, D)
+        return self.model.decoder(x, tokens)
+
+
+@dataclass
+class _Run:
+    """Objects shared by the pieces of one training run."""
+
+    cfg: Config
+    info: ddp.DistInfo
+    model: Captioner
+    forward: nn.Module  # TrainForward, possibly DDP-wrapped
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    progress: Progress
+    run_dir: Path
+    logger: MetricsLogger | None
+    start: float  # time.monotonic() when this call began
+    seconds_before: float  # training seconds of earlier sessions
+    show_progress: bool
+    last_lr: float | None = None  # decoder lr of the last optimizer step
+
+    def time_up(self) -> bool:
+        budget = self.cfg.train.time_budget
+        return budget is not None and time.monotonic() - self.start >= budget
+
+    def elapsed(self) -> float:
+        return self.seconds_before + time.monotonic() - self.start
+
+
+def _nonfinite_error(run: _Run, value: float, epoch: int) -> CaptionerError:
+    latest = run.run_dir / "latest.safetensors"
+    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {run.progress.step}; {where} "
+                          "(set train.skip_nonfinite=true to skip such batches)")
+
+
+def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bool]:
+    """Train over ``loader`` (the rest of epoch ``epoch``), logging every ``train.log_every`` steps.
+
+    Returns:
+        ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
+        the epoch's last batch was trained.
+    """
+    cfg, info, prog = run.cfg, run.info, run.progress
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
+    run.forward.train()
+    run.criterion.train()
+    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="batch", leave=False,
+               initial=prog.batch_in_epoch, total=prog.batch_in_epoch + len(loader),
+               disable=True if not (run.show_progress and info.is_main) else None)
+    window_start = time.monotonic()
+    window_captions = 0.0
+    keys: list[str] | None = None
+    remaining = len(loader)
+    for x, tokens, _ in bar:
+        remaining -= 1
+        x = x.to(info.device, non_blocking=True)
+        tokens = tokens.to(info.device, non_blocking=True)  # (B, T)
+        with run.precision.autocast():
+            out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
+            result = run.criterion(out, tokens[:, 1:])
+        prog.step += 1
+        prog.batch_in_epoch += 1
+        keys = keys or sorted(result.parts)
+        n = float(tokens.size(0))
+        # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
+        stats = torch.tensor([result.total.item() * n, n, *(result.parts[k] * n for k in keys), float(run.time_up())],
+                             dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu")
+        stats = ddp.all_reduce_sum(stats, info).cpu()
+        loss = float(stats[0] / stats[1])
+        run.optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(loss):
+            if not cfg.train.skip_nonfinite:
+                raise _nonfinite_error(run, loss, epoch)
+            if info.is_main:
+                log.warning("skipping batch at step %d: non-finite loss (%s)", prog.step, loss)
+        else:
+            run.last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
+            if clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision):
+                run.scheduler.step()
+            parts = {"loss": loss, **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
+            prog.epoch_meter.add(parts, float(stats[1]))
+            prog.window_meter.add(parts, float(stats[1]))
+            window_captions += float(stats[1])
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if prog.step % cfg.train.log_every == 0:
+            speed = window_captions / max(time.monotonic() - window_start, 1e-9)
+            if run.logger is not None:
+                run.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **prog.window_meter.means(),
+                                          "lr": run.last_lr, "captions_per_s": speed, "seconds": run.elapsed()})
+            bar.set_postfix(loss=f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
+            prog.window_meter = type(prog.window_meter)()
+            window_start, window_captions = time.monotonic(), 0.0
+        if stats[-1] > 0:
+            bar.close()
+            return True, remaining == 0
+    bar.close()
+    return False, True
+
+
+@torch.inference_mode()
+def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
+             device: torch.device, on_features: bool) -> dict[str, Any]:
+    """Decode captions for the loader's images and collect hypotheses and references.
+
+    Args:
+        model: the (unwrapped) captioner.
+        loader: yields (x, image_index) with x region features (B,N,D) or images (B,3,S,S).
+        val_set: the caption set ``image_index`` points into (references come from it).
+        vocab: vocabulary of the model.
+        beam_size, max_len: decoding options (beam 1 is greedy).
+        device: where to run.
+        on_features: ``x`` holds cached features rather than images.
+
+    Returns:
+        ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
+    """
+    from captioner.decoding import DecodeOptions, caption_features, caption_images
+
+    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
+    hyps: list[str] = []
+    refs: list[list[str]] = []
+    entropy_sum, words = 0.0, 0
+    for x, index in loader:
+        x = x.to(device, non_blocking=True)
+        results = (caption_features if on_features else caption_images)(model, x, vocab, options)
+        for res, i in zip(results, index.tolist()):
+            hyps.append(res.text)
+            refs.append(val_set.references(val_set.images[i].image_id))
+            if res.attention.numel():
+                entropy_sum += float(attention_entropy(res.attention.flatten(1).float()).sum())  # (L, N) -> (L,)
+                words += res.attention.size(0)
+    return {"hypotheses": hyps, "references": refs, "entropy_sum": entropy_sum, "words": words}
+
+
+def score(shards: list[dict[str, Any]]) -> dict[str, float]:
+    """Corpus BLEU-1..4 (0-1) and mean attention entropy per generated word over merged shards."""
+    from captioner.metrics import bleu
+
+    hyps = [h for s in shards for h in s["hypotheses"]]
+    refs = [r for s in shards for r in s["references"]]
+    words = sum(s["words"] for s in shards)
+    out = {k: float(v) for k, v in bleu(hyps, refs).items()}
+    out["attention_entropy"] = sum(s["entropy_sum"] for s in shards) / words if words else float("nan")
+    out["val_images"] = len(hyps)
+    out["val_words"] = words / len(hyps) if hyps else 0.0  # mean caption length (0: only empty captions)
+    return out
+
+
+def _validate_all(run: _Run, data: TrainData) -> dict[str, float]:
+    """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere."""
+    info, cfg = run.info, run.cfg
+    dataset = data.val_dataset
+    if info.distributed:
+        dataset = Subset(dataset, list(range(info.rank, len(dataset), info.world_size)))
+    max_len = min(cfg.model.decoder.max_len, cfg.data.max_caption_len)
+    shard = validate(run.model, val_loader(dataset, cfg, info), data.val_set, data.vocab, cfg.train.val_beam,
+                     max_len, info.device, data.on_features)
+    return score(ddp.gather_objects(shard, info))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _train_state(run: _Run, rngs: list[dict[str, Any]]) -> dict[str, Any]:
+    scaler = run.precision.scaler
+    return {
+        "format": STATE_FORMAT,
+        "version": 1,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "criterion": run.criterion.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "progress": run.progress.state_dict(),
+        "rng": rngs,  # one snapshot per rank
+        "world_size": run.info.world_size,
+    }
+
+
+def _load_train_state(run: _Run, state: dict[str, Any]) -> None:
+    path = run.run_dir / "train_state.pt"
+    if state.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{path}: not a captioner training state")
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.criterion.load_state_dict(state["criterion"])
+        if run.precision.scaler is not None and state["scaler"]:
+            run.precision.scaler.load_state_dict(state["scaler"])
+        run.progress.load_state_dict(state["progress"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: does not match this model ({str(exc).splitlines()[0]})") from None
+    rngs = state.get("rng", [])
+    if run.info.rank < len(rngs):
+        restore_rng(rngs[run.info.rank], run.info.device)
+    else:
+        seed_everything(run.cfg.train.seed + 1_000_003 * run.info.rank + run.progress.step)
+    if state.get("world_size", 1) != run.info.world_size and run.progress.batch_in_epoch and run.info.is_main:
+        log.warning("resuming mid-epoch with %d processes (saved with %d): the batch order differs",
+                    run.info.world_size, state["world_size"])
+
+
+def _save(run: _Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]]) -> None:
+    """latest (and best) checkpoint, then ``train_state.pt`` last; rank 0 only, each write atomic."""
+    if not run.info.is_main:
+        return
+    from captioner.checkpoint import save_checkpoint, save_train_state
+
+    prog = run.progress
+    last = prog.history[-1]
+    meta = {"epoch": last["epoch"], "step": prog.step, "val_bleu4": last["BLEU-4"], "val_split": run.cfg.data.val_split}
+    save_checkpoint(run.run_dir / "latest.safetensors", run.model, data.vocab, metadata=meta)
+    if improved:
+        save_checkpoint(run.run_dir / "best.safetensors", run.model, data.vocab, metadata=meta)
+    save_train_state(run.run_dir / "train_state.pt", _train_state(run, rngs))
+
+
+def _end_of_epoch(run: _Run, data: TrainData, epoch: int, complete: bool, captions_per_s: float) -> None:
+    """Validate, update early stopping, log the epoch row and save (every rank calls this)."""
+    prog, info = run.progress, run.info
+    rng = capture_rng(info.device)
+    metrics = _validate_all(run, data)
+    restore_rng(rng, info.device)  # validation must not shift the training random stream
+    row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(),
+           "lr": run.last_lr, "captions_per_s": captions_per_s, **metrics,
+           "partial": int(not complete), "seconds": run.elapsed()}
+    improved = metrics["BLEU-4"] > prog.best_bleu4
+    if improved:
+        prog.best_bleu4, prog.best_epoch, prog.bad_epochs = metrics["BLEU-4"], epoch + 1, 0
+    elif complete:
+        prog.bad_epochs += 1
+    if complete:
+        prog.epoch, prog.batch_in_epoch = epoch + 1, 0
+        prog.epoch_meter = type(prog.epoch_meter)()
+    prog.history.append(row)
+    prog.seconds = run.elapsed()
+    if run.logger is not None:
+        run.logger.write("epoch", row)
+        log.info("epoch %d%s: loss %.4f, val BLEU-4 %.4f (best %.4f, epoch %d), attention entropy %.3f, %.0f s",
+                 epoch + 1, "" if complete else " (partial)", row.get("loss", math.nan), metrics["BLEU-4"],
+                 prog.best_bleu4, prog.best_epoch, metrics["attention_entropy"], row["seconds"])
+    _save(run, data, improved, ddp.gather_objects(rng, info))
+
+
+def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train a captioner; all outputs go to the run folder ``out_dir``.
+
+    Args:
+        cfg: the full configuration (model, data, train).
+        out_dir: run folder (created); see the module docstring for its files.
+        resume: continue the run saved in ``out_dir/train_state.pt`` exactly where it stopped.
+        progress: show tqdm progress bars (rank 0, interactive terminals only).
+
+    Returns:
+        A ``TrainResult`` (on every rank under torchrun).
+
+    Raises:
+        CaptionerError: bad data, config or run folder, or a non-finite loss.
+    """
+    start = time.monotonic()
+    info = ddp.setup(cfg.train.device)
+    try:
+        return _train(cfg, Path(out_dir), resume, progress, info, start)
+    finally:
+        ddp.cleanup(info)
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float) -> TrainResult:
+    from captioner.losses import CaptionLoss
+    from captioner.models.captioner import build_model
+    from captioner.schedules import build_scheduler
+
+    state_path = run_dir / "train_state.pt"
+    saved = None
+    if resume:
+        if not state_path.exists():
+            raise CheckpointError(f"{run_dir}: nothing to resume (no train_state.pt); train without --resume first")
+        check_resume_config(cfg, run_dir)
+        from captioner.checkpoint import load_train_state
+
+        saved = load_train_state(state_path)
+    elif info.is_main and state_path.exists():
+        log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
+    train_set, val_set = load_caption_sets(cfg)
+    vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(run_dir / "config.json")
+        vocab.save(run_dir / "vocab.json")
+
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg.model, len(vocab)).to(info.device)
+    data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
+    t = cfg.train
+    alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term
+    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c,
+                            reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
+                            baseline_decay=t.baseline_decay).to(info.device)
+    optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
+    scheduler = build_scheduler(t.schedule, optimizer, schedule_width(model), t.warmup_steps)
+    forward: nn.Module = TrainForward(model, data.on_features)
+    run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, setup_precision(t.amp, info.device),
+               Progress(), run_dir, None, start, 0.0, progress)
+    if saved is not None:
+        _load_train_state(run, saved)
+        run.seconds_before = run.progress.seconds
+        del saved
+    elif info.rank > 0:
+        seed_everything(t.seed + 1_000_003 * info.rank)  # own dropout / attention-sampling stream per rank
+    if info.distributed:
+        run.forward = nn.parallel.DistributedDataParallel(
+            forward, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            forward_sync_buffers=forward.encoder_trainable)  # BatchNorm stats of a fine-tuned encoder
+    if info.is_main:
+        run.logger = MetricsLogger(run_dir, keep_until_step=run.progress.step if resume else None)
+        log.info("training %s/%s on %s (%s, %d process%s): %d captions of %d images, %s, vocabulary %d",
+                 cfg.model.encoder.name, cfg.model.decoder.name, info.device, run.precision.name, info.world_size,
+                 "es" if info.world_size > 1 else "", len(data.train_dataset), len(data.train_set),
+                 "cached features" if data.on_features else "images", len(vocab))
+    try:
+        _loop(run, data)
+    finally:
+        if run.logger is not None:
+            run.logger.close()
+    ddp.barrier(info)
+    prog = run.progress
+    return TrainResult(run_dir / "best.safetensors", run_dir / "latest.safetensors", max(prog.best_bleu4, 0.0),
+                       list(prog.history), time.monotonic() - start)
+
+
+def _loop(run: _Run, data: TrainData) -> None:
+    prog, t = run.progress, run.cfg.train
+    patience = t.patience if t.patience > 0 else math.inf  # patience <= 0: no early stopping
+    while prog.epoch < t.epochs and prog.bad_epochs < patience:
+        epoch = prog.epoch
+        loader = train_loader(data.train_dataset, run.cfg, epoch, run.info, skip_batches=prog.batch_in_epoch)
+        began, seen = time.monotonic(), prog.epoch_meter.count
+        time_up, complete = train_one_epoch(run, loader, epoch)
+        speed = (prog.epoch_meter.count - seen) / max(time.monotonic() - began, 1e-9)
+        _end_of_epoch(run, data, epoch, complete, speed)
+        if time_up:
+            if run.info.is_main:
+                log.info("time budget of %.0f s reached at step %d; stopping", t.time_budget, prog.step)
+            return
+    if prog.bad_epochs >= patience and run.info.is_main:
+        log.info("early stopping: no better val BLEU-4 for %d epochs (best %.4f at epoch %d)",
+                 prog.bad_epochs, prog.best_bleu4, prog.best_epoch)

@@ -1,0 +1,187 @@
+"""Training inputs: caption sets, vocabulary, feature caches and DataLoaders.
+
+With a frozen encoder and ``data.feature_cache`` the datasets yield cached region features
+(N, D); otherwise they yield pixels (3, S, S) and the encoder runs inside the training step.
+The training order is a ``DistributedSampler`` (one replica without torchrun) seeded with
+``train.seed + epoch``, so every epoch's order can be recreated on resume, and a run on K
+processes sees the same global batches as a single process with the same ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from captioner.config import Config
+from captioner.errors import ConfigError, DataError
+from captioner.models.captioner import Captioner
+from captioner.text import Vocabulary
+from captioner.training.distributed import DistInfo, barrier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainData:
+    """Everything the loop reads from disk.
+
+    Attributes:
+        train_set, val_set: caption sets (``val_set`` capped at ``train.val_max_images``).
+        vocab: the vocabulary (from the training captions, or from the run folder on resume).
+        train_dataset: one item per training caption -> (x, tokens, image_index).
+        val_dataset: one item per validation image -> (x, image_index).
+        on_features: True when ``x`` is cached region features, False for pixels.
+    """
+
+    train_set: Any
+    val_set: Any
+    vocab: Vocabulary
+    train_dataset: Dataset
+    val_dataset: Dataset
+    on_features: bool
+
+
+def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
+    """Load and check the training and validation caption sets (before any training starts)."""
+    from captioner.data.coco import check_images, load_caption_set
+
+    d = cfg.data
+    train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
+    val_set = check_images(load_caption_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
+    if len(train_set) == 0:
+        raise DataError(f"{d.root}: the {d.train_split!r} split has no usable images")
+    if len(val_set) == 0:
+        raise DataError(f"{d.root}: the {d.val_split!r} split has no usable images")
+    cap = cfg.train.val_max_images
+    if cap is not None and cap < len(val_set):
+        if cap < 1:
+            raise ConfigError(f"train.val_max_images must be >= 1 or null, got {cap}")
+        val_set = val_set.subset(range(cap))
+    return train_set, val_set
+
+
+def load_or_build_vocab(train_set: Any, min_freq: int, run_dir: Path, resume: bool) -> Vocabulary:
+    """The run's vocabulary: reused from ``run_dir/vocab.json`` on resume, else built from captions."""
+    path = run_dir / "vocab.json"
+    if resume and path.exists():
+        return Vocabulary.load(path)
+    vocab = Vocabulary.build(train_set.all_captions(), min_freq=min_freq)
+    if len(vocab) < 5:
+        raise DataError(f"the training captions give a vocabulary of {len(vocab) - 4} words (min_freq={min_freq})")
+    return vocab
+
+
+class _Remap:
+    """``load(i) = base(index[i])``: skips images whose cached features are missing (picklable)."""
+
+    def __init__(self, base: Callable[[int], torch.Tensor], index: list[int]) -> None:
+        self.base, self.index = base, index
+
+    def __call__(self, i: int) -> torch.Tensor:
+        return self.base(self.index[i])
+
+
+def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
+                   progress: bool) -> tuple[Callable[[int], torch.Tensor], Any]:
+    """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier)."""
+    from captioner.data.transforms import ImageTransform
+    from captioner.features import get_feature_cache
+
+    kwargs = dict(batch_size=max(cfg.train.batch_size, 32), device=info.device, skip_bad=cfg.data.skip_missing,
+                  progress=progress and info.is_main, num_workers=cfg.data.num_workers)
+    transform = ImageTransform(cfg.model.encoder)
+    if info.is_main:
+        cache = get_feature_cache(cfg.model, model.encoder, cs, transform, cache_dir, **kwargs)
+    barrier(info)
+    if not info.is_main:
+        cache = get_feature_cache(cfg.model, model.encoder, cs, transform, cache_dir, lock_timeout=600.0, **kwargs)
+    valid = cache.valid_indices()
+    if len(valid) == cache.count:
+        return cache.loader(), cs
+    if not valid:
+        raise DataError(f"{cs.split}: no image could be loaded")
+    log.warning("%s: training without %d unreadable images", cs.split, cache.count - len(valid))
+    return _Remap(cache.loader(), valid), cs.subset(valid)
+
+
+def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: Any, val_set: Any,
+                 run_dir: Path, info: DistInfo, progress: bool) -> TrainData:
+    """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
+
+    Caches live in ``run_dir/features`` unless ``CAPTIONER_FEATURE_CACHE`` names a shared folder.
+    """
+    from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset, image_loader
+    from captioner.data.transforms import ImageTransform
+
+    on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
+    if on_features:
+        cache_dir = Path(os.environ.get("CAPTIONER_FEATURE_CACHE") or run_dir / "features")
+        train_load, train_set = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
+        val_load, val_set = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
+    else:
+        transform = ImageTransform(cfg.model.encoder)
+        train_load, val_load = image_loader(train_set, transform), image_loader(val_set, transform)
+    train_ds = CaptionTrainDataset(train_set, vocab, train_load, cfg.data.max_caption_len)
+    val_ds = CaptionEvalDataset(val_set, val_load)
+    return TrainData(train_set, val_set, vocab, train_ds, val_ds, on_features)
+
+
+class SkipSampler(Sampler[int]):
+    """Drop the first ``skip`` indices of another sampler (resuming in the middle of an epoch)."""
+
+    def __init__(self, base: Sampler[int], skip: int) -> None:
+        self.base, self.skip = base, skip
+
+    def __iter__(self) -> Iterator[int]:
+        for i, index in enumerate(self.base):
+            if i >= self.skip:
+                yield index
+
+    def __len__(self) -> int:
+        return max(0, len(self.base) - self.skip)  # type: ignore[arg-type]
+
+
+def rank_batch_size(batch_size: int, info: DistInfo) -> int:
+    """Per-process batch: ``train.batch_size`` is the global batch, split evenly over ranks."""
+    if batch_size % info.world_size:
+        raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {info.world_size} processes")
+    return batch_size // info.world_size
+
+
+def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip_batches: int = 0) -> DataLoader:
+    """The epoch's training batches, order fixed by ``train.seed + epoch``.
+
+    Args:
+        dataset: the training dataset.
+        cfg: batch size, seed, workers.
+        epoch: 0-based epoch (``DistributedSampler.set_epoch``).
+        info: this rank (shards the order like ``DistributedSampler``).
+        skip_batches: batches of this epoch already done (mid-epoch resume).
+    """
+    from captioner.data.dataset import collate_captions
+
+    batch = rank_batch_size(cfg.train.batch_size, info)
+    sampler: Sampler[int] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
+                                               shuffle=True, seed=cfg.train.seed, drop_last=False)
+    sampler.set_epoch(epoch)
+    if skip_batches:
+        sampler = SkipSampler(sampler, skip_batches * batch)
+    # The loader's own generator (worker seeds) is seeded too, so it never draws from the global RNG.
+    gen = torch.Generator().manual_seed(cfg.train.seed + epoch)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_captions,
+                      num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda", generator=gen)
+
+
+def val_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoader:
+    """Validation images in dataset order (rank 0 only)."""
+    from captioner.data.dataset import collate_images
+
+    return DataLoader(dataset, batch_size=max(cfg.train.batch_size, 32), shuffle=False, collate_fn=collate_images,
+                      num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")

@@ -1,0 +1,146 @@
+"""Run state for exact resumption: loop progress and random-generator states.
+
+``train_state.pt`` may hold only tensors, numbers, strings and containers of them, so the Python
+and NumPy generator states (tuples with a NumPy array inside) are converted to lists and tensors
+here, and converted back on restore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from captioner.config import Config
+from captioner.errors import CheckpointError, ConfigError
+from captioner.training.logging_utils import RunningMean
+
+log = logging.getLogger(__name__)
+
+
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """Snapshot the torch CPU, CUDA (``device``'s, when CUDA), Python and NumPy generators."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),  # uint8 tensor
+        "python": [int(version), [int(x) for x in internal], gauss],
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Put back a snapshot from :func:`capture_rng` (the CUDA part only when both sides have CUDA)."""
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    npst = state["numpy"]
+    keys = npst["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npst["kind"], keys, int(npst["pos"]), int(npst["has_gauss"]),
+                         float(npst["cached_gaussian"])))
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every GPU), Python and NumPy."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved in ``train_state.pt`` and restored on resume.
+
+    Attributes:
+        epoch: current epoch, 0-based (== epochs when training has finished).
+        batch_in_epoch: batches of ``epoch`` already trained (> 0 after a mid-epoch stop).
+        step: batches trained in total (the x axis of every log).
+        best_bleu4: best validation BLEU-4 so far (0-1 scale; -1 before the first validation).
+        best_epoch: 1-based epoch of ``best_bleu4``.
+        bad_epochs: epochs since the last improvement (early stopping).
+        seconds: training wall time of all sessions of this run.
+        history: one dict per validation (the epoch rows of ``metrics.csv``).
+        epoch_meter: loss means of the current epoch so far.
+        window_meter: loss means since the last step row.
+    """
+
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    step: int = 0
+    best_bleu4: float = -1.0
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    seconds: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    epoch_meter: RunningMean = field(default_factory=RunningMean)
+    window_meter: RunningMean = field(default_factory=RunningMean)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["history"] = [dict(h) for h in self.history]
+        out["epoch_meter"] = self.epoch_meter.state_dict()
+        out["window_meter"] = self.window_meter.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in fields(self):
+            if f.name in ("epoch_meter", "window_meter"):
+                getattr(self, f.name).load_state_dict(state[f.name])
+            elif f.name == "history":
+                self.history = [dict(h) for h in state["history"]]
+            else:
+                setattr(self, f.name, type(f.default)(state[f.name]))
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{key}.")
+        elif (list(va) if isinstance(va, tuple) else va) != (list(vb) if isinstance(vb, tuple) else vb):
+            out.append(f"{prefix}{key}")
+    return out
+
+
+# Settings a resumed run may change without breaking exact reproduction.
+_RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.device", "train.log_every",
+                "data.num_workers", "train.skip_nonfinite"}
+
+
+def check_resume_config(cfg: Config, run_dir: Path) -> None:
+    """Refuse a resume whose model config differs from the run's ``config.json``; warn on other changes."""
+    path = run_dir / "config.json"
+    try:
+        saved = Config.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; cannot resume this run") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    diff = config_diff(saved.to_dict(), cfg.to_dict())
+    model_diff = [k for k in diff if k.startswith("model.")]
+    if model_diff:
+        raise ConfigError(f"--resume: the model config differs from {path} ({', '.join(model_diff[:4])}); "
+                          "use another --out for a new model")
+    other = [k for k in diff if k not in _RESUME_FREE]
+    if other:
+        log.warning("resuming with changed settings (%s): the run will not match an uninterrupted one",
+                    ", ".join(other))

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Download and lay out COCO 2014 captions with the Karpathy split (needs internet).
+
+    python scripts/download_coco.py --root data/coco            # everything (~20 GB of zips)
+    python scripts/download_coco.py --root data/coco --dry-run  # list what it would do
+    python scripts/download_coco.py --only annotations karpathy # just the JSON files
+
+Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
+
+    train2014/COCO_train2014_*.jpg          82,783 images  (from train2014.zip)
+    val2014/COCO_val2014_*.jpg              40,504 images  (from val2014.zip)
+    annotations/captions_train2014.json     (from annotations_trainval2014.zip)
+    annotations/captions_val2014.json
+    annotations/instances_{train,val}2014.json   only with --instances
+    dataset_coco.json                       Karpathy split (from caption_datasets.zip)
+    downloads/*.zip                         the archives (deleted after extraction unless --keep-archives)
+
+Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
+with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
+mismatch deletes the ``.part`` file and fails with the file's name. Anything already present
+(an extracted folder with its ``.extracted`` marker, or the JSON files) is skipped.
+``--mirror URL`` fetches every archive as ``URL/<archive name>`` (a local mirror, or file:// URLs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import shutil
+import sys
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from captioner.errors import CaptionerError, DataError  # noqa: E402
+
+log = logging.getLogger("download_coco")
+CHUNK = 1 << 20
+MARKER = ".extracted"
+
+
+@dataclass(frozen=True)
+class Archive:
+    """One file to fetch and what to take out of it.
+
+    Attributes:
+        key: short name for ``--only``.
+        url: where it lives.
+        size: expected bytes (None = unknown).  md5: expected MD5 hex (None = unknown).
+        members: ``(prefix inside the zip, destination relative to root)`` pairs to extract.
+        target: a path under root whose presence means "done" (a folder gets a marker file).
+    """
+
+    key: str
+    url: str
+    size: int | None
+    md5: str | None
+    members: tuple[tuple[str, str], ...]
+    target: str
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+ARCHIVES = (
+    Archive("train", "http://images.cocodataset.org/zips/train2014.zip", 13510573713,
+            "0da8c0bd3d6becc4dcb32757491aca88", (("train2014/", "train2014/"),), "train2014"),
+    Archive("val", "http://images.cocodataset.org/zips/val2014.zip", 6645013297,
+            "a3d79f5ed8d289b7a7554ce06a5782b3", (("val2014/", "val2014/"),), "val2014"),
+    Archive("annotations", "http://images.cocodataset.org/annotations/annotations_trainval2014.zip", 252872794,
+            "0a379cfc70b0e71301e0f377548639bd",
+            (("annotations/captions_train2014.json", "annotations/captions_train2014.json"),
+             ("annotations/captions_val2014.json", "annotations/captions_val2014.json")),
+            "annotations/captions_val2014.json"),
+    # Karpathy & Fei-Fei 2015 splits; no published checksum.
+    Archive("karpathy", "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip", None, None,
+            (("dataset_coco.json", "dataset_coco.json"),), "dataset_coco.json"),
+)
+INSTANCE_MEMBERS = (("annotations/instances_train2014.json", "annotations/instances_train2014.json"),
+                    ("annotations/instances_val2014.json", "annotations/instances_val2014.json"))
+
+
+def select_archives(only: Sequence[str] | None = None, mirror: str | None = None,
+                    instances: bool = False) -> list[Archive]:
+    """The archives to process, with ``--only``, ``--mirror`` and ``--instances`` applied."""
+    keys = [a.key for a in ARCHIVES]
+    bad = sorted(set(only or ()) - set(keys))
+    if bad:
+        raise DataError(f"unknown archive(s) {', '.join(bad)}; choose from {', '.join(keys)}")
+    out = []
+    for a in ARCHIVES:
+        if only and a.key not in only:
+            continue
+        url = f"{mirror.rstrip('/')}/{a.name}" if mirror else a.url
+        members = a.members + INSTANCE_MEMBERS if instances and a.key == "annotations" else a.members
+        out.append(Archive(a.key, url, a.size, a.md5, members, a.target))
+    return out
+
+
+def is_present(root: Path, archive: Archive) -> bool:
+    """True when the archive's extracted content is already in place."""
+    target = root / archive.target
+    if target.is_dir():
+        return (target / MARKER).exists()
+    return all((root / dest).exists() for _, dest in archive.members)
+
+
+def download(url: str, dest: Path, size: int | None = None, md5: str | None = None,
+             progress: bool = True, opener: Callable[..., object] = urllib.request.urlopen) -> Path:
+    """Fetch ``url`` to ``dest`` through ``dest.part``, resuming a partial file with HTTP Range.
+
+    Raises:
+        DataError: network failure, or a size/MD5 mismatch (the ``.part`` file is deleted).
+    """
+    from tqdm import tqdm
+
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    if size is not None and have > size:
+        log.warning("%s is larger than expected; starting over", part)
+        part.unlink()
+        have = 0
+    if size is None or have < size:
+        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        try:
+            response = opener(request, timeout=60)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 416:  # 416: nothing left to fetch
+                raise DataError(f"{url}: download failed (HTTP {exc.code} {exc.reason})") from None
+            response = None
+        except (urllib.error.URLError, OSError) as exc:
+            raise DataError(f"{url}: download failed ({getattr(exc, 'reason', exc)})") from None
+        if response is not None:
+            with response:
+                status = getattr(response, "status", None) or response.getcode()
+                resumed = have > 0 and status == 206
+                if have and not resumed:
+                    log.info("%s: server ignored the range request; downloading from the start", url)
+                    have = 0
+                length = response.headers.get("Content-Length")
+                total = have + int(length) if length else size
+                with open(part, "ab" if resumed else "wb") as f, tqdm(
+                        total=total, initial=have, unit="B", unit_scale=True, desc=dest.name,
+                        disable=not progress) as bar:
+                    while chunk := response.read(CHUNK):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+    verify(part, size, md5, label=dest.name)
+    part.replace(dest)
+    return dest
+
+
+def verify(path: Path, size: int | None, md5: str | None, label: str | None = None) -> None:
+    """Check size and MD5; on mismatch delete ``path`` and raise ``DataError``."""
+    label = label or path.name
+    actual = path.stat().st_size
+    if size is not None and actual != size:
+        path.unlink()
+        raise DataError(f"{label}: got {actual} bytes, expected {size}; the partial file was removed, run again")
+    if md5 is not None:
+        digest = hashlib.md5()
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() != md5:
+            path.unlink()
+            raise DataError(f"{label}: MD5 {digest.hexdigest()} does not match {md5}; "
+                            "the file was removed, run again")
+
+
+def extract(zip_path: Path, root: Path, archive: Archive) -> list[Path]:
+    """Extract the archive's members under ``root``; folders get a completion marker."""
+    written = []
+    try:
+        zf = zipfile.ZipFile(zip_path)
+    except zipfile.BadZipFile:
+        raise DataError(f"{zip_path}: not a valid zip archive") from None
+    with zf:
+        names = zf.namelist()
+        for prefix, dest in archive.members:
+            matched = [n for n in names if n == prefix or (prefix.endswith("/") and n.startswith(prefix))]
+            if not matched:
+                raise DataError(f"{zip_path}: has no {prefix!r} (is it the right archive?)")
+            for name in matched:
+                if name.endswith("/"):
+                    continue
+                rel = dest + name[len(prefix):] if prefix.endswith("/") else dest
+                out = (root / rel).resolve()
+                if root.resolve() not in out.parents:
+                    raise DataError(f"{zip_path}: member {name!r} would escape {root}")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_name(out.name + ".tmp")
+                with zf.open(name) as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, CHUNK)
+                tmp.replace(out)
+                written.append(out)
+    target = root / archive.target
+    if target.is_dir():
+        (target / MARKER).write_text(f"extracted from {zip_path.name}\n")
+    return written
+
+
+def prepare(root: Path, archives: Sequence[Archive], dry_run: bool = False, keep_archives: bool = False,
+            progress: bool = True) -> list[str]:
+    """Download, verify and extract each archive not yet present; returns the actions (done or planned)."""
+    actions = []
+    downloads = root / "downloads"
+    for a in archives:
+        zip_path = downloads / a.name
+        if is_present(root, a):
+            actions.append(f"skip {a.key}: {root / a.target} is present")
+            continue
+        if zip_path.exists():
+            actions.append(f"use {zip_path} (already downloaded)")
+        else:
+            part = zip_path.with_name(zip_path.name + ".part")
+            resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
+            size = f"{a.size / 1e9:.2f} GB" if a.size else "size unknown"
+            actions.append(f"download {a.url} -> {zip_path} ({size}{resume})")
+        dests = ", ".join(dest for _, dest in a.members)
+        actions.append(f"extract {a.name} -> {root}/{{{dests}}}")
+        if not keep_archives:
+            actions.append(f"delete {zip_path}")
+        if dry_run:
+            continue
+        downloads.mkdir(parents=True, exist_ok=True)
+        if not zip_path.exists():
+            download(a.url, zip_path, a.size, a.md5, progress=progress)
+        log.info("extracting %s", zip_path)
+        extract(zip_path, root, a)
+        if not keep_archives:
+            zip_path.unlink()
+    return actions
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="data/coco", help="dataset folder (default: data/coco)")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=[a.key for a in ARCHIVES],
+                   help="process only these archives: " + ", ".join(a.key for a in ARCHIVES))
+    p.add_argument("--instances", action="store_true", help="also extract instances_{train,val}2014.json")
+    p.add_argument("--mirror", metavar="URL", help="fetch every archive as URL/<archive name>")
+    p.add_argument("--keep-archives", action="store_true", help="keep the zip files after extraction")
+    p.add_argument("--dry-run", action="store_true", help="list what would be done, do nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    root = Path(args.root)
+    try:
+        archives = select_archives(args.only, args.mirror, args.instances)
+        actions = prepare(root, archives, dry_run=args.dry_run, keep_archives=args.keep_archives,
+                          progress=not args.no_progress)
+    except CaptionerError as exc:
+        print(f"download_coco: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("download_coco: interrupted (run again to resume)", file=sys.stderr)
+        return 130
+    print(("would do:\n  " if args.dry_run else "done:\n  ") + "\n  ".join(actions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

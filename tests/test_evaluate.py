@@ -1,0 +1,188 @@
+"""evaluate_checkpoint / caption_split / the evaluate command on the tiny shapes set."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from captioner import evaluate as ev
+from captioner.config import get_preset
+from captioner.errors import ConfigError, DataError, ImageLoadError
+from captioner.metrics import caption_metrics
+from captioner.text import Vocabulary
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An (untrained) tiny SAT checkpoint whose vocabulary covers the shapes captions."""
+    from captioner.checkpoint import save_checkpoint
+    from captioner.data.coco import load_caption_set
+    from captioner.models.captioner import build_model
+
+    vocab = Vocabulary.build(load_caption_set(tiny_shapes, "train").all_captions())
+    torch.manual_seed(0)
+    model = build_model(get_preset("sat_soft_tiny").model, len(vocab))
+    path = tmp_path_factory.mktemp("run") / "best.safetensors"
+    save_checkpoint(path, model, vocab)
+    return path
+
+
+def _references(root: Path, split: str) -> dict[int, list[str]]:
+    data = json.loads((root / f"captions_{split}.json").read_text())
+    refs: dict[int, list[str]] = {}
+    for ann in data["annotations"]:
+        refs.setdefault(ann["image_id"], []).append(ann["caption"])
+    return refs
+
+
+def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="test", beam_size=2, max_len=8, batch_size=4,
+                                    out_dir=tmp_path, progress=False, meteor=False)
+    metrics_file, results_file = tmp_path / "metrics_test.json", tmp_path / "captions_test_results.json"
+    saved = json.loads(metrics_file.read_text())
+    rows = json.loads(results_file.read_text())
+    refs = _references(tiny_shapes, "test")
+    assert sorted(r["image_id"] for r in rows) == sorted(refs) and len(rows) == 6
+    assert saved["num_images"] == 6 and saved["num_references"] == sum(len(r) for r in refs.values())
+    # the scores are those of the written captions against ALL references of the same image
+    expected = caption_metrics([r["caption"] for r in rows], [refs[r["image_id"]] for r in rows], meteor=False)
+    for key in ("BLEU-1", "BLEU-4", "CIDEr-D"):
+        assert saved[key] == pytest.approx(expected[key]) and 0.0 <= saved[key] <= 10.0
+    assert saved["METEOR"] is None and saved["SPICE"] is None
+    assert saved["split"] == "test" and saved["beam_size"] == 2 and saved["checkpoint"] == str(checkpoint)
+    assert "0-1" in saved["scale"] and "x100" in saved["note"]
+    assert saved["paths"] == {"metrics": str(metrics_file), "results": str(results_file)}
+    entropy = saved["attention"]["attention_entropy"]
+    assert saved["attention"]["uniform_entropy"] == pytest.approx(math.log(16))
+    assert entropy is None or 0.0 <= entropy <= math.log(16) + 1e-6
+    assert isinstance(saved["attention_correctness"], dict)  # the shapes have boxes
+    assert "words_scored" in saved["attention_correctness"]
+    # the returned extras: per-image results aligned with the images
+    assert [r.text for r in report["results"]] == [row["caption"] for row in rows]
+    assert [rec.image_id for rec in report["caption_set"].images] == [row["image_id"] for row in rows]
+    assert all(r.attention.shape == (len(r.words), 4, 4) for r in report["results"])
+    assert {k: v for k, v in report.items() if k not in ("results", "caption_set")} == saved
+
+
+def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An oracle that answers each image with one of its own references scores BLEU 1."""
+    from captioner.decoding import CaptionResult
+
+    def oracle(model, vocab, caption_set, **kwargs):
+        results = [CaptionResult(caption_set.references(r.image_id)[0], [], [], 0.0, torch.zeros(0, 4, 4), (4, 4))
+                   for r in caption_set.images]
+        return ev.SplitCaptions(caption_set, results, [])
+
+    monkeypatch.setattr(ev, "caption_split", oracle)
+    report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", out_dir=tmp_path, progress=False,
+                                    meteor=False)
+    assert report["BLEU-1"] == pytest.approx(1.0) and report["BLEU-4"] == pytest.approx(1.0)
+    assert report["CIDEr-D"] > 1.0
+
+
+def test_caption_split_is_batch_invariant_and_defaults_next_to_checkpoint(checkpoint: Path, tiny_shapes: Path) -> None:
+    from captioner.checkpoint import load_checkpoint
+    from captioner.data.coco import load_caption_set
+
+    loaded = load_checkpoint(checkpoint)
+    cs = load_caption_set(tiny_shapes, "val")
+    part = cs.subset([0, 1, 2, 3, 4])
+    one = ev.caption_split(loaded.model, loaded.vocab, part, beam_size=1, max_len=5, batch_size=1, progress=False)
+    many = ev.caption_split(loaded.model, loaded.vocab, part, beam_size=1, max_len=5, batch_size=3, progress=False)
+    assert [r.text for r in one.results] == [r.text for r in many.results] and len(one.results) == 5
+    report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", beam_size=1, max_images=2,
+                                    progress=False, meteor=False)
+    assert report["num_images"] == 2 and report["images_listed"] == len(cs)
+    assert (checkpoint.parent / "metrics_val.json").is_file()
+    assert len(json.loads((checkpoint.parent / "captions_val_results.json").read_text())) == 2
+
+
+def test_missing_and_unreadable_images(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    from captioner.data.coco import load_caption_set
+
+    root = tmp_path / "shapes"
+    shutil.copytree(tiny_shapes, root)
+    images = load_caption_set(root, "test").images
+    # A file whose header is garbage is caught by check_images before any decoding ...
+    images[2].path.write_bytes(b"broken")
+    with pytest.raises(DataError, match=rf"1 of 6 image files cannot be read \(e.g. {images[2].file_name}: "):
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+    shutil.copy(tiny_shapes / "images" / images[2].file_name, images[2].path)
+    # ... truncated pixel data (a valid header) is only seen when the image is decoded.
+    data = images[3].path.read_bytes()
+    images[3].path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ImageLoadError, match=images[3].file_name):
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+    images[1].path.unlink()
+    with pytest.raises(DataError, match=rf"1 of 6 image files are missing \(e.g. {images[1].file_name}\)"):
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+    report = ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, batch_size=2, progress=False,
+                                    skip_missing=True, meteor=False)
+    assert report["missing_images"] == 1 and report["unreadable_images"] == [images[3].file_name]
+    assert report["num_images"] == 4
+    ids = [row["image_id"] for row in json.loads((tmp_path / "captions_test_results.json").read_text())]
+    assert sorted(ids) == sorted(r.image_id for i, r in enumerate(images) if i not in (1, 3))
+
+
+def test_bad_inputs_raise_clear_errors(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="unknown split 'nope'"):
+        ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="nope", out_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="max_images"):
+        ev.evaluate_checkpoint(checkpoint, tiny_shapes, max_images=0, out_dir=tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="device='gpu7'"):
+        ev.resolve_device("gpu7")
+
+
+def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.cli import main
+
+    base = ["evaluate", str(checkpoint), "--data", str(tiny_shapes), "--beam", "1", "--max-len", "6",
+            "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--no-meteor"]
+    assert main(base) == 0
+    table = capsys.readouterr().out
+    saved = json.loads((tmp_path / "metrics_test.json").read_text())
+    assert re.search(rf"\n  BLEU-4 +{saved['BLEU-4']:.4f}\n", table)
+    assert re.search(rf"\n  CIDEr-D +{saved['CIDEr-D']:.4f}\n", table)
+    assert "0-1 scale" in table and re.search(r"METEOR +unavailable", table)
+    assert f"wrote {tmp_path / 'metrics_test.json'}" in table
+    assert f"wrote {tmp_path / 'captions_test_results.json'}" in table
+    assert main(base + ["--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["BLEU-4"] == saved["BLEU-4"] and printed["num_images"] == 6
+    assert main(base + ["--beam", "0"]) == 1
+    assert "captioner evaluate: error: --beam must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tiny_shapes)]) == 1
+    assert "none.safetensors" in capsys.readouterr().err
+    assert main(["evaluate", "--help"]) == 0
+    assert "captioner evaluate runs/sat/best.safetensors --data data/shapes" in capsys.readouterr().out
+
+
+def test_format_report_shows_attention_and_skips() -> None:
+    from captioner.commands.evaluate import format_report
+
+    report = {"checkpoint": "c.safetensors", "data": "d", "split": "test", "num_images": 4, "num_references": 20,
+              "beam_size": 3, "BLEU-1": 0.5, "BLEU-2": 0.4, "BLEU-3": 0.3, "BLEU-4": 0.243, "CIDEr-D": 1.06,
+              "METEOR": None, "ROUGE-L": None, "SPICE": None, "missing_images": 1, "unreadable_images": ["x.png"],
+              "attention": {"attention_entropy": 1.5, "uniform_entropy": math.log(16)},
+              "attention_correctness": {"attention_correctness": 0.41, "uniform_baseline": 0.1, "words_scored": 12,
+                                        "pointing_accuracy": 0.75, "objects_correct": 0.5},
+              "paths": {"metrics": "m.json", "results": "r.json"}}
+    text = format_report(report)
+    assert "BLEU-4 0.2430 is 24.3 in a paper's table" in text
+    assert re.search(r"METEOR +unavailable", text)
+    assert "attention entropy: 1.500 nats (uniform 2.773)" in text
+    assert "attention correctness: 0.4100 (uniform baseline 0.1000, 12 words)" in text
+    assert "pointing accuracy: 0.7500" in text and "objects correct: 0.5000" in text
+    assert "skipped: 1 missing, 1 unreadable images" in text
+    report["attention_correctness"] = {"words_scored": 0, "objects_correct": None}
+    assert "no object word was generated" in format_report(report)
+    report["attention_correctness"] = None
+    assert "attention correctness" not in format_report(report)
