@@ -1,0 +1,115 @@
+"""``captioner attend``: caption one image and write where each word looked.
+
+Writes ``attention.png`` (grid: the image with its caption, then one panel per word),
+``attention.gif`` (one frame per word), ``attention.json`` (raw weights) and ``attention.html``
+(the interactive explorer) to ``--out``. For a decoder with several attention layers/heads (the
+Transformer) the chosen caption is re-run through the decoder's teacher-forced forward with
+``need_all_attention=True`` (cached decoding equals the full forward), so the explorer can show
+every layer and head; ``--layer``/``--head`` pick what the PNG and GIF show.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from captioner.commands.caption import add_common_arguments, check_positive, resolve_device
+
+NAME = "attend"
+HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
+EXAMPLES = """
+  captioner attend photo.jpg --checkpoint runs/sat/best.safetensors --out overlays/
+  captioner attend photo.jpg -c best.safetensors --out overlays/ --cmap viridis --alpha 0.6 --beam 5
+  captioner attend photo.jpg -c runs/tf/best.safetensors --out overlays/ --layer 1 --head 3   # Transformer
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("image", metavar="IMAGE", help="image file")
+    add_common_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    parser.add_argument("--cmap", default="jet", help="colour map (matplotlib name, default: jet)")
+    parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity 0..1 (default: 0.5)")
+    parser.add_argument("--layer", type=int, default=None,
+                        help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
+    parser.add_argument("--head", type=int, default=None,
+                        help="Transformer: attention head shown, 1-based (default: the mean of all heads)")
+    parser.add_argument("--stem", default="attention", help="output file name stem (default: attention)")
+
+
+def teacher_forced_attention(model, features, tokens: list[int], bos_id: int, grid: tuple[int, int]):
+    """Per-layer, per-head maps for a chosen caption: (L, layers, heads, g, g) array, or None.
+
+    Args:
+        model: a ``Captioner``.
+        features: (1, N, D) region features of the image.
+        tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
+        bos_id: the ``<bos>`` id.
+        grid: (g, g).
+    """
+    import torch
+
+    if not tokens:
+        return None
+    inputs = torch.tensor([[bos_id, *tokens[:-1]]], device=features.device)  # (1, L): step t predicts word t
+    with torch.inference_mode():
+        out = model.decoder(features, inputs, need_all_attention=True)
+    if out.all_attention is None:
+        return None
+    all_att = out.all_attention[0].float().cpu()  # (L, layers, heads, N)
+    return all_att.reshape(*all_att.shape[:3], *grid).numpy()
+
+
+def select_view(all_attention, layer: int | None, head: int | None):
+    """The (L, g, g) maps of one layer (1-based; None = last) and head (1-based; None = mean of heads)."""
+    from captioner.errors import ConfigError
+
+    layers, heads = all_attention.shape[1:3]
+    li = layers - 1 if layer is None else layer - 1
+    if not 0 <= li < layers:
+        raise ConfigError(f"--layer {layer} out of range: the decoder has {layers} layers (1..{layers})")
+    per_head = all_attention[:, li]  # (L, heads, g, g)
+    if head is None:
+        return per_head.mean(axis=1)
+    if not 1 <= head <= heads:
+        raise ConfigError(f"--head {head} out of range: the decoder has {heads} heads (1..{heads})")
+    return per_head[:, head - 1]
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(args, "beam", "max_len")
+    import torch
+
+    from captioner.checkpoint import load_checkpoint
+    from captioner.data.images import load_image
+    from captioner.data.transforms import ImageTransform, crop_box
+    from captioner.decoding import DecodeOptions, caption_images
+    from captioner.errors import ConfigError
+    from captioner.visualize import colormap_lut, write_overlays
+
+    colormap_lut(args.cmap)  # bad names and values fail before any work
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=str(device))
+    model = ckpt.model.to(device).eval()
+    image = load_image(args.image)
+    x = ImageTransform(ckpt.config.encoder)(image).unsqueeze(0).to(device)  # (1, 3, S, S)
+    result = caption_images(model, x, ckpt.vocab, DecodeOptions(beam_size=args.beam, max_len=args.max_len))[0]
+    with torch.inference_mode():
+        features, _ = model.encode(x)  # (1, N, D)
+    all_att = teacher_forced_attention(model, features, result.tokens, ckpt.vocab.bos_id, result.grid)
+    attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
+    if args.layer is not None or args.head is not None:
+        if all_att is None:
+            raise ConfigError("--layer/--head need per-layer attention; this checkpoint's decoder has one "
+                              "attention map per word")
+        attention = select_view(all_att, args.layer, args.head)
+    paths = write_overlays(
+        image, result.words, attention, args.out, box=crop_box(image.width, image.height, ckpt.config.encoder),
+        all_attention=all_att, cmap=args.cmap, alpha=args.alpha, stem=args.stem, caption=result.text,
+        layer=-1 if args.layer is None else args.layer - 1, head=None if args.head is None else args.head - 1,
+    )
+    print(f"{args.image}\t{result.text}")
+    for kind in ("png", "gif", "json", "html"):
+        print(f"wrote {paths[kind]}")
+    return 0

@@ -1,0 +1,168 @@
+"""``captioner caption``: caption image files, folders and globs with a trained checkpoint.
+
+One line per image on stdout (``path<TAB>caption``, or JSON lines with ``--json``). A file that
+cannot be read gets its own one-line error on stderr and the others are still captioned; the exit
+code is 1 when any input failed. Heavy imports (torch, the models) happen inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "caption"
+HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"
+EXAMPLES = """
+  captioner caption photo.jpg --checkpoint runs/sat/best.safetensors
+  captioner caption photos/ 'more/*.png' --checkpoint best.safetensors --beam 5 --json > captions.jsonl
+  captioner caption photo.jpg --checkpoint best.safetensors --overlay overlays/   # overlays/photo/attention.*
+  captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
+"""
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
+_GLOB_CHARS = frozenset("*?[")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``caption`` and ``attend``."""
+    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help="checkpoint (.safetensors)")
+    parser.add_argument("--beam", type=int, default=3, help="beam size; 1 = greedy (default: 3)")
+    parser.add_argument("--max-len", type=int, default=20, help="longest caption in words (default: 20)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders of images, or globs")
+    add_common_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=8, help="images per decoding batch (default: 8)")
+    parser.add_argument("--json", action="store_true",
+                        help='JSON lines: {"path", "caption", "score", "tokens", "seconds"}')
+    parser.add_argument("--overlay", metavar="DIR", default=None,
+                        help="also write attention overlays (PNG grid, GIF, JSON, HTML) to DIR/<image stem>/")
+    parser.add_argument("--cmap", default="jet", help="overlay colour map (matplotlib name, default: jet)")
+    parser.add_argument("--alpha", type=float, default=0.5, help="overlay heat-map opacity 0..1 (default: 0.5)")
+
+
+def expand_paths(items: list[str]) -> tuple[list[Path], list[str]]:
+    """Files, folders (their images, sorted) and globs -> (files, one-line problems).
+
+    A path that does not exist and has no glob characters is kept, so that loading reports it.
+    """
+    files: list[Path] = []
+    problems: list[str] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+            if not found:
+                problems.append(f"{item}: no images in folder (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
+            files += found
+        elif not path.exists() and _GLOB_CHARS & set(item):
+            matches = sorted(Path(p) for p in glob.glob(item) if Path(p).is_file())
+            if not matches:
+                problems.append(f"{item}: no files match")
+            files += matches
+        else:
+            files.append(path)
+    return files, problems
+
+
+def resolve_device(name: str) -> Any:
+    """``cpu``/``cuda``/``cuda:N``, or ``auto`` = CUDA when present; a ConfigError otherwise."""
+    import torch
+
+    from captioner.errors import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {name!r} is not a device (use cpu, cuda, cuda:1 or auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name!r}: CUDA is not available on this machine")
+    return device
+
+
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    from captioner.errors import ConfigError
+
+    for flag in flags:
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+
+
+def unique_dir(root: Path, stem: str, used: set[str]) -> Path:
+    """``root/stem``, or ``root/stem-2``... when two inputs share a file stem."""
+    name, n = stem, 1
+    while name in used:
+        n += 1
+        name = f"{stem}-{n}"
+    used.add(name)
+    return root / name
+
+
+def _error(message: str) -> None:
+    print(f"captioner {NAME}: error: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from captioner.errors import ConfigError, ImageLoadError
+
+    check_positive(args, "beam", "max_len", "batch_size")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
+    if args.overlay:  # matplotlib (colour maps) loads only when overlays are asked for
+        from captioner.visualize import colormap_lut, write_overlays
+
+        colormap_lut(args.cmap)  # a bad colour map name fails before any work
+    import torch
+
+    from captioner.checkpoint import load_checkpoint
+    from captioner.data.images import load_image
+    from captioner.data.transforms import ImageTransform, crop_box
+    from captioner.decoding import DecodeOptions, caption_images
+
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=str(device))
+    model = ckpt.model.to(device).eval()
+    transform = ImageTransform(ckpt.config.encoder)
+    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len)
+    files, problems = expand_paths(args.paths)
+    for problem in problems:
+        _error(problem)
+    failed = bool(problems)
+    used_dirs: set[str] = set()
+    for start in range(0, len(files), args.batch_size):
+        t0 = time.perf_counter()
+        loaded = []  # (path, original image or None, tensor)
+        for path in files[start:start + args.batch_size]:
+            try:
+                image = load_image(path)
+            except ImageLoadError as exc:
+                _error(str(exc))
+                failed = True
+                continue
+            loaded.append((path, image if args.overlay else None, transform(image)))
+        if not loaded:
+            continue
+        batch = torch.stack([x for _, _, x in loaded]).to(device)  # (B, 3, S, S)
+        results = caption_images(model, batch, ckpt.vocab, options)
+        seconds = (time.perf_counter() - t0) / len(loaded)
+        for (path, image, _), result in zip(loaded, results):
+            row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),
+                                   "tokens": list(result.words), "seconds": round(seconds, 4)}
+            if args.overlay:
+                out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
+                write_overlays(image, result.words, result.attention, out_dir,
+                               box=crop_box(image.width, image.height, ckpt.config.encoder),
+                               cmap=args.cmap, alpha=args.alpha, caption=result.text)
+                row["overlay"] = str(out_dir)
+            line = json.dumps(row, ensure_ascii=False) if args.json else f"{path}\t{result.text}"
+            print(line, flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,102 @@
+"""Cold start of the caption command: a fresh ``python -m captioner caption IMG --checkpoint CKPT``.
+
+The checkpoint is a base-size model (preset ``sat_soft_lite``: EfficientNet-Lite0 + 512-wide
+Show-Attend-Tell decoder) with a 10,000-word vocabulary. Figures (seconds, best of the runs):
+
+* ``seconds``: process start -> caption printed (what a user waits for);
+* ``import_seconds``: a fresh process importing ``captioner.cli`` and ``torch``;
+* ``python_seconds``: a bare interpreter start, the floor under both;
+* ``cpu_seconds`` / ``import_cpu_seconds``: user + system CPU time of those processes (less
+  sensitive than wall time to other work on a shared machine).
+
+    python scripts/benchmark.py --only caption_cold_start
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB_SIZE = 10_000
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _time_until_output(argv: list[str]) -> tuple[float, float]:
+    """(wall seconds from process start to its first stdout line, CPU seconds of the whole process)."""
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    elapsed = time.perf_counter() - t0
+    _, err = proc.communicate()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({proc.returncode}): {err.strip()[-500:]}")
+    return elapsed, (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+
+
+def _best(argv: list[str], runs: int) -> tuple[float, float]:
+    times = [_time_until_output(argv) for _ in range(runs)]
+    return min(t[0] for t in times), min(t[1] for t in times)
+
+
+def _make_checkpoint(folder: Path) -> Path:
+    import torch
+
+    from captioner.checkpoint import save_checkpoint
+    from captioner.config import get_preset
+    from captioner.models.captioner import build_model
+    from captioner.text import Vocabulary
+
+    torch.manual_seed(0)
+    vocab = Vocabulary([f"word{i}" for i in range(VOCAB_SIZE - 4)])
+    model = build_model(get_preset("sat_soft_lite").model, len(vocab), load_pretrained=True)
+    path = folder / "base.safetensors"
+    save_checkpoint(path, model, vocab)
+    return path
+
+
+def _make_image(folder: Path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    path = folder / "photo.jpg"
+    Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)).save(path, quality=90)
+    return path
+
+
+def caption_cold_start(quick: bool) -> dict:
+    runs = 1 if quick else 3
+    with tempfile.TemporaryDirectory(prefix="bench-caption-") as tmp:
+        folder = Path(tmp)
+        ckpt, image = _make_checkpoint(folder), _make_image(folder)
+        caption = [sys.executable, "-m", "captioner", "caption", str(image), "--checkpoint", str(ckpt),
+                   "--max-len", "20"]
+        importing = [sys.executable, "-c", "import captioner.cli, torch; print('ok')"]
+        bare = [sys.executable, "-c", "print('ok')"]
+        _time_until_output(caption)  # warm the page cache: measure start-up, not the first disk read
+        seconds, cpu_seconds = _best(caption, runs)
+        import_seconds, import_cpu_seconds = _best(importing, runs)
+        return {
+            "seconds": seconds,
+            "import_seconds": import_seconds,
+            "python_seconds": _best(bare, runs)[0],
+            "cpu_seconds": cpu_seconds,
+            "import_cpu_seconds": import_cpu_seconds,
+            "checkpoint_mb": round(ckpt.stat().st_size / 2**20, 1),
+        }
+
+
+BENCHMARKS = {"caption_cold_start": caption_cold_start}

@@ -1,0 +1,101 @@
+"""The HTML explorer in a real browser: headless Chromium through selenium + chromedriver.
+
+Skips cleanly when selenium, chromium or chromedriver is missing.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1100,900")
+
+
+@pytest.fixture(scope="module")
+def driver():
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("chromium/chromedriver not installed")
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="captioner-chrome-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (*FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    drv.set_page_load_timeout(30)
+    yield drv
+    drv.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _canvas_pixels(element) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(element.screenshot_as_png)).convert("RGB"), dtype=np.int16)
+
+
+def _wait_for(drv, script: str, timeout: float = 10.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(drv, timeout).until(lambda d: d.execute_script(script))
+
+
+@pytest.mark.parametrize("with_layers", [False, True], ids=["lstm", "transformer"])
+def test_explorer_word_selection_changes_heat_map(driver, tmp_path, with_layers):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    from captioner.visualize import write_overlays
+
+    words = ["a", "red", "circle", "below"]
+    att = np.zeros((4, 4, 4), dtype=np.float32)
+    for i, (r, c) in enumerate([(0, 0), (3, 3), (0, 3), (3, 0)]):  # each word looks at another corner
+        att[i, r, c] = 1.0
+    all_att = None
+    if with_layers:  # (L, layers=2, heads=3, g, g): last-layer mean == att
+        all_att = np.repeat(np.repeat(att[:, None, None], 2, axis=1), 3, axis=2)
+    image = Image.fromarray(np.full((120, 240, 3), 140, dtype=np.uint8))
+    paths = write_overlays(image, words, att, tmp_path, box=(60, 0, 180, 120), all_attention=all_att)
+
+    driver.get_log("browser")  # drop entries from earlier pages
+    driver.get(paths["html"].resolve().as_uri())
+    _wait_for(driver, "return document.body.dataset.ready === '1';")
+    canvas = driver.find_element(By.ID, "view")
+    assert canvas.size["width"] > 0
+    selectors = driver.find_element(By.ID, "selectors")
+    assert selectors.is_displayed() == with_layers
+    if with_layers:
+        assert driver.execute_script("return document.getElementById('layer').value;") == "1"  # last layer
+        assert driver.execute_script("return document.getElementById('head').value;") == "mean"
+
+    first = _canvas_pixels(canvas)
+    driver.find_element(By.ID, "word-1").click()
+    _wait_for(driver, "return document.body.dataset.word === '1';")
+    second = _canvas_pixels(canvas)
+    assert first.shape == second.shape
+    changed = np.abs(first - second).sum(-1) > 30
+    assert changed.mean() > 0.02, "selecting another word did not change the heat map"
+    # word 0 looks top-left of the box, word 1 bottom-right: the hot (red) region moves accordingly
+    h, w = first.shape[:2]
+    red = lambda px: px[..., 0] - px[..., 2]  # noqa: E731
+    assert red(first[: h // 2, w // 4: w // 2]).mean() > red(first[h // 2:, w // 2: 3 * w // 4]).mean()
+    assert red(second[h // 2:, w // 2: 3 * w // 4]).mean() > red(second[: h // 2, w // 4: w // 2]).mean()
+
+    driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_RIGHT)
+    _wait_for(driver, "return document.body.dataset.word === '2';")
+    if with_layers:  # a different head's map is drawn without errors
+        driver.execute_script("const s = document.getElementById('head'); s.value = '0';"
+                              "s.dispatchEvent(new Event('input'));")
+    severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, severe

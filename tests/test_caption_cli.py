@@ -1,0 +1,187 @@
+"""``captioner caption`` and ``captioner attend`` end to end on tiny untrained checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.cli import main
+from captioner.config import get_preset
+from captioner.models.captioner import build_model
+from captioner.text import Vocabulary
+from captioner.visualize import read_attention_json
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "a red blue green circle square triangle on the left right of".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster and immune to spin-waiting on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _checkpoint(root: Path, preset: str) -> Path:
+    from captioner.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(WORDS)
+    model = build_model(get_preset(preset).model, len(vocab), load_pretrained=False).eval()
+    with torch.no_grad():  # untrained: make special tokens unlikely, so every caption has max-len real words
+        for module in model.decoder.modules():
+            if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
+                module.bias[: vocab.unk_id + 1] = -30.0
+    path = root / f"{preset}.safetensors"
+    save_checkpoint(path, model, vocab)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: _checkpoint(root, name) for name in ("sat_soft_tiny", "transformer_tiny")}
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """Three good images (one non-square, one greyscale JPEG), three bad files and a non-image."""
+    folder = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (48, 96, 3), dtype=np.uint8)).save(folder / "b_wide.png")
+    Image.fromarray(rng.integers(0, 255, (70, 70), dtype=np.uint8)).save(folder / "a_grey.jpg")
+    Image.fromarray(rng.integers(0, 255, (80, 40, 3), dtype=np.uint8)).save(folder / "d_tall.png")
+    (folder / "c_corrupt.jpg").write_bytes(b"this is not a jpeg at all")
+    good = (folder / "b_wide.png").read_bytes()
+    (folder / "e_truncated.png").write_bytes(good[: len(good) // 3])
+    (folder / "f_empty.png").write_bytes(b"")
+    (folder / "notes.txt").write_text("not an image, not listed")
+    return folder
+
+
+BAD = ("c_corrupt.jpg", "e_truncated.png", "f_empty.png")
+GOOD = ("a_grey.jpg", "b_wide.png", "d_tall.png")
+
+
+def _run(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.splitlines()
+
+
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_folder_with_bad_files_captions_the_rest_and_fails(capsys, checkpoints, photos, preset):
+    code, out, err = _run(capsys, "caption", str(photos), "--checkpoint", str(checkpoints[preset]),
+                          "--max-len", "4", "--batch-size", "2")
+    assert code == 1
+    assert [Path(line.split("\t")[0]).name for line in out] == list(GOOD)  # sorted, bad ones left out
+    assert all(len(line.split("\t")[1].split()) == 4 for line in out)
+    assert len(err) == len(BAD)
+    for name, line in zip(BAD, err):
+        assert line.startswith("captioner caption: error: ") and name in line
+
+
+def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints, photos):
+    files = [str(photos / name) for name in GOOD]
+    code, out, err = _run(capsys, "caption", *files, "-c", str(checkpoints["sat_soft_tiny"]), "--json",
+                          "--beam", "2", "--max-len", "3")
+    assert code == 0 and err == []
+    rows = [json.loads(line) for line in out]
+    assert [r["path"] for r in rows] == files
+    for row in rows:
+        assert set(row) == {"path", "caption", "score", "tokens", "seconds"}
+        assert row["tokens"] == row["caption"].split() and len(row["tokens"]) == 3
+        assert set(row["tokens"]) <= set(WORDS) and isinstance(row["score"], float) and row["seconds"] > 0
+
+
+def test_globs_and_missing_files(capsys, checkpoints, photos, tmp_path):
+    missing = tmp_path / "nowhere.jpg"
+    code, out, err = _run(capsys, "caption", str(photos / "*.png"), str(missing), str(tmp_path / "*.gif"),
+                          "-c", str(checkpoints["sat_soft_tiny"]), "--max-len", "2", "--beam", "1")
+    assert code == 1
+    assert [Path(line.split("\t")[0]).name for line in out] == ["b_wide.png", "d_tall.png"]
+    assert any("nowhere.jpg" in line for line in err)
+    assert any("*.gif: no files match" in line for line in err)
+
+
+def test_checkpoint_problems_are_one_line_errors(capsys, photos, tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 64)
+    for ckpt in (tmp_path / "absent.safetensors", junk):
+        code, out, err = _run(capsys, "caption", str(photos / "b_wide.png"), "--checkpoint", str(ckpt))
+        assert code == 1 and out == []
+        assert len(err) == 1 and err[0].startswith("captioner caption: error:") and ckpt.name in err[0]
+    code, _, err = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(junk), "--beam", "0")
+    assert code == 1 and "--beam" in err[0]
+
+
+def test_overlay_option_writes_every_file_per_image(capsys, checkpoints, photos, tmp_path):
+    out_dir = tmp_path / "ov"
+    code, out, _ = _run(capsys, "caption", str(photos / "b_wide.png"), str(photos / "d_tall.png"),
+                        "-c", str(checkpoints["sat_soft_tiny"]), "--overlay", str(out_dir), "--max-len", "3",
+                        "--json")
+    assert code == 0
+    for line, stem, size in zip(out, ("b_wide", "d_tall"), ((96, 48), (40, 80))):
+        row = json.loads(line)
+        assert Path(row["overlay"]) == out_dir / stem
+        assert sorted(p.name for p in (out_dir / stem).iterdir()) == [
+            "attention.gif", "attention.html", "attention.json", "attention.png"]
+        record = read_attention_json(out_dir / stem / "attention.json")
+        assert record.words == row["tokens"] and record.image_size == size and record.grid == 4
+        assert Image.open(out_dir / stem / "attention.gif").n_frames == 3
+        np.testing.assert_allclose(record.attention.sum(axis=(1, 2)), 1.0, atol=1e-4)
+
+
+def test_attend_transformer_writes_layer_and_head_maps(capsys, checkpoints, photos, tmp_path):
+    code, out, err = _run(capsys, "attend", str(photos / "b_wide.png"), "-c", str(checkpoints["transformer_tiny"]),
+                          "--out", str(tmp_path), "--max-len", "4", "--beam", "3", "--cmap", "viridis")
+    assert code == 0, err
+    assert out[0].split("\t")[0] == str(photos / "b_wide.png")
+    assert [line.split()[-1] for line in out[1:]] == [str(tmp_path / f"attention.{k}") for k in
+                                                     ("png", "gif", "json", "html")]
+    record = read_attention_json(tmp_path / "attention.json")
+    assert record.all_attention.shape == (4, 2, 4, 4, 4)  # (L, layers, heads, g, g)
+    # the teacher-forced re-run reproduces the cached beam-search attention (last layer, mean of heads)
+    np.testing.assert_allclose(record.all_attention[:, -1].mean(axis=1), record.attention, atol=1e-4)
+    code, _, err = _run(capsys, "attend", str(photos / "b_wide.png"), "-c", str(checkpoints["transformer_tiny"]),
+                        "--out", str(tmp_path / "h2"), "--max-len", "4", "--layer", "1", "--head", "2")
+    assert code == 0, err
+    chosen = read_attention_json(tmp_path / "h2" / "attention.json")
+    np.testing.assert_allclose(chosen.attention, chosen.all_attention[:, 0, 1], atol=1e-5)
+    code, _, err = _run(capsys, "attend", str(photos / "b_wide.png"), "-c", str(checkpoints["transformer_tiny"]),
+                        "--out", str(tmp_path / "h9"), "--head", "9")
+    assert code == 1 and "--head 9" in err[0]
+
+
+def test_attend_lstm_has_no_layer_maps_and_reports_bad_images(capsys, checkpoints, photos, tmp_path):
+    ckpt = str(checkpoints["sat_soft_tiny"])
+    code, out, _ = _run(capsys, "attend", str(photos / "a_grey.jpg"), "-c", ckpt, "--out", str(tmp_path),
+                        "--max-len", "3")
+    assert code == 0 and read_attention_json(tmp_path / "attention.json").all_attention is None
+    code, _, err = _run(capsys, "attend", str(photos / "a_grey.jpg"), "-c", ckpt, "--out", str(tmp_path), "--layer", "1")
+    assert code == 1 and "--layer" in err[0]
+    code, _, err = _run(capsys, "attend", str(photos / "c_corrupt.jpg"), "-c", ckpt, "--out", str(tmp_path))
+    assert code == 1 and len(err) == 1 and "c_corrupt.jpg" in err[0]
+
+
+def test_help_shows_examples(capsys):
+    for command in ("caption", "attend"):
+        assert main([command, "--help"]) == 0
+        assert "examples:" in capsys.readouterr().out
+
+
+def test_cli_import_stays_light():
+    """Importing the CLI and building its parser (every command module) loads no heavy package."""
+    code = ("import json, sys, captioner.cli; captioner.cli.build_parser(); "
+            "print(json.dumps(sorted(m for m in ('matplotlib', 'timm', 'pycocotools', 'torch') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []

@@ -1,0 +1,179 @@
+"""Overlay maths and the PNG/GIF/JSON writers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.config import EncoderConfig
+from captioner.data.transforms import crop_box
+from captioner.errors import ConfigError, DataError
+from captioner.visualize import (
+    BACKGROUND,
+    DIM,
+    AttentionRecord,
+    attention_to_image_map,
+    grid_layout,
+    overlay_heatmap,
+    read_attention_json,
+    write_overlays,
+)
+
+
+def corner_attention(g: int = 4, row: int = 0, col: int = 0) -> np.ndarray:
+    att = np.zeros((g, g), dtype=np.float32)
+    att[row, col] = 1.0
+    return att
+
+
+def photo(width: int = 200, height: int = 100) -> Image.Image:
+    """A textured test image (a gradient, so dimming and blending are measurable)."""
+    x = np.linspace(60, 200, width, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 40, height, dtype=np.float32)[:, None, None]
+    return Image.fromarray(np.broadcast_to(x + y, (height, width, 3)).astype(np.uint8))
+
+
+@pytest.mark.parametrize("resize", ["stretch", "center_crop"])
+def test_top_left_attention_peaks_in_top_left_of_original_image(resize):
+    box = crop_box(200, 100, EncoderConfig(name="tiny", resize=resize))
+    m = attention_to_image_map(corner_attention(), 200, 100, box)
+    assert m.shape == (100, 200)  # (H, W) of the ORIGINAL image, not the encoder's square
+    y, x = np.unravel_index(np.argmax(m), m.shape)
+    left, top, right, bottom = box
+    assert top <= y < top + (bottom - top) / 4 and left <= x < left + (right - left) / 4
+    if resize == "center_crop":
+        assert box == (50, 0, 150, 100)
+        assert m[:, :50].max() == 0 and m[:, 150:].max() == 0  # nothing outside the crop box
+    else:  # stretch: a cell is 50 x 25 pixels, the hot blob is twice as wide as it is tall
+        half = m > m.max() / 2
+        assert np.ptp(np.nonzero(half)[1]) > 1.5 * np.ptp(np.nonzero(half)[0])
+
+
+def test_mass_preserving_map_is_a_distribution_over_pixels():
+    rng = np.random.default_rng(0)
+    att = rng.random((5, 5))
+    att /= att.sum()
+    smooth = attention_to_image_map(att, 160, 90, (35, 0, 125, 90), preserve_mass=True)
+    assert smooth.sum() == pytest.approx(1.0, abs=1e-5) and smooth.min() >= 0
+    blocks = attention_to_image_map(att, 100, 100, None, smooth=False, preserve_mass=True)
+    # without smoothing every 20 x 20 cell holds exactly its weight
+    cell_mass = blocks.reshape(5, 20, 5, 20).sum(axis=(1, 3))
+    np.testing.assert_allclose(cell_mass, att, atol=1e-6)
+
+
+def test_uniform_attention_gives_a_flat_map_up_to_the_edges():
+    m = attention_to_image_map(np.full((7, 7), 1 / 49), 90, 60, None)
+    np.testing.assert_allclose(m, 1 / 49, rtol=1e-5)
+
+
+def test_bad_attention_shapes_and_boxes_are_rejected():
+    with pytest.raises(DataError, match="square"):
+        attention_to_image_map(np.zeros((3, 4)), 10, 10)
+    with pytest.raises(DataError, match="box"):
+        attention_to_image_map(np.zeros((3, 3)), 10, 10, (0, 0, 20, 10))
+
+
+def test_overlay_blends_inside_the_box_and_dims_outside():
+    image = photo()
+    box = (50, 0, 150, 100)
+    heat = attention_to_image_map(corner_attention(), 200, 100, box)
+    plain = np.asarray(image, dtype=np.float32)
+    out = np.asarray(overlay_heatmap(image, heat, "jet", 0.5, box), dtype=np.float32)
+    np.testing.assert_allclose(out[:, :50], DIM * plain[:, :50], atol=1.0)
+    np.testing.assert_allclose(out[:, 150:], DIM * plain[:, 150:], atol=1.0)
+    hot, cold = out[5, 55], out[95, 145]  # jet: red where attention peaks, blue where it is 0
+    assert hot[0] > hot[2] and cold[2] > cold[0]
+    invisible = np.asarray(overlay_heatmap(image, heat, "jet", 0.0, box), dtype=np.float32)
+    np.testing.assert_allclose(invisible[:, 50:150], plain[:, 50:150], atol=1.0)
+    with pytest.raises(ConfigError, match="nope"):
+        overlay_heatmap(image, heat, "nope")
+    with pytest.raises(ConfigError, match="alpha"):
+        overlay_heatmap(image, heat, "jet", 1.5)
+
+
+def _panel_is_blank(canvas: np.ndarray, box: tuple[int, int, int, int]) -> bool:
+    left, top, right, bottom = box
+    return bool((canvas[top:bottom, left:right] == BACKGROUND).all())
+
+
+@pytest.mark.parametrize("resize", ["stretch", "center_crop"])
+def test_write_overlays_png_gif_json(tmp_path, resize):
+    image = photo(200, 100)
+    box = crop_box(200, 100, EncoderConfig(name="tiny", resize=resize))
+    words = ["a", "red", "square", "a", "a", "on", "top"]
+    att = np.stack([corner_attention(4, r, c) for r, c in [(0, 0), (3, 3), (1, 2), (2, 2), (2, 2), (0, 3), (3, 0)]])
+    paths = write_overlays(image, words, att, tmp_path / "out", box=box, cmap="jet", alpha=0.6)
+    assert set(paths) == {"png", "gif", "json", "html"} and all(p.is_file() for p in paths.values())
+
+    # PNG: image + one panel per word, laid out as grid_layout says; pictures keep the 2:1 aspect
+    layout = grid_layout(len(words), image.size)
+    grid = np.asarray(Image.open(paths["png"]).convert("RGB"))
+    assert (grid.shape[1], grid.shape[0]) == layout.canvas_size
+    assert layout.panels == 8 and (layout.columns, layout.rows) == (5, 2)
+    w, h = layout.image_size
+    assert w / h == pytest.approx(2.0, abs=0.02)
+    for i in range(layout.columns * layout.rows):
+        assert _panel_is_blank(grid, layout.image_box(i)) == (i >= layout.panels), i
+    # panel 1 = "a" looking at the top-left cell: its reddest pixel is in the top-left of the box
+    left, top, _, _ = layout.image_box(1)
+    panel = grid[top:top + h, left:left + w].astype(int)
+    y, x = np.unravel_index(np.argmax(panel[..., 0] - panel[..., 2]), (h, w))
+    bl, bt, br, bb = (box[0] * w / 200, box[1] * h / 100, box[2] * w / 200, box[3] * h / 100)
+    assert bl <= x < bl + (br - bl) / 4 and bt <= y < bt + (bb - bt) / 4
+    if resize == "center_crop":  # outside the crop box the picture is dimmed relative to panel 0
+        original = grid[top:top + h, layout.image_box(0)[0]:layout.image_box(0)[0] + w].astype(int)
+        assert panel[:, : int(bl) - 2].mean() < 0.5 * original[:, : int(bl) - 2].mean()
+
+    # GIF: one frame per word, even for repeated words with identical maps ("a", "a")
+    gif = Image.open(paths["gif"])
+    assert gif.n_frames == len(words)
+    assert gif.width / (gif.height - 30) == pytest.approx(2.0, abs=0.02)
+
+    record = read_attention_json(paths["json"])
+    assert record.words == words and record.caption == " ".join(words) and record.grid == 4
+    assert record.image_size == (200, 100) and record.box == tuple(float(v) for v in box)
+    np.testing.assert_allclose(record.attention, att, atol=1e-6)
+    assert record.all_attention is None
+
+
+def test_json_round_trip_with_layers_and_heads_and_tensor_inputs(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    all_att = torch.rand(3, 2, 4, 5, 5, generator=gen)  # (L, layers, heads, g, g)
+    att = all_att[:, -1].mean(1)  # the overlay view: last layer, mean of heads
+    paths = write_overlays(photo(64, 48), ["one", "two", "three"], att, tmp_path, all_attention=all_att,
+                           stem="x", caption="One, two; three!")
+    assert paths["json"].name == "x.json"
+    record = read_attention_json(paths["json"])
+    assert record.caption == "One, two; three!" and record.box == (0.0, 0.0, 64.0, 48.0)
+    np.testing.assert_allclose(record.all_attention, all_att.numpy(), atol=1e-6)
+    np.testing.assert_allclose(record.attention, att.numpy(), atol=1e-6)
+    assert record.to_dict()["layers"] == 2 and record.to_dict()["heads"] == 4
+
+
+def test_empty_caption_still_writes_every_file(tmp_path):
+    paths = write_overlays(photo(), [], np.zeros((0, 4, 4)), tmp_path)
+    assert Image.open(paths["gif"]).n_frames == 1
+    layout = grid_layout(0, (200, 100))
+    assert Image.open(paths["png"]).size == layout.canvas_size and layout.panels == 1
+    assert read_attention_json(paths["json"]).words == []
+
+
+def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
+    with pytest.raises(DataError, match="all_attention"):
+        AttentionRecord("a b", ["a", "b"], np.zeros((2, 3, 3)), (9, 9), (0, 0, 9, 9), np.zeros((2, 1, 1, 4, 4)))
+    with pytest.raises(DataError):
+        AttentionRecord("a b", ["a", "b"], np.zeros((3, 3, 3)), (9, 9), (0, 0, 9, 9))
+    bad = tmp_path / "broken.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="broken.json"):
+        read_attention_json(bad)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"format": "something-else"}')
+    with pytest.raises(DataError, match="foreign.json"):
+        read_attention_json(foreign)
+    with pytest.raises(DataError, match="missing.json"):
+        read_attention_json(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="not_a_cmap"):
+        write_overlays(photo(), ["a"], np.ones((1, 2, 2)), tmp_path, cmap="not_a_cmap")
