@@ -1,0 +1,31 @@
+"""Shared fixtures. Real-data tests use ``shared_data`` and skip cleanly where it is absent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+torch.set_num_threads(1)  # tiny models: threads only add contention on 2-core CI
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` (real COCO / Flickr8k photos); skips the test when it is absent."""
+    if not (SHARED_DATA / "coco2017-mini").is_dir():
+        pytest.skip(f"real data not available at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic-scenes dataset (60 images, 64 px), made once per test session. Read-only."""
+    from captioner.data.shapes import make_shapes
+
+    out = tmp_path_factory.mktemp("shapes")
+    make_shapes(out, images=60, seed=0, image_size=64)
+    return out
