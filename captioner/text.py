@@ -130,6 +130,10 @@ class Vocabulary:
         if not isinstance(data, dict) or not isinstance(data.get("itos"), list):
             raise DataError("not a captioner vocabulary (expected a JSON object with an 'itos' list)")
         itos = data["itos"]
+        if not all(isinstance(t, str) for t in itos):
+            raise DataError("vocabulary tokens must all be strings")
+        if len(set(itos)) != len(itos):
+            raise DataError("vocabulary has duplicate tokens")
         if [str(t) for t in itos[: len(SPECIALS)]] != list(SPECIALS):
             raise DataError(f"vocabulary must start with {list(SPECIALS)}, got {itos[:4]}")
         return cls([str(t) for t in itos[len(SPECIALS):]])
@@ -147,8 +151,8 @@ class Vocabulary:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise DataError(f"{path}: vocabulary file not found") from None
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: cannot read vocabulary ({exc})") from None
+        except (OSError, ValueError, RecursionError) as exc:
+            raise DataError(f"{path}: cannot read vocabulary ({type(exc).__name__}: {str(exc)[:200]})") from None
         try:
             return cls.from_dict(data)
         except DataError as exc:

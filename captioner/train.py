@@ -11,12 +11,20 @@ references; early stopping and the best checkpoint follow validation BLEU-4 (0-1
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
 gathered, and only rank 0 writes files, logs and progress bars.
+
+Failures: a non-finite loss stops the run with one line naming the step (``train.skip_nonfinite``
+skips such batches, and batches whose gradient norm is non-finite, instead; it still stops when
+the weights themselves become non-finite or after ``MAX_SKIPPED_IN_A_ROW`` skips in a row), and
+non-finite weights are never saved. An unreadable image stops it with one line naming the file,
+unless ``data.skip_missing`` drops it from its batch. A resume removes the temporary files of an
+interrupted checkpoint write and refuses a ``vocab.json`` other than the checkpoint's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,20 +36,22 @@ from torch.utils.data import DataLoader, Subset
 from tqdm import tqdm
 
 from captioner.config import Config
-from captioner.errors import CaptionerError, CheckpointError
-from captioner.models.base import attention_entropy
+from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
 from captioner.models.captioner import Captioner
-from captioner.text import Vocabulary
 from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
 from captioner.training.logging_utils import MetricsLogger
-from captioner.training.optim import Precision, build_optimizer, clip_and_step, schedule_width, setup_precision
-from captioner.training.state import Progress, capture_rng, check_resume_config, restore_rng, seed_everything
+from captioner.training.optim import (Precision, build_optimizer, clip_and_step, nonfinite_tensors, schedule_width,
+                                      setup_precision)
+from captioner.training.state import (Progress, capture_rng, check_resume_config, check_resume_vocab,
+                                      remove_stale_temp_files, restore_rng, seed_everything)
+from captioner.training.validation import score, validate
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = "captioner-train-state"
+MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
 
 
 @dataclass
@@ -103,6 +113,8 @@ class _Run:
     seconds_before: float  # training seconds of earlier sessions
     show_progress: bool
     last_lr: float | None = None  # decoder lr of the last optimizer step
+    skipped_in_a_row: int = 0  # batches skipped for non-finite values since the last good one
+    bad_grad_step: int | None = None  # first step with a non-finite gradient norm (without skip_nonfinite)
 
     def time_up(self) -> bool:
         budget = self.cfg.train.time_budget
@@ -112,19 +124,123 @@ class _Run:
         return self.seconds_before + time.monotonic() - self.start
 
 
-def _nonfinite_error(run: _Run, value: float, epoch: int) -> CaptionerError:
+def _last_good(run: _Run) -> str:
     latest = run.run_dir / "latest.safetensors"
-    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
-    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {run.progress.step}; {where} "
-                          "(set train.skip_nonfinite=true to skip such batches)")
+    return f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+
+
+def _nonfinite_error(run: _Run, value: float, epoch: int) -> CaptionerError:
+    note = "" if run.bad_grad_step is None else f"; the gradient norm was non-finite at step {run.bad_grad_step}"
+    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {run.progress.step}; "
+                          f"{_last_good(run)} (set train.skip_nonfinite=true to skip such batches{note})")
+
+
+def _names(keys: list[str]) -> str:
+    return keys[0] + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+
+
+def _image_error(run: _Run, exc: ImageLoadError, where: str) -> ImageLoadError:
+    """One line naming the unreadable file (a DataLoader worker wraps the message in its traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = lines[-1] if lines else "unreadable image"
+    if len(lines) > 1:  # "...ImageLoadError: <path>: <reason>", the last line of the worker's traceback
+        message = re.sub(r"^[\w.]*(Error|Exception): ", "", message)
+    return ImageLoadError(f"{message} (found {where}; pass --skip-missing to train without unreadable images; "
+                          f"{_last_good(run)})")
+
+
+def _skip_batch(run: _Run, epoch: int, why: str, criterion_state: dict[str, torch.Tensor] | None) -> None:
+    """``train.skip_nonfinite``: count and report a skipped batch, and stop when skipping cannot help."""
+    prog = run.progress
+    prog.skipped += 1
+    run.skipped_in_a_row += 1
+    if criterion_state is not None:
+        run.criterion.load_state_dict(criterion_state)  # e.g. a REINFORCE baseline updated from this batch
+    if run.info.is_main:
+        log.warning("skipping batch at step %d: %s", prog.step, why)
+    bad = nonfinite_tensors(run.model)
+    if bad:
+        raise CaptionerError(f"non-finite weights ({_names(bad)}) at epoch {epoch + 1} step {prog.step}: skipping "
+                             f"batches cannot help; {_last_good(run)}")
+    if run.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise CaptionerError(f"{run.skipped_in_a_row} batches in a row were non-finite (last at epoch {epoch + 1} "
+                             f"step {prog.step}); stopping; {_last_good(run)}")
+
+
+def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float | None, float]:
+    """One batch (``prog.step`` already counts it).
+
+    Returns:
+        ``(time_up, loss, captions)``: the time-budget vote agreed by all ranks, the mean loss
+        (None when the batch was skipped) and the number of captions trained (all ranks).
+    """
+    cfg, info, prog = run.cfg, run.info, run.progress
+    reduce_on = info.device if info.device.type == "cuda" else torch.device("cpu")
+    if cfg.data.skip_missing and info.distributed:  # every rank skips a batch left empty on any rank
+        flags = torch.tensor([float(batch is None), float(run.time_up())], dtype=torch.float64, device=reduce_on)
+        flags = ddp.all_reduce_sum(flags, info).cpu()
+        empty, time_up = bool(flags[0] > 0), bool(flags[1] > 0)
+    else:
+        empty, time_up = batch is None, False
+    if empty:
+        if info.is_main:
+            log.warning("skipping batch at step %d: none of its images could be read", prog.step)
+        return time_up or (not info.distributed and run.time_up()), None, 0.0
+    x, tokens, _ = batch
+    x = x.to(info.device, non_blocking=True)
+    tokens = tokens.to(info.device, non_blocking=True)  # (B, T)
+    criterion_state = ({k: v.detach().clone() for k, v in run.criterion.state_dict().items()}
+                       if cfg.train.skip_nonfinite else None)
+    with run.precision.autocast():
+        out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
+        result = run.criterion(out, tokens[:, 1:])
+    keys = sorted(result.parts)
+    n = float(tokens.size(0))
+    # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
+    stats = torch.tensor([result.total.item() * n, n, *(result.parts[k] * n for k in keys), float(run.time_up())],
+                         dtype=torch.float64, device=reduce_on)
+    stats = ddp.all_reduce_sum(stats, info).cpu()
+    time_up = bool(stats[-1] > 0)
+    loss = float(stats[0] / stats[1])
+    run.optimizer.zero_grad(set_to_none=True)
+    if not math.isfinite(loss):
+        if not cfg.train.skip_nonfinite:
+            raise _nonfinite_error(run, loss, epoch)
+        _skip_batch(run, epoch, f"non-finite loss ({loss})", criterion_state)
+        return time_up, None, 0.0
+    last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
+    step = clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision)
+    if getattr(step, "skipped_nonfinite", False):  # optimizer, its state and the schedule untouched
+        _skip_batch(run, epoch, f"non-finite gradient norm ({step.grad_norm})", criterion_state)
+        return time_up, None, 0.0
+    if step:
+        run.scheduler.step()
+    if run.precision.scaler is None and getattr(step, "nonfinite", False) and run.bad_grad_step is None:
+        run.bad_grad_step = prog.step
+        if info.is_main:
+            log.warning("non-finite gradient norm (%s) at step %d (set train.skip_nonfinite=true to skip such "
+                        "batches)", step.grad_norm, prog.step)
+    run.last_lr = last_lr
+    run.skipped_in_a_row = 0
+    parts = {"loss": loss, **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
+    prog.epoch_meter.add(parts, float(stats[1]))
+    prog.window_meter.add(parts, float(stats[1]))
+    return time_up, loss, float(stats[1])
 
 
 def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bool]:
     """Train over ``loader`` (the rest of epoch ``epoch``), logging every ``train.log_every`` steps.
 
+    A batch that is skipped (non-finite with ``train.skip_nonfinite``, or without a readable
+    image with ``data.skip_missing``) still counts as a step of the epoch, so a resumed run
+    starts at the same batch.
+
     Returns:
         ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
         the epoch's last batch was trained.
+
+    Raises:
+        ImageLoadError: an unreadable image without ``data.skip_missing`` (one line naming it).
     """
     cfg, info, prog = run.cfg, run.info, run.progress
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
@@ -135,101 +251,31 @@ def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bo
                disable=True if not (run.show_progress and info.is_main) else None)
     window_start = time.monotonic()
     window_captions = 0.0
-    keys: list[str] | None = None
     remaining = len(loader)
-    for x, tokens, _ in bar:
-        remaining -= 1
-        x = x.to(info.device, non_blocking=True)
-        tokens = tokens.to(info.device, non_blocking=True)  # (B, T)
-        with run.precision.autocast():
-            out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
-            result = run.criterion(out, tokens[:, 1:])
-        prog.step += 1
-        prog.batch_in_epoch += 1
-        keys = keys or sorted(result.parts)
-        n = float(tokens.size(0))
-        # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
-        stats = torch.tensor([result.total.item() * n, n, *(result.parts[k] * n for k in keys), float(run.time_up())],
-                             dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu")
-        stats = ddp.all_reduce_sum(stats, info).cpu()
-        loss = float(stats[0] / stats[1])
-        run.optimizer.zero_grad(set_to_none=True)
-        if not math.isfinite(loss):
-            if not cfg.train.skip_nonfinite:
-                raise _nonfinite_error(run, loss, epoch)
-            if info.is_main:
-                log.warning("skipping batch at step %d: non-finite loss (%s)", prog.step, loss)
-        else:
-            run.last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
-            if clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision):
-                run.scheduler.step()
-            parts = {"loss": loss, **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
-            prog.epoch_meter.add(parts, float(stats[1]))
-            prog.window_meter.add(parts, float(stats[1]))
-            window_captions += float(stats[1])
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if prog.step % cfg.train.log_every == 0:
-            speed = window_captions / max(time.monotonic() - window_start, 1e-9)
-            if run.logger is not None:
-                run.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **prog.window_meter.means(),
-                                          "lr": run.last_lr, "captions_per_s": speed, "seconds": run.elapsed()})
-            bar.set_postfix(loss=f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
-            prog.window_meter = type(prog.window_meter)()
-            window_start, window_captions = time.monotonic(), 0.0
-        if stats[-1] > 0:
-            bar.close()
-            return True, remaining == 0
-    bar.close()
+    try:
+        for batch in bar:
+            remaining -= 1
+            prog.step += 1
+            prog.batch_in_epoch += 1
+            time_up, loss, captions = _train_step(run, batch, params, epoch)
+            window_captions += captions
+            if loss is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            if prog.step % cfg.train.log_every == 0:
+                speed = window_captions / max(time.monotonic() - window_start, 1e-9)
+                if run.logger is not None:
+                    run.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **prog.window_meter.means(),
+                                              "lr": run.last_lr, "captions_per_s": speed, "seconds": run.elapsed()})
+                bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
+                prog.window_meter = type(prog.window_meter)()
+                window_start, window_captions = time.monotonic(), 0.0
+            if time_up:
+                return True, remaining == 0
+    except ImageLoadError as exc:
+        raise _image_error(run, exc, f"in the training data at epoch {epoch + 1} step {prog.step + 1}") from None
+    finally:
+        bar.close()
     return False, True
-
-
-@torch.inference_mode()
-def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
-             device: torch.device, on_features: bool) -> dict[str, Any]:
-    """Decode captions for the loader's images and collect hypotheses and references.
-
-    Args:
-        model: the (unwrapped) captioner.
-        loader: yields (x, image_index) with x region features (B,N,D) or images (B,3,S,S).
-        val_set: the caption set ``image_index`` points into (references come from it).
-        vocab: vocabulary of the model.
-        beam_size, max_len: decoding options (beam 1 is greedy).
-        device: where to run.
-        on_features: ``x`` holds cached features rather than images.
-
-    Returns:
-        ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
-    """
-    from captioner.decoding import DecodeOptions, caption_features, caption_images
-
-    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
-    hyps: list[str] = []
-    refs: list[list[str]] = []
-    entropy_sum, words = 0.0, 0
-    for x, index in loader:
-        x = x.to(device, non_blocking=True)
-        results = (caption_features if on_features else caption_images)(model, x, vocab, options)
-        for res, i in zip(results, index.tolist()):
-            hyps.append(res.text)
-            refs.append(val_set.references(val_set.images[i].image_id))
-            if res.attention.numel():
-                entropy_sum += float(attention_entropy(res.attention.flatten(1).float()).sum())  # (L, N) -> (L,)
-                words += res.attention.size(0)
-    return {"hypotheses": hyps, "references": refs, "entropy_sum": entropy_sum, "words": words}
-
-
-def score(shards: list[dict[str, Any]]) -> dict[str, float]:
-    """Corpus BLEU-1..4 (0-1) and mean attention entropy per generated word over merged shards."""
-    from captioner.metrics import bleu
-
-    hyps = [h for s in shards for h in s["hypotheses"]]
-    refs = [r for s in shards for r in s["references"]]
-    words = sum(s["words"] for s in shards)
-    out = {k: float(v) for k, v in bleu(hyps, refs).items()}
-    out["attention_entropy"] = sum(s["entropy_sum"] for s in shards) / words if words else float("nan")
-    out["val_images"] = len(hyps)
-    out["val_words"] = words / len(hyps) if hyps else 0.0  # mean caption length (0: only empty captions)
-    return out
 
 
 def _validate_all(run: _Run, data: TrainData) -> dict[str, float]:
@@ -276,7 +322,10 @@ def _load_train_state(run: _Run, state: dict[str, Any]) -> None:
             run.precision.scaler.load_state_dict(state["scaler"])
         run.progress.load_state_dict(state["progress"])
     except (KeyError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: does not match this model ({str(exc).splitlines()[0]})") from None
+        # load_state_dict: "Error(s) in loading state_dict for X:" then one line per problem
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if line.startswith("size mismatch")), lines[-1] if lines else repr(exc))
+        raise CheckpointError(f"{path}: does not match this model ({detail[:300]})") from None
     rngs = state.get("rng", [])
     if run.info.rank < len(rngs):
         restore_rng(rngs[run.info.rank], run.info.device)
@@ -305,8 +354,15 @@ def _save(run: _Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]]
 def _end_of_epoch(run: _Run, data: TrainData, epoch: int, complete: bool, captions_per_s: float) -> None:
     """Validate, update early stopping, log the epoch row and save (every rank calls this)."""
     prog, info = run.progress, run.info
+    bad = nonfinite_tensors(run.model)
+    if bad:  # never replace the last good checkpoint with NaN/inf weights
+        raise CaptionerError(f"non-finite weights ({_names(bad)}) at epoch {epoch + 1} step {prog.step}; not saving "
+                             f"them; {_last_good(run)}")
     rng = capture_rng(info.device)
-    metrics = _validate_all(run, data)
+    try:
+        metrics = _validate_all(run, data)
+    except ImageLoadError as exc:
+        raise _image_error(run, exc, f"in the validation data after epoch {epoch + 1} step {prog.step}") from None
     restore_rng(rng, info.device)  # validation must not shift the training random stream
     row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(),
            "lr": run.last_lr, "captions_per_s": captions_per_s, **metrics,
@@ -363,6 +419,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         if not state_path.exists():
             raise CheckpointError(f"{run_dir}: nothing to resume (no train_state.pt); train without --resume first")
         check_resume_config(cfg, run_dir)
+        if info.is_main:
+            remove_stale_temp_files(run_dir)
         from captioner.checkpoint import load_train_state
 
         saved = load_train_state(state_path)
@@ -370,6 +428,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
     train_set, val_set = load_caption_sets(cfg)
     vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume)
+    if resume:
+        check_resume_vocab(vocab, run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.json")
@@ -386,8 +446,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_scheduler(t.schedule, optimizer, schedule_width(model), t.warmup_steps)
     forward: nn.Module = TrainForward(model, data.on_features)
-    run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, setup_precision(t.amp, info.device),
-               Progress(), run_dir, None, start, 0.0, progress)
+    precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
+    run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, precision, Progress(), run_dir, None, start,
+               0.0, progress)
     if saved is not None:
         _load_train_state(run, saved)
         run.seconds_before = run.progress.seconds
@@ -429,6 +490,8 @@ def _loop(run: _Run, data: TrainData) -> None:
             if run.info.is_main:
                 log.info("time budget of %.0f s reached at step %d; stopping", t.time_budget, prog.step)
             return
+    if prog.skipped and run.info.is_main:
+        log.warning("%d batch(es) of this run were skipped for non-finite values", prog.skipped)
     if prog.bad_epochs >= patience and run.info.is_main:
         log.info("early stopping: no better val BLEU-4 for %d epochs (best %.4f at epoch %d)",
                  prog.bad_epochs, prog.best_bleu4, prog.best_epoch)

@@ -177,6 +177,41 @@ def test_skip_nonfinite_skips_the_batch(tiny_shapes: Path, tmp_path: Path, monke
     assert losses[1] == ("2", "")  # the skipped step has no loss
     assert all(math.isfinite(float(loss)) for _, loss in losses[:1] + losses[2:])
     assert all(torch.isfinite(w).all() for w in weights(result.latest_checkpoint).values())
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
+    assert state["progress"]["skipped"] == 1 and state["progress"]["step"] == STEPS_PER_EPOCH
+    # the skipped batch took no optimizer step and did not advance the schedule (exact resume)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {STEPS_PER_EPOCH - 1}
+    assert state["scheduler"]["last_epoch"] == STEPS_PER_EPOCH - 1
+
+
+def test_unreadable_image_mid_epoch_stops_in_one_line_keeping_the_checkpoint(
+        tiny_shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """On pixels a truncated image is only found when its batch is loaded (here in a DataLoader
+    worker, which wraps the error in its traceback). The resume also removes the temporary file of
+    an interrupted checkpoint write."""
+    import shutil
+
+    root, out = tmp_path / "shapes", tmp_path / "run"
+    shutil.copytree(tiny_shapes, root)
+    assert cli(["--preset", "sat_soft_tiny", "--data", str(root), "--out", str(out), "--epochs", "1",
+                "--batch-size", "16", "--set", "train.val_max_images=4", "--set", "data.feature_cache=false",
+                "--no-progress"]) == 0
+    capsys.readouterr()
+    before = {n: (out / n).read_bytes() for n in ("latest.safetensors", "best.safetensors", "train_state.pt")}
+    stale = out / ".latest.safetensors.k1ll3d.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    name = json.loads((root / "captions_train.json").read_text())["images"][0]["file_name"]
+    image = root / "images" / name
+    image.write_bytes(image.read_bytes()[:-200])  # truncated pixel data: the header still reads
+
+    code = cli(["--out", str(out), "--resume", "--epochs", "2", "--set", "data.num_workers=1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    [line] = err.splitlines()
+    assert line.startswith(f"captioner train: error: {image}: ") and "--skip-missing" in line, line
+    assert f"last good checkpoint: {out / 'latest.safetensors'}" in line
+    assert {n: (out / n).read_bytes() for n in before} == before
+    assert not stale.exists()
 
 
 def test_cli_trains_on_images_with_overrides_then_resumes(tiny_shapes: Path, tmp_path: Path,

@@ -115,19 +115,25 @@ def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: An
                  run_dir: Path, info: DistInfo, progress: bool) -> TrainData:
     """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
 
-    Caches live in ``run_dir/features`` unless ``CAPTIONER_FEATURE_CACHE`` names a shared folder.
+    Caches live in ``data.feature_cache_dir`` when set, else in the folder the
+    ``CAPTIONER_FEATURE_CACHE`` environment variable names, else in ``run_dir/features``. On
+    pixels with ``data.skip_missing`` an image found unreadable mid-epoch is dropped from its
+    batch (a warning names it; a batch left empty comes out as ``None``).
     """
     from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset, image_loader
     from captioner.data.transforms import ImageTransform
 
     on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
     if on_features:
-        cache_dir = Path(os.environ.get("CAPTIONER_FEATURE_CACHE") or run_dir / "features")
+        cache_dir = Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE")
+                         or run_dir / "features")
         train_load, train_set = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
         val_load, val_set = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
     else:
         transform = ImageTransform(cfg.model.encoder)
-        train_load, val_load = image_loader(train_set, transform), image_loader(val_set, transform)
+        skip = cfg.data.skip_missing
+        train_load = image_loader(train_set, transform, skip_bad=skip)
+        val_load = image_loader(val_set, transform, skip_bad=skip)
     train_ds = CaptionTrainDataset(train_set, vocab, train_load, cfg.data.max_caption_len)
     val_ds = CaptionEvalDataset(val_set, val_load)
     return TrainData(train_set, val_set, vocab, train_ds, val_ds, on_features)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -41,17 +42,20 @@ def schedule_width(model: Captioner) -> int:
 
 @dataclass
 class Precision:
-    """Mixed-precision settings for one run.
+    """How one run takes its optimizer steps: mixed precision and non-finite gradients.
 
     Attributes:
         dtype: autocast dtype, or None for full fp32.
         device_type: ``"cuda"`` or ``"cpu"``.
         scaler: a ``GradScaler`` (fp16 only), else None.
+        skip_nonfinite: without a scaler, skip (do not take) an optimizer step whose gradient norm
+            is NaN/inf (``train.skip_nonfinite``); a scaler already skips such steps itself.
     """
 
     dtype: torch.dtype | None
     device_type: str
     scaler: torch.amp.GradScaler | None
+    skip_nonfinite: bool = False
 
     def autocast(self) -> AbstractContextManager:
         """Context for forward passes: autocast when enabled, else a no-op."""
@@ -64,23 +68,57 @@ class Precision:
         return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
 
-def setup_precision(amp: str, device: torch.device) -> Precision:
+def setup_precision(amp: str, device: torch.device, skip_nonfinite: bool = False) -> Precision:
     """Pick autocast for ``TrainConfig.amp``.
 
     ``auto`` means bf16 on a GPU that supports it, else fp16 with a ``GradScaler``; on CPU ``auto``
-    and ``off`` run fp32, ``bf16`` runs CPU autocast, and ``fp16`` is refused.
+    and ``off`` run fp32, ``bf16`` runs CPU autocast, and ``fp16`` is refused. ``skip_nonfinite``
+    is ``train.skip_nonfinite`` (see :class:`Precision`).
     """
     if device.type == "cuda":
         if amp == "off":
-            return Precision(None, "cuda", None)
+            return Precision(None, "cuda", None, skip_nonfinite)
         if amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported()):
-            return Precision(torch.bfloat16, "cuda", None)
-        return Precision(torch.float16, "cuda", torch.amp.GradScaler("cuda"))
+            return Precision(torch.bfloat16, "cuda", None, skip_nonfinite)
+        return Precision(torch.float16, "cuda", torch.amp.GradScaler("cuda"), skip_nonfinite)
     if amp == "bf16":
-        return Precision(torch.bfloat16, device.type, None)
+        return Precision(torch.bfloat16, device.type, None, skip_nonfinite)
     if amp == "fp16":
         raise ConfigError(f"train.amp=fp16 needs a CUDA device (training on {device}); use bf16 or off")
-    return Precision(None, device.type, None)
+    return Precision(None, device.type, None, skip_nonfinite)
+
+
+@dataclass
+class StepResult:
+    """What :func:`clip_and_step` did; truthy when the optimizer stepped.
+
+    Attributes:
+        stepped: the optimizer took the step (the schedule should advance).
+        grad_norm: total gradient norm before clipping, or None when it was not computed (no
+            clipping and no ``skip_nonfinite``).
+        skipped_nonfinite: the gradient norm was NaN/inf and ``precision.skip_nonfinite`` skipped
+            the step (gradients cleared, optimizer and its state untouched).
+    """
+
+    stepped: bool
+    grad_norm: float | None = None
+    skipped_nonfinite: bool = False
+
+    def __bool__(self) -> bool:
+        return self.stepped
+
+    @property
+    def nonfinite(self) -> bool:
+        """The gradient norm was computed and is NaN/inf."""
+        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
+
+
+def _grad_norm(params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
+    """Clip to ``grad_clip`` (when > 0) and return the total norm before clipping as a float."""
+    if grad_clip > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 def clip_and_step(
@@ -89,24 +127,40 @@ def clip_and_step(
     params: list[torch.nn.Parameter],
     grad_clip: float,
     precision: Precision,
-) -> bool:
+) -> StepResult:
     """Backward, optional clipping and an optimizer step (through the ``GradScaler`` for fp16).
 
+    With ``precision.skip_nonfinite`` (and no scaler) a step whose gradient norm is NaN/inf is not
+    taken: the gradients are cleared and neither the parameters nor the optimizer state change,
+    so the caller must not advance the schedule either. Without it such a step is taken as is
+    (the next loss is then non-finite and stops training there).
+
     Returns:
-        True when the optimizer stepped (a ``GradScaler`` skips steps with inf/nan gradients).
+        A :class:`StepResult`, falsy when the optimizer did not step (a ``GradScaler`` also skips
+        steps with inf/nan gradients, lowering its scale).
     """
     scaler = precision.scaler
     if scaler is None:
         loss.backward()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        norm = _grad_norm(params, grad_clip) if grad_clip > 0 or precision.skip_nonfinite else None
+        if precision.skip_nonfinite and norm is not None and not math.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            return StepResult(False, norm, skipped_nonfinite=True)
         optimizer.step()
-        return True
+        return StepResult(True, norm)
     scaler.scale(loss).backward()
+    norm = None
     if grad_clip > 0:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     scale = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
-    return scaler.get_scale() >= scale
+    return StepResult(scaler.get_scale() >= scale, norm)
+
+
+def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
+    """Names of the floating-point parameters and buffers of ``module`` holding NaN/inf."""
+    with torch.no_grad():
+        return [name for name, t in module.state_dict().items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())]

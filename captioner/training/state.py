@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from captioner.config import Config
-from captioner.errors import CheckpointError, ConfigError
+from captioner.errors import CaptionerError, CheckpointError, ConfigError
+from captioner.text import Vocabulary
 from captioner.training.logging_utils import RunningMean
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Progress:
         best_epoch: 1-based epoch of ``best_bleu4``.
         bad_epochs: epochs since the last improvement (early stopping).
         seconds: training wall time of all sessions of this run.
+        skipped: batches skipped for a non-finite loss or gradient (``train.skip_nonfinite``).
         history: one dict per validation (the epoch rows of ``metrics.csv``).
         epoch_meter: loss means of the current epoch so far.
         window_meter: loss means since the last step row.
@@ -88,6 +90,7 @@ class Progress:
     best_epoch: int = 0
     bad_epochs: int = 0
     seconds: float = 0.0
+    skipped: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     epoch_meter: RunningMean = field(default_factory=RunningMean)
     window_meter: RunningMean = field(default_factory=RunningMean)
@@ -105,7 +108,7 @@ class Progress:
                 getattr(self, f.name).load_state_dict(state[f.name])
             elif f.name == "history":
                 self.history = [dict(h) for h in state["history"]]
-            else:
+            elif f.name in state or f.name != "skipped":  # "skipped" is newer than some saved states
                 setattr(self, f.name, type(f.default)(state[f.name]))
 
 
@@ -123,7 +126,7 @@ def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[
 
 # Settings a resumed run may change without breaking exact reproduction.
 _RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.device", "train.log_every",
-                "data.num_workers", "train.skip_nonfinite"}
+                "data.num_workers", "train.skip_nonfinite", "data.feature_cache_dir"}
 
 
 def check_resume_config(cfg: Config, run_dir: Path) -> None:
@@ -144,3 +147,50 @@ def check_resume_config(cfg: Config, run_dir: Path) -> None:
     if other:
         log.warning("resuming with changed settings (%s): the run will not match an uninterrupted one",
                     ", ".join(other))
+
+
+# Files the run folder writes atomically (``captioner.checkpoint.atomic_write``: ``.<name>.*.tmp``).
+_ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
+
+
+def remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """Delete temporary files left in ``run_dir`` by a checkpoint write that was killed (resume only)."""
+    removed = []
+    for name in _ATOMIC_FILES:
+        for tmp in run_dir.glob(f".{name}.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError as exc:
+                log.debug("cannot remove stale temporary file %s (%s)", tmp, exc)
+                continue
+            log.debug("removed %s, left by an interrupted checkpoint write", tmp)
+            removed.append(tmp)
+    return removed
+
+
+def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
+    """Refuse a resume whose ``vocab.json`` is not the vocabulary ``latest.safetensors`` was trained with.
+
+    The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
+    is left for loading ``train_state.pt`` to report.
+    """
+    from captioner.checkpoint import read_checkpoint_metadata
+
+    latest = run_dir / "latest.safetensors"
+    if not latest.exists():
+        return
+    try:
+        saved = Vocabulary.from_dict(read_checkpoint_metadata(latest)["vocab"])
+    except (CaptionerError, KeyError, TypeError) as exc:
+        log.debug("cannot compare vocabularies with %s (%s)", latest, exc)
+        return
+    if saved == vocab:
+        return
+    path = run_dir / "vocab.json"
+    if len(saved) != len(vocab):
+        raise CheckpointError(f"{path} has {len(vocab)} tokens but {latest} was trained with {len(saved)}; "
+                              "put back the run's vocab.json or train into a new --out")
+    index = next(i for i, (a, b) in enumerate(zip(vocab.itos, saved.itos)) if a != b)
+    raise CheckpointError(f"{path} differs from the vocabulary {latest} was trained with (token {index} is "
+                          f"{vocab.itos[index]!r}, was {saved.itos[index]!r}); put back the run's vocab.json "
+                          "or train into a new --out")

@@ -1,0 +1,69 @@
+"""Validation during training: decode captions for real and score them with corpus BLEU.
+
+``validate`` runs on one shard of the validation images (one per rank under torchrun) and
+returns hypotheses and references; ``score`` merges the shards and computes BLEU-1..4 (0-1
+scale) and the mean attention entropy per generated word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from captioner.models.base import attention_entropy
+from captioner.models.captioner import Captioner
+from captioner.text import Vocabulary
+
+
+@torch.inference_mode()
+def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
+             device: torch.device, on_features: bool) -> dict[str, Any]:
+    """Decode captions for the loader's images and collect hypotheses and references.
+
+    Args:
+        model: the (unwrapped) captioner.
+        loader: yields (x, image_index) with x region features (B,N,D) or images (B,3,S,S).
+        val_set: the caption set ``image_index`` points into (references come from it).
+        vocab: vocabulary of the model.
+        beam_size, max_len: decoding options (beam 1 is greedy).
+        device: where to run.
+        on_features: ``x`` holds cached features rather than images.
+
+    Returns:
+        ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
+    """
+    from captioner.decoding import DecodeOptions, caption_features, caption_images
+
+    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
+    hyps: list[str] = []
+    refs: list[list[str]] = []
+    entropy_sum, words = 0.0, 0
+    for batch in loader:
+        if batch is None:  # no readable image in this batch (data.skip_missing)
+            continue
+        x, index = batch
+        x = x.to(device, non_blocking=True)
+        results = (caption_features if on_features else caption_images)(model, x, vocab, options)
+        for res, i in zip(results, index.tolist()):
+            hyps.append(res.text)
+            refs.append(val_set.references(val_set.images[i].image_id))
+            if res.attention.numel():
+                entropy_sum += float(attention_entropy(res.attention.flatten(1).float()).sum())  # (L, N) -> (L,)
+                words += res.attention.size(0)
+    return {"hypotheses": hyps, "references": refs, "entropy_sum": entropy_sum, "words": words}
+
+
+def score(shards: list[dict[str, Any]]) -> dict[str, float]:
+    """Corpus BLEU-1..4 (0-1) and mean attention entropy per generated word over merged shards."""
+    from captioner.metrics import bleu
+
+    hyps = [h for s in shards for h in s["hypotheses"]]
+    refs = [r for s in shards for r in s["references"]]
+    words = sum(s["words"] for s in shards)
+    out = {k: float(v) for k, v in bleu(hyps, refs).items()}
+    out["attention_entropy"] = sum(s["entropy_sum"] for s in shards) / words if words else float("nan")
+    out["val_images"] = len(hyps)
+    out["val_words"] = words / len(hyps) if hyps else 0.0  # mean caption length (0: only empty captions)
+    return out
