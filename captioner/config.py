@@ -117,6 +117,8 @@ class DataConfig:
     skip_missing: bool = False  # skip images that are missing or unreadable instead of failing
     num_workers: int = 0  # DataLoader workers
     feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
+    # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else <run>/features
+    feature_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_freq < 1:
@@ -397,3 +399,40 @@ def _transformer_lite() -> Config:
     dec = DecoderConfig(name="transformer", d_model=512, num_layers=3, num_heads=8, ff_dim=2048, dropout=0.1)
     train = TrainConfig(lr=1.0, schedule="warmup", warmup_steps=4000, label_smoothing=0.1)
     return Config(ModelConfig(_lite_encoder(), dec), DataConfig(), train)
+
+
+# --- demo presets (``captioner demo``): the synthetic scenes on a 2-core CPU in minutes -----------
+# A small CNN trained end to end at 64 px (8 x 8 regions of 8 x 8 pixels); measured figures are in
+# docs/demo.md.
+
+
+def _demo_encoder() -> EncoderConfig:
+    return EncoderConfig(name="tiny", grid=8, pretrained=False, width=32, image_size=64, fine_tune=True,
+                         fine_tune_stages=4)
+
+
+def _demo_train(**kwargs: Any) -> TrainConfig:
+    base = dict(epochs=50, batch_size=32, lr=3e-3, encoder_lr=3e-3, alpha_c=0.1, patience=50,
+                val_max_images=100, log_every=25)
+    return TrainConfig(**{**base, **kwargs})
+
+
+@register_preset("sat_soft_demo")
+def _sat_soft_demo() -> Config:
+    dec = DecoderConfig(name="sat", attention="soft", embed_dim=64, hidden_dim=256, attention_dim=128,
+                        dropout=0.1, max_len=20)
+    return Config(ModelConfig(_demo_encoder(), dec), DataConfig(), _demo_train())
+
+
+@register_preset("sat_hard_demo")
+def _sat_hard_demo() -> Config:
+    dec = DecoderConfig(name="sat", attention="hard", embed_dim=64, hidden_dim=256, attention_dim=128,
+                        dropout=0.1, max_len=20)
+    return Config(ModelConfig(_demo_encoder(), dec), DataConfig(), _demo_train(entropy_weight=0.01))
+
+
+@register_preset("transformer_demo")
+def _transformer_demo() -> Config:
+    dec = DecoderConfig(name="transformer", d_model=128, num_layers=2, num_heads=4, ff_dim=256, dropout=0.1,
+                        max_len=20)
+    return Config(ModelConfig(_demo_encoder(), dec), DataConfig(), _demo_train(lr=1e-3, encoder_lr=1e-3))
