@@ -18,36 +18,42 @@ metadata fields as strings, the tensors under ``state_dict``); it is always read
 ``torch.load(weights_only=True)``, so a file that would run code when unpickled is refused. Nothing
 else is needed to rebuild the model: the architecture comes from the config, never from pickled
 modules, and encoder weights are never downloaded on load.
+
+Files are recognised by content, not by name (:mod:`captioner.checkpoint_format`). Loading builds
+the model on the meta device, checks every tensor name and shape against the file, and only then
+allocates (uninitialised) storage and copies the weights in: a header with absurd sizes is refused
+before anything big is allocated, and no time is spent on a random initialisation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import pickle
 import tempfile
+import threading
 import time
-import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save as _st_save
 
+from captioner.checkpoint_format import (FORMAT, FORMAT_VERSION, describe, first_line, parse_header, read_file,
+                                         torch_load)
 from captioner.config import ModelConfig, model_config_from_dict
-from captioner.errors import CaptionerError, CheckpointError, ConfigError
+from captioner.errors import CheckpointError, ConfigError
 from captioner.text import Vocabulary
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "captioner"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION", "LoadedCheckpoint", "atomic_write", "load_checkpoint", "load_train_state",
+           "read_checkpoint_metadata", "save_checkpoint", "save_train_state"]
+
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
@@ -208,116 +214,59 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
 
 # ----------------------------------------------------------------------------- loading
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _unpickling_reason(exc: BaseException) -> str:
-    """The informative part of torch's weights_only refusal, e.g. 'Unsupported global: GLOBAL io.open'."""
-    for line in str(exc).splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].split(" was not an allowed")[0].strip()[:160]
-    return _first_line(exc)[:160]
-
-
-def _read(path: Path, want_tensors: bool) -> tuple[dict[str, str], dict[str, torch.Tensor] | None]:
-    """Header strings (and tensors) from either file format; CheckpointError on anything wrong."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint not found")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        magic = f.read(9)
-    if not magic:
-        raise CheckpointError(f"{path}: empty file, not a checkpoint")
-    if magic[:2] == b"PK" or magic[:1] == b"\x80":  # torch.save zip archive or a legacy pickle
-        return _read_torch(path, want_tensors)
-    # safetensors: 8-byte little-endian header length, then a JSON header starting with "{"
-    if size < 9:
-        raise CheckpointError(f"{path}: truncated checkpoint or not a checkpoint (only {size} bytes)")
-    header_len = int.from_bytes(magic[:8], "little")
-    if magic[8:9] != b"{" or header_len > 100_000_000:
-        raise CheckpointError(f"{path}: not a captioner checkpoint (neither safetensors nor torch.save data)")
-    if 8 + header_len > size:
-        raise CheckpointError(f"{path}: truncated checkpoint (header needs {8 + header_len} bytes, file has {size})")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = dict(f.metadata() or {})
-    except SafetensorError as exc:
-        reason = _first_line(exc)
-        if "incomplete" in reason or "not fully covered" in reason:
-            raise CheckpointError(f"{path}: truncated checkpoint (tensor data shorter than the header says)") from None
-        raise CheckpointError(f"{path}: corrupt safetensors file ({reason})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    _check_header(path, header)
-    if not want_tensors:
-        return header, None
-    try:
-        tensors = _st_load_file(str(path), device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({_first_line(exc)})") from None
-    return header, tensors
-
-
-def _read_torch(path: Path, want_tensors: bool) -> tuple[dict[str, str], dict[str, torch.Tensor] | None]:
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path}: refused: the file holds pickled objects that weights_only loading "
-                              f"does not allow, it may run code ({_unpickling_reason(exc)})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({_first_line(exc)[:160]})") from None
-    if not isinstance(payload, dict) or "format" not in payload:
-        kind = "a bare state dict" if isinstance(payload, dict) else type(payload).__name__
-        raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format' entry; looks like {kind})")
-    state = payload.get("state_dict")
-    header = {k: v for k, v in payload.items() if k != "state_dict"}
-    if not all(isinstance(v, str) for v in header.values()):
-        raise CheckpointError(f"{path}: not a captioner checkpoint (header entries must be strings)")
-    _check_header(path, header)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: checkpoint has no 'state_dict' of tensors")
-    return header, state if want_tensors else None
-
-
-def _check_header(path: Path, header: Mapping[str, str]) -> None:
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a captioner checkpoint (format={header.get('format')!r})")
-    version = header.get("format_version", "")
-    if not version.isdigit() or int(version) > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {version!r} is newer than this "
-                              f"captioner reads ({FORMAT_VERSION}); upgrade captioner")
-    missing = [k for k in ("config", "vocab", "vocab_size") if k not in header]
-    if missing:
-        raise CheckpointError(f"{path}: checkpoint header lacks {', '.join(missing)}")
+MAX_DERIVED_BYTES = 1 << 30  # tensors rebuilt from the config (not stored), e.g. position tables
 
 
 def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Config, vocabulary and training metadata of a checkpoint, without building the model.
 
     Returns:
-        ``{"config": dict, "vocab": dict, "vocab_size": int, "metadata": dict, "format_version": int}``.
+        ``{"config": dict, "vocab": dict, "vocab_size": int, "metadata": dict, "aliases": dict,
+        "format_version": int}``.
     """
     path = Path(path)
-    header, _ = _read(path, want_tensors=False)
-    return _parse_header(path, header)
+    header, _ = read_file(path, want_tensors=False)
+    return parse_header(path, header)
 
 
-def _parse_header(path: Path, header: Mapping[str, str]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _as_checkpoint_error(path: Path, what: str) -> Iterator[None]:
+    """Turn whatever a config from a file makes the model code raise into a one-line CheckpointError."""
     try:
-        out = {key: json.loads(header.get(key, "{}")) for key in ("config", "vocab", "metadata", "aliases")}
-        out["vocab_size"] = int(header["vocab_size"])
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: corrupt checkpoint header ({_first_line(exc)})") from None
-    out["format_version"] = int(header["format_version"])
-    return out
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - ConfigError, TypeError, RuntimeError, MemoryError ...
+        raise CheckpointError(f"{path}: {what} ({describe(exc)[:200]})") from None
+
+
+@contextlib.contextmanager
+def _tensor_budget(path: Path, stored: int) -> Iterator[None]:
+    """Stop a model build (in this thread) that registers far more parameters and buffers than the
+    file stores: an absurd layer count would otherwise take hours even on the meta device."""
+    from torch.nn.modules import module as nn_module
+
+    me, limit, count = threading.get_ident(), 4 * stored + 1000, 0
+
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        nonlocal count
+        if threading.get_ident() == me:
+            count += 1
+            if count > limit:
+                raise CheckpointError(f"{path}: the model built from its config has far more tensors than the "
+                                      f"{stored} in the file (e.g. an absurd decoder.num_layers)")
+
+    handles = [nn_module.register_module_parameter_registration_hook(hook),
+               nn_module.register_module_buffer_registration_hook(hook)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Names and shapes of the file's tensors against the model's state dict (a meta model is fine)."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
@@ -326,12 +275,85 @@ def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch
     for label, keys in (("missing keys", missing), ("unexpected keys", unexpected)):
         if keys:
             more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
-            problems.append(f"{label} {', '.join(keys[:3])}{more}")
+            problems.append(f"{label} {', '.join(k[:120] for k in keys[:3])}{more}")
     for k in shapes[:3]:
         got, want = tuple(state[k].shape), tuple(expected[k].shape)
         problems.append(f"shape mismatch for {k}: checkpoint {got} vs model {want}")
     if problems:
         raise CheckpointError(f"{path}: weights do not match the model built from its config: {'; '.join(problems)}")
+
+
+def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """How to recompute each non-persistent buffer of a meta-device model from its (meta) value.
+
+    None when the model holds tensors that ``to_empty`` + ``load_state_dict`` would leave wrong
+    and that we cannot recompute: an unknown non-persistent buffer, a buffer shared under two
+    names, or a tensor kept as a plain module attribute.
+    """
+    from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_positions
+
+    known = {(TransformerCaptionDecoder, "positions"): lambda t: sinusoidal_positions(t.shape[0], t.shape[1])}
+    persistent = set(model.state_dict())
+    recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
+            return None
+        for attr, buf in module.named_buffers(recurse=False):
+            name = f"{prefix}.{attr}" if prefix else attr
+            if buf is None or name in persistent:
+                continue
+            recipe = next((fn for (cls, a), fn in known.items() if isinstance(module, cls) and a == attr), None)
+            if recipe is None or id(buf) in seen:
+                return None
+            seen.add(id(buf))
+            recipes[name] = recipe
+    return recipes
+
+
+def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
+    """Give a meta-device model real, uninitialised storage on ``device`` (no random init), keeping
+    tied parameters tied and recomputing derived buffers. False (model untouched) when it cannot."""
+    recipes = _derived_tensors(model)
+    if recipes is None:
+        return False
+    ties: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(param), []).append(name)
+    derived = {name: model.get_buffer(name) for name in recipes}
+    model.to_empty(device=device)
+    for names in ties.values():  # to_empty gives every module its own copy of a shared parameter
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    for name, meta in derived.items():
+        owner, _, attr = name.rpartition(".")
+        value = recipes[name](meta).to(dtype=meta.dtype)  # computed on the CPU, as a normal build does
+        setattr(model.get_submodule(owner), attr, value.to(device))
+    return True
+
+
+def _build(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str, torch.Tensor],
+           device: torch.device) -> torch.nn.Module:
+    """The model with the file's weights. Built on the meta device first: nothing is allocated until
+    the file's tensors are known to match, so an absurd config cannot exhaust memory, and the real
+    tensors are never randomly initialised only to be overwritten."""
+    from captioner.models.captioner import build_model
+
+    with (_as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
+          _tensor_budget(path, len(state))):
+        model = build_model(config, vocab_size=vocab_size, load_pretrained=False)
+    _check_weights(path, model, state)
+    derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n not in state)
+    if derived > MAX_DERIVED_BYTES:
+        raise CheckpointError(f"{path}: config asks for {derived / 2**30:.1f} GiB of tables that are not stored "
+                              "in the file (e.g. an absurd decoder.max_len)")
+    with _as_checkpoint_error(path, f"cannot build the model on {device}"):
+        if not _materialise(model, device):  # an unknown derived tensor: a normal build, then the weights
+            model = build_model(config, vocab_size=vocab_size, load_pretrained=False).to(device)
+        model.load_state_dict(state, strict=True)
+    return model.eval()
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:
@@ -345,34 +367,28 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``.
 
     Raises:
-        CheckpointError: missing, truncated, foreign or unsafe file, or weights that do not match.
+        CheckpointError: missing, truncated, foreign or unsafe file, a config or vocabulary that is
+            invalid or asks for absurd sizes, or weights that do not match.
     """
-    from captioner.models.captioner import build_model
-
     path = Path(path)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"bad device {device!r} ({_first_line(exc)})") from None
-    header, state = _read(path, want_tensors=True)
-    info = _parse_header(path, header)
-    try:
+        raise ConfigError(f"bad device {device!r} ({first_line(exc)})") from None
+    header, state = read_file(path, want_tensors=True)
+    info = parse_header(path, header)
+    with _as_checkpoint_error(path, "bad config or vocabulary in checkpoint"):
         config = model_config_from_dict(info["config"])
         vocab = Vocabulary.from_dict(info["vocab"])
-    except CaptionerError as exc:
-        raise CheckpointError(f"{path}: bad config or vocabulary in checkpoint ({exc})") from None
     if len(vocab) != info["vocab_size"]:
         raise CheckpointError(f"{path}: vocab size mismatch: vocabulary has {len(vocab)} tokens, "
                               f"checkpoint says {info['vocab_size']}")
     state = dict(state or {})
     for alias, stored in info["aliases"].items():
         if stored not in state:
-            raise CheckpointError(f"{path}: alias {alias} points to missing tensor {stored}")
+            raise CheckpointError(f"{path}: alias {alias[:120]} points to missing tensor {stored[:120]}")
         state[alias] = state[stored]
-    model = build_model(config, vocab_size=info["vocab_size"], load_pretrained=False)
-    _check_weights(path, model, state)
-    model.load_state_dict(state, strict=True)
-    model.to(device).eval()
+    model = _build(path, config, info["vocab_size"], state, device)
     return LoadedCheckpoint(model=model, vocab=vocab, config=config, metadata=info["metadata"])
 
 
@@ -413,13 +429,7 @@ def load_train_state(path: str | os.PathLike, device: str | torch.device = "cpu"
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: training state not found")
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path}: refused: the file holds pickled objects that weights_only loading "
-                              f"does not allow ({_unpickling_reason(exc)})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: truncated or corrupt training state ({_first_line(exc)[:160]})") from None
+    state = torch_load(path, device, "training state")
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a training state (expected a dict, got {type(state).__name__})")
     return state

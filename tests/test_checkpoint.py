@@ -68,7 +68,8 @@ def test_round_trip_gives_identical_logits(tmp_path, preset, overrides, suffix):
     torch.testing.assert_close(_logits(loaded.model), _logits(model.eval()), rtol=0, atol=0)
     if overrides:  # tied embeddings stay tied after loading
         dec = loaded.model.decoder
-        assert dec.out.weight.data_ptr() == dec.embed.weight.data_ptr()
+        assert dec.out.weight is dec.embed.weight  # one parameter, as in the saved model
+        assert len(list(loaded.model.parameters())) == len(list(model.parameters()))
         with safe_open(str(path), framework="pt") as f:
             assert json.loads(f.metadata()["aliases"]) and len(list(f.keys())) == len(model.state_dict()) - 1
 
@@ -150,6 +151,39 @@ def test_mismatched_architecture_names_what_differs(tmp_path):
     _rewrite_header(path, config=json.dumps(cfg))
     with pytest.raises(CheckpointError, match="missing keys decoder.+unexpected keys decoder"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("aliases", "[]", "aliases must be a JSON object"),
+    ("aliases", '{"decoder.out.weight": 3}', "does not name a tensor"),
+    ("metadata", '"text"', "metadata must be a JSON object"),
+    ("config", "[" * 50_000, "config is not valid JSON"),
+    ("vocab_size", "²", "vocab_size"),
+    ("format_version", "1.0", "format version"),
+])
+def test_header_fields_of_the_wrong_type_are_refused(tmp_path, field, value, says):
+    path = save_checkpoint(tmp_path / "m.safetensors", _model(), VOCAB)
+    _rewrite_header(path, **{field: value})
+    with pytest.raises(CheckpointError, match=says) as err:
+        load_checkpoint(path)
+    assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
+
+
+def test_absurd_layer_count_is_refused_quickly(tmp_path):
+    path = save_checkpoint(tmp_path / "m.safetensors", _model("transformer_tiny"), VOCAB)
+    cfg = read_checkpoint_metadata(path)["config"]
+    cfg["decoder"]["num_layers"] = 10**9  # built naively, even on the meta device, this never ends
+    _rewrite_header(path, config=json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="far more tensors than the 79 in the file"):
+        load_checkpoint(path)
+
+
+def test_format_is_sniffed_from_content_not_name(tmp_path):
+    model = _model("transformer_tiny")
+    pt = save_checkpoint(tmp_path / "m.pt", model, VOCAB)
+    renamed = tmp_path / "m.safetensors"
+    renamed.write_bytes(pt.read_bytes())  # torch.load would hand a .safetensors path to safetensors
+    torch.testing.assert_close(_logits(load_checkpoint(renamed).model), _logits(model), rtol=0, atol=0)
 
 
 def test_vocab_size_mismatch_and_newer_format_refused(tmp_path):

@@ -1,0 +1,199 @@
+"""Reading checkpoint files: format sniffing, safe ``torch.load``, header validation.
+
+Used by :mod:`captioner.checkpoint` (see its docstring for the layout). Every problem with a file
+becomes a one-line :class:`~captioner.errors.CheckpointError` that starts with the path.
+
+Sniffing goes by content, never by the file name:
+
+* safetensors: an 8-byte little-endian header length, then a JSON header starting with ``{`` that
+  fits in the file. Checked first: the header length is arbitrary binary, so its first bytes may
+  well be ``0x80`` or ``PK`` (one valid file in 256 starts with ``0x80``).
+* ``torch.save`` zip archive: starts with ``PK\\x03\\x04``.
+* legacy ``torch.save`` / plain pickle: ``0x80`` then a pickle protocol number (2-5).
+
+Pickled data is only ever read with ``torch.load(weights_only=True)`` from an open file object (a
+path ending in ``.safetensors`` would be handed to safetensors by torch >= 2.14).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file as _st_load_file
+
+from captioner.errors import CheckpointError
+
+FORMAT = "captioner"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+ZIP_MAGIC = b"PK\x03\x04"
+
+Header = dict[str, str]
+Tensors = dict[str, torch.Tensor]
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe(exc: BaseException) -> str:
+    """'TypeName: first line of the message' (just the type name when the message is empty)."""
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
+
+
+def unpickling_reason(exc: BaseException) -> str:
+    """The informative part of torch's weights_only refusal, e.g. 'Unsupported global: GLOBAL io.open'."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        rest = text.split("WeightsUnpickler error:", 1)[1]
+        for line in rest.splitlines():
+            line = line.split(" was not an allowed")[0].strip()
+            if line:
+                return line[:160]
+    return first_line(exc)[:160]
+
+
+def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of ``path`` through an open file, every failure a CheckpointError.
+
+    Args:
+        what: what the file should be, for messages ("checkpoint", "training state").
+
+    Raises:
+        CheckpointError: "refused" for pickled objects the weights-only unpickler does not allow
+            (nothing is executed), "truncated or corrupt" for anything else.
+    """
+    try:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # e.g. "Detected pickle protocol 4 ..."
+            return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path}: refused: the file holds pickled objects that weights_only loading "
+                              f"does not allow, it may run code ({unpickling_reason(exc)})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - truncated zip, EOF, bad pickle opcodes, SafetensorError ...
+        raise CheckpointError(f"{path}: truncated or corrupt {what} ({describe(exc)[:160]})") from None
+
+
+def _sniff(path: Path) -> tuple[str, int, int]:
+    """("safetensors" | "torch" | "truncated" | "foreign", file size, stated safetensors header length)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(9)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    header_len = int.from_bytes(magic[:8], "little") if len(magic) >= 8 else 0
+    plausible = len(magic) == 9 and magic[8:9] == b"{" and header_len <= MAX_HEADER_BYTES
+    if plausible and 8 + header_len <= size:
+        return "safetensors", size, header_len
+    if magic[:4] == ZIP_MAGIC or (magic[:1] == b"\x80" and len(magic) > 1 and 2 <= magic[1] <= 5):
+        return "torch", size, header_len
+    if plausible or size < 9:
+        return "truncated", size, header_len
+    return "foreign", size, header_len
+
+
+def read_file(path: Path, want_tensors: bool) -> tuple[Header, Tensors | None]:
+    """Header strings (and CPU tensors) from either file format; CheckpointError on anything wrong."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a file")
+    kind, size, header_len = _sniff(path)
+    if kind == "torch":
+        return _read_torch(path, want_tensors)
+    if size == 0:
+        raise CheckpointError(f"{path}: empty file, not a checkpoint")
+    if kind == "truncated":
+        if size < 9:
+            raise CheckpointError(f"{path}: truncated checkpoint or not a checkpoint (only {size} bytes)")
+        raise CheckpointError(f"{path}: truncated checkpoint (header needs {8 + header_len} bytes, file has {size})")
+    if kind == "foreign":
+        raise CheckpointError(f"{path}: not a captioner checkpoint (neither safetensors nor torch.save data)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = dict(f.metadata() or {})
+        check_header(path, header)
+        if not want_tensors:
+            return header, None
+        return header, _st_load_file(str(path), device="cpu")
+    except SafetensorError as exc:
+        reason = first_line(exc)[:160]
+        if "incomplete" in reason or "not fully covered" in reason:
+            raise CheckpointError(f"{path}: truncated checkpoint (tensor data shorter than the header says)") from None
+        raise CheckpointError(f"{path}: corrupt safetensors file ({reason})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (ValueError, TypeError, RuntimeError, MemoryError) as exc:  # e.g. an unknown dtype
+        raise CheckpointError(f"{path}: corrupt safetensors file ({describe(exc)[:160]})") from None
+
+
+def _read_torch(path: Path, want_tensors: bool) -> tuple[Header, Tensors | None]:
+    payload = torch_load(path, "cpu", "checkpoint")
+    if not isinstance(payload, dict) or "format" not in payload:
+        kind = "a bare state dict" if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format' entry; looks like {kind})")
+    state = payload.get("state_dict")
+    header = {k: v for k, v in payload.items() if k != "state_dict"}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in header.items()):
+        raise CheckpointError(f"{path}: not a captioner checkpoint (header entries must be strings)")
+    check_header(path, header)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path}: checkpoint has no 'state_dict' of tensors")
+    return header, state if want_tensors else None
+
+
+def check_header(path: Path, header: Mapping[str, str]) -> None:
+    """Format name and version, and the entries every checkpoint has."""
+    if header.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a captioner checkpoint (format={str(header.get('format'))[:40]!r})")
+    version = header.get("format_version", "")
+    if not (version.isascii() and version.isdigit()) or len(version) > 6:
+        raise CheckpointError(f"{path}: checkpoint format version {version[:40]!r} is not a number")
+    if int(version) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version!r} is newer than this "
+                              f"captioner reads ({FORMAT_VERSION}); upgrade captioner")
+    missing = [k for k in ("config", "vocab", "vocab_size") if k not in header]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint header lacks {', '.join(missing)}")
+
+
+def parse_header(path: Path, header: Mapping[str, str]) -> dict[str, Any]:
+    """The JSON entries of a checked header, with their types validated.
+
+    Returns:
+        ``{"config": dict, "vocab": dict, "metadata": dict, "aliases": dict[str, str],
+        "vocab_size": int, "format_version": int}``.
+    """
+    out: dict[str, Any] = {}
+    for key in ("config", "vocab", "metadata", "aliases"):
+        text = header.get(key, "{}")
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else first_line(exc)[:120]
+            raise CheckpointError(f"{path}: corrupt checkpoint header: {key} is not valid JSON ({reason})") from None
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path}: corrupt checkpoint header: {key} must be a JSON object, "
+                                  f"got {type(value).__name__}")
+        out[key] = value
+    bad = [k for k, v in out["aliases"].items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{path}: corrupt checkpoint header: alias {bad[0][:80]!r} does not name a tensor")
+    size = header.get("vocab_size", "")
+    if not (size.isascii() and size.isdigit()) or len(size) > 12:
+        raise CheckpointError(f"{path}: corrupt checkpoint header: vocab_size {size[:40]!r} is not a count")
+    out["vocab_size"] = int(size)
+    out["format_version"] = int(header["format_version"])
+    return out
