@@ -311,6 +311,34 @@ def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor
     return recipes
 
 
+def _to_empty(model: torch.nn.Module, device: torch.device) -> None:
+    """Like ``Module.to_empty`` but with plain ``torch.empty``: ``empty_like`` on meta tensors pulls
+    in torch's symbolic-shape machinery (sympy), about a second of a cold start."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[key] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Random initialisation is pointless on the meta device, and running it there imports
+    torch._dynamo (about two seconds of a cold start): in-place fills of meta tensors are no-ops."""
+
+    _OPS = frozenset({"normal_", "uniform_", "fill_", "zero_", "erfinv_", "mul_", "add_", "clamp_", "copy_",
+                      "exponential_", "bernoulli_", "random_", "div_", "sub_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes tensor=
+        if isinstance(target, torch.Tensor) and target.is_meta and getattr(func, "__name__", "") in self._OPS:
+            return target
+        return func(*args, **kwargs)
+
+
 def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
     """Give a meta-device model real, uninitialised storage on ``device`` (no random init), keeping
     tied parameters tied and recomputing derived buffers. False (model untouched) when it cannot."""
@@ -321,7 +349,7 @@ def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
     for name, param in model.named_parameters(remove_duplicate=False):
         ties.setdefault(id(param), []).append(name)
     derived = {name: model.get_buffer(name) for name in recipes}
-    model.to_empty(device=device)
+    _to_empty(model, device)
     for names in ties.values():  # to_empty gives every module its own copy of a shared parameter
         first = model.get_parameter(names[0])
         for name in names[1:]:
@@ -342,7 +370,7 @@ def _build(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str,
     from captioner.models.captioner import build_model
 
     with (_as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
-          _tensor_budget(path, len(state))):
+          _SkipMetaInit(), _tensor_budget(path, len(state))):
         model = build_model(config, vocab_size=vocab_size, load_pretrained=False)
     _check_weights(path, model, state)
     derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n not in state)

