@@ -1,0 +1,215 @@
+"""Attention correctness on hand-made maps and boxes, word -> object mapping, object accuracy."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from captioner.attention_metrics import (
+    attention_correctness,
+    attention_correctness_for_results,
+    attention_entropy_summary,
+    attention_mass,
+    caption_object_accuracy,
+    summarize,
+)
+from captioner.config import EncoderConfig
+from captioner.data.coco import ObjectBox
+from captioner.errors import DataError
+from captioner.object_words import find_mentions
+from captioner.text import tokenize
+
+SQUARE = (64, 64)
+WHOLE = (0, 0, 64, 64)
+
+
+def one_hot(g: int, row: int, col: int) -> np.ndarray:
+    att = np.zeros((g, g))
+    att[row, col] = 1.0
+    return att
+
+
+def test_all_mass_inside_box_scores_one() -> None:
+    att = one_hot(4, 1, 2)  # cell covers x in [32, 48), y in [16, 32)
+    assert attention_mass(att, [(32, 16, 16, 16)], SQUARE, WHOLE) == pytest.approx(1.0)
+    assert attention_mass(att, [(20, 10, 40, 40)], SQUARE, WHOLE) == pytest.approx(1.0)
+
+
+def test_uniform_attention_scores_the_box_area_share() -> None:
+    uniform = np.full((4, 4), 1 / 16)
+    assert attention_mass(uniform, [(0, 0, 32, 16)], SQUARE, WHOLE) == pytest.approx(0.125)
+    assert attention_mass(uniform, [(10, 5, 20, 30)], SQUARE, WHOLE) == pytest.approx(600 / 4096, abs=1e-3)
+    # a non-square image: the box's share of the whole image
+    assert attention_mass(np.full((7, 7), 1 / 49), [(0, 0, 50, 20)], (200, 100), (0, 0, 200, 100)) == \
+        pytest.approx(1000 / 20000, abs=2e-3)
+
+
+def test_attention_in_the_wrong_cell_scores_zero() -> None:
+    assert attention_mass(one_hot(4, 3, 3), [(0, 0, 16, 16)], SQUARE, WHOLE) == pytest.approx(0.0, abs=1e-9)
+    # half the mass inside
+    att = (one_hot(4, 0, 0) + one_hot(4, 3, 3)) / 2
+    assert attention_mass(att, [(0, 0, 16, 16)], SQUARE, WHOLE) == pytest.approx(0.5)
+
+
+def test_large_images_are_rasterised_downscaled_with_the_same_shares() -> None:
+    att = one_hot(7, 2, 5)
+    w, h = 1400, 700  # cells are 200 x 100 pixels
+    assert attention_mass(att, [(1000, 200, 200, 100)], (w, h), (0, 0, w, h)) == pytest.approx(1.0, abs=0.02)
+    assert attention_mass(att, [(1000, 200, 100, 100)], (w, h), (0, 0, w, h)) == pytest.approx(0.5, abs=0.02)
+
+
+def test_center_crop_geometry_maps_cells_inside_the_crop() -> None:
+    from captioner.data.transforms import crop_box
+
+    w, h = 100, 50
+    view = crop_box(w, h, EncoderConfig(name="tiny", resize="center_crop"))
+    assert view == (25, 0, 75, 50)
+    att = one_hot(2, 0, 0)  # the top-left quarter of the crop: x in [25, 50), y in [0, 25)
+    assert attention_mass(att, [(25, 0, 25, 25)], (w, h), view) == pytest.approx(1.0)
+    # the same map read with "stretch" geometry covers x in [0, 50): half of it in that box
+    assert attention_mass(att, [(25, 0, 25, 25)], (w, h), (0, 0, w, h)) == pytest.approx(0.5)
+    # the encoder never saw the left margin: uniform attention puts nothing there
+    assert attention_mass(np.full((2, 2), 0.25), [(0, 0, 25, 50)], (w, h), view) == pytest.approx(0.0)
+
+
+def test_word_scores_pointing_and_uniform_baseline() -> None:
+    words = ["a", "dog", "on", "a", "bench"]
+    att = np.stack([np.full((4, 4), 1 / 16), one_hot(4, 0, 0), np.full((4, 4), 1 / 16),
+                    np.full((4, 4), 1 / 16), one_hot(4, 0, 0)])
+    boxes = [ObjectBox("dog", (0, 0, 16, 16)), ObjectBox("bench", (32, 32, 32, 32))]
+    s = attention_correctness(words, torch.tensor(att), boxes, SQUARE, WHOLE, vocabulary="coco")
+    assert [(w.word, w.category) for w in s.scored] == [("dog", "dog"), ("bench", "bench")]
+    dog, bench = s.scored
+    assert (dog.mass, dog.hit, dog.uniform) == (pytest.approx(1.0), True, pytest.approx(1 / 16))
+    assert (bench.mass, bench.hit, bench.uniform) == (pytest.approx(0.0), False, pytest.approx(0.25))
+    summary = summarize([s])
+    assert summary["attention_correctness"] == pytest.approx(0.5)
+    assert summary["uniform_baseline"] == pytest.approx((1 / 16 + 0.25) / 2)
+    assert summary["ratio"] == pytest.approx(0.5 / ((1 / 16 + 0.25) / 2))
+    assert summary["pointing_accuracy"] == pytest.approx(0.5)
+    assert (summary["words_scored"], summary["images_scored"], summary["objects_invented"]) == (2, 1, 0)
+
+
+def test_boxes_sharing_a_category_are_united_and_absent_objects_are_invented() -> None:
+    words = ["two", "men", "and", "a", "cat"]
+    att = np.zeros((5, 4, 4))
+    att[1] = (one_hot(4, 0, 0) + one_hot(4, 3, 3)) / 2  # "men": half on each person
+    boxes = [ObjectBox("person", (0, 0, 16, 16)), ObjectBox("person", (48, 48, 16, 16))]
+    s = attention_correctness(words, att, boxes, SQUARE, WHOLE, vocabulary="coco")
+    assert [w.word for w in s.scored] == ["men"]
+    assert s.scored[0].mass == pytest.approx(1.0)
+    assert s.scored[0].uniform == pytest.approx(2 / 16)
+    assert s.invented == [(4, "cat", "cat")]
+    assert summarize([s])["invented_rate"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("caption, expected", [
+    ("two men riding bikes", [("men", "person"), ("bikes", "bicycle")]),
+    ("a hot dog next to a dog", [("hot dog", "hot dog"), ("dog", "dog")]),
+    ("a hotdog and a teddy bear on a sofa", [("hotdog", "hot dog"), ("teddy bear", "teddy bear"), ("sofa", "couch")]),
+    ("people with a cellphone on a motorbike", [("people", "person"), ("cellphone", "cell phone"),
+                                                ("motorbike", "motorcycle")]),
+    ("a jet above buses and a tv", [("jet", "airplane"), ("buses", "bus"), ("tv", "tv")]),
+    ("an orange cat eating an orange", [("cat", "cat"), ("orange", "orange")]),
+    ("doughnuts and knives by a laptop", [("doughnuts", "donut"), ("knives", "knife"), ("laptop", "laptop")]),
+    ("a man wearing glasses", [("man", "person")]),
+])
+def test_coco_words_map_plurals_synonyms_and_phrases(caption: str, expected: list[tuple[str, str]]) -> None:
+    words = caption.split()
+    found = [(" ".join(words[m.noun_start:m.end]), m.category) for m in find_mentions(words, "coco")]
+    assert found == expected
+
+
+def test_hot_dog_scores_both_words_against_the_hot_dog_box() -> None:
+    words = ["a", "hot", "dog"]
+    att = np.stack([np.full((4, 4), 1 / 16), one_hot(4, 1, 1), one_hot(4, 1, 1)])
+    boxes = [ObjectBox("hot dog", (16, 16, 16, 16)), ObjectBox("dog", (48, 48, 16, 16))]
+    s = attention_correctness(words, att, boxes, SQUARE, WHOLE, vocabulary="coco")
+    assert [(w.word, w.category, w.mass) for w in s.scored] == [("hot", "hot dog", 1.0), ("dog", "hot dog", 1.0)]
+
+
+def shape_words() -> tuple[str, str, str, str, str]:
+    from captioner.data.shapes import COLORS, SHAPES, SIZES
+
+    return str(list(SIZES)[0]), str(list(COLORS)[0]), str(SHAPES[0]), str(list(COLORS)[1]), str(SHAPES[1])
+
+
+def test_colour_and_size_words_belong_to_the_following_shape() -> None:
+    size, red, circle, blue, square = shape_words()
+    words = ["a", size, red, circle, "and", "a", blue, square]
+    att = np.zeros((len(words), 4, 4))
+    att[1:4] = one_hot(4, 0, 0)  # size, colour and noun of the first object look at it
+    att[6] = one_hot(4, 0, 0)  # the second object's colour word looks at the wrong place
+    att[7] = one_hot(4, 3, 3)
+    boxes = [ObjectBox(circle, (0, 0, 16, 16), {"color": red, "size": size}),
+             ObjectBox(square, (48, 48, 16, 16), {"color": blue, "size": size})]
+    s = attention_correctness(words, att, boxes, SQUARE, WHOLE, vocabulary="shapes")
+    assert [(w.word, w.category, round(w.mass, 6)) for w in s.scored] == [
+        (size, circle, 1.0), (red, circle, 1.0), (circle, circle, 1.0), (blue, square, 0.0), (square, square, 1.0)]
+    m = find_mentions(words, "shapes")
+    assert [x.attributes for x in m] == [{"color": red, "size": size}, {"color": blue}]
+
+
+def test_caption_object_accuracy() -> None:
+    size, red, circle, blue, square = shape_words()
+    boxes = [ObjectBox(circle, (0, 0, 9, 9), {"color": red}), ObjectBox(square, (20, 20, 9, 9), {"color": blue})]
+    assert caption_object_accuracy(f"a {size} {red} {circle} and a {blue} {square}".split(), boxes)
+    assert caption_object_accuracy(f"a {blue} {square} above a {red} {circle}".split(), boxes)
+    assert not caption_object_accuracy(f"a {blue} {circle} and a {blue} {square}".split(), boxes)  # wrong colour
+    assert not caption_object_accuracy(f"a {red} {circle}".split(), boxes)  # misses the square
+    assert not caption_object_accuracy(f"a {circle} and a {blue} {square}".split(), boxes)  # no colour
+    from captioner.data.shapes import SHAPES
+
+    extra = f"a {red} {circle} and a {blue} {square} and a {red} {SHAPES[2]}".split()
+    assert not caption_object_accuracy(extra, boxes)  # invents a third shape
+
+
+def test_attention_entropy_summary() -> None:
+    uniform = SimpleNamespace(words=["a", "b"], attention=torch.full((3, 4, 4), 1 / 16))  # extra <eos> row
+    peaked = SimpleNamespace(words=["c"], attention=torch.tensor(one_hot(4, 2, 2))[None])
+    out = attention_entropy_summary([uniform, peaked])
+    assert out["uniform_entropy"] == pytest.approx(math.log(16))
+    assert out["attention_entropy"] == pytest.approx(2 * math.log(16) / 3, abs=1e-6)
+
+
+def test_bad_attention_shapes_raise_data_errors() -> None:
+    with pytest.raises(DataError):
+        attention_correctness(["a", "dog"], np.zeros((1, 4, 4)), [], SQUARE, WHOLE, vocabulary="coco")
+    with pytest.raises(DataError):
+        attention_correctness(["dog"], np.zeros((1, 5)), [], SQUARE, WHOLE, vocabulary="coco")
+    with pytest.raises(DataError):
+        find_mentions(["dog"], "pascal")
+
+
+def test_results_on_synthetic_scenes_with_oracle_and_uniform_attention(tiny_shapes) -> None:
+    from captioner.data.coco import load_caption_set, load_instances
+
+    cs = load_caption_set(tiny_shapes, "test")
+    instances = load_instances(tiny_shapes, "test")
+    g = 16  # 4-pixel cells: the cell holding a box centre has its own centre inside the box
+    enc = EncoderConfig(name="tiny", grid=g, image_size=64)
+    oracle, uniform = [], []
+    for rec in cs.images:
+        words = tokenize(cs.captions[rec.image_id][0])
+        boxes = instances[rec.image_id]
+        att = np.full((len(words), g, g), 1 / g**2)
+        for m in find_mentions(words, "shapes"):
+            (x, y, w, h), = [b.bbox for b in boxes if b.category == m.category]
+            cx, cy = (x + w / 2) / rec.width * g, (y + h / 2) / rec.height * g
+            att[m.start:m.end] = one_hot(g, int(cy), int(cx))
+        oracle.append(SimpleNamespace(words=words, attention=att))
+        uniform.append(SimpleNamespace(words=words, attention=np.full((len(words), g, g), 1 / g**2)))
+    good = attention_correctness_for_results(oracle, cs, instances, enc)
+    base = attention_correctness_for_results(uniform, cs, instances, enc)
+    assert good["objects_correct"] == 1.0  # reference captions name every object correctly
+    assert good["words_scored"] > len(cs.images)
+    assert good["pointing_accuracy"] == 1.0
+    assert good["ratio"] > 2.0
+    assert base["ratio"] == pytest.approx(1.0)
+    assert base["attention_correctness"] == pytest.approx(good["uniform_baseline"])
+    with pytest.raises(DataError):
+        attention_correctness_for_results(oracle[:-1], cs, instances, enc)
