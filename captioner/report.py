@@ -1,0 +1,193 @@
+"""The demo report: ``report.html`` (self-contained) and ``report.json``.
+
+The HTML page holds the comparison table, the training curves (a matplotlib PNG embedded as a
+``data:`` URI), a few test images per decoder with their attention overlays (embedded PNGs) and
+links to the interactive explorers written next to them. Nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222;padding:0 1em}
+table{border-collapse:collapse;font-size:14px;margin:1em 0}th,td{padding:4px 8px;border-bottom:1px solid #ddd;text-align:right}
+th:first-child,td:first-child{text-align:left}th{background:#f4f4f4}
+.note{color:#555;font-size:13px;max-width:900px}figure{margin:1em 0}figcaption{font-size:14px;margin-top:4px}
+img.overlay{max-width:100%;border:1px solid #ccc}h2{margin-top:2em;border-bottom:2px solid #eee}
+"""
+
+
+def read_metrics_csv(run_dir: str | os.PathLike) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """``(step_rows, epoch_rows)`` of a run's ``metrics.csv`` with numeric cells as floats."""
+    path = Path(run_dir) / "metrics.csv"
+    steps: list[dict[str, float]] = []
+    epochs: list[dict[str, float]] = []
+    if not path.is_file():
+        return steps, epochs
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            values = {}
+            for key, cell in row.items():
+                try:
+                    values[key] = float(cell)
+                except (TypeError, ValueError):
+                    continue
+            (steps if row.get("kind") == "step" else epochs).append(values)
+    return steps, epochs
+
+
+def curves_png(runs: dict[str, str | os.PathLike], labels: dict[str, str] | None = None) -> bytes | None:
+    """Training loss per step and validation BLEU-4 per epoch of several runs, as PNG bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    data = {name: read_metrics_csv(d) for name, d in runs.items()}
+    if not any(s or e for s, e in data.values()):
+        return None
+    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for name, (steps, epochs) in data.items():
+        label = (labels or {}).get(name, name)
+        pts = [(r["step"], r.get("ce", r.get("loss"))) for r in steps if "step" in r and ("ce" in r or "loss" in r)]
+        if pts:
+            ax_loss.plot(*zip(*pts), label=label)
+        pts = [(r["seconds"], r["BLEU-4"]) for r in epochs if "seconds" in r and "BLEU-4" in r]
+        if pts:
+            ax_bleu.plot(*zip(*pts), marker="o", label=label)
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="training loss")
+    ax_bleu.set(xlabel="training seconds", ylabel="BLEU-4 (0-1)", title="validation BLEU-4 (greedy)", ylim=(0, 1))
+    for ax in (ax_loss, ax_bleu):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _cell(value: Any, fmt: str) -> str:
+    from captioner.demo import format_value
+
+    return html.escape(format_value(value, fmt))
+
+
+def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
+    """HTML comparison table (columns of ``captioner.demo.COLUMNS``)."""
+    from captioner.demo import COLUMNS
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
+    body = []
+    for row in rows:
+        cells = [html.escape(labels.get(row["decoder"], row["decoder"]))]
+        cells += [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS[1:]]
+        body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+_NOTES = """<p class="note">BLEU-1..4 on the 0-1 scale and CIDEr-D on the coco-caption scale (0-10), against
+all 5 references of each test image. <b>objects ok</b>: share of test captions that name every object with its right colour and shape
+and invent none. <b>att. corr.</b>: for each word naming an object (and the colour/size words before it),
+the share of its attention mass inside the object's ground-truth box, with the attention placed on the
+original image; <b>uniform</b>: what uniform attention scores on the same boxes (the boxes' area share);
+<b>ratio</b> = att. corr. / uniform; <b>pointing</b>: the most attended region's centre lies in the box.
+<b>entropy</b>: mean attention entropy per generated word (nats), against <b>log N</b> for uniform attention
+over N regions. The Transformer's maps are its last layer's cross-attention averaged over heads.
+<b>train s</b>: wall time of training (features, training, validation).</p>"""
+
+
+def _overlay_section(name: str, label: str, run: dict[str, Any], out_dir: Path) -> str:
+    parts = [f"<h2>{html.escape(label)}</h2>"]
+    metrics_file = run.get("metrics_file")
+    if metrics_file:
+        parts.append(f'<p class="note">metrics: <a href="{html.escape(_rel(metrics_file, out_dir))}">'
+                     f'{html.escape(_rel(metrics_file, out_dir))}</a>; checkpoint: '
+                     f'{html.escape(_rel(run.get("checkpoint", ""), out_dir))}</p>')
+    for item in run.get("overlays", []):
+        try:
+            png = Path(item["png"]).read_bytes()
+        except OSError as exc:
+            log.warning("%s: overlay missing (%s)", item.get("png"), exc)
+            continue
+        refs = "; ".join(item.get("references", [])[:2])
+        parts.append(
+            f'<figure><img class="overlay" src="{data_uri(png)}" alt="attention overlays">'
+            f'<figcaption><b>{html.escape(item["caption"])}</b> &mdash; image {item["image_id"]}, '
+            f'<a href="{html.escape(_rel(item["html"], out_dir))}">explorer</a>'
+            f'<br><span class="note">references include: {html.escape(refs)}</span></figcaption></figure>')
+    return "\n".join(parts)
+
+
+def _rel(path: str | os.PathLike, base: Path) -> str:
+    try:
+        return Path(os.path.relpath(Path(path).resolve(), base.resolve())).as_posix()
+    except ValueError:  # another drive (Windows)
+        return Path(path).as_posix()
+
+
+def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
+    """The whole report page as one self-contained HTML string."""
+    from captioner.demo import LABELS
+
+    out_dir = Path(out_dir)
+    runs = report.get("runs", {})
+    curves = curves_png({n: r["run_dir"] for n, r in runs.items()}, LABELS)
+    scenes = report.get("scenes", {})
+    opts = report.get("options", {})
+    env = report.get("environment", {})
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(report.get('title', 'captioner demo'))}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(report.get('title', 'captioner demo'))}</h1>",
+        f"<p>{scenes.get('images')} synthetic scenes (seed {scenes.get('seed')}, {scenes.get('image_size')} px) in "
+        f"<code>{html.escape(str(opts.get('data')))}</code>; training budget {opts.get('budget')} s per decoder; "
+        f"test captions with beam {opts.get('beam_size')}; total time {report.get('seconds', 0):.0f} s on "
+        f"{env.get('cpus')} CPU(s), torch {html.escape(str(env.get('torch')))}, {env.get('threads')} threads.</p>",
+        render_table(report.get("table", []), LABELS),
+        _NOTES,
+    ]
+    if curves:
+        parts.append(f'<h2>Training</h2><img src="{data_uri(curves)}" alt="training curves" style="max-width:100%">')
+    for name, run in runs.items():
+        parts.append(_overlay_section(name, LABELS.get(name, name), run, out_dir))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write ``report.html`` and ``report.json`` into ``out_dir`` (atomically).
+
+    Returns:
+        ``{"html": path, "json": path}``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"html": out_dir / "report.html", "json": out_dir / "report.json"}
+    _atomic_write(paths["json"], json.dumps(report, indent=2, default=str) + "\n")
+    _atomic_write(paths["html"], render_html(report, out_dir))
+    log.info("wrote %s and %s", paths["html"], paths["json"])
+    return paths
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,114 @@
+"""A miniature demo: tiny presets on the 60-image scenes, a few seconds per decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from captioner import demo
+from captioner.cli import main
+from captioner.config import get_preset
+from captioner.demo import COLUMNS, DEMO_DECODERS, DemoOptions, ensure_scenes, format_table, run_demo
+from captioner.errors import ConfigError, DataError
+
+TINY = {name: f"{name}_tiny" for name in DEMO_DECODERS}
+# A fixed amount of training (epochs, not seconds) so the result does not depend on machine speed;
+# 4 epochs are enough for the tiny Transformer to name shapes, the tiny SAT models may not yet.
+FAST = {"train.epochs": 4, "train.val_max_images": 8, "train.batch_size": 16}
+
+
+@pytest.fixture(scope="module")
+def mini_report(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("demo")
+    options = DemoOptions(data=tiny_shapes, out=out, budget=120, presets=dict(TINY), overrides=dict(FAST),
+                          overlays=1, beam_size=2, progress=False)
+    return run_demo(options)
+
+
+def test_report_has_a_row_per_decoder_with_every_column(mini_report: dict) -> None:
+    rows = mini_report["table"]
+    assert [r["decoder"] for r in rows] == list(DEMO_DECODERS)
+    for row in rows:
+        assert {key for key, _, _ in COLUMNS} <= set(row)
+        assert 0.0 <= row["BLEU-4"] <= 1.0 and row["CIDEr-D"] >= 0.0
+        if row["uniform_baseline"] is not None:  # some generated word named an object: boxes were scored
+            assert 0.0 < row["uniform_baseline"] < 1.0 and row["attention_correctness"] is not None
+        assert 0.0 <= row["objects_correct"] <= 1.0
+        assert row["uniform_entropy"] == pytest.approx(2.7725887, abs=1e-5)  # log 16 regions (4 x 4 grid)
+        assert row["parameters"] > row["decoder_parameters"] > 0
+        assert row["train_seconds"] > 0
+
+
+def test_attention_correctness_was_scored_for_a_decoder_that_names_objects(mini_report: dict) -> None:
+    rows = {r["decoder"]: r for r in mini_report["table"]}
+    row = rows["transformer"]
+    assert row["uniform_baseline"] is not None and 0.0 < row["uniform_baseline"] < 1.0
+    assert 0.0 <= row["attention_correctness"] <= 1.0 and row["ratio"] == pytest.approx(
+        row["attention_correctness"] / row["uniform_baseline"], rel=1e-6)
+
+
+def test_report_files_are_written_and_self_contained(mini_report: dict) -> None:
+    html_path, json_path = Path(mini_report["paths"]["html"]), Path(mini_report["paths"]["json"])
+    saved = json.loads(json_path.read_text())
+    assert [r["decoder"] for r in saved["table"]] == list(DEMO_DECODERS)
+    assert saved["table"][0]["BLEU-4"] == pytest.approx(mini_report["table"][0]["BLEU-4"])
+    page = html_path.read_text()
+    assert page.count("<tr>") == 1 + len(DEMO_DECODERS)
+    assert page.count("data:image/png;base64,") == 1 + len(DEMO_DECODERS)  # curves + one overlay per decoder
+    assert "http://" not in page and "https://" not in page
+    for name in DEMO_DECODERS:
+        (shown,) = saved["runs"][name]["overlays"]
+        assert Path(shown["html"]).is_file() and Path(shown["png"]).is_file()
+        assert f'href="{name}/overlays/test_{shown["image_id"]}.html"' in page
+        assert (html_path.parent / name / "metrics_test.json").is_file()
+
+
+def test_format_table_lines_up_columns(mini_report: dict) -> None:
+    lines = format_table(mini_report["table"]).splitlines()
+    assert len(lines) == 2 + len(DEMO_DECODERS)
+    assert lines[0].split()[:3] == ["decoder", "B-1", "B-2"]
+    assert {len(line) for line in lines} == {len(lines[0])}
+    assert format_table([{"decoder": "x"}]).splitlines()[-1].split()[1:] == ["-"] * (len(COLUMNS) - 1)
+
+
+def test_scenes_are_generated_once(tmp_path: Path) -> None:
+    options = DemoOptions(data=tmp_path / "scenes", images=30, image_size=64)
+    first = ensure_scenes(options)
+    assert first["generated"] and (tmp_path / "scenes" / "instances_test.json").is_file()
+    again = ensure_scenes(options)
+    assert not again["generated"] and again["images"] == 30
+
+
+def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="choose from"):
+        DemoOptions.from_args(data="d", images=None, seed=0, budget=None, decoders="sat_soft,lstm", out="o")
+    with pytest.raises(ConfigError, match="budget"):
+        DemoOptions(budget=0)
+    (tmp_path / "notes.txt").write_text("not scenes")
+    with pytest.raises(DataError, match="not a synthetic-scenes folder"):
+        ensure_scenes(DemoOptions(data=tmp_path))
+
+
+def test_quick_defaults_and_presets_exist() -> None:
+    quick = DemoOptions.from_args(data="d", images=None, seed=1, budget=None, decoders="transformer", out="o",
+                                  quick=True)
+    assert (quick.images, quick.budget, quick.decoders) == (400, 15.0, ("transformer",))
+    for name in DEMO_DECODERS:
+        cfg = get_preset(demo.DEMO_PRESETS[name])
+        assert cfg.model.decoder.name == ("transformer" if name == "transformer" else "sat")
+
+
+def test_cli_demo_runs_end_to_end(tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(demo, "DEMO_PRESETS", {"sat_soft": "sat_soft_tiny"})
+    out = tmp_path / "run"
+    code = main(["demo", "--data", str(tiny_shapes), "--out", str(out), "--decoders", "sat_soft", "--budget", "3",
+                 "--overlays", "0", "--beam", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "B-4" in printed and "SAT soft" not in printed and "sat_soft" in printed
+    assert (out / "report.html").is_file()
+    assert main(["demo", "--decoders", "nope", "--out", str(out)]) == 1
+    assert "captioner demo: error: --decoders nope" in capsys.readouterr().err
