@@ -329,7 +329,10 @@ def _tiny_encoder() -> EncoderConfig:
 
 
 def _paper_encoder() -> EncoderConfig:
-    return EncoderConfig(name="resnet101", grid=14, pretrained=True, image_size=224)
+    # A real 14 x 14 map, as Xu et al. had from VGG conv5 at 224 px: ResNet-101's last stage has
+    # stride 32, so 448 px gives 14 x 14 (at 224 px it is 7 x 7, and a 14 x 14 grid would only
+    # repeat each cell 2 x 2). Feature-cache and epoch-time figures: docs/coco_recipe.md.
+    return EncoderConfig(name="resnet101", grid=14, pretrained=True, image_size=448)
 
 
 def _lite_encoder(grid: int = 7, image_size: int = 224) -> EncoderConfig:
@@ -361,21 +364,21 @@ def _transformer_tiny() -> Config:
 
 @register_preset("sat_soft")
 def _sat_soft() -> Config:
-    """Xu et al. 2015 soft attention, ResNet-101 14x14 regions (the paper setting on COCO)."""
+    """Xu et al. 2015 soft attention, ResNet-101 at 448 px: a real 14x14 grid (the paper setting on COCO)."""
     return Config(ModelConfig(_paper_encoder(), DecoderConfig(name="sat", attention="soft")),
                   DataConfig(root="data/coco", min_freq=5), TrainConfig())
 
 
 @register_preset("sat_hard")
 def _sat_hard() -> Config:
-    """Xu et al. 2015 hard (stochastic) attention, ResNet-101 14x14 regions."""
+    """Xu et al. 2015 hard (stochastic) attention, ResNet-101 at 448 px: a real 14x14 grid."""
     return Config(ModelConfig(_paper_encoder(), DecoderConfig(name="sat", attention="hard")),
                   DataConfig(root="data/coco", min_freq=5), TrainConfig())
 
 
 @register_preset("transformer")
 def _transformer() -> Config:
-    """Base Transformer decoder (512 wide, 3 layers, 8 heads) over ResNet-101 14x14 regions."""
+    """Base Transformer decoder (512 wide, 3 layers, 8 heads) over ResNet-101 14x14 regions (448 px)."""
     dec = DecoderConfig(name="transformer", d_model=512, num_layers=3, num_heads=8, ff_dim=2048, dropout=0.1)
     train = TrainConfig(optimizer="adam", lr=1.0, schedule="warmup", warmup_steps=4000, label_smoothing=0.1)
     return Config(ModelConfig(_paper_encoder(), dec), DataConfig(root="data/coco", min_freq=5), train)

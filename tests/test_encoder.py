@@ -75,6 +75,77 @@ def test_fine_tune_top_stages_only():
         build_encoder(_tiny(fine_tune=True, fine_tune_stages=9))
 
 
+# ----------------------------------------------------------------------------- real grids
+
+
+def _distinct_cells(features: torch.Tensor) -> int:
+    """How many of the N region vectors of one image (1, N, D) differ from every other."""
+    return torch.unique(features[0], dim=0).size(0)
+
+
+@pytest.mark.parametrize("name,sizes", [("tiny", (50, 64, 96)), ("resnet50", (64, 100)),
+                                        ("efficientnet_lite0", (100, 224))])
+def test_trunk_map_size_matches_a_real_forward(name, sizes):
+    for size in sizes:
+        cfg = EncoderConfig(name=name, grid=1, pretrained=False, width=8, image_size=size)
+        fmap = build_encoder(cfg).eval().feature_map(torch.randn(1, 3, size, size))  # (1, D, h, w)
+        side = enc_mod.trunk_map_size(name, size)
+        assert tuple(fmap.shape[-2:]) == (side, side), (name, size)
+
+
+def test_a_grid_beyond_the_map_repeats_cells_and_is_reported(caplog):
+    """The old paper setting in miniature: a stride-8 trunk at 32 px has a 4x4 map; an 8x8 grid of
+    it is 16 distinct vectors, each copied into a 2x2 block. Warned by default, refused when strict."""
+    cfg = _tiny(grid=8, image_size=32)
+    with caplog.at_level("WARNING", logger="captioner.models.encoder"):
+        enc = build_encoder(cfg).eval()
+    [record] = [r for r in caplog.records if "exceeds" in r.getMessage()]
+    message = record.getMessage()
+    assert "4x4 map" in message and "encoder.image_size=64 for a real 8x8 grid" in message
+    assert "encoder.grid=4" in message and "\n" not in message
+    feats, _ = enc(torch.randn(1, 3, 32, 32))
+    assert feats.shape[1] == 64 and _distinct_cells(feats) == 16
+    torch.testing.assert_close(feats[0, 0], feats[0, 1])  # cells (0, 0) and (0, 1): one trunk cell
+    torch.testing.assert_close(feats[0, 0], feats[0, 8])  # ... and (1, 0)
+    with pytest.raises(ConfigError, match=r"use encoder.image_size=64 for a real 8x8 grid"):
+        build_encoder(cfg, strict_grid=True)
+    # at the image size the message names, every region is its own trunk cell
+    real = build_encoder(_tiny(grid=8, image_size=64), strict_grid=True).eval()
+    assert _distinct_cells(real(torch.randn(1, 3, 64, 64))[0]) == 64
+
+
+def _shipped_presets() -> list[str]:
+    from captioner.config import list_presets
+
+    return list_presets()
+
+
+@pytest.mark.parametrize("preset", _shipped_presets())
+def test_every_shipped_preset_has_a_real_grid(preset):
+    """No preset pools its trunk's map up: no two regions are copies of one cell.
+
+    The small encoders run a real forward with random weights at the preset's image size. The
+    ResNet-101 presets (448 px) run the real modules on the meta device: shapes only, no pixels,
+    which is all that decides whether the pool repeats cells (a map at least as large as the grid).
+    """
+    from dataclasses import replace
+
+    cfg = replace(get_preset(preset).model.encoder, pretrained=False, weights=None)
+    size, g = cfg.image_size, cfg.grid
+    if cfg.name.startswith("resnet"):
+        with torch.device("meta"):
+            enc = build_encoder(cfg, strict_grid=True)
+            fmap = enc.feature_map(torch.empty(1, 3, size, size))  # (1, 2048, h, w)
+        assert fmap.shape[-1] == fmap.shape[-2] == enc_mod.trunk_map_size(cfg.name, size) >= g
+        return
+    torch.manual_seed(0)
+    enc = build_encoder(cfg, strict_grid=True).eval()
+    with torch.no_grad():
+        feats, grid = enc(torch.randn(1, 3, size, size))  # (1, N, D)
+    assert grid == (g, g) and feats.shape[1] == g * g
+    assert _distinct_cells(feats) == g * g
+
+
 def test_resnet50_local_weights_roundtrip_and_mismatch(tmp_path):
     from torchvision.models import resnet18, resnet50
 

@@ -18,6 +18,14 @@ position) followed by an adaptive average pool to ``g x g``; regions are flatten
 The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
 statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
 ``fine_tune_stages`` stages trainable.
+
+Grid and image size: every trunk halves its input with ``ceil`` rounding at each stride-2 layer,
+so its output map is ``ceil(S / stride)`` cells a side (stride 8 for ``tiny``, 32 for the others;
+:func:`trunk_map_size`). A grid larger than that map gives no new information: the adaptive pool
+then repeats (or interpolates between) the map's cells, e.g. ResNet-101 at 224 px has a 7 x 7 map,
+and a 14 x 14 grid of it is 49 distinct vectors each copied into a 2 x 2 block. ``build_encoder``
+warns about such a grid (or refuses it with ``strict_grid=True``), naming the image size that gives
+a real grid of that size (``stride * grid``: 448 px for 14 x 14 on ResNet-101).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ logger = logging.getLogger(__name__)
 RESNET_DIM = 2048
 LITE0_DIM = 1280
 LITE0_DEPTHS = (1, 2, 2, 3, 3, 4, 1)  # blocks per stage of EfficientNet-Lite0
+# Total downsampling of each trunk: its stride-2 layers (tiny: 3; ResNet, EfficientNet: 5).
+TRUNK_STRIDES = {"tiny": 8, "resnet50": 32, "resnet101": 32, "efficientnet_lite0": 32}
 
 
 class Encoder(nn.Module):
@@ -146,6 +156,44 @@ def lite0_trunk() -> tuple[nn.Module, int, list[list[str]]]:
     stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
     stages.append([f"blocks.{last}", "conv_head", "bn2"])
     return net, LITE0_DIM, stages
+
+
+# ----------------------------------------------------------------------------- grid geometry
+
+
+def trunk_map_size(name: str, image_size: int) -> int:
+    """Side of the trunk's output map for a square ``image_size`` input.
+
+    Every stride-2 layer of these trunks (ResNet's 7x7 stem, max-pool and strided 3x3/1x1 convs
+    with their paddings, the tiny CNN's 3x3 convs, EfficientNet's TF "SAME" convs) maps a side n to
+    ``ceil(n / 2)``, so the map is ``ceil(image_size / stride)`` cells a side.
+    """
+    if name not in TRUNK_STRIDES:
+        raise ConfigError(f"encoder.name={name!r} is not a known encoder")
+    return -(-image_size // TRUNK_STRIDES[name])
+
+
+def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
+    """Warn (or with ``strict`` refuse) when ``cfg.grid`` exceeds the trunk's output map.
+
+    Returns:
+        The trunk's map side at ``cfg.image_size``.
+
+    Raises:
+        ConfigError: with ``strict``, for a grid larger than the map.
+    """
+    side = trunk_map_size(cfg.name, cfg.image_size)
+    g = cfg.grid
+    if g <= side:
+        return side
+    message = (f"encoder.grid={g} exceeds the {side}x{side} map that {cfg.name} gives at "
+               f"encoder.image_size={cfg.image_size}: its {g * g} regions only repeat or interpolate "
+               f"{side * side} real cells; use encoder.image_size="
+               f"{TRUNK_STRIDES[cfg.name] * g} for a real {g}x{g} grid, or encoder.grid={side}")
+    if strict:
+        raise ConfigError(message)
+    logger.warning(message)
+    return side
 
 
 # ----------------------------------------------------------------------------- weights
@@ -290,17 +338,20 @@ def _weights_source(cfg: EncoderConfig) -> Path | object | None:
     return None
 
 
-def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True) -> Encoder:
+def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid: bool = False) -> Encoder:
     """Build the encoder named by ``cfg.name``.
 
     Args:
         cfg: encoder configuration (name, grid, pretrained, weights, fine-tuning, width).
         load_pretrained: load ImageNet weights when ``cfg.pretrained``; False when the weights
             will come from a checkpoint (nothing is read or downloaded then).
+        strict_grid: refuse a grid larger than the trunk's output map instead of warning
+            (see :func:`check_grid`).
 
     Returns:
         An ``Encoder`` with ``out_dim`` D and ``grid`` g.
     """
+    check_grid(cfg, strict=strict_grid)
     source = _weights_source(cfg) if load_pretrained and cfg.pretrained else None
     state = None
     if isinstance(source, Path):  # read (and fail on a bad file) before building the network
