@@ -18,6 +18,10 @@ Scores: ``log_prob`` is the sum of the log-probabilities of every emitted token,
 (Wu et al. 2016) ``lp(L) = ((5 + L) / 6) ** alpha``, where L counts the scored tokens (words, plus one
 for ``<eos>`` when finished) and ``alpha = DecodeOptions.length_penalty``; ``alpha = 0`` gives the raw
 sum. Larger alpha favours longer captions.
+
+Never emitted: ``<pad>`` and ``<bos>``, and ``<unk>`` unless ``DecodeOptions.allow_unk`` (the
+vocabulary-level :func:`caption_features` / :func:`caption_images` ban them; ``decode`` itself bans
+exactly the ``banned_ids`` it is given).
 """
 
 from __future__ import annotations
@@ -47,12 +51,16 @@ class DecodeOptions:
         max_len: most words in a caption (``<eos>`` not counted).
         length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
         n_best: hypotheses returned per image, best first (at most ``beam_size``).
+        allow_unk: let :func:`caption_features` / :func:`caption_images` emit ``<unk>``; by default
+            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
+            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
     """
 
     beam_size: int = 1
     max_len: int = 20
     length_penalty: float = 0.0
     n_best: int = 1
+    allow_unk: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -64,6 +72,8 @@ class DecodeOptions:
         alpha = self.length_penalty
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
             raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
+        if not isinstance(self.allow_unk, bool):
+            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
 
 
 @dataclass
@@ -352,9 +362,11 @@ def _grid_for(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:
     return (root, root)
 
 
-def _special_ids(vocab: Vocabulary) -> tuple[int, int]:
-    """Ids a caption never contains: ``<pad>`` and ``<bos>`` (``<unk>`` stays allowed)."""
-    return (vocab.pad_id, vocab.bos_id)
+def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:
+    """Ids a caption never contains: ``<pad>``, ``<bos>`` and, unless ``options.allow_unk``, ``<unk>``."""
+    if options is not None and options.allow_unk:
+        return (vocab.pad_id, vocab.bos_id)
+    return (vocab.pad_id, vocab.bos_id, vocab.unk_id)
 
 
 def _to_results(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, int]) -> list[CaptionResult]:
@@ -378,7 +390,8 @@ def caption_features(
 
     Args:
         model: a ``Captioner`` (its ``decoder`` is used); switched to eval mode for the search and
-            restored afterwards. ``<pad>`` and ``<bos>`` are never emitted.
+            restored afterwards. ``<pad>`` and ``<bos>`` are never emitted, nor ``<unk>`` unless
+            ``options.allow_unk``.
         features: (B, N, D) region features.
         vocab: the vocabulary the model was trained with.
         options: search options.
@@ -393,7 +406,7 @@ def caption_features(
     was_training = model.training
     model.eval()
     try:
-        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, _special_ids(vocab))
+        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
     finally:
         model.train(was_training)
     return _to_results(hyps, vocab, grid)
@@ -411,7 +424,7 @@ def caption_images(
     try:
         with torch.no_grad():
             features, grid = model.encode(images)  # (B, N, D), (g, g)
-        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, _special_ids(vocab))
+        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
     finally:
         model.train(was_training)
     return _to_results(hyps, vocab, (int(grid[0]), int(grid[1])))

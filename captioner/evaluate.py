@@ -75,6 +75,7 @@ def caption_split(
     device: str | torch.device = "cpu",
     progress: bool = True,
     num_workers: int = 0,
+    allow_unk: bool = False,
 ) -> SplitCaptions:
     """Caption every image of ``caption_set`` in batches.
 
@@ -88,6 +89,7 @@ def caption_split(
         device: where the pixels go.
         progress: show a tqdm bar.
         num_workers: DataLoader workers for image decoding.
+        allow_unk: let captions contain ``<unk>`` (banned by default).
 
     Returns:
         The captions, aligned with the (possibly filtered) caption set.
@@ -99,7 +101,7 @@ def caption_split(
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
+    options = DecodeOptions(beam_size=beam_size, max_len=max_len, allow_unk=allow_unk)
     load = image_loader(caption_set, ImageTransform(model.config.encoder))
     data = SafeImages(load, len(caption_set.images))
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
@@ -133,6 +135,7 @@ def evaluate_checkpoint(
     progress: bool = True,
     num_workers: int = 0,
     meteor: bool = True,
+    allow_unk: bool = False,
 ) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
@@ -150,6 +153,7 @@ def evaluate_checkpoint(
         progress: show tqdm bars.
         num_workers: DataLoader workers for image decoding.
         meteor: compute METEOR (starts a Java process; None when unavailable or off).
+        allow_unk: let captions contain ``<unk>`` (banned by default, as in training's validation).
 
     Returns:
         The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` at the top level,
@@ -177,7 +181,8 @@ def evaluate_checkpoint(
         cs = cs.subset(range(max_images))
     log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), beam_size)
     decoded = caption_split(model, loaded.vocab, cs, beam_size=beam_size, max_len=max_len, batch_size=batch_size,
-                            skip_bad=skip_missing, device=dev, progress=progress, num_workers=num_workers)
+                            skip_bad=skip_missing, device=dev, progress=progress, num_workers=num_workers,
+                            allow_unk=allow_unk)
     cs, results = decoded.caption_set, decoded.results
     hypotheses = [r.text for r in results]
     references = [cs.references(rec.image_id) for rec in cs.images]
@@ -206,6 +211,7 @@ def evaluate_checkpoint(
         "split": split,
         "beam_size": beam_size,
         "max_len": max_len,
+        "allow_unk": allow_unk,
         "num_images": len(cs.images),
         "num_references": sum(len(r) for r in references),
         "images_listed": listed,

@@ -103,6 +103,23 @@ def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints,
         assert set(row["tokens"]) <= set(WORDS) and isinstance(row["score"], float) and row["seconds"] > 0
 
 
+def test_unk_is_banned_unless_allow_unk(capsys, photos, tmp_path):
+    """A model whose favourite word is <unk>: the caption command leaves it out unless asked."""
+    from captioner.checkpoint import load_checkpoint, save_checkpoint
+
+    loaded = load_checkpoint(_checkpoint(tmp_path, "sat_soft_tiny"))
+    with torch.no_grad():
+        loaded.model.decoder.out_word.bias[loaded.vocab.unk_id] = 30.0
+    path = tmp_path / "unk.safetensors"
+    save_checkpoint(path, loaded.model, loaded.vocab)
+    image = str(photos / "b_wide.png")
+    for extra, has_unk in (([], False), (["--allow-unk"], True)):
+        code, out, err = _run(capsys, "caption", image, "-c", str(path), "--max-len", "3", *extra)
+        words = out[0].split("\t")[1].split()
+        assert code == 0 and err == [] and len(words) == 3
+        assert ("<unk>" in words) is has_unk, out
+
+
 def test_globs_and_missing_files(capsys, checkpoints, photos, tmp_path):
     missing = tmp_path / "nowhere.jpg"
     code, out, err = _run(capsys, "caption", str(photos / "*.png"), str(missing), str(tmp_path / "*.gif"),

@@ -296,6 +296,26 @@ class _FakeModel(nn.Module):
         self.decoder = decoder
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_unk_is_never_emitted_unless_allowed(beam):
+    """The table's "a" is id 3, which a Vocabulary calls <unk>: the model's first choice everywhere."""
+    from captioner.decoding import never_emitted_ids
+
+    vocab = Vocabulary(["x", "y", "z"])  # ids 4, 5, 6; 3 is <unk>
+    assert A == vocab.unk_id
+    table = {(): probs(a=0.6, b=0.3), (A,): probs(a=0.5, eos=0.4), (B_,): probs(a=0.6, eos=0.3),
+             (B_, A): probs(eos=0.9)}
+    model = _FakeModel(TableDecoder(table, DEFAULT))
+    res = caption_features(model, torch.zeros(1, 4, 2), vocab, DecodeOptions(beam_size=beam))[0]
+    assert vocab.unk_id not in res.tokens and res.words == ["x"] and res.text == "x"
+    allowed = caption_features(model, torch.zeros(1, 4, 2), vocab, DecodeOptions(beam_size=beam, allow_unk=True))[0]
+    assert allowed.words[0] == "<unk>" and allowed.tokens[0] == vocab.unk_id
+    assert never_emitted_ids(vocab) == (vocab.pad_id, vocab.bos_id, vocab.unk_id)
+    assert never_emitted_ids(vocab, DecodeOptions(allow_unk=True)) == (vocab.pad_id, vocab.bos_id)
+    with pytest.raises(ConfigError, match="allow_unk"):
+        DecodeOptions(allow_unk="yes")
+
+
 def test_caption_features_restores_mode_and_shapes_attention():
     vocab = Vocabulary(["a", "b", "c"])  # ids 4, 5, 6: the table's ids 4 and 5 read "a", "b"
     table = {(): probs(b=0.6, a=0.3), (B_,): probs(c=0.8), (B_, C): probs(eos=0.9)}

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     model = ckpt.model.to(device).eval()
     image = load_image(args.image)
     x = ImageTransform(ckpt.config.encoder)(image).unsqueeze(0).to(device)  # (1, 3, S, S)
-    result = caption_images(model, x, ckpt.vocab, DecodeOptions(beam_size=args.beam, max_len=args.max_len))[0]
+    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len, allow_unk=args.allow_unk)
+    result = caption_images(model, x, ckpt.vocab, options)[0]
     with torch.inference_mode():
         features, _ = model.encode(x)  # (1, N, D)
     all_att = teacher_forced_attention(model, features, result.tokens, ckpt.vocab.bos_id, result.grid)

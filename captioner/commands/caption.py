@@ -34,6 +34,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam", type=int, default=3, help="beam size; 1 = greedy (default: 3)")
     parser.add_argument("--max-len", type=int, default=20, help="longest caption in words (default: 20)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
+    parser.add_argument("--allow-unk", action="store_true",
+                        help="let captions contain <unk> (banned by default, like <pad> and <bos>)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.checkpoint, device=str(device))
     model = ckpt.model.to(device).eval()
     transform = ImageTransform(ckpt.config.encoder)
-    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len)
+    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len, allow_unk=args.allow_unk)
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)

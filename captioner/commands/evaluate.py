@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")
     parser.add_argument("--beam", type=int, default=3, metavar="K", help="beam size; 1 = greedy (default: 3)")
     parser.add_argument("--max-len", type=int, default=20, metavar="N", help="longest caption in words (default: 20)")
+    parser.add_argument("--allow-unk", action="store_true", help="let captions contain <unk> (banned by default)")
     parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per decoding batch (default: 32)")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the checkpoint's folder)")
     parser.add_argument("--max-images", type=int, default=None, metavar="N", help="score only the first N images")
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint, args.data, split=args.split, beam_size=args.beam, max_len=args.max_len,
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
-        num_workers=args.workers, meteor=not args.no_meteor,
+        num_workers=args.workers, meteor=not args.no_meteor, allow_unk=args.allow_unk,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:
