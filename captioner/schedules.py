@@ -1,70 +1,165 @@
-"""Learning-rate schedules, stepped once per optimizer step.
+"""Learning-rate schedules: one per parameter group, stepped once per optimizer step.
 
-``warmup`` is the Transformer schedule of Vaswani et al. 2017::
+Every group has a real peak learning rate and a shape (s = optimizer step, counted from 1)::
 
-    lr(s) = base_lr * d_model**-0.5 * min(s**-0.5, s * warmup**-1.5),   s = 1, 2, ...
+    constant   lr(s) = peak
+    warmup     lr(s) = peak * min(s / w, sqrt(w / s))        w = train.warmup_steps
 
-It rises linearly for ``warmup`` steps, peaks at s = warmup with base_lr * (d_model * warmup)**-0.5,
-then decays as s**-0.5. ``base_lr`` is the optimizer's lr (1.0 in the Transformer presets).
-``s`` counts from 1: the first optimizer step already uses s = 1, so the lr is never 0 or inf.
+``warmup`` is the Transformer schedule of Vaswani et al. 2017 (linear warm-up, then 1/sqrt(s)
+decay) normalised so that it reaches ``peak`` at s = w: at s = 1 it is peak / w, at s = 10 w it
+is peak / sqrt(10). The decoder group's peak is ``train.lr`` with ``train.schedule``; the
+fine-tuned encoder group's peak is ``train.encoder_lr`` with ``train.encoder_schedule`` (constant
+by default), so a warm-up never scales the encoder.
 
-Both schedules are ``LambdaLR`` objects with plain-function lambdas, so their ``state_dict`` holds
-only numbers (safe to save and load with ``weights_only=True``).
+On top of the shapes, :meth:`GroupSchedule.decay` multiplies every group by a factor (the
+epoch-level plateau and step decays of ``train.decay_*``); the accumulated factor is part of the
+saved state, so a resumed run continues with the same learning rates.
+
+Old configs: the Transformer presets used to set ``lr = 1.0`` with the unnormalised Noam formula
+``lr * d_model**-0.5 * min(s**-0.5, s * w**-1.5)``, i.e. a peak of ``lr * (d_model * w)**-0.5``.
+No Adam peak is 0.1 or more, so under ``warmup`` a ``train.lr >= LEGACY_NOAM_MIN_LR`` is read as
+that old scale factor (with a warning giving the peak it means): such configs and runs keep the
+decoder curve they had. Only the decoder group ever had that meaning.
+
+The state dict holds numbers and strings only (safe with ``weights_only=True``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 
 from captioner.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 SCHEDULES = ("constant", "warmup")
+LEGACY_NOAM_MIN_LR = 0.1  # under "warmup", train.lr >= this is the old Noam scale factor, not a peak
 
 
-def warmup_factor(step: int, d_model: int, warmup_steps: int) -> float:
-    """Multiplier of the base lr at optimizer step ``step`` (counted from 1)."""
+def warmup_shape(step: int, warmup_steps: int) -> float:
+    """``min(s / w, sqrt(w / s))`` at optimizer step ``step`` (counted from 1): 1.0 at s = w."""
+    step = max(step, 1)
+    return min(step / warmup_steps, math.sqrt(warmup_steps / step))
+
+
+def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
+    """The unnormalised Vaswani et al. multiplier ``d**-0.5 * min(s**-0.5, s * w**-1.5)``.
+
+    Equal to ``(d_model * warmup_steps) ** -0.5 * warmup_shape(step, warmup_steps)``.
+    """
     step = max(step, 1)
     return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
-def warmup_schedule(optimizer: Optimizer, d_model: int, warmup_steps: int) -> LambdaLR:
-    """Inverse-square-root schedule with linear warm-up (see module docstring).
+def shape_factor(name: str, step: int, warmup_steps: int) -> float:
+    """The multiplier of a group's peak lr at optimizer step ``step`` for schedule ``name``."""
+    if name == "constant":
+        return 1.0
+    if name == "warmup":
+        return warmup_shape(step, warmup_steps)
+    raise ConfigError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def decoder_peak_lr(lr: float, schedule: str, d_model: int, warmup_steps: int) -> float:
+    """The decoder's peak lr: ``lr`` itself, or for an old Noam config its peak (see module docstring)."""
+    if schedule == "warmup" and lr >= LEGACY_NOAM_MIN_LR:
+        peak = lr * (d_model * warmup_steps) ** -0.5
+        log.warning("train.lr=%g with schedule=warmup is read as the old Noam scale factor: peak lr %.3g at "
+                    "step %d (%g * (%d * %d)^-0.5); train.lr is now the peak itself, so set train.lr=%.3g to say "
+                    "this directly", lr, peak, warmup_steps, lr, d_model, warmup_steps, peak)
+        return peak
+    return lr
+
+
+class GroupSchedule(LRScheduler):
+    """A peak lr and a shape per parameter group, times a shared decay factor.
+
+    ``lr_g(s) = peaks[g] * shape_factor(shapes[g], s, warmup_steps) * decay_factor``.
 
     Args:
-        optimizer: its lr is base_lr.
-        d_model: model width d.
-        warmup_steps: steps of linear warm-up (the peak is at this step).
-
-    Returns:
-        A ``LambdaLR``; call ``scheduler.step()`` after every ``optimizer.step()``.
+        optimizer: its groups, in order, match ``peaks`` and ``shapes``.
+        peaks: peak learning rate of each group.
+        shapes: ``"constant"`` or ``"warmup"`` for each group.
+        warmup_steps: w of the ``warmup`` shape.
     """
-    if d_model < 1:
-        raise ConfigError(f"d_model must be >= 1, got {d_model}")
-    if warmup_steps < 1:
-        raise ConfigError(f"warmup_steps must be >= 1, got {warmup_steps}")
 
-    def factor(index: int) -> float:
-        # LambdaLR calls this with 0 at construction (the lr of the first optimizer step), 1 after
-        # the first scheduler.step(), ...: optimizer step s = index + 1.
-        return warmup_factor(index + 1, d_model, warmup_steps)
+    def __init__(self, optimizer: Optimizer, peaks: Sequence[float], shapes: Sequence[str],
+                 warmup_steps: int) -> None:
+        if len(peaks) != len(optimizer.param_groups) or len(shapes) != len(optimizer.param_groups):
+            raise ConfigError(f"{len(optimizer.param_groups)} parameter groups but {len(peaks)} peaks and "
+                              f"{len(shapes)} schedules")
+        if warmup_steps < 1:
+            raise ConfigError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        for name in shapes:
+            shape_factor(name, 1, warmup_steps)  # unknown names fail here
+        for peak in peaks:
+            if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
+                raise ConfigError(f"a peak learning rate must be a number > 0, got {peak!r}")
+        self.peaks = [float(p) for p in peaks]
+        self.shapes = list(shapes)
+        self.warmup_steps = int(warmup_steps)
+        self.decay_factor = 1.0
+        super().__init__(optimizer)
 
-    return LambdaLR(optimizer, factor)
+    def lr_at(self, step: int) -> list[float]:
+        """The lr of every group at optimizer step ``step`` (from 1), with the current decay."""
+        return [peak * shape_factor(shape, step, self.warmup_steps) * self.decay_factor
+                for peak, shape in zip(self.peaks, self.shapes)]
+
+    def get_lr(self) -> list[float]:  # LRScheduler: lrs for the next optimizer step
+        return self.lr_at(self.last_epoch + 1)
+
+    def _apply(self) -> None:
+        values = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = values
+
+    def decay(self, factor: float) -> None:
+        """Multiply every group's lr by ``factor`` from the next optimizer step on."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"a decay factor must be a number > 0, got {factor!r}")
+        self.decay_factor *= float(factor)
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "decay_factor": self.decay_factor,
+                "peaks": list(self.peaks), "shapes": list(self.shapes), "warmup_steps": self.warmup_steps,
+                "_last_lr": list(self._last_lr)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step count and decay; peaks and shapes come from the config of this run.
+
+        Also reads the ``LambdaLR`` state of older runs (no decay). The optimizer's lrs are set
+        for the next step, so a resumed run continues exactly.
+        """
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        self.decay_factor = float(state_dict.get("decay_factor", 1.0))
+        self._apply()
 
 
-def constant_schedule(optimizer: Optimizer) -> LambdaLR:
-    """Keep the optimizer's lr unchanged (a ``LambdaLR`` so every schedule saves the same way)."""
+def build_scheduler(optimizer: Optimizer, schedules: dict[str, tuple[float, str]], warmup_steps: int) -> GroupSchedule:
+    """A :class:`GroupSchedule` for an optimizer whose groups carry a ``"name"``.
 
-    def factor(index: int) -> float:
-        return 1.0
-
-    return LambdaLR(optimizer, factor)
-
-
-def build_scheduler(name: str, optimizer: Optimizer, d_model: int, warmup_steps: int) -> LambdaLR:
-    """The schedule named by ``TrainConfig.schedule``: ``"constant"`` or ``"warmup"``."""
-    if name == "constant":
-        return constant_schedule(optimizer)
-    if name == "warmup":
-        return warmup_schedule(optimizer, d_model, warmup_steps)
-    raise ConfigError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+    Args:
+        optimizer: built by ``captioner.training.optim.build_optimizer`` (groups "decoder",
+            "encoder").
+        schedules: ``{group name: (peak lr, shape)}``.
+        warmup_steps: w of the ``warmup`` shape.
+    """
+    peaks, shapes = [], []
+    for group in optimizer.param_groups:
+        name = group.get("name", "")
+        if name not in schedules:
+            raise ConfigError(f"no schedule for the parameter group {name!r} (known: {', '.join(schedules)})")
+        peak, shape = schedules[name]
+        peaks.append(peak)
+        shapes.append(shape)
+    return GroupSchedule(optimizer, peaks, shapes, warmup_steps)

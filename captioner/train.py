@@ -42,7 +42,7 @@ from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
 from captioner.training.logging_utils import MetricsLogger
-from captioner.training.optim import (Precision, build_optimizer, clip_and_step, nonfinite_tensors, schedule_width,
+from captioner.training.optim import (Precision, build_optimizer, build_schedule, clip_and_step, nonfinite_tensors,
                                       setup_precision)
 from captioner.training.state import (Progress, capture_rng, check_resume_config, check_resume_vocab,
                                       remove_stale_temp_files, restore_rng, seed_everything)
@@ -411,7 +411,6 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float) -> TrainResult:
     from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
-    from captioner.schedules import build_scheduler
 
     state_path = run_dir / "train_state.pt"
     saved = None
@@ -444,7 +443,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                             reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
                             baseline_decay=t.baseline_decay).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
-    scheduler = build_scheduler(t.schedule, optimizer, schedule_width(model), t.warmup_steps)
+    scheduler = build_schedule(optimizer, model, t)
     forward: nn.Module = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
     run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, precision, Progress(), run_dir, None, start,

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: known values of the warm-up schedule, dispatch, save/resume."""
+"""Learning-rate schedules: one per parameter group, real peak lrs, the legacy Noam rule, decay, resume."""
 
 from __future__ import annotations
 
@@ -7,63 +7,121 @@ import math
 import pytest
 import torch
 
+from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.schedules import build_scheduler, constant_schedule, warmup_schedule
+from captioner.schedules import GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
 
 
-def optimizer(lr: float = 2.0) -> torch.optim.Optimizer:
-    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+def two_groups(decoder_lr: float = 1.0, encoder_lr: float = 1.0) -> torch.optim.Optimizer:
+    """An optimizer shaped like ``build_optimizer``'s: a "decoder" and an "encoder" group."""
+    return torch.optim.Adam([
+        {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": decoder_lr, "name": "decoder"},
+        {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": encoder_lr, "name": "encoder"},
+    ])
 
 
-def lrs_used(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[float]:
-    """The lr each of the first ``steps`` optimizer steps runs with."""
+def lrs_used(scheduler: torch.optim.lr_scheduler.LRScheduler, steps: int) -> list[list[float]]:
+    """The lr of every group at each of the next ``steps`` optimizer steps."""
     out = []
     for _ in range(steps):
-        out.append(scheduler.optimizer.param_groups[0]["lr"])
+        out.append([g["lr"] for g in scheduler.optimizer.param_groups])
         scheduler.optimizer.step()
         scheduler.step()
     return out
 
 
-def test_warmup_known_values() -> None:
-    base, d, w = 2.0, 16, 10
-    lrs = lrs_used(warmup_schedule(optimizer(base), d, w), 40)
-    # first optimizer step uses s = 1: base * d^-0.5 * 1 * w^-1.5 (never 0)
-    assert lrs[0] == pytest.approx(base * d**-0.5 * w**-1.5)
-    peak = max(range(40), key=lambda i: lrs[i])
-    assert peak + 1 == w  # the peak is at step s = warmup
-    assert lrs[peak] == pytest.approx(base * d**-0.5 * w**-0.5)
-    assert lrs[4] == pytest.approx(base * d**-0.5 * 5 * w**-1.5)  # linear warm-up
-    assert lrs[39] == pytest.approx(base * d**-0.5 * 40**-0.5)  # inverse square-root decay
-    assert all(a < b for a, b in zip(lrs[: w - 1], lrs[1:w]))
-    assert all(a > b for a, b in zip(lrs[w - 1 : -1], lrs[w:]))
-    assert all(math.isfinite(x) and x > 0 for x in lrs)
+def test_warmup_shape_reaches_one_at_warmup_and_is_normalised_noam() -> None:
+    w = 10
+    assert warmup_shape(1, w) == pytest.approx(1 / w)
+    assert warmup_shape(w, w) == pytest.approx(1.0)
+    assert warmup_shape(10 * w, w) == pytest.approx(10**-0.5)
+    for s in (1, 3, w, 17, 400):  # the Noam curve divided by its peak (d * w)^-0.5
+        assert warmup_shape(s, w) == pytest.approx(noam_factor(s, 512, w) * (512 * w) ** 0.5)
 
 
-def test_transformer_preset_peak() -> None:
-    # lr=1.0, d=512, warmup=4000 (the paper): peak ~ 7.0e-4
-    lrs = lrs_used(warmup_schedule(optimizer(1.0), 512, 4000), 4001)
-    assert lrs[3999] == pytest.approx(512**-0.5 * 4000**-0.5)
-    assert lrs[3999] == max(lrs)
+@pytest.mark.parametrize("encoder_schedule", ["constant", "warmup"])
+def test_each_group_follows_its_own_schedule(encoder_schedule: str) -> None:
+    """The decoder warms up to train.lr; the encoder keeps its own encoder_lr (or its own warm-up to it).
+
+    Checked at optimizer steps s = 1 (the first step, "step 0" of the scheduler), s = w and s = 10 w.
+    """
+    from captioner.training.optim import build_schedule
+
+    w, lr, enc_lr = 20, 4.4e-4, 1e-4
+    cfg = TrainConfig(lr=lr, encoder_lr=enc_lr, schedule="warmup", warmup_steps=w, encoder_schedule=encoder_schedule)
+    model = type("M", (), {"config": get_preset("transformer_tiny").model})()  # schedule_width reads only config
+    sched = build_schedule(two_groups(lr, enc_lr), model, cfg)
+    lrs = lrs_used(sched, 10 * w)
+    expected_enc = (lambda s: enc_lr * min(s / w, (w / s) ** 0.5)) if encoder_schedule == "warmup" else (lambda s: enc_lr)
+    for s in (1, w, 10 * w):
+        decoder, encoder = lrs[s - 1]
+        assert decoder == pytest.approx(lr * min(s / w, (w / s) ** 0.5), rel=1e-9), s
+        assert encoder == pytest.approx(expected_enc(s), rel=1e-9), s
+    assert lrs[0][0] == pytest.approx(lr / w) and lrs[w - 1][0] == pytest.approx(lr)  # peak = train.lr, at w
+    assert max(row[0] for row in lrs) == pytest.approx(lr)
+    assert lrs[10 * w - 1][0] == pytest.approx(lr / math.sqrt(10))
+    if encoder_schedule == "constant":  # the old bug: the warm-up lambda scaled the encoder down to ~1e-7
+        assert {row[1] for row in lrs} == {enc_lr}
 
 
-def test_warmup_resume_from_state_dict() -> None:
-    sched = warmup_schedule(optimizer(), 16, 10)
-    lrs_used(sched, 7)
-    state = sched.state_dict()
-    assert all(fn is None for fn in state["lr_lambdas"])  # plain functions: numbers only
-    resumed = warmup_schedule(optimizer(), 16, 10)
-    resumed.load_state_dict(state)
-    resumed.optimizer.param_groups[0]["lr"] = resumed.get_last_lr()[0]
-    assert lrs_used(resumed, 5) == pytest.approx(lrs_used(sched, 5))
-
-
-def test_constant_and_dispatch() -> None:
-    assert lrs_used(constant_schedule(optimizer(0.3)), 5) == pytest.approx([0.3] * 5)
-    assert lrs_used(build_scheduler("constant", optimizer(0.3), 16, 10), 3) == pytest.approx([0.3] * 3)
-    assert lrs_used(build_scheduler("warmup", optimizer(2.0), 16, 10), 2) == pytest.approx(
-        lrs_used(warmup_schedule(optimizer(2.0), 16, 10), 2))
+def test_constant_schedule_and_group_lookup_by_name() -> None:
+    sched = build_scheduler(two_groups(), {"decoder": (3e-4, "constant"), "encoder": (1e-5, "constant")}, 10)
+    assert lrs_used(sched, 3) == [[3e-4, 1e-5]] * 3
+    with pytest.raises(ConfigError, match="'encoder'"):
+        build_scheduler(two_groups(), {"decoder": (3e-4, "constant")}, 10)
     with pytest.raises(ConfigError, match="'cosine'"):
-        build_scheduler("cosine", optimizer(), 16, 10)
+        GroupSchedule(two_groups(), [1e-4, 1e-4], ["warmup", "cosine"], 10)
     with pytest.raises(ConfigError, match="warmup_steps"):
-        warmup_schedule(optimizer(), 16, 0)
+        GroupSchedule(two_groups(), [1e-4, 1e-4], ["warmup", "warmup"], 0)
+
+
+def test_old_noam_configs_keep_their_decoder_curve(caplog: pytest.LogCaptureFixture) -> None:
+    """lr=1.0 + warmup (the old Transformer presets) means a peak of (d * w)^-0.5, with a warning."""
+    with caplog.at_level("WARNING", logger="captioner.schedules"):
+        peak = decoder_peak_lr(1.0, "warmup", 512, 4000)
+    assert peak == pytest.approx((512 * 4000) ** -0.5) and peak == pytest.approx(6.99e-4, rel=1e-3)
+    [record] = caplog.records
+    assert "set train.lr=0.000699" in record.getMessage()
+    assert decoder_peak_lr(4.4e-4, "warmup", 512, 10000) == 4.4e-4  # a real peak is taken as is
+    assert decoder_peak_lr(1.0, "constant", 512, 4000) == 1.0  # only the warm-up had the old meaning
+    sched = GroupSchedule(two_groups(), [peak, 1e-4], ["warmup", "constant"], 4000)
+    for s, (decoder, _) in enumerate(lrs_used(sched, 4001), start=1):
+        if s in (1, 2000, 4000, 4001):
+            assert decoder == pytest.approx(noam_factor(s, 512, 4000), rel=1e-9)
+
+
+def test_transformer_preset_recipe() -> None:
+    t = get_preset("transformer").train
+    assert (t.batch_size, t.warmup_steps, t.betas, t.schedule) == (50, 10000, (0.9, 0.98), "warmup")
+    assert t.lr == pytest.approx((512 * 10000) ** -0.5, rel=1e-2)  # 4.4e-4: the Noam peak at scale 1
+    assert t.encoder_schedule == "constant"
+
+
+def test_decay_multiplies_every_group_and_survives_resume() -> None:
+    sched = GroupSchedule(two_groups(), [1e-3, 1e-4], ["warmup", "constant"], 10)
+    lrs_used(sched, 15)
+    before = [g["lr"] for g in sched.optimizer.param_groups]
+    sched.decay(0.8)
+    assert [g["lr"] for g in sched.optimizer.param_groups] == pytest.approx([0.8 * x for x in before])
+    sched.decay(0.5)
+    state = sched.state_dict()
+    assert state["decay_factor"] == pytest.approx(0.4) and state["last_epoch"] == 15
+    assert all(isinstance(v, (int, float, str, list)) for v in state.values())  # weights_only-safe
+
+    resumed = GroupSchedule(two_groups(), [1e-3, 1e-4], ["warmup", "constant"], 10)
+    resumed.load_state_dict(state)
+    assert lrs_used(resumed, 5) == lrs_used(sched, 5)  # exactly
+    with pytest.raises(ConfigError, match="decay factor"):
+        sched.decay(0.0)
+
+
+def test_resumes_the_lambdalr_state_of_older_runs() -> None:
+    """train_state.pt files written before per-group schedules hold a LambdaLR state."""
+    old_opt = two_groups(1.0, 1e-4)
+    old = torch.optim.lr_scheduler.LambdaLR(old_opt, lambda i: noam_factor(i + 1, 512, 10))
+    lrs_used(old, 7)
+    sched = GroupSchedule(two_groups(), [decoder_peak_lr(1.0, "warmup", 512, 10), 1e-4], ["warmup", "constant"], 10)
+    sched.load_state_dict(old.state_dict())
+    assert sched.last_epoch == 7 and sched.decay_factor == 1.0
+    decoder, encoder = lrs_used(sched, 1)[0]
+    assert decoder == pytest.approx(noam_factor(8, 512, 10)) and encoder == 1e-4  # encoder no longer scaled

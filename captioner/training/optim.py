@@ -1,4 +1,4 @@
-"""Optimizer (decoder + fine-tuned encoder parameter groups), LR schedule and mixed precision."""
+"""Optimizer (decoder + fine-tuned encoder parameter groups), their LR schedules and mixed precision."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from captioner.config import TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.captioner import Captioner
+from captioner.schedules import GroupSchedule, build_scheduler, decoder_peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +21,11 @@ log = logging.getLogger(__name__)
 def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
     """Adam/AdamW over the decoder (``cfg.lr``) and the trainable encoder stages (``cfg.encoder_lr``).
 
+    The group lrs are those peaks; :func:`build_schedule` then sets each group's lr per step.
+
     Args:
         model: the captioner.
-        cfg: training options (optimizer, lr, encoder_lr, weight_decay).
+        cfg: training options (optimizer, lr, encoder_lr, betas, weight_decay).
         train_encoder: add a parameter group for the encoder's trainable parameters.
     """
     groups = [{"params": [p for p in model.decoder.parameters() if p.requires_grad], "lr": cfg.lr, "name": "decoder"}]
@@ -31,13 +34,25 @@ def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> 
         if enc:
             groups.append({"params": enc, "lr": cfg.encoder_lr, "name": "encoder"})
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 def schedule_width(model: Captioner) -> int:
-    """The ``d_model`` the warm-up schedule scales by: Transformer width, else the LSTM width."""
+    """The ``d_model`` of an old Noam-scale ``train.lr``: Transformer width, else the LSTM width."""
     dec = model.config.decoder
     return dec.d_model if dec.name == "transformer" else dec.hidden_dim
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig) -> GroupSchedule:
+    """One schedule per parameter group (see :mod:`captioner.schedules`).
+
+    The decoder group peaks at ``cfg.lr`` with ``cfg.schedule``; the fine-tuned encoder group at
+    ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. A legacy Noam-scale ``cfg.lr`` (>= 0.1 under
+    ``warmup``) is turned into its peak, with a warning.
+    """
+    peak = decoder_peak_lr(cfg.lr, cfg.schedule, schedule_width(model), cfg.warmup_steps)
+    return build_scheduler(optimizer, {"decoder": (peak, cfg.schedule),
+                                       "encoder": (cfg.encoder_lr, cfg.encoder_schedule)}, cfg.warmup_steps)
 
 
 @dataclass
