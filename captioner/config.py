@@ -27,6 +27,7 @@ LITE_STD = (128.0 / 255.0,) * 3
 
 ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
 DECODERS = ("sat", "transformer")
+SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 
 
 @dataclass
@@ -143,9 +144,9 @@ class TrainConfig:
     reinforce_weight: float = 1.0  # hard attention: weight of the REINFORCE term
     entropy_weight: float = 0.01  # hard attention: entropy bonus
     baseline_decay: float = 0.9  # hard attention: moving-average baseline decay
-    val_beam: int = 1  # beam size of the validation decoding (1 = greedy)
+    val_beam: int = 3  # beam size of the validation decoding (1 = greedy); 3 = ``captioner evaluate``'s default
     val_max_images: int | None = None  # cap validation images per epoch (None = all)
-    patience: int = 5  # early stopping: epochs without a better val BLEU-4
+    patience: int = 5  # early stopping: epochs without a better validation select_metric
     time_budget: float | None = None  # stop training after this many seconds
     amp: str = "auto"  # "auto" (bf16/fp16 on CUDA), "off", "bf16", "fp16"
     seed: int = 0
@@ -155,6 +156,11 @@ class TrainConfig:
     # --- recipe (issue 16) ---
     betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW (beta1, beta2); the Transformer presets use (0.9, 0.98)
     encoder_schedule: str = "constant"  # fine-tuned encoder group: "constant" or "warmup", peak encoder_lr
+    decay_factor: float = 0.8  # lr multiplier (every group) of the plateau and step decays
+    decay_patience: int = 0  # plateau decay: x decay_factor per N epochs with no better select_metric; 0 = off
+    decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
+    select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
+    val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -185,6 +191,14 @@ class TrainConfig:
             raise ConfigError(f"train.encoder_schedule={self.encoder_schedule!r}: use constant or warmup")
         if self.warmup_steps < 1:
             raise ConfigError(f"train.warmup_steps must be >= 1, got {self.warmup_steps}")
+        if not 0.0 < self.decay_factor <= 1.0:
+            raise ConfigError(f"train.decay_factor must be in (0, 1], got {self.decay_factor}")
+        if self.decay_patience < 0 or self.decay_every < 0:
+            raise ConfigError("train.decay_patience and train.decay_every must be >= 0 (0 = off)")
+        if self.select_metric not in SELECT_METRICS:
+            raise ConfigError(f"train.select_metric={self.select_metric!r}: use {' or '.join(SELECT_METRICS)}")
+        if self.val_max_len < 1:
+            raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
         if self.encoder_lr <= 0:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
 
@@ -359,6 +373,13 @@ def _lite_encoder(grid: int = 7, image_size: int = 224) -> EncoderConfig:
                          interpolation="bicubic", mean=LITE_MEAN, std=LITE_STD)
 
 
+def _sat_train() -> TrainConfig:
+    # Adam at 4e-4, x0.8 after 3 epochs without a better validation CIDEr-D (then early stopping
+    # after 5): the plateau decay of the widely used SAT tutorial (x0.8 after 8 of its 20 patience
+    # epochs), scaled to a 20-epoch run. Two-stage fine-tuning (--init): docs/coco_recipe.md.
+    return TrainConfig(lr=4e-4, decay_patience=3, decay_factor=0.8)
+
+
 def _transformer_train(batch_size: int, warmup_steps: int, lr: float) -> TrainConfig:
     # train.lr is the real peak, reached at warmup_steps. The presets use (512 * warmup) ** -0.5, the
     # peak of the Noam schedule of Vaswani et al. at scale 1 (4.4e-4 for 10,000 steps, 7.0e-4 for
@@ -394,14 +415,14 @@ def _transformer_tiny() -> Config:
 def _sat_soft() -> Config:
     """Xu et al. 2015 soft attention, ResNet-101 at 448 px: a real 14x14 grid (the paper setting on COCO)."""
     return Config(ModelConfig(_paper_encoder(), DecoderConfig(name="sat", attention="soft")),
-                  DataConfig(root="data/coco", min_freq=5), TrainConfig())
+                  DataConfig(root="data/coco", min_freq=5), _sat_train())
 
 
 @register_preset("sat_hard")
 def _sat_hard() -> Config:
     """Xu et al. 2015 hard (stochastic) attention, ResNet-101 at 448 px: a real 14x14 grid."""
     return Config(ModelConfig(_paper_encoder(), DecoderConfig(name="sat", attention="hard")),
-                  DataConfig(root="data/coco", min_freq=5), TrainConfig())
+                  DataConfig(root="data/coco", min_freq=5), _sat_train())
 
 
 @register_preset("transformer")
@@ -419,13 +440,13 @@ def _transformer() -> Config:
 def _sat_soft_lite() -> Config:
     """Soft attention over offline EfficientNet-Lite0 7x7 regions (no downloads needed)."""
     return Config(ModelConfig(_lite_encoder(), DecoderConfig(name="sat", attention="soft")),
-                  DataConfig(), TrainConfig())
+                  DataConfig(), _sat_train())
 
 
 @register_preset("sat_hard_lite")
 def _sat_hard_lite() -> Config:
     return Config(ModelConfig(_lite_encoder(), DecoderConfig(name="sat", attention="hard")),
-                  DataConfig(), TrainConfig())
+                  DataConfig(), _sat_train())
 
 
 @register_preset("transformer_lite")

@@ -2,11 +2,14 @@
 
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), N regions, D feature width.
 
-A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors`` (best validation BLEU-4),
-``latest.safetensors``, ``train_state.pt`` (everything needed to resume exactly), ``metrics.csv``,
-``features/`` (cached encoder features, frozen encoder only) and ``tensorboard/`` (if installed).
-Validation decodes captions for real (greedy or beam) and scores corpus BLEU against all
-references; early stopping and the best checkpoint follow validation BLEU-4 (0-1 scale).
+A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors`` (best validation
+``train.select_metric``), ``latest.safetensors``, ``train_state.pt`` (everything needed to resume
+exactly), ``metrics.csv``, ``features/`` (cached encoder features, frozen encoder only) and
+``tensorboard/`` (if installed). Validation decodes captions for real, the way ``captioner
+evaluate`` does by default (beam ``train.val_beam`` = 3, ``train.val_max_len`` = 20 words, no
+``<unk>``), and scores corpus BLEU-1..4 and CIDEr-D against all references; the best checkpoint,
+early stopping and the plateau decay follow ``train.select_metric`` (CIDEr-D by default). A run
+keeps the metric it started with when resumed.
 
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
@@ -44,6 +47,7 @@ from captioner.training.data import (TrainData, load_caption_sets, load_or_build
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import (Precision, build_optimizer, build_schedule, clip_and_step, nonfinite_tensors,
                                       setup_precision)
+from captioner.training.selection import decay_after_epoch, keep_select_metric
 from captioner.training.state import (Progress, capture_rng, check_resume_config, check_resume_vocab,
                                       remove_stale_temp_files, restore_rng, seed_everything)
 from captioner.training.validation import score, validate
@@ -59,11 +63,14 @@ class TrainResult:
     """What ``train`` returns.
 
     Attributes:
-        best_checkpoint: ``best.safetensors`` (highest validation BLEU-4).
+        best_checkpoint: ``best.safetensors`` (highest validation ``select_metric``).
         latest_checkpoint: ``latest.safetensors`` (weights after the last trained batch).
         best_bleu4: validation BLEU-4 of the best checkpoint, 0-1 scale.
         history: one dict per validation (epoch rows of ``metrics.csv``).
         seconds: wall time of this call.
+        select_metric: the metric the best checkpoint was selected on ("CIDEr-D" or "BLEU-4").
+        best_score: its value for the best checkpoint.
+        best_epoch: 1-based epoch of the best checkpoint.
     """
 
     best_checkpoint: Path
@@ -71,6 +78,9 @@ class TrainResult:
     best_bleu4: float
     history: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    select_metric: str = "CIDEr-D"
+    best_score: float = 0.0
+    best_epoch: int = 0
 
 
 class TrainForward(nn.Module):
@@ -279,14 +289,16 @@ def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bo
 
 
 def _validate_all(run: _Run, data: TrainData) -> dict[str, float]:
-    """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere."""
+    """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere.
+
+    Decodes like ``captioner evaluate``: beam ``train.val_beam``, ``train.val_max_len`` words, no ``<unk>``.
+    """
     info, cfg = run.info, run.cfg
     dataset = data.val_dataset
     if info.distributed:
         dataset = Subset(dataset, list(range(info.rank, len(dataset), info.world_size)))
-    max_len = min(cfg.model.decoder.max_len, cfg.data.max_caption_len)
     shard = validate(run.model, val_loader(dataset, cfg, info), data.val_set, data.vocab, cfg.train.val_beam,
-                     max_len, info.device, data.on_features)
+                     cfg.train.val_max_len, info.device, data.on_features)
     return score(ddp.gather_objects(shard, info))
 
 
@@ -344,7 +356,8 @@ def _save(run: _Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]]
 
     prog = run.progress
     last = prog.history[-1]
-    meta = {"epoch": last["epoch"], "step": prog.step, "val_bleu4": last["BLEU-4"], "val_split": run.cfg.data.val_split}
+    meta = {"epoch": last["epoch"], "step": prog.step, "val_bleu4": last["BLEU-4"], "val_cider_d": last["CIDEr-D"],
+            "select_metric": prog.select_metric, "val_split": run.cfg.data.val_split}
     save_checkpoint(run.run_dir / "latest.safetensors", run.model, data.vocab, metadata=meta)
     if improved:
         save_checkpoint(run.run_dir / "best.safetensors", run.model, data.vocab, metadata=meta)
@@ -367,21 +380,24 @@ def _end_of_epoch(run: _Run, data: TrainData, epoch: int, complete: bool, captio
     row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(),
            "lr": run.last_lr, "captions_per_s": captions_per_s, **metrics,
            "partial": int(not complete), "seconds": run.elapsed()}
-    improved = metrics["BLEU-4"] > prog.best_bleu4
+    value = metrics[prog.select_metric]
+    improved = value > prog.best_score
     if improved:
-        prog.best_bleu4, prog.best_epoch, prog.bad_epochs = metrics["BLEU-4"], epoch + 1, 0
+        prog.best_score, prog.best_bleu4, prog.best_epoch, prog.bad_epochs = value, metrics["BLEU-4"], epoch + 1, 0
     elif complete:
         prog.bad_epochs += 1
     if complete:
+        decay_after_epoch(run.cfg.train, prog, run.scheduler, epoch, announce=info.is_main)
         prog.epoch, prog.batch_in_epoch = epoch + 1, 0
         prog.epoch_meter = type(prog.epoch_meter)()
     prog.history.append(row)
     prog.seconds = run.elapsed()
     if run.logger is not None:
         run.logger.write("epoch", row)
-        log.info("epoch %d%s: loss %.4f, val BLEU-4 %.4f (best %.4f, epoch %d), attention entropy %.3f, %.0f s",
-                 epoch + 1, "" if complete else " (partial)", row.get("loss", math.nan), metrics["BLEU-4"],
-                 prog.best_bleu4, prog.best_epoch, metrics["attention_entropy"], row["seconds"])
+        log.info("epoch %d%s: loss %.4f, val %s %.4f (best %.4f, epoch %d), BLEU-4 %.4f, attention entropy %.3f, "
+                 "%.0f s", epoch + 1, "" if complete else " (partial)", row.get("loss", math.nan), prog.select_metric,
+                 value, prog.best_score, prog.best_epoch, metrics["BLEU-4"], metrics["attention_entropy"],
+                 row["seconds"])
     _save(run, data, improved, ddp.gather_objects(rng, info))
 
 
@@ -423,6 +439,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         from captioner.checkpoint import load_train_state
 
         saved = load_train_state(state_path)
+        cfg = keep_select_metric(cfg, saved, announce=info.is_main)
     elif info.is_main and state_path.exists():
         log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
     train_set, val_set = load_caption_sets(cfg)
@@ -446,8 +463,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     scheduler = build_schedule(optimizer, model, t)
     forward: nn.Module = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
-    run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, precision, Progress(), run_dir, None, start,
-               0.0, progress)
+    run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, precision,
+               Progress(select_metric=t.select_metric), run_dir, None, start, 0.0, progress)
     if saved is not None:
         _load_train_state(run, saved)
         run.seconds_before = run.progress.seconds
@@ -472,7 +489,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     ddp.barrier(info)
     prog = run.progress
     return TrainResult(run_dir / "best.safetensors", run_dir / "latest.safetensors", max(prog.best_bleu4, 0.0),
-                       list(prog.history), time.monotonic() - start)
+                       list(prog.history), time.monotonic() - start, prog.select_metric, max(prog.best_score, 0.0),
+                       prog.best_epoch)
 
 
 def _loop(run: _Run, data: TrainData) -> None:
@@ -492,5 +510,5 @@ def _loop(run: _Run, data: TrainData) -> None:
     if prog.skipped and run.info.is_main:
         log.warning("%d batch(es) of this run were skipped for non-finite values", prog.skipped)
     if prog.bad_epochs >= patience and run.info.is_main:
-        log.info("early stopping: no better val BLEU-4 for %d epochs (best %.4f at epoch %d)",
-                 prog.bad_epochs, prog.best_bleu4, prog.best_epoch)
+        log.info("early stopping: no better val %s for %d epochs (best %.4f at epoch %d)",
+                 prog.select_metric, prog.bad_epochs, prog.best_score, prog.best_epoch)

@@ -95,6 +95,8 @@ def test_transformer_preset_recipe() -> None:
     assert (t.batch_size, t.warmup_steps, t.betas, t.schedule) == (50, 10000, (0.9, 0.98), "warmup")
     assert t.lr == pytest.approx((512 * 10000) ** -0.5, rel=1e-2)  # 4.4e-4: the Noam peak at scale 1
     assert t.encoder_schedule == "constant"
+    sat = get_preset("sat_soft").train
+    assert (sat.lr, sat.schedule, sat.decay_patience, sat.decay_factor) == (4e-4, "constant", 3, 0.8)
 
 
 def test_decay_multiplies_every_group_and_survives_resume() -> None:

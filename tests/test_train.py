@@ -76,7 +76,8 @@ def test_run_folder_has_every_artifact_and_checkpoint_loads(tiny_shapes: Path, t
     from captioner.checkpoint import load_checkpoint, load_train_state
     from captioner.text import Vocabulary
 
-    cfg = tiny_cfg("sat_soft_tiny", tiny_shapes, **{"train.lr": 1e-2})  # high enough to emit words in 1 epoch
+    # lr high enough to emit words in 1 epoch; greedy, because after one epoch a beam prefers the empty caption
+    cfg = tiny_cfg("sat_soft_tiny", tiny_shapes, **{"train.lr": 1e-2, "train.val_beam": 1})
     result = train(cfg, tmp_path, progress=False)
 
     for name in ("config.json", "vocab.json", "best.safetensors", "latest.safetensors", "train_state.pt",
@@ -89,6 +90,7 @@ def test_run_folder_has_every_artifact_and_checkpoint_loads(tiny_shapes: Path, t
     loaded = load_checkpoint(result.best_checkpoint)
     assert loaded.vocab == vocab and loaded.config == cfg.model
     assert loaded.metadata["epoch"] == 1 and loaded.metadata["step"] == STEPS_PER_EPOCH
+    assert loaded.metadata["select_metric"] == "CIDEr-D" and loaded.metadata["val_cider_d"] >= 0.0
     assert_same_weights(result.best_checkpoint, result.latest_checkpoint)  # one epoch: best is latest
 
     [row] = result.history
@@ -97,10 +99,12 @@ def test_run_folder_has_every_artifact_and_checkpoint_loads(tiny_shapes: Path, t
     assert row["val_words"] > 0 and 0.0 <= row["attention_entropy"] <= math.log(16) + 1e-4  # 4x4 grid
     assert math.isfinite(row["loss"]) and row["doubly_stochastic"] > 0  # SAT penalty is on
     assert result.best_bleu4 == row["BLEU-4"]
+    assert result.select_metric == "CIDEr-D" and result.best_score == row["CIDEr-D"] and result.best_epoch == 1
 
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv", newline="")))
     assert [r["kind"] for r in rows] == ["step"] * STEPS_PER_EPOCH + ["epoch"]
     assert rows[-1]["BLEU-4"] != "" and rows[0]["BLEU-4"] == ""
+    assert float(rows[-1]["CIDEr-D"]) == pytest.approx(row["CIDEr-D"], rel=1e-5)
 
     state = load_train_state(tmp_path / "train_state.pt")
     assert state["progress"]["epoch"] == 1 and state["progress"]["step"] == STEPS_PER_EPOCH

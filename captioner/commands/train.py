@@ -76,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, out = resolve(args)
     result = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"best val BLEU-4 {result.best_bleu4:.4f} (0-1 scale): {result.best_checkpoint}; "
-              f"latest: {result.latest_checkpoint}; {result.seconds:.0f} s")
+        chosen = "" if result.select_metric == "BLEU-4" else f", {result.select_metric} {result.best_score:.4f}"
+        print(f"best val BLEU-4 {result.best_bleu4:.4f} (0-1 scale){chosen}, selected on {result.select_metric} "
+              f"at epoch {result.best_epoch}: {result.best_checkpoint}; latest: {result.latest_checkpoint}; "
+              f"{result.seconds:.0f} s")
     return 0

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (
     "kind", "epoch", "step", "loss", "ce", "doubly_stochastic", "reinforce", "entropy", "baseline",
-    "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "attention_entropy",
+    "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "attention_entropy",
     "val_images", "val_words", "partial", "seconds",
 )
 

@@ -73,9 +73,12 @@ class Progress:
         epoch: current epoch, 0-based (== epochs when training has finished).
         batch_in_epoch: batches of ``epoch`` already trained (> 0 after a mid-epoch stop).
         step: batches trained in total (the x axis of every log).
-        best_bleu4: best validation BLEU-4 so far (0-1 scale; -1 before the first validation).
-        best_epoch: 1-based epoch of ``best_bleu4``.
-        bad_epochs: epochs since the last improvement (early stopping).
+        select_metric: the validation metric this run selects on (``train.select_metric`` when the
+            run started; a resume keeps it).
+        best_score: best ``select_metric`` so far (-1 before the first validation).
+        best_bleu4: validation BLEU-4 (0-1 scale) of that best checkpoint.
+        best_epoch: 1-based epoch of ``best_score``.
+        bad_epochs: epochs since the last improvement (early stopping, plateau decay).
         seconds: training wall time of all sessions of this run.
         skipped: batches skipped for a non-finite loss or gradient (``train.skip_nonfinite``).
         history: one dict per validation (the epoch rows of ``metrics.csv``).
@@ -86,6 +89,8 @@ class Progress:
     epoch: int = 0
     batch_in_epoch: int = 0
     step: int = 0
+    select_metric: str = "CIDEr-D"
+    best_score: float = -1.0
     best_bleu4: float = -1.0
     best_epoch: int = 0
     bad_epochs: int = 0
@@ -103,13 +108,30 @@ class Progress:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved state, including those of older versions (see :func:`migrate_progress`)."""
+        state = migrate_progress(state)
         for f in fields(self):
             if f.name in ("epoch_meter", "window_meter"):
                 getattr(self, f.name).load_state_dict(state[f.name])
             elif f.name == "history":
                 self.history = [dict(h) for h in state["history"]]
-            elif f.name in state or f.name != "skipped":  # "skipped" is newer than some saved states
+            else:
                 setattr(self, f.name, type(f.default)(state[f.name]))
+
+
+def migrate_progress(state: dict[str, Any]) -> dict[str, Any]:
+    """A saved ``Progress`` state in the current layout (a copy; the input is left alone).
+
+    States from before selection metrics selected on BLEU-4 alone: they have ``best_bleu4`` and no
+    ``best_score``, so their ``select_metric`` is BLEU-4 and their best score is that BLEU-4. States
+    from before ``skipped`` count no skipped batches.
+    """
+    state = dict(state)
+    if "best_score" not in state:
+        state["select_metric"] = "BLEU-4"
+        state["best_score"] = state["best_bleu4"]
+    state.setdefault("skipped", 0)
+    return state
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:

@@ -1,8 +1,10 @@
-"""Validation during training: decode captions for real and score them with corpus BLEU.
+"""Validation during training: decode captions for real and score them with BLEU and CIDEr-D.
 
 ``validate`` runs on one shard of the validation images (one per rank under torchrun) and
 returns hypotheses and references; ``score`` merges the shards and computes BLEU-1..4 (0-1
-scale) and the mean attention entropy per generated word.
+scale), CIDEr-D (coco-caption's scale, document frequencies from the validation references, as
+``captioner evaluate`` computes it on its split) and the mean attention entropy per generated word.
+Decoding bans ``<unk>`` as ``captioner evaluate`` does by default.
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
 
 
 def score(shards: list[dict[str, Any]]) -> dict[str, float]:
-    """Corpus BLEU-1..4 (0-1) and mean attention entropy per generated word over merged shards."""
-    from captioner.metrics import bleu
+    """Corpus BLEU-1..4 (0-1), CIDEr-D and mean attention entropy per generated word over merged shards."""
+    from captioner.metrics import bleu, cider_d
 
     hyps = [h for s in shards for h in s["hypotheses"]]
     refs = [r for s in shards for r in s["references"]]
     words = sum(s["words"] for s in shards)
     out = {k: float(v) for k, v in bleu(hyps, refs).items()}
+    out["CIDEr-D"] = float(cider_d(hyps, refs))
     out["attention_entropy"] = sum(s["entropy_sum"] for s in shards) / words if words else float("nan")
     out["val_images"] = len(hyps)
     out["val_words"] = words / len(hyps) if hyps else 0.0  # mean caption length (0: only empty captions)

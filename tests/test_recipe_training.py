@@ -1,0 +1,202 @@
+"""The COCO recipe in training: selection on the test-time decoding and metric, plateau and step
+decay, resuming runs saved before these existed,.
+
+Tiny presets on the 60-image ``tiny_shapes`` set (48 training images x 5 captions, batch 16 -> 15
+steps per epoch). Where the test is about what the loop does with validation scores, the scores
+are scripted (``_validate_all`` patched), so the outcome does not hang on what a tiny model learns.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from captioner.config import Config, get_preset
+from captioner.errors import ConfigError
+from captioner.train import train
+
+STEPS = 15
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(root: Path, preset: str = "sat_soft_tiny", **overrides) -> Config:
+    base = {"data.root": str(root), "train.batch_size": 16, "train.val_max_images": 4, "train.log_every": 1,
+            "train.epochs": 1}
+    return get_preset(preset, **{**base, **overrides})
+
+
+def rows(run: Path, kind: str) -> list[dict[str, str]]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["kind"] == kind]
+
+
+def step_lrs_by_epoch(run: Path) -> dict[int, list[float]]:
+    """The distinct lrs logged on the step rows of each epoch."""
+    out: dict[int, set[float]] = {}
+    for r in rows(run, "step"):
+        out.setdefault(int(r["epoch"]), set()).add(float(r["lr"]))
+    return {epoch: sorted(lrs) for epoch, lrs in out.items()}
+
+
+def script_validation(monkeypatch: pytest.MonkeyPatch, scores: list[tuple[float, float]], seen: list | None = None):
+    """Validation returns (BLEU-4, CIDEr-D) from ``scores``, one pair per call."""
+    import captioner.train as train_mod
+
+    calls = iter(scores)
+
+    def fake(run, data):
+        if seen is not None:
+            seen.append((run.cfg.train.val_beam, run.cfg.train.val_max_len))
+        bleu4, cider = next(calls)
+        return {"BLEU-1": 0.5, "BLEU-2": 0.4, "BLEU-3": 0.3, "BLEU-4": bleu4, "CIDEr-D": cider,
+                "attention_entropy": 1.0, "val_images": 4, "val_words": 3.0}
+
+    monkeypatch.setattr(train_mod, "_validate_all", fake)
+
+
+# BLEU-4 rises every epoch while CIDEr-D falls: the two metrics pick different checkpoints.
+DIVERGING = [(0.10, 0.50), (0.20, 0.40), (0.30, 0.30), (0.40, 0.20)]
+
+
+def test_best_checkpoint_early_stopping_and_plateau_decay_follow_cider(tiny_shapes: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    script_validation(monkeypatch, DIVERGING)
+    lr = 1e-3
+    cfg = tiny_cfg(tiny_shapes, **{"train.epochs": 4, "train.patience": 2, "train.decay_patience": 1,
+                                   "train.lr": lr})
+    result = train(cfg, tmp_path, progress=False)
+    assert [h["epoch"] for h in result.history] == [1, 2, 3]  # early stopping: 2 epochs without a better CIDEr-D
+    assert (result.select_metric, result.best_epoch, result.best_score) == ("CIDEr-D", 1, 0.5)
+    assert result.best_bleu4 == 0.10  # the BLEU-4 of the checkpoint CIDEr-D chose
+    meta = _metadata(tmp_path / "best.safetensors")
+    assert meta["epoch"] == 1 and meta["select_metric"] == "CIDEr-D" and meta["val_cider_d"] == 0.5
+    # plateau decay x0.8 after each epoch without improvement: after epoch 2, and after epoch 3
+    lrs = step_lrs_by_epoch(tmp_path)
+    assert (lrs[1], lrs[2], lrs[3]) == ([lr], [lr], pytest.approx([0.8 * lr], rel=1e-5))
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
+    assert state["scheduler"]["decay_factor"] == pytest.approx(0.64)
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.64 * lr)
+    epochs = rows(tmp_path, "epoch")
+    assert [float(r["CIDEr-D"]) for r in epochs] == [0.5, 0.4, 0.3]
+    assert [float(r["BLEU-4"]) for r in epochs] == [0.1, 0.2, 0.3]
+
+
+def test_bleu4_selection_and_step_decay(tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script_validation(monkeypatch, DIVERGING)
+    lr = 1e-3
+    cfg = tiny_cfg(tiny_shapes, **{"train.epochs": 3, "train.patience": 2, "train.select_metric": "BLEU-4",
+                                   "train.decay_every": 2, "train.decay_factor": 0.5, "train.lr": lr})
+    result = train(cfg, tmp_path, progress=False)
+    assert [h["epoch"] for h in result.history] == [1, 2, 3]
+    assert (result.select_metric, result.best_epoch, result.best_score) == ("BLEU-4", 3, 0.3)
+    assert _metadata(tmp_path / "best.safetensors")["epoch"] == 3
+    lrs = step_lrs_by_epoch(tmp_path)
+    assert (lrs[1], lrs[2], lrs[3]) == ([lr], [lr], pytest.approx([0.5 * lr], rel=1e-5))  # after epoch 2
+
+
+def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beam 3 and 20 words, the defaults of ``captioner evaluate`` (checked against its parser)."""
+    import argparse
+
+    from captioner.commands import evaluate as evaluate_cmd
+
+    parser = argparse.ArgumentParser()
+    evaluate_cmd.add_arguments(parser)
+    defaults = parser.parse_args(["ckpt", "--data", "x"])
+    seen: list = []
+    script_validation(monkeypatch, DIVERGING, seen)
+    train(tiny_cfg(tiny_shapes), tmp_path, progress=False)
+    assert seen == [(defaults.beam, defaults.max_len)] == [(3, 20)]
+
+
+def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import captioner.train as train_mod
+    from captioner.metrics import bleu, cider_d
+    from captioner.training.validation import score
+
+    captured = {}
+
+    def spy(shards):
+        captured["shards"] = shards
+        return score(shards)
+
+    monkeypatch.setattr(train_mod, "score", spy)
+    result = train(tiny_cfg(tiny_shapes, **{"train.lr": 1e-2, "train.val_max_images": 8}), tmp_path, progress=False)
+    [shard] = captured["shards"]
+    row = result.history[0]
+    assert row["CIDEr-D"] == pytest.approx(cider_d(shard["hypotheses"], shard["references"]))
+    assert row["BLEU-4"] == pytest.approx(bleu(shard["hypotheses"], shard["references"])["BLEU-4"])
+    assert not any("<unk>" in h.split() for h in shard["hypotheses"])
+
+
+def _metadata(path: Path) -> dict:
+    from captioner.checkpoint import read_checkpoint_metadata
+
+    return read_checkpoint_metadata(path)["metadata"]
+
+
+# ----------------------------------------------------------------------------- runs saved before this
+
+
+def _make_old_run(run: Path) -> None:
+    """Rewrite a fresh run folder the way the previous version wrote it: no selection metric or
+    per-group schedule in train_state.pt, no recipe keys in config.json, no CIDEr-D column."""
+    state = torch.load(run / "train_state.pt", weights_only=True)
+    progress = state["progress"]
+    for key in ("best_score", "select_metric"):
+        del progress[key]
+    sched = state["scheduler"]
+    state["scheduler"] = {"base_lrs": [3e-3], "last_epoch": sched["last_epoch"], "verbose": False,
+                          "_step_count": sched["_step_count"], "_get_lr_called_within_step": False,
+                          "_last_lr": sched["_last_lr"], "lr_lambdas": [None]}
+    torch.save(state, run / "train_state.pt")
+    config = json.loads((run / "config.json").read_text())
+    for key in ("betas", "encoder_schedule", "decay_factor", "decay_patience", "decay_every", "select_metric",
+                "val_max_len"):
+        del config["train"][key]
+    (run / "config.json").write_text(json.dumps(config))
+
+
+def test_resume_of_an_old_run_keeps_selecting_on_bleu4(tiny_shapes: Path, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    train(tiny_cfg(tiny_shapes), tmp_path, progress=False)
+    _make_old_run(tmp_path)
+    from captioner.cli import main
+
+    with caplog.at_level("WARNING", logger="captioner.training.selection"):
+        assert main(["train", "--out", str(tmp_path), "--resume", "--epochs", "2", "--no-progress"]) == 0
+    assert any("selects its best checkpoint on BLEU-4" in r.getMessage() for r in caplog.records)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
+    assert state["progress"]["select_metric"] == "BLEU-4" and state["progress"]["epoch"] == 2
+    assert state["scheduler"]["decay_factor"] == 1.0 and state["scheduler"]["last_epoch"] == 2 * STEPS
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["select_metric"] == "BLEU-4"
+    assert _metadata(tmp_path / "latest.safetensors")["select_metric"] == "BLEU-4"
+    epochs = rows(tmp_path, "epoch")
+    assert len(epochs) == 2 and epochs[1]["CIDEr-D"] != ""
+
+
+def test_progress_state_migration() -> None:
+    from captioner.training.state import Progress
+
+    old = Progress().state_dict()
+    for key in ("best_score", "select_metric", "skipped"):
+        del old[key]
+    old["best_bleu4"], old["best_epoch"] = 0.25, 3
+    prog = Progress()
+    prog.load_state_dict(old)
+    assert (prog.select_metric, prog.best_score, prog.best_bleu4, prog.best_epoch) == ("BLEU-4", 0.25, 0.25, 3)
+    assert prog.skipped == 0 and "best_score" not in old  # the saved dict is left alone
