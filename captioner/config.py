@@ -161,6 +161,7 @@ class TrainConfig:
     decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
     select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
     val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
+    init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):

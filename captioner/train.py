@@ -11,6 +11,9 @@ evaluate`` does by default (beam ``train.val_beam`` = 3, ``train.val_max_len`` =
 early stopping and the plateau decay follow ``train.select_metric`` (CIDEr-D by default). A run
 keeps the metric it started with when resumed.
 
+``train.init`` (``--init``) starts a new run from a checkpoint's weights and vocabulary with a fresh
+optimizer (:mod:`captioner.training.initialize`), e.g. the fine-tuning stage of the SAT recipe.
+
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
 gathered, and only rank 0 writes files, logs and progress bars.
@@ -407,14 +410,16 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
     Args:
         cfg: the full configuration (model, data, train).
         out_dir: run folder (created); see the module docstring for its files.
-        resume: continue the run saved in ``out_dir/train_state.pt`` exactly where it stopped.
+        resume: continue the run saved in ``out_dir/train_state.pt`` exactly where it stopped (its
+            weights come from there; ``train.init`` only matters when a run starts).
         progress: show tqdm progress bars (rank 0, interactive terminals only).
 
     Returns:
         A ``TrainResult`` (on every rank under torchrun).
 
     Raises:
-        CaptionerError: bad data, config or run folder, or a non-finite loss.
+        CaptionerError: bad data, config or run folder, a ``train.init`` checkpoint whose
+            architecture differs, or a non-finite loss.
     """
     start = time.monotonic()
     info = ddp.setup(cfg.train.device)
@@ -427,9 +432,11 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float) -> TrainResult:
     from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
+    from captioner.training.initialize import apply_init, load_init_checkpoint
 
     state_path = run_dir / "train_state.pt"
     saved = None
+    init = None
     if resume:
         if not state_path.exists():
             raise CheckpointError(f"{run_dir}: nothing to resume (no train_state.pt); train without --resume first")
@@ -440,10 +447,16 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
         saved = load_train_state(state_path)
         cfg = keep_select_metric(cfg, saved, announce=info.is_main)
-    elif info.is_main and state_path.exists():
-        log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
+    else:
+        if info.is_main and state_path.exists():
+            log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
+        if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
+            init = load_init_checkpoint(cfg.train.init, cfg.model)
     train_set, val_set = load_caption_sets(cfg)
-    vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume)
+    if init is not None:
+        vocab = init.vocab  # the output layer's rows are the checkpoint's words
+    else:
+        vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume)
     if resume:
         check_resume_vocab(vocab, run_dir)
     if info.is_main:
@@ -452,7 +465,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         vocab.save(run_dir / "vocab.json")
 
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, len(vocab)).to(info.device)
+    model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
+    if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
+        apply_init(model, init, vocab)
+        init = None
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
     alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term

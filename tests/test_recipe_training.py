@@ -1,5 +1,5 @@
 """The COCO recipe in training: selection on the test-time decoding and metric, plateau and step
-decay, resuming runs saved before these existed,.
+decay, resuming runs saved before these existed, and two-stage training with ``--init``.
 
 Tiny presets on the 60-image ``tiny_shapes`` set (48 training images x 5 captions, batch 16 -> 15
 steps per epoch). Where the test is about what the loop does with validation scores, the scores
@@ -166,7 +166,7 @@ def _make_old_run(run: Path) -> None:
     torch.save(state, run / "train_state.pt")
     config = json.loads((run / "config.json").read_text())
     for key in ("betas", "encoder_schedule", "decay_factor", "decay_patience", "decay_every", "select_metric",
-                "val_max_len"):
+                "val_max_len", "init"):
         del config["train"][key]
     (run / "config.json").write_text(json.dumps(config))
 
@@ -200,3 +200,96 @@ def test_progress_state_migration() -> None:
     prog.load_state_dict(old)
     assert (prog.select_metric, prog.best_score, prog.best_bleu4, prog.best_epoch) == ("BLEU-4", 0.25, 0.25, 3)
     assert prog.skipped == 0 and "best_score" not in old  # the saved dict is left alone
+
+
+# ----------------------------------------------------------------------------- --init: two stages
+
+
+@pytest.fixture(scope="module")
+def stage1(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 1 of the SAT recipe in miniature: a frozen encoder, cached features."""
+    out = tmp_path_factory.mktemp("stage1")
+    train(tiny_cfg(tiny_shapes, **{"train.lr": 1e-2}), out, progress=False)
+    assert (out / "features").is_dir()
+    return out / "best.safetensors"
+
+
+def _cli(argv: list[str]) -> int:
+    from captioner.cli import main
+
+    return main(["train", *argv])
+
+
+def test_init_starts_a_fine_tuning_stage_from_the_checkpoint(stage1: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    from captioner.models.captioner import build_model
+    from captioner.text import Vocabulary
+
+    out = tmp_path / "stage2"
+    # a tiny lr: stage 2's weights stay those of stage 1 (a fresh model would differ everywhere); a data
+    # setting that would build another vocabulary: the run must still use the checkpoint's
+    code = _cli(["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out), "--init", str(stage1),
+                 "--set", "encoder.fine_tune=true", "--set", "data.min_freq=1000", "--set", "train.lr=1e-9",
+                 "--set", "train.encoder_lr=1e-9", "--set", "train.val_max_images=4", "--batch-size", "16",
+                 "--epochs", "1", "--no-progress"])
+    assert code == 0
+    before, after = load_file(str(stage1)), load_file(str(out / "latest.safetensors"))
+    assert before.keys() == after.keys()
+    params = [k for k in before if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    for key in params:  # (the BatchNorm statistics of the fine-tuned stages move with the data)
+        torch.testing.assert_close(after[key], before[key], atol=1e-5, rtol=0, msg=key)
+    fresh = build_model(get_preset("sat_soft_tiny").model, len(before["decoder.out_word.bias"])).state_dict()
+    assert not torch.allclose(fresh["decoder.out_word.weight"], before["decoder.out_word.weight"], atol=1e-3)
+    assert not (out / "features").exists()  # fine-tuning runs on pixels
+    saved_vocab = Vocabulary.from_dict(_checkpoint_vocab(stage1))
+    assert Vocabulary.load(out / "vocab.json") == saved_vocab
+    state = torch.load(out / "train_state.pt", weights_only=True)
+    assert [g["name"] for g in state["optimizer"]["param_groups"]] == ["decoder", "encoder"]  # encoder trains now
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {STEPS}  # fresh optimizer
+    assert state["progress"]["step"] == STEPS and state["progress"]["epoch"] == 1
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["init"] == str(stage1) and config["model"]["encoder"]["fine_tune"] is True
+
+    # the stage-2 run resumes like any other (its weights come from train_state.pt)
+    assert _cli(["--out", str(out), "--resume", "--epochs", "2", "--no-progress"]) == 0
+
+
+def _checkpoint_vocab(path: Path) -> dict:
+    from captioner.checkpoint import read_checkpoint_metadata
+
+    return read_checkpoint_metadata(path)["vocab"]
+
+
+def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    base = ["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(tmp_path / "run"), "--no-progress"]
+    cases = [
+        (["--init", str(stage1), "--set", "decoder.hidden_dim=48"],
+         "model.decoder.hidden_dim is 32 in the checkpoint but 48 in this run"),
+        (["--init", str(stage1), "--set", "encoder.grid=2"], "model.encoder.grid is 4 in the checkpoint but 2"),
+        (["--init", str(tmp_path / "absent.safetensors")], "checkpoint not found"),
+        (["--init", str(stage1), "--resume"], "--init starts a new run"),
+    ]
+    for extra, message in cases:
+        assert _cli(base + extra) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("captioner train: error: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "run" / "train_state.pt").exists()
+
+
+def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:
+    from captioner.models.captioner import build_model
+    from captioner.text import Vocabulary
+    from captioner.training.initialize import apply_init, load_init_checkpoint
+
+    cfg = get_preset("sat_soft_tiny").model
+    init = load_init_checkpoint(stage1, cfg)
+    model = build_model(cfg, len(init.vocab), load_pretrained=False)
+    apply_init(model, init, init.vocab)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, init.state[key]), key
+    words = init.vocab.itos[4:]
+    with pytest.raises(ConfigError, match=rf"has {len(init.vocab)} tokens but this run's has {len(init.vocab) - 1}"):
+        apply_init(model, init, Vocabulary(words[:-1]))
+    swapped = Vocabulary([words[1], words[0], *words[2:]])
+    with pytest.raises(ConfigError, match=rf"token 4 is {words[0]!r} in the checkpoint but {words[1]!r}"):
+        apply_init(model, init, swapped)

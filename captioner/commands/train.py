@@ -13,6 +13,8 @@ EXAMPLES = """
   captioner train --preset transformer_tiny --data data/shapes --epochs 3 --set decoder.num_layers=1
   captioner train --config my_run.yaml --set train.lr=1e-3 --set decoder.hidden_dim=256
   captioner train --out runs/sat --resume                  # continue where it stopped (config from the run)
+  captioner train --preset sat_soft --data data/coco --out runs/sat_ft \
+      --init runs/sat/best.safetensors --set encoder.fine_tune=true   # stage 2: fine-tune the encoder
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """
@@ -37,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--skip-missing", action="store_true", help="skip missing/unreadable images (data.skip_missing)")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --out from train_state.pt (its config.json is the base config)")
+    run.add_argument("--init", metavar="CKPT",
+                     help="start a new run from this checkpoint's weights and vocabulary, with a fresh optimizer "
+                          "(train.init); the architecture must match, encoder.fine_tune may change")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -49,6 +54,9 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
     from captioner.config import resolve_config
     from captioner.errors import ConfigError
 
+    if args.init and args.resume:
+        raise ConfigError("--init starts a new run from a checkpoint and --resume continues the run in --out "
+                          "(whose weights are in its train_state.pt): pass one of them")
     out = Path(args.out) if args.out else Path("runs") / (args.preset or "train")
     config_file = args.config
     if args.resume and not args.preset and not args.config:
@@ -64,6 +72,7 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
         "train.time_budget": args.time_budget,
         "train.device": args.device,
         "data.skip_missing": True if args.skip_missing else None,
+        "train.init": args.init,
     }
     flags = {k: v for k, v in flags.items() if v is not None}
     return (cfg.override(**flags) if flags else cfg), out

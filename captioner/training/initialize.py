@@ -1,0 +1,148 @@
+"""Start a run from a trained checkpoint's weights (``captioner train --init CKPT``, ``train.init``).
+
+This is how a training recipe is split into stages that share weights but not optimizer state:
+the SAT fine-tune (stage 1 with a frozen encoder on cached features, stage 2 with
+``encoder.fine_tune=true`` on pixels), and later stages such as self-critical training. Only the
+weights and the vocabulary are taken; the optimizer, schedule, early-stopping counters and random
+streams start fresh.
+
+The checkpoint's model config must equal the run's except for the settings in :data:`INIT_FREE`,
+which change how the same weights are trained or used, never their shapes or their inputs. The run
+uses the checkpoint's vocabulary (the output layer's rows are its words), whatever its own data
+would have built.
+
+Typical use (what ``captioner.train`` does)::
+
+    init = load_init_checkpoint(cfg.train.init, cfg.model)   # refuses a different architecture
+    model = build_model(cfg.model, len(init.vocab), load_pretrained=False)
+    apply_init(model, init, init.vocab)                       # refuses a different vocabulary
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from captioner.config import ModelConfig
+from captioner.errors import CheckpointError, ConfigError
+from captioner.text import Vocabulary
+from captioner.training.state import config_diff
+
+log = logging.getLogger(__name__)
+
+# Model settings a run may change from its --init checkpoint: training switches and test-time
+# behaviour. Everything else (sizes, names, the encoder's input geometry and normalisation) must match.
+INIT_FREE = frozenset({
+    "model.encoder.fine_tune", "model.encoder.fine_tune_stages", "model.encoder.pretrained",
+    "model.encoder.weights", "model.decoder.dropout", "model.decoder.hard_test_mode",
+    "model.decoder.hard_soft_prob",
+})
+
+
+@dataclass
+class InitWeights:
+    """What a run takes from its ``--init`` checkpoint.
+
+    Attributes:
+        path: the checkpoint file.
+        state: its model ``state_dict`` (CPU tensors).
+        vocab: its vocabulary (the run must use it).
+        config: its model config.
+        metadata: its training metadata (epoch, step, validation scores, ...).
+    """
+
+    path: Path
+    state: dict[str, torch.Tensor]
+    vocab: Vocabulary
+    config: ModelConfig
+    metadata: dict[str, Any]
+
+
+def _show(value: Any) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig) -> None:
+    """Refuse, in one line, a run whose model differs from the checkpoint's beyond :data:`INIT_FREE`."""
+    a = {"model": dataclasses.asdict(saved)}
+    b = {"model": dataclasses.asdict(wanted)}
+    diff = [k for k in config_diff(a, b) if k not in INIT_FREE]
+    if not diff:
+        return
+    key = diff[0]
+    first = _lookup(a, key), _lookup(b, key)
+    more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+    raise ConfigError(f"--init {path}: {key} is {_show(first[0])} in the checkpoint but {_show(first[1])} in this "
+                      f"run{more}; the architecture must match (only {', '.join(sorted(k[6:] for k in INIT_FREE))} "
+                      "may change)")
+
+
+def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) -> None:
+    """Refuse, in one line, a vocabulary other than the checkpoint's (size, or the first differing token)."""
+    if saved == wanted:
+        return
+    if len(saved) != len(wanted):
+        raise ConfigError(f"--init {path}: the checkpoint's vocabulary has {len(saved)} tokens but this run's has "
+                          f"{len(wanted)}; an --init run uses the checkpoint's vocabulary")
+    index = next(i for i, (x, y) in enumerate(zip(saved.itos, wanted.itos)) if x != y)
+    raise ConfigError(f"--init {path}: vocabulary token {index} is {saved.itos[index]!r} in the checkpoint but "
+                      f"{wanted.itos[index]!r} in this run; an --init run uses the checkpoint's vocabulary")
+
+
+def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWeights:
+    """Read a checkpoint to start a run from and check that its architecture is the run's.
+
+    Args:
+        path: a checkpoint written by training (``best.safetensors``, ``latest.safetensors``).
+        model_config: the new run's model config.
+
+    Returns:
+        Its weights, vocabulary, config and metadata.
+
+    Raises:
+        CheckpointError: the file is missing or not a readable checkpoint.
+        ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
+    """
+    from captioner.checkpoint import load_checkpoint
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"--init {path}: checkpoint not found")
+    loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
+    check_init_config(path, loaded.config, model_config)
+    state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
+    return InitWeights(path, state, loaded.vocab, loaded.config, dict(loaded.metadata))
+
+
+def apply_init(model: torch.nn.Module, init: InitWeights, vocab: Vocabulary) -> None:
+    """Copy the checkpoint's weights into ``model`` (built from the run's config with ``len(vocab)`` words).
+
+    Raises:
+        ConfigError: ``vocab`` is not the checkpoint's vocabulary.
+        CheckpointError: the weights do not fit the model (cannot happen after the config check,
+            unless the model was built from another config).
+    """
+    check_init_vocab(init.path, init.vocab, vocab)
+    own = model.state_dict()
+    wrong = [k for k in own if k not in init.state or own[k].shape != init.state[k].shape]
+    extra = [k for k in init.state if k not in own]
+    if wrong or extra:
+        name = (wrong or extra)[0]
+        raise CheckpointError(f"--init {init.path}: its weights do not fit this model ({len(wrong)} missing or "
+                              f"reshaped, {len(extra)} unexpected, e.g. {name})")
+    with torch.no_grad():
+        model.load_state_dict(init.state, strict=True)
+    log.info("initialised the model from %s (epoch %s, step %s)", init.path, init.metadata.get("epoch", "?"),
+             init.metadata.get("step", "?"))
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
