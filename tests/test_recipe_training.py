@@ -262,11 +262,15 @@ def _checkpoint_vocab(path: Path) -> dict:
 def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     base = ["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(tmp_path / "run"), "--no-progress"]
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a checkpoint")
     cases = [
         (["--init", str(stage1), "--set", "decoder.hidden_dim=48"],
          "model.decoder.hidden_dim is 32 in the checkpoint but 48 in this run"),
         (["--init", str(stage1), "--set", "encoder.grid=2"], "model.encoder.grid is 4 in the checkpoint but 2"),
         (["--init", str(tmp_path / "absent.safetensors")], "checkpoint not found"),
+        (["--init", str(junk)], f"--init {junk}: "),
+        (["--preset", "transformer_tiny", "--init", str(stage1)], "model.decoder.name is 'sat' in the checkpoint"),
         (["--init", str(stage1), "--resume"], "--init starts a new run"),
     ]
     for extra, message in cases:

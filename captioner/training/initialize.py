@@ -74,6 +74,7 @@ def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig)
     diff = [k for k in config_diff(a, b) if k not in INIT_FREE]
     if not diff:
         return
+    diff.sort(key=lambda k: not k.endswith(".name"))  # a different encoder or decoder explains the rest
     key = diff[0]
     first = _lookup(a, key), _lookup(b, key)
     more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
@@ -113,7 +114,10 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--init {path}: checkpoint not found")
-    loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
+    try:
+        loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init {exc}") from None
     check_init_config(path, loaded.config, model_config)
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
     return InitWeights(path, state, loaded.vocab, loaded.config, dict(loaded.metadata))
