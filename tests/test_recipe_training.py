@@ -108,14 +108,18 @@ def test_bleu4_selection_and_step_decay(tiny_shapes: Path, tmp_path: Path, monke
 
 def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Beam 3 and 20 words, the defaults of ``captioner evaluate`` (checked against its parser)."""
+    """Beam 3 and 20 words, the defaults of ``captioner evaluate`` (its parser and its Python API)."""
     import argparse
+    import inspect
 
     from captioner.commands import evaluate as evaluate_cmd
+    from captioner.evaluate import evaluate_checkpoint
 
     parser = argparse.ArgumentParser()
     evaluate_cmd.add_arguments(parser)
     defaults = parser.parse_args(["ckpt", "--data", "x"])
+    api = inspect.signature(evaluate_checkpoint).parameters
+    assert (api["beam_size"].default, api["max_len"].default) == (defaults.beam, defaults.max_len)
     seen: list = []
     script_validation(monkeypatch, DIVERGING, seen)
     train(tiny_cfg(tiny_shapes), tmp_path, progress=False)
