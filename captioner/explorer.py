@@ -4,7 +4,7 @@ The caption's words are clickable/hoverable spans; the selected word's attention
 photo on a <canvas>. Heat maps are rendered client-side from the raw g x g weights embedded as JSON
 (bilinear upsampling with half-pixel centres, a Gaussian blur of ``BLUR_CELLS`` grid cells,
 min-max normalisation, the colour map as a 256-entry lookup table, placement on the encoder's crop
-box, dimming outside it), the same rule as :mod:`captioner.visualize`. Raw weights rather than
+box, dimming outside it), the same rule as :mod:`captioner.heatmaps`. Raw weights rather than
 pre-rendered PNGs keep the file small and let the reader pick any layer and head of a Transformer
 (layers x (heads + 1) maps per word would be hundreds of images). The only branch on the decoder
 is whether per-layer/per-head maps (``all_attention``) are present: then layer and head selectors
@@ -24,7 +24,7 @@ from PIL import Image
 
 from captioner.errors import ConfigError
 from captioner.attention_record import AttentionRecord
-from captioner.visualize import BLUR_CELLS, DIM, colormap_lut
+from captioner.heatmaps import BLUR_CELLS, DIM, colormap_lut
 
 _CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 980px;

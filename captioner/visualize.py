@@ -2,22 +2,17 @@
 
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
-The encoder saw the ``crop_box(width, height, cfg)`` part of the photo resized to S x S
-(``stretch``: the whole photo; ``center_crop``: the centred square). Grid cell (i, j) therefore
-covers one (box_w/g) x (box_h/g) rectangle of that box in ORIGINAL pixel coordinates; the map is
-stretched back to the box's aspect (the photo is never squashed) and pixels outside the box are
-dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
-``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
+The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
+coloured by :mod:`captioner.heatmaps`.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word),
 an animated GIF (one frame per word), the raw attention as JSON, and the HTML explorer.
-matplotlib is imported lazily, only for its colour maps; drawing uses PIL.
+Drawing uses PIL.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,150 +23,19 @@ from PIL import Image, ImageDraw, ImageFont
 
 from captioner.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
+from captioner.explorer import write_explorer
+from captioner.heatmaps import BLUR_CELLS, DIM, attention_to_image_map, colormap_lut, overlay_heatmap
 
 __all__ = [
-    "AttentionRecord", "GridLayout", "as_array", "attention_to_image_map", "colormap_lut", "grid_layout",
-    "overlay_heatmap", "read_attention_json", "render_gif_frames", "render_grid", "word_overlays",
+    "AttentionRecord", "BLUR_CELLS", "DIM", "GridLayout", "as_array", "attention_to_image_map", "colormap_lut",
+    "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames", "render_grid", "word_overlays",
     "write_attention_json", "write_overlays",
 ]
 
 log = logging.getLogger(__name__)
 
-BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
-DIM = 0.35  # brightness kept outside the encoder's crop box
 BACKGROUND = (255, 255, 255)
 TEXT = (20, 20, 20)
-
-
-# ----------------------------------------------------------------------------- maps
-
-
-def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
-    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0."""
-    weights = np.zeros((size, g), dtype=np.float64)
-    centres = np.arange(size) + 0.5
-    inside = np.flatnonzero((centres >= start) & (centres < stop))
-    if inside.size == 0:
-        return weights
-    cell = (stop - start) / g
-    u = (centres[inside] - start) / cell  # position in grid units, 0..g
-    if smooth:
-        u = np.clip(u - 0.5, 0.0, g - 1.0)  # half-pixel centres, clamped at the edges
-        lo = np.minimum(np.floor(u).astype(int), g - 1)
-        hi = np.minimum(lo + 1, g - 1)
-        frac = u - lo
-        np.add.at(weights, (inside, lo), 1.0 - frac)
-        np.add.at(weights, (inside, hi), frac)
-        sigma = BLUR_CELLS * cell
-        if sigma >= 0.5:
-            weights[inside] = _gaussian_blur_columns(weights[inside], sigma)
-    else:
-        weights[inside, np.minimum(np.floor(u).astype(int), g - 1)] = 1.0
-    return weights
-
-
-def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
-    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges."""
-    radius = max(1, int(3 * sigma))
-    x = np.arange(-radius, radius + 1)
-    kernel = np.exp(-0.5 * (x / sigma) ** 2)
-    norm = np.convolve(np.ones(a.shape[0]), kernel, mode="same")
-    return np.stack([np.convolve(col, kernel, mode="same") / norm for col in a.T], axis=1)
-
-
-def attention_to_image_map(
-    attention: np.ndarray,
-    width: int,
-    height: int,
-    box: Sequence[float] | None = None,
-    smooth: bool = True,
-    preserve_mass: bool = False,
-) -> np.ndarray:
-    """Place one word's g x g attention on the original image.
-
-    Args:
-        attention: (g, g) weights, row 0 = top of the box.
-        width: original image width W in pixels.
-        height: original image height H in pixels.
-        box: (left, top, right, bottom) part of the image the encoder saw (``crop_box``);
-            None means the whole image.
-        smooth: bilinear upsampling + Gaussian blur; False gives one flat block per cell.
-        preserve_mass: scale the map so it sums to ``attention.sum()`` over the image (a
-            distribution over pixels when the attention sums to 1); else values stay in
-            attention units (weight per cell, interpolated).
-
-    Returns:
-        (H, W) float32 map, 0 outside the box.
-    """
-    att = np.asarray(attention, dtype=np.float64)
-    if att.ndim != 2 or att.shape[0] != att.shape[1]:
-        raise DataError(f"attention must be a square (g, g) grid, got shape {att.shape}")
-    left, top, right, bottom = box if box is not None else (0, 0, width, height)
-    eps = 1e-6 * max(width, height)  # scaled boxes carry rounding error
-    if not (-eps <= left < right <= width + eps and -eps <= top < bottom <= height + eps):
-        raise DataError(f"box {tuple(box)} does not fit a {width}x{height} image")
-    g = att.shape[0]
-    rows = _axis_weights(height, top, bottom, g, smooth)  # (H, g)
-    cols = _axis_weights(width, left, right, g, smooth)  # (W, g)
-    out = rows @ att @ cols.T  # (H, W)
-    if preserve_mass:
-        total = out.sum()
-        out = out * (att.sum() / total) if total > 0 else out
-    return out.astype(np.float32)
-
-
-@lru_cache(maxsize=16)
-def colormap_lut(name: str = "jet") -> np.ndarray:
-    """A matplotlib colour map by name as a (256, 3) uint8 lookup table."""
-    import matplotlib
-
-    if "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")  # never open a GUI backend from library code
-    try:
-        cmap = matplotlib.colormaps[name]
-    except KeyError:
-        raise ConfigError(f"unknown colour map {name!r} (try jet, viridis, inferno, magma)") from None
-    return (cmap(np.linspace(0.0, 1.0, 256))[:, :3] * 255).round().astype(np.uint8)
-
-
-def _box_mask(width: int, height: int, box: Sequence[float] | None) -> np.ndarray:
-    if box is None:
-        return np.ones((height, width), dtype=bool)
-    ys = np.arange(height) + 0.5
-    xs = np.arange(width) + 0.5
-    return ((ys >= box[1]) & (ys < box[3]))[:, None] & ((xs >= box[0]) & (xs < box[2]))[None, :]
-
-
-def overlay_heatmap(
-    image: Image.Image,
-    heat_map: np.ndarray,
-    cmap: str = "jet",
-    alpha: float = 0.5,
-    box: Sequence[float] | None = None,
-) -> Image.Image:
-    """Colour a map and blend it over the image; dim the image outside ``box``.
-
-    Args:
-        image: RGB image of the same size as ``heat_map``.
-        heat_map: (H, W) map (any scale; min-max normalised inside the box for display).
-        cmap: matplotlib colour map name.
-        alpha: opacity of the heat map, 0..1.
-        box: (left, top, right, bottom) in this image's pixels; None = the whole image.
-
-    Returns:
-        A new RGB image.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
-    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)
-    if heat_map.shape != rgb.shape[:2]:
-        raise DataError(f"heat map shape {heat_map.shape} does not match image size {image.size}")
-    inside = _box_mask(image.width, image.height, box)
-    lo, hi = float(heat_map[inside].min()), float(heat_map[inside].max())
-    norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
-    colours = colormap_lut(cmap)[np.clip((norm * 255).round(), 0, 255).astype(np.int64)].astype(np.float32)
-    out = np.where(inside[..., None], (1.0 - alpha) * rgb + alpha * colours, DIM * rgb)
-    return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))
 
 
 def word_overlays(
@@ -378,8 +242,6 @@ def write_overlays(
     Returns:
         ``{"png", "gif", "json", "html"}`` -> written paths.
     """
-    from captioner.explorer import write_explorer
-
     colormap_lut(cmap)  # fail early on a bad name
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
