@@ -55,12 +55,17 @@ def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) ->
 
 
 def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
-    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges."""
+    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges.
+
+    The full convolution is cut to the n centred rows (np.convolve's "same" mode returns the
+    kernel's length when the kernel is longer than the column, which crashed g <= 2 grids).
+    """
+    n = a.shape[0]
     radius = max(1, int(3 * sigma))
     x = np.arange(-radius, radius + 1)
     kernel = np.exp(-0.5 * (x / sigma) ** 2)
-    norm = np.convolve(np.ones(a.shape[0]), kernel, mode="same")
-    return np.stack([np.convolve(col, kernel, mode="same") / norm for col in a.T], axis=1)
+    norm = np.convolve(np.ones(n), kernel)[radius:radius + n]
+    return np.stack([np.convolve(col, kernel)[radius:radius + n] / norm for col in a.T], axis=1)
 
 
 def attention_to_image_map(

@@ -177,3 +177,10 @@ def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
         read_attention_json(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="not_a_cmap"):
         write_overlays(photo(), ["a"], np.ones((1, 2, 2)), tmp_path, cmap="not_a_cmap")
+
+
+def test_a_coarse_grid_on_a_small_picture_is_blurred_without_crashing():
+    """The blur kernel (sigma 0.35 cells) is longer than a 10-px side when g = 2."""
+    np.testing.assert_allclose(attention_to_image_map(np.full((2, 2), 0.25), 10, 10), 0.25, rtol=1e-5)
+    m = attention_to_image_map(corner_attention(2, 1, 0), 10, 10)
+    assert m[7:, :3].mean() > 2 * m[:3, 7:].mean()  # still hottest in the bottom-left cell
