@@ -1,13 +1,14 @@
-"""Attention overlays: map each word's g x g attention back onto the original photo.
+"""Attention overlays: the PNG grid, the GIF and the files written for one captioned image.
 
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
 The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-coloured by :mod:`captioner.heatmaps`.
+coloured by :mod:`captioner.heatmaps`, on one colour scale for the whole caption (``color_scale``),
+so spread-out attention looks flat next to a word that points.
 
-Writers: a PNG grid (the image with its caption, then one panel per word titled with the word),
-an animated GIF (one frame per word), the raw attention as JSON, and the HTML explorer.
-Drawing uses PIL.
+Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
+its figures, e.g. "peak 34% · H 2.1/2.8"), an animated GIF (one frame per word, the same
+figures under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
 """
 
 from __future__ import annotations
@@ -24,18 +25,28 @@ from PIL import Image, ImageDraw, ImageFont
 from captioner.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
 from captioner.explorer import write_explorer
-from captioner.heatmaps import BLUR_CELLS, DIM, attention_to_image_map, colormap_lut, overlay_heatmap
+from captioner.heatmaps import (
+    BLUR_CELLS,
+    DIM,
+    attention_to_image_map,
+    color_scale,
+    colormap_lut,
+    overlay_heatmap,
+    stats_label,
+)
 
 __all__ = [
-    "AttentionRecord", "BLUR_CELLS", "DIM", "GridLayout", "as_array", "attention_to_image_map", "colormap_lut",
-    "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames", "render_grid", "word_overlays",
-    "write_attention_json", "write_overlays",
+    "AttentionRecord", "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
+    "color_scale", "colormap_lut", "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames",
+    "render_grid", "word_overlays", "word_titles", "write_attention_json", "write_overlays",
 ]
 
 log = logging.getLogger(__name__)
 
 BACKGROUND = (255, 255, 255)
 TEXT = (20, 20, 20)
+FIGURES = (90, 90, 90)  # colour of the figures line under a word
+GIF_BAND = 50  # height of the band under each GIF frame (the word, then its figures)
 
 
 def word_overlays(
@@ -45,6 +56,7 @@ def word_overlays(
     max_side: int,
     cmap: str = "jet",
     alpha: float = 0.5,
+    scale: tuple[float, float] | None = None,
 ) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
 
@@ -53,18 +65,22 @@ def word_overlays(
         attention: (L, g, g) weights.
         box: crop box in original pixels (None = whole image).
         max_side: longest side of the returned images (the aspect ratio is kept).
+        scale: (vmin, vmax) of the colour map for every word; None = ``color_scale(attention)``,
+            the caption's shared scale.
 
     Returns:
         (scaled image, [overlay for each of the L words]).
     """
-    scale = max_side / max(image.size)
-    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    attention = as_array(attention)
+    vrange = scale if scale is not None else color_scale(attention)
+    scale_px = max_side / max(image.size)
+    size = (max(1, round(image.width * scale_px)), max(1, round(image.height * scale_px)))
     small = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
     sx, sy = size[0] / image.width, size[1] / image.height
     sbox = None if box is None else (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     overlays = [
-        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox)
-        for a in as_array(attention)
+        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange)
+        for a in attention
     ]
     return small, overlays
 
@@ -98,14 +114,19 @@ def _fit_lines(text: str, font: ImageFont.ImageFont, width: int, max_lines: int)
     return lines
 
 
-def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[str], box: tuple[int, int, int, int], size: int) -> None:
-    font = _font(size)
-    line_h = size + 3
-    y = box[1] + (box[3] - box[1] - line_h * len(lines)) // 2
-    for line in lines:
-        x = box[0] + (box[2] - box[0] - font.getlength(line)) / 2
-        draw.text((x, y), line, fill=TEXT, font=font)
-        y += line_h
+def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[tuple[str, int, tuple[int, int, int]]],
+                   box: tuple[int, int, int, int]) -> None:
+    """Draw ``(text, font size, colour)`` lines centred in ``box``, one under the other."""
+    y = box[1] + (box[3] - box[1] - sum(size + 3 for _, size, _ in lines)) // 2
+    for text, size, colour in lines:
+        font = _font(size)
+        draw.text((box[0] + (box[2] - box[0] - font.getlength(text)) / 2, y), text, fill=colour, font=font)
+        y += size + 3
+
+
+def word_titles(words: Sequence[str], attention: np.ndarray) -> list[tuple[str, str]]:
+    """``(word, figures)`` for each word's panel, e.g. ``("dog", "peak 34% · H 2.1/2.8")``."""
+    return [(word, stats_label(a)) for word, a in zip(words, as_array(attention))]
 
 
 @dataclass(frozen=True)
@@ -169,16 +190,20 @@ def render_grid(
     panel_side: int = 224,
     columns: int = 5,
 ) -> Image.Image:
-    """The PNG grid: the image titled with the caption, then one overlay per word titled with it."""
+    """The PNG grid: the image titled with the caption, then one overlay per word titled with the
+    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale."""
     layout = grid_layout(len(words), image.size, panel_side, columns)
     small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha)
     canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     width = layout.image_size[0]
-    for i, (picture, title) in enumerate(zip([small, *overlays], [caption, *words])):
+    canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
+    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption, _font(13), width, 2)], layout.title_box(0))
+    for i, (picture, (word, figures)) in enumerate(zip(overlays, word_titles(words, attention)), start=1):
         canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
-        size = 13 if i == 0 else 16
-        _draw_centered(draw, _fit_lines(title, _font(size), width, 2 if i == 0 else 1), layout.title_box(i), size)
+        lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
+                 (_fit_lines(figures, _font(12), width, 1)[0], 12, FIGURES)]
+        _draw_centered(draw, lines, layout.title_box(i))
     return canvas
 
 
@@ -191,17 +216,19 @@ def render_gif_frames(
     alpha: float = 0.5,
     max_side: int = 360,
 ) -> list[Image.Image]:
-    """One frame per word: the overlay with "i/L word" in a band below (the image for L = 0)."""
+    """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
+    word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
     small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha)
-    band = 30
     frames = []
     # the counter comes first so that truncation never cuts it: PIL merges identical GIF frames
-    labels = [f"{i + 1}/{len(words)}  {w}" for i, w in enumerate(words)] or ["(empty caption)"]
-    for picture, label in zip(overlays or [small], labels):
-        frame = Image.new("RGB", (picture.width, picture.height + band), BACKGROUND)
+    labels = [(f"{i + 1}/{len(words)}  {w}", figures) for i, (w, figures) in enumerate(word_titles(words, attention))]
+    for picture, (label, figures) in zip(overlays or [small], labels or [("(empty caption)", "")]):
+        frame = Image.new("RGB", (picture.width, picture.height + GIF_BAND), BACKGROUND)
         frame.paste(picture, (0, 0))
-        lines = _fit_lines(label, _font(18), picture.width - 4, 1)
-        _draw_centered(ImageDraw.Draw(frame), lines, (0, picture.height, picture.width, picture.height + band), 18)
+        lines = [(_fit_lines(label, _font(18), picture.width - 4, 1)[0], 18, TEXT)]
+        if figures:
+            lines.append((_fit_lines(figures, _font(14), picture.width - 4, 1)[0], 14, FIGURES))
+        _draw_centered(ImageDraw.Draw(frame), lines, (0, picture.height, picture.width, picture.height + GIF_BAND))
         frames.append(frame)
     return frames
 
