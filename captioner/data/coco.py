@@ -57,6 +57,15 @@ class ObjectBox:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
+class InstanceBoxes(dict):
+    """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
+    list, in file order (also those no box of the split uses), so words can be matched to them."""
+
+    def __init__(self, boxes: Any = (), categories: Sequence[str] = ()) -> None:
+        super().__init__(boxes)
+        self.categories = list(categories)
+
+
 @dataclass
 class CaptionSet:
     """Images of one split and their reference captions (raw text, whitespace-normalised).
@@ -439,7 +448,7 @@ def _unreadable(indices: list[int], cs: CaptionSet, max_pixels: int | None, work
 
 def load_instances(
     root: str | Path, split: str, images_dir: str | Path | None = None
-) -> dict[int, list[ObjectBox]] | None:
+) -> InstanceBoxes | None:
     """Object boxes from ``instances_<split>.json`` when the dataset has one.
 
     Looks for ``root/instances_<split>.json`` (shapes) and ``root/annotations/instances_<split>.json``
@@ -451,8 +460,8 @@ def load_instances(
         images_dir: accepted for symmetry with :func:`load_caption_set`; boxes do not need images.
 
     Returns:
-        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included), or
-        ``None`` when there is no instances file.
+        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included) with
+        the declared category names as ``.categories``, or ``None`` when there is no instances file.
     """
     del images_dir
     root = Path(root)
@@ -479,7 +488,7 @@ def load_instances(
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
             raise DataError(f"{path}: annotation {j} has an invalid bbox {_short(box)} (need [x, y, w, h])")
     coco = coco_index(data, with_categories=True)
-    boxes: dict[int, list[ObjectBox]] = {}
+    boxes = InstanceBoxes(categories=list(dict.fromkeys(names.values())))
     for image_id in coco.imgs:
         boxes[image_id] = [
             ObjectBox(names[ann["category_id"]], tuple(float(v) for v in ann["bbox"]),
