@@ -11,7 +11,7 @@ The features sit at offset 0 and are read through a read-only ``numpy.memmap``, 
 flat however large the dataset is; they are also written batch by batch, never held in RAM. The
 trailer (format version, C, N, D, grid, dtype, key, the indices of images that failed to load)
 is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive ``fcntl.flock`` on ``<path>.lock`` (holding the writer's pid); a killed build
+under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.cache_lock``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
 configuration and the image list; a cache whose key differs is stale and is refused by
@@ -21,14 +21,12 @@ configuration and the image list; a cache whose key differs is stale and is refu
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +36,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner.cache_lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.config import ModelConfig
-from captioner.errors import CaptionerError, DataError, ImageLoadError
+from captioner.errors import DataError, ImageLoadError
 
 log = logging.getLogger(__name__)
 
@@ -94,73 +93,6 @@ def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path
     """``<cache_dir>/<set name>_<split>_<key[:16]>.feats``."""
     name = f"{caption_set.name}_{caption_set.split}".replace(os.sep, "_").replace(" ", "_")
     return Path(cache_dir) / f"{name}_{key[:16]}{SUFFIX}"
-
-
-# ----------------------------------------------------------------------------- locking
-
-def _lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
-def _partial_path(path: Path) -> Path:
-    return path.with_name(path.name + ".partial")
-
-
-def _busy_error(path: Path) -> CaptionerError:
-    lock = _lock_path(path)
-    try:
-        holder = lock.read_text().strip()
-    except OSError:
-        holder = ""
-    who = f", pid {holder}" if holder.isdigit() else ""
-    return CaptionerError(f"feature cache {path} is being written by another process (lock {lock}{who})")
-
-
-@contextlib.contextmanager
-def _write_lock(path: Path, timeout: float) -> Iterator[None]:
-    """Hold an exclusive flock on ``<path>.lock``; wait up to ``timeout`` s, then raise."""
-    lock = _lock_path(path)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise _busy_error(path) from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _wait_unlocked(path: Path, timeout: float) -> bool:
-    """True when nobody holds the write lock (after waiting up to ``timeout`` s)."""
-    lock = _lock_path(path)
-    if not lock.exists():
-        return True
-    fd = os.open(lock, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.1)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- encoding input
@@ -280,12 +212,12 @@ class FeatureCache:
         """
         path = Path(path)
         if not path.exists():
-            if not _wait_unlocked(path, lock_timeout):
-                raise _busy_error(path)
+            if not wait_unlocked(path, lock_timeout):
+                raise busy_error(path)
             if not path.exists():
-                if _partial_path(path).exists():
+                if partial_path(path).exists():
                     raise DataError(f"feature cache {path} is incomplete (an interrupted build left "
-                                    f"{_partial_path(path).name}); rebuild it")
+                                    f"{partial_path(path).name}); rebuild it")
                 raise DataError(f"feature cache {path} does not exist")
         header = _read_trailer(path)
         if key is not None and header.get("key") != key:
@@ -331,11 +263,11 @@ class FeatureCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         if len(caption_set.images) == 0:
             raise DataError(f"feature cache {path}: the caption set has no images")
-        with _write_lock(path, lock_timeout):
+        with write_lock(path, lock_timeout):
             if key and path.exists():  # another process finished it while we waited for the lock
                 with contextlib.suppress(DataError):
                     return cls.open(path, key=key)
-            partial = _partial_path(path)
+            partial = partial_path(path)
             data = SafeImages(image_loader(caption_set, transform), len(caption_set.images))
             batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
             try:
@@ -462,7 +394,7 @@ def get_feature_cache(
     """
     key = cache_key(model_config, caption_set, encoder if hash_weights else None)
     path = cache_path(cache_dir, caption_set, key)
-    if path.exists() or _lock_path(path).exists():
+    if path.exists() or lock_path(path).exists():
         try:
             return FeatureCache.open(path, key=key, lock_timeout=lock_timeout)
         except DataError as exc:
