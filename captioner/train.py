@@ -41,6 +41,7 @@ from captioner.models.captioner import Captioner
 from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
+from captioner.training.diagnosis import first_loss_cause
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import (Precision, build_optimizer, clip_and_step, nonfinite_tensors, schedule_width,
                                       setup_precision)
@@ -129,7 +130,12 @@ def _last_good(run: _Run) -> str:
     return f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
 
 
-def _nonfinite_error(run: _Run, value: float, epoch: int) -> CaptionerError:
+def _nonfinite_error(run: _Run, value: float, epoch: int, inputs: torch.Tensor | None = None) -> CaptionerError:
+    if run.progress.step == 1:  # before any weight update: the inputs or the model as built, never the lr
+        return CaptionerError(f"non-finite loss ({value}) at the first step (epoch {epoch + 1} step 1), before any "
+                              f"weight update, so neither the learning rate nor skipping batches can help: "
+                              f"{first_loss_cause(inputs, run.cfg.model.encoder, run.precision.dtype)}; "
+                              f"{_last_good(run)}")
     note = "" if run.bad_grad_step is None else f"; the gradient norm was non-finite at step {run.bad_grad_step}"
     return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {run.progress.step}; "
                           f"{_last_good(run)} (set train.skip_nonfinite=true to skip such batches{note})")
@@ -205,7 +211,7 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     run.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(loss):
         if not cfg.train.skip_nonfinite:
-            raise _nonfinite_error(run, loss, epoch)
+            raise _nonfinite_error(run, loss, epoch, x)
         _skip_batch(run, epoch, f"non-finite loss ({loss})", criterion_state)
         return time_up, None, 0.0
     last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses

@@ -1,5 +1,5 @@
 """The feature cache never stores inf: huge features are kept as bfloat16, NaN/inf is refused,
-and old float16 caches still open.
+old float16 caches still open, and a non-finite first loss names its likely cause.
 
 The huge encoder is the tiny one with its output scaled, like a random-weight ResNet-101 whose
 features reach 2.4e5 (float16 ends at 65504).
@@ -23,10 +23,11 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
-from captioner.errors import DataError
+from captioner.errors import CaptionerError, DataError
 from captioner.feature_dtype import FLOAT16_MAX
 from captioner.features import MAGIC, FeatureCache, get_feature_cache
 from captioner.models.encoder import build_encoder
+from captioner.training.diagnosis import first_loss_cause
 
 COUNT = 10
 
@@ -167,3 +168,60 @@ def test_features_beyond_bfloat16_refused_naming_the_value(setup, tmp_path: Path
     assert str(info.value).startswith(f"encoder big produced a feature of 3.4e+38 for image {cs.images[2].path}, "
                                       f"beyond what feature cache ")
     assert not (tmp_path / "c.feats").exists() and not (tmp_path / "c.feats.partial").exists()
+
+
+# ----------------------------------------------------------------------------- the first training step
+
+
+def test_first_loss_cause_reads_the_batch() -> None:
+    random = get_preset("sat_soft_tiny").model.encoder  # pretrained=false
+    resnet = get_preset("sat_soft_tiny", **{"model.encoder.pretrained": True}).model.encoder
+    huge = torch.full((2, 4, 8), 2.4e5)
+    assert first_loss_cause(huge, random, None) == (
+        "the batch's input features reach 2.4e+05, far beyond a pretrained encoder's: the encoder tiny with "
+        "random weights (model.encoder.pretrained=false) produces huge activations that overflow the decoder")
+    stored_inf = huge.clone()
+    stored_inf[1, 2, 3] = math.inf
+    assert first_loss_cause(stored_inf, resnet, None).startswith(
+        "the batch's input features hold inf values: delete the feature cache")
+    fine = first_loss_cause(torch.ones(2, 4, 8), resnet, torch.float16)
+    assert fine.startswith("the batch's input features are finite (largest |value| 1), so look at the decoder's")
+    assert fine.endswith("train.amp=fp16 overflows beyond 65504, try train.amp=bf16")
+    images = first_loss_cause(torch.ones(2, 3, 8, 8), random, None)
+    assert images.startswith("the input images are finite, so the encoder tiny with random weights")
+
+
+def test_nonfinite_first_loss_names_the_cause_not_skipping(tiny_shapes: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose encoder produces features beyond float16's range: the cache keeps them (as
+    bfloat16), and the NaN loss of step 1 is blamed on them, without suggesting to skip batches."""
+    from captioner.losses import CaptionLoss
+    from captioner.models.encoder import Encoder
+    from captioner.train import train
+
+    encode, loss = Encoder.forward, CaptionLoss.forward
+
+    def huge(self, images):
+        feats, grid = encode(self, images)
+        return feats * 1e6 + 1e5, grid  # every feature beyond float16's 65504
+
+    def nan_loss(self, output, targets):  # what the decoder makes of such features, made certain
+        result = loss(self, output, targets)
+        result.total = result.total * math.nan
+        return result
+
+    monkeypatch.setattr(Encoder, "forward", huge)
+    monkeypatch.setattr(CaptionLoss, "forward", nan_loss)
+    cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), "train.batch_size": 16, "train.epochs": 1,
+                                         "train.val_max_images": 4})
+    with pytest.raises(CaptionerError) as info:
+        train(cfg, tmp_path, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and "skip_nonfinite" not in message
+    assert message.startswith("non-finite loss (nan) at the first step (epoch 1 step 1), before any weight update, "
+                              "so neither the learning rate nor skipping batches can help: the batch's input "
+                              "features reach ")
+    assert "the encoder tiny with random weights (model.encoder.pretrained=false) produces huge activations" in message
+    assert message.endswith("; no checkpoint was written yet")
+    caches = list((tmp_path / "features").glob("*.feats"))
+    assert caches and all(FeatureCache.open(p).dtype == "bfloat16" for p in caches)
