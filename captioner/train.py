@@ -41,6 +41,7 @@ from captioner.models.captioner import Captioner
 from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
+from captioner.training.diagnosis import first_loss_cause
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import (Precision, build_optimizer, clip_and_step, nonfinite_tensors, schedule_width,
                                       setup_precision)
@@ -132,9 +133,15 @@ def _last_good(run: _Run) -> str:
     return f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
 
 
-def _nonfinite_error(run: _Run, value: float, epoch: int, step: int | None = None) -> CaptionerError:
-    note = "" if run.bad_grad_step is None else f"; the gradient norm was non-finite at step {run.bad_grad_step}"
+def _nonfinite_error(run: _Run, value: float, epoch: int, step: int | None = None,
+                     inputs: torch.Tensor | None = None) -> CaptionerError:
     step = run.progress.step if step is None else step
+    if step == 1:  # before any weight update: the inputs or the model as built, never the lr
+        return CaptionerError(f"non-finite loss ({value}) at the first step (epoch {epoch + 1} step 1), before any "
+                              f"weight update, so neither the learning rate nor skipping batches can help: "
+                              f"{first_loss_cause(inputs, run.cfg.model.encoder, run.precision.dtype)}; "
+                              f"{_last_good(run)}")
+    note = "" if run.bad_grad_step is None else f"; the gradient norm was non-finite at step {run.bad_grad_step}"
     return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {step}; "
                           f"{_last_good(run)} (set train.skip_nonfinite=true to skip such batches{note})")
 
@@ -213,6 +220,8 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
             run.scheduler.step()
         run.stats.add(result, int(n), prog.step, step.grad_norm if run.precision.scaler is None else None)
         run.last_lr = last_lr
+        if prog.step == 1:  # a first-step failure is diagnosed from its own batch
+            _read_stats(run, epoch, inputs=x)
         return run.time_up(), n
     # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
     keys = sorted(result.terms)
@@ -224,7 +233,7 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     loss = float(stats[0] / stats[1])
     if not math.isfinite(loss):
         if not cfg.train.skip_nonfinite:
-            raise _nonfinite_error(run, loss, epoch)
+            raise _nonfinite_error(run, loss, epoch, inputs=x)
         _skip_batch(run, epoch, f"non-finite loss ({loss})", criterion_state)
         return time_up, 0.0
     last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
@@ -264,7 +273,7 @@ def _add_means(run: _Run, means: dict[str, float], captions: float) -> None:
                     run.progress.step, hint)
 
 
-def _read_stats(run: _Run, epoch: int) -> None:
+def _read_stats(run: _Run, epoch: int, inputs: torch.Tensor | None = None) -> None:
     """Bring the device-side loss statistics to the meters; stop on a non-finite loss among them."""
     reading = run.stats.read()
     if reading.bad_grad_step is not None and run.bad_grad_step is None:
@@ -274,7 +283,7 @@ def _read_stats(run: _Run, epoch: int) -> None:
                         reading.bad_grad_step)
     if reading.bad_loss is not None:
         step, value = reading.bad_loss
-        raise _nonfinite_error(run, value, epoch, step)
+        raise _nonfinite_error(run, value, epoch, step, inputs if step == 1 else None)
     _add_means(run, reading.means, reading.captions)
 
 
