@@ -1,8 +1,9 @@
 """Attention correctness: does a word that names an object look at that object?
 
-For every generated word that names an object (a shape noun of the synthetic scenes, or a COCO
-category name, plural or synonym; colour/size words directly before a shape noun count for the
-same object) the word's g x g attention map is placed on the ORIGINAL image geometry: each region's
+For every generated word that names an object (a shape noun of the synthetic scenes, a COCO
+category name, plural or synonym, or, on any other COCO-format dataset, one of its instances
+file's own category names or their plurals; colour/size words directly before a shape noun count
+for the same object) the word's g x g attention map is placed on the ORIGINAL image geometry: each region's
 weight is spread over the part of the image that region covers inside the encoder's view
 (``crop_box``; "stretch" = the whole image, "center_crop" = the central square), the map is
 renormalised to sum 1 and the mass inside the object's ground-truth box is summed (Liu et al. 2017,
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from captioner.errors import DataError
-from captioner.object_words import VOCABULARIES, find_mentions
+from captioner.object_words import VOCABULARIES, WordTable, choose_vocabulary, find_mentions, word_table
 
 __all__ = ["WordScore", "WordScores", "VOCABULARIES", "attention_correctness", "attention_mass", "summarize",
            "caption_object_accuracy", "attention_entropy_summary", "attention_correctness_for_results",
@@ -178,7 +179,7 @@ def attention_correctness(
     boxes: Sequence[Any],
     image_size: tuple[int, int],
     box: Box | None = None,
-    vocabulary: str = "shapes",
+    vocabulary: str | WordTable = "shapes",
 ) -> WordScores:
     """Score one caption's object words against the ground-truth boxes.
 
@@ -190,7 +191,7 @@ def attention_correctness(
         image_size: original ``(width, height)``.
         box: ``crop_box(width, height, encoder_cfg)``, the part of the image the encoder saw;
             None means the whole image.
-        vocabulary: ``"shapes"`` or ``"coco"``.
+        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable`` (e.g. ``category_table(names)``).
 
     Returns:
         ``WordScores`` with one ``WordScore`` per scored word and the invented mentions.
@@ -290,12 +291,15 @@ def attention_entropy_summary(results: Sequence[Any]) -> dict[str, float | None]
     }
 
 
-def detect_vocabulary(instances: dict[int, list[Any]]) -> str:
-    """``"shapes"`` when every box category is a synthetic shape, else ``"coco"``."""
-    from captioner.data.shapes import SHAPES
+def detect_vocabulary(instances: dict[int, list[Any]]) -> str | WordTable:
+    """The word table for a dataset's boxes (``object_words.choose_vocabulary``).
 
-    categories = {obj.category for objs in instances.values() for obj in objs}
-    return "shapes" if categories and categories <= set(SHAPES) else "coco"
+    The names come from the instances file's ``categories`` list when ``instances`` carries it
+    (``load_instances`` output), else from the boxes. ``"shapes"`` when every name is a synthetic
+    shape, ``"coco"`` when every name is a COCO category, else the dataset's own names.
+    """
+    names = getattr(instances, "categories", None) or [obj.category for objs in instances.values() for obj in objs]
+    return choose_vocabulary(names)
 
 
 def attention_correctness_for_results(
@@ -303,8 +307,8 @@ def attention_correctness_for_results(
     caption_set: Any,
     instances: dict[int, list[Any]],
     encoder_cfg: Any,
-    vocabulary: str | None = None,
-) -> dict[str, float | int | None]:
+    vocabulary: str | WordTable | None = None,
+) -> dict[str, float | int | str | None]:
     """Attention correctness of a decoded split (called by ``evaluate.py``).
 
     Args:
@@ -314,26 +318,29 @@ def attention_correctness_for_results(
             records, or from the image file when a record has none).
         instances: ``load_instances(...)`` output, image id -> ``ObjectBox`` list.
         encoder_cfg: the checkpoint's ``EncoderConfig`` (for ``crop_box``).
-        vocabulary: ``"shapes"``/``"coco"``; None detects it from the box categories.
+        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable``; None detects it from the
+            categories (``detect_vocabulary``).
 
     Returns:
-        ``summarize`` keys, plus ``objects_correct`` (share of captions naming every object with
-        the right colour and shape, inventing none) for the synthetic scenes.
+        ``summarize`` keys, ``vocabulary`` (``"shapes"``, ``"coco"`` or ``"categories"``: the
+        dataset's own category names), plus ``objects_correct`` (share of captions naming every
+        object with the right colour and shape, inventing none) for the synthetic scenes.
     """
     from captioner.data.transforms import crop_box
 
     if len(results) != len(caption_set.images):
         raise DataError(f"{len(results)} results for {len(caption_set.images)} images")
-    vocabulary = vocabulary or detect_vocabulary(instances)
+    table = word_table(vocabulary if vocabulary is not None else detect_vocabulary(instances))
     scores, correct = [], []
     for result, record in zip(results, caption_set.images):
         objs = instances.get(record.image_id, [])
         width, height = _image_size(record)
         view = crop_box(width, height, encoder_cfg)
-        scores.append(attention_correctness(result.words, result.attention, objs, (width, height), view, vocabulary))
-        if vocabulary == "shapes":
+        scores.append(attention_correctness(result.words, result.attention, objs, (width, height), view, table))
+        if table.name == "shapes":
             correct.append(caption_object_accuracy(result.words, objs))
-    out = summarize(scores)
+    out: dict[str, float | int | str | None] = dict(summarize(scores))
+    out["vocabulary"] = table.name
     out["objects_correct"] = float(np.mean(correct)) if correct else None
     logger.debug("attention correctness over %d images: %s", len(results), out)
     return out

@@ -120,12 +120,17 @@ class DataConfig:
     feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
     # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else <run>/features
     feature_cache_dir: str | None = None
+    # hold a split's cached features (or, training the encoder, its resized uint8 pixels) in one tensor
+    # in memory when it takes at most this many MiB: no decoding or copying per item (0 disables)
+    in_memory_mb: float = 4096.0
 
     def __post_init__(self) -> None:
         if self.min_freq < 1:
             raise ConfigError(f"data.min_freq must be >= 1, got {self.min_freq}")
         if self.max_caption_len < 1:
             raise ConfigError(f"data.max_caption_len must be >= 1, got {self.max_caption_len}")
+        if not self.in_memory_mb >= 0:
+            raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
 
 
 @dataclass
@@ -140,7 +145,8 @@ class TrainConfig:
     schedule: str = "constant"  # decoder: "constant" or "warmup" (lr * min(s/w, sqrt(w/s)): peak lr at step w)
     warmup_steps: int = 4000
     label_smoothing: float = 0.0
-    alpha_c: float = 1.0  # doubly stochastic attention penalty (SAT)
+    alpha_c: float = 1.0  # weight of the doubly stochastic attention penalty (SAT)
+    ds_norm: str = "mean"  # that penalty over regions: "mean" (keeps cross-entropy in charge) or "sum" (the paper)
     reinforce_weight: float = 1.0  # hard attention: weight of the REINFORCE term
     entropy_weight: float = 0.01  # hard attention: entropy bonus
     baseline_decay: float = 0.9  # hard attention: moving-average baseline decay
@@ -178,6 +184,8 @@ class TrainConfig:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.val_beam < 1:
             raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
+        if self.ds_norm not in ("mean", "sum"):
+            raise ConfigError(f"train.ds_norm={self.ds_norm!r}: use mean or sum")
         # --- recipe (issue 16) ---
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:

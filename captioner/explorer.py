@@ -1,14 +1,19 @@
 """The HTML attention explorer: one self-contained file (inline CSS/JS, image as a data: URI).
 
 The caption's words are clickable/hoverable spans; the selected word's attention is drawn over the
-photo on a <canvas>. Heat maps are rendered client-side from the raw g x g weights embedded as JSON
-(bilinear upsampling with half-pixel centres, a Gaussian blur of ``BLUR_CELLS`` grid cells,
-min-max normalisation, the colour map as a 256-entry lookup table, placement on the encoder's crop
-box, dimming outside it), the same rule as :mod:`captioner.visualize`. Raw weights rather than
-pre-rendered PNGs keep the file small and let the reader pick any layer and head of a Transformer
-(layers x (heads + 1) maps per word would be hundreds of images). The only branch on the decoder
-is whether per-layer/per-head maps (``all_attention``) are present: then layer and head selectors
-appear, defaulting to the last layer's mean over heads (the overlay view).
+photo on a <canvas> whose long side is at least ``MIN_DISPLAY_SIDE`` pixels (a 128-px scene is
+upscaled to be readable) and at most ``max_side``. Heat maps are rendered client-side from the raw
+g x g weights embedded as JSON (bilinear upsampling with half-pixel centres, a Gaussian blur of
+``BLUR_CELLS`` grid cells, the colour map as a 256-entry lookup table, placement on the encoder's
+crop box, dimming outside it), the same rule as :mod:`captioner.heatmaps`. Colours use the
+caption's shared scale (``color_scale``, computed here in Python for the overlay view and for every
+layer and head), so a word with spread-out attention looks flat next to one that points. A line
+under the controls gives the word's peak share, its grid cell and its entropy against log N.
+
+Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
+and head of a Transformer (layers x (heads + 1) maps per word would be hundreds of images). The
+only branch on the decoder is whether per-layer/per-head maps (``all_attention``) are present: then
+layer and head selectors appear, defaulting to the last layer's mean over heads (the overlay view).
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, DataError
 from captioner.attention_record import AttentionRecord
-from captioner.visualize import BLUR_CELLS, DIM, colormap_lut
+from captioner.heatmaps import BLUR_CELLS, DIM, color_scale, colormap_lut
 
 _CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 980px;
@@ -37,6 +42,7 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
 .controls { display: flex; flex-wrap: wrap; gap: 1.2em; align-items: center; margin-bottom: .7em; font-size: .92em; }
 .controls select, .controls input { margin-left: .35em; }
 #info { color: #555; font-variant-numeric: tabular-nums; }
+/* the canvas is drawn at display_size and shrinks (never grows) on narrow screens */
 canvas { display: block; max-width: 100%; height: auto; border-radius: 4px; box-shadow: 0 1px 4px #0003; }
 .help { color: #777; font-size: .85em; }
 [hidden] { display: none !important; }
@@ -54,10 +60,10 @@ _JS = r"""
   const alphaIn = document.getElementById("alpha");
   const info = document.getElementById("info");
   const g = D.grid[0];
-  const scale = Math.min(1, D.max_width / D.image_size[0]);
-  canvas.width = Math.max(1, Math.round(D.image_size[0] * scale));
-  canvas.height = Math.max(1, Math.round(D.image_size[1] * scale));
-  const box = D.box.map(function (v) { return v * scale; });
+  canvas.width = D.display_size[0];  // small images are upscaled, large ones bounded (Python decides)
+  canvas.height = D.display_size[1];
+  const sx = canvas.width / D.image_size[0], sy = canvas.height / D.image_size[1];
+  const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
   const spans = [];
   let current = 0;
 
@@ -82,6 +88,11 @@ _JS = r"""
         return s / heads.length;
       });
     });
+  }
+
+  function vrange() {  // the caption's shared colour scale for what is shown now
+    if (!D.all_attention) return D.scale;
+    return [0, D.scales[+layerSel.value][headSel.value === "mean" ? D.heads : +headSel.value]];
   }
 
   function axis(n, cell) {  // bilinear taps (half-pixel centres, clamped) for n pixels
@@ -126,13 +137,12 @@ _JS = r"""
       }
     }
     a = blur(blur(a, w, h, D.blur_cells * w / g, true), w, h, D.blur_cells * h / g, false);
-    let lo = Infinity, hi = -Infinity;
-    for (let p = 0; p < a.length; p++) { lo = Math.min(lo, a[p]); hi = Math.max(hi, a[p]); }
+    const range = vrange(), lo = range[0], hi = range[1];
     const layer = document.createElement("canvas");
     layer.width = w; layer.height = h;
     const lctx = layer.getContext("2d"), img = lctx.createImageData(w, h);
     for (let p = 0; p < a.length; p++) {
-      const v = hi - lo > 1e-12 ? Math.round(255 * (a[p] - lo) / (hi - lo)) : 0;
+      const v = hi - lo > 1e-12 ? Math.min(255, Math.max(0, Math.round(255 * (a[p] - lo) / (hi - lo)))) : 0;
       img.data[4 * p] = D.lut[3 * v]; img.data[4 * p + 1] = D.lut[3 * v + 1];
       img.data[4 * p + 2] = D.lut[3 * v + 2]; img.data[4 * p + 3] = 255;
     }
@@ -155,10 +165,17 @@ _JS = r"""
     ctx.imageSmoothingQuality = "high";
     ctx.drawImage(heatCanvas(m), box[0], box[1], box[2] - box[0], box[3] - box[1]);
     ctx.globalAlpha = 1;
-    let best = 0, br = 0, bc = 0;
-    m.forEach(function (row, r) { row.forEach(function (v, c) { if (v > best) { best = v; br = r; bc = c; } }); });
-    info.textContent = "word " + (i + 1) + "/" + D.words.length + " \u201c" + D.words[i] + "\u201d: peak weight " +
-      best.toFixed(3) + " at row " + (br + 1) + ", column " + (bc + 1);
+    let best = 0, br = 0, bc = 0, total = 0, entropy = 0;
+    m.forEach(function (row, r) {
+      row.forEach(function (v, c) { total += v; if (v > best) { best = v; br = r; bc = c; } });
+    });
+    if (total > 0) m.forEach(function (row) { row.forEach(function (v) {
+      if (v > 0) entropy -= (v / total) * Math.log(v / total);
+    }); });
+    const share = total > 0 ? best / total : 0;
+    info.textContent = "word " + (i + 1) + "/" + D.words.length + " \u201c" + D.words[i] + "\u201d: peak " +
+      (100 * share).toFixed(share >= 0.1 ? 0 : 1) + "% at row " + (br + 1) + ", column " + (bc + 1) +
+      " \u00b7 H " + entropy.toFixed(1) + "/" + Math.log(g * g).toFixed(1) + " nats";
   }
 
   function select(i) {
@@ -191,6 +208,25 @@ _JS = r"""
 """
 
 
+MIN_DISPLAY_SIDE = 384  # the canvas's long side is at least this many pixels
+
+
+def display_size(image_size: tuple[int, int], min_side: int = MIN_DISPLAY_SIDE, max_side: int = 960
+                 ) -> tuple[int, int]:
+    """Canvas size for an image: the long side clamped to [min_side, max_side], the aspect kept.
+
+    Small images (a 128-px scene) are upscaled to ``min_side``; large photos are bounded by
+    ``max_side``; sizes in between are shown 1:1. ``max_side`` wins when the two disagree.
+    """
+    if min_side < 1 or max_side < 1:
+        raise ConfigError(f"display sides must be >= 1, got min_side={min_side}, max_side={max_side}")
+    w, h = image_size
+    if w < 1 or h < 1:
+        raise DataError(f"image size must be positive, got {w}x{h}")
+    s = min(max_side, max(min_side, w, h)) / max(w, h)
+    return max(1, round(w * s)), max(1, round(h * s))
+
+
 def _image_data_uri(image: Image.Image, max_side: int) -> str:
     image = image.convert("RGB")
     if max(image.size) > max_side:
@@ -200,6 +236,13 @@ def _image_data_uri(image: Image.Image, max_side: int) -> str:
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=88)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _layer_head_scales(all_attention: np.ndarray) -> list[list[float]]:
+    """vmax of the caption's colour scale for every layer (rows) and head (columns, mean of heads last)."""
+    heads_and_mean = [all_attention, all_attention.mean(axis=2, keepdims=True)]
+    maps = np.concatenate(heads_and_mean, axis=2)  # (L, layers, heads + 1, g, g)
+    return [[color_scale(maps[:, i, j])[1] for j in range(maps.shape[2])] for i in range(maps.shape[1])]
 
 
 def render_explorer(
@@ -212,6 +255,7 @@ def render_explorer(
     title: str | None = None,
     max_side: int = 960,
     start: int = 0,
+    min_side: int = MIN_DISPLAY_SIDE,
 ) -> str:
     """The explorer page as one HTML string with no external resources.
 
@@ -225,6 +269,7 @@ def render_explorer(
         title: page heading (defaults to "Attention explorer").
         max_side: largest side of the embedded image and of the canvas.
         start: index of the word selected first.
+        min_side: smallest long side of the canvas (small images are upscaled to it).
     """
     data = {
         "caption": record.caption, "words": record.words, "grid": [record.grid, record.grid],
@@ -232,7 +277,9 @@ def render_explorer(
         "attention": np.round(record.attention.astype(np.float64), 5).tolist(),
         "all_attention": None, "layers": 0, "heads": 0, "layer": 0, "head": None,
         "lut": colormap_lut(cmap).reshape(-1).tolist(), "alpha": float(alpha), "blur_cells": BLUR_CELLS,
-        "dim": DIM, "max_width": max_side, "start": max(0, min(start, len(record.words) - 1)),
+        "dim": DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
+        "scale": list(color_scale(record.attention)), "scales": None,
+        "start": max(0, min(start, len(record.words) - 1)),
     }
     if record.all_attention is not None:
         layers, heads = record.all_attention.shape[1:3]
@@ -241,7 +288,8 @@ def render_explorer(
         if head is not None and not 0 <= head < heads:
             raise ConfigError(f"head {head} out of range: the decoder has {heads} heads")
         data.update(all_attention=np.round(record.all_attention.astype(np.float64), 5).tolist(),
-                    layers=int(layers), heads=int(heads), layer=layer % layers, head=head)
+                    layers=int(layers), heads=int(heads), layer=layer % layers, head=head,
+                    scales=_layer_head_scales(record.all_attention))
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     heading = html.escape(title or "Attention explorer")
     return f"""<!DOCTYPE html>

@@ -2,16 +2,21 @@
 
 Shape legend: C images in the cache, N regions (grid*grid), D feature width.
 
-One cache file holds the fp16 features of every image of a caption set, row ``i`` belonging to
+One cache file holds the features of every image of a caption set, row ``i`` belonging to
 ``caption_set.images[i]``::
 
-    [ C*N*D float16 values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
+    [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
+
+The values are float16, or bfloat16 when an encoder's features exceed float16's range (its
+trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.feature_dtype``). A
+build checks each batch before storing it and refuses NaN/inf features naming the encoder and
+the image.
 
 The features sit at offset 0 and are read through a read-only ``numpy.memmap``, so memory stays
 flat however large the dataset is; they are also written batch by batch, never held in RAM. The
-trailer (format version, C, N, D, grid, dtype, key, the indices of images that failed to load)
-is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive ``fcntl.flock`` on ``<path>.lock`` (holding the writer's pid); a killed build
+trailer (format version, C, N, D, grid, dtype, largest |value|, key, the indices of images that
+failed to load) is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
+under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.cache_lock``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
 configuration and the image list; a cache whose key differs is stale and is refused by
@@ -21,14 +26,12 @@ configuration and the image list; a cache whose key differs is stale and is refu
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import struct
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +41,18 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner.cache_lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.config import ModelConfig
-from captioner.errors import CaptionerError, DataError, ImageLoadError
+from captioner.errors import DataError, ImageLoadError
+from captioner.feature_dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
+                                     version_of, widen_in_place)
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CAPFEAT1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of float16 caches, and part of every cache_key (bfloat16 caches are version 2)
 SUFFIX = ".feats"
 _TAIL = struct.Struct("<Q")  # trailer length
-_ROW_DTYPE = np.float16
 
 
 def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | None = None) -> str:
@@ -94,73 +99,6 @@ def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path
     """``<cache_dir>/<set name>_<split>_<key[:16]>.feats``."""
     name = f"{caption_set.name}_{caption_set.split}".replace(os.sep, "_").replace(" ", "_")
     return Path(cache_dir) / f"{name}_{key[:16]}{SUFFIX}"
-
-
-# ----------------------------------------------------------------------------- locking
-
-def _lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
-
-
-def _partial_path(path: Path) -> Path:
-    return path.with_name(path.name + ".partial")
-
-
-def _busy_error(path: Path) -> CaptionerError:
-    lock = _lock_path(path)
-    try:
-        holder = lock.read_text().strip()
-    except OSError:
-        holder = ""
-    who = f", pid {holder}" if holder.isdigit() else ""
-    return CaptionerError(f"feature cache {path} is being written by another process (lock {lock}{who})")
-
-
-@contextlib.contextmanager
-def _write_lock(path: Path, timeout: float) -> Iterator[None]:
-    """Hold an exclusive flock on ``<path>.lock``; wait up to ``timeout`` s, then raise."""
-    lock = _lock_path(path)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise _busy_error(path) from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _wait_unlocked(path: Path, timeout: float) -> bool:
-    """True when nobody holds the write lock (after waiting up to ``timeout`` s)."""
-    lock = _lock_path(path)
-    if not lock.exists():
-        return True
-    fd = os.open(lock, os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.1)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- encoding input
@@ -210,6 +148,7 @@ class FeatureCache:
         path: the cache file.
         count: number of images C (rows).
         num_regions: N.  dim: D.  grid: (g, g) as reported by the encoder.
+        dtype: the stored values, "float16" or "bfloat16" (rows are always read as float32).
         key: the ``cache_key`` it was built for ("" when built without one).
         valid: (C,) bool array, False for images that failed to load (rows of zeros).
     """
@@ -221,6 +160,7 @@ class FeatureCache:
         self.num_regions = int(header["num_regions"])
         self.dim = int(header["dim"])
         self.grid = tuple(header["grid"])
+        self.dtype = str(header["dtype"])
         self.key = str(header.get("key", ""))
         self.valid = np.ones(self.count, dtype=bool)
         self.valid[np.asarray(header.get("invalid", []), dtype=np.int64)] = False
@@ -229,9 +169,10 @@ class FeatureCache:
 
     @property
     def features(self) -> np.memmap:
-        """The (C, N, D) float16 memory map (opened lazily, also after unpickling in a worker)."""
+        """The (C, N, D) memory map, float16 or raw bfloat16 bits as uint16 (opened lazily, also after
+        unpickling in a worker)."""
         if self._features is None:
-            self._features = np.memmap(self.path, dtype=_ROW_DTYPE, mode="r",
+            self._features = np.memmap(self.path, dtype=map_dtype(self.dtype), mode="r",
                                        shape=(self.count, self.num_regions, self.dim))
         return self._features
 
@@ -244,7 +185,7 @@ class FeatureCache:
         return self.count
 
     def __repr__(self) -> str:
-        return f"FeatureCache({self.path}, count={self.count}, N={self.num_regions}, D={self.dim})"
+        return f"FeatureCache({self.path}, count={self.count}, N={self.num_regions}, D={self.dim}, {self.dtype})"
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Row ``index`` as a float32 (N, D) tensor (a copy; the map stays on disk)."""
@@ -253,7 +194,7 @@ class FeatureCache:
             raise IndexError(f"feature cache {self.path} has {self.count} images, index {index} is out of range")
         if not self.valid[index]:
             raise ImageLoadError(f"image #{index} failed to load when feature cache {self.path} was built")
-        return torch.from_numpy(np.array(self.features[index], dtype=np.float32))
+        return decode_row(self.features[index], self.dtype)
 
     def loader(self) -> Callable[[int], torch.Tensor]:
         """A picklable ``load(index) -> (N, D) float32`` for the caption datasets."""
@@ -280,12 +221,12 @@ class FeatureCache:
         """
         path = Path(path)
         if not path.exists():
-            if not _wait_unlocked(path, lock_timeout):
-                raise _busy_error(path)
+            if not wait_unlocked(path, lock_timeout):
+                raise busy_error(path)
             if not path.exists():
-                if _partial_path(path).exists():
+                if partial_path(path).exists():
                     raise DataError(f"feature cache {path} is incomplete (an interrupted build left "
-                                    f"{_partial_path(path).name}); rebuild it")
+                                    f"{partial_path(path).name}); rebuild it")
                 raise DataError(f"feature cache {path} does not exist")
         header = _read_trailer(path)
         if key is not None and header.get("key") != key:
@@ -307,6 +248,7 @@ class FeatureCache:
         num_workers: int = 0,
         key: str = "",
         lock_timeout: float = 0.0,
+        encoder_name: str = "",
     ) -> "FeatureCache":
         """Encode every image of ``caption_set`` and write the cache atomically.
 
@@ -321,9 +263,14 @@ class FeatureCache:
             progress: show a tqdm bar.
             key: the ``cache_key`` stored in the trailer.
             lock_timeout: seconds to wait when another process holds the lock; then raise.
+            encoder_name: how errors and warnings name the encoder (default: its class name).
 
         Returns:
             The opened cache.
+
+        Raises:
+            DataError: the encoder produced NaN/inf (or beyond bfloat16's range) for an image.
+            ImageLoadError: an unreadable image without ``skip_bad``.
         """
         from captioner.data.dataset import image_loader
 
@@ -331,15 +278,17 @@ class FeatureCache:
         path.parent.mkdir(parents=True, exist_ok=True)
         if len(caption_set.images) == 0:
             raise DataError(f"feature cache {path}: the caption set has no images")
-        with _write_lock(path, lock_timeout):
+        with write_lock(path, lock_timeout):
             if key and path.exists():  # another process finished it while we waited for the lock
                 with contextlib.suppress(DataError):
                     return cls.open(path, key=key)
-            partial = _partial_path(path)
+            partial = partial_path(path)
             data = SafeImages(image_loader(caption_set, transform), len(caption_set.images))
             batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
             try:
-                header = _encode_to_file(encoder, batches, partial, path, len(data), device, progress, skip_bad)
+                names = [str(rec.path) for rec in caption_set.images]
+                header = _encode_to_file(encoder, encoder_name or type(encoder).__name__, batches, partial, path,
+                                         names, device, progress, skip_bad)
                 header["key"] = key
                 header["invalid_names"] = [caption_set.images[i].file_name for i in header["invalid"]]
                 with open(partial, "ab") as f:
@@ -353,34 +302,50 @@ class FeatureCache:
         if header["invalid"]:
             log.warning("feature cache %s: %d of %d images could not be loaded", path, len(header["invalid"]),
                         len(data))
-        log.info("feature cache %s: %d images, %d regions x %d dims", path, len(data), header["num_regions"],
-                 header["dim"])
+        log.info("feature cache %s: %d images, %d regions x %d dims, %s", path, len(data), header["num_regions"],
+                 header["dim"], header["dtype"])
         return cls.open(path)
 
 
-def _encode_to_file(encoder: nn.Module, batches: DataLoader, out: Path, final: Path, count: int,
+def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Path, final: Path, images: list[str],
                     device: str | torch.device, progress: bool, skip_bad: bool) -> dict[str, Any]:
-    """Write feature rows in image order to ``out``; returns the trailer fields."""
+    """Write feature rows in image order to ``out``; returns the trailer fields.
+
+    Each batch's largest |value| is checked before it is cast: NaN/inf is refused, and the first
+    batch beyond float16's range switches the file to bfloat16 (earlier rows converted in place).
+    """
     params = next(encoder.parameters(), None)
     old_device = params.device if params is not None else None
     was_training = encoder.training
     encoder.to(device).eval()
     shape: tuple[int, int] | None = None
     grid: tuple[int, int] | None = None
+    dtype, top = "float16", 0.0
     invalid: list[int] = []
     pending_zeros = 0  # invalid rows seen before the row shape is known
     try:
         with open(out, "wb") as f, torch.inference_mode(), \
-                tqdm(total=count, desc="encoding features", unit="img", disable=not progress) as bar:
+                tqdm(total=len(images), desc="encoding features", unit="img", disable=not progress) as bar:
             for pixels, indices, errors in batches:
                 check_batch_errors(errors, skip_bad, f"feature cache {final}")
                 rows = None
                 if pixels is not None:
                     feats, grid = encoder(pixels.to(device, non_blocking=True))  # (b, N, D)
-                    rows = feats.to("cpu", torch.float16).numpy()
+                    batch_top = peak(feats)
+                    check_range(feats, batch_top, name, [images[i] for i, e in zip(indices, errors) if e is None],
+                                f"feature cache {final}")
+                    top = max(top, batch_top)
+                    if dtype == "float16" and batch_top > FLOAT16_MAX:
+                        log.warning("feature cache %s: encoder %s produces features up to %.4g, beyond float16's "
+                                    "%g; storing bfloat16 (same size, 8 significant bits)", final, name, batch_top,
+                                    FLOAT16_MAX)
+                        f.flush()
+                        widen_in_place(out, f.tell() // 2)
+                        dtype = "bfloat16"
+                    rows = encode_rows(feats, dtype)  # (b, N, D), 2-byte values
                     if shape is None:
                         shape = rows.shape[1:]
-                        f.write(np.zeros((pending_zeros, *shape), _ROW_DTYPE).tobytes())
+                        f.write(np.zeros((pending_zeros, *shape), np.uint16).tobytes())  # 0.0 in both dtypes
                 it = iter(rows if rows is not None else ())
                 for index, error in zip(indices, errors):
                     if error is None:
@@ -390,16 +355,17 @@ def _encode_to_file(encoder: nn.Module, batches: DataLoader, out: Path, final: P
                     if shape is None:
                         pending_zeros += 1
                     else:
-                        f.write(np.zeros(shape, _ROW_DTYPE).tobytes())
+                        f.write(np.zeros(shape, np.uint16).tobytes())
                 bar.update(len(indices))
     finally:
         encoder.train(was_training)
         if old_device is not None:
             encoder.to(old_device)
     if shape is None:
-        raise DataError(f"feature cache {final}: none of the {count} images could be loaded")
-    return {"format": "captioner-features", "version": FORMAT_VERSION, "count": count, "num_regions": shape[0],
-            "dim": shape[1], "grid": [int(g) for g in grid], "dtype": "float16", "invalid": invalid}
+        raise DataError(f"feature cache {final}: none of the {len(images)} images could be loaded")
+    return {"format": "captioner-features", "version": version_of(dtype), "count": len(images),
+            "num_regions": shape[0], "dim": shape[1], "grid": [int(g) for g in grid], "dtype": dtype,
+            "max_abs": top, "invalid": invalid}
 
 
 def _write_trailer(f: Any, header: dict[str, Any]) -> None:
@@ -431,10 +397,15 @@ def _read_trailer(path: Path) -> dict[str, Any]:
             raise DataError(bad) from None
     if not isinstance(header, dict) or header.get("format") != "captioner-features":
         raise DataError(bad)
-    if header.get("version") != FORMAT_VERSION:
-        raise DataError(f"feature cache {path} has format version {header.get('version')}, "
-                        f"this captioner reads {FORMAT_VERSION}; rebuild it")
-    expected = int(header["count"]) * int(header["num_regions"]) * int(header["dim"]) * 2
+    version = header.get("version")
+    if version not in VERSIONS:
+        raise DataError(f"feature cache {path} has format version {version}, "
+                        f"this captioner reads {' and '.join(map(str, VERSIONS))}; rebuild it")
+    header.setdefault("dtype", "float16")
+    if header["dtype"] != VERSIONS[version]:
+        raise DataError(f"feature cache {path} says dtype {header['dtype']!r} with format version {version}, "
+                        f"which stores {VERSIONS[version]}; rebuild it")
+    expected = int(header["count"]) * int(header["num_regions"]) * int(header["dim"]) * 2  # 2-byte values
     if size - end - length != expected:
         raise DataError(f"feature cache {path} is truncated: {size - end - length} data bytes, expected {expected}")
     return header
@@ -462,11 +433,13 @@ def get_feature_cache(
     """
     key = cache_key(model_config, caption_set, encoder if hash_weights else None)
     path = cache_path(cache_dir, caption_set, key)
-    if path.exists() or _lock_path(path).exists():
+    if path.exists() or lock_path(path).exists():
         try:
             return FeatureCache.open(path, key=key, lock_timeout=lock_timeout)
         except DataError as exc:
             if "does not exist" not in str(exc):
                 log.warning("%s; rebuilding", exc)
+    enc = model_config.encoder
+    name = enc.name if enc.pretrained else f"{enc.name} with random weights (model.encoder.pretrained=false)"
     return FeatureCache.build(encoder, caption_set, transform, path, key=key, lock_timeout=lock_timeout,
-                              **build_kwargs)
+                              encoder_name=name, **build_kwargs)

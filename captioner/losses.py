@@ -7,19 +7,28 @@ Step t of the decoder output predicts ``targets[:, t]``; steps whose target is `
 ignored everywhere (the decoder computes them, the loss masks them).
 
 * ``ce``: cross-entropy averaged over non-pad target tokens (optional label smoothing).
-* ``doubly_stochastic``: ``alpha_c * sum_i (1 - sum_t alpha_ti)^2`` (t over non-pad steps),
-  summed over regions and averaged over the batch: every region should receive about one unit
-  of attention over the whole caption.
-* ``reinforce`` (hard attention, when the output carries ``sample_log_probs``): reward per
-  caption ``r = log p(y | s)`` (minus its summed cross-entropy, no label smoothing, detached),
-  a moving-average baseline ``b`` (a buffer, initialised from the first batch's mean reward,
-  then ``b <- decay * b + (1 - decay) * mean r``; the advantage uses ``b`` before the update),
-  term ``-reinforce_weight * mean_B((r - b) * sum_t log p(s_t))`` plus the entropy bonus
-  ``-entropy_weight * mean attention entropy`` over non-pad steps.
+* ``doubly_stochastic``: ``(1 - sum_t alpha_ti)^2`` (t over non-pad steps) per region, averaged
+  over regions (``ds_norm="mean"``, the default) or summed over them as in the paper
+  (``ds_norm="sum"``), then averaged over the batch, weighted by ``alpha_c``. With N regions and
+  T words its pull towards uniform attention is about ``T (N - T) / N`` per caption with the sum
+  (11 at 14 x 14 and T = 12, ten times the cross-entropy) and ``T (N - T) / N^2`` with the mean
+  (below 0.25 at every grid), so only the mean leaves cross-entropy in charge (docs/models_sat.md).
+* ``reinforce`` (hard attention, when the output carries ``sample_log_probs``): the reward of a
+  caption is its mean per-word log-likelihood given the sampled regions, ``r = mean_t log p(y_t)``
+  (no label smoothing, detached; the mean makes it independent of the caption length). A moving
+  average ``b`` of the batch-mean reward is the baseline and a moving average ``v`` of the
+  squared advantage its scale (buffers, initialised from the first batch, then
+  ``x <- decay * x + (1 - decay) * batch value``; the advantage uses them before the update). The
+  normalised advantage ``a = clamp((r - b) / sqrt(v), -5, 5)`` weighs the log-probability of every
+  sampled region: ``-reinforce_weight * sum_{b,t} a_b log p(s_bt) / (non-pad tokens)``, a token
+  mean like the cross-entropy, so its gradient stays on the cross-entropy's scale. The entropy
+  bonus ``-entropy_weight * mean attention entropy`` (non-pad steps) is added.
 
-``parts`` reports plain floats: ``ce``; ``doubly_stochastic``; ``reinforce`` (the REINFORCE term
-without the entropy bonus); ``entropy`` (mean attention entropy in nats: near ``log N`` means the
-model has not learnt to attend); ``baseline`` (b used for this batch).
+``LossResult.total`` is what to backpropagate; ``LossResult.objective`` is the value worth
+watching: cross-entropy plus the weighted regularisers, without the REINFORCE surrogate, whose
+value is not a loss (its gradient is the point). ``LossResult.terms`` holds detached scalar
+tensors on the loss's device (reading them is a host sync: the training loop reads them only
+when it logs); ``LossResult.parts`` converts them to floats.
 """
 
 from __future__ import annotations
@@ -33,19 +42,45 @@ from torch import nn
 from captioner.errors import ConfigError
 from captioner.models.base import DecoderOutput
 
+DS_NORMS = ("mean", "sum")
+ADVANTAGE_CLIP = 5.0  # normalised advantages beyond this many running standard deviations are clipped
+# Weighted regularisers (name of the term, name of its weight in ``terms``) compared with the cross-entropy.
+REGULARISERS = ("doubly_stochastic", "entropy")
+
 
 @dataclass
 class LossResult:
-    """The scalar to backpropagate and its named parts (floats, for logging)."""
+    """The scalar to backpropagate, the objective worth logging and the named parts.
+
+    Attributes:
+        total: what to backpropagate (objective + REINFORCE surrogate).
+        objective: ``ce + alpha_c * doubly_stochastic - entropy_weight * entropy`` (detached).
+        terms: named detached 0-d tensors: ``ce``, ``doubly_stochastic`` (unweighted),
+            ``reinforce`` (the surrogate term), ``entropy`` (mean attention entropy, nats),
+            ``baseline``, ``advantage_scale``, and ``weighted_<name>`` for each regulariser as
+            it enters the objective (``alpha_c * doubly_stochastic``, ``entropy_weight * entropy``).
+    """
 
     total: torch.Tensor
-    parts: dict[str, float]
+    objective: torch.Tensor
+    terms: dict[str, torch.Tensor]
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """``terms`` as plain floats (a host sync; for tests and one-off use)."""
+        return {k: float(v) for k, v in self.terms.items() if not k.startswith("weighted_")}
 
 
-def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``mean_B sum_i (1 - sum_t alpha_ti)^2`` with t over unmasked steps: (B,T,N), (B,T) -> scalar."""
-    total = (attention * mask.unsqueeze(-1).to(attention.dtype)).sum(dim=1)  # (B, N)
-    return ((1.0 - total) ** 2).sum(dim=1).mean()
+def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor, norm: str = "mean") -> torch.Tensor:
+    """``mean_B reduce_i (1 - sum_t alpha_ti)^2`` with t over unmasked steps: (B,T,N), (B,T) -> scalar.
+
+    ``norm="mean"`` averages over the N regions, ``norm="sum"`` sums them (the paper's form).
+    """
+    if norm not in DS_NORMS:
+        raise ConfigError(f"doubly stochastic normalisation {norm!r}: use one of {', '.join(DS_NORMS)}")
+    coverage = (attention * mask.unsqueeze(-1).to(attention.dtype)).sum(dim=1)  # (B, N)
+    per_region = (1.0 - coverage) ** 2  # (B, N)
+    return (per_region.sum(dim=1) if norm == "sum" else per_region.mean(dim=1)).mean()
 
 
 class CaptionLoss(nn.Module):
@@ -55,12 +90,13 @@ class CaptionLoss(nn.Module):
         pad_id: target id ignored by every term.
         label_smoothing: passed to ``F.cross_entropy``.
         alpha_c: weight of the doubly stochastic penalty (0 disables it).
+        ds_norm: ``"mean"`` (over regions) or ``"sum"`` (the paper's form) for that penalty.
         reinforce_weight: weight of the REINFORCE term (hard attention).
         entropy_weight: weight of the attention-entropy bonus (hard attention).
-        baseline_decay: decay of the moving-average reward baseline.
+        baseline_decay: decay of the moving averages of the reward and of the squared advantage.
     """
 
-    def __init__(self, pad_id: int = 0, label_smoothing: float = 0.0, alpha_c: float = 0.0,
+    def __init__(self, pad_id: int = 0, label_smoothing: float = 0.0, alpha_c: float = 0.0, ds_norm: str = "mean",
                  reinforce_weight: float = 1.0, entropy_weight: float = 0.0, baseline_decay: float = 0.9) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -69,19 +105,28 @@ class CaptionLoss(nn.Module):
             raise ConfigError(f"baseline_decay must be in [0, 1), got {baseline_decay}")
         if alpha_c < 0:
             raise ConfigError(f"alpha_c must be >= 0, got {alpha_c}")
+        if ds_norm not in DS_NORMS:
+            raise ConfigError(f"ds_norm={ds_norm!r}: use one of {', '.join(DS_NORMS)}")
         self.pad_id = pad_id
         self.label_smoothing = label_smoothing
         self.alpha_c = alpha_c
+        self.ds_norm = ds_norm
         self.reinforce_weight = reinforce_weight
         self.entropy_weight = entropy_weight
         self.baseline_decay = baseline_decay
         self.register_buffer("baseline", torch.zeros(()))  # moving-average reward
+        self.register_buffer("advantage_var", torch.ones(()))  # moving average of (r - b)^2
         self.register_buffer("baseline_updates", torch.zeros((), dtype=torch.long))  # 0 = not yet initialised
 
-    def forward(self, output: DecoderOutput, targets: torch.Tensor) -> LossResult:
-        """output.logits (B,T,V), targets (B,T) -> LossResult(total, parts).
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        # States saved before ``advantage_var`` existed resume with a fresh scale.
+        state_dict.setdefault(prefix + "advantage_var", torch.ones(()))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-        The baseline is updated only in training mode (``loss.train()``, the default).
+    def forward(self, output: DecoderOutput, targets: torch.Tensor) -> LossResult:
+        """output.logits (B,T,V), targets (B,T) -> LossResult.
+
+        The moving averages are updated only in training mode (``loss.train()``, the default).
         """
         logits = output.logits
         if logits.shape[:2] != targets.shape:
@@ -89,49 +134,54 @@ class CaptionLoss(nn.Module):
         mask = targets != self.pad_id  # (B, T)
         flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # (B*T, V)
         flat_targets = targets.reshape(-1)  # (B*T,)
-        if mask.any():
-            ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=self.pad_id,
-                                 label_smoothing=self.label_smoothing)
-        else:  # an all-padding batch contributes nothing (but keeps the graph)
-            ce = flat_logits.sum() * 0.0
-        total = ce
-        parts = {"ce": ce.item()}
+        # sum / max(count, 1): an all-padding batch gives 0 and keeps the graph, with no host sync
+        token_ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=self.pad_id,
+                                   label_smoothing=self.label_smoothing, reduction="sum")
+        ce = token_ce / mask.sum().clamp(min=1)
+        objective = ce
+        terms: dict[str, torch.Tensor] = {"ce": ce.detach()}
 
         if self.alpha_c > 0 and output.attention is not None:
-            penalty = doubly_stochastic_penalty(output.attention.float(), mask)
-            total = total + self.alpha_c * penalty
-            parts["doubly_stochastic"] = penalty.item()
+            penalty = doubly_stochastic_penalty(output.attention.float(), mask, self.ds_norm)
+            objective = objective + self.alpha_c * penalty
+            terms["doubly_stochastic"] = penalty.detach()
+            terms["weighted_doubly_stochastic"] = self.alpha_c * penalty.detach()
 
+        total = objective
         if output.sample_log_probs is not None:
             term, bonus, stats = self._reinforce(output, flat_logits, flat_targets, mask)
+            objective = objective + bonus
             total = total + term + bonus
-            parts.update(stats)
-        return LossResult(total=total, parts=parts)
+            terms.update(stats)
+        return LossResult(total=total, objective=objective.detach(), terms=terms)
 
     def _reinforce(self, output: DecoderOutput, flat_logits: torch.Tensor, flat_targets: torch.Tensor,
-                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """REINFORCE term, entropy bonus and their logging stats."""
+                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """REINFORCE term, entropy bonus and their logging stats (all on the loss's device)."""
         fmask = mask.to(flat_logits.dtype)  # (B, T)
+        words = fmask.sum(dim=1).clamp(min=1.0)  # (B,)
         with torch.no_grad():
             token_nll = F.cross_entropy(flat_logits, flat_targets, ignore_index=self.pad_id, reduction="none")
-            reward = -(token_nll.view(mask.shape) * fmask).sum(dim=1)  # (B,) log p(y | s)
-            if self.baseline_updates.item() == 0:
-                baseline = reward.mean()
-            else:
-                baseline = self.baseline.clone()
-            if self.training:
-                new = reward.mean() if self.baseline_updates.item() == 0 else (
-                    self.baseline_decay * self.baseline + (1.0 - self.baseline_decay) * reward.mean())
-                self.baseline.copy_(new)
-                self.baseline_updates += 1
+            reward = -(token_nll.view(mask.shape) * fmask).sum(dim=1) / words  # (B,) mean_t log p(y_t | s)
+            first = self.baseline_updates == 0
+            baseline = torch.where(first, reward.mean(), self.baseline)
             advantage = reward - baseline  # (B,)
-        log_prob = (output.sample_log_probs.float() * fmask).sum(dim=1)  # (B,) sum_t log p(s_t)
-        term = -self.reinforce_weight * (advantage * log_prob).mean()
-        stats = {"reinforce": term.item(), "baseline": baseline.item()}
+            var = torch.where(first, (advantage ** 2).mean().clamp(min=1e-8), self.advantage_var)
+            scale = var.sqrt().clamp(min=1e-4)
+            normalised = (advantage / scale).clamp(-ADVANTAGE_CLIP, ADVANTAGE_CLIP)  # (B,)
+            if self.training:
+                d = self.baseline_decay
+                self.baseline.copy_(torch.where(first, reward.mean(), d * self.baseline + (1 - d) * reward.mean()))
+                self.advantage_var.copy_(d * var + (1 - d) * (advantage ** 2).mean())
+                self.baseline_updates += 1
+        log_prob = output.sample_log_probs.float() * fmask  # (B, T) log p(s_t), 0 where the soft context was used
+        term = -self.reinforce_weight * (normalised.unsqueeze(1) * log_prob).sum() / fmask.sum().clamp(min=1.0)
+        stats = {"reinforce": term.detach(), "baseline": baseline, "advantage_scale": scale}
         bonus = term.new_zeros(())
         if output.attention_entropy is not None:
-            n = fmask.sum().clamp(min=1.0)
-            entropy = (output.attention_entropy.float() * fmask).sum() / n
+            entropy = (output.attention_entropy.float() * fmask).sum() / fmask.sum().clamp(min=1.0)
             bonus = -self.entropy_weight * entropy
-            stats["entropy"] = entropy.item()
+            stats["entropy"] = entropy.detach()
+            if self.entropy_weight > 0:
+                stats["weighted_entropy"] = self.entropy_weight * entropy.detach()
         return term, bonus, stats

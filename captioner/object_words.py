@@ -1,4 +1,4 @@
-"""Which caption words name which objects: synthetic shapes and the 80 COCO categories.
+"""Which caption words name which objects: synthetic shapes, the 80 COCO categories, or any list.
 
 ``find_mentions(words, vocabulary)`` returns the spans of a caption that name an object
 (``ObjectMention``), longest phrase first, so "hot dog" is one COCO object and not a dog:
@@ -7,16 +7,23 @@
   size words directly before a noun (``COLORS``, ``SIZES``) are attributed to the same object;
 * ``"coco"``: each category's name, plural and common synonyms ("men" -> person, "bike" ->
   bicycle, "sofa" -> couch, "hotdog"/"hot dog" -> hot dog, "phone" -> cell phone). "orange" is
-  the fruit only when it ends a noun phrase ("an orange on a plate", not "an orange cat").
+  the fruit only when it ends a noun phrase ("an orange on a plate", not "an orange cat");
+* a ``WordTable`` from ``category_table(names)``: any dataset's own category names (an
+  ``instances_*.json`` file's ``categories[].name``), tokenized like captions, with their plurals
+  ("box"/"boxes", "traffic cone"/"traffic cones"); a name that is also a COCO category brings its
+  COCO synonyms along.
+
+``choose_vocabulary(names)`` picks the table for a dataset's category names.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from captioner.errors import DataError
+from captioner.text import tokenize
 
 VOCABULARIES = ("shapes", "coco")
 
@@ -105,10 +112,70 @@ def coco_word_table() -> dict[tuple[str, ...], str]:
 
 
 _PHRASE_RE = re.compile("|".join(sorted(_COCO_PHRASES, key=len, reverse=True)) + r"|\S+")
+COCO_CATEGORIES = frozenset(_COCO_SYNONYMS)
 
 
-def _shape_tables() -> tuple[dict[tuple[str, ...], str], dict[str, str]]:
-    """(phrase -> shape category, attribute word -> attribute name) for the synthetic scenes."""
+@dataclass(frozen=True)
+class WordTable:
+    """The phrases that name objects, for :func:`find_mentions`.
+
+    Attributes:
+        name: ``"shapes"``, ``"coco"`` or ``"categories"`` (a dataset's own names).
+        phrases: tuple of lowercase tokens -> category, spelt as the dataset spells it.
+        attributes: word -> attribute kind (``"color"``, ``"size"``) for words directly before a name.
+    """
+
+    name: str
+    phrases: Mapping[tuple[str, ...], str]
+    attributes: Mapping[str, str] = field(default_factory=dict)
+
+
+def _plural_phrase(words: tuple[str, ...]) -> tuple[str, ...]:
+    last = words[-1]
+    return words[:-1] + (_IRREGULAR.get(last) or _plural(last),)
+
+
+def category_table(names: Iterable[str]) -> WordTable:
+    """A word table for a dataset's own category names (e.g. an instances file's ``categories``).
+
+    Each name is tokenized like a caption ("Traffic_Cone" -> "traffic cone") and matched as a
+    phrase, singular or plural; when two names give the same phrase the first one keeps it. A name
+    that equals a COCO category (case aside) also gets that category's COCO synonyms, unless a
+    synonym is itself one of the dataset's names.
+    """
+    phrases: dict[tuple[str, ...], str] = {}
+    for name in names:
+        words = tuple(tokenize(str(name)))
+        if words:
+            phrases.setdefault(words, name)
+    for words, name in list(phrases.items()):
+        phrases.setdefault(_plural_phrase(words), name)
+    by_coco_name = {" ".join(words): name for words, name in phrases.items() if " ".join(words) in COCO_CATEGORIES}
+    for words, coco_category in coco_word_table().items():
+        if coco_category in by_coco_name:
+            phrases.setdefault(words, by_coco_name[coco_category])
+    return WordTable("categories", phrases)
+
+
+def choose_vocabulary(names: Iterable[str]) -> str | WordTable:
+    """The vocabulary for a dataset whose objects have these category names.
+
+    Returns:
+        ``"shapes"`` when every name is a synthetic shape, ``"coco"`` when every name is a COCO
+        category (or there are none), else ``category_table(names)``.
+    """
+    from captioner.data.shapes import SHAPES
+
+    names = list(dict.fromkeys(str(n) for n in names))
+    if names and set(names) <= set(SHAPES):
+        return "shapes"
+    if set(names) <= COCO_CATEGORIES:
+        return "coco"
+    return category_table(names)
+
+
+def _shape_table() -> WordTable:
+    """Shape nouns (and plurals) and the colour/size words of the synthetic scenes."""
     from captioner.data.shapes import COLORS, SHAPES, SIZES
 
     phrases: dict[tuple[str, ...], str] = {}
@@ -118,26 +185,34 @@ def _shape_tables() -> tuple[dict[tuple[str, ...], str], dict[str, str]]:
         phrases[words[:-1] + (_plural(words[-1]),)] = shape
     attributes = {str(c).lower(): "color" for c in COLORS}
     attributes.update({str(s).lower(): "size" for s in SIZES})
-    return phrases, attributes
+    return WordTable("shapes", phrases, attributes)
 
 
-def find_mentions(words: Sequence[str], vocabulary: str = "shapes") -> list[ObjectMention]:
+def word_table(vocabulary: str | WordTable) -> WordTable:
+    """``"shapes"``, ``"coco"`` or a ``WordTable`` (returned as is) -> ``WordTable``."""
+    if isinstance(vocabulary, WordTable):
+        return vocabulary
+    if vocabulary == "shapes":
+        return _shape_table()
+    if vocabulary == "coco":
+        return WordTable("coco", coco_word_table())
+    raise DataError(f"vocabulary={vocabulary!r}: use one of {', '.join(VOCABULARIES)} or a category_table(...)")
+
+
+def find_mentions(words: Sequence[str], vocabulary: str | WordTable = "shapes") -> list[ObjectMention]:
     """Find the object names in a caption, longest phrase first.
 
     Args:
         words: caption tokens (``captioner.text.tokenize`` output).
         vocabulary: ``"shapes"`` (synthetic scenes; colour/size words directly before a shape
-            noun are attributed to it) or ``"coco"`` (80 categories, plurals, synonyms).
+            noun are attributed to it), ``"coco"`` (80 categories, plurals, synonyms) or a
+            ``WordTable`` such as ``category_table(names)`` (a dataset's own category names).
 
     Returns:
         Mentions in caption order.
     """
-    if vocabulary == "shapes":
-        phrases, attribute_words = _shape_tables()
-    elif vocabulary == "coco":
-        phrases, attribute_words = coco_word_table(), {}
-    else:
-        raise DataError(f"vocabulary={vocabulary!r}: use one of {', '.join(VOCABULARIES)}")
+    table = word_table(vocabulary)
+    phrases, attribute_words = table.phrases, table.attributes
     longest = max((len(p) for p in phrases), default=1)
     words = [w.lower() for w in words]
     mentions: list[ObjectMention] = []
@@ -146,7 +221,7 @@ def find_mentions(words: Sequence[str], vocabulary: str = "shapes") -> list[Obje
         match = None
         for n in range(min(longest, len(words) - i), 0, -1):
             category = phrases.get(tuple(words[i:i + n]))
-            if category is not None and not _adjectival(words, i, n, vocabulary):
+            if category is not None and not _adjectival(words, i, n):
                 match = (n, category)
                 break
         if match is None:
@@ -170,8 +245,8 @@ def find_mentions(words: Sequence[str], vocabulary: str = "shapes") -> list[Obje
 _FUNCTION_WORDS = frozenset("a an the and on in with of is are at to by near next sitting".split())
 
 
-def _adjectival(words: Sequence[str], i: int, n: int, vocabulary: str) -> bool:
-    """COCO "orange" is a colour unless it ends the phrase ("an orange on a plate")."""
-    if vocabulary != "coco" or n != 1 or words[i] != "orange":
+def _adjectival(words: Sequence[str], i: int, n: int) -> bool:
+    """The object "orange" is a colour unless it ends the phrase ("an orange on a plate")."""
+    if n != 1 or words[i] != "orange":
         return False
     return i + 1 < len(words) and words[i + 1] not in _FUNCTION_WORDS

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.config import Config
@@ -47,10 +47,12 @@ from captioner.models.captioner import Captioner
 from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
+from captioner.training.diagnosis import first_loss_cause
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import (Precision, build_optimizer, build_schedule, clip_and_step, nonfinite_tensors,
                                       setup_precision)
 from captioner.training.selection import decay_after_epoch, keep_select_metric
+from captioner.training.step_stats import DeviceStats, term_shares
 from captioner.training.state import (Progress, capture_rng, check_resume_config, check_resume_vocab,
                                       remove_stale_temp_files, restore_rng, seed_everything)
 from captioner.training.validation import score, validate
@@ -128,6 +130,8 @@ class _Run:
     last_lr: float | None = None  # decoder lr of the last optimizer step
     skipped_in_a_row: int = 0  # batches skipped for non-finite values since the last good one
     bad_grad_step: int | None = None  # first step with a non-finite gradient norm (without skip_nonfinite)
+    stats: DeviceStats = field(default_factory=DeviceStats)  # loss terms since the last read, on the device
+    warned_regulariser: bool = False  # the "a regulariser outweighs the cross-entropy" line was printed
 
     def time_up(self) -> bool:
         budget = self.cfg.train.time_budget
@@ -142,9 +146,16 @@ def _last_good(run: _Run) -> str:
     return f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
 
 
-def _nonfinite_error(run: _Run, value: float, epoch: int) -> CaptionerError:
+def _nonfinite_error(run: _Run, value: float, epoch: int, step: int | None = None,
+                     inputs: torch.Tensor | None = None) -> CaptionerError:
+    step = run.progress.step if step is None else step
+    if step == 1:  # before any weight update: the inputs or the model as built, never the lr
+        return CaptionerError(f"non-finite loss ({value}) at the first step (epoch {epoch + 1} step 1), before any "
+                              f"weight update, so neither the learning rate nor skipping batches can help: "
+                              f"{first_loss_cause(inputs, run.cfg.model.encoder, run.precision.dtype)}; "
+                              f"{_last_good(run)}")
     note = "" if run.bad_grad_step is None else f"; the gradient norm was non-finite at step {run.bad_grad_step}"
-    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {run.progress.step}; "
+    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {step}; "
                           f"{_last_good(run)} (set train.skip_nonfinite=true to skip such batches{note})")
 
 
@@ -180,14 +191,20 @@ def _skip_batch(run: _Run, epoch: int, why: str, criterion_state: dict[str, torc
                              f"step {prog.step}); stopping; {_last_good(run)}")
 
 
-def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float | None, float]:
+def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
     """One batch (``prog.step`` already counts it).
 
+    Without torchrun and ``train.skip_nonfinite`` the step never waits for the device: its loss
+    terms go to ``run.stats`` and are checked when read (:func:`_read_stats`). Under torchrun (the
+    ranks vote on the time budget) or with ``skip_nonfinite`` (which must decide before the
+    optimizer steps) the loss is read at every step.
+
     Returns:
-        ``(time_up, loss, captions)``: the time-budget vote agreed by all ranks, the mean loss
-        (None when the batch was skipped) and the number of captions trained (all ranks).
+        ``(time_up, captions)``: the time-budget vote (agreed by all ranks) and the number of
+        captions trained (all ranks; 0 when the batch was skipped).
     """
     cfg, info, prog = run.cfg, run.info, run.progress
+    per_step = info.distributed or cfg.train.skip_nonfinite
     reduce_on = info.device if info.device.type == "cuda" else torch.device("cpu")
     if cfg.data.skip_missing and info.distributed:  # every rank skips a batch left empty on any rank
         flags = torch.tensor([float(batch is None), float(run.time_up())], dtype=torch.float64, device=reduce_on)
@@ -198,7 +215,7 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     if empty:
         if info.is_main:
             log.warning("skipping batch at step %d: none of its images could be read", prog.step)
-        return time_up or (not info.distributed and run.time_up()), None, 0.0
+        return time_up or (not info.distributed and run.time_up()), 0.0
     x, tokens, _ = batch
     x = x.to(info.device, non_blocking=True)
     tokens = tokens.to(info.device, non_blocking=True)  # (B, T)
@@ -207,25 +224,36 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     with run.precision.autocast():
         out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
         result = run.criterion(out, tokens[:, 1:])
-    keys = sorted(result.parts)
     n = float(tokens.size(0))
+    run.optimizer.zero_grad(set_to_none=True)
+    if not per_step:
+        last_lr = run.optimizer.param_groups[0]["lr"]
+        step = clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision)
+        if step:
+            run.scheduler.step()
+        run.stats.add(result, int(n), prog.step, step.grad_norm if run.precision.scaler is None else None)
+        run.last_lr = last_lr
+        if prog.step == 1:  # a first-step failure is diagnosed from its own batch
+            _read_stats(run, epoch, inputs=x)
+        return run.time_up(), n
     # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
-    stats = torch.tensor([result.total.item() * n, n, *(result.parts[k] * n for k in keys), float(run.time_up())],
-                         dtype=torch.float64, device=reduce_on)
+    keys = sorted(result.terms)
+    stats = torch.stack([result.total.detach().float() * n, result.total.new_tensor(n),
+                         *(result.terms[k].float() * n for k in keys), result.objective.float() * n,
+                         result.total.new_tensor(float(run.time_up()))]).to(device=reduce_on, dtype=torch.float64)
     stats = ddp.all_reduce_sum(stats, info).cpu()
     time_up = bool(stats[-1] > 0)
     loss = float(stats[0] / stats[1])
-    run.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(loss):
         if not cfg.train.skip_nonfinite:
-            raise _nonfinite_error(run, loss, epoch)
+            raise _nonfinite_error(run, loss, epoch, inputs=x)
         _skip_batch(run, epoch, f"non-finite loss ({loss})", criterion_state)
-        return time_up, None, 0.0
+        return time_up, 0.0
     last_lr = run.optimizer.param_groups[0]["lr"]  # the lr this step uses
     step = clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision)
     if getattr(step, "skipped_nonfinite", False):  # optimizer, its state and the schedule untouched
         _skip_batch(run, epoch, f"non-finite gradient norm ({step.grad_norm})", criterion_state)
-        return time_up, None, 0.0
+        return time_up, 0.0
     if step:
         run.scheduler.step()
     if run.precision.scaler is None and getattr(step, "nonfinite", False) and run.bad_grad_step is None:
@@ -235,13 +263,44 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
                         "batches)", step.grad_norm, prog.step)
     run.last_lr = last_lr
     run.skipped_in_a_row = 0
-    parts = {"loss": loss, **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
-    prog.epoch_meter.add(parts, float(stats[1]))
-    prog.window_meter.add(parts, float(stats[1]))
-    return time_up, loss, float(stats[1])
+    parts = {"loss": float(stats[-2] / stats[1]), **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
+    _add_means(run, parts, float(stats[1]))
+    return time_up, float(stats[1])
 
 
-def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bool]:
+def _add_means(run: _Run, means: dict[str, float], captions: float) -> None:
+    """Add a reading to the epoch and log-window meters; warn once when a regulariser outweighs the CE."""
+    if not captions:
+        return
+    run.progress.epoch_meter.add(means, captions)
+    run.progress.window_meter.add(means, captions)
+    ce = means.get("ce", math.nan)
+    heavy = {k[len("weighted_"):]: abs(v) for k, v in means.items() if k.startswith("weighted_") and abs(v) > ce}
+    if heavy and not run.warned_regulariser and run.info.is_main:
+        run.warned_regulariser = True
+        name, value = max(heavy.items(), key=lambda kv: kv[1])
+        hint = {"doubly_stochastic": "lower train.alpha_c or keep train.ds_norm=mean",
+                "entropy": "lower train.entropy_weight"}.get(name, "lower its weight")
+        log.warning("the weighted %s term (%.3g) outweighs the cross-entropy (%.3g) at step %d: it, not the "
+                    "captions, now drives the attention (%s)", name.replace("_", " "), value, ce,
+                    run.progress.step, hint)
+
+
+def _read_stats(run: _Run, epoch: int, inputs: torch.Tensor | None = None) -> None:
+    """Bring the device-side loss statistics to the meters; stop on a non-finite loss among them."""
+    reading = run.stats.read()
+    if reading.bad_grad_step is not None and run.bad_grad_step is None:
+        run.bad_grad_step = reading.bad_grad_step
+        if run.info.is_main:
+            log.warning("non-finite gradient norm at step %d (set train.skip_nonfinite=true to skip such batches)",
+                        reading.bad_grad_step)
+    if reading.bad_loss is not None:
+        step, value = reading.bad_loss
+        raise _nonfinite_error(run, value, epoch, step, inputs if step == 1 else None)
+    _add_means(run, reading.means, reading.captions)
+
+
+def train_one_epoch(run: _Run, loader: Any, epoch: int) -> tuple[bool, bool]:
     """Train over ``loader`` (the rest of epoch ``epoch``), logging every ``train.log_every`` steps.
 
     A batch that is skipped (non-finite with ``train.skip_nonfinite``, or without a readable
@@ -270,24 +329,27 @@ def train_one_epoch(run: _Run, loader: DataLoader, epoch: int) -> tuple[bool, bo
             remaining -= 1
             prog.step += 1
             prog.batch_in_epoch += 1
-            time_up, loss, captions = _train_step(run, batch, params, epoch)
+            time_up, captions = _train_step(run, batch, params, epoch)
             window_captions += captions
-            if loss is not None:
-                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             if prog.step % cfg.train.log_every == 0:
+                _read_stats(run, epoch)
                 speed = window_captions / max(time.monotonic() - window_start, 1e-9)
+                means = prog.window_meter.means()
                 if run.logger is not None:
-                    run.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **prog.window_meter.means(),
+                    run.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **means, **term_shares(means),
                                               "lr": run.last_lr, "captions_per_s": speed, "seconds": run.elapsed()})
+                loss = means.get("loss")
                 bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
                 prog.window_meter = type(prog.window_meter)()
                 window_start, window_captions = time.monotonic(), 0.0
             if time_up:
+                _read_stats(run, epoch)
                 return True, remaining == 0
     except ImageLoadError as exc:
         raise _image_error(run, exc, f"in the training data at epoch {epoch + 1} step {prog.step + 1}") from None
     finally:
         bar.close()
+    _read_stats(run, epoch)
     return False, True
 
 
@@ -298,10 +360,10 @@ def _validate_all(run: _Run, data: TrainData) -> dict[str, float]:
     """
     info, cfg = run.info, run.cfg
     dataset = data.val_dataset
-    if info.distributed:
-        dataset = Subset(dataset, list(range(info.rank, len(dataset), info.world_size)))
-    shard = validate(run.model, val_loader(dataset, cfg, info), data.val_set, data.vocab, cfg.train.val_beam,
-                     cfg.train.val_max_len, info.device, data.on_features)
+    shard_indices = list(range(info.rank, len(dataset), info.world_size)) if info.distributed else None
+    loader = val_loader(dataset, cfg, info, store=data.val_store, indices=shard_indices)
+    shard = validate(run.model, loader, data.val_set, data.vocab, cfg.train.val_beam, cfg.train.val_max_len,
+                     info.device, data.on_features)
     return score(ddp.gather_objects(shard, info))
 
 
@@ -380,7 +442,7 @@ def _end_of_epoch(run: _Run, data: TrainData, epoch: int, complete: bool, captio
     except ImageLoadError as exc:
         raise _image_error(run, exc, f"in the validation data after epoch {epoch + 1} step {prog.step}") from None
     restore_rng(rng, info.device)  # validation must not shift the training random stream
-    row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(),
+    row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(), **term_shares(prog.epoch_meter.means()),
            "lr": run.last_lr, "captions_per_s": captions_per_s, **metrics,
            "partial": int(not complete), "seconds": run.elapsed()}
     value = metrics[prog.select_metric]
@@ -472,7 +534,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
     alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term
-    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c,
+    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c, ds_norm=t.ds_norm,
                             reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
                             baseline_decay=t.baseline_decay).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
@@ -514,7 +576,8 @@ def _loop(run: _Run, data: TrainData) -> None:
     patience = t.patience if t.patience > 0 else math.inf  # patience <= 0: no early stopping
     while prog.epoch < t.epochs and prog.bad_epochs < patience:
         epoch = prog.epoch
-        loader = train_loader(data.train_dataset, run.cfg, epoch, run.info, skip_batches=prog.batch_in_epoch)
+        loader = train_loader(data.train_dataset, run.cfg, epoch, run.info, skip_batches=prog.batch_in_epoch,
+                              store=data.train_store)
         began, seen = time.monotonic(), prog.epoch_meter.count
         time_up, complete = train_one_epoch(run, loader, epoch)
         speed = (prog.epoch_meter.count - seen) / max(time.monotonic() - began, 1e-9)

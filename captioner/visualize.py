@@ -1,23 +1,19 @@
-"""Attention overlays: map each word's g x g attention back onto the original photo.
+"""Attention overlays: the PNG grid, the GIF and the files written for one captioned image.
 
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
-The encoder saw the ``crop_box(width, height, cfg)`` part of the photo resized to S x S
-(``stretch``: the whole photo; ``center_crop``: the centred square). Grid cell (i, j) therefore
-covers one (box_w/g) x (box_h/g) rectangle of that box in ORIGINAL pixel coordinates; the map is
-stretched back to the box's aspect (the photo is never squashed) and pixels outside the box are
-dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
-``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
+The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
+coloured by :mod:`captioner.heatmaps`, on one colour scale for the whole caption (``color_scale``),
+so spread-out attention looks flat next to a word that points.
 
-Writers: a PNG grid (the image with its caption, then one panel per word titled with the word),
-an animated GIF (one frame per word), the raw attention as JSON, and the HTML explorer.
-matplotlib is imported lazily, only for its colour maps; drawing uses PIL.
+Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
+its figures, e.g. "peak 34% · H 2.1/2.8"), an animated GIF (one frame per word, the same
+figures under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,150 +24,29 @@ from PIL import Image, ImageDraw, ImageFont
 
 from captioner.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
+from captioner.explorer import write_explorer
+from captioner.heatmaps import (
+    BLUR_CELLS,
+    DIM,
+    attention_to_image_map,
+    color_scale,
+    colormap_lut,
+    overlay_heatmap,
+    stats_label,
+)
 
 __all__ = [
-    "AttentionRecord", "GridLayout", "as_array", "attention_to_image_map", "colormap_lut", "grid_layout",
-    "overlay_heatmap", "read_attention_json", "render_gif_frames", "render_grid", "word_overlays",
-    "write_attention_json", "write_overlays",
+    "AttentionRecord", "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
+    "color_scale", "colormap_lut", "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames",
+    "render_grid", "word_overlays", "word_titles", "write_attention_json", "write_overlays",
 ]
 
 log = logging.getLogger(__name__)
 
-BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
-DIM = 0.35  # brightness kept outside the encoder's crop box
 BACKGROUND = (255, 255, 255)
 TEXT = (20, 20, 20)
-
-
-# ----------------------------------------------------------------------------- maps
-
-
-def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
-    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0."""
-    weights = np.zeros((size, g), dtype=np.float64)
-    centres = np.arange(size) + 0.5
-    inside = np.flatnonzero((centres >= start) & (centres < stop))
-    if inside.size == 0:
-        return weights
-    cell = (stop - start) / g
-    u = (centres[inside] - start) / cell  # position in grid units, 0..g
-    if smooth:
-        u = np.clip(u - 0.5, 0.0, g - 1.0)  # half-pixel centres, clamped at the edges
-        lo = np.minimum(np.floor(u).astype(int), g - 1)
-        hi = np.minimum(lo + 1, g - 1)
-        frac = u - lo
-        np.add.at(weights, (inside, lo), 1.0 - frac)
-        np.add.at(weights, (inside, hi), frac)
-        sigma = BLUR_CELLS * cell
-        if sigma >= 0.5:
-            weights[inside] = _gaussian_blur_columns(weights[inside], sigma)
-    else:
-        weights[inside, np.minimum(np.floor(u).astype(int), g - 1)] = 1.0
-    return weights
-
-
-def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
-    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges."""
-    radius = max(1, int(3 * sigma))
-    x = np.arange(-radius, radius + 1)
-    kernel = np.exp(-0.5 * (x / sigma) ** 2)
-    norm = np.convolve(np.ones(a.shape[0]), kernel, mode="same")
-    return np.stack([np.convolve(col, kernel, mode="same") / norm for col in a.T], axis=1)
-
-
-def attention_to_image_map(
-    attention: np.ndarray,
-    width: int,
-    height: int,
-    box: Sequence[float] | None = None,
-    smooth: bool = True,
-    preserve_mass: bool = False,
-) -> np.ndarray:
-    """Place one word's g x g attention on the original image.
-
-    Args:
-        attention: (g, g) weights, row 0 = top of the box.
-        width: original image width W in pixels.
-        height: original image height H in pixels.
-        box: (left, top, right, bottom) part of the image the encoder saw (``crop_box``);
-            None means the whole image.
-        smooth: bilinear upsampling + Gaussian blur; False gives one flat block per cell.
-        preserve_mass: scale the map so it sums to ``attention.sum()`` over the image (a
-            distribution over pixels when the attention sums to 1); else values stay in
-            attention units (weight per cell, interpolated).
-
-    Returns:
-        (H, W) float32 map, 0 outside the box.
-    """
-    att = np.asarray(attention, dtype=np.float64)
-    if att.ndim != 2 or att.shape[0] != att.shape[1]:
-        raise DataError(f"attention must be a square (g, g) grid, got shape {att.shape}")
-    left, top, right, bottom = box if box is not None else (0, 0, width, height)
-    eps = 1e-6 * max(width, height)  # scaled boxes carry rounding error
-    if not (-eps <= left < right <= width + eps and -eps <= top < bottom <= height + eps):
-        raise DataError(f"box {tuple(box)} does not fit a {width}x{height} image")
-    g = att.shape[0]
-    rows = _axis_weights(height, top, bottom, g, smooth)  # (H, g)
-    cols = _axis_weights(width, left, right, g, smooth)  # (W, g)
-    out = rows @ att @ cols.T  # (H, W)
-    if preserve_mass:
-        total = out.sum()
-        out = out * (att.sum() / total) if total > 0 else out
-    return out.astype(np.float32)
-
-
-@lru_cache(maxsize=16)
-def colormap_lut(name: str = "jet") -> np.ndarray:
-    """A matplotlib colour map by name as a (256, 3) uint8 lookup table."""
-    import matplotlib
-
-    if "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")  # never open a GUI backend from library code
-    try:
-        cmap = matplotlib.colormaps[name]
-    except KeyError:
-        raise ConfigError(f"unknown colour map {name!r} (try jet, viridis, inferno, magma)") from None
-    return (cmap(np.linspace(0.0, 1.0, 256))[:, :3] * 255).round().astype(np.uint8)
-
-
-def _box_mask(width: int, height: int, box: Sequence[float] | None) -> np.ndarray:
-    if box is None:
-        return np.ones((height, width), dtype=bool)
-    ys = np.arange(height) + 0.5
-    xs = np.arange(width) + 0.5
-    return ((ys >= box[1]) & (ys < box[3]))[:, None] & ((xs >= box[0]) & (xs < box[2]))[None, :]
-
-
-def overlay_heatmap(
-    image: Image.Image,
-    heat_map: np.ndarray,
-    cmap: str = "jet",
-    alpha: float = 0.5,
-    box: Sequence[float] | None = None,
-) -> Image.Image:
-    """Colour a map and blend it over the image; dim the image outside ``box``.
-
-    Args:
-        image: RGB image of the same size as ``heat_map``.
-        heat_map: (H, W) map (any scale; min-max normalised inside the box for display).
-        cmap: matplotlib colour map name.
-        alpha: opacity of the heat map, 0..1.
-        box: (left, top, right, bottom) in this image's pixels; None = the whole image.
-
-    Returns:
-        A new RGB image.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
-    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)
-    if heat_map.shape != rgb.shape[:2]:
-        raise DataError(f"heat map shape {heat_map.shape} does not match image size {image.size}")
-    inside = _box_mask(image.width, image.height, box)
-    lo, hi = float(heat_map[inside].min()), float(heat_map[inside].max())
-    norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
-    colours = colormap_lut(cmap)[np.clip((norm * 255).round(), 0, 255).astype(np.int64)].astype(np.float32)
-    out = np.where(inside[..., None], (1.0 - alpha) * rgb + alpha * colours, DIM * rgb)
-    return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))
+FIGURES = (90, 90, 90)  # colour of the figures line under a word
+GIF_BAND = 50  # height of the band under each GIF frame (the word, then its figures)
 
 
 def word_overlays(
@@ -181,6 +56,7 @@ def word_overlays(
     max_side: int,
     cmap: str = "jet",
     alpha: float = 0.5,
+    scale: tuple[float, float] | None = None,
 ) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
 
@@ -189,18 +65,22 @@ def word_overlays(
         attention: (L, g, g) weights.
         box: crop box in original pixels (None = whole image).
         max_side: longest side of the returned images (the aspect ratio is kept).
+        scale: (vmin, vmax) of the colour map for every word; None = ``color_scale(attention)``,
+            the caption's shared scale.
 
     Returns:
         (scaled image, [overlay for each of the L words]).
     """
-    scale = max_side / max(image.size)
-    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    attention = as_array(attention)
+    vrange = scale if scale is not None else color_scale(attention)
+    scale_px = max_side / max(image.size)
+    size = (max(1, round(image.width * scale_px)), max(1, round(image.height * scale_px)))
     small = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
     sx, sy = size[0] / image.width, size[1] / image.height
     sbox = None if box is None else (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     overlays = [
-        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox)
-        for a in as_array(attention)
+        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange)
+        for a in attention
     ]
     return small, overlays
 
@@ -234,14 +114,19 @@ def _fit_lines(text: str, font: ImageFont.ImageFont, width: int, max_lines: int)
     return lines
 
 
-def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[str], box: tuple[int, int, int, int], size: int) -> None:
-    font = _font(size)
-    line_h = size + 3
-    y = box[1] + (box[3] - box[1] - line_h * len(lines)) // 2
-    for line in lines:
-        x = box[0] + (box[2] - box[0] - font.getlength(line)) / 2
-        draw.text((x, y), line, fill=TEXT, font=font)
-        y += line_h
+def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[tuple[str, int, tuple[int, int, int]]],
+                   box: tuple[int, int, int, int]) -> None:
+    """Draw ``(text, font size, colour)`` lines centred in ``box``, one under the other."""
+    y = box[1] + (box[3] - box[1] - sum(size + 3 for _, size, _ in lines)) // 2
+    for text, size, colour in lines:
+        font = _font(size)
+        draw.text((box[0] + (box[2] - box[0] - font.getlength(text)) / 2, y), text, fill=colour, font=font)
+        y += size + 3
+
+
+def word_titles(words: Sequence[str], attention: np.ndarray) -> list[tuple[str, str]]:
+    """``(word, figures)`` for each word's panel, e.g. ``("dog", "peak 34% · H 2.1/2.8")``."""
+    return [(word, stats_label(a)) for word, a in zip(words, as_array(attention))]
 
 
 @dataclass(frozen=True)
@@ -305,16 +190,20 @@ def render_grid(
     panel_side: int = 224,
     columns: int = 5,
 ) -> Image.Image:
-    """The PNG grid: the image titled with the caption, then one overlay per word titled with it."""
+    """The PNG grid: the image titled with the caption, then one overlay per word titled with the
+    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale."""
     layout = grid_layout(len(words), image.size, panel_side, columns)
     small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha)
     canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     width = layout.image_size[0]
-    for i, (picture, title) in enumerate(zip([small, *overlays], [caption, *words])):
+    canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
+    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption, _font(13), width, 2)], layout.title_box(0))
+    for i, (picture, (word, figures)) in enumerate(zip(overlays, word_titles(words, attention)), start=1):
         canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
-        size = 13 if i == 0 else 16
-        _draw_centered(draw, _fit_lines(title, _font(size), width, 2 if i == 0 else 1), layout.title_box(i), size)
+        lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
+                 (_fit_lines(figures, _font(12), width, 1)[0], 12, FIGURES)]
+        _draw_centered(draw, lines, layout.title_box(i))
     return canvas
 
 
@@ -327,17 +216,19 @@ def render_gif_frames(
     alpha: float = 0.5,
     max_side: int = 360,
 ) -> list[Image.Image]:
-    """One frame per word: the overlay with "i/L word" in a band below (the image for L = 0)."""
+    """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
+    word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
     small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha)
-    band = 30
     frames = []
     # the counter comes first so that truncation never cuts it: PIL merges identical GIF frames
-    labels = [f"{i + 1}/{len(words)}  {w}" for i, w in enumerate(words)] or ["(empty caption)"]
-    for picture, label in zip(overlays or [small], labels):
-        frame = Image.new("RGB", (picture.width, picture.height + band), BACKGROUND)
+    labels = [(f"{i + 1}/{len(words)}  {w}", figures) for i, (w, figures) in enumerate(word_titles(words, attention))]
+    for picture, (label, figures) in zip(overlays or [small], labels or [("(empty caption)", "")]):
+        frame = Image.new("RGB", (picture.width, picture.height + GIF_BAND), BACKGROUND)
         frame.paste(picture, (0, 0))
-        lines = _fit_lines(label, _font(18), picture.width - 4, 1)
-        _draw_centered(ImageDraw.Draw(frame), lines, (0, picture.height, picture.width, picture.height + band), 18)
+        lines = [(_fit_lines(label, _font(18), picture.width - 4, 1)[0], 18, TEXT)]
+        if figures:
+            lines.append((_fit_lines(figures, _font(14), picture.width - 4, 1)[0], 14, FIGURES))
+        _draw_centered(ImageDraw.Draw(frame), lines, (0, picture.height, picture.width, picture.height + GIF_BAND))
         frames.append(frame)
     return frames
 
@@ -378,8 +269,6 @@ def write_overlays(
     Returns:
         ``{"png", "gif", "json", "html"}`` -> written paths.
     """
-    from captioner.explorer import write_explorer
-
     colormap_lut(cmap)  # fail early on a bad name
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")

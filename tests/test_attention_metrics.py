@@ -213,3 +213,96 @@ def test_results_on_synthetic_scenes_with_oracle_and_uniform_attention(tiny_shap
     assert base["attention_correctness"] == pytest.approx(good["uniform_baseline"])
     with pytest.raises(DataError):
         attention_correctness_for_results(oracle[:-1], cs, instances, enc)
+
+
+# ----------------------------------------------------------------------------- a foreign COCO-format dataset
+
+FOREIGN = ["circle", "box", "Traffic_Cone"]  # plain words, one a shape, none a COCO category
+
+
+@pytest.mark.parametrize("caption, expected", [
+    ("a circle left of two boxes", [("circle", "circle"), ("boxes", "box")]),
+    ("three circles and a box", [("circles", "circle"), ("box", "box")]),
+    ("traffic cones near a traffic cone", [("traffic cones", "Traffic_Cone"), ("traffic cone", "Traffic_Cone")]),
+    ("a red square and a dog in traffic", []),  # neither a name of the file nor a full phrase
+])
+def test_a_foreign_files_own_category_names_and_plurals_are_matched(caption: str, expected: list) -> None:
+    from captioner.object_words import category_table
+
+    words = caption.split()
+    table = category_table(FOREIGN)
+    found = [(" ".join(words[m.noun_start:m.end]), m.category) for m in find_mentions(words, table)]
+    assert found == expected
+
+
+def test_coco_names_in_a_foreign_file_keep_their_synonyms_but_the_files_names_win() -> None:
+    from captioner.object_words import category_table
+
+    table = category_table(["Dog", "plant", "potted plant", "box"])
+    words = "a puppy and two dogs by a plant and a potted plant".split()
+    found = [(" ".join(words[m.noun_start:m.end]), m.category) for m in find_mentions(words, table)]
+    assert found == [("puppy", "Dog"), ("dogs", "Dog"), ("plant", "plant"), ("potted plant", "potted plant")]
+
+
+def test_the_vocabulary_follows_the_declared_categories() -> None:
+    from captioner.attention_metrics import detect_vocabulary
+    from captioner.data.coco import InstanceBoxes
+
+    boxes = {1: [ObjectBox("circle", (0, 0, 8, 8))]}
+    assert detect_vocabulary(boxes) == "shapes"
+    assert detect_vocabulary(InstanceBoxes(boxes, categories=["circle", "square"])) == "shapes"
+    assert detect_vocabulary({1: [ObjectBox("dog", (0, 0, 8, 8))]}) == "coco"
+    # the split's boxes are all shapes, but the file also names "box": its own names are used
+    table = detect_vocabulary(InstanceBoxes(boxes, categories=["circle", "box"]))
+    assert table.name == "categories" and table.phrases[("boxes",)] == "box"
+
+
+def _write_foreign_dataset(root) -> None:
+    """Two images (64 x 64 and 128 x 64) with COCO-format captions and boxes of FOREIGN categories."""
+    import json
+
+    images = [{"id": 1, "file_name": "1.png", "width": 64, "height": 64},
+              {"id": 2, "file_name": "2.png", "width": 128, "height": 64}]
+    captions = [{"id": 1, "image_id": 1, "caption": "A circle left of two boxes."},
+                {"id": 2, "image_id": 2, "caption": "A traffic cone and a circle."}]
+    boxes = [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 16, 16]},
+             {"id": 2, "image_id": 1, "category_id": 2, "bbox": [32, 32, 16, 16]},
+             {"id": 3, "image_id": 1, "category_id": 2, "bbox": [48, 48, 16, 16]},
+             {"id": 4, "image_id": 2, "category_id": 3, "bbox": [0, 0, 64, 64]}]
+    categories = [{"id": i + 1, "name": n} for i, n in enumerate(FOREIGN)]
+    (root / "images").mkdir()
+    (root / "captions_test.json").write_text(json.dumps({"images": images, "annotations": captions}))
+    (root / "instances_test.json").write_text(json.dumps({"images": images, "annotations": boxes,
+                                                          "categories": categories}))
+
+
+def test_attention_correctness_on_a_foreign_coco_format_dataset(tmp_path) -> None:
+    """The evaluate path (load_instances -> attention_correctness_for_results) scores the file's names."""
+    from captioner.data.coco import load_caption_set, load_instances
+
+    _write_foreign_dataset(tmp_path)
+    cs = load_caption_set(tmp_path, "test")
+    instances = load_instances(tmp_path, "test")
+    assert instances.categories == FOREIGN
+    g = 4
+    words1 = tokenize("a circle left of two boxes")
+    att1 = np.full((len(words1), g, g), 1 / g**2)
+    att1[1] = one_hot(g, 3, 3)  # "circle" looks at the far corner: mass 0, a miss
+    att1[5] = 0.6 * one_hot(g, 2, 2) + 0.4 * one_hot(g, 0, 3)  # "boxes": 0.6 on the first box
+    words2 = tokenize("a traffic cone and a circle")  # cells of image 2 are 32 x 16 pixels
+    att2 = np.full((len(words2), g, g), 1 / g**2)
+    att2[1] = 0.55 * one_hot(g, 0, 0) + 0.45 * one_hot(g, 3, 3)  # "traffic": 0.55 inside the cone's box
+    att2[2] = one_hot(g, 2, 1)  # "cone": x 32..64, y 32..48, inside
+    results = [SimpleNamespace(words=words1, attention=torch.tensor(att1)),
+               SimpleNamespace(words=words2, attention=att2)]
+    out = attention_correctness_for_results(results, cs, instances, EncoderConfig(name="tiny", grid=g))
+    assert out["vocabulary"] == "categories"
+    assert (out["words_scored"], out["images_scored"], out["objects_invented"]) == (4, 2, 1)  # image 2's circle
+    assert out["attention_correctness"] == pytest.approx((0.0 + 0.6 + 0.55 + 1.0) / 4)
+    assert out["uniform_baseline"] == pytest.approx((1 / 16 + 2 / 16 + 0.5 + 0.5) / 4)
+    assert out["pointing_accuracy"] == pytest.approx(0.75)
+    assert out["invented_rate"] == pytest.approx(1 / 4)
+    assert out["objects_correct"] is None  # colour-and-shape accuracy is for the synthetic scenes only
+    # the bug this fixes: read with the COCO table, not one of these words is an object word
+    assert attention_correctness_for_results(results, cs, instances, EncoderConfig(name="tiny", grid=g),
+                                             vocabulary="coco")["words_scored"] == 0

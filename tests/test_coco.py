@@ -73,6 +73,40 @@ def test_official_layout_with_images_subfolder_and_override(tmp_path: Path) -> N
     assert load_caption_set(tmp_path, "val2017", images_dir=other).images[2].path == other / "img3.png"
 
 
+def test_flat_layout_with_split_folders(tmp_path: Path) -> None:
+    """captions_<split>.json and instances_<split>.json at the root, the images in train/ and val/
+    (an unrelated images/ folder does not hide them)."""
+    root = tmp_path / "ds"
+    write_json(root / "captions_train.json", coco_dict())
+    write_json(root / "captions_val.json", coco_dict({7: ["A val picture."]}) | {
+        "images": [{"id": 7, "file_name": "img7.png"}]})
+    write_json(root / "instances_train.json", _instances(True))
+    write_images(root / "train", ["img1.png", "img2.png", "img3.png"])
+    write_images(root / "val", ["img7.png"])
+    write_images(root / "images", ["unrelated.png"])
+    train = check_images(load_caption_set(root, "train"))
+    assert train.images_dir == root / "train" and train.images[2].path == root / "train" / "img3.png"
+    assert len(train) == 3 and train.references(1) == CAPTIONS[1]
+    val = check_images(load_caption_set(root, "val"))
+    assert val.images_dir == root / "val" and val.images[0].path == root / "val" / "img7.png"
+    assert load_instances(root, "train")[1][0].category == "square"
+    assert load_caption_set(root / "captions_val.json", "val").images_dir == root / "val"  # the file itself
+
+
+def test_flat_layout_prefers_the_folder_holding_the_images(tmp_path: Path) -> None:
+    write_json(tmp_path / "captions_train.json", coco_dict())
+    write_images(tmp_path / "train", ["img1.png"])
+    write_images(tmp_path / "images", ["img1.png", "img2.png", "img3.png"])
+    assert load_caption_set(tmp_path, "train").images_dir == tmp_path / "images"  # shapes layout unchanged
+    write_images(tmp_path, ["img1.png"])
+    (tmp_path / "images" / "img1.png").unlink()
+    (tmp_path / "train" / "img1.png").unlink()
+    assert load_caption_set(tmp_path, "train").images_dir == tmp_path / "images"  # img2 is found there
+    for name in ("img2.png", "img3.png"):
+        (tmp_path / "images" / name).unlink()
+    assert load_caption_set(tmp_path, "train").images_dir == tmp_path  # beside captions_train.json
+
+
 def _flickr(root: Path) -> Path:
     write_json(root / "captions_coco_format.json", coco_dict())
     (root / "splits.tsv").write_text("image\tsplit\nimg1.png\ttrain\nimg2.png\tdev\nimg3.png\ttrain\n")
@@ -241,6 +275,24 @@ def test_check_images_all_missing(tmp_path: Path) -> None:
         check_images(cs, skip_missing=True)
 
 
+def test_all_missing_names_the_layouts_and_data_images(tmp_path: Path) -> None:
+    """Images in a folder no layout looks in: one line saying where they may be and how to point at them."""
+    write_json(tmp_path / "captions_train.json", coco_dict())
+    write_images(tmp_path / "pictures" / "train", ["img1.png", "img2.png", "img3.png"])
+    with pytest.raises(DataError) as info:
+        check_images(load_caption_set(tmp_path, "train"))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"all 3 image files are missing (e.g. img1.png, img2.png, img3.png) under {tmp_path}; "
+                              "the layouts that load keep images in images/, <split>/ or the dataset folder beside "
+                              "captions_<split>.json; in <split>/ or images/<split>/ beside annotations/; ")
+    assert message.endswith("otherwise point at the image folder: --set data.images=DIR (train), --images DIR "
+                            "(evaluate)")
+    assert "captions_coco_format.json" in message and "dataset_*.json" in message
+    # following the advice loads it
+    assert len(check_images(load_caption_set(tmp_path, "train", images_dir=tmp_path / "pictures" / "train"))) == 3
+
+
 def _instances(with_attributes: bool) -> dict:
     data = coco_dict()
     data["categories"] = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}]
@@ -268,3 +320,18 @@ def test_load_instances_bad_category(tmp_path: Path) -> None:
     path = write_json(tmp_path / "instances_train.json", data)
     with pytest.raises(DataError, match=f"^{path}: annotation 0 has unknown category_id 9$"):
         load_instances(tmp_path, "train")
+
+
+def test_train_cli_says_where_images_may_be_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from captioner.cli import main
+
+    root = tmp_path / "ds"
+    for split in ("train", "val"):
+        write_json(root / f"captions_{split}.json", coco_dict())
+    write_images(root / "photos", ["img1.png", "img2.png", "img3.png"])
+    assert main(["train", "--preset", "sat_soft_tiny", "--data", str(root), "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"captioner train: error: all 3 image files are missing (e.g. img1.png, img2.png, "
+                          f"img3.png) under {root}; the layouts that load ")
+    assert "--set data.images=DIR (train)" in err and err.count("\n") == 1

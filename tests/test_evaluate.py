@@ -182,7 +182,8 @@ def test_format_report_shows_attention_and_skips() -> None:
     assert "attention correctness: 0.4100 (uniform baseline 0.1000, 12 words)" in text
     assert "pointing accuracy: 0.7500" in text and "objects correct: 0.5000" in text
     assert "skipped: 1 missing, 1 unreadable images" in text
-    report["attention_correctness"] = {"words_scored": 0, "objects_correct": None}
-    assert "no object word was generated" in format_report(report)
+    report["attention_correctness"] = {"words_scored": 0, "objects_correct": None, "vocabulary": "categories"}
+    assert "no object word was generated (matched against the instances file's category names)" in \
+        format_report(report)
     report["attention_correctness"] = None
     assert "attention correctness" not in format_report(report)

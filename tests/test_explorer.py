@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, DataError
 from captioner.explorer import render_explorer, write_explorer
 from captioner.visualize import BLUR_CELLS, AttentionRecord, colormap_lut
 
@@ -98,3 +98,139 @@ def test_layer_and_head_selectors_only_with_all_attention():
         render_explorer(Image.new("RGB", (30, 20)), _record(all_attention=all_att), layer=5)
     with pytest.raises(ConfigError, match="head 4"):
         render_explorer(Image.new("RGB", (30, 20)), _record(all_attention=all_att), head=4)
+
+
+# ----------------------------------------------------------------------------- readable size, one colour scale
+
+
+def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
+    from captioner.explorer import MIN_DISPLAY_SIDE, display_size
+
+    def shown(size, **kw):
+        record = AttentionRecord("a", ["a"], np.ones((1, 2, 2)) / 4, size, (0, 0, *size))
+        return _payload(render_explorer(Image.new("RGB", size), record, **kw))["display_size"]
+
+    assert MIN_DISPLAY_SIDE >= 384
+    assert shown((128, 128)) == [384, 384]  # a 128-px synthetic scene
+    assert shown((128, 64)) == [384, 192]  # the aspect is kept
+    assert shown((500, 400)) == [500, 400]  # in between: 1:1
+    assert shown((3000, 1500)) == [960, 480] and shown((3000, 1500), max_side=600) == [600, 300]
+    assert display_size((128, 128), min_side=512) == (512, 512)
+    assert display_size((100, 50), min_side=800, max_side=400) == (400, 200)  # the bound wins
+    with pytest.raises(ConfigError, match="min_side"):
+        display_size((10, 10), min_side=0)
+    with pytest.raises(DataError, match="0x10"):
+        display_size((0, 10))
+
+
+def test_the_page_carries_the_captions_shared_colour_scale_for_every_layer_and_head():
+    from captioner.visualize import color_scale
+
+    record = _record()
+    assert _payload(render_explorer(Image.new("RGB", (30, 20)), record))["scale"] == \
+        pytest.approx(list(color_scale(record.attention)))
+    all_att = np.random.default_rng(0).random((3, 2, 4, 3, 3)).astype(np.float32)
+    data = _payload(render_explorer(Image.new("RGB", (30, 20)), _record(all_attention=all_att)))
+    assert np.shape(data["scales"]) == (2, 5)  # layers x (heads + mean)
+    for layer in range(2):
+        for head in range(4):
+            assert data["scales"][layer][head] == pytest.approx(color_scale(all_att[:, layer, head])[1])
+        assert data["scales"][layer][4] == pytest.approx(color_scale(all_att[:, layer].mean(1))[1])
+
+
+# The explorer's own JavaScript, run in node with a minimal stand-in for the DOM: the canvas size it
+# sets and the colour-map positions it writes for each word. (tests/test_browser.py does the same in
+# Chromium when it is installed.)
+_HARNESS = r"""
+const fs = require("fs");
+const page = fs.readFileSync(process.argv[2], "utf8");
+const data = page.match(/<script type="application\/json" id="explorer-data">([\s\S]*?)<\/script>/)[1];
+const code = page.match(/<script>([\s\S]*?)<\/script>/)[1];
+const elements = {}, spans = [], shots = [];
+function element(tag) {
+  const el = { tagName: tag.toUpperCase(), dataset: {}, hidden: true, value: "", handlers: {}, children: [],
+    complete: true, naturalWidth: 1, classList: { toggle() {} },
+    addEventListener(type, fn) { this.handlers[type] = fn; }, add(o) { this.children.push(o); },
+    appendChild(c) { if (c.tagName === "SPAN") spans.push(c); },
+    getContext() { return { drawImage(src) { if (src.image) el.last = src.image; }, fillRect() {},
+      createImageData(w, h) { return { width: w, height: h, data: new Uint8ClampedArray(4 * w * h) }; },
+      putImageData(img) { el.image = img; } }; } };
+  return el;
+}
+global.Option = function (text, value) { this.text = text; this.value = value; };
+global.document = { body: { dataset: {} }, addEventListener() {}, createTextNode() { return {}; },
+  createElement: element,
+  getElementById(id) {
+    if (!elements[id]) { elements[id] = element(id); if (id === "explorer-data") elements[id].textContent = data; }
+    return elements[id];
+  } };
+function shot() {
+  const img = elements.view.last;
+  shots.push({ info: elements.info.textContent, width: img.width, height: img.height,
+               rgba: Buffer.from(img.data).toString("base64") });
+}
+eval(code);
+for (const args of JSON.parse(process.argv[3])) {
+  if (args.head !== undefined) { elements.head.value = args.head; elements.head.handlers.input(); }
+  spans[args.word].handlers.click();
+  shot();
+}
+console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots }));
+"""
+
+
+def _run_in_node(tmp_path, page: str, steps: list[dict]) -> dict:
+    import shutil
+    import subprocess
+
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("node is not installed")
+    (tmp_path / "page.html").write_text(page, encoding="utf-8")
+    (tmp_path / "harness.js").write_text(_HARNESS, encoding="utf-8")
+    done = subprocess.run([node, str(tmp_path / "harness.js"), str(tmp_path / "page.html"), json.dumps(steps)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _lut_positions(shot: dict) -> np.ndarray:
+    """Colour-map position (0..255) of each pixel of the heat layer the script drew."""
+    rgba = np.frombuffer(base64.b64decode(shot["rgba"]), dtype=np.uint8).reshape(shot["height"], shot["width"], 4)
+    code = lambda rgb: (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # noqa: E731
+    codes = code(colormap_lut("jet").astype(np.int64))
+    order = np.argsort(codes, kind="stable")
+    wanted = code(rgba[..., :3].astype(np.int64))
+    pos = np.searchsorted(codes[order], wanted).clip(max=255)
+    assert (codes[order][pos] == wanted).all(), "a pixel that is not a colour of the map"
+    return order[pos]
+
+
+def test_the_explorer_script_upscales_the_canvas_and_shares_the_colour_scale(tmp_path):
+    g = 4
+    peaked = np.zeros((g, g), dtype=np.float32)
+    peaked[0, 0] = 1.0
+    spread = 1 + 0.05 * np.random.default_rng(0).uniform(-1, 1, (g, g))
+    att = np.stack([peaked, spread / spread.sum()]).astype(np.float32)
+    record = AttentionRecord("dog the", ["dog", "the"], att, (128, 128), (0, 0, 128, 128))
+    out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (128, 128)), record), [{"word": 0}, {"word": 1}])
+    assert out["canvas"] == [384, 384]
+    dog, the = (_lut_positions(s) for s in out["shots"])
+    assert dog.max() >= 250 and dog.min() <= 40
+    assert the.max() - the.min() <= 12 and the.max() <= 50  # flat and cold, not stretched
+    assert "peak 100% at row 1, column 1 \u00b7 H 0.0/2.8 nats" in out["shots"][0]["info"]
+    assert "peak 6." in out["shots"][1]["info"] and "H 2.8/2.8" in out["shots"][1]["info"]
+
+
+def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
+    g = 3
+    all_att = np.zeros((2, 1, 2, g, g), dtype=np.float32)
+    all_att[:, 0, 0] = 1 / g**2  # head 1: uniform for every word -> mid-scale, flat
+    all_att[:, 0, 1, 1, 1] = 1.0  # head 2: every word points at the centre
+    record = AttentionRecord("a b", ["a", "b"], all_att[:, -1].mean(1), (200, 100), (0, 0, 200, 100), all_att)
+    page = render_explorer(Image.new("RGB", (200, 100)), record)
+    out = _run_in_node(tmp_path, page, [{"word": 0, "head": "0"}, {"word": 1, "head": "1"}])
+    assert out["canvas"] == [384, 192]
+    uniform, pointing = (_lut_positions(s) for s in out["shots"])
+    assert np.ptp(uniform) <= 1 and abs(uniform.mean() - 127.5) <= 2
+    assert pointing.max() >= 250

@@ -64,12 +64,102 @@ def test_doubly_stochastic_matches_hand_computation_with_padding():
         [[1.0, 0.0], [0.3, 0.7], [0.6, 0.4]],  # last step padded: 1.3, 0.7 -> 0.09 + 0.09 = 0.18
     ])
     logits, targets = _logits_targets()
-    assert doubly_stochastic_penalty(attention, targets != 0).item() == pytest.approx(0.35)
+    assert doubly_stochastic_penalty(attention, targets != 0, "sum").item() == pytest.approx(0.35)  # the paper
+    assert doubly_stochastic_penalty(attention, targets != 0).item() == pytest.approx(0.35 / 2)  # mean over N = 2
     out = DecoderOutput(logits=logits, attention=attention)
-    result = CaptionLoss(alpha_c=2.0)(out, targets)
+    result = CaptionLoss(alpha_c=2.0, ds_norm="sum")(out, targets)
     assert result.parts["doubly_stochastic"] == pytest.approx(0.35)
     assert result.total.item() == pytest.approx(result.parts["ce"] + 0.7, rel=1e-5)
+    assert result.objective.item() == pytest.approx(result.total.item())
+    assert result.terms["weighted_doubly_stochastic"].item() == pytest.approx(0.7)
     assert "doubly_stochastic" not in CaptionLoss(alpha_c=0.0)(out, targets).parts
+    with pytest.raises(ConfigError, match="ds_norm"):
+        CaptionLoss(ds_norm="max")
+
+
+@pytest.mark.parametrize("grid", [4, 8, 14])
+def test_mean_normalised_penalty_stays_below_cross_entropy_at_every_grid(grid: int):
+    """Uniform attention minimises the paper's summed penalty; the mean keeps its value (and its pull
+    towards uniform, the gap between sharply attending and uniform) below one nat at any grid size,
+    while the sum grows with N and outweighs a typical cross-entropy of ~1."""
+    n, t = grid * grid, 12
+    mask = torch.ones(1, t, dtype=torch.bool)
+    uniform = torch.full((1, t, n), 1.0 / n)
+    peaked = torch.zeros(1, t, n)
+    peaked[0, torch.arange(t), torch.arange(t) % n] = 1.0  # one distinct region per word (while they last)
+    for norm in ("mean", "sum"):
+        u, p = (doubly_stochastic_penalty(a, mask, norm).item() for a in (uniform, peaked))
+        assert u <= p + 1e-6  # uniform is the minimum either way
+        if norm == "mean":
+            assert p < 1.0 and p - u <= 0.25 + 1e-6
+        elif n > 2 * t:
+            assert p - u > 1.0  # the summed form costs more than a whole nat per caption for looking
+
+
+def test_reinforce_uses_a_normalised_length_free_advantage_and_entropy_bonus():
+    loss = CaptionLoss(reinforce_weight=2.0, entropy_weight=0.1, baseline_decay=0.9)
+    assert {"baseline", "advantage_var"} <= set(loss.state_dict())
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    entropy = torch.tensor([[1.0, 2.0, 3.0], [0.5, 1.5, 99.0]])  # the padded 99 must be ignored
+    expected_entropy = (1.0 + 2.0 + 3.0 + 0.5 + 1.5) / 5
+
+    state = {}
+    for seed in (0, 1):
+        logits, targets = _logits_targets(seed)
+        nll = _manual_nll(logits, targets)
+        reward = torch.tensor([-sum(nll[0]) / 3, -(nll[1][0] + nll[1][1]) / 2])  # mean log-likelihood per word
+        sample_lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.7, -5.0]], requires_grad=True)
+        out = DecoderOutput(logits=logits, sample_log_probs=sample_lp, attention_entropy=entropy)
+        result = loss(out, targets)
+        if seed == 0:
+            b = reward.mean().item()
+            var = ((reward - b) ** 2).mean().item()
+        else:
+            b, var = state["b"], state["var"]
+        normalised = ((reward - b) / math.sqrt(var)).clamp(-5, 5)
+        term = -2.0 * (normalised[0] * -3.5 + normalised[1] * -1.0).item() / 5  # token mean over 5 words
+        assert result.parts["baseline"] == pytest.approx(b, rel=1e-5)
+        assert result.parts["advantage_scale"] == pytest.approx(math.sqrt(var), rel=1e-5)
+        assert result.parts["reinforce"] == pytest.approx(term, rel=1e-4, abs=1e-6)
+        assert result.parts["entropy"] == pytest.approx(expected_entropy)
+        # the objective is what the model minimises, not the surrogate: ce - bonus
+        assert result.objective.item() == pytest.approx(result.parts["ce"] - 0.1 * expected_entropy, rel=1e-5)
+        assert result.total.item() == pytest.approx(result.objective.item() + term, rel=1e-4)
+        result.total.backward()
+        expected_grad = (-2.0 * normalised / 5).unsqueeze(1) * mask
+        torch.testing.assert_close(sample_lp.grad, expected_grad)
+        state = {"b": 0.9 * b + 0.1 * reward.mean().item() if seed else reward.mean().item(),
+                 "var": 0.9 * var + 0.1 * ((reward - b) ** 2).mean().item()}
+        assert loss.baseline.item() == pytest.approx(state["b"], rel=1e-5)
+        assert loss.advantage_var.item() == pytest.approx(state["var"], rel=1e-5)
+
+    loss.eval()  # validation never moves the baseline
+    logits, targets = _logits_targets(2)
+    loss(DecoderOutput(logits=logits, sample_log_probs=torch.zeros(2, 3)), targets)
+    assert loss.baseline.item() == pytest.approx(state["b"], rel=1e-5)
+    assert int(loss.baseline_updates) == 2
+
+
+def test_one_reinforce_update_raises_the_log_probability_of_the_better_sample():
+    """Two captions sampled regions 0 and 1 of the same attention distribution; caption 0 is
+    explained better (higher log-likelihood). One gradient step on the REINFORCE term must make
+    region 0 more likely and region 1 less likely."""
+    scores = torch.zeros(1, 4, requires_grad=True)  # attention logits over 4 regions, shared by both rows
+    optimizer = torch.optim.SGD([scores], lr=0.5)
+    log_alpha = scores.log_softmax(-1).expand(2, 4)  # (B, N)
+    sample_lp = torch.stack([log_alpha[0, 0], log_alpha[1, 1]]).view(2, 1)  # (B, T=1)
+    logits = torch.zeros(2, 1, V)
+    logits[0, 0, 4] = 5.0  # caption 0's word is likely given its sample, caption 1's is not
+    targets = torch.tensor([[4], [4]])
+    loss = CaptionLoss(reinforce_weight=1.0)
+    result = loss(DecoderOutput(logits=logits, sample_log_probs=sample_lp), targets)
+    assert result.parts["ce"] > 0
+    before = scores.detach().log_softmax(-1)[0]
+    result.total.backward()
+    optimizer.step()
+    after = scores.detach().log_softmax(-1)[0]
+    assert after[0] > before[0]  # the better-rewarded region gained probability
+    assert after[1] < before[1]
 
 
 def test_transformer_style_output_only_has_cross_entropy():
@@ -77,45 +167,6 @@ def test_transformer_style_output_only_has_cross_entropy():
     out = DecoderOutput(logits=logits, attention=torch.full((2, 3, 4), 0.25), attention_entropy=torch.ones(2, 3))
     assert set(CaptionLoss(alpha_c=1.0)(out, targets).parts) == {"ce", "doubly_stochastic"}
     assert set(CaptionLoss(entropy_weight=0.5)(out, targets).parts) == {"ce"}
-
-
-def test_reinforce_with_moving_average_baseline_and_entropy_bonus():
-    loss = CaptionLoss(reinforce_weight=2.0, entropy_weight=0.1, baseline_decay=0.9)
-    assert "baseline" in loss.state_dict()
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    entropy = torch.tensor([[1.0, 2.0, 3.0], [0.5, 1.5, 99.0]])  # the padded 99 must be ignored
-    expected_entropy = (1.0 + 2.0 + 3.0 + 0.5 + 1.5) / 5
-
-    baselines = []
-    for seed in (0, 1):
-        logits, targets = _logits_targets(seed)
-        nll = _manual_nll(logits, targets)
-        reward = torch.tensor([-sum(nll[0]), -(nll[1][0] + nll[1][1])])
-        sample_lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.7, -5.0]], requires_grad=True)
-        out = DecoderOutput(logits=logits, sample_log_probs=sample_lp, attention_entropy=entropy)
-        result = loss(out, targets)
-        b = reward.mean().item() if seed == 0 else baselines[-1]
-        advantage = reward - b
-        summed_lp = torch.tensor([-3.5, -1.0])
-        term = -2.0 * (advantage * summed_lp).mean().item()
-        assert result.parts["baseline"] == pytest.approx(b, rel=1e-5)
-        assert result.parts["reinforce"] == pytest.approx(term, rel=1e-4, abs=1e-6)
-        assert result.parts["entropy"] == pytest.approx(expected_entropy)
-        expected_total = result.parts["ce"] + term - 0.1 * expected_entropy
-        assert result.total.item() == pytest.approx(expected_total, rel=1e-4)
-        result.total.backward()
-        expected_grad = (-2.0 * advantage / 2).unsqueeze(1) * mask
-        torch.testing.assert_close(sample_lp.grad, expected_grad)
-        new_b = reward.mean().item() if seed == 0 else 0.9 * b + 0.1 * reward.mean().item()
-        assert loss.baseline.item() == pytest.approx(new_b, rel=1e-5)
-        baselines.append(new_b)
-    assert not math.isclose(baselines[0], baselines[1])
-
-    loss.eval()  # validation never moves the baseline
-    logits, targets = _logits_targets(2)
-    loss(DecoderOutput(logits=logits, sample_log_probs=torch.zeros(2, 3)), targets)
-    assert loss.baseline.item() == pytest.approx(baselines[-1])
-    assert int(loss.baseline_updates) == 2
 
 
 def test_bad_loss_options_are_config_errors():

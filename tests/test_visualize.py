@@ -10,14 +10,21 @@ from PIL import Image
 from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
+from captioner.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
 from captioner.visualize import (
     BACKGROUND,
     DIM,
+    GIF_BAND,
     AttentionRecord,
     attention_to_image_map,
+    color_scale,
+    colormap_lut,
     grid_layout,
     overlay_heatmap,
     read_attention_json,
+    render_gif_frames,
+    render_grid,
+    word_titles,
     write_overlays,
 )
 
@@ -129,7 +136,7 @@ def test_write_overlays_png_gif_json(tmp_path, resize):
     # GIF: one frame per word, even for repeated words with identical maps ("a", "a")
     gif = Image.open(paths["gif"])
     assert gif.n_frames == len(words)
-    assert gif.width / (gif.height - 30) == pytest.approx(2.0, abs=0.02)
+    assert gif.width / (gif.height - GIF_BAND) == pytest.approx(2.0, abs=0.02)
 
     record = read_attention_json(paths["json"])
     assert record.words == words and record.caption == " ".join(words) and record.grid == 4
@@ -177,3 +184,95 @@ def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
         read_attention_json(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="not_a_cmap"):
         write_overlays(photo(), ["a"], np.ones((1, 2, 2)), tmp_path, cmap="not_a_cmap")
+
+
+# ----------------------------------------------------------------------------- one colour scale per caption
+
+
+def near_uniform(g: int = 4, wobble: float = 0.05, seed: int = 0) -> np.ndarray:
+    """Attention spread over every region, each weight within about +-5% of 1/(g*g)."""
+    att = 1 + wobble * np.random.default_rng(seed).uniform(-1, 1, (g, g))
+    return (att / att.sum()).astype(np.float32)
+
+
+def lut_index(pixels: np.ndarray, cmap: str = "jet") -> np.ndarray:
+    """Colour-map position (0..255) of each pixel of a fully opaque overlay (alpha = 1)."""
+    code = lambda rgb: (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # noqa: E731
+    codes = code(colormap_lut(cmap).astype(np.int64))
+    order = np.argsort(codes, kind="stable")
+    wanted = code(np.asarray(pixels, dtype=np.int64))
+    pos = np.searchsorted(codes[order], wanted).clip(max=255)
+    assert (codes[order][pos] == wanted).all(), "a pixel that is not a colour of the map"
+    return order[pos]
+
+
+def test_color_scale_is_the_captions_highest_upsampled_value_with_a_uniform_floor():
+    peaked, flat = corner_attention(4, 1, 2), np.full((4, 4), 1 / 16, dtype=np.float32)
+    peak = float(map_peaks(peaked))
+    # the peak after upsampling does not depend on the picture's size or aspect
+    assert attention_to_image_map(peaked, 300, 120).max() == pytest.approx(peak, rel=0.03)
+    assert 0.3 < peak < 1.0  # the blur lowers a one-hot cell's peak
+    assert color_scale(np.stack([peaked, flat])) == (0.0, pytest.approx(peak))
+    assert color_scale(np.stack([flat, flat])) == (0.0, pytest.approx(UNIFORM_FLOOR / 16))
+    assert color_scale(np.zeros((0, 4, 4))) == (0.0, 1.0)
+    with pytest.raises(DataError):
+        color_scale(np.zeros((2, 3, 4)))
+
+
+def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
+    image = Image.new("RGB", (128, 128), (128, 128, 128))
+    words, att = ["dog", "the"], np.stack([corner_attention(4, 0, 0), near_uniform()])
+    layout = grid_layout(2, image.size)
+    grid = np.asarray(render_grid(image, "the dog", words, att, alpha=1.0))
+    panels = []
+    for i in (1, 2):
+        left, top, right, bottom = layout.image_box(i)
+        panels.append(lut_index(grid[top:bottom, left:right]))
+    dog, the = panels
+    assert dog.max() >= 250 and dog.min() <= 40  # the pointing word spans the colour map
+    assert the.max() - the.min() <= 12 and the.max() <= 50  # the spread-out word: flat and cold
+    # the GIF frames use the same scale
+    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, words, att, alpha=1.0, max_side=128)]
+    assert lut_index(frames[0]).max() >= 250
+    assert np.ptp(lut_index(frames[1])) <= 12 and lut_index(frames[1]).max() <= 50
+    # what a per-word min-max scale (scale=None) does to the same map: blown up to the full colour map
+    alone = lut_index(np.asarray(overlay_heatmap(image, attention_to_image_map(att[1], 128, 128), alpha=1.0)))
+    assert alone.min() <= 5 and alone.max() >= 250
+
+
+def test_a_caption_that_never_points_is_drawn_at_mid_scale_not_hot():
+    image = Image.new("RGB", (64, 64), (128, 128, 128))
+    att = np.stack([np.full((4, 4), 1 / 16), np.full((4, 4), 1 / 16)])
+    frames = render_gif_frames(image, ["a", "b"], att, alpha=1.0, max_side=64)
+    index = lut_index(np.asarray(frames[0])[:-GIF_BAND])
+    assert np.ptp(index) <= 1 and abs(int(index.mean()) - 255 / UNIFORM_FLOOR) <= 2
+
+
+def test_each_panel_is_titled_with_the_words_peak_share_and_entropy():
+    att = np.stack([corner_attention(4, 0, 0), np.full((4, 4), 1 / 16), 0.5 * corner_attention(4, 0, 0)
+                    + 0.5 * corner_attention(4, 3, 3)])
+    assert word_titles(["dog", "the", "two"], att) == [
+        ("dog", "peak 100% \u00b7 H 0.0/2.8"), ("the", "peak 6.2% \u00b7 H 2.8/2.8"),
+        ("two", "peak 50% \u00b7 H 0.7/2.8")]
+    assert attention_stats(att[2]) == (pytest.approx(0.5), pytest.approx(np.log(2)), pytest.approx(np.log(16)))
+    assert attention_stats(np.zeros((4, 4))) == (0.0, 0.0, pytest.approx(np.log(16)))
+    # the figures are drawn: two panels titled with the same word differ only in the second line
+    image = Image.new("RGB", (128, 128), (128, 128, 128))
+    layout = grid_layout(2, image.size)
+    grid = np.asarray(render_grid(image, "a a", ["a", "a"], att[:2]))
+    titles = []
+    for i in (1, 2):
+        left, top, right, bottom = layout.title_box(i)
+        titles.append(grid[top:bottom, left:right].astype(int))
+    half = layout.title_height // 2
+    assert (titles[0][:half] == titles[1][:half]).all()  # the word
+    assert (titles[0][half:] != titles[1][half:]).any()  # the figures
+    assert (titles[0][half:] != 255).any()  # ink under the word
+
+
+def test_a_coarse_grid_on_a_small_picture_is_blurred_without_crashing():
+    """The blur kernel (sigma 0.35 cells) is longer than a 10-px side when g = 2."""
+    np.testing.assert_allclose(attention_to_image_map(np.full((2, 2), 0.25), 10, 10), 0.25, rtol=1e-5)
+    m = attention_to_image_map(corner_attention(2, 1, 0), 10, 10)
+    assert m[7:, :3].mean() > 2 * m[:3, 7:].mean()  # still hottest in the bottom-left cell
+    assert color_scale(np.full((3, 1, 1), 1.0)) == (0.0, pytest.approx(2.0))  # g = 1: the floor, 2 x uniform

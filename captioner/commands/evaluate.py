@@ -53,7 +53,10 @@ def format_report(report: dict) -> str:
                      f"(uniform {num(att.get('uniform_entropy'), 3)})")
     corr = report.get("attention_correctness") or {}
     if corr and not corr.get("words_scored"):
-        lines.append("  attention correctness: no object word was generated, nothing to score")
+        names = {"shapes": "shape nouns", "coco": "COCO category names and synonyms",
+                 "categories": "the instances file's category names"}.get(corr.get("vocabulary"), "object names")
+        lines.append(f"  attention correctness: no object word was generated (matched against {names}), "
+                     "nothing to score")
     elif corr:
         lines.append(f"  attention correctness: {num(corr.get('attention_correctness'))} "
                      f"(uniform baseline {num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)")

@@ -20,6 +20,7 @@ _EXPORTS = {
     "ImageRecord": "coco",
     "CaptionSet": "coco",
     "ObjectBox": "coco",
+    "InstanceBoxes": "coco",
     "load_caption_set": "coco",
     "check_images": "coco",
     "load_instances": "coco",

@@ -2,7 +2,8 @@
 
 ``load_caption_set(root, split)`` detects the layout of ``root``:
 
-* a flat folder with ``captions_<split>.json`` and ``images/`` (the synthetic shapes set);
+* a flat folder with ``captions_<split>.json`` (and ``instances_<split>.json``), the images in
+  ``images/`` (the synthetic shapes set), in ``<split>/`` (``train/``, ``val/``) or beside them;
 * the official COCO layout, ``annotations/captions_<split>.json`` with images in ``<split>/``
   (e.g. ``train2017``, ``val2014``);
 * the Flickr8k-subset layout, ``captions_coco_format.json`` + ``splits.tsv`` + ``images/``;
@@ -10,7 +11,9 @@
   given directly or as the only ``dataset_*.json`` in the folder;
 * a COCO captions JSON file given directly (``images_dir`` says where its images are).
 
-Annotation files are validated before anything trains: invalid JSON names the file and line,
+Of the folders a layout allows, the images are taken from the first one that holds the first
+files the annotations name (``image_dirs.pick_image_dir``). Annotation files are validated
+before anything trains: invalid JSON names the file and line,
 a malformed entry names its index and the missing key. COCO-format files are indexed with
 ``pycocotools.coco.COCO``.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioner.data.image_dirs import all_missing_message, pick_image_dir
 from captioner.errors import DataError
 from captioner.text import tokenize
 
@@ -55,6 +59,15 @@ class ObjectBox:
     category: str
     bbox: tuple[float, float, float, float]
     attributes: dict[str, Any] = field(default_factory=dict)
+
+
+class InstanceBoxes(dict):
+    """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
+    list, in file order (also those no box of the split uses), so words can be matched to them."""
+
+    def __init__(self, boxes: Any = (), categories: Sequence[str] = ()) -> None:
+        super().__init__(boxes)
+        self.categories = list(categories)
 
 
 @dataclass
@@ -137,11 +150,13 @@ def _load(root: Path, split: str, images: Path | None, include_restval: bool) ->
     flat = root / f"captions_{split}.json"
     official = root / "annotations" / f"captions_{split}.json"
     if flat.is_file():
-        image_dir = images or _first_dir(root / "images", root)
-        return caption_set_from_coco(flat, read_json(flat), split, image_dir, root.name)
+        data = read_json(flat)
+        image_dir = images or pick_image_dir(data, root / "images", root / split, root)
+        return caption_set_from_coco(flat, data, split, image_dir, root.name)
     if official.is_file():
-        image_dir = images or _first_dir(root / split, root / "images" / split)
-        return caption_set_from_coco(official, read_json(official), split, image_dir, root.name)
+        data = read_json(official)
+        image_dir = images or pick_image_dir(data, root / split, root / "images" / split)
+        return caption_set_from_coco(official, data, split, image_dir, root.name)
     if (root / FLICKR_JSON).is_file() and (root / FLICKR_SPLITS).is_file():
         json_path = root / FLICKR_JSON
         return _load_flickr(json_path, read_json(json_path), split, images, root.name)
@@ -182,7 +197,8 @@ def _load_file(path: Path, split: str, images_dir: Path | None, include_restval:
     own = path.stem[len("captions_"):] if path.stem.startswith("captions_") else path.stem
     if split not in (own, ALL_SPLIT):
         raise DataError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, {ALL_SPLIT}")
-    image_dir = images_dir or _first_dir(path.parent.parent / own, path.parent / "images", path.parent)
+    image_dir = images_dir or pick_image_dir(data, path.parent.parent / own, path.parent / own,
+                                             path.parent / "images", path.parent)
     return caption_set_from_coco(path, data, split, image_dir, path.stem)
 
 
@@ -192,7 +208,7 @@ def _load_flickr(json_path: Path, data: Any, split: str, images_dir: Path | None
     available = list(dict.fromkeys(splits.values())) + [ALL_SPLIT]
     if split not in available:
         raise DataError(f"{json_path.parent}: unknown split {split!r}; available: {', '.join(available)}")
-    image_dir = images_dir or _first_dir(json_path.parent / "images", json_path.parent)
+    image_dir = images_dir or pick_image_dir(data, json_path.parent / "images", json_path.parent)
     keep = None if split == ALL_SPLIT else (lambda img: splits.get(img["file_name"]) == split)
     return caption_set_from_coco(json_path, data, split, image_dir, name, keep=keep)
 
@@ -214,11 +230,6 @@ def _read_splits_tsv(path: Path) -> dict[str, str]:
     if not splits:
         raise DataError(f"{path}: split file lists no images")
     return splits
-
-
-def _first_dir(*candidates: Path) -> Path:
-    """The first candidate that is a folder, else the first one (missing images are reported later)."""
-    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def read_json(path: Path) -> Any:
@@ -384,8 +395,7 @@ def check_images(cs: CaptionSet, skip_missing: bool = False, check_headers: bool
     if missing:
         examples = ", ".join(cs.images[i].file_name for i in missing[:3])
         if len(missing) == total:
-            raise DataError(f"all {total} image files are missing (e.g. {examples}) under {where}; "
-                            "is the image folder right?")
+            raise DataError(all_missing_message(total, examples, where))
         if not skip_missing:
             raise DataError(f"{len(missing)} of {total} image files are missing (e.g. {examples}) under {where}; "
                             "pass --skip-missing to skip them")
@@ -439,7 +449,7 @@ def _unreadable(indices: list[int], cs: CaptionSet, max_pixels: int | None, work
 
 def load_instances(
     root: str | Path, split: str, images_dir: str | Path | None = None
-) -> dict[int, list[ObjectBox]] | None:
+) -> InstanceBoxes | None:
     """Object boxes from ``instances_<split>.json`` when the dataset has one.
 
     Looks for ``root/instances_<split>.json`` (shapes) and ``root/annotations/instances_<split>.json``
@@ -451,8 +461,8 @@ def load_instances(
         images_dir: accepted for symmetry with :func:`load_caption_set`; boxes do not need images.
 
     Returns:
-        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included), or
-        ``None`` when there is no instances file.
+        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included) with
+        the declared category names as ``.categories``, or ``None`` when there is no instances file.
     """
     del images_dir
     root = Path(root)
@@ -479,7 +489,7 @@ def load_instances(
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
             raise DataError(f"{path}: annotation {j} has an invalid bbox {_short(box)} (need [x, y, w, h])")
     coco = coco_index(data, with_categories=True)
-    boxes: dict[int, list[ObjectBox]] = {}
+    boxes = InstanceBoxes(categories=list(dict.fromkeys(names.values())))
     for image_id in coco.imgs:
         boxes[image_id] = [
             ObjectBox(names[ann["category_id"]], tuple(float(v) for v in ann["bbox"]),

@@ -64,9 +64,18 @@ class ImageTransform:
         return image.resize((self.size, self.size), self.resample)
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.normalize(self.pixels(image))  # (3, S, S)
+
+    def pixels(self, image: Image.Image) -> torch.Tensor:
+        """The resized image as uint8 (3, S, S), before normalisation (4x smaller to keep in memory)."""
         pixels = np.asarray(self.resize(image), dtype=np.uint8)  # (S, S, 3)
-        x = torch.from_numpy(pixels.copy()).permute(2, 0, 1).float().div_(255.0)  # (3, S, S) in [0, 1]
-        return (x - self.mean) / self.std  # (3, S, S)
+        return torch.from_numpy(pixels.copy()).permute(2, 0, 1)  # (3, S, S)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (..., 3, S, S) from :meth:`pixels` -> normalised float, bit-identical to ``__call__``."""
+        x = pixels.float().div_(255.0)  # in [0, 1]
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x - mean) / std
 
     def __repr__(self) -> str:
         return (f"ImageTransform(size={self.size}, resize={self.cfg.resize!r}, "

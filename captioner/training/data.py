@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from captioner.config import Config
 from captioner.errors import ConfigError, DataError
@@ -46,6 +46,8 @@ class TrainData:
     train_dataset: Dataset
     val_dataset: Dataset
     on_features: bool
+    train_store: Any = None  # MemoryStore of the training images' inputs (``data.in_memory_mb``), or None
+    val_store: Any = None  # the same for validation
 
 
 def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
@@ -89,8 +91,11 @@ class _Remap:
 
 
 def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
-                   progress: bool) -> tuple[Callable[[int], torch.Tensor], Any]:
-    """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier)."""
+                   progress: bool) -> tuple[Callable[[int], torch.Tensor], Any, Any]:
+    """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier), the
+    caption set it serves, and a ``MemoryStore`` of the features when they fit in memory."""
+    from captioner.training.memory import features_in_memory
+
     from captioner.data.transforms import ImageTransform
     from captioner.features import get_feature_cache
 
@@ -104,11 +109,12 @@ def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info
         cache = get_feature_cache(cfg.model, model.encoder, cs, transform, cache_dir, lock_timeout=600.0, **kwargs)
     valid = cache.valid_indices()
     if len(valid) == cache.count:
-        return cache.loader(), cs
+        store = features_in_memory(cache, cfg.data.in_memory_mb, f"{cs.split} split")
+        return (store or cache.loader()), cs, store
     if not valid:
         raise DataError(f"{cs.split}: no image could be loaded")
     log.warning("%s: training without %d unreadable images", cs.split, cache.count - len(valid))
-    return _Remap(cache.loader(), valid), cs.subset(valid)
+    return _Remap(cache.loader(), valid), cs.subset(valid), None
 
 
 def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: Any, val_set: Any,
@@ -123,20 +129,27 @@ def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: An
     from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset, image_loader
     from captioner.data.transforms import ImageTransform
 
+    from captioner.training.memory import pixels_in_memory
+
     on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
     if on_features:
         cache_dir = Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE")
                          or run_dir / "features")
-        train_load, train_set = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
-        val_load, val_set = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
+        train_load, train_set, train_store = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
+        val_load, val_set, val_store = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
     else:
         transform = ImageTransform(cfg.model.encoder)
         skip = cfg.data.skip_missing
-        train_load = image_loader(train_set, transform, skip_bad=skip)
-        val_load = image_loader(val_set, transform, skip_bad=skip)
+        limit = cfg.data.in_memory_mb
+        train_store = pixels_in_memory(train_set, transform, limit, f"{train_set.split} split", progress and info.is_main)
+        val_store = pixels_in_memory(val_set, transform, limit, f"{val_set.split} split", progress and info.is_main)
+        train_load = train_store or image_loader(train_set, transform, skip_bad=skip)
+        val_load = val_store or image_loader(val_set, transform, skip_bad=skip)
+    if info.device.type == "cuda":  # batches are then gathered on the GPU itself
+        train_store, val_store = (s.to(info.device) if s is not None else None for s in (train_store, val_store))
     train_ds = CaptionTrainDataset(train_set, vocab, train_load, cfg.data.max_caption_len)
     val_ds = CaptionEvalDataset(val_set, val_load)
-    return TrainData(train_set, val_set, vocab, train_ds, val_ds, on_features)
+    return TrainData(train_set, val_set, vocab, train_ds, val_ds, on_features, train_store, val_store)
 
 
 class SkipSampler(Sampler[int]):
@@ -161,7 +174,8 @@ def rank_batch_size(batch_size: int, info: DistInfo) -> int:
     return batch_size // info.world_size
 
 
-def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip_batches: int = 0) -> DataLoader:
+def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip_batches: int = 0,
+                 store: Any = None) -> Any:
     """The epoch's training batches, order fixed by ``train.seed + epoch``.
 
     Args:
@@ -170,8 +184,10 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
         epoch: 0-based epoch (``DistributedSampler.set_epoch``).
         info: this rank (shards the order like ``DistributedSampler``).
         skip_batches: batches of this epoch already done (mid-epoch resume).
+        store: a ``MemoryStore`` of the dataset's inputs: the same batches, cut from memory.
     """
     from captioner.data.dataset import collate_captions
+    from captioner.training.memory import MemoryBatches
 
     batch = rank_batch_size(cfg.train.batch_size, info)
     sampler: Sampler[int] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
@@ -179,15 +195,24 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
     sampler.set_epoch(epoch)
     if skip_batches:
         sampler = SkipSampler(sampler, skip_batches * batch)
+    if store is not None:
+        return MemoryBatches(dataset, store, sampler, batch)
     # The loader's own generator (worker seeds) is seeded too, so it never draws from the global RNG.
     gen = torch.Generator().manual_seed(cfg.train.seed + epoch)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_captions,
                       num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda", generator=gen)
 
 
-def val_loader(dataset: Dataset, cfg: Config, info: DistInfo) -> DataLoader:
-    """Validation images in dataset order (rank 0 only)."""
+def val_loader(dataset: Dataset, cfg: Config, info: DistInfo, store: Any = None,
+               indices: list[int] | None = None) -> Any:
+    """Validation images in dataset order (``indices``: a rank's shard), from ``store`` when given."""
     from captioner.data.dataset import collate_images
+    from captioner.training.memory import MemoryEvalBatches
 
+    if store is not None:
+        return MemoryEvalBatches(store, list(range(len(store))) if indices is None else indices,
+                                 max(cfg.train.batch_size, 32))
+    if indices is not None:
+        dataset = Subset(dataset, indices)
     return DataLoader(dataset, batch_size=max(cfg.train.batch_size, 32), shuffle=False, collate_fn=collate_images,
                       num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")

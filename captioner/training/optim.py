@@ -116,7 +116,7 @@ class StepResult:
     """
 
     stepped: bool
-    grad_norm: float | None = None
+    grad_norm: float | torch.Tensor | None = None  # a tensor unless skip_nonfinite needed it on the host
     skipped_nonfinite: bool = False
 
     def __bool__(self) -> bool:
@@ -125,15 +125,15 @@ class StepResult:
     @property
     def nonfinite(self) -> bool:
         """The gradient norm was computed and is NaN/inf."""
-        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
+        return self.grad_norm is not None and not math.isfinite(float(self.grad_norm))
 
 
-def _grad_norm(params: list[torch.nn.Parameter], grad_clip: float) -> float | None:
-    """Clip to ``grad_clip`` (when > 0) and return the total norm before clipping as a float."""
+def _grad_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.Tensor | float:
+    """Clip to ``grad_clip`` (when > 0) and return the total norm before clipping (a device tensor: no sync)."""
     if grad_clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+        return torch.nn.utils.clip_grad_norm_(params, grad_clip)
     grads = [p.grad for p in params if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    return torch.nn.utils.get_total_norm(grads) if grads else 0.0
 
 
 def clip_and_step(
@@ -158,6 +158,8 @@ def clip_and_step(
     if scaler is None:
         loss.backward()
         norm = _grad_norm(params, grad_clip) if grad_clip > 0 or precision.skip_nonfinite else None
+        if precision.skip_nonfinite and norm is not None:
+            norm = float(norm)  # the decision below needs it now
         if precision.skip_nonfinite and norm is not None and not math.isfinite(norm):
             optimizer.zero_grad(set_to_none=True)
             return StepResult(False, norm, skipped_nonfinite=True)

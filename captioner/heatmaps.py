@@ -1,0 +1,243 @@
+"""Heat maps: one word's g x g attention placed on the original image, its colours and its figures.
+
+Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
+
+The encoder saw the ``crop_box(width, height, cfg)`` part of the photo resized to S x S
+(``stretch``: the whole photo; ``center_crop``: the centred square). Grid cell (i, j) therefore
+covers one (box_w/g) x (box_h/g) rectangle of that box in ORIGINAL pixel coordinates; the map is
+stretched back to the box's aspect (the photo is never squashed) and pixels outside the box are
+dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
+``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
+
+All words of one caption share ONE colour scale (``color_scale``): 0 up to the highest value any
+of its upsampled maps reaches, so a word whose attention is spread out looks flat and cold next to
+a word that points, instead of being stretched to the full colour map on its own. The top of the
+scale is at least ``UNIFORM_FLOOR`` times the uniform weight, so a caption that never points
+anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives the figures printed under
+each word: the peak share (largest region's share of the weight) and the entropy against log N.
+
+Everything here is numpy and PIL arrays (matplotlib only for the colour maps, imported lazily);
+no text or layout.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+
+from captioner.attention_record import as_array
+from captioner.errors import ConfigError, DataError
+
+__all__ = ["BLUR_CELLS", "DIM", "UNIFORM_FLOOR", "attention_stats", "attention_to_image_map", "color_scale",
+           "colormap_lut", "map_peaks", "overlay_heatmap", "stats_label"]
+
+BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
+DIM = 0.35  # brightness kept outside the encoder's crop box
+UNIFORM_FLOOR = 2.0  # the colour scale's top is at least this many times the uniform weight 1/(g*g)
+_PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsampled maps
+
+
+def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
+    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0."""
+    weights = np.zeros((size, g), dtype=np.float64)
+    centres = np.arange(size) + 0.5
+    inside = np.flatnonzero((centres >= start) & (centres < stop))
+    if inside.size == 0:
+        return weights
+    cell = (stop - start) / g
+    u = (centres[inside] - start) / cell  # position in grid units, 0..g
+    if smooth:
+        u = np.clip(u - 0.5, 0.0, g - 1.0)  # half-pixel centres, clamped at the edges
+        lo = np.minimum(np.floor(u).astype(int), g - 1)
+        hi = np.minimum(lo + 1, g - 1)
+        frac = u - lo
+        np.add.at(weights, (inside, lo), 1.0 - frac)
+        np.add.at(weights, (inside, hi), frac)
+        sigma = BLUR_CELLS * cell
+        if sigma >= 0.5:
+            weights[inside] = _gaussian_blur_columns(weights[inside], sigma)
+    else:
+        weights[inside, np.minimum(np.floor(u).astype(int), g - 1)] = 1.0
+    return weights
+
+
+def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
+    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges.
+
+    The full convolution is cut to the n centred rows (np.convolve's "same" mode returns the
+    kernel's length when the kernel is longer than the column, which crashed g <= 2 grids).
+    """
+    n = a.shape[0]
+    radius = max(1, int(3 * sigma))
+    x = np.arange(-radius, radius + 1)
+    kernel = np.exp(-0.5 * (x / sigma) ** 2)
+    norm = np.convolve(np.ones(n), kernel)[radius:radius + n]
+    return np.stack([np.convolve(col, kernel)[radius:radius + n] / norm for col in a.T], axis=1)
+
+
+def attention_to_image_map(
+    attention: np.ndarray,
+    width: int,
+    height: int,
+    box: Sequence[float] | None = None,
+    smooth: bool = True,
+    preserve_mass: bool = False,
+) -> np.ndarray:
+    """Place one word's g x g attention on the original image.
+
+    Args:
+        attention: (g, g) weights, row 0 = top of the box.
+        width: original image width W in pixels.
+        height: original image height H in pixels.
+        box: (left, top, right, bottom) part of the image the encoder saw (``crop_box``);
+            None means the whole image.
+        smooth: bilinear upsampling + Gaussian blur; False gives one flat block per cell.
+        preserve_mass: scale the map so it sums to ``attention.sum()`` over the image (a
+            distribution over pixels when the attention sums to 1); else values stay in
+            attention units (weight per cell, interpolated).
+
+    Returns:
+        (H, W) float32 map, 0 outside the box.
+    """
+    att = np.asarray(attention, dtype=np.float64)
+    if att.ndim != 2 or att.shape[0] != att.shape[1]:
+        raise DataError(f"attention must be a square (g, g) grid, got shape {att.shape}")
+    left, top, right, bottom = box if box is not None else (0, 0, width, height)
+    eps = 1e-6 * max(width, height)  # scaled boxes carry rounding error
+    if not (-eps <= left < right <= width + eps and -eps <= top < bottom <= height + eps):
+        raise DataError(f"box {tuple(box)} does not fit a {width}x{height} image")
+    g = att.shape[0]
+    rows = _axis_weights(height, top, bottom, g, smooth)  # (H, g)
+    cols = _axis_weights(width, left, right, g, smooth)  # (W, g)
+    out = rows @ att @ cols.T  # (H, W)
+    if preserve_mass:
+        total = out.sum()
+        out = out * (att.sum() / total) if total > 0 else out
+    return out.astype(np.float32)
+
+
+def map_peaks(maps: object) -> np.ndarray:
+    """Highest value of each (g, g) map after upsampling and blurring, in attention units.
+
+    Bilinear upsampling and the blur act on each axis in grid units, so the peak does not depend on
+    the image's size or aspect; it is sampled here at ``_PEAK_CELL_PX`` pixels per cell.
+
+    Args:
+        maps: (..., g, g) weights (array or tensor).
+
+    Returns:
+        (...) peaks.
+    """
+    att = as_array(maps, np.float64)
+    if att.ndim < 2 or att.shape[-1] != att.shape[-2]:
+        raise DataError(f"attention must be (..., g, g), got shape {att.shape}")
+    g = att.shape[-1]
+    flat = att.reshape(-1, g, g)
+    weights = _axis_weights(g * _PEAK_CELL_PX, 0, g * _PEAK_CELL_PX, g, smooth=True)  # (side, g)
+    peaks = np.empty(len(flat))
+    for s in range(0, len(flat), 64):  # bounded memory: 64 maps of side x side at a time
+        peaks[s:s + 64] = (weights @ flat[s:s + 64] @ weights.T).max(axis=(1, 2))
+    return peaks.reshape(att.shape[:-2])
+
+
+def color_scale(attention: object) -> tuple[float, float]:
+    """The colour scale (vmin, vmax) shared by every word of one caption.
+
+    Args:
+        attention: (L, g, g) weights of the caption's words.
+
+    Returns:
+        ``(0, vmax)``: vmax is the highest value any word's upsampled map reaches, and at least
+        ``UNIFORM_FLOOR / (g * g)``; (0, 1) for an empty caption.
+    """
+    att = as_array(attention, np.float64)
+    if att.ndim != 3 or att.shape[1] != att.shape[2]:
+        raise DataError(f"attention must be (L, g, g), got shape {att.shape}")
+    if att.shape[0] == 0:
+        return 0.0, 1.0
+    floor = UNIFORM_FLOOR / att.shape[1] ** 2
+    return 0.0, max(float(map_peaks(att).max()), floor)
+
+
+def attention_stats(attention: object) -> tuple[float, float, float]:
+    """(peak share, entropy, uniform entropy) of one (g, g) map; entropies in nats, share 0..1.
+
+    The map is normalised to sum 1 first; an all-zero map gives (0, 0, log N).
+    """
+    att = as_array(attention, np.float64).reshape(-1)
+    total = float(att.sum())
+    uniform = math.log(att.size) if att.size else 0.0
+    if total <= 0:
+        return 0.0, 0.0, uniform
+    p = att / total
+    nz = p[p > 0]
+    return float(p.max()), max(0.0, float(-(nz * np.log(nz)).sum())), uniform
+
+
+def stats_label(attention: object) -> str:
+    """The figures printed under a word, e.g. ``"peak 34% · H 2.1/2.8"`` (entropy of log N)."""
+    peak, entropy, uniform = attention_stats(attention)
+    share = f"{100 * peak:.0f}" if peak >= 0.1 else f"{100 * peak:.1f}"
+    return f"peak {share}% \u00b7 H {entropy:.1f}/{uniform:.1f}"
+
+
+@lru_cache(maxsize=16)
+def colormap_lut(name: str = "jet") -> np.ndarray:
+    """A matplotlib colour map by name as a (256, 3) uint8 lookup table."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # never open a GUI backend from library code
+    try:
+        cmap = matplotlib.colormaps[name]
+    except KeyError:
+        raise ConfigError(f"unknown colour map {name!r} (try jet, viridis, inferno, magma)") from None
+    return (cmap(np.linspace(0.0, 1.0, 256))[:, :3] * 255).round().astype(np.uint8)
+
+
+def _box_mask(width: int, height: int, box: Sequence[float] | None) -> np.ndarray:
+    if box is None:
+        return np.ones((height, width), dtype=bool)
+    ys = np.arange(height) + 0.5
+    xs = np.arange(width) + 0.5
+    return ((ys >= box[1]) & (ys < box[3]))[:, None] & ((xs >= box[0]) & (xs < box[2]))[None, :]
+
+
+def overlay_heatmap(
+    image: Image.Image,
+    heat_map: np.ndarray,
+    cmap: str = "jet",
+    alpha: float = 0.5,
+    box: Sequence[float] | None = None,
+    scale: tuple[float, float] | None = None,
+) -> Image.Image:
+    """Colour a map and blend it over the image; dim the image outside ``box``.
+
+    Args:
+        image: RGB image of the same size as ``heat_map``.
+        heat_map: (H, W) map.
+        cmap: matplotlib colour map name.
+        alpha: opacity of the heat map, 0..1.
+        box: (left, top, right, bottom) in this image's pixels; None = the whole image.
+        scale: (vmin, vmax) mapped to the ends of the colour map (values outside are clipped),
+            e.g. the caption's ``color_scale``; None = min-max of this map inside the box.
+
+    Returns:
+        A new RGB image.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)
+    if heat_map.shape != rgb.shape[:2]:
+        raise DataError(f"heat map shape {heat_map.shape} does not match image size {image.size}")
+    inside = _box_mask(image.width, image.height, box)
+    lo, hi = scale if scale is not None else (float(heat_map[inside].min()), float(heat_map[inside].max()))
+    norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
+    colours = colormap_lut(cmap)[np.clip((norm * 255).round(), 0, 255).astype(np.int64)].astype(np.float32)
+    out = np.where(inside[..., None], (1.0 - alpha) * rgb + alpha * colours, DIM * rgb)
+    return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))

@@ -1,0 +1,129 @@
+"""Training-loop efficiency: the real ``captioner train`` loop against the bare model step.
+
+For each decoder family (presets ``sat_soft_lite``, ``sat_hard_lite``, ``transformer_lite``; the
+``*_tiny`` presets with ``--quick``) on synthetic scenes through the feature cache:
+
+* **loop**: the real ``train`` code path (loader or in-memory batches, loss, optimizer, clipping,
+  logging, one validation and checkpoint per epoch as configured). It runs 1 and then 3 epochs
+  into fresh run folders and takes the difference, so set-up (vocabulary, building or loading the
+  cache) cancels out and the per-epoch work stays in;
+* **model**: forward + loss + backward + clip + Adam step of the same model on one batch already
+  on the device, as many steps as two epochs of the loop.
+
+``efficiency = loop_captions_per_s / model_captions_per_s``. CUDA is used when present.
+
+    python scripts/benchmark.py --only train_loop --json
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from captioner.config import get_preset  # noqa: E402
+
+PRESETS = ("sat_soft_lite", "sat_hard_lite", "transformer_lite")
+QUICK_PRESETS = ("sat_soft_tiny", "transformer_tiny")
+
+
+def _loop_seconds(cfg, out: Path, epochs: int) -> float:
+    from captioner.train import train
+
+    cfg.train.epochs = epochs
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    train(cfg, out, progress=False)
+    return time.perf_counter() - t0
+
+
+def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device) -> float:
+    """Bare steps of the same model on one real batch already on the device."""
+    from captioner.losses import CaptionLoss
+    from captioner.models.captioner import build_model
+    from captioner.text import Vocabulary
+    from captioner.training.data import load_caption_sets, prepare_data, train_loader
+    from captioner.training.distributed import DistInfo
+    from captioner.training.optim import build_optimizer
+
+    train_set, val_set = load_caption_sets(cfg)
+    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(vocab)).to(device)
+    info = DistInfo(0, 1, 0, device)
+    data = prepare_data(cfg, model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, False)
+    x, tokens, _ = next(iter(train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)))
+    x, tokens = x.to(device), tokens.to(device)
+    t = cfg.train
+    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing,
+                            alpha_c=t.alpha_c if cfg.model.decoder.name == "sat" else 0.0, ds_norm=t.ds_norm,
+                            reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight).to(device)
+    optimizer = build_optimizer(model, t, train_encoder=False)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    model.train()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        criterion(model.decoder(x, tokens[:, :-1]), tokens[:, 1:]).total.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return steps * x.shape[0] / (time.perf_counter() - t0)
+
+
+def train_loop(quick: bool = False) -> dict:
+    """Loop vs bare-model captions/s per preset; the summary keys are the worst family's."""
+    from captioner.data.shapes import make_shapes
+
+    logging.getLogger("captioner").setLevel(logging.WARNING)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    presets = QUICK_PRESETS if quick else PRESETS
+    images = 60 if quick else 300
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as tmp:
+        root = Path(tmp) / "scenes"
+        make_shapes(root, images=images, seed=0, image_size=64 if quick else 128)
+        for preset in presets:
+            cfg = get_preset(preset, **{"data.root": str(root), "data.feature_cache_dir": str(Path(tmp) / "features"),
+                                        "train.device": device.type, "train.patience": 100,
+                                        "model.encoder.fine_tune": False, "data.feature_cache": True})
+            one = _loop_seconds(cfg, Path(tmp) / "run1", 1)  # also builds the feature cache (outside the timing)
+            one = _loop_seconds(cfg, Path(tmp) / "run1", 1)
+            three = _loop_seconds(cfg, Path(tmp) / "run3", 3)
+            captions = 2 * len(list(_captions(cfg)))
+            loop = captions / max(three - one, 1e-9)
+            batches = 2 * -(-len(list(_captions(cfg))) // cfg.train.batch_size)
+            model = _model_captions_per_s(cfg, str(root), batches, device)
+            rows[preset] = {"loop_captions_per_s": round(loop, 1), "model_captions_per_s": round(model, 1),
+                            "efficiency": round(loop / model, 3)}
+    worst = min(rows.values(), key=lambda r: r["efficiency"])
+    return {**worst, "device": device.type, "threads": torch.get_num_threads(), "images": images, "presets": rows}
+
+
+def _captions(cfg):
+    from captioner.data.coco import load_caption_set
+
+    cs = load_caption_set(cfg.data.root, cfg.data.train_split)
+    return cs.all_captions()
+
+
+BENCHMARKS = {"train_loop": train_loop}
+
+if __name__ == "__main__":
+    print(train_loop("--quick" in sys.argv))
