@@ -1,0 +1,165 @@
+"""Encoder pretraining from captions alone: multiple-instance word detectors (Fang et al. 2015).
+
+Shape legend: B images, D feature width, g grid side, N = g*g regions, V vocabulary.
+
+A captioning encoder is normally an ImageNet classifier: its region features already say *what*
+is *where*. For a CNN trained from scratch (the demo's) this module gives the same property
+from the training captions, before any decoder sees it. A 1x1 convolution on the pooled
+``g x g`` map scores every vocabulary word at every region, and an image's score for a word is a
+soft maximum over its regions, ``(1/r) logsumexp_i(r s_wi)``. Binary cross-entropy against
+"does the word occur in any of the image's captions" then trains the CNN so that some region
+fires for "red" or "circle" exactly when the image holds one: the evidence for a word has to sit
+in one region's feature, which is what attention can then find.
+
+``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
+for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
+decoders (see ``captioner.demo``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from captioner.config import Config
+from captioner.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r -> 0: the mean)
+
+
+@dataclass
+class PretrainResult:
+    """What ``pretrain_word_detectors`` returns.
+
+    Attributes:
+        weights: the trunk's weights file (for ``encoder.weights``).
+        steps: optimizer steps taken.
+        first_loss, last_loss: mean BCE of the first and the last 20 steps.
+        seconds: wall time of the training loop.
+    """
+
+    weights: Path
+    steps: int
+    first_loss: float
+    last_loss: float
+    seconds: float
+
+
+def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001
+    """(C, V) float: 1 where a word occurs in any caption of image c (special tokens and <unk> stay 0)."""
+    from captioner.text import tokenize
+
+    targets = torch.zeros(len(caption_set.images), len(vocab))
+    for i, record in enumerate(caption_set.images):
+        for caption in caption_set.captions[record.image_id]:
+            for word in tokenize(caption):
+                targets[i, vocab.stoi.get(word, vocab.unk_id)] = 1.0
+    targets[:, : vocab.unk_id + 1] = 0.0  # <pad> <bos> <eos> <unk>
+    return targets
+
+
+def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS) -> torch.Tensor:
+    """Soft maximum over regions: (B, V, N) -> (B, V), ``(1/r) logsumexp(r s)``."""
+    return torch.logsumexp(region_scores * sharpness, dim=2) / sharpness
+
+
+def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float | None = None,
+                            max_steps: int | None = None, batch_size: int = 64, lr: float = 3e-3,
+                            progress: bool = True) -> PretrainResult:
+    """Train ``cfg.model.encoder`` (from its initial weights) as word detectors on the training captions.
+
+    Args:
+        cfg: the config whose encoder, data (root, train split, min_freq) and seed are used.
+        out: the weights file to write (safetensors, written atomically).
+        seconds: stop after this many seconds of training (at least one of ``seconds``/``max_steps``).
+        max_steps: stop after this many steps.
+        batch_size: images per step.
+        lr: Adam learning rate of the trunk and the detector head.
+        progress: show a tqdm bar.
+
+    Raises:
+        ConfigError: no stopping rule, or a bad batch size.
+        DataError: the training split cannot be read or gives no words.
+    """
+    from safetensors.torch import save_file
+
+    from captioner.data.coco import check_images, load_caption_set
+    from captioner.data.dataset import image_loader
+    from captioner.data.transforms import ImageTransform
+    from captioner.models.encoder import build_encoder
+    from captioner.text import Vocabulary
+    from captioner.training.memory import pixels_in_memory
+
+    if seconds is None and max_steps is None:
+        raise ConfigError("pretrain_word_detectors needs seconds or max_steps")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    d = cfg.data
+    cs = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
+    vocab = Vocabulary.build(cs.all_captions(), min_freq=d.min_freq)
+    targets = word_targets(cs, vocab)  # (C, V)
+    if not targets.any():
+        raise DataError(f"{d.root}: the {d.train_split!r} captions give no words to detect")
+    transform = ImageTransform(cfg.model.encoder)
+    store = pixels_in_memory(cs, transform, d.in_memory_mb, "word-detector images", progress)
+    if store is not None:
+        gather = store.gather
+    else:  # too large to hold (or an unreadable image, reported by the loader): decode per batch
+        load = image_loader(cs, transform)
+
+        def gather(index: torch.Tensor) -> torch.Tensor:
+            return torch.stack([load(int(i)) for i in index])
+
+    torch.manual_seed(cfg.train.seed)
+    encoder = build_encoder(cfg.model.encoder)
+    for p in encoder.parameters():
+        p.requires_grad_(True)
+    encoder.train()
+    for module in encoder.modules():  # build_encoder may leave frozen stages in eval mode
+        module.train()
+    head = nn.Conv2d(encoder.out_dim, len(vocab), kernel_size=1)  # one detector per word and region
+    optimizer = torch.optim.Adam([*encoder.parameters(), *head.parameters()], lr=lr)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    losses: list[float] = []
+    start = time.monotonic()
+    bar = tqdm(desc="word detectors", unit="step", leave=False, disable=not progress or None,
+               total=max_steps)
+    step = 0
+    while (max_steps is None or step < max_steps) and (seconds is None or time.monotonic() - start < seconds):
+        index = torch.randint(0, len(cs.images), (min(batch_size, len(cs.images)),), generator=gen)  # (B,)
+        fmap = encoder.pool(encoder.feature_map(gather(index)))  # (B, D, g, g)
+        scores = image_word_scores(head(fmap).flatten(2))  # (B, V)
+        loss = F.binary_cross_entropy_with_logits(scores, targets.index_select(0, index))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        if step % 25 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    bar.close()
+    elapsed = time.monotonic() - start
+    if not losses:
+        raise ConfigError("pretrain_word_detectors: the time budget ended before the first step")
+    if not all(torch.isfinite(p).all() for p in encoder.parameters()):
+        raise DataError("word-detector pretraining produced non-finite weights; lower its learning rate")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in encoder.trunk.state_dict().items()}, str(tmp))
+    os.replace(tmp, out)
+    first, last = sum(losses[:20]) / len(losses[:20]), sum(losses[-20:]) / len(losses[-20:])
+    log.info("word-detector pretraining: %d steps in %.0f s, loss %.3f -> %.3f; encoder weights in %s",
+             step, elapsed, first, last, out)
+    return PretrainResult(out, step, first, last, elapsed)
