@@ -3,25 +3,27 @@
 ``run_demo(DemoOptions(...))``:
 
 1. generates the synthetic scenes (``make_shapes``) unless ``data`` already holds them;
-2. trains each decoder (SAT-soft, SAT-hard, Transformer; presets ``<decoder>_demo``) for at
-   most ``budget`` seconds into ``out/<decoder>/``;
-3. scores the best checkpoint on the test split (``evaluate_checkpoint``: BLEU-1..4, CIDEr-D,
-   attention entropy, attention correctness against the object boxes, share of captions naming
-   every object correctly) and writes overlays and HTML explorers for a few test images;
-4. writes ``out/report.html`` (self-contained) and ``out/report.json``.
+2. pretrains the demo's small CNN from the training captions as multiple-instance word detectors
+   (``captioner.training.word_detectors``, ``encoder_budget`` seconds): the from-scratch stand-in
+   for an ImageNet encoder, whose regions then say what is where;
+3. freezes it and encodes the scenes once (one feature cache, held in memory by each run);
+4. trains SAT-soft, SAT-hard and the Transformer (presets ``<decoder>_demo``) on those features,
+   each for its budget, ``jobs`` at a time in worker processes (one per core on a CPU), and scores
+   each best checkpoint on the test split (``evaluate_checkpoint``: BLEU-1..4, CIDEr-D, attention
+   entropy, attention correctness against the object boxes, the share of captions naming every
+   object correctly) with overlays and HTML explorers for a few test images;
+5. writes ``out/report.html`` (self-contained) and ``out/report.json``.
 
-Progress is logged step by step (``[2/8] training sat_soft ...``) with tqdm bars inside.
+The three decoders see the same frozen encoder, so the table compares decoders, not CNNs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,28 +34,11 @@ log = logging.getLogger(__name__)
 
 DEMO_DECODERS = ("sat_soft", "sat_hard", "transformer")
 DEMO_PRESETS = {name: f"{name}_demo" for name in DEMO_DECODERS}
-LABELS = {"sat_soft": "SAT soft", "sat_hard": "SAT hard", "transformer": "Transformer"}
 SCENES_INFO = "captioner synthetic shapes"
-
-# (key, header, format) of the comparison table; values are None when not measured
-COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("decoder", "decoder", "{}"),
-    ("BLEU-1", "B-1", "{:.3f}"),
-    ("BLEU-2", "B-2", "{:.3f}"),
-    ("BLEU-3", "B-3", "{:.3f}"),
-    ("BLEU-4", "B-4", "{:.3f}"),
-    ("CIDEr-D", "CIDEr-D", "{:.3f}"),
-    ("objects_correct", "objects ok", "{:.1%}"),
-    ("attention_correctness", "att. corr.", "{:.3f}"),
-    ("uniform_baseline", "uniform", "{:.3f}"),
-    ("ratio", "ratio", "{:.1f}x"),
-    ("pointing_accuracy", "pointing", "{:.1%}"),
-    ("attention_entropy", "entropy", "{:.2f}"),
-    ("uniform_entropy", "log N", "{:.2f}"),
-    ("train_seconds", "train s", "{:.0f}"),
-    ("epochs", "epochs", "{:.1f}"),
-    ("parameters", "params", "{:,}"),
-)
+# Training seconds per decoder on a 2-core CPU: the SAT decoders step through words one at a time and
+# get the longest; the Transformer reaches the same quality in far fewer seconds.
+DEFAULT_BUDGETS = {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0}
+DEFAULT_ENCODER_BUDGET = 60.0  # seconds of word-detector pretraining of the shared CNN
 
 
 @dataclass
@@ -64,22 +49,25 @@ class DemoOptions:
         data: synthetic-scenes folder (generated when it holds no scenes).
         images: scenes to generate.
         seed: seed of the scenes and of training.
-        budget: training seconds per decoder (``train.time_budget``).
+        budgets: decoder -> training seconds (``train.time_budget``); see ``DEFAULT_BUDGETS``.
+        encoder_budget: seconds of word-detector pretraining of the shared CNN.
         decoders: which of ``DEMO_DECODERS`` to train, in order.
         out: output folder (runs, report).
         overlays: test images written with overlays and explorers per decoder.
         beam_size: beam size of the test captions.
         device: ``"cpu"``, ``"cuda"``, ``"auto"``.
-        image_size: side of generated scenes in pixels.
+        image_size: side of generated scenes in pixels (the encoder sees its own ``image_size``).
         presets: decoder -> preset name (default ``<decoder>_demo``).
         overrides: dotted config overrides applied to every decoder (e.g. ``{"train.epochs": 1}``).
-        progress: show tqdm bars.
+        jobs: decoders trained at the same time, each in its own process (None: ``default_jobs``).
+        progress: show tqdm bars (runs in this process; worker processes log a progress line instead).
     """
 
     data: Path = Path("data/shapes")
     images: int = 3000
     seed: int = 0
-    budget: float = 80.0
+    budgets: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS))
+    encoder_budget: float = DEFAULT_ENCODER_BUDGET
     decoders: tuple[str, ...] = DEMO_DECODERS
     out: Path = Path("runs/demo")
     overlays: int = 4
@@ -88,6 +76,7 @@ class DemoOptions:
     image_size: int = 128
     presets: dict[str, str] = field(default_factory=lambda: dict(DEMO_PRESETS))
     overrides: dict[str, Any] = field(default_factory=dict)
+    jobs: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -100,23 +89,52 @@ class DemoOptions:
             raise ConfigError(f"--decoders lists a decoder twice: {','.join(self.decoders)}")
         if self.images < 30:
             raise ConfigError(f"--images must be >= 30, got {self.images}")
-        if not self.budget > 0:
-            raise ConfigError(f"--budget must be > 0 seconds, got {self.budget}")
+        self.budgets = {**DEFAULT_BUDGETS, **self.budgets}
+        bad = {k: v for k, v in self.budgets.items() if k not in DEMO_DECODERS or not v > 0}
+        if bad:
+            raise ConfigError(f"--budget: each decoder needs a number of seconds > 0 ({', '.join(DEMO_DECODERS)}), "
+                              f"got {', '.join(f'{k}={v}' for k, v in bad.items())}")
+        if not self.encoder_budget > 0:
+            raise ConfigError(f"--encoder-budget must be > 0 seconds, got {self.encoder_budget}")
+        if self.jobs is not None and self.jobs < 1:
+            raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
         if self.overlays < 0 or self.beam_size < 1:
             raise ConfigError("--overlays must be >= 0 and --beam >= 1")
 
     @classmethod
-    def from_args(cls, data: str, images: int | None, seed: int, budget: float | None, decoders: str | Sequence[str],
-                  out: str, overlays: int = 4, beam_size: int = 3, device: str = "cpu", quick: bool = False,
-                  **extra: Any) -> "DemoOptions":
-        """Options from command-line values; ``quick`` picks small defaults for the unset ones."""
+    def from_args(cls, data: str, images: int | None, seed: int, budget: str | float | None,
+                  decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int = 3, device: str = "cpu",
+                  quick: bool = False, encoder_budget: float | None = None, **extra: Any) -> "DemoOptions":
+        """Options from command-line values; ``quick`` picks small defaults for the unset ones.
+
+        ``budget`` is one number of seconds for every decoder, or ``name=seconds`` pairs
+        (``"sat_soft=150,transformer=60"``); decoders it does not name keep their defaults.
+        """
         if isinstance(decoders, str):
             decoders = [d.strip() for d in decoders.split(",") if d.strip()]
+        budgets = parse_budgets(budget) if budget is not None else (
+            {name: 15.0 for name in DEMO_DECODERS} if quick else {})
         quick_overrides = {"train.val_max_images": 50} if quick else {}
-        return cls(data=Path(data), images=images or (400 if quick else 3000), seed=seed,
-                   budget=budget or (15.0 if quick else 80.0), decoders=tuple(decoders), out=Path(out),
-                   overlays=min(overlays, 2) if quick else overlays, beam_size=beam_size, device=device,
-                   overrides={**quick_overrides, **extra.pop("overrides", {})}, **extra)
+        return cls(data=Path(data), images=images or (400 if quick else 3000), seed=seed, budgets=budgets,
+                   encoder_budget=encoder_budget or (10.0 if quick else DEFAULT_ENCODER_BUDGET),
+                   decoders=tuple(decoders), out=Path(out), overlays=min(overlays, 2) if quick else overlays,
+                   beam_size=beam_size, device=device, overrides={**quick_overrides, **extra.pop("overrides", {})},
+                   **extra)
+
+
+def parse_budgets(text: str | float) -> dict[str, float]:
+    """``"90"`` -> every decoder 90 s; ``"sat_soft=150,transformer=60"`` -> those two (others keep defaults)."""
+    if isinstance(text, (int, float)):
+        return {name: float(text) for name in DEMO_DECODERS}
+    text = str(text).strip()
+    try:
+        if "=" not in text:
+            return {name: float(text) for name in DEMO_DECODERS}
+        pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+        return {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise ConfigError(f"--budget {text!r}: give seconds (90) or decoder=seconds pairs "
+                          f"(sat_soft=150,transformer=60)") from None
 
 
 # ----------------------------------------------------------------------------- steps
@@ -153,125 +171,43 @@ def _scenes_info(path: Path) -> dict[str, Any]:
     return {k: info.get(k) for k in ("images", "seed", "image_size")}
 
 
-def demo_config(decoder: str, options: DemoOptions):  # -> Config
-    """The training config of one decoder: its preset + data folder, budget, seed, device, overrides."""
+def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None = None):  # -> Config
+    """The training config of one decoder: its preset + data folder, budget, seed, device, overrides.
+
+    With ``encoder_weights`` the encoder is loaded from that file and frozen, and its features go
+    to the shared cache ``out/features``.
+    """
     from captioner.config import get_preset
 
-    overrides = {"data.root": str(options.data), "train.time_budget": float(options.budget),
-                 "train.seed": options.seed, "train.device": options.device, **options.overrides}
-    return get_preset(options.presets[decoder], **overrides)
+    overrides: dict[str, Any] = {"data.root": str(options.data), "train.time_budget": float(options.budgets[decoder]),
+                                 "train.seed": options.seed, "train.device": options.device}
+    if encoder_weights is not None:
+        overrides.update({"model.encoder.pretrained": True, "model.encoder.weights": str(encoder_weights),
+                          "model.encoder.fine_tune": False, "data.feature_cache": True,
+                          "data.feature_cache_dir": str(options.out / "features")})
+    return get_preset(options.presets[decoder], **{**overrides, **options.overrides})
 
 
-@contextlib.contextmanager
-def shared_feature_cache(path: Path) -> Iterator[None]:
-    """Let every decoder of the demo reuse one feature cache (frozen encoders only)."""
-    before = os.environ.get("CAPTIONER_FEATURE_CACHE")
-    os.environ["CAPTIONER_FEATURE_CACHE"] = str(path)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CAPTIONER_FEATURE_CACHE", None)
-        else:
-            os.environ["CAPTIONER_FEATURE_CACHE"] = before
-
-
-def pick_images(caption_set: Any, instances: dict[int, list[Any]] | None, count: int) -> list[int]:
-    """Indices of ``count`` test images to show: scenes with the most objects first, then by order."""
-    def objects(i: int) -> int:
-        return len(instances.get(caption_set.images[i].image_id, [])) if instances else 0
-
-    order = sorted(range(len(caption_set.images)), key=lambda i: (-min(objects(i), 2), i))
-    return sorted(order[:count])
-
-
-def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, out_dir: Path, count: int,
-                        device: str = "cpu") -> list[dict[str, str]]:
-    """Overlays (PNG, GIF) and HTML explorers for ``count`` test images of an evaluated checkpoint.
-
-    Returns:
-        One ``{"image_id", "caption", "png", "html", ...}`` dict (paths as strings) per image.
-    """
+def default_jobs(options: DemoOptions) -> int:
+    """Decoders trained at once: one process per core on a CPU (their small ops scale badly across
+    threads), one at a time on a GPU."""
     import torch
 
-    from captioner.checkpoint import load_checkpoint
-    from captioner.commands.attend import teacher_forced_attention
-    from captioner.data.coco import load_instances
-    from captioner.data.images import load_image
-    from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.visualize import write_overlays
-
-    cs, results = metrics["caption_set"], metrics["results"]
-    loaded = load_checkpoint(checkpoint, device=device)
-    model, enc = loaded.model.eval(), loaded.config.encoder
-    transform = ImageTransform(enc)
-    shown = []
-    for i in pick_images(cs, load_instances(data, cs.split), count):
-        record, result = cs.images[i], results[i]
-        image = load_image(record.path)
-        with torch.inference_mode():
-            features, _ = model.encode(transform(image).unsqueeze(0).to(device))  # (1, N, D)
-        all_att = teacher_forced_attention(model, features, result.tokens, loaded.vocab.bos_id, result.grid)
-        paths = write_overlays(image, result.words, result.attention.float().numpy(), out_dir,
-                               box=crop_box(image.width, image.height, enc), all_attention=all_att,
-                               stem=f"test_{record.image_id}", caption=result.text)
-        shown.append({"image_id": record.image_id, "caption": result.text,
-                      "references": cs.references(record.image_id), **{k: str(p) for k, p in paths.items()}})
-    return shown
+    on_gpu = options.device.startswith("cuda") or (options.device == "auto" and torch.cuda.is_available())
+    return 1 if on_gpu else max(1, min(os.cpu_count() or 1, len(options.decoders)))
 
 
-def parameter_counts(checkpoint: Path) -> dict[str, int]:
-    """Total, decoder and trainable-encoder parameter counts of a checkpoint's model."""
-    from captioner.checkpoint import load_checkpoint
+def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
+    """Step 2: word-detector pretraining of the demo CNN into ``out/encoder.safetensors``."""
+    from captioner.training.word_detectors import pretrain_word_detectors
 
-    loaded = load_checkpoint(checkpoint)
-    model, fine_tune = loaded.model, loaded.config.encoder.fine_tune
-    decoder = sum(p.numel() for p in model.decoder.parameters())
-    encoder = sum(p.numel() for p in model.encoder.parameters())
-    return {"parameters": decoder + encoder, "decoder_parameters": decoder,
-            "trained_parameters": decoder + (encoder if fine_tune else 0)}
-
-
-def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float,
-              params: dict[str, int]) -> dict[str, Any]:
-    """One row of the comparison table (see ``COLUMNS``)."""
-    att = metrics.get("attention_correctness") or {}
-    ent = metrics.get("attention") or {}
-    row: dict[str, Any] = {"decoder": decoder}
-    for key in ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D"):
-        row[key] = metrics.get(key)
-    for key in ("objects_correct", "attention_correctness", "uniform_baseline", "ratio", "pointing_accuracy",
-                "words_scored", "objects_invented"):
-        row[key] = att.get(key)
-    row["attention_entropy"] = ent.get("attention_entropy")
-    row["uniform_entropy"] = ent.get("uniform_entropy")
-    row.update(train_seconds=round(train_seconds, 1), epochs=epochs, **params)
-    return row
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The comparison table as aligned plain text (``-`` where a value is missing)."""
-    cells = [[header for _, header, _ in COLUMNS]]
-    for row in rows:
-        cells.append([format_value(row.get(key), fmt) for key, _, fmt in COLUMNS])
-    widths = [max(len(r[j]) for r in cells) for j in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_value(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return fmt.format(value)
-
-
-def _epochs(history: Sequence[dict[str, Any]], train_items: int, batch_size: int) -> float:
-    """Epochs trained, counting a partial last epoch by its steps."""
-    if not history:
-        return 0.0
-    steps_per_epoch = max(1, math.ceil(train_items / batch_size))
-    return round(history[-1]["step"] / steps_per_epoch, 2)
+    cfg = demo_config(options.decoders[0], options)
+    result = pretrain_word_detectors(cfg, options.out / "encoder.safetensors", seconds=options.encoder_budget,
+                                     progress=options.progress)
+    return {"weights": str(result.weights), "steps": result.steps, "seconds": round(result.seconds, 1),
+            "first_loss": round(result.first_loss, 4), "last_loss": round(result.last_loss, 4),
+            "encoder": {k: v for k, v in cfg.model.encoder.__dict__.items() if k in ("name", "width", "grid",
+                                                                                     "image_size")}}
 
 
 # ----------------------------------------------------------------------------- the demo
@@ -280,51 +216,45 @@ def _epochs(history: Sequence[dict[str, Any]], train_items: int, batch_size: int
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
     from captioner.data.coco import load_caption_set
-    from captioner.evaluate import evaluate_checkpoint
+    from captioner.demo_runs import build_feature_caches, run_decoder, run_parallel
+    from captioner.demo_table import LABELS
     from captioner.report import write_report
-    from captioner.train import train
 
     start = time.monotonic()
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
-    total = 1 + 2 * len(options.decoders) + 1
-    log.info("[1/%d] synthetic scenes in %s", total, options.data)
+    log.info("[1/5] synthetic scenes in %s", options.data)
     scenes = ensure_scenes(options)
-    train_captions = len(load_caption_set(options.data, "train").all_captions())
-    rows, runs = [], {}
-    with shared_feature_cache(out / "features"):
-        for k, name in enumerate(options.decoders):
-            cfg = demo_config(name, options)
-            run_dir = out / name
-            log.info("[%d/%d] training %s (%s) for at most %.0f s -> %s", 2 + 2 * k, total, LABELS[name],
-                     options.presets[name], options.budget, run_dir)
-            result = train(cfg, run_dir, progress=options.progress)
-            if not result.best_checkpoint.exists():
-                raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
-            log.info("[%d/%d] evaluating %s on the test split (beam %d)", 3 + 2 * k, total, LABELS[name],
-                     options.beam_size)
-            metrics = evaluate_checkpoint(result.best_checkpoint, options.data, "test", beam_size=options.beam_size,
-                                          out_dir=run_dir, device=options.device, progress=options.progress,
-                                          meteor=False)
-            shown = write_demo_overlays(metrics, result.best_checkpoint, options.data, run_dir / "overlays",
-                                        options.overlays, device=options.device)
-            row = table_row(name, metrics, result.seconds, _epochs(result.history, train_captions, cfg.train.batch_size),
-                            parameter_counts(result.best_checkpoint))
-            rows.append(row)
-            runs[name] = {"preset": options.presets[name], "config": cfg.to_dict(), "run_dir": str(run_dir),
-                          "checkpoint": str(result.best_checkpoint), "best_val_bleu4": result.best_bleu4,
-                          "history": result.history, "metrics_file": metrics["paths"]["metrics"],
-                          "overlays": shown}
-            log.info("%s: BLEU-4 %s, objects correct %s, attention correctness %s (uniform %s)", LABELS[name],
-                     format_value(row["BLEU-4"], "{:.3f}"), format_value(row["objects_correct"], "{:.1%}"),
-                     format_value(row["attention_correctness"], "{:.3f}"), format_value(row["uniform_baseline"], "{:.3f}"))
-    log.info("[%d/%d] writing the report", total, total)
+    log.info("[2/5] pretraining the CNN as word detectors on the training captions for %.0f s",
+             options.encoder_budget)
+    encoder = pretrain_encoder(options)
+    configs = {name: demo_config(name, options, Path(encoder["weights"])) for name in options.decoders}
+    log.info("[3/5] encoding the scenes once with the frozen CNN")
+    build_feature_caches(configs[options.decoders[0]], progress=options.progress)
+    common = {"beam_size": options.beam_size, "overlays": options.overlays,
+              "train_captions": len(load_caption_set(options.data, "train").all_captions())}
+    jobs = {name: {"cfg": configs[name], "run_dir": out / name} for name in options.decoders}
+    processes = min(options.jobs or default_jobs(options), len(jobs))
+    log.info("[4/5] training %s over the frozen CNN (%s)", ", ".join(LABELS[n] for n in options.decoders),
+             ", ".join(f"{LABELS[n]} {options.budgets[n]:.0f} s" for n in options.decoders))
+    if processes > 1:
+        done = run_parallel(jobs, processes, **common)
+    else:
+        done = {}
+        for name, job in jobs.items():
+            log.info("training %s (%s) -> %s", LABELS[name], options.presets[name], job["run_dir"])
+            done[name] = run_decoder(name, progress=options.progress, **job, **common)
+    log.info("[5/5] writing the report")
+    for name in options.decoders:
+        done[name]["run"]["preset"] = options.presets[name]
+        done[name]["run"]["budget"] = options.budgets[name]
     report = {
         "title": "captioner demo: three attention decoders on synthetic scenes",
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()},
         "scenes": scenes,
-        "table": rows,
-        "runs": runs,
+        "encoder": encoder,
+        "table": [done[name]["row"] for name in options.decoders],
+        "runs": {name: done[name]["run"] for name in options.decoders},
         "environment": _environment(),
         "seconds": round(time.monotonic() - start, 1),
         "paths": {"html": str(out / "report.html"), "json": str(out / "report.json")},

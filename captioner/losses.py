@@ -7,12 +7,16 @@ Step t of the decoder output predicts ``targets[:, t]``; steps whose target is `
 ignored everywhere (the decoder computes them, the loss masks them).
 
 * ``ce``: cross-entropy averaged over non-pad target tokens (optional label smoothing).
-* ``doubly_stochastic``: ``(1 - sum_t alpha_ti)^2`` (t over non-pad steps) per region, averaged
-  over regions (``ds_norm="mean"``, the default) or summed over them as in the paper
-  (``ds_norm="sum"``), then averaged over the batch, weighted by ``alpha_c``. With N regions and
-  T words its pull towards uniform attention is about ``T (N - T) / N`` per caption with the sum
-  (11 at 14 x 14 and T = 12, ten times the cross-entropy) and ``T (N - T) / N^2`` with the mean
-  (below 0.25 at every grid), so only the mean leaves cross-entropy in charge (docs/models_sat.md).
+* ``doubly_stochastic``: the coverage of region i over the caption is ``c_i = sum_t alpha_ti`` (t
+  over non-pad steps); the paper asks ``c_i = 1`` for every region, ``sum_i (1 - c_i)^2``
+  (``ds_form="sum"``). With N regions and T < N words that cannot hold and the penalty's minimum is
+  uniform attention: looking at one region per word costs ``T (N - T) / N`` more than looking
+  everywhere (11 nats per caption at 14 x 14). ``ds_form="mean"`` (the widely used tutorial)
+  averages over regions, which shrinks that pull by N but keeps its direction; measured on the
+  demo it still halves attention correctness. ``ds_form="excess"`` (default) keeps only the half
+  that can hold, ``mean_i max(0, c_i - 1)^2``: no region should receive more than one unit over
+  the caption. Uniform and one-region-per-word attention both cost 0; staring at one region for
+  the whole caption costs ``(T - 1)^2 / N``. Averaged over the batch, weighted by ``alpha_c``.
 * ``reinforce`` (hard attention, when the output carries ``sample_log_probs``): the reward of a
   caption is its mean per-word log-likelihood given the sampled regions, ``r = mean_t log p(y_t)``
   (no label smoothing, detached; the mean makes it independent of the caption length). A moving
@@ -42,7 +46,7 @@ from torch import nn
 from captioner.errors import ConfigError
 from captioner.models.base import DecoderOutput
 
-DS_NORMS = ("mean", "sum")
+DS_FORMS = ("excess", "mean", "sum")
 ADVANTAGE_CLIP = 5.0  # normalised advantages beyond this many running standard deviations are clipped
 # Weighted regularisers (name of the term, name of its weight in ``terms``) compared with the cross-entropy.
 REGULARISERS = ("doubly_stochastic", "entropy")
@@ -71,16 +75,20 @@ class LossResult:
         return {k: float(v) for k, v in self.terms.items() if not k.startswith("weighted_")}
 
 
-def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor, norm: str = "mean") -> torch.Tensor:
-    """``mean_B reduce_i (1 - sum_t alpha_ti)^2`` with t over unmasked steps: (B,T,N), (B,T) -> scalar.
+def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor, form: str = "excess") -> torch.Tensor:
+    """The doubly stochastic penalty (see the module docstring): (B,T,N), (B,T) -> scalar.
 
-    ``norm="mean"`` averages over the N regions, ``norm="sum"`` sums them (the paper's form).
+    ``form``: ``"excess"`` ``mean_i relu(c_i - 1)^2``, ``"mean"`` ``mean_i (1 - c_i)^2`` or ``"sum"``
+    ``sum_i (1 - c_i)^2`` (Xu et al.), with ``c_i = sum_t alpha_ti`` over unmasked steps; then the
+    batch mean.
     """
-    if norm not in DS_NORMS:
-        raise ConfigError(f"doubly stochastic normalisation {norm!r}: use one of {', '.join(DS_NORMS)}")
+    if form not in DS_FORMS:
+        raise ConfigError(f"doubly stochastic form {form!r}: use one of {', '.join(DS_FORMS)}")
     coverage = (attention * mask.unsqueeze(-1).to(attention.dtype)).sum(dim=1)  # (B, N)
+    if form == "excess":
+        return (torch.relu(coverage - 1.0) ** 2).mean(dim=1).mean()
     per_region = (1.0 - coverage) ** 2  # (B, N)
-    return (per_region.sum(dim=1) if norm == "sum" else per_region.mean(dim=1)).mean()
+    return (per_region.sum(dim=1) if form == "sum" else per_region.mean(dim=1)).mean()
 
 
 class CaptionLoss(nn.Module):
@@ -90,13 +98,13 @@ class CaptionLoss(nn.Module):
         pad_id: target id ignored by every term.
         label_smoothing: passed to ``F.cross_entropy``.
         alpha_c: weight of the doubly stochastic penalty (0 disables it).
-        ds_norm: ``"mean"`` (over regions) or ``"sum"`` (the paper's form) for that penalty.
+        ds_form: ``"excess"``, ``"mean"`` or ``"sum"`` (the paper's form): that penalty's form.
         reinforce_weight: weight of the REINFORCE term (hard attention).
         entropy_weight: weight of the attention-entropy bonus (hard attention).
         baseline_decay: decay of the moving averages of the reward and of the squared advantage.
     """
 
-    def __init__(self, pad_id: int = 0, label_smoothing: float = 0.0, alpha_c: float = 0.0, ds_norm: str = "mean",
+    def __init__(self, pad_id: int = 0, label_smoothing: float = 0.0, alpha_c: float = 0.0, ds_form: str = "excess",
                  reinforce_weight: float = 1.0, entropy_weight: float = 0.0, baseline_decay: float = 0.9) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 1.0:
@@ -105,12 +113,12 @@ class CaptionLoss(nn.Module):
             raise ConfigError(f"baseline_decay must be in [0, 1), got {baseline_decay}")
         if alpha_c < 0:
             raise ConfigError(f"alpha_c must be >= 0, got {alpha_c}")
-        if ds_norm not in DS_NORMS:
-            raise ConfigError(f"ds_norm={ds_norm!r}: use one of {', '.join(DS_NORMS)}")
+        if ds_form not in DS_FORMS:
+            raise ConfigError(f"ds_form={ds_form!r}: use one of {', '.join(DS_FORMS)}")
         self.pad_id = pad_id
         self.label_smoothing = label_smoothing
         self.alpha_c = alpha_c
-        self.ds_norm = ds_norm
+        self.ds_form = ds_form
         self.reinforce_weight = reinforce_weight
         self.entropy_weight = entropy_weight
         self.baseline_decay = baseline_decay
@@ -142,7 +150,7 @@ class CaptionLoss(nn.Module):
         terms: dict[str, torch.Tensor] = {"ce": ce.detach()}
 
         if self.alpha_c > 0 and output.attention is not None:
-            penalty = doubly_stochastic_penalty(output.attention.float(), mask, self.ds_norm)
+            penalty = doubly_stochastic_penalty(output.attention.float(), mask, self.ds_form)
             objective = objective + self.alpha_c * penalty
             terms["doubly_stochastic"] = penalty.detach()
             terms["weighted_doubly_stochastic"] = self.alpha_c * penalty.detach()

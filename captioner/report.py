@@ -85,14 +85,14 @@ def data_uri(png: bytes) -> str:
 
 
 def _cell(value: Any, fmt: str) -> str:
-    from captioner.demo import format_value
+    from captioner.demo_table import format_value
 
     return html.escape(format_value(value, fmt))
 
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
-    """HTML comparison table (columns of ``captioner.demo.COLUMNS``)."""
-    from captioner.demo import COLUMNS
+    """HTML comparison table (columns of ``captioner.demo_table.COLUMNS``)."""
+    from captioner.demo_table import COLUMNS
 
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
     body = []
@@ -145,7 +145,7 @@ def _rel(path: str | os.PathLike, base: Path) -> str:
 
 def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
     """The whole report page as one self-contained HTML string."""
-    from captioner.demo import LABELS
+    from captioner.demo_table import LABELS
 
     out_dir = Path(out_dir)
     runs = report.get("runs", {})
@@ -158,9 +158,11 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
         f"<title>{html.escape(report.get('title', 'captioner demo'))}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(report.get('title', 'captioner demo'))}</h1>",
         f"<p>{scenes.get('images')} synthetic scenes (seed {scenes.get('seed')}, {scenes.get('image_size')} px) in "
-        f"<code>{html.escape(str(opts.get('data')))}</code>; training budget {opts.get('budget')} s per decoder; "
-        f"test captions with beam {opts.get('beam_size')}; total time {report.get('seconds', 0):.0f} s on "
-        f"{env.get('cpus')} CPU(s), torch {html.escape(str(env.get('torch')))}, {env.get('threads')} threads.</p>",
+        f"<code>{html.escape(str(opts.get('data')))}</code>; training budgets "
+        f"{html.escape(_budgets(runs))}; test captions with beam {opts.get('beam_size')}; total time "
+        f"{report.get('seconds', 0):.0f} s on {env.get('cpus')} CPU(s), torch {html.escape(str(env.get('torch')))}, "
+        f"{env.get('threads')} threads.</p>",
+        _encoder_note(report.get("encoder")),
         render_table(report.get("table", []), LABELS),
         _NOTES,
     ]
@@ -170,6 +172,23 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
         parts.append(_overlay_section(name, LABELS.get(name, name), run, out_dir))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _budgets(runs: dict[str, Any]) -> str:
+    from captioner.demo_table import LABELS
+
+    return ", ".join(f"{LABELS.get(n, n)} {r['budget']:.0f} s" for n, r in runs.items() if r.get("budget")) or "-"
+
+
+def _encoder_note(encoder: dict[str, Any] | None) -> str:
+    if not encoder:
+        return ""
+    enc = encoder.get("encoder", {})
+    return (f'<p class="note">Encoder, shared and frozen: a {enc.get("name", "")} CNN (width {enc.get("width")}, '
+            f'{enc.get("image_size")} px in, {enc.get("grid")}x{enc.get("grid")} regions) trained from scratch for '
+            f'{encoder.get("seconds", 0):.0f} s ({encoder.get("steps")} steps) as word detectors on the training '
+            f'captions (multiple-instance learning, Fang et al. 2015; loss {encoder.get("first_loss")} &rarr; '
+            f'{encoder.get("last_loss")}), then its features were cached once for all decoders.</p>')
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:

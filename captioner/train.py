@@ -279,7 +279,7 @@ def _add_means(run: _Run, means: dict[str, float], captions: float) -> None:
     if heavy and not run.warned_regulariser and run.info.is_main:
         run.warned_regulariser = True
         name, value = max(heavy.items(), key=lambda kv: kv[1])
-        hint = {"doubly_stochastic": "lower train.alpha_c or keep train.ds_norm=mean",
+        hint = {"doubly_stochastic": "lower train.alpha_c or use train.ds_form=excess",
                 "entropy": "lower train.entropy_weight"}.get(name, "lower its weight")
         log.warning("the weighted %s term (%.3g) outweighs the cross-entropy (%.3g) at step %d: it, not the "
                     "captions, now drives the attention (%s)", name.replace("_", " "), value, ce,
@@ -534,11 +534,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
     alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term
-    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c, ds_norm=t.ds_norm,
+    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c, ds_form=t.ds_form,
                             reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
                             baseline_decay=t.baseline_decay).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_schedule(optimizer, model, t)
+    if t.compile and hasattr(model.decoder, "compile_recurrence"):
+        model.decoder.compile_recurrence()
     forward: nn.Module = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
     run = _Run(cfg, info, model, forward, criterion, optimizer, scheduler, precision,

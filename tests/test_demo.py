@@ -10,7 +10,8 @@ import pytest
 from captioner import demo
 from captioner.cli import main
 from captioner.config import get_preset
-from captioner.demo import COLUMNS, DEMO_DECODERS, DemoOptions, ensure_scenes, format_table, run_demo
+from captioner.demo import DEMO_DECODERS, DemoOptions, ensure_scenes, parse_budgets, run_demo
+from captioner.demo_table import COLUMNS, format_table
 from captioner.errors import ConfigError, DataError
 
 TINY = {name: f"{name}_tiny" for name in DEMO_DECODERS}
@@ -22,8 +23,8 @@ FAST = {"train.epochs": 4, "train.val_max_images": 8, "train.batch_size": 16}
 @pytest.fixture(scope="module")
 def mini_report(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("demo")
-    options = DemoOptions(data=tiny_shapes, out=out, budget=120, presets=dict(TINY), overrides=dict(FAST),
-                          overlays=1, beam_size=2, progress=False)
+    options = DemoOptions(data=tiny_shapes, out=out, budgets=parse_budgets(120), encoder_budget=4, presets=dict(TINY),
+                          overrides=dict(FAST), overlays=1, beam_size=2, progress=False, jobs=2)
     return run_demo(options)
 
 
@@ -39,6 +40,18 @@ def test_report_has_a_row_per_decoder_with_every_column(mini_report: dict) -> No
         assert row["uniform_entropy"] == pytest.approx(2.7725887, abs=1e-5)  # log 16 regions (4 x 4 grid)
         assert row["parameters"] > row["decoder_parameters"] > 0
         assert row["train_seconds"] > 0
+
+
+def test_one_pretrained_frozen_encoder_and_one_feature_cache_serve_every_decoder(mini_report: dict) -> None:
+    encoder = mini_report["encoder"]
+    assert encoder["steps"] > 0 and Path(encoder["weights"]).is_file()
+    for name in DEMO_DECODERS:
+        enc = mini_report["runs"][name]["config"]["model"]["encoder"]
+        assert (enc["weights"], enc["pretrained"], enc["fine_tune"]) == (encoder["weights"], True, False)
+        assert mini_report["runs"][name]["budget"] == 120
+    caches = sorted(p.name.split("_")[-2] for p in (Path(mini_report["paths"]["json"]).parent / "features").glob("*.feats"))
+    assert caches == ["train", "val"]  # built once, before the worker processes, and shared
+    assert all(r["steps"] > 0 and r["steps_per_s"] > 0 for r in mini_report["table"])
 
 
 def test_attention_correctness_was_scored_for_a_decoder_that_names_objects(mini_report: dict) -> None:
@@ -85,7 +98,13 @@ def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="choose from"):
         DemoOptions.from_args(data="d", images=None, seed=0, budget=None, decoders="sat_soft,lstm", out="o")
     with pytest.raises(ConfigError, match="budget"):
-        DemoOptions(budget=0)
+        DemoOptions(budgets={"sat_soft": 0})
+    with pytest.raises(ConfigError, match="budget"):
+        DemoOptions(budgets={"lstm": 10})
+    with pytest.raises(ConfigError, match="decoder=seconds"):
+        parse_budgets("sat_soft=fast")
+    assert parse_budgets("sat_soft=150, transformer=60") == {"sat_soft": 150.0, "transformer": 60.0}
+    assert parse_budgets("90") == {name: 90.0 for name in DEMO_DECODERS}
     (tmp_path / "notes.txt").write_text("not scenes")
     with pytest.raises(DataError, match="not a synthetic-scenes folder"):
         ensure_scenes(DemoOptions(data=tmp_path))
@@ -94,7 +113,8 @@ def test_bad_options_are_one_line_errors(tmp_path: Path) -> None:
 def test_quick_defaults_and_presets_exist() -> None:
     quick = DemoOptions.from_args(data="d", images=None, seed=1, budget=None, decoders="transformer", out="o",
                                   quick=True)
-    assert (quick.images, quick.budget, quick.decoders) == (400, 15.0, ("transformer",))
+    assert (quick.images, quick.budgets["transformer"], quick.encoder_budget, quick.decoders) == (
+        400, 15.0, 10.0, ("transformer",))
     for name in DEMO_DECODERS:
         cfg = get_preset(demo.DEMO_PRESETS[name])
         assert cfg.model.decoder.name == ("transformer" if name == "transformer" else "sat")
@@ -105,7 +125,7 @@ def test_cli_demo_runs_end_to_end(tiny_shapes: Path, tmp_path: Path, monkeypatch
     monkeypatch.setattr(demo, "DEMO_PRESETS", {"sat_soft": "sat_soft_tiny"})
     out = tmp_path / "run"
     code = main(["demo", "--data", str(tiny_shapes), "--out", str(out), "--decoders", "sat_soft", "--budget", "3",
-                 "--overlays", "0", "--beam", "1"])
+                 "--encoder-budget", "2", "--overlays", "0", "--beam", "1"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "B-4" in printed and "SAT soft" not in printed and "sat_soft" in printed

@@ -65,35 +65,44 @@ def test_doubly_stochastic_matches_hand_computation_with_padding():
     ])
     logits, targets = _logits_targets()
     assert doubly_stochastic_penalty(attention, targets != 0, "sum").item() == pytest.approx(0.35)  # the paper
-    assert doubly_stochastic_penalty(attention, targets != 0).item() == pytest.approx(0.35 / 2)  # mean over N = 2
+    assert doubly_stochastic_penalty(attention, targets != 0, "mean").item() == pytest.approx(0.35 / 2)  # over N = 2
+    # excess: only coverage above 1 counts: (0.36 + 0.16) / 2 and (0.09 + 0) / 2, batch mean
+    assert doubly_stochastic_penalty(attention, targets != 0).item() == pytest.approx((0.26 + 0.045) / 2)
     out = DecoderOutput(logits=logits, attention=attention)
-    result = CaptionLoss(alpha_c=2.0, ds_norm="sum")(out, targets)
+    result = CaptionLoss(alpha_c=2.0, ds_form="sum")(out, targets)
     assert result.parts["doubly_stochastic"] == pytest.approx(0.35)
     assert result.total.item() == pytest.approx(result.parts["ce"] + 0.7, rel=1e-5)
     assert result.objective.item() == pytest.approx(result.total.item())
     assert result.terms["weighted_doubly_stochastic"].item() == pytest.approx(0.7)
     assert "doubly_stochastic" not in CaptionLoss(alpha_c=0.0)(out, targets).parts
-    with pytest.raises(ConfigError, match="ds_norm"):
-        CaptionLoss(ds_norm="max")
+    with pytest.raises(ConfigError, match="ds_form"):
+        CaptionLoss(ds_form="max")
 
 
 @pytest.mark.parametrize("grid", [4, 8, 14])
-def test_mean_normalised_penalty_stays_below_cross_entropy_at_every_grid(grid: int):
-    """Uniform attention minimises the paper's summed penalty; the mean keeps its value (and its pull
-    towards uniform, the gap between sharply attending and uniform) below one nat at any grid size,
-    while the sum grows with N and outweighs a typical cross-entropy of ~1."""
+def test_penalty_forms_and_their_pull_towards_uniform_attention(grid: int):
+    """With T < N words the paper's penalty (sum) is minimised by uniform attention and charges more
+    than a nat per caption for looking at one region per word; the tutorial's mean shrinks that pull
+    but keeps it; the excess form charges nothing for either and only penalises staring."""
     n, t = grid * grid, 12
     mask = torch.ones(1, t, dtype=torch.bool)
     uniform = torch.full((1, t, n), 1.0 / n)
     peaked = torch.zeros(1, t, n)
     peaked[0, torch.arange(t), torch.arange(t) % n] = 1.0  # one distinct region per word (while they last)
-    for norm in ("mean", "sum"):
-        u, p = (doubly_stochastic_penalty(a, mask, norm).item() for a in (uniform, peaked))
-        assert u <= p + 1e-6  # uniform is the minimum either way
-        if norm == "mean":
-            assert p < 1.0 and p - u <= 0.25 + 1e-6
-        elif n > 2 * t:
-            assert p - u > 1.0  # the summed form costs more than a whole nat per caption for looking
+    staring = torch.zeros(1, t, n)
+    staring[0, :, 0] = 1.0  # every word on region 0
+    pen = {form: [doubly_stochastic_penalty(a, mask, form).item() for a in (uniform, peaked, staring)]
+           for form in ("sum", "mean", "excess")}
+    for form in ("sum", "mean"):
+        u, p, _ = pen[form]
+        assert u <= p + 1e-6  # uniform attention is their minimum
+    if n > 2 * t:
+        assert pen["sum"][1] - pen["sum"][0] > 1.0  # more than a nat per caption for looking
+    assert pen["mean"][1] - pen["mean"][0] <= 0.25 + 1e-6
+    u, p, s = pen["excess"]
+    if n >= t:
+        assert u == p == 0.0  # no pull either way
+    assert s == pytest.approx((t - 1) ** 2 / n)  # staring at one region all caption is what it charges
 
 
 def test_reinforce_uses_a_normalised_length_free_advantage_and_entropy_bonus():

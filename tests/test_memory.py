@@ -136,7 +136,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
     over = {"data.root": str(tiny_shapes), "train.batch_size": 16, "train.val_max_images": 4, "train.epochs": 1,
             "train.log_every": 3}
     with caplog.at_level(logging.WARNING, logger="captioner.train"):
-        train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 5.0, "train.ds_norm": "sum"}), tmp_path / "sum",
+        train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 5.0, "train.ds_form": "sum"}), tmp_path / "sum",
               progress=False)
     heavy = [r.getMessage() for r in caplog.records if "outweighs the cross-entropy" in r.getMessage()]
     assert len(heavy) == 1 and "doubly stochastic" in heavy[0] and "alpha_c" in heavy[0]
@@ -145,5 +145,5 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
     assert float(rows[0]["share_ce"]) + float(rows[0]["share_doubly_stochastic"]) == pytest.approx(1.0, abs=1e-4)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="captioner.train"):
-        train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 1.0}), tmp_path / "mean", progress=False)
+        train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 1.0}), tmp_path / "excess", progress=False)
     assert not [r for r in caplog.records if "outweighs" in r.getMessage()]

@@ -8,9 +8,9 @@ NAME = "demo"
 HELP = ("generate synthetic scenes, train SAT-soft, SAT-hard and the Transformer on a time budget, "
         "and write a comparison report with attention overlays")
 EXAMPLES = """
-  captioner demo                                    # about 5 minutes on a 2-core CPU; open runs/demo/report.html
+  captioner demo                                    # under 5 minutes on a 2-core CPU; open runs/demo/report.html
   captioner demo --quick                            # a 1-minute smoke run (small data, short budgets)
-  captioner demo --decoders sat_soft,transformer --budget 120
+  captioner demo --decoders sat_soft,transformer --budget sat_soft=180,transformer=60
   captioner demo --data data/shapes --images 4000 --seed 1 --out runs/demo_seed1
 """
 
@@ -21,8 +21,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=None,
                         help="scenes to generate when the folder is absent (default: 3000; --quick: 400)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes and of training (default: 0)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="training seconds per decoder (default: 80; --quick: 15)")
+    parser.add_argument("--budget", default=None,
+                        help="training seconds: one number for every decoder, or decoder=seconds pairs "
+                             "(default: sat_soft=120,sat_hard=120,transformer=45; --quick: 15 each)")
+    parser.add_argument("--encoder-budget", type=float, default=None,
+                        help="seconds of word-detector pretraining of the shared CNN (default: 60; --quick: 10)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="decoders trained at the same time, one process each (default: one per core on "
+                             "CPU, 1 on GPU)")
     parser.add_argument("--decoders", default="sat_soft,sat_hard,transformer",
                         help="comma-separated decoders to train (default: sat_soft,sat_hard,transformer)")
     parser.add_argument("--out", default="runs/demo", help="output folder for runs and the report (default: runs/demo)")
@@ -33,11 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.demo import DemoOptions, format_table, run_demo
+    from captioner.demo import DemoOptions, run_demo
+    from captioner.demo_table import format_table
 
     options = DemoOptions.from_args(
         data=args.data, images=args.images, seed=args.seed, budget=args.budget, decoders=args.decoders,
         out=args.out, overlays=args.overlays, beam_size=args.beam, device=args.device, quick=args.quick,
+        encoder_budget=args.encoder_budget, jobs=args.jobs,
     )
     report = run_demo(options)
     print()

@@ -85,6 +85,7 @@ class SATDecoder(CaptionDecoder):
         self.out_word = nn.Linear(embed_dim, vocab_size)  # L_o
         self.dropout = nn.Dropout(dropout)
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+        self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
     def hard_test_mode(self) -> str:
@@ -131,6 +132,34 @@ class SATDecoder(CaptionDecoder):
 
     # ------------------------------------------------------------------ teacher forcing
 
+    def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
+                    features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor):
+        """One teacher-forced time step: everything that depends on ``h_{t-1}``.
+
+        Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N) and, for hard attention in
+        training, the sampled log-prob and region (B,) (else None).
+        """
+        H, A = self.hidden_dim, self.attention_dim
+        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1)
+        h_gates, att_query, gate_logit = query.split([4 * H, A, 1], dim=-1)
+        log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
+        context, log_prob, region = self._context(log_alpha, features)  # (B, D)
+        beta = torch.sigmoid(gate_logit)  # (B, 1)
+        gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
+        h, c = lstm_update(gates, c)  # (B, H)
+        return h, c, context, beta, log_alpha, log_prob, region
+
+    def compile_recurrence(self, backend: str = "inductor", **options) -> None:  # noqa: ANN003
+        """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``).
+
+        The time loop stays in Python; each step runs as one compiled graph (fused elementwise
+        kernels, fewer launches on a GPU). Weights and ``state_dict`` are untouched. Soft attention
+        gives the same numbers as eager mode to float tolerance; hard attention draws its samples
+        from the same distribution but from a different random stream.
+        """
+        self._compiled_recurrence = torch.compile(self._recurrence, backend=backend, dynamic=False, **options)
+
+
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         """Teacher-forced pass over all steps.
 
@@ -146,7 +175,7 @@ class SATDecoder(CaptionDecoder):
             aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training).
         """
         _, T = tokens.shape
-        H, A = self.hidden_dim, self.attention_dim
+        H = self.hidden_dim
         features = features.contiguous()  # read every step: keep it dense
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features)  # (B, H)
@@ -159,14 +188,10 @@ class SATDecoder(CaptionDecoder):
         b_query = torch.cat([self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias])
 
         hs, contexts, betas, log_alphas, sample_lps, regions = [], [], [], [], [], []
+        recurrence = self._compiled_recurrence or self._recurrence
         for t in range(T):
-            query = F.linear(h, w_query, b_query)  # (B, 4H+A+1)
-            h_gates, att_query, gate_logit = query.split([4 * H, A, 1], dim=-1)
-            log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
-            context, log_prob, region = self._context(log_alpha, features)  # (B, D)
-            beta = torch.sigmoid(gate_logit)  # (B, 1)
-            gates = x_gates[:, t] + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
-            h, c = lstm_update(gates, c)  # (B, H)
+            h, c, context, beta, log_alpha, log_prob, region = recurrence(
+                x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx)
             hs.append(h)
             contexts.append(context)
             betas.append(beta)

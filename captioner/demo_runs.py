@@ -1,0 +1,219 @@
+"""The demo's per-decoder work: train, score, draw overlays; in this process or in worker processes.
+
+``run_decoder(name, cfg, ...)`` trains one decoder, scores its best checkpoint on the test split
+and writes overlays for a few test images; ``run_parallel`` runs several at once, one process
+each with its own torch threads, and logs one progress line every ``PROGRESS_SECONDS`` (each
+worker's own log goes to ``<run>/demo.log``). ``build_feature_caches`` encodes the scenes once,
+before the workers open the shared cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROGRESS_SECONDS = 15.0  # parallel runs: seconds between progress lines
+
+
+def pick_images(caption_set: Any, instances: dict[int, list[Any]] | None, count: int) -> list[int]:
+    """Indices of ``count`` test images to show: scenes with two or more objects first, then by order."""
+    def objects(i: int) -> int:
+        return len(instances.get(caption_set.images[i].image_id, [])) if instances else 0
+
+    order = sorted(range(len(caption_set.images)), key=lambda i: (-min(objects(i), 2), i))
+    return sorted(order[:count])
+
+
+def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, out_dir: Path, count: int,
+                        device: str = "cpu") -> list[dict[str, Any]]:
+    """Overlays (PNG, GIF) and HTML explorers for ``count`` test images of an evaluated checkpoint.
+
+    Returns:
+        One ``{"image_id", "caption", "references", "png", "gif", "json", "html"}`` dict per image.
+    """
+    import torch
+
+    from captioner.checkpoint import load_checkpoint
+    from captioner.commands.attend import teacher_forced_attention
+    from captioner.data.coco import load_instances
+    from captioner.data.images import load_image
+    from captioner.data.transforms import ImageTransform, crop_box
+    from captioner.visualize import write_overlays
+
+    cs, results = metrics["caption_set"], metrics["results"]
+    loaded = load_checkpoint(checkpoint, device=device)
+    model, enc = loaded.model.eval(), loaded.config.encoder
+    transform = ImageTransform(enc)
+    shown = []
+    for i in pick_images(cs, load_instances(data, cs.split), count):
+        record, result = cs.images[i], results[i]
+        image = load_image(record.path)
+        with torch.inference_mode():
+            features, _ = model.encode(transform(image).unsqueeze(0).to(device))  # (1, N, D)
+        all_att = teacher_forced_attention(model, features, result.tokens, loaded.vocab.bos_id, result.grid)
+        paths = write_overlays(image, result.words, result.attention.float().numpy(), out_dir,
+                               box=crop_box(image.width, image.height, enc), all_attention=all_att,
+                               stem=f"test_{record.image_id}", caption=result.text)
+        shown.append({"image_id": record.image_id, "caption": result.text,
+                      "references": cs.references(record.image_id), **{k: str(p) for k, p in paths.items()}})
+    return shown
+
+
+def parameter_counts(checkpoint: Path) -> dict[str, int]:
+    """Total, decoder and trained parameter counts of a checkpoint's model."""
+    from captioner.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint)
+    model, fine_tune = loaded.model, loaded.config.encoder.fine_tune
+    decoder = sum(p.numel() for p in model.decoder.parameters())
+    encoder = sum(p.numel() for p in model.encoder.parameters())
+    return {"parameters": decoder + encoder, "decoder_parameters": decoder,
+            "trained_parameters": decoder + (encoder if fine_tune else 0)}
+
+
+def epochs_trained(history: Sequence[dict[str, Any]], train_items: int, batch_size: int) -> float:
+    """Epochs trained, counting a partial last epoch by its steps."""
+    if not history:
+        return 0.0
+    return round(history[-1]["step"] / max(1, math.ceil(train_items / batch_size)), 2)
+
+
+def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+                progress: bool = True, threads: int | None = None) -> dict[str, Any]:
+    """Train one decoder, score its best checkpoint on the test split, draw overlays.
+
+    Args:
+        name: decoder name (the table's first column).
+        cfg: its training ``Config`` (``data.root`` is the scenes folder).
+        run_dir: run folder.
+        beam_size: beam size of the test captions.
+        overlays: test images drawn with overlays.
+        train_captions: training captions (items per epoch), for the epoch count.
+        progress: show tqdm bars.
+        threads: torch threads to use here (worker processes); None leaves the setting alone.
+
+    Returns:
+        ``{"row": table row, "run": run summary}`` (JSON-compatible).
+    """
+    from captioner.demo_table import LABELS, format_value, table_row
+    from captioner.errors import DataError
+    from captioner.evaluate import evaluate_checkpoint
+    from captioner.train import train
+    from captioner.training.distributed import resolve_device
+
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    device = str(resolve_device(cfg.train.device, 0))
+    result = train(cfg, run_dir, progress=progress)
+    if not result.best_checkpoint.exists():
+        raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
+    log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), beam_size)
+    metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", beam_size=beam_size, out_dir=run_dir,
+                                  device=device, progress=progress, meteor=False)
+    shown = write_demo_overlays(metrics, result.best_checkpoint, Path(cfg.data.root), run_dir / "overlays",
+                                overlays, device=device)
+    steps = int(result.history[-1]["step"]) if result.history else None
+    row = table_row(name, metrics, result.seconds, epochs_trained(result.history, train_captions,
+                                                                  cfg.train.batch_size),
+                    parameter_counts(result.best_checkpoint), steps=steps)
+    log.info("%s: BLEU-4 %s, objects correct %s, attention correctness %s (uniform %s)", LABELS.get(name, name),
+             format_value(row["BLEU-4"], "{:.3f}"), format_value(row["objects_correct"], "{:.1%}"),
+             format_value(row["attention_correctness"], "{:.3f}"), format_value(row["uniform_baseline"], "{:.3f}"))
+    run = {"config": cfg.to_dict(), "run_dir": str(run_dir), "checkpoint": str(result.best_checkpoint),
+           "best_val_bleu4": result.best_bleu4, "history": result.history,
+           "metrics_file": metrics["paths"]["metrics"], "overlays": shown}
+    return {"row": row, "run": run}
+
+
+def _worker(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``run_decoder`` in a worker process; its log lines go to ``<run_dir>/demo.log``."""
+    run_dir = Path(kwargs["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "demo.log", mode="a")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        return run_decoder(name, progress=False, **kwargs)
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def progress_line(run_dirs: dict[str, Path]) -> str:
+    """``sat_soft step 250 loss 0.61 val B-4 0.52 | ...`` from each run's ``metrics.csv``."""
+    from captioner.report import read_metrics_csv
+
+    parts = []
+    for name, run_dir in run_dirs.items():
+        steps, epochs = read_metrics_csv(run_dir)
+        text = f"{name} starting"
+        if steps or epochs:
+            last = max(steps + epochs, key=lambda r: r.get("step", 0))
+            text = f"{name} step {last.get('step', 0):.0f} loss {last.get('ce', last.get('loss', math.nan)):.2f}"
+            if epochs:
+                text += f" val B-4 {epochs[-1].get('BLEU-4', math.nan):.2f}"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any) -> dict[str, dict[str, Any]]:
+    """Run ``run_decoder`` for several decoders in ``processes`` worker processes, in ``jobs`` order.
+
+    Args:
+        jobs: decoder name -> ``run_decoder`` keyword arguments of that decoder (``cfg``, ``run_dir``).
+        processes: worker processes (each gets ``os.cpu_count() // processes`` torch threads, at least 1).
+        **kwargs: ``run_decoder`` keyword arguments common to all (``beam_size``, ``overlays``,
+            ``train_captions``).
+
+    Returns:
+        Decoder name -> ``run_decoder`` result. A worker's ``CaptionerError`` is re-raised here.
+    """
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    log.info("training %s in %d worker processes (%d thread%s each); their logs: <run>/demo.log",
+             ", ".join(jobs), processes, threads, "s" if threads > 1 else "")
+    done: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_worker, name, {**kwargs, **job, "threads": threads}): name
+                   for name, job in jobs.items()}
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=PROGRESS_SECONDS, return_when=FIRST_COMPLETED)
+            for future in finished:
+                name = futures[future]
+                done[name] = future.result()
+                row = done[name]["row"]
+                log.info("%s finished: BLEU-4 %.3f, objects correct %.1f%%, attention %.1fx uniform", name,
+                         row["BLEU-4"] or 0.0, 100 * (row["objects_correct"] or 0.0), row["ratio"] or 0.0)
+            running = {futures[f]: jobs[futures[f]]["run_dir"] for f in pending
+                       if Path(jobs[futures[f]]["run_dir"], "metrics.csv").exists()}
+            if running:
+                log.info("  %s", progress_line(running))
+    return done
+
+
+def build_feature_caches(cfg: Any, progress: bool = True) -> None:
+    """Build a frozen-encoder config's train/val feature caches once, before parallel runs open them."""
+    from captioner.models.captioner import build_model
+    from captioner.text import Vocabulary
+    from captioner.training.data import load_caption_sets, prepare_data
+    from captioner.training.distributed import DistInfo, resolve_device
+
+    train_set, val_set = load_caption_sets(cfg)
+    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
+    model = build_model(cfg.model, len(vocab))
+    info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0))
+    cfg_once = type(cfg).from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "in_memory_mb": 0.0}})
+    prepare_data(cfg_once, model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, progress)
