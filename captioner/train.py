@@ -231,6 +231,7 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
         step = clip_and_step(result.total, run.optimizer, params, cfg.train.grad_clip, run.precision)
         if step:
             run.scheduler.step()
+            _budget_decay(run)
         run.stats.add(result, int(n), prog.step, step.grad_norm if run.precision.scaler is None else None)
         run.last_lr = last_lr
         if prog.step == 1:  # a first-step failure is diagnosed from its own batch
@@ -256,6 +257,7 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
         return time_up, 0.0
     if step:
         run.scheduler.step()
+        _budget_decay(run)
     if run.precision.scaler is None and getattr(step, "nonfinite", False) and run.bad_grad_step is None:
         run.bad_grad_step = prog.step
         if info.is_main:
@@ -266,6 +268,19 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     parts = {"loss": float(stats[-2] / stats[1]), **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
     _add_means(run, parts, float(stats[1]))
     return time_up, float(stats[1])
+
+
+BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the time budget runs out
+
+
+def _budget_decay(run: _Run) -> None:
+    """``train.budget_decay``: scale the lrs the schedule just set by ``1 - elapsed / budget`` (floored)."""
+    t = run.cfg.train
+    if not t.budget_decay or not t.time_budget:
+        return
+    factor = max(BUDGET_DECAY_FLOOR, 1.0 - (time.monotonic() - run.start) / t.time_budget)
+    for group in run.optimizer.param_groups:
+        group["lr"] *= factor
 
 
 def _add_means(run: _Run, means: dict[str, float], captions: float) -> None:

@@ -145,6 +145,28 @@ def test_teacher_forcing_equals_stepping(attention, mode):
     torch.testing.assert_close(out.attention, attention_steps, atol=1e-6, rtol=1e-5)
 
 
+def test_region_positions_tell_regions_apart_and_keep_forward_equal_to_stepping():
+    """N = 9 regions = a 3 x 3 grid: with ``region_positions`` two identical region features get
+    different attention scores (their rows and columns differ); without it they cannot."""
+    torch.manual_seed(0)
+    decoder = _decoder(grid=3, region_positions=True).eval()
+    features, tokens = _batch(b=2, t=5)
+    with torch.no_grad():
+        out = decoder(features, tokens)
+        log_probs, attention_steps = _step_all(decoder, features, tokens)
+    torch.testing.assert_close(out.logits.log_softmax(-1), log_probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention, attention_steps, atol=1e-6, rtol=1e-5)
+    same = features[:, :1].expand(-1, N, -1)  # every region holds the same feature
+    plain = _decoder().eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(same, tokens).attention, torch.full((2, 5, N), 1.0 / N), atol=1e-6)
+        assert not torch.allclose(decoder(same, tokens).attention, torch.full((2, 5, N), 1.0 / N), atol=1e-3)
+    with pytest.raises(ConfigError, match="3x3 grid"):
+        decoder(torch.randn(2, 16, D), tokens)
+    with pytest.raises(ConfigError, match="grid size"):
+        _decoder(region_positions=True)
+
+
 def test_argmax_and_expectation_differ_for_hard_attention():
     torch.manual_seed(0)
     decoder = _decoder(attention="hard").eval()

@@ -59,7 +59,8 @@ class SATDecoder(CaptionDecoder):
 
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
-                 hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5) -> None:
+                 hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
+                 region_positions: bool = False) -> None:
         super().__init__()
         if attention not in ("soft", "hard"):
             raise ConfigError(f"attention={attention!r}: use 'soft' or 'hard'")
@@ -85,6 +86,15 @@ class SATDecoder(CaptionDecoder):
         self.out_word = nn.Linear(embed_dim, vocab_size)  # L_o
         self.dropout = nn.Dropout(dropout)
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+        self.grid = grid
+        if region_positions:
+            if not grid:
+                raise ConfigError("region_positions needs the grid size")
+            self.row = nn.Embedding(grid, feature_dim)  # added to every region feature of grid row r
+            self.col = nn.Embedding(grid, feature_dim)  # ... and of grid column c
+            nn.init.normal_(self.row.weight, std=0.1)
+            nn.init.normal_(self.col.weight, std=0.1)
+        self.region_positions = region_positions
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -99,6 +109,17 @@ class SATDecoder(CaptionDecoder):
         self._hard_test_mode = mode
 
     # ------------------------------------------------------------------ shared pieces
+
+    def _regions(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D), dense, with the row and column embeddings added when ``region_positions``."""
+        features = features.contiguous()
+        if not self.region_positions:
+            return features
+        n = features.shape[1]
+        if n != self.grid ** 2:
+            raise ConfigError(f"features have {n} regions, this decoder was built for a {self.grid}x{self.grid} grid")
+        idx = torch.arange(n, device=features.device)
+        return features + (self.row(idx // self.grid) + self.col(idx % self.grid)).to(features.dtype)  # (B, N, D)
 
     def _initial_hc(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = features.mean(dim=1)  # (B, D)
@@ -176,7 +197,7 @@ class SATDecoder(CaptionDecoder):
         """
         _, T = tokens.shape
         H = self.hidden_dim
-        features = features.contiguous()  # read every step: keep it dense
+        features = self._regions(features)  # read every step: keep it dense
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
@@ -222,7 +243,7 @@ class SATDecoder(CaptionDecoder):
 
     def init_state(self, features: torch.Tensor) -> State:
         """features (B,N,D) -> state {h (B,H), c (B,H), features (B,N,D), projected (B,N,A)}."""
-        features = features.contiguous()
+        features = self._regions(features)
         h, c = self._initial_hc(features)
         return {"h": h, "c": c, "features": features, "projected": self.attention.project(features)}
 
@@ -241,7 +262,7 @@ class SATDecoder(CaptionDecoder):
 
 @register_decoder("sat")
 def build_sat_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
-    """Registry builder: a ``SATDecoder`` from ``DecoderConfig`` (``grid`` is not needed)."""
+    """Registry builder: a ``SATDecoder`` from ``DecoderConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(
         vocab_size=vocab_size,
         feature_dim=feature_dim,
@@ -252,4 +273,6 @@ def build_sat_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, gri
         attention=cfg.attention,
         hard_test_mode=cfg.hard_test_mode,
         hard_soft_prob=cfg.hard_soft_prob,
+        grid=grid,
+        region_positions=cfg.region_positions,
     )
