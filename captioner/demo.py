@@ -115,8 +115,8 @@ class DemoOptions:
             raise ConfigError("--scst-budget needs --scst")
         bad = {k: v for k, v in self.scst_budgets.items() if k not in DEMO_DECODERS or not v > 0}
         if bad:
-            raise ConfigError(f"--scst-budget: each decoder needs a number of seconds > 0 ({', '.join(DEMO_DECODERS)}), "
-                              f"got {', '.join(f'{k}={v}' for k, v in bad.items())}")
+            raise ConfigError(f"--scst-budget: each decoder needs a number of seconds > 0 "
+                              f"({', '.join(DEMO_DECODERS)}), got {', '.join(f'{k}={v}' for k, v in bad.items())}")
         self.scst_budgets = {name: float(self.scst_budgets.get(name, SCST_BUDGET_SHARE * self.budgets[name]))
                              for name in DEMO_DECODERS} if self.scst else {}
 
@@ -140,7 +140,8 @@ class DemoOptions:
                    encoder_budget=encoder_budget or (10.0 if quick else DEFAULT_ENCODER_BUDGET),
                    decoders=tuple(decoders), out=Path(out), overlays=min(overlays, 2) if quick else overlays,
                    beam_size=beam_size, device=device, overrides={**quick_overrides, **extra.pop("overrides", {})},
-                   scst=scst, scst_budgets=parse_budgets(scst_budget, "--scst-budget") if scst_budget is not None else {},
+                   scst=scst,
+                   scst_budgets=parse_budgets(scst_budget, "--scst-budget") if scst_budget is not None else {},
                    **extra)
 
 

@@ -13,6 +13,8 @@ keeps the metric it started with when resumed.
 
 ``train.init`` (``--init``) starts a new run from a checkpoint's weights and vocabulary with a fresh
 optimizer (:mod:`captioner.training.initialize`), e.g. the fine-tuning stage of the SAT recipe.
+``train.objective = "scst"`` trains such a stage with self-critical sequence training instead of
+cross-entropy (:mod:`captioner.training.scst`); everything else in the loop stays the same.
 
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and

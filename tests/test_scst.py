@@ -249,3 +249,29 @@ def test_bad_scst_settings_are_one_line_errors(key: str, value, message: str, ti
                  "--set", f"{key}={json.dumps(value)}", "--no-progress"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("captioner train: error: ") and message in err and "\n" not in err, err
+
+
+def test_two_process_ddp_scst_run(tiny_shapes: Path, tmp_path: Path, stage1: dict[str, Path]) -> None:
+    """torchrun, 2 CPU processes (Gloo): the per-step all-reduce carries the SCST terms; rank 0 alone logs."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    settings = {"train.objective": "scst", "train.val_max_images": 4, "train.log_every": 5, "train.epochs": 1,
+                "train.batch_size": 16, "train.device": "cpu", "train.val_beam": 1}
+    args = ["--preset", "sat_hard_tiny", "--data", str(tiny_shapes), "--no-progress", "--init",
+            str(stage1["sat_hard_tiny"]), "--out", str(tmp_path / "ddp")]
+    args += [a for key, value in settings.items() for a in ("--set", f"{key}={value}")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "captioner", "train", *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = step_rows(tmp_path / "ddp")
+    assert [r["step"] for r in rows] == ["5", "10", "15"]  # global batches of 16, logged once
+    for row in rows:
+        assert 0.0 <= float(row["scst_better"]) <= 1.0 and math.isfinite(float(row["scst_reward"]))
+        assert math.isfinite(float(row["reinforce"]))
+    assert (tmp_path / "ddp" / "best.safetensors").is_file()

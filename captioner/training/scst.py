@@ -38,6 +38,7 @@ reward), ``scst_baseline_reward`` (mean baseline: the greedy reward, or the othe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,8 @@ from captioner.losses import LossResult
 from captioner.sampling import sample_captions
 from captioner.scst_reward import CaptionReward
 from captioner.text import Vocabulary, tokenize
+
+log = logging.getLogger(__name__)
 
 BASELINES = ("greedy", "mean")
 
@@ -142,7 +145,8 @@ class SelfCriticalLoss(nn.Module):
         x = x.index_select(0, keep)  # (B, ...)
         with torch.no_grad():
             features = x if encode is None else encode(x)  # (B, N, D)
-            features = features.float() if features.dtype == torch.float16 else features
+            if features.is_floating_point() and features.dtype != torch.float32:  # fp16/bf16 feature caches
+                features = features.float()
             sampled = sample_captions(decoder, features, self.vocab.bos_id, self.vocab.eos_id, self.vocab.pad_id,
                                       K, self.max_len, self.temperature, self.banned)
             greedy_ids = self._greedy(decoder, features) if self.baseline_kind == "greedy" else None
@@ -184,6 +188,9 @@ class SelfCriticalLoss(nn.Module):
 def build_scst_loss(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCriticalLoss:
     """``train.objective = "scst"``: the loss over ``train_set``'s references (DFs counted here, once)."""
     t = cfg.train
+    if not t.init:
+        log.warning("train.objective=scst without train.init (--init): self-critical training from random "
+                    "weights rarely samples a rewarded caption; start from a cross-entropy checkpoint")
     reward = CaptionReward([train_set.references(image.image_id) for image in train_set.images],
                            bleu_weight=t.scst_bleu_weight)
     hard = cfg.model.decoder.name == "sat" and cfg.model.decoder.attention == "hard"
