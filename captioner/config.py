@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,12 @@ class TrainConfig:
     select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
     val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
+    # --- self-critical (issue 15) ---
+    objective: str = "xe"  # "xe" (cross-entropy, teacher forcing) or "scst" (self-critical, Rennie et al. 2017)
+    scst_samples: int = 5  # scst: captions sampled per image
+    scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
+    scst_baseline: str = "greedy"  # scst: "greedy" (the model's greedy caption) or "mean" (other samples' mean)
+    scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -219,6 +226,20 @@ class TrainConfig:
             raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
         if self.encoder_lr <= 0:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
+        # --- self-critical (issue 15) ---
+        if self.objective not in ("xe", "scst"):
+            raise ConfigError(f"train.objective={self.objective!r}: use xe or scst")
+        if self.scst_baseline not in ("greedy", "mean"):
+            raise ConfigError(f"train.scst_baseline={self.scst_baseline!r}: use greedy or mean")
+        k = self.scst_samples
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.scst_baseline == "mean"):
+            raise ConfigError(f"train.scst_samples must be an integer >= 1 (>= 2 with scst_baseline=mean), got {k!r}")
+        if isinstance(self.scst_temperature, bool) or not isinstance(self.scst_temperature, (int, float)) \
+                or not 0.0 < self.scst_temperature < math.inf:
+            raise ConfigError(f"train.scst_temperature must be a number > 0, got {self.scst_temperature!r}")
+        w = self.scst_bleu_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ConfigError(f"train.scst_bleu_weight must be in [0, 1], got {w!r}")
 
 
 @dataclass

@@ -12,7 +12,12 @@
    each best checkpoint on the test split (``evaluate_checkpoint``: BLEU-1..4, CIDEr-D, attention
    entropy, attention correctness against the object boxes, the share of captions naming every
    object correctly) with overlays and HTML explorers for a few test images;
-5. writes ``out/report.html`` (self-contained) and ``out/report.json``.
+5. with ``scst`` (``captioner demo --scst``), after each decoder's cross-entropy budget, a short
+   self-critical stage (``train.objective=scst``, ``--init`` from that decoder's best checkpoint,
+   ``scst_budgets`` seconds, by default ``SCST_BUDGET_SHARE`` of the decoder's budget, at
+   ``SCST_LR_SCALE`` times its learning rate) into ``out/<decoder>+scst``, scored the same way: the
+   table then has both rows (``sat_soft`` and ``sat_soft+scst``);
+6. writes ``out/report.html`` (self-contained) and ``out/report.json``.
 
 The three decoders see the same frozen encoder, so the table compares decoders, not CNNs.
 """
@@ -39,6 +44,8 @@ SCENES_INFO = "captioner synthetic shapes"
 # get the longest; the Transformer reaches the same quality in far fewer seconds.
 DEFAULT_BUDGETS = {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0}
 DEFAULT_ENCODER_BUDGET = 60.0  # seconds of word-detector pretraining of the shared CNN
+SCST_BUDGET_SHARE = 0.4  # --scst without --scst-budget: this share of the decoder's own budget
+SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage's (Rennie et al. lower it too)
 
 
 @dataclass
@@ -61,6 +68,8 @@ class DemoOptions:
         overrides: dotted config overrides applied to every decoder (e.g. ``{"train.epochs": 1}``).
         jobs: decoders trained at the same time, each in its own process (None: ``default_jobs``).
         progress: show tqdm bars (runs in this process; worker processes log a progress line instead).
+        scst: add a self-critical stage after each decoder's cross-entropy budget (``<decoder>+scst`` rows).
+        scst_budgets: decoder -> seconds of that stage (default ``SCST_BUDGET_SHARE`` of ``budgets``).
     """
 
     data: Path = Path("data/shapes")
@@ -78,6 +87,8 @@ class DemoOptions:
     overrides: dict[str, Any] = field(default_factory=dict)
     jobs: int | None = None
     progress: bool = True
+    scst: bool = False
+    scst_budgets: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
@@ -100,15 +111,25 @@ class DemoOptions:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
         if self.overlays < 0 or self.beam_size < 1:
             raise ConfigError("--overlays must be >= 0 and --beam >= 1")
+        if self.scst_budgets and not self.scst:
+            raise ConfigError("--scst-budget needs --scst")
+        bad = {k: v for k, v in self.scst_budgets.items() if k not in DEMO_DECODERS or not v > 0}
+        if bad:
+            raise ConfigError(f"--scst-budget: each decoder needs a number of seconds > 0 "
+                              f"({', '.join(DEMO_DECODERS)}), got {', '.join(f'{k}={v}' for k, v in bad.items())}")
+        self.scst_budgets = {name: float(self.scst_budgets.get(name, SCST_BUDGET_SHARE * self.budgets[name]))
+                             for name in DEMO_DECODERS} if self.scst else {}
 
     @classmethod
     def from_args(cls, data: str, images: int | None, seed: int, budget: str | float | None,
                   decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int = 3, device: str = "cpu",
-                  quick: bool = False, encoder_budget: float | None = None, **extra: Any) -> "DemoOptions":
+                  quick: bool = False, encoder_budget: float | None = None, scst: bool = False,
+                  scst_budget: str | float | None = None, **extra: Any) -> "DemoOptions":
         """Options from command-line values; ``quick`` picks small defaults for the unset ones.
 
         ``budget`` is one number of seconds for every decoder, or ``name=seconds`` pairs
         (``"sat_soft=150,transformer=60"``); decoders it does not name keep their defaults.
+        ``scst_budget`` (with ``scst``) is read the same way.
         """
         if isinstance(decoders, str):
             decoders = [d.strip() for d in decoders.split(",") if d.strip()]
@@ -119,10 +140,12 @@ class DemoOptions:
                    encoder_budget=encoder_budget or (10.0 if quick else DEFAULT_ENCODER_BUDGET),
                    decoders=tuple(decoders), out=Path(out), overlays=min(overlays, 2) if quick else overlays,
                    beam_size=beam_size, device=device, overrides={**quick_overrides, **extra.pop("overrides", {})},
+                   scst=scst,
+                   scst_budgets=parse_budgets(scst_budget, "--scst-budget") if scst_budget is not None else {},
                    **extra)
 
 
-def parse_budgets(text: str | float) -> dict[str, float]:
+def parse_budgets(text: str | float, flag: str = "--budget") -> dict[str, float]:
     """``"90"`` -> every decoder 90 s; ``"sat_soft=150,transformer=60"`` -> those two (others keep defaults)."""
     if isinstance(text, (int, float)):
         return {name: float(text) for name in DEMO_DECODERS}
@@ -133,7 +156,7 @@ def parse_budgets(text: str | float) -> dict[str, float]:
         pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
         return {name.strip(): float(value) for name, value in pairs}
     except ValueError:
-        raise ConfigError(f"--budget {text!r}: give seconds (90) or decoder=seconds pairs "
+        raise ConfigError(f"{flag} {text!r}: give seconds (90) or decoder=seconds pairs "
                           f"(sat_soft=150,transformer=60)") from None
 
 
@@ -188,6 +211,14 @@ def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None
     return get_preset(options.presets[decoder], **{**overrides, **options.overrides})
 
 
+def scst_config(decoder: str, cfg: Any, options: DemoOptions):  # -> Config
+    """The self-critical stage of one decoder: its cross-entropy config, now ``train.objective=scst``
+    from ``out/<decoder>/best.safetensors`` for ``options.scst_budgets[decoder]`` seconds."""
+    return cfg.override(**{"train.objective": "scst", "train.init": str(options.out / decoder / "best.safetensors"),
+                           "train.time_budget": options.scst_budgets[decoder],
+                           "train.lr": cfg.train.lr * SCST_LR_SCALE})
+
+
 def default_jobs(options: DemoOptions) -> int:
     """Decoders trained at once: one process per core on a CPU (their small ops scale badly across
     threads), one at a time on a GPU."""
@@ -234,6 +265,9 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     common = {"beam_size": options.beam_size, "overlays": options.overlays,
               "train_captions": len(load_caption_set(options.data, "train").all_captions())}
     jobs = {name: {"cfg": configs[name], "run_dir": out / name} for name in options.decoders}
+    if options.scst:  # the second stage runs in the same job, right after the first
+        for name, job in jobs.items():
+            job["scst_cfg"] = scst_config(name, configs[name], options)
     processes = min(options.jobs or default_jobs(options), len(jobs))
     log.info("[4/5] training %s over the frozen CNN (%s)", ", ".join(LABELS[n] for n in options.decoders),
              ", ".join(f"{LABELS[n]} {options.budgets[n]:.0f} s" for n in options.decoders))
@@ -244,17 +278,25 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         for name, job in jobs.items():
             log.info("training %s (%s) -> %s", LABELS[name], options.presets[name], job["run_dir"])
             done[name] = run_decoder(name, progress=options.progress, **job, **common)
-    log.info("[5/5] writing the report")
+    log.info("[5/5] writing the report")  # (the SCST stages, with --scst, ran inside step 4's jobs)
+    names = []
     for name in options.decoders:
         done[name]["run"]["preset"] = options.presets[name]
         done[name]["run"]["budget"] = options.budgets[name]
+        names.append(name)
+        scst = done[name].pop("scst", None)
+        if scst is not None:
+            scst["run"]["preset"] = options.presets[name]
+            scst["run"]["budget"] = options.scst_budgets[name]
+            done[f"{name}+scst"] = scst
+            names.append(f"{name}+scst")
     report = {
         "title": "captioner demo: three attention decoders on synthetic scenes",
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()},
         "scenes": scenes,
         "encoder": encoder,
-        "table": [done[name]["row"] for name in options.decoders],
-        "runs": {name: done[name]["run"] for name in options.decoders},
+        "table": [done[name]["row"] for name in names],
+        "runs": {name: done[name]["run"] for name in names},
         "environment": _environment(),
         "seconds": round(time.monotonic() - start, 1),
         "paths": {"html": str(out / "report.html"), "json": str(out / "report.json")},

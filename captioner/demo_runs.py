@@ -85,8 +85,9 @@ def epochs_trained(history: Sequence[dict[str, Any]], train_items: int, batch_si
 
 
 def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
-                progress: bool = True, threads: int | None = None) -> dict[str, Any]:
-    """Train one decoder, score its best checkpoint on the test split, draw overlays.
+                progress: bool = True, threads: int | None = None, scst_cfg: Any = None) -> dict[str, Any]:
+    """Train one decoder, score its best checkpoint on the test split, draw overlays; then, with
+    ``scst_cfg``, the same for its self-critical stage (``<run_dir>+scst``, ``--init`` from this one).
 
     Args:
         name: decoder name (the table's first column).
@@ -97,20 +98,33 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
         train_captions: training captions (items per epoch), for the epoch count.
         progress: show tqdm bars.
         threads: torch threads to use here (worker processes); None leaves the setting alone.
+        scst_cfg: the self-critical stage's config (``captioner.demo.scst_config``), or None.
 
     Returns:
-        ``{"row": table row, "run": run summary}`` (JSON-compatible).
+        ``{"row": table row, "run": run summary}`` (JSON-compatible), plus ``"scst"``: the same
+        for the self-critical stage when ``scst_cfg`` is given.
     """
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    done = _train_and_score(name, cfg, run_dir, beam_size, overlays, train_captions, progress)
+    if scst_cfg is not None:
+        scst_name = f"{name}+scst"
+        log.info("%s: self-critical stage from %s (%.0f s)", scst_name, scst_cfg.train.init, scst_cfg.train.time_budget)
+        done["scst"] = _train_and_score(scst_name, scst_cfg, run_dir.with_name(run_dir.name + "+scst"), beam_size,
+                                        overlays, train_captions, progress)
+    return done
+
+
+def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+                     progress: bool) -> dict[str, Any]:
     from captioner.demo_table import LABELS, format_value, table_row
     from captioner.errors import DataError
     from captioner.evaluate import evaluate_checkpoint
     from captioner.train import train
     from captioner.training.distributed import resolve_device
 
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     device = str(resolve_device(cfg.train.device, 0))
     result = train(cfg, run_dir, progress=progress)
     if not result.best_checkpoint.exists():

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 LABELS = {"sat_soft": "SAT soft", "sat_hard": "SAT hard", "transformer": "Transformer"}
+LABELS.update({f"{name}+scst": f"{label} + SCST" for name, label in list(LABELS.items())})  # captioner demo --scst
 
 # (key, header, format) of the comparison table; values are None when not measured
 COLUMNS: tuple[tuple[str, str, str], ...] = (

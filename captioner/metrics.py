@@ -18,8 +18,9 @@ hypotheses are shorter than 4 words or empty.
 
 CIDEr-D follows Vedantam et al. (2015) exactly as coco-caption computes it (``cider_scorer.py``):
 TF-IDF vectors of 1- to 4-grams, document frequencies over the reference sets of the evaluated
-images, candidate n-gram weights clipped by the reference weights, a Gaussian length penalty
-(sigma = 6), mean over n and over references, times 10.
+images (or, passed as ``doc_freq``, any other corpus's: the self-critical reward uses the training
+corpus's, :mod:`captioner.scst_reward`), candidate n-gram weights clipped by the reference
+weights, a Gaussian length penalty (sigma = 6), mean over n and over references, times 10.
 
 SPICE is never computed: it needs Stanford CoreNLP models that cannot be downloaded offline.
 """
@@ -32,6 +33,7 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,30 +122,84 @@ def _tfidf(counts: Counter, df: Mapping[tuple, float], log_images: float, n: int
     return vec, [math.sqrt(x) for x in norm], length
 
 
+@dataclass(frozen=True)
+class DocFrequencies:
+    """CIDEr-D document frequencies: in how many reference sets (images) each 1..n-gram occurs.
+
+    Attributes:
+        df: ``{ngram tuple: number of images whose references contain it}``.
+        images: number of reference sets counted (the IDF's ``N``).
+    """
+
+    df: Mapping[tuple, float]
+    images: int
+
+    @property
+    def log_images(self) -> float:
+        return math.log(float(self.images))
+
+
+def ngram_document_frequencies(references: Iterable[Sequence[Sequence[str]]], n: int = 4) -> DocFrequencies:
+    """Document frequencies over tokenized reference sets (one set of token lists per image)."""
+    df: Counter = Counter()
+    images = 0
+    for image_refs in references:
+        df.update({gram for ref in image_refs for gram in _ngram_counts(list(ref), n)})  # one per image
+        images += 1
+    if images == 0:
+        raise DataError("no reference sets to count document frequencies from")
+    return DocFrequencies(df, images)
+
+
+def document_frequencies(references: Sequence[Sequence[str]], n: int = 4) -> DocFrequencies:
+    """Document frequencies of raw reference captions (per image, all its references; tokenized here).
+
+    E.g. from the whole training corpus, once, for a CIDEr-D reward (``cider_d_scores(..., doc_freq=...)``).
+    """
+    return ngram_document_frequencies(([tokenize(r) for r in refs] for refs in references), n)
+
+
+def cider_d_similarity(counts: Counter, ref_counts: Sequence[Counter], doc_freq: DocFrequencies,
+                       sigma: float = 6.0, n: int = 4,
+                       ref_vectors: Sequence[tuple[list[dict[tuple, float]], list[float], int]] | None = None) -> float:
+    """CIDEr-D (x10 scale) of one caption's n-gram counts against its references' counts.
+
+    ``ref_vectors`` (``_tfidf`` of each reference) may be passed in when one image's references
+    score many captions.
+    """
+    log_images = doc_freq.log_images
+    vec, norm, length = _tfidf(counts, doc_freq.df, log_images, n)
+    if ref_vectors is None:
+        ref_vectors = [_tfidf(rcounts, doc_freq.df, log_images, n) for rcounts in ref_counts]
+    total = [0.0] * n
+    for rvec, rnorm, rlength in ref_vectors:
+        penalty = math.exp(-((length - rlength) ** 2) / (2 * sigma ** 2))
+        for k in range(n):
+            dot = sum(min(w, rvec[k].get(g, 0.0)) * rvec[k].get(g, 0.0) for g, w in vec[k].items())
+            if norm[k] != 0 and rnorm[k] != 0:
+                dot /= norm[k] * rnorm[k]
+            total[k] += dot * penalty
+    return 10.0 * (sum(total) / n) / len(ref_vectors)
+
+
 def cider_d_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]], sigma: float = 6.0,
-                   n: int = 4) -> list[float]:
-    """Per-image CIDEr-D (x10 scale); document frequencies come from the references given here."""
+                   n: int = 4, doc_freq: DocFrequencies | None = None) -> list[float]:
+    """Per-image CIDEr-D (x10 scale).
+
+    Args:
+        hypotheses: one caption per image.
+        references: per image, all its reference captions.
+        sigma, n: the length penalty's width and the longest n-gram.
+        doc_freq: document frequencies to use; by default (coco-caption's behaviour) they are
+            counted from the references given here.
+    """
     hyps, refs = _tokenized(hypotheses, references)
     hyp_counts = [_ngram_counts(h, n) for h in hyps]
     ref_counts = [[_ngram_counts(r, n) for r in rs] for rs in refs]
-    df: Counter = Counter()
-    for image_refs in ref_counts:
-        df.update({gram for counts in image_refs for gram in counts})  # one per image
-    log_images = math.log(float(len(refs)))
-    scores = []
-    for counts, image_refs in zip(hyp_counts, ref_counts):
-        vec, norm, length = _tfidf(counts, df, log_images, n)
-        total = [0.0] * n
-        for rcounts in image_refs:
-            rvec, rnorm, rlength = _tfidf(rcounts, df, log_images, n)
-            penalty = math.exp(-((length - rlength) ** 2) / (2 * sigma ** 2))
-            for k in range(n):
-                dot = sum(min(w, rvec[k].get(g, 0.0)) * rvec[k].get(g, 0.0) for g, w in vec[k].items())
-                if norm[k] != 0 and rnorm[k] != 0:
-                    dot /= norm[k] * rnorm[k]
-                total[k] += dot * penalty
-        scores.append(10.0 * (sum(total) / n) / len(image_refs))
-    return scores
+    if doc_freq is None:
+        doc_freq = ngram_document_frequencies(refs, n)
+    return [cider_d_similarity(counts, image_refs, doc_freq, sigma, n)
+            for counts, image_refs in zip(hyp_counts, ref_counts)]
 
 
 def cider_d(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:

@@ -61,7 +61,8 @@ def curves_png(runs: dict[str, str | os.PathLike], labels: dict[str, str] | None
     fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 3.6))
     for name, (steps, epochs) in data.items():
         label = (labels or {}).get(name, name)
-        pts = [(r["step"], r.get("ce", r.get("loss"))) for r in steps if "step" in r and ("ce" in r or "loss" in r)]
+        pts = [(r["step"], r.get("ce", r.get("loss"))) for r in steps if "step" in r and ("ce" in r or "loss" in r)
+               and "scst_reward" not in r]  # a self-critical stage logs -reward, not a cross-entropy
         if pts:
             ax_loss.plot(*zip(*pts), label=label)
         pts = [(r["seconds"], r["BLEU-4"]) for r in epochs if "seconds" in r and "BLEU-4" in r]

@@ -13,6 +13,8 @@ keeps the metric it started with when resumed.
 
 ``train.init`` (``--init``) starts a new run from a checkpoint's weights and vocabulary with a fresh
 optimizer (:mod:`captioner.training.initialize`), e.g. the fine-tuning stage of the SAT recipe.
+``train.objective = "scst"`` trains such a stage with self-critical sequence training instead of
+cross-entropy (:mod:`captioner.training.scst`); everything else in the loop stays the same.
 
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
@@ -222,9 +224,13 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     criterion_state = ({k: v.detach().clone() for k, v in run.criterion.state_dict().items()}
                        if cfg.train.skip_nonfinite else None)
     with run.precision.autocast():
-        out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
-        result = run.criterion(out, tokens[:, 1:])
-    n = float(tokens.size(0))
+        if cfg.train.objective == "scst":  # sampled captions, rewarded (captioner/training/scst.py)
+            result, n = run.criterion.batch_loss(run.forward, run.model.decoder, _scst_encoder(run), x, batch[2])
+            n = float(n)
+        else:
+            out = run.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
+            result = run.criterion(out, tokens[:, 1:])
+            n = float(tokens.size(0))
     run.optimizer.zero_grad(set_to_none=True)
     if not per_step:
         last_lr = run.optimizer.param_groups[0]["lr"]
@@ -268,6 +274,13 @@ def _train_step(run: _Run, batch: Any, params: list[nn.Parameter], epoch: int) -
     parts = {"loss": float(stats[-2] / stats[1]), **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
     _add_means(run, parts, float(stats[1]))
     return time_up, float(stats[1])
+
+
+def _scst_encoder(run: _Run):  # -> Callable | None
+    """images -> features for SCST sampling, or None when the batches already hold cached features."""
+    if getattr(run.forward, "module", run.forward).on_features:
+        return None
+    return lambda images: run.model.encoder(images)[0]  # (B, N, D)
 
 
 BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the time budget runs out
@@ -549,9 +562,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
     alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term
-    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c, ds_form=t.ds_form,
-                            reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
-                            baseline_decay=t.baseline_decay).to(info.device)
+    criterion: nn.Module = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c,
+                                       ds_form=t.ds_form, reinforce_weight=t.reinforce_weight,
+                                       entropy_weight=t.entropy_weight, baseline_decay=t.baseline_decay).to(info.device)
+    if t.objective == "scst":  # self-critical: rewards from the training references (DFs counted once, here)
+        from captioner.training.scst import build_scst_loss
+
+        criterion = build_scst_loss(cfg, data.train_set, vocab)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_schedule(optimizer, model, t)
     if t.compile and hasattr(model.decoder, "compile_recurrence"):

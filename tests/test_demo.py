@@ -132,3 +132,37 @@ def test_cli_demo_runs_end_to_end(tiny_shapes: Path, tmp_path: Path, monkeypatch
     assert (out / "report.html").is_file()
     assert main(["demo", "--decoders", "nope", "--out", str(out)]) == 1
     assert "captioner demo: error: --decoders nope" in capsys.readouterr().err
+
+
+def test_cli_demo_with_scst_adds_a_self_critical_row_per_decoder(tiny_shapes: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(demo, "DEMO_PRESETS", {"sat_soft": "sat_soft_tiny"})
+    out = tmp_path / "run"
+    code = main(["demo", "--data", str(tiny_shapes), "--out", str(out), "--decoders", "sat_soft", "--budget", "3",
+                 "--encoder-budget", "2", "--overlays", "0", "--beam", "1", "--scst", "--scst-budget", "2"])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert [line.split()[0] for line in table.splitlines() if line.startswith("sat_soft")] == ["sat_soft",
+                                                                                              "sat_soft+scst"]
+    report = json.loads((out / "report.json").read_text())
+    assert [r["decoder"] for r in report["table"]] == ["sat_soft", "sat_soft+scst"]
+    stage2 = report["runs"]["sat_soft+scst"]
+    assert stage2["config"]["train"]["objective"] == "scst" and stage2["budget"] == 2.0
+    assert stage2["config"]["train"]["init"] == str(out / "sat_soft" / "best.safetensors")
+    assert stage2["config"]["train"]["lr"] == pytest.approx(report["runs"]["sat_soft"]["config"]["train"]["lr"]
+                                                            * demo.SCST_LR_SCALE)
+    assert (out / "sat_soft+scst" / "best.safetensors").is_file() and report["table"][1]["steps"] > 0
+    assert (out / "report.html").read_text().count("<tr>") == 3
+
+
+def test_scst_demo_options() -> None:
+    options = DemoOptions(budgets={"sat_soft": 100.0}, scst=True)
+    assert options.scst_budgets["sat_soft"] == pytest.approx(100.0 * demo.SCST_BUDGET_SHARE)
+    assert DemoOptions().scst_budgets == {}  # the default demo has no SCST stage
+    with pytest.raises(ConfigError, match="--scst-budget needs --scst"):
+        DemoOptions.from_args(data="d", images=None, seed=0, budget=None, decoders="sat_soft", out="o",
+                              scst_budget="10")
+    with pytest.raises(ConfigError, match="--scst-budget 'soon'"):
+        DemoOptions.from_args(data="d", images=None, seed=0, budget=None, decoders="sat_soft", out="o", scst=True,
+                              scst_budget="soon")

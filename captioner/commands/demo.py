@@ -12,6 +12,8 @@ EXAMPLES = """
   captioner demo --quick                            # a 1-minute smoke run (small data, short budgets)
   captioner demo --decoders sat_soft,transformer --budget sat_soft=180,transformer=60
   captioner demo --data data/shapes --images 4000 --seed 1 --out runs/demo_seed1
+  captioner demo --scst                             # + a self-critical stage per decoder (rows sat_soft+scst, ...)
+  captioner demo --scst --scst-budget 60            # ... of 60 s each (default: 40% of the decoder's budget)
 """
 
 
@@ -36,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam", type=int, default=3, help="beam size for the test captions (default: 3)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--quick", action="store_true", help="tiny run: fewer scenes, short budgets, small models")
+    parser.add_argument("--scst", action="store_true",
+                        help="after each decoder's budget, a self-critical (SCST) stage from its best checkpoint")
+    parser.add_argument("--scst-budget", default=None,
+                        help="seconds of each SCST stage: one number or decoder=seconds pairs "
+                             "(default: 40%% of the decoder's --budget)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     options = DemoOptions.from_args(
         data=args.data, images=args.images, seed=args.seed, budget=args.budget, decoders=args.decoders,
         out=args.out, overlays=args.overlays, beam_size=args.beam, device=args.device, quick=args.quick,
-        encoder_budget=args.encoder_budget, jobs=args.jobs,
+        encoder_budget=args.encoder_budget, jobs=args.jobs, scst=args.scst, scst_budget=args.scst_budget,
     )
     report = run_demo(options)
     print()

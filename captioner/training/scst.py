@@ -1,0 +1,199 @@
+"""Self-critical sequence training (SCST, Rennie et al. 2017): ``train.objective = "scst"``.
+
+Shape legend: B distinct images of a batch, K samples per image, R = B * K, L sampled steps,
+V vocabulary, N regions, D feature width.
+
+One step, given a training batch (caption items ``(x, tokens, image_index)``, as cross-entropy
+training reads them; the references are not the batch's captions but all of each image's):
+
+1. the batch's **distinct images** (first occurrence of each ``image_index``, in batch order);
+2. **K samples** per image (``train.scst_samples``), drawn without gradients through the decoder
+   contract (:func:`captioner.sampling.sample_captions`), temperature ``train.scst_temperature``,
+   at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
+   decoder's training mode (dropout on; hard attention samples its regions): the policy trained;
+3. the **baseline** (``train.scst_baseline``): ``greedy``, the reward of the model's own greedy
+   caption (eval mode, no gradients: the test-time policy, as in the paper), or ``mean``, the mean
+   reward of the image's other K - 1 samples;
+4. the **reward** r (CIDEr-D against all training references of the image, document frequencies of
+   the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.scst_reward.CaptionReward`);
+5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
+   DDP-wrapped) module, ``forward(x, [<bos> w1 .. wL-1])``: the same log-probabilities the sampler
+   used (up to dropout masks), now with a graph, for every decoder alike;
+6. the loss ``-sum_{r,t} (r_r - b_r) log p(w_rt) / (sampled tokens)``: tokens after the first
+   ``<eos>`` are padding and masked out; the advantage ``r - b`` is not normalised.
+
+Hard attention: in training mode the teacher-forced pass samples a region per word again, so the
+attention choice gets its own REINFORCE term with the **same caption-level advantage**,
+``-reinforce_weight * sum_{r,t} (r_r - b_r) log p(s_rt) / (sampled tokens)`` (the cross-entropy
+stage's term, :class:`captioner.losses.CaptionLoss`, rewards the regions with the caption's
+log-likelihood instead), plus the entropy bonus ``-entropy_weight * mean attention entropy``.
+
+The result is a :class:`captioner.losses.LossResult`, so the training loop logs it and checks it
+for non-finite values as it does the cross-entropy: ``objective`` (the ``loss`` column) is
+``-(mean sample reward)`` minus the entropy bonus; ``terms`` hold ``scst_reward`` (mean sample
+reward), ``scst_baseline_reward`` (mean baseline: the greedy reward, or the others' mean),
+``scst_better`` (share of samples whose reward beats their baseline), and for hard attention
+``reinforce`` and ``entropy``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from captioner.decoding import DecodeOptions, decode, never_emitted_ids
+from captioner.losses import LossResult
+from captioner.sampling import sample_captions
+from captioner.scst_reward import CaptionReward
+from captioner.text import Vocabulary, tokenize
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("greedy", "mean")
+
+
+def distinct_images(image_index: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Batch rows of the first occurrence of each image, and those images' indices (batch order)."""
+    rows: dict[int, int] = {}
+    for row, image in enumerate(image_index.tolist()):
+        rows.setdefault(int(image), row)
+    return list(rows.values()), list(rows.keys())
+
+
+def baselines(rewards: torch.Tensor, samples: int, kind: str, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """Per sample, its baseline: (R,) rewards (image-major, K per image) -> (R,).
+
+    ``greedy``: the image's greedy reward (B,) repeated K times; ``mean``: the mean of the image's
+    other K - 1 samples.
+    """
+    if kind == "greedy":
+        if greedy is None:
+            raise ValueError("the greedy baseline needs the greedy rewards")
+        return greedy.repeat_interleave(samples)
+    per_image = rewards.view(-1, samples)  # (B, K)
+    others = (per_image.sum(dim=1, keepdim=True) - per_image) / (samples - 1)  # (B, K)
+    return others.reshape(-1)
+
+
+def sequence_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each step: (R, L, V), (R, L) -> (R, L) float32."""
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class SelfCriticalLoss(nn.Module):
+    """SCST loss for any decoder (see the module docstring); no buffers, so nothing to resume.
+
+    Args:
+        reward: the caption reward over the training images.
+        vocab: the model's vocabulary.
+        samples: K, samples per image.
+        temperature: sampling temperature.
+        baseline: ``"greedy"`` or ``"mean"``.
+        max_len: most words per sampled (and greedy) caption: ``train.val_max_len``.
+        reinforce_weight: hard attention: weight of the attention-choice REINFORCE term.
+        entropy_weight: hard attention: weight of the attention-entropy bonus.
+    """
+
+    def __init__(self, reward: CaptionReward, vocab: Vocabulary, samples: int = 5, temperature: float = 1.0,
+                 baseline: str = "greedy", max_len: int = 20, reinforce_weight: float = 1.0,
+                 entropy_weight: float = 0.0) -> None:
+        super().__init__()
+        if baseline not in BASELINES:
+            raise ValueError(f"baseline {baseline!r}: use greedy or mean")
+        self.reward, self.vocab = reward, vocab
+        self.samples, self.temperature, self.baseline_kind, self.max_len = samples, temperature, baseline, max_len
+        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
+        self.banned = never_emitted_ids(vocab)
+
+    def _texts(self, ids: list[list[int]]) -> list[list[str]]:
+        # the validation path: ids -> text -> the one tokenization used by every metric
+        return [tokenize(self.vocab.decode(row)) for row in ids]
+
+    def _greedy(self, decoder: nn.Module, features: torch.Tensor) -> list[list[int]]:
+        was_training = decoder.training
+        decoder.eval()
+        try:
+            hyps = decode(decoder, features, self.vocab.bos_id, self.vocab.eos_id,
+                          DecodeOptions(beam_size=1, max_len=self.max_len), self.banned)
+        finally:
+            decoder.train(was_training)
+        return [h[0].tokens for h in hyps]
+
+    def batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
+                   encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
+                   image_index: torch.Tensor) -> tuple[LossResult, int]:
+        """One SCST step's loss.
+
+        Args:
+            forward: the trained module, ``forward(x, tokens) -> DecoderOutput`` (DDP-wrapped or not).
+            decoder: the bare decoder (sampling and greedy decoding, no gradients).
+            encode: images -> features (B, N, D) when ``x`` holds pixels; None when ``x`` is features.
+            x: the batch inputs, one row per caption item.
+            image_index: (rows,) training image of each row.
+
+        Returns:
+            ``(LossResult, R)``: the loss and the number of sampled captions.
+        """
+        rows, images = distinct_images(image_index)
+        K = self.samples
+        keep = torch.tensor(rows, device=x.device)
+        x = x.index_select(0, keep)  # (B, ...)
+        with torch.no_grad():
+            features = x if encode is None else encode(x)  # (B, N, D)
+            if features.is_floating_point() and features.dtype != torch.float32:  # fp16/bf16 feature caches
+                features = features.float()
+            sampled = sample_captions(decoder, features, self.vocab.bos_id, self.vocab.eos_id, self.vocab.pad_id,
+                                      K, self.max_len, self.temperature, self.banned)
+            greedy_ids = self._greedy(decoder, features) if self.baseline_kind == "greedy" else None
+        sample_images = [i for i in images for _ in range(K)]
+        rewards = self.reward(self._texts(sampled.words()), sample_images)
+        device = x.device
+        reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # (R,)
+        greedy_t = None
+        if greedy_ids is not None:
+            greedy_t = torch.tensor(self.reward(self._texts(greedy_ids), images), dtype=torch.float32, device=device)
+        base = baselines(reward_t, K, self.baseline_kind, greedy_t)  # (R,)
+        advantage = reward_t - base  # (R,)
+
+        targets = sampled.tokens  # (R, L)
+        bos = torch.full_like(targets[:, :1], self.vocab.bos_id)
+        inputs = torch.cat([bos, targets[:, :-1]], dim=1)  # (R, L)
+        out = forward(x.repeat_interleave(K, dim=0), inputs)  # logits (R, L, V)
+        mask = (targets != self.vocab.pad_id).float()  # (R, L)
+        count = mask.sum().clamp(min=1.0)
+        token_lp = sequence_log_probs(out.logits, targets) * mask  # (R, L)
+        total = -(advantage.unsqueeze(1) * token_lp).sum() / count
+        objective = -reward_t.mean()
+        terms = {"scst_reward": reward_t.mean(), "scst_baseline_reward": base.mean(),
+                 "scst_better": (reward_t > base).float().mean()}
+        if out.sample_log_probs is not None:  # hard attention: the region choices share the advantage
+            region_lp = out.sample_log_probs.float() * mask  # (R, L)
+            term = -self.reinforce_weight * (advantage.unsqueeze(1) * region_lp).sum() / count
+            total = total + term
+            terms["reinforce"] = term.detach()
+        if out.attention_entropy is not None and self.entropy_weight:
+            entropy = (out.attention_entropy.float() * mask).sum() / count
+            bonus = -self.entropy_weight * entropy
+            total, objective = total + bonus, objective + bonus.detach()
+            terms["entropy"] = entropy.detach()
+            terms["weighted_entropy"] = self.entropy_weight * entropy.detach()
+        return LossResult(total=total, objective=objective.detach(), terms=terms), int(targets.size(0))
+
+
+def build_scst_loss(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCriticalLoss:
+    """``train.objective = "scst"``: the loss over ``train_set``'s references (DFs counted here, once)."""
+    t = cfg.train
+    if not t.init:
+        log.warning("train.objective=scst without train.init (--init): self-critical training from random "
+                    "weights rarely samples a rewarded caption; start from a cross-entropy checkpoint")
+    reward = CaptionReward([train_set.references(image.image_id) for image in train_set.images],
+                           bleu_weight=t.scst_bleu_weight)
+    hard = cfg.model.decoder.name == "sat" and cfg.model.decoder.attention == "hard"
+    return SelfCriticalLoss(reward, vocab, samples=t.scst_samples, temperature=t.scst_temperature,
+                            baseline=t.scst_baseline, max_len=t.val_max_len, reinforce_weight=t.reinforce_weight,
+                            entropy_weight=t.entropy_weight if hard else 0.0)
