@@ -182,7 +182,7 @@ class TrainConfig:
     objective: str = "xe"  # "xe" (cross-entropy, teacher forcing) or "scst" (self-critical, Rennie et al. 2017)
     scst_samples: int = 5  # scst: captions sampled per image
     scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
-    scst_baseline: str = "greedy"  # scst: "greedy" (the model's greedy caption) or "mean" (other samples' mean)
+    scst_baseline: str = "mean"  # "mean" of the image's other samples (Luo 2020; stable) or "greedy" (Rennie et al.)
     scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
 
     def __post_init__(self) -> None:

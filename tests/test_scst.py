@@ -275,3 +275,21 @@ def test_two_process_ddp_scst_run(tiny_shapes: Path, tmp_path: Path, stage1: dic
         assert 0.0 <= float(row["scst_better"]) <= 1.0 and math.isfinite(float(row["scst_reward"]))
         assert math.isfinite(float(row["reinforce"]))
     assert (tmp_path / "ddp" / "best.safetensors").is_file()
+
+
+def test_sampling_and_rescoring_see_the_same_policy_with_dropout_layers_off() -> None:
+    """Dropout would give the re-scoring pass other masks than the sampling pass; ``dropout_off``
+    makes a training-mode decoder compute exactly its eval-mode log-probabilities."""
+    from captioner.models.lstm import SATDecoder
+    from captioner.training.scst import dropout_off
+
+    torch.manual_seed(0)
+    decoder = SATDecoder(vocab_size=11, feature_dim=6, embed_dim=5, hidden_dim=7, attention_dim=4, dropout=0.5)
+    features, tokens = torch.randn(3, 4, 6), torch.randint(4, 11, (3, 5))
+    decoder.eval()
+    reference = decoder(features, tokens).logits
+    decoder.train()
+    assert not torch.allclose(decoder(features, tokens).logits, reference)  # dropout on
+    with dropout_off(decoder):
+        assert decoder.training and torch.allclose(decoder(features, tokens).logits, reference)
+    assert all(m.training for m in decoder.modules())  # restored

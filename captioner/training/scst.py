@@ -10,7 +10,8 @@ training reads them; the references are not the batch's captions but all of each
 2. **K samples** per image (``train.scst_samples``), drawn without gradients through the decoder
    contract (:func:`captioner.sampling.sample_captions`), temperature ``train.scst_temperature``,
    at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
-   decoder's training mode (dropout on; hard attention samples its regions): the policy trained;
+   decoder's training mode with its dropout layers off (hard attention samples its regions): the
+   policy trained, the same one step 5 re-scores (:func:`dropout_off`);
 3. the **baseline** (``train.scst_baseline``): ``greedy``, the reward of the model's own greedy
    caption (eval mode, no gradients: the test-time policy, as in the paper), or ``mean``, the mean
    reward of the image's other K - 1 samples;
@@ -18,7 +19,7 @@ training reads them; the references are not the batch's captions but all of each
    the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.scst_reward.CaptionReward`);
 5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
    DDP-wrapped) module, ``forward(x, [<bos> w1 .. wL-1])``: the same log-probabilities the sampler
-   used (up to dropout masks), now with a graph, for every decoder alike;
+   used (exactly, for soft attention and the Transformer), now with a graph, for every decoder alike;
 6. the loss ``-sum_{r,t} (r_r - b_r) log p(w_rt) / (sampled tokens)``: tokens after the first
    ``<eos>`` are padding and masked out; the advantage ``r - b`` is not normalised.
 
@@ -38,8 +39,9 @@ reward), ``scst_baseline_reward`` (mean baseline: the greedy reward, or the othe
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +80,26 @@ def baselines(rewards: torch.Tensor, samples: int, kind: str, greedy: torch.Tens
     per_image = rewards.view(-1, samples)  # (B, K)
     others = (per_image.sum(dim=1, keepdim=True) - per_image) / (samples - 1)  # (B, K)
     return others.reshape(-1)
+
+
+@contextlib.contextmanager
+def dropout_off(*modules: nn.Module) -> Iterator[None]:
+    """Put every dropout layer of ``modules`` in eval mode (the modules keep their own mode).
+
+    SCST samples captions without a graph and re-scores them with teacher forcing: with dropout on,
+    the two passes draw different masks, so the gradient is of log-probabilities under another
+    policy than the one that sampled (on Flickr8k, with the lite preset's dropout 0.5, even the
+    training reward fell). Without dropout both passes are the same policy, exactly; hard
+    attention still samples its regions (that is the decoder's mode, not a dropout layer).
+    """
+    layers = [m for module in modules for m in module.modules() if isinstance(m, nn.Dropout) and m.training]
+    for layer in layers:
+        layer.eval()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.train()
 
 
 def sequence_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -139,6 +161,12 @@ class SelfCriticalLoss(nn.Module):
         Returns:
             ``(LossResult, R)``: the loss and the number of sampled captions.
         """
+        with dropout_off(decoder):
+            return self._batch_loss(forward, decoder, encode, x, image_index)
+
+    def _batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
+                    encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
+                    image_index: torch.Tensor) -> tuple[LossResult, int]:
         rows, images = distinct_images(image_index)
         K = self.samples
         keep = torch.tensor(rows, device=x.device)
