@@ -11,8 +11,9 @@ synthetic scenes through the feature cache:
   each epoch's validation and checkpoints (a 1-epoch run is subtracted from the 3-epoch one, so
   set-up cancels out). Validation decodes 10% of the images with beam search after every 38-step
   epoch here, far more often than on COCO, so the second figure is a floor;
-* **model**: forward + loss + backward + clip + Adam step of the same model on one batch already
-  on the device, as many steps as two epochs of the loop.
+* **model**: forward + loss + backward + clip + Adam step of the same model on the same epoch's
+  batches, gathered beforehand onto the device (same caption lengths, so the same work per step),
+  as many steps as two epochs of the loop.
 
 ``efficiency = loop_captions_per_s / model_captions_per_s``. CUDA is used when present.
 
@@ -64,8 +65,9 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     model = build_model(cfg.model, len(vocab)).to(device)
     info = DistInfo(0, 1, 0, device)
     data = prepare_data(cfg, model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, False)
-    x, tokens, _ = next(iter(train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)))
-    x, tokens = x.to(device), tokens.to(device)
+    # the epoch's own batches (their caption lengths set the SAT time loop's length), already in place
+    batches = [(x.to(device), tokens.to(device))
+               for x, tokens, _ in train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)]
     t = cfg.train
     criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing,
                             alpha_c=t.alpha_c if cfg.model.decoder.name == "sat" else 0.0, ds_form=t.ds_form,
@@ -74,22 +76,25 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     model.train()
 
-    def step() -> None:
+    def step(x: torch.Tensor, tokens: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
         criterion(model.decoder(x, tokens[:, :-1]), tokens[:, 1:]).total.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         optimizer.step()
 
-    for _ in range(3):
-        step()
+    for x, tokens in batches[:3]:
+        step(x, tokens)
     if device.type == "cuda":
         torch.cuda.synchronize()
+    captions = 0
     t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
+    for i in range(steps):
+        x, tokens = batches[i % len(batches)]
+        step(x, tokens)
+        captions += x.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return steps * x.shape[0] / (time.perf_counter() - t0)
+    return captions / (time.perf_counter() - t0)
 
 
 def train_loop(quick: bool = False) -> dict:
