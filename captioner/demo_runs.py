@@ -229,5 +229,5 @@ def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
     model = build_model(cfg.model, len(vocab))
     info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0))
-    cfg_once = type(cfg).from_dict({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "in_memory_mb": 0.0}})
-    prepare_data(cfg_once, model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, progress)
+    # only the files are wanted here: not holding the features in memory (each run does that itself)
+    prepare_data(cfg.override(**{"data.in_memory_mb": 0.0}), model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, progress)

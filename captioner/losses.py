@@ -126,6 +126,15 @@ class CaptionLoss(nn.Module):
         self.register_buffer("advantage_var", torch.ones(()))  # moving average of (r - b)^2
         self.register_buffer("baseline_updates", torch.zeros((), dtype=torch.long))  # 0 = not yet initialised
 
+    @classmethod
+    def from_config(cls, train_cfg, decoder_name: str, pad_id: int) -> "CaptionLoss":  # noqa: ANN001
+        """The cross-entropy stage's loss for a ``TrainConfig``; the penalty applies to SAT decoders only."""
+        t = train_cfg
+        return cls(pad_id=pad_id, label_smoothing=t.label_smoothing,
+                   alpha_c=t.alpha_c if decoder_name == "sat" else 0.0, ds_form=t.ds_form,
+                   reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
+                   baseline_decay=t.baseline_decay)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         # States saved before ``advantage_var`` existed resume with a fresh scale.
         state_dict.setdefault(prefix + "advantage_var", torch.ones(()))

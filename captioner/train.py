@@ -54,7 +54,7 @@ from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import (Precision, build_optimizer, build_schedule, clip_and_step, nonfinite_tensors,
                                       setup_precision)
 from captioner.training.selection import decay_after_epoch, keep_select_metric
-from captioner.training.step_stats import DeviceStats, term_shares
+from captioner.training.step_stats import DeviceStats, term_shares, weighted_terms
 from captioner.training.state import (Progress, capture_rng, check_resume_config, check_resume_vocab,
                                       remove_stale_temp_files, restore_rng, seed_everything)
 from captioner.training.validation import score, validate
@@ -303,7 +303,7 @@ def _add_means(run: _Run, means: dict[str, float], captions: float) -> None:
     run.progress.epoch_meter.add(means, captions)
     run.progress.window_meter.add(means, captions)
     ce = means.get("ce", math.nan)
-    heavy = {k[len("weighted_"):]: abs(v) for k, v in means.items() if k.startswith("weighted_") and abs(v) > ce}
+    heavy = {name: value for name, value in weighted_terms(means).items() if value > ce}
     if heavy and not run.warned_regulariser and run.info.is_main:
         run.warned_regulariser = True
         name, value = max(heavy.items(), key=lambda kv: kv[1])
@@ -561,14 +561,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         init = None
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
-    alpha_c = t.alpha_c if cfg.model.decoder.name == "sat" else 0.0  # the penalty is a SAT term
-    criterion: nn.Module = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing, alpha_c=alpha_c,
-                                       ds_form=t.ds_form, reinforce_weight=t.reinforce_weight,
-                                       entropy_weight=t.entropy_weight, baseline_decay=t.baseline_decay).to(info.device)
+    criterion: nn.Module
     if t.objective == "scst":  # self-critical: rewards from the training references (DFs counted once, here)
         from captioner.training.scst import build_scst_loss
 
         criterion = build_scst_loss(cfg, data.train_set, vocab)
+    else:
+        criterion = CaptionLoss.from_config(t, cfg.model.decoder.name, vocab.pad_id).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_schedule(optimizer, model, t)
     if t.compile and hasattr(model.decoder, "compile_recurrence"):

@@ -69,9 +69,7 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     batches = [(x.to(device), tokens.to(device))
                for x, tokens, _ in train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)]
     t = cfg.train
-    criterion = CaptionLoss(pad_id=vocab.pad_id, label_smoothing=t.label_smoothing,
-                            alpha_c=t.alpha_c if cfg.model.decoder.name == "sat" else 0.0, ds_form=t.ds_form,
-                            reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight).to(device)
+    criterion = CaptionLoss.from_config(t, cfg.model.decoder.name, vocab.pad_id).to(device)  # what train() uses
     optimizer = build_optimizer(model, t, train_encoder=False)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     model.train()

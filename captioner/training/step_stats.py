@@ -80,6 +80,11 @@ class DeviceStats:
         return reading
 
 
+def weighted_terms(means: dict[str, float]) -> dict[str, float]:
+    """The regularisers as they enter the objective: ``{name: |weighted_<name>|}``."""
+    return {k[len("weighted_"):]: abs(v) for k, v in means.items() if k.startswith("weighted_")}
+
+
 def term_shares(means: dict[str, float]) -> dict[str, float]:
     """Each term's share of the positive loss mass: ``ce`` and every ``weighted_<name>`` regulariser.
 
@@ -88,7 +93,7 @@ def term_shares(means: dict[str, float]) -> dict[str, float]:
     ce = means.get("ce")
     if ce is None or not math.isfinite(ce):
         return {}
-    weighted = {k[len("weighted_"):]: abs(v) for k, v in means.items() if k.startswith("weighted_")}
+    weighted = weighted_terms(means)
     whole = ce + sum(weighted.values())
     if whole <= 0:
         return {}
