@@ -15,7 +15,8 @@ synthetic scenes through the feature cache:
   batches, gathered beforehand onto the device (same caption lengths, so the same work per step),
   as many steps as two epochs of the loop.
 
-``efficiency = loop_captions_per_s / model_captions_per_s``. CUDA is used when present.
+``efficiency = loop_captions_per_s / model_captions_per_s``. CUDA is used when present; there each
+preset also runs under bf16 autocast (rows ``<preset>:bf16``), the bare step under the same autocast.
 
     python scripts/benchmark.py --only train_loop --json
 """
@@ -57,7 +58,7 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     from captioner.text import Vocabulary
     from captioner.training.data import load_caption_sets, prepare_data, train_loader
     from captioner.training.distributed import DistInfo
-    from captioner.training.optim import build_optimizer
+    from captioner.training.optim import build_optimizer, setup_precision
 
     train_set, val_set = load_caption_sets(cfg)
     vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
@@ -72,11 +73,14 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     criterion = CaptionLoss.from_config(t, cfg.model.decoder.name, vocab.pad_id).to(device)  # what train() uses
     optimizer = build_optimizer(model, t, train_encoder=False)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    precision = setup_precision(t.amp, device)  # the loop's autocast (bf16 in the GPU presets), not its compile
     model.train()
 
     def step(x: torch.Tensor, tokens: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
-        criterion(model.decoder(x, tokens[:, :-1]), tokens[:, 1:]).total.backward()
+        with precision.autocast():
+            loss = criterion(model.decoder(x, tokens[:, :-1]), tokens[:, 1:]).total
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         optimizer.step()
 
@@ -107,10 +111,15 @@ def train_loop(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_train_loop_") as tmp:
         root = Path(tmp) / "scenes"
         make_shapes(root, images=images, seed=0, image_size=64 if quick else 128)
-        for preset in presets:
+        # on a GPU each preset runs as configured (fp32) and again under bf16 autocast ("<preset>:bf16")
+        runs = [(p, {}) for p in presets]
+        if device.type == "cuda":
+            runs = [r for p in presets for r in ((p, {}), (f"{p}:bf16", {"train.amp": "bf16"}))]
+        for row, extra in runs:
+            preset = row.split(":")[0]
             cfg = get_preset(preset, **{"data.root": str(root), "data.feature_cache_dir": str(Path(tmp) / "features"),
                                         "train.device": device.type, "train.patience": 100,
-                                        "model.encoder.fine_tune": False, "data.feature_cache": True})
+                                        "model.encoder.fine_tune": False, "data.feature_cache": True, **extra})
             one = _loop_seconds(cfg, Path(tmp) / "run1", 1)  # also builds the feature cache (outside the timing)
             one = _loop_seconds(cfg, Path(tmp) / "run1", 1)
             three = _loop_seconds(cfg, Path(tmp) / "run3", 3)
@@ -119,12 +128,13 @@ def train_loop(quick: bool = False) -> dict:
             loop = _logged_speed(Path(tmp) / "run3")
             batches = 2 * -(-len(list(_captions(cfg))) // cfg.train.batch_size)
             model = _model_captions_per_s(cfg, str(root), batches, device)
-            rows[preset] = {"loop_captions_per_s": round(loop, 1), "model_captions_per_s": round(model, 1),
+            rows[row] = {"loop_captions_per_s": round(loop, 1), "model_captions_per_s": round(model, 1),
                             "efficiency": round(loop / model, 3),
                             "loop_with_validation_captions_per_s": round(with_validation, 1),
                             "efficiency_with_validation": round(with_validation / model, 3)}
     worst = min(rows.values(), key=lambda r: r["efficiency"])
-    return {**worst, "device": device.type, "threads": torch.get_num_threads(), "images": images, "presets": rows}
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return {**worst, "device": name, "threads": torch.get_num_threads(), "images": images, "presets": rows}
 
 
 def _logged_speed(run_dir: Path) -> float:
