@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from captioner.decoding import DecodeOptions, decode
+from captioner.decoding.search import DecodeOptions, decode
 from captioner.models.base import reorder_nested
 from captioner.models.lstm import SATDecoder
 

@@ -54,7 +54,7 @@ def _best(argv: list[str], runs: int) -> tuple[float, float]:
 def _make_checkpoint(folder: Path) -> Path:
     import torch
 
-    from captioner.checkpoint import save_checkpoint
+    from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from captioner.config import get_preset  # noqa: E402
 from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.captioner import build_decoder  # noqa: E402
-from captioner.scst_reward import CaptionReward  # noqa: E402
+from captioner.training.scst_reward import CaptionReward  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
 from captioner.training.scst import SelfCriticalLoss  # noqa: E402
 

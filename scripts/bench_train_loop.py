@@ -42,7 +42,7 @@ QUICK_PRESETS = ("sat_soft_tiny", "transformer_tiny")
 
 
 def _loop_seconds(cfg, out: Path, epochs: int) -> float:
-    from captioner.train import train
+    from captioner.training.loop import train
 
     cfg.train.epochs = epochs
     shutil.rmtree(out, ignore_errors=True)

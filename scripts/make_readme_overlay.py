@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity (default: 0.5)")
     args = parser.parse_args(argv)
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
     from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding import DecodeOptions, caption_images
+    from captioner.decoding.search import DecodeOptions, caption_images
     from captioner.errors import CaptionerError
-    from captioner.visualize import render_grid
+    from captioner.viz.overlays import render_grid
 
     try:
         ckpt = load_checkpoint(args.checkpoint)

@@ -56,7 +56,7 @@ def test_explorer_word_selection_changes_heat_map(driver, tmp_path, with_layers)
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    from captioner.visualize import write_overlays
+    from captioner.viz.overlays import write_overlays
 
     words = ["a", "red", "circle", "below"]
     att = np.zeros((4, 4, 4), dtype=np.float32)

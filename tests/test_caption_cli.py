@@ -16,7 +16,7 @@ from captioner.cli import main
 from captioner.config import get_preset
 from captioner.models.captioner import build_model
 from captioner.text import Vocabulary
-from captioner.visualize import read_attention_json
+from captioner.viz.overlays import read_attention_json
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square triangle on the left right of".split()
@@ -32,7 +32,7 @@ def one_thread():
 
 
 def _checkpoint(root: Path, preset: str) -> Path:
-    from captioner.checkpoint import save_checkpoint
+    from captioner.checkpoint.store import save_checkpoint
 
     torch.manual_seed(0)
     vocab = Vocabulary(WORDS)
@@ -105,7 +105,7 @@ def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints,
 
 def test_unk_is_banned_unless_allow_unk(capsys, photos, tmp_path):
     """A model whose favourite word is <unk>: the caption command leaves it out unless asked."""
-    from captioner.checkpoint import load_checkpoint, save_checkpoint
+    from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 
     loaded = load_checkpoint(_checkpoint(tmp_path, "sat_soft_tiny"))
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from captioner.checkpoint import (
+from captioner.checkpoint.store import (
     load_checkpoint,
     load_train_state,
     read_checkpoint_metadata,

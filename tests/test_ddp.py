@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from captioner.config import get_preset
-from captioner.train import train
+from captioner.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_two_process_gloo_run_matches_single_process(tiny_shapes: Path, tmp_path
     assert float(ddp_epoch["loss"]) == pytest.approx(single.history[0]["loss"], rel=1e-4)
     assert int(ddp_epoch["val_images"]) == 4  # validation shards (2 + 2) gathered
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
 
     loaded = load_checkpoint(ddp_run / "best.safetensors")
     assert not any(k.startswith("module.") for k in loaded.model.state_dict())  # unwrapped weights saved

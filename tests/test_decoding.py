@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from captioner.decoding import (
+from captioner.decoding.search import (
     DecodeOptions,
     beam_search,
     caption_features,
@@ -299,7 +299,7 @@ class _FakeModel(nn.Module):
 @pytest.mark.parametrize("beam", [1, 3])
 def test_unk_is_never_emitted_unless_allowed(beam):
     """The table's "a" is id 3, which a Vocabulary calls <unk>: the model's first choice everywhere."""
-    from captioner.decoding import never_emitted_ids
+    from captioner.decoding.search import never_emitted_ids
 
     vocab = Vocabulary(["x", "y", "z"])  # ids 4, 5, 6; 3 is <unk>
     assert A == vocab.unk_id

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner import evaluate as ev
+from captioner.evaluation import evaluate as ev
 from captioner.config import get_preset
 from captioner.errors import ConfigError, DataError, ImageLoadError
-from captioner.metrics import caption_metrics
+from captioner.evaluation.metrics import caption_metrics
 from captioner.text import Vocabulary
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An (untrained) tiny SAT checkpoint whose vocabulary covers the shapes captions."""
-    from captioner.checkpoint import save_checkpoint
+    from captioner.checkpoint.store import save_checkpoint
     from captioner.data.coco import load_caption_set
     from captioner.models.captioner import build_model
 
@@ -73,7 +73,7 @@ def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_s
 def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """An oracle that answers each image with one of its own references scores BLEU 1."""
-    from captioner.decoding import CaptionResult
+    from captioner.decoding.search import CaptionResult
 
     def oracle(model, vocab, caption_set, **kwargs):
         results = [CaptionResult(caption_set.references(r.image_id)[0], [], [], 0.0, torch.zeros(0, 4, 4), (4, 4))
@@ -88,7 +88,7 @@ def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tm
 
 
 def test_caption_split_is_batch_invariant_and_defaults_next_to_checkpoint(checkpoint: Path, tiny_shapes: Path) -> None:
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.coco import load_caption_set
 
     loaded = load_checkpoint(checkpoint)

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from captioner.errors import ConfigError, DataError
-from captioner.explorer import render_explorer, write_explorer
-from captioner.visualize import BLUR_CELLS, AttentionRecord, colormap_lut
+from captioner.viz.explorer import render_explorer, write_explorer
+from captioner.viz.overlays import BLUR_CELLS, AttentionRecord, colormap_lut
 
 
 class _Collect(HTMLParser):
@@ -104,7 +104,7 @@ def test_layer_and_head_selectors_only_with_all_attention():
 
 
 def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
-    from captioner.explorer import MIN_DISPLAY_SIDE, display_size
+    from captioner.viz.explorer import MIN_DISPLAY_SIDE, display_size
 
     def shown(size, **kw):
         record = AttentionRecord("a", ["a"], np.ones((1, 2, 2)) / 4, size, (0, 0, *size))
@@ -124,7 +124,7 @@ def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
 
 
 def test_the_page_carries_the_captions_shared_colour_scale_for_every_layer_and_head():
-    from captioner.visualize import color_scale
+    from captioner.viz.overlays import color_scale
 
     record = _record()
     assert _payload(render_explorer(Image.new("RGB", (30, 20)), record))["scale"] == \

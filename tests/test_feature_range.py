@@ -24,8 +24,8 @@ from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
 from captioner.errors import CaptionerError, DataError
-from captioner.feature_dtype import FLOAT16_MAX
-from captioner.features import MAGIC, FeatureCache, get_feature_cache
+from captioner.features.dtype import FLOAT16_MAX
+from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache
 from captioner.models.encoder import build_encoder
 from captioner.training.diagnosis import first_loss_cause
 
@@ -89,7 +89,7 @@ def test_features_beyond_float16_round_trip_as_bfloat16(setup, tmp_path: Path, f
     expected = ref * torch.where(torch.arange(COUNT) >= 4 * (from_call - 1), scale, 1.0)[:, None, None]
     assert float(expected.abs().max()) > FLOAT16_MAX  # float16 would store inf here
     path = tmp_path / "c.feats"
-    with caplog.at_level(logging.WARNING, logger="captioner.features"):
+    with caplog.at_level(logging.WARNING, logger="captioner.features.cache"):
         built = FeatureCache.build(Scaled(encoder, scale, from_call), cs, transform, path, batch_size=4,
                                    progress=False, encoder_name="resnet101-like")
     first = float(expected[4 * (from_call - 1):4 * from_call].abs().max())  # the first batch beyond float16
@@ -197,7 +197,7 @@ def test_nonfinite_first_loss_names_the_cause_not_skipping(tiny_shapes: Path, tm
     bfloat16), and the NaN loss of step 1 is blamed on them, without suggesting to skip batches."""
     from captioner.losses import CaptionLoss
     from captioner.models.encoder import Encoder
-    from captioner.train import train
+    from captioner.training.loop import train
 
     encode, loss = Encoder.forward, CaptionLoss.forward
 

@@ -19,7 +19,7 @@ from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
 from captioner.errors import CaptionerError, DataError, ImageLoadError
-from captioner.features import FeatureCache, cache_key, cache_path, get_feature_cache
+from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
 from captioner.models.encoder import build_encoder
 
 COUNT = 10
@@ -234,7 +234,7 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
     """
     from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
-    from captioner.train import TrainForward
+    from captioner.training.loop import TrainForward
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
     from captioner.training.distributed import DistInfo
 

@@ -337,7 +337,7 @@ def test_vocabulary_load_on_random_and_mutated_files(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from captioner.checkpoint import save_checkpoint
+    from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
     from captioner.models.captioner import build_model
 
@@ -384,7 +384,7 @@ def _with_meta(data: bytes, key: str, value: str) -> bytes:
 @pytest.mark.timeout(180)
 def test_load_checkpoint_on_random_truncated_and_mutated_files(tiny_checkpoints: dict[str, Path],
                                                                 tmp_path: Path) -> None:
-    from captioner.checkpoint import LoadedCheckpoint, load_checkpoint
+    from captioner.checkpoint.store import LoadedCheckpoint, load_checkpoint
 
     rng = random.Random(SEED + 5)
     st = tiny_checkpoints["safetensors"].read_bytes()

@@ -22,7 +22,7 @@ from captioner.data.dataset import CaptionTrainDataset, collate_captions, image_
 from captioner.data.transforms import ImageTransform
 from captioner.losses import LossResult
 from captioner.text import Vocabulary
-from captioner.train import train
+from captioner.training.loop import train
 from captioner.training.distributed import DistInfo
 from captioner.training.memory import MemoryStore, padded_tokens, pixels_in_memory
 from captioner.training.data import train_loader, val_loader
@@ -135,7 +135,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
         tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     over = {"data.root": str(tiny_shapes), "train.batch_size": 16, "train.val_max_images": 4, "train.epochs": 1,
             "train.log_every": 3}
-    with caplog.at_level(logging.WARNING, logger="captioner.train"):
+    with caplog.at_level(logging.WARNING, logger="captioner.training.loop"):
         train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 5.0, "train.ds_form": "sum"}), tmp_path / "sum",
               progress=False)
     heavy = [r.getMessage() for r in caplog.records if "outweighs the cross-entropy" in r.getMessage()]
@@ -144,7 +144,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
     assert float(rows[0]["share_doubly_stochastic"]) > 0.5
     assert float(rows[0]["share_ce"]) + float(rows[0]["share_doubly_stochastic"]) == pytest.approx(1.0, abs=1e-4)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="captioner.train"):
+    with caplog.at_level(logging.WARNING, logger="captioner.training.loop"):
         train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 1.0}), tmp_path / "excess", progress=False)
     assert not [r for r in caplog.records if "outweighs" in r.getMessage()]
 
@@ -153,7 +153,7 @@ def test_budget_decay_scales_the_scheduled_lr_linearly_to_a_floor() -> None:
     import time
     from types import SimpleNamespace
 
-    from captioner.train import BUDGET_DECAY_FLOOR, _budget_decay
+    from captioner.training.loop import BUDGET_DECAY_FLOOR, _budget_decay
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([param], lr=1e-3)

@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from captioner.errors import DataError
-from captioner.metrics import (
+from captioner.evaluation.metrics import (
     bleu,
     caption_metrics,
     cider_d,
@@ -158,7 +158,7 @@ def test_meteor_failure_is_caught(monkeypatch, caplog):
             raise FileNotFoundError(2, "No such file or directory: 'java'")
 
     monkeypatch.setattr(meteor_mod, "Meteor", NoJava)
-    with caplog.at_level(logging.WARNING, logger="captioner.metrics"):
+    with caplog.at_level(logging.WARNING, logger="captioner.evaluation.metrics"):
         m = caption_metrics(["a dog"], [["a dog runs"]])
     assert m["METEOR"] is None and "METEOR unavailable" in caplog.text
     assert 0.0 < m["ROUGE-L"] <= 1.0  # pure-Python part of the extra still works

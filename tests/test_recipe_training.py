@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from captioner.config import Config, get_preset
 from captioner.errors import ConfigError
-from captioner.train import train
+from captioner.training.loop import train
 
 STEPS = 15
 
@@ -52,7 +52,7 @@ def step_lrs_by_epoch(run: Path) -> dict[int, list[float]]:
 
 def script_validation(monkeypatch: pytest.MonkeyPatch, scores: list[tuple[float, float]], seen: list | None = None):
     """Validation returns (BLEU-4, CIDEr-D) from ``scores``, one pair per call."""
-    import captioner.train as train_mod
+    import captioner.training.loop as train_mod
 
     calls = iter(scores)
 
@@ -113,7 +113,7 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
     import inspect
 
     from captioner.commands import evaluate as evaluate_cmd
-    from captioner.evaluate import evaluate_checkpoint
+    from captioner.evaluation.evaluate import evaluate_checkpoint
 
     parser = argparse.ArgumentParser()
     evaluate_cmd.add_arguments(parser)
@@ -128,8 +128,8 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
 
 def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import captioner.train as train_mod
-    from captioner.metrics import bleu, cider_d
+    import captioner.training.loop as train_mod
+    from captioner.evaluation.metrics import bleu, cider_d
     from captioner.training.validation import score
 
     captured = {}
@@ -148,7 +148,7 @@ def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_pa
 
 
 def _metadata(path: Path) -> dict:
-    from captioner.checkpoint import read_checkpoint_metadata
+    from captioner.checkpoint.store import read_checkpoint_metadata
 
     return read_checkpoint_metadata(path)["metadata"]
 
@@ -258,7 +258,7 @@ def test_init_starts_a_fine_tuning_stage_from_the_checkpoint(stage1: Path, tiny_
 
 
 def _checkpoint_vocab(path: Path) -> dict:
-    from captioner.checkpoint import read_checkpoint_metadata
+    from captioner.checkpoint.store import read_checkpoint_metadata
 
     return read_checkpoint_metadata(path)["vocab"]
 

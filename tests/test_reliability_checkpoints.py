@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from captioner.checkpoint import load_checkpoint, save_checkpoint
+from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
 from captioner.config import get_preset
 from captioner.errors import CaptionerError, CheckpointError
@@ -219,7 +219,7 @@ def test_config_with_absurd_sizes_is_refused_not_allocated(checkpoints: dict[str
     save_file(load_file(str(checkpoints["sat"])), str(path), metadata=meta)
     code = ("import resource, sys\n"
             "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
-            "from captioner.checkpoint import load_checkpoint\n"
+            "from captioner.checkpoint.store import load_checkpoint\n"
             "from captioner.errors import CheckpointError\n"
             "try:\n"
             "    load_checkpoint(sys.argv[1])\n"
@@ -300,7 +300,7 @@ def test_truncated_torch_format_checkpoint_is_refused(vocab: Vocabulary, tmp_pat
 def trained_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A sat_soft_tiny run stopped by its time budget after one step (validated, checkpointed,
     resumable), copied by the tests that change it."""
-    from captioner.train import train
+    from captioner.training.loop import train
 
     out = tmp_path_factory.mktemp("run") / "run"
     cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), "train.epochs": 1, "train.batch_size": 48,
@@ -437,7 +437,7 @@ from pathlib import Path
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.transforms import ImageTransform
-from captioner.features import get_feature_cache
+from captioner.features.cache import get_feature_cache
 from captioner.models.encoder import build_encoder
 
 root, cache_dir, started = sys.argv[1:4]
@@ -461,7 +461,7 @@ print(cache.path)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set
     from captioner.data.transforms import ImageTransform
-    from captioner.features import FeatureCache, cache_key, cache_path, get_feature_cache
+    from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
     from captioner.models.encoder import build_encoder
 
     cfg = get_preset("sat_soft_tiny").model

@@ -210,7 +210,7 @@ def test_unreadable_file_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from captioner.checkpoint import save_checkpoint
+    from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary
@@ -312,7 +312,7 @@ def test_training_with_skip_missing_reports_bad_images_and_finishes_the_epoch(
     uses) the images are decoded inside the training loop, so the truncated and bad-CRC files are
     only found mid-epoch."""
     from captioner.config import get_preset
-    from captioner.train import train
+    from captioner.training.loop import train
 
     root, kinds = spoiled_shapes
     cfg = get_preset("sat_soft_tiny", **tiny_overrides(root, **{"data.skip_missing": True,

@@ -81,7 +81,7 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run (in-process, same config and thread count as the killed children)."""
-    from captioner.train import train
+    from captioner.training.loop import train
 
     out = tmp_path_factory.mktemp("reference") / "run"
     train(same_config(tiny_shapes), out, progress=False)
@@ -189,7 +189,7 @@ def kill9(proc: subprocess.Popen) -> None:
 
 def assert_resumable(run: Path) -> int:
     """The invariant after a kill: a loadable latest checkpoint and training state. Returns its epoch."""
-    from captioner.checkpoint import load_checkpoint, load_train_state
+    from captioner.checkpoint.store import load_checkpoint, load_train_state
 
     loaded = load_checkpoint(run / "latest.safetensors")
     state = load_train_state(run / "train_state.pt")
@@ -272,7 +272,7 @@ def test_kill_before_the_first_checkpoint_leaves_a_clear_message(tiny_shapes: Pa
 
 @pytest.fixture(scope="module")
 def one_epoch(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from captioner.train import train
+    from captioner.training.loop import train
 
     out = tmp_path_factory.mktemp("one_epoch") / "run"
     train(same_config(tiny_shapes, **{"train.epochs": 1, "train.val_max_images": 2}), out, progress=False)
@@ -290,10 +290,10 @@ CHECKPOINT_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt")
 
 
 def sabotage(monkeypatch: pytest.MonkeyPatch, how: str, at_call: int) -> None:
-    """Wrap the optimizer step of ``captioner.train``: on its ``at_call``-th call (1-based, counted
+    """Wrap the optimizer step of ``captioner.training.loop``: on its ``at_call``-th call (1-based, counted
     from the start of this session) either poison a decoder parameter with NaN after the step, or
     give one parameter a NaN gradient while the loss itself stays finite."""
-    import captioner.train as train_module
+    import captioner.training.loop as train_module
 
     real = train_module.clip_and_step
     calls = {"n": 0}
@@ -337,7 +337,7 @@ def nan_loss_once(monkeypatch: pytest.MonkeyPatch, at_call: int) -> None:
 @pytest.mark.parametrize("how", ["poisoned_parameter", "nan_gradient"])
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(
         how: str, run_copy: Path, tiny_shapes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.train import train
+    from captioner.training.loop import train
 
     before = {name: digest(run_copy / name) for name in CHECKPOINT_FILES}
     sabotage(monkeypatch, how, at_call=2)  # epoch 2's second step (global step 7) breaks the weights
@@ -356,7 +356,7 @@ def test_skip_nonfinite_skips_a_bad_batch_and_goes_on(run_copy: Path, tiny_shape
                                                       caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from captioner.train import train
+    from captioner.training.loop import train
 
     nan_loss_once(monkeypatch, at_call=3)  # global step 8
     cfg = same_config(tiny_shapes, **{"train.epochs": 2, "train.val_max_images": 2, "train.skip_nonfinite": True})
@@ -377,7 +377,7 @@ def test_skip_nonfinite_never_saves_nonfinite_weights(how: str, run_copy: Path, 
     """Once the weights themselves are NaN every later batch is non-finite too: skipping batches
     cannot help. Training must then stop (naming the step) or at least never write the NaN weights
     over the last good checkpoint and training state."""
-    from captioner.train import train
+    from captioner.training.loop import train
 
     before = {name: digest(run_copy / name) for name in CHECKPOINT_FILES}
     sabotage(monkeypatch, how, at_call=2)

@@ -9,7 +9,7 @@ import torch
 
 from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.schedules import GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
+from captioner.training.schedules import GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
 
 
 def two_groups(decoder_lr: float = 1.0, encoder_lr: float = 1.0) -> torch.optim.Optimizer:
@@ -77,7 +77,7 @@ def test_constant_schedule_and_group_lookup_by_name() -> None:
 
 def test_old_noam_configs_keep_their_decoder_curve(caplog: pytest.LogCaptureFixture) -> None:
     """lr=1.0 + warmup (the old Transformer presets) means a peak of (d * w)^-0.5, with a warning."""
-    with caplog.at_level("WARNING", logger="captioner.schedules"):
+    with caplog.at_level("WARNING", logger="captioner.training.schedules"):
         peak = decoder_peak_lr(1.0, "warmup", 512, 4000)
     assert peak == pytest.approx((512 * 4000) ** -0.5) and peak == pytest.approx(6.99e-4, rel=1e-3)
     [record] = caplog.records

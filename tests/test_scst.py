@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from captioner.config import Config, get_preset
 from captioner.errors import ConfigError
-from captioner.metrics import cider_d_scores, document_frequencies
-from captioner.scst_reward import CaptionReward
+from captioner.evaluation.metrics import cider_d_scores, document_frequencies
+from captioner.training.scst_reward import CaptionReward
 from captioner.text import tokenize
-from captioner.train import train
+from captioner.training.loop import train
 
 PRESETS = ("sat_soft_tiny", "sat_hard_tiny", "transformer_tiny")
 STEPS_PER_EPOCH = 15
@@ -103,7 +103,7 @@ def _model(preset: str, vocab_size: int = 30):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_sampling_all_decoders_never_emits_banned_tokens(preset: str, mode: str) -> None:
-    from captioner.sampling import sample_captions
+    from captioner.decoding.sampling import sample_captions
 
     model = _model(preset)
     decoder = model.decoder.train(mode == "train")
@@ -151,7 +151,7 @@ def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
     assert n == 2 * K and result.parts["scst_reward"] == pytest.approx(0.25)
     assert result.parts["scst_better"] == pytest.approx(0.25)  # the first sample of each image beats its baseline
     # the sampled sequences, recovered by re-sampling with the same seed
-    from captioner.sampling import sample_captions
+    from captioner.decoding.sampling import sample_captions
     torch.manual_seed(0)
     s = sample_captions(decoder, features, vocab.bos_id, vocab.eos_id, vocab.pad_id, K, 6, 1.0, loss.banned)
     inputs = torch.cat([torch.full_like(s.tokens[:, :1], vocab.bos_id), s.tokens[:, :-1]], dim=1)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from captioner.config import Config, get_preset
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
-from captioner.train import train
+from captioner.training.loop import train
 
 STEPS_PER_EPOCH = 15
 
@@ -73,7 +73,7 @@ def uninterrupted(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_run_folder_has_every_artifact_and_checkpoint_loads(tiny_shapes: Path, tmp_path: Path) -> None:
-    from captioner.checkpoint import load_checkpoint, load_train_state
+    from captioner.checkpoint.store import load_checkpoint, load_train_state
     from captioner.text import Vocabulary
 
     # lr high enough to emit words in 1 epoch; greedy, because after one epoch a beam prefers the empty caption

@@ -10,8 +10,8 @@ from PIL import Image
 from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
-from captioner.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
-from captioner.visualize import (
+from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
+from captioner.viz.overlays import (
     BACKGROUND,
     DIM,
     GIF_BAND,

@@ -79,12 +79,12 @@ def run(args: argparse.Namespace) -> int:
     check_positive(args, "beam", "max_len")
     import torch
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
     from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding import DecodeOptions, caption_images
+    from captioner.decoding.search import DecodeOptions, caption_images
     from captioner.errors import ConfigError
-    from captioner.visualize import colormap_lut, write_overlays
+    from captioner.viz.overlays import colormap_lut, write_overlays
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
     if not 0.0 <= args.alpha <= 1.0:

@@ -120,15 +120,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.overlay:  # matplotlib (colour maps) loads only when overlays are asked for
-        from captioner.visualize import colormap_lut, write_overlays
+        from captioner.viz.overlays import colormap_lut, write_overlays
 
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
     import torch
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
     from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding import DecodeOptions, caption_images
+    from captioner.decoding.search import DecodeOptions, caption_images
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=str(device))

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.demo import DemoOptions, run_demo
-    from captioner.demo_table import format_table
+    from captioner.demo.pipeline import DemoOptions, run_demo
+    from captioner.demo.table import format_table
 
     options = DemoOptions.from_args(
         data=args.data, images=args.images, seed=args.seed, budget=args.budget, decoders=args.decoders,

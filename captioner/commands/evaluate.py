@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_report(report: dict) -> str:
     """A readable table of the scores, the counts and the files written."""
-    from captioner.metrics import METRIC_KEYS, format_metrics
+    from captioner.evaluation.metrics import METRIC_KEYS, format_metrics
 
     def num(value: object, digits: int = 4) -> str:
         return "unavailable" if value is None else f"{value:.{digits}f}"
@@ -73,7 +73,7 @@ def format_report(report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError
-    from captioner.evaluate import evaluate_checkpoint
+    from captioner.evaluation.evaluate import evaluate_checkpoint
 
     for flag in ("beam", "max_len", "batch_size"):
         if getattr(args, flag) < 1:

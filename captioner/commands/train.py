@@ -80,7 +80,7 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
 
 def run(args: argparse.Namespace) -> int:
     """Train and print a one-line summary (rank 0 only under torchrun)."""
-    from captioner.train import train
+    from captioner.training.loop import train
 
     cfg, out = resolve(args)
     result = train(cfg, out, resume=args.resume, progress=not args.no_progress)

@@ -1,4 +1,4 @@
-"""Pieces of the training loop (``captioner.train``): distributed setup, run state, data, logs.
+"""Pieces of the training loop (``captioner.training.loop``): distributed setup, run state, data, logs.
 
 ``distributed`` wraps torchrun/process-group handling, ``state`` captures and restores RNG state
 for exact resumption, ``data`` turns a ``Config`` into caption sets, vocabulary, feature caches and

@@ -97,7 +97,7 @@ def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info
     from captioner.training.memory import features_in_memory
 
     from captioner.data.transforms import ImageTransform
-    from captioner.features import get_feature_cache
+    from captioner.features.cache import get_feature_cache
 
     kwargs = dict(batch_size=max(cfg.train.batch_size, 32), device=info.device, skip_bad=cfg.data.skip_missing,
                   progress=progress and info.is_main, num_workers=cfg.data.num_workers)

@@ -11,7 +11,7 @@ which change how the same weights are trained or used, never their shapes or the
 uses the checkpoint's vocabulary (the output layer's rows are its words), whatever its own data
 would have built.
 
-Typical use (what ``captioner.train`` does)::
+Typical use (what ``captioner.training.loop`` does)::
 
     init = load_init_checkpoint(cfg.train.init, cfg.model)   # refuses a different architecture
     model = build_model(cfg.model, len(init.vocab), load_pretrained=False)
@@ -109,7 +109,7 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
         CheckpointError: the file is missing or not a readable checkpoint.
         ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
     """
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
 
     path = Path(path)
     if not path.is_file():

@@ -13,7 +13,7 @@ import torch
 from captioner.config import TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.captioner import Captioner
-from captioner.schedules import GroupSchedule, build_scheduler, decoder_peak_lr
+from captioner.training.schedules import GroupSchedule, build_scheduler, decoder_peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def schedule_width(model: Captioner) -> int:
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig) -> GroupSchedule:
-    """One schedule per parameter group (see :mod:`captioner.schedules`).
+    """One schedule per parameter group (see :mod:`captioner.training.schedules`).
 
     The decoder group peaks at ``cfg.lr`` with ``cfg.schedule``; the fine-tuned encoder group at
     ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. A legacy Noam-scale ``cfg.lr`` (>= 0.1 under

@@ -8,7 +8,7 @@ training reads them; the references are not the batch's captions but all of each
 
 1. the batch's **distinct images** (first occurrence of each ``image_index``, in batch order);
 2. **K samples** per image (``train.scst_samples``), drawn without gradients through the decoder
-   contract (:func:`captioner.sampling.sample_captions`), temperature ``train.scst_temperature``,
+   contract (:func:`captioner.decoding.sampling.sample_captions`), temperature ``train.scst_temperature``,
    at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
    decoder's training mode with its dropout layers off (hard attention samples its regions): the
    policy trained, the same one step 5 re-scores (:func:`dropout_off`);
@@ -16,7 +16,7 @@ training reads them; the references are not the batch's captions but all of each
    caption (eval mode, no gradients: the test-time policy, as in the paper), or ``mean``, the mean
    reward of the image's other K - 1 samples;
 4. the **reward** r (CIDEr-D against all training references of the image, document frequencies of
-   the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.scst_reward.CaptionReward`);
+   the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.training.scst_reward.CaptionReward`);
 5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
    DDP-wrapped) module, ``forward(x, [<bos> w1 .. wL-1])``: the same log-probabilities the sampler
    used (exactly, for soft attention and the Transformer), now with a graph, for every decoder alike;
@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.decoding import DecodeOptions, decode, never_emitted_ids
+from captioner.decoding.search import DecodeOptions, decode, never_emitted_ids
 from captioner.losses import LossResult
-from captioner.sampling import sample_captions
-from captioner.scst_reward import CaptionReward
+from captioner.decoding.sampling import sample_captions
+from captioner.training.scst_reward import CaptionReward
 from captioner.text import Vocabulary, tokenize
 
 log = logging.getLogger(__name__)

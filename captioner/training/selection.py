@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from captioner.config import SELECT_METRICS, Config, TrainConfig
-from captioner.schedules import GroupSchedule
+from captioner.training.schedules import GroupSchedule
 from captioner.training.state import Progress
 
 log = logging.getLogger(__name__)

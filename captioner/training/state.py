@@ -171,7 +171,7 @@ def check_resume_config(cfg: Config, run_dir: Path) -> None:
                     ", ".join(other))
 
 
-# Files the run folder writes atomically (``captioner.checkpoint.atomic_write``: ``.<name>.*.tmp``).
+# Files the run folder writes atomically (``captioner.checkpoint.store.atomic_write``: ``.<name>.*.tmp``).
 _ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
 
 
@@ -196,7 +196,7 @@ def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
     The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
     is left for loading ``train_state.pt`` to report.
     """
-    from captioner.checkpoint import read_checkpoint_metadata
+    from captioner.checkpoint.store import read_checkpoint_metadata
 
     latest = run_dir / "latest.safetensors"
     if not latest.exists():

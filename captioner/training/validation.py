@@ -36,7 +36,7 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
     Returns:
         ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
     """
-    from captioner.decoding import DecodeOptions, caption_features, caption_images
+    from captioner.decoding.search import DecodeOptions, caption_features, caption_images
 
     options = DecodeOptions(beam_size=beam_size, max_len=max_len)
     hyps: list[str] = []
@@ -59,7 +59,7 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
 
 def score(shards: list[dict[str, Any]]) -> dict[str, float]:
     """Corpus BLEU-1..4 (0-1), CIDEr-D and mean attention entropy per generated word over merged shards."""
-    from captioner.metrics import bleu, cider_d
+    from captioner.evaluation.metrics import bleu, cider_d
 
     hyps = [h for s in shards for h in s["hypotheses"]]
     refs = [r for s in shards for r in s["references"]]

@@ -13,7 +13,7 @@ in one region's feature, which is what attention can then find.
 
 ``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
 for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
-decoders (see ``captioner.demo``).
+decoders (see ``captioner.demo.pipeline``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reading checkpoint files: format sniffing, safe ``torch.load``, header validation.
 
-Used by :mod:`captioner.checkpoint` (see its docstring for the layout). Every problem with a file
+Used by :mod:`captioner.checkpoint.store` (see its docstring for the layout). Every problem with a file
 becomes a one-line :class:`~captioner.errors.CheckpointError` that starts with the path.
 
 Sniffing goes by content, never by the file name:

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from captioner.attention_record import as_array
+from captioner.viz.attention_record import as_array
 from captioner.errors import ConfigError, DataError
 
 __all__ = ["BLUR_CELLS", "DIM", "UNIFORM_FLOOR", "attention_stats", "attention_to_image_map", "color_scale",

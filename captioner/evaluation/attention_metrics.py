@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from captioner.errors import DataError
-from captioner.object_words import VOCABULARIES, WordTable, choose_vocabulary, find_mentions, word_table
+from captioner.evaluation.object_words import VOCABULARIES, WordTable, choose_vocabulary, find_mentions, word_table
 
 __all__ = ["WordScore", "WordScores", "VOCABULARIES", "attention_correctness", "attention_mass", "summarize",
            "caption_object_accuracy", "attention_entropy_summary", "attention_correctness_for_results",

@@ -39,12 +39,12 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
     """
     import torch
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.commands.attend import teacher_forced_attention
     from captioner.data.coco import load_instances
     from captioner.data.images import load_image
     from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.visualize import write_overlays
+    from captioner.viz.overlays import write_overlays
 
     cs, results = metrics["caption_set"], metrics["results"]
     loaded = load_checkpoint(checkpoint, device=device)
@@ -67,7 +67,7 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
 
 def parameter_counts(checkpoint: Path) -> dict[str, int]:
     """Total, decoder and trained parameter counts of a checkpoint's model."""
-    from captioner.checkpoint import load_checkpoint
+    from captioner.checkpoint.store import load_checkpoint
 
     loaded = load_checkpoint(checkpoint)
     model, fine_tune = loaded.model, loaded.config.encoder.fine_tune
@@ -98,7 +98,7 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
         train_captions: training captions (items per epoch), for the epoch count.
         progress: show tqdm bars.
         threads: torch threads to use here (worker processes); None leaves the setting alone.
-        scst_cfg: the self-critical stage's config (``captioner.demo.scst_config``), or None.
+        scst_cfg: the self-critical stage's config (``captioner.demo.pipeline.scst_config``), or None.
 
     Returns:
         ``{"row": table row, "run": run summary}`` (JSON-compatible), plus ``"scst"``: the same
@@ -119,10 +119,10 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
 
 def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
                      progress: bool) -> dict[str, Any]:
-    from captioner.demo_table import LABELS, format_value, table_row
+    from captioner.demo.table import LABELS, format_value, table_row
     from captioner.errors import DataError
-    from captioner.evaluate import evaluate_checkpoint
-    from captioner.train import train
+    from captioner.evaluation.evaluate import evaluate_checkpoint
+    from captioner.training.loop import train
     from captioner.training.distributed import resolve_device
 
     device = str(resolve_device(cfg.train.device, 0))
@@ -165,7 +165,7 @@ def _worker(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def progress_line(run_dirs: dict[str, Path]) -> str:
     """``sat_soft step 250 loss 0.61 val B-4 0.52 | ...`` from each run's ``metrics.csv``."""
-    from captioner.report import read_metrics_csv
+    from captioner.demo.report import read_metrics_csv
 
     parts = []
     for name, run_dir in run_dirs.items():

@@ -2,11 +2,11 @@
 
 The document frequencies (DF) of CIDEr-D's TF-IDF weights come from the **whole training corpus**
 (every reference set of the training split, one per image), counted **once** when the reward is
-built (:func:`captioner.metrics.ngram_document_frequencies`). Self-critical training (Rennie et al.
+built (:func:`captioner.evaluation.metrics.ngram_document_frequencies`). Self-critical training (Rennie et al.
 2017; also self-critical.pytorch's ``coco-train-idxs``) uses these corpus DFs; an evaluation
-(``captioner.metrics.cider_d``) counts them over the evaluated images' references instead, so the
+(``captioner.evaluation.metrics.cider_d``) counts them over the evaluated images' references instead, so the
 same caption scores slightly differently under the two. With the same ``DocFrequencies`` the
-reward equals ``captioner.metrics.cider_d_scores(..., doc_freq=...)`` (tested to 1e-9).
+reward equals ``captioner.evaluation.metrics.cider_d_scores(..., doc_freq=...)`` (tested to 1e-9).
 
 Per call, each distinct image's reference vectors are built once and reused for all the captions
 scored against it (K samples plus the greedy caption): the cost is per batch, never per corpus.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from captioner.errors import DataError
-from captioner.metrics import (DocFrequencies, _ngram_counts, _tfidf, cider_d_similarity,
+from captioner.evaluation.metrics import (DocFrequencies, _ngram_counts, _tfidf, cider_d_similarity,
                                ngram_document_frequencies)
 from captioner.text import tokenize
 

@@ -86,14 +86,14 @@ def data_uri(png: bytes) -> str:
 
 
 def _cell(value: Any, fmt: str) -> str:
-    from captioner.demo_table import format_value
+    from captioner.demo.table import format_value
 
     return html.escape(format_value(value, fmt))
 
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
-    """HTML comparison table (columns of ``captioner.demo_table.COLUMNS``)."""
-    from captioner.demo_table import COLUMNS
+    """HTML comparison table (columns of ``captioner.demo.table.COLUMNS``)."""
+    from captioner.demo.table import COLUMNS
 
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
     body = []
@@ -146,7 +146,7 @@ def _rel(path: str | os.PathLike, base: Path) -> str:
 
 def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
     """The whole report page as one self-contained HTML string."""
-    from captioner.demo_table import LABELS
+    from captioner.demo.table import LABELS
 
     out_dir = Path(out_dir)
     runs = report.get("runs", {})
@@ -176,7 +176,7 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
 
 
 def _budgets(runs: dict[str, Any]) -> str:
-    from captioner.demo_table import LABELS
+    from captioner.demo.table import LABELS
 
     return ", ".join(f"{LABELS.get(n, n)} {r['budget']:.0f} s" for n, r in runs.items() if r.get("budget")) or "-"
 

@@ -3,7 +3,7 @@
 Shape legend: B images, K samples per image, R = B * K sampled rows, N regions, D feature width,
 V vocabulary, L <= max_len + 1 sampled steps.
 
-Like :mod:`captioner.decoding`, sampling talks to a decoder only through ``init_state``,
+Like :mod:`captioner.decoding.search`, sampling talks to a decoder only through ``init_state``,
 ``step`` and ``reorder_state`` (the state of B images is expanded to R rows with
 ``reorder_state``, so encoder-side projections are computed once per image), and never
 re-implements a decoder step; it works for every decoder. It runs without gradients: a
@@ -11,7 +11,7 @@ self-critical step re-scores the sampled captions with teacher forcing (``decode
 tokens)``), which gives the same log-probabilities with a graph (:mod:`captioner.training.scst`).
 
 At each step the next word is drawn from ``softmax(log_probs / temperature)`` with the
-``banned_ids`` (``<pad>``, ``<bos>``, ``<unk>``: :func:`captioner.decoding.never_emitted_ids`)
+``banned_ids`` (``<pad>``, ``<bos>``, ``<unk>``: :func:`captioner.decoding.search.never_emitted_ids`)
 removed. A caption has at most ``max_len`` words; the step after that may only give ``<eos>``
 (as in search). Every position after a row's ``<eos>`` holds ``pad_id``. The random draws use
 torch's global generator (saved with a training state, so a resumed run draws the same words).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.decoding import _ban
+from captioner.decoding.search import _ban
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 

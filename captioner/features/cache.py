@@ -8,7 +8,7 @@ One cache file holds the features of every image of a caption set, row ``i`` bel
     [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
 
 The values are float16, or bfloat16 when an encoder's features exceed float16's range (its
-trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.feature_dtype``). A
+trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.features.dtype``). A
 build checks each batch before storing it and refuses NaN/inf features naming the encoder and
 the image.
 
@@ -16,7 +16,7 @@ The features sit at offset 0 and are read through a read-only ``numpy.memmap``, 
 flat however large the dataset is; they are also written batch by batch, never held in RAM. The
 trailer (format version, C, N, D, grid, dtype, largest |value|, key, the indices of images that
 failed to load) is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.cache_lock``); a killed build
+under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.features.lock``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
 configuration and the image list; a cache whose key differs is stale and is refused by
@@ -41,10 +41,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.cache_lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
+from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.config import ModelConfig
 from captioner.errors import DataError, ImageLoadError
-from captioner.feature_dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
+from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                      version_of, widen_in_place)
 
 log = logging.getLogger(__name__)

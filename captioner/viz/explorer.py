@@ -5,7 +5,7 @@ photo on a <canvas> whose long side is at least ``MIN_DISPLAY_SIDE`` pixels (a 1
 upscaled to be readable) and at most ``max_side``. Heat maps are rendered client-side from the raw
 g x g weights embedded as JSON (bilinear upsampling with half-pixel centres, a Gaussian blur of
 ``BLUR_CELLS`` grid cells, the colour map as a 256-entry lookup table, placement on the encoder's
-crop box, dimming outside it), the same rule as :mod:`captioner.heatmaps`. Colours use the
+crop box, dimming outside it), the same rule as :mod:`captioner.viz.heatmaps`. Colours use the
 caption's shared scale (``color_scale``, computed here in Python for the overlay view and for every
 layer and head), so a word with spread-out attention looks flat next to one that points. A line
 under the controls gives the word's peak share, its grid cell and its entropy against log N.
@@ -28,8 +28,8 @@ import numpy as np
 from PIL import Image
 
 from captioner.errors import ConfigError, DataError
-from captioner.attention_record import AttentionRecord
-from captioner.heatmaps import BLUR_CELLS, DIM, color_scale, colormap_lut
+from captioner.viz.attention_record import AttentionRecord
+from captioner.viz.heatmaps import BLUR_CELLS, DIM, color_scale, colormap_lut
 
 _CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 980px;

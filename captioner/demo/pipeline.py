@@ -247,9 +247,9 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
     from captioner.data.coco import load_caption_set
-    from captioner.demo_runs import build_feature_caches, run_decoder, run_parallel
-    from captioner.demo_table import LABELS
-    from captioner.report import write_report
+    from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
+    from captioner.demo.table import LABELS
+    from captioner.demo.report import write_report
 
     start = time.monotonic()
     out = options.out

@@ -445,7 +445,7 @@ def _save(run: _Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]]
     """latest (and best) checkpoint, then ``train_state.pt`` last; rank 0 only, each write atomic."""
     if not run.info.is_main:
         return
-    from captioner.checkpoint import save_checkpoint, save_train_state
+    from captioner.checkpoint.store import save_checkpoint, save_train_state
 
     prog = run.progress
     last = prog.history[-1]
@@ -533,7 +533,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         check_resume_config(cfg, run_dir)
         if info.is_main:
             remove_stale_temp_files(run_dir)
-        from captioner.checkpoint import load_train_state
+        from captioner.checkpoint.store import load_train_state
 
         saved = load_train_state(state_path)
         cfg = keep_select_metric(cfg, saved, announce=info.is_main)

@@ -96,8 +96,8 @@ def caption_split(
     """
     from captioner.data.dataset import image_loader
     from captioner.data.transforms import ImageTransform
-    from captioner.decoding import DecodeOptions, caption_images
-    from captioner.features import SafeImages, check_batch_errors, collate_safe
+    from captioner.decoding.search import DecodeOptions, caption_images
+    from captioner.features.cache import SafeImages, check_batch_errors, collate_safe
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -161,10 +161,10 @@ def evaluate_checkpoint(
         (the ``CaptionResult`` list) and ``"caption_set"`` (the images they belong to), which are
         not written to the file.
     """
-    from captioner.attention_metrics import attention_correctness_for_results, attention_entropy_summary
-    from captioner.checkpoint import atomic_write, load_checkpoint
+    from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
+    from captioner.checkpoint.store import atomic_write, load_checkpoint
     from captioner.data.coco import check_images, load_caption_set, load_instances
-    from captioner.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
+    from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 
     if max_images is not None and max_images < 1:
         raise ConfigError(f"max_images must be >= 1, got {max_images}")

@@ -3,7 +3,7 @@
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
 The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-coloured by :mod:`captioner.heatmaps`, on one colour scale for the whole caption (``color_scale``),
+coloured by :mod:`captioner.viz.heatmaps`, on one colour scale for the whole caption (``color_scale``),
 so spread-out attention looks flat next to a word that points.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
@@ -22,10 +22,10 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from captioner.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
+from captioner.viz.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
-from captioner.explorer import write_explorer
-from captioner.heatmaps import (
+from captioner.viz.explorer import write_explorer
+from captioner.viz.heatmaps import (
     BLUR_CELLS,
     DIM,
     attention_to_image_map,

@@ -19,7 +19,7 @@ metadata fields as strings, the tensors under ``state_dict``); it is always read
 else is needed to rebuild the model: the architecture comes from the config, never from pickled
 modules, and encoder weights are never downloaded on load.
 
-Files are recognised by content, not by name (:mod:`captioner.checkpoint_format`). Loading builds
+Files are recognised by content, not by name (:mod:`captioner.checkpoint.format`). Loading builds
 the model on the meta device, checks every tensor name and shape against the file, and only then
 allocates (uninitialised) storage and copies the weights in: a header with absurd sizes is refused
 before anything big is allocated, and no time is spent on a random initialisation.
@@ -43,7 +43,7 @@ from typing import IO, Any
 import torch
 from safetensors.torch import save as _st_save
 
-from captioner.checkpoint_format import (FORMAT, FORMAT_VERSION, describe, first_line, parse_header, read_file,
+from captioner.checkpoint.format import (FORMAT, FORMAT_VERSION, describe, first_line, parse_header, read_file,
                                          torch_load)
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError

@@ -1,0 +1,1 @@
+"""Showing where each word looked: overlay images (``overlays``), the HTML explorer, the attention record, and heat-map maths."""
