@@ -21,94 +21,24 @@ a malformed entry names its index and the missing key. COCO-format files are ind
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioner.data import karpathy
+from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
+                                         build_caption_set)
 from captioner.data.image_dirs import all_missing_message, pick_image_dir
 from captioner.errors import DataError
-from captioner.text import tokenize
 
 log = logging.getLogger(__name__)
 
 ALL_SPLIT = "all"  # the whole file, for layouts whose one file holds several splits
 FLICKR_JSON, FLICKR_SPLITS = "captions_coco_format.json", "splits.tsv"
 _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmentation"}
-
-
-@dataclass(frozen=True)
-class ImageRecord:
-    """One image of a caption set: its dataset id, file name and resolved path."""
-
-    image_id: int
-    file_name: str
-    path: Path
-    width: int | None = None
-    height: int | None = None
-
-
-@dataclass(frozen=True)
-class ObjectBox:
-    """One annotated object: category name, ``(x, y, w, h)`` box in original pixels, extra keys."""
-
-    category: str
-    bbox: tuple[float, float, float, float]
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-
-class InstanceBoxes(dict):
-    """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
-    list, in file order (also those no box of the split uses), so words can be matched to them."""
-
-    def __init__(self, boxes: Any = (), categories: Sequence[str] = ()) -> None:
-        super().__init__(boxes)
-        self.categories = list(categories)
-
-
-@dataclass
-class CaptionSet:
-    """Images of one split and their reference captions (raw text, whitespace-normalised).
-
-    ``len(cs)`` is the number of images; dataset items refer to images by their index in
-    ``cs.images``.
-    """
-
-    name: str
-    split: str
-    images: list[ImageRecord]
-    captions: dict[int, list[str]]
-    root: Path
-    images_dir: Path | None = None  # where image files were looked for (for messages)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    @property
-    def num_captions(self) -> int:
-        return sum(len(self.captions[r.image_id]) for r in self.images)
-
-    def all_captions(self) -> list[str]:
-        """Every caption of every image, in image order (e.g. to build a vocabulary)."""
-        return [c for r in self.images for c in self.captions[r.image_id]]
-
-    def references(self, image_id: int) -> list[str]:
-        """All reference captions of one image."""
-        return list(self.captions[image_id])
-
-    def subset(self, indices: Sequence[int]) -> "CaptionSet":
-        """A copy holding only ``cs.images[i]`` for ``i`` in ``indices`` (in that order)."""
-        images = [self.images[i] for i in indices]
-        captions = {r.image_id: list(self.captions[r.image_id]) for r in images}
-        return dataclasses.replace(self, images=images, captions=captions)
-
-    def __repr__(self) -> str:
-        return (f"CaptionSet(name={self.name!r}, split={self.split!r}, images={len(self)}, "
-                f"captions={self.num_captions})")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -185,8 +115,6 @@ def available_splits(root: str | Path) -> list[str]:
 
 def _load_file(path: Path, split: str, images_dir: Path | None, include_restval: bool) -> CaptionSet:
     data = read_json(path)
-    from captioner.data import karpathy  # karpathy imports this module
-
     if karpathy.is_karpathy(data):
         return karpathy.caption_set_from_karpathy(path, data, split, images_dir, include_restval)
     if not (isinstance(data, dict) and "images" in data and "annotations" in data):
@@ -270,10 +198,6 @@ def coco_index(data: dict, with_categories: bool = False) -> Any:
     return coco
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def validate_coco(path: Path, data: Any, ann_keys: Sequence[str] = ("id", "image_id", "caption")) -> None:
     """Check the structure of a COCO-format annotation dict; DataError names the first bad entry."""
     if not isinstance(data, dict):
@@ -309,12 +233,6 @@ def validate_coco(path: Path, data: Any, ann_keys: Sequence[str] = ("id", "image
             raise DataError(f"{path}: annotation {j} refers to unknown image id {_short(ann['image_id'])}")
 
 
-def _short(value: Any, limit: int = 40) -> str:
-    """``repr`` cut to ``limit`` characters (messages stay one short line whatever the file holds)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def caption_set_from_coco(
     path: Path, data: Any, split: str, images_dir: Path, name: str,
     keep: Callable[[dict], bool] | None = None,
@@ -333,32 +251,6 @@ def caption_set_from_coco(
         )
         entries.append((record, [ann["caption"] for ann in coco.imgToAnns.get(img["id"], [])]))
     return build_caption_set(path, name, split, entries, images_dir)
-
-
-def build_caption_set(
-    source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]], images_dir: Path
-) -> CaptionSet:
-    """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
-    images: list[ImageRecord] = []
-    captions: dict[int, list[str]] = {}
-    empty = uncaptioned = 0
-    for record, raw in entries:
-        texts = [" ".join(c.split()) for c in raw]
-        kept = [t for t in texts if tokenize(t)]
-        empty += len(texts) - len(kept)
-        if not kept:
-            uncaptioned += 1
-            continue
-        images.append(record)
-        captions[record.image_id] = kept
-    if empty:
-        log.warning("%s: dropped %d empty caption(s)", source, empty)
-    if uncaptioned:
-        log.warning("%s: skipped %d image(s) without captions in split %r", source, uncaptioned, split)
-    if not images:
-        raise DataError(f"{source}: split {split!r} has no captioned images")
-    return CaptionSet(name=name, split=split, images=images, captions=captions, root=source.parent,
-                      images_dir=images_dir)
 
 
 # ----------------------------------------------------------------------------- checks and boxes

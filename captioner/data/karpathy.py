@@ -12,14 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from captioner.data.coco import CaptionSet, ImageRecord, _short, build_caption_set
+from captioner.data.caption_set import CaptionSet, ImageRecord, _is_int, _short, build_caption_set
 from captioner.errors import DataError
 
 RESTVAL = "restval"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_karpathy(data: Any) -> bool:

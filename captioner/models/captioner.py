@@ -1,49 +1,17 @@
-"""The full model: encoder + decoder, built from a ``ModelConfig`` through small registries.
+"""The full model: encoder + decoder, built from a ``ModelConfig`` (decoders by name: ``registry``).
 
 Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from captioner.config import DecoderConfig, ModelConfig
+from captioner.config import ModelConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput
-
-# builder(cfg, feature_dim=D, vocab_size=V, grid=g) -> CaptionDecoder
-DecoderBuilder = Callable[..., CaptionDecoder]
-_DECODERS: dict[str, DecoderBuilder] = {}
-
-
-def register_decoder(name: str) -> Callable[[DecoderBuilder], DecoderBuilder]:
-    """Register a decoder builder under ``DecoderConfig.name``."""
-
-    def wrap(fn: DecoderBuilder) -> DecoderBuilder:
-        _DECODERS[name] = fn
-        return fn
-
-    return wrap
-
-
-def _load_builtin_decoders() -> None:
-    # Imported here so that `import captioner` stays light; importing registers the builders.
-    from captioner.models import lstm, transformer  # noqa: F401
-
-
-def list_decoders() -> list[str]:
-    _load_builtin_decoders()
-    return sorted(_DECODERS)
-
-
-def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> CaptionDecoder:
-    _load_builtin_decoders()
-    if cfg.name not in _DECODERS:
-        raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name](cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)
+from captioner.models.registry import build_decoder
 
 
 class Captioner(nn.Module):

@@ -29,7 +29,6 @@ from captioner.errors import ConfigError
 from captioner.models.attention import (HARD_TEST_MODES, AdditiveAttention, hard_test_context, region_features,
                                         sample_regions, soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, State
-from captioner.models.captioner import register_decoder
 
 
 def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +259,6 @@ class SATDecoder(CaptionDecoder):
         return log_probs, new_state, log_alpha.exp()
 
 
-@register_decoder("sat")
 def build_sat_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
     """Registry builder: a ``SATDecoder`` from ``DecoderConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(

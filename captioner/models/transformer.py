@@ -30,7 +30,6 @@ from torch import nn
 from captioner.config import DecoderConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, attention_entropy
-from captioner.models.captioner import register_decoder
 from captioner.models.mha import MultiHeadAttention
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
@@ -275,11 +274,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return log_probs, new_state, attention
 
 
-@register_decoder("transformer")
 def build_transformer_decoder(
     cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int
 ) -> TransformerCaptionDecoder:
-    """Builder registered as ``decoder.name = "transformer"``."""
+    """Registry builder (``decoder.name = "transformer"``)."""
     return TransformerCaptionDecoder(
         vocab_size=vocab_size,
         feature_dim=feature_dim,

@@ -1,0 +1,125 @@
+"""The in-memory caption set every layout loads into (``coco.load_caption_set``), and its records.
+
+``CaptionSet`` holds one split's images and their reference captions; ``build_caption_set`` is
+the one place where empty captions and uncaptioned images are dropped, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from captioner.errors import DataError
+from captioner.text import tokenize
+
+log = logging.getLogger("captioner.data.coco")  # the messages' logger before this module was split out
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image of a caption set: its dataset id, file name and resolved path."""
+
+    image_id: int
+    file_name: str
+    path: Path
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass(frozen=True)
+class ObjectBox:
+    """One annotated object: category name, ``(x, y, w, h)`` box in original pixels, extra keys."""
+
+    category: str
+    bbox: tuple[float, float, float, float]
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+class InstanceBoxes(dict):
+    """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
+    list, in file order (also those no box of the split uses), so words can be matched to them."""
+
+    def __init__(self, boxes: Any = (), categories: Sequence[str] = ()) -> None:
+        super().__init__(boxes)
+        self.categories = list(categories)
+
+
+@dataclass
+class CaptionSet:
+    """Images of one split and their reference captions (raw text, whitespace-normalised).
+
+    ``len(cs)`` is the number of images; dataset items refer to images by their index in
+    ``cs.images``.
+    """
+
+    name: str
+    split: str
+    images: list[ImageRecord]
+    captions: dict[int, list[str]]
+    root: Path
+    images_dir: Path | None = None  # where image files were looked for (for messages)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def num_captions(self) -> int:
+        return sum(len(self.captions[r.image_id]) for r in self.images)
+
+    def all_captions(self) -> list[str]:
+        """Every caption of every image, in image order (e.g. to build a vocabulary)."""
+        return [c for r in self.images for c in self.captions[r.image_id]]
+
+    def references(self, image_id: int) -> list[str]:
+        """All reference captions of one image."""
+        return list(self.captions[image_id])
+
+    def subset(self, indices: Sequence[int]) -> "CaptionSet":
+        """A copy holding only ``cs.images[i]`` for ``i`` in ``indices`` (in that order)."""
+        images = [self.images[i] for i in indices]
+        captions = {r.image_id: list(self.captions[r.image_id]) for r in images}
+        return dataclasses.replace(self, images=images, captions=captions)
+
+    def __repr__(self) -> str:
+        return (f"CaptionSet(name={self.name!r}, split={self.split!r}, images={len(self)}, "
+                f"captions={self.num_captions})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``repr`` cut to ``limit`` characters (messages stay one short line whatever the file holds)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def build_caption_set(
+    source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]], images_dir: Path
+) -> CaptionSet:
+    """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
+    images: list[ImageRecord] = []
+    captions: dict[int, list[str]] = {}
+    empty = uncaptioned = 0
+    for record, raw in entries:
+        texts = [" ".join(c.split()) for c in raw]
+        kept = [t for t in texts if tokenize(t)]
+        empty += len(texts) - len(kept)
+        if not kept:
+            uncaptioned += 1
+            continue
+        images.append(record)
+        captions[record.image_id] = kept
+    if empty:
+        log.warning("%s: dropped %d empty caption(s)", source, empty)
+    if uncaptioned:
+        log.warning("%s: skipped %d image(s) without captions in split %r", source, uncaptioned, split)
+    if not images:
+        raise DataError(f"{source}: split {split!r} has no captioned images")
+    return CaptionSet(name=name, split=split, images=images, captions=captions, root=source.parent,
+                      images_dir=images_dir)
