@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
-torch.set_num_threads(1)  # tiny models: threads only add contention on 2-core CI
+# One intra-op thread for the whole session, fixtures included: tiny models gain nothing from threads,
+# and on a busy 2-core machine spin-waiting threads slow them down up to tenfold. Tests that compare
+# bitwise with child processes rely on it too (the children run with OMP_NUM_THREADS=1).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Every test starts with one thread, and a test that changes it cannot leak the change."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # starts a browser; needs chromium and chromedriver
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

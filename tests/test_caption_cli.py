@@ -22,15 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square triangle on the left right of".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster and immune to spin-waiting on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _checkpoint(root: Path, preset: str) -> Path:
     from captioner.checkpoint.store import save_checkpoint
 

@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from captioner.config import get_preset
 from captioner.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # two torchrun children plus a reference run: ~10 s
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
@@ -49,13 +50,8 @@ def test_two_process_gloo_run_matches_single_process(tiny_shapes: Path, tmp_path
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("best val BLEU-4") == 1  # only rank 0 prints the summary
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = train(get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), **settings}), tmp_path / "one",
-                       progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    single = train(get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), **settings}), tmp_path / "one",
+                   progress=False)  # one thread, as the children (conftest)
 
     ddp_rows, one_rows = _rows(ddp_run), _rows(tmp_path / "one")
     assert [r["kind"] for r in ddp_rows] == [r["kind"] for r in one_rows]  # rank 0 alone wrote the CSV

@@ -28,6 +28,7 @@ def mini_report(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return run_demo(options)
 
 
+@pytest.mark.slow
 def test_report_has_a_row_per_decoder_with_every_column(mini_report: dict) -> None:
     rows = mini_report["table"]
     assert [r["decoder"] for r in rows] == list(DEMO_DECODERS)
@@ -42,6 +43,7 @@ def test_report_has_a_row_per_decoder_with_every_column(mini_report: dict) -> No
         assert row["train_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_one_pretrained_frozen_encoder_and_one_feature_cache_serve_every_decoder(mini_report: dict) -> None:
     encoder = mini_report["encoder"]
     assert encoder["steps"] > 0 and Path(encoder["weights"]).is_file()
@@ -54,6 +56,7 @@ def test_one_pretrained_frozen_encoder_and_one_feature_cache_serve_every_decoder
     assert all(r["steps"] > 0 and r["steps_per_s"] > 0 for r in mini_report["table"])
 
 
+@pytest.mark.slow
 def test_attention_correctness_was_scored_for_a_decoder_that_names_objects(mini_report: dict) -> None:
     rows = {r["decoder"]: r for r in mini_report["table"]}
     row = rows["transformer"]
@@ -62,6 +65,7 @@ def test_attention_correctness_was_scored_for_a_decoder_that_names_objects(mini_
         row["attention_correctness"] / row["uniform_baseline"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_report_files_are_written_and_self_contained(mini_report: dict) -> None:
     html_path, json_path = Path(mini_report["paths"]["html"]), Path(mini_report["paths"]["json"])
     saved = json.loads(json_path.read_text())
@@ -78,6 +82,7 @@ def test_report_files_are_written_and_self_contained(mini_report: dict) -> None:
         assert (html_path.parent / name / "metrics_test.json").is_file()
 
 
+@pytest.mark.slow
 def test_format_table_lines_up_columns(mini_report: dict) -> None:
     lines = format_table(mini_report["table"]).splitlines()
     assert len(lines) == 2 + len(DEMO_DECODERS)
@@ -120,6 +125,7 @@ def test_quick_defaults_and_presets_exist() -> None:
         assert cfg.model.decoder.name == ("transformer" if name == "transformer" else "sat")
 
 
+@pytest.mark.slow
 def test_cli_demo_runs_end_to_end(tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(demo, "DEMO_PRESETS", {"sat_soft": "sat_soft_tiny"})
@@ -134,6 +140,7 @@ def test_cli_demo_runs_end_to_end(tiny_shapes: Path, tmp_path: Path, monkeypatch
     assert "captioner demo: error: --decoders nope" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_demo_with_scst_adds_a_self_critical_row_per_decoder(tiny_shapes: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture) -> None:

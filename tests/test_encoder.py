@@ -21,15 +21,6 @@ from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dic
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and far faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(**kw) -> EncoderConfig:
     args = {"name": "tiny", "grid": 4, "pretrained": False, "width": 8, "image_size": 64}
     return EncoderConfig(**{**args, **kw})

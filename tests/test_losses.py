@@ -14,14 +14,6 @@ from captioner.models.base import DecoderOutput
 V = 7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _logits_targets(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(2, 3, V, generator=gen)

@@ -23,14 +23,6 @@ from captioner.training.loop import train
 STEPS = 15
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_cfg(root: Path, preset: str = "sat_soft_tiny", **overrides) -> Config:
     base = {"data.root": str(root), "train.batch_size": 16, "train.val_max_images": 4, "train.log_every": 1,
             "train.epochs": 1}

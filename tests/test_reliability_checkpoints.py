@@ -374,6 +374,7 @@ def test_resume_refuses_another_vocabulary_saying_so(run_copy: Path, capsys: pyt
 # ----------------------------------------------------------------------------- concurrent use
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_processes_caption_with_one_checkpoint_at_once(checkpoints: dict[str, Path], photo: Path,
                                                            tmp_path: Path) -> None:

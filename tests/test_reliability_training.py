@@ -48,16 +48,6 @@ def same_config(data: Path, **extra):
                                           "train.val_max_images": 8, "train.log_every": 1, **extra})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here and in every child: the same float reductions everywhere (bitwise
-    comparisons), and tiny models run far faster than with threads spin-waiting on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -232,6 +222,7 @@ def killed_runs(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return {point: (root / point / "run", in_write[point]() if point in in_write else False) for point in KILL_POINTS}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to watch file writes")
 @pytest.mark.parametrize("point", list(KILL_POINTS))
@@ -252,6 +243,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_weights(point: str, killed_r
     assert len(step_losses(out)) == EPOCHS * STEPS_PER_EPOCH
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_before_the_first_checkpoint_leaves_a_clear_message(tiny_shapes: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:

@@ -16,15 +16,6 @@ from captioner.models.lstm import SATDecoder
 V, D, N = 23, 12, 9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster, and far faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _decoder(**kw) -> SATDecoder:
     args = {"vocab_size": V, "feature_dim": D, "embed_dim": 8, "hidden_dim": 10, "attention_dim": 7, "dropout": 0.0}
     return SATDecoder(**{**args, **kw})

@@ -251,6 +251,7 @@ def test_bad_scst_settings_are_one_line_errors(key: str, value, message: str, ti
     assert err.startswith("captioner train: error: ") and message in err and "\n" not in err, err
 
 
+@pytest.mark.slow
 def test_two_process_ddp_scst_run(tiny_shapes: Path, tmp_path: Path, stage1: dict[str, Path]) -> None:
     """torchrun, 2 CPU processes (Gloo): the per-step all-reduce carries the SCST terms; rank 0 alone logs."""
     import os

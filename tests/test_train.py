@@ -22,16 +22,6 @@ from captioner.training.loop import train
 STEPS_PER_EPOCH = 15
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared, busy 2-core machine two
-    spinning threads per process slow these runs down about tenfold."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_cfg(preset: str, root: Path, **overrides) -> Config:
     base = {"data.root": str(root), "train.batch_size": 16, "train.val_max_images": 4, "train.log_every": 1,
             "train.epochs": 1}

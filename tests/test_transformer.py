@@ -3,8 +3,6 @@ padding, beam reordering, tied embeddings, overfitting one batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,15 +15,6 @@ from captioner.models.transformer import TransformerCaptionDecoder, build_transf
 V, D, G = 13, 12, 3  # vocabulary, feature width, grid (N = 9)
 N = G * G
 BOS, EOS = 1, 2
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Toy sizes gain nothing from threads, and on a loaded machine 2 threads can run 20x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def make_decoder(seed: int = 0, **kwargs) -> TransformerCaptionDecoder:

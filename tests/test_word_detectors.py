@@ -36,7 +36,6 @@ def test_image_score_is_a_soft_maximum_over_regions() -> None:
 
 
 def test_pretraining_lowers_the_loss_and_writes_weights_the_encoder_loads(tiny_shapes: Path, tmp_path: Path) -> None:
-    torch.set_num_threads(1)
     cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes)})
     out = tmp_path / "encoder.safetensors"
     result = pretrain_word_detectors(cfg, out, max_steps=60, batch_size=16, progress=False)
