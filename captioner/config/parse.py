@@ -55,8 +55,8 @@ def _drop_other_family(family: type[DecoderConfig], data: dict[str, Any], prefix
         changed = [k for k in foreign if not is_family_default(k, data[k])]
         log.debug("%s: ignoring the other decoder family's keys %s", _where(prefix), ", ".join(foreign))
         if changed:
-            log.warning("%s: ignoring %s, not keys of the %s decoder", _where(prefix),
-                        ", ".join(f"{k}={data[k]!r}" for k in changed), data.get("name", family.name))
+            log.warning("%s: ignoring %s: keys of another decoder family, not of %s", _where(prefix),
+                        ", ".join(f"{k}={data[k]!r}" for k in changed), data.get("name", DEFAULT_DECODER))
     return {k: v for k, v in data.items() if k not in foreign}
 
 
