@@ -12,6 +12,7 @@ one flat mapping; :func:`split_family_keys` sets the other family's fields apart
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +128,7 @@ def family_keys(family: type[DecoderConfig]) -> list[str]:
     return [f.name for f in dataclasses.fields(family)]
 
 
-def split_family_keys(family: type[DecoderConfig], keys: Any) -> tuple[list[str], list[str]]:
+def split_family_keys(family: type[DecoderConfig], keys: Iterable[str]) -> tuple[list[str], list[str]]:
     """``keys`` that belong to another family (old flat configs carry them), and keys of no family at all."""
     own = set(family_keys(family))
     known = {key for other in DECODER_FAMILIES.values() for key in family_keys(other)}
@@ -158,9 +159,11 @@ def switched_family(section: dict[str, Any], name: Any) -> dict[str, Any]:
 
     Setting ``model.decoder.name`` to another family goes through here, so ``--set decoder.name=transformer``
     on a SAT preset gives the Transformer's defaults with the preset's ``dropout`` and ``max_len``.
+
     Args:
         section: the current decoder mapping (any family).
         name: the new family's name; an unknown name is kept as is (parsing then names the families).
+
     Returns:
         The new mapping (``section`` itself is not changed).
     """
