@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 from captioner.text import Vocabulary
@@ -40,40 +41,6 @@ from captioner.text import Vocabulary
 logger = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How to search.
-
-    Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax).
-        max_len: most words in a caption (``<eos>`` not counted).
-        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
-        n_best: hypotheses returned per image, best first (at most ``beam_size``).
-        allow_unk: let :func:`caption_features` / :func:`caption_images` emit ``<unk>``; by default
-            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
-            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
-    """
-
-    beam_size: int = 1
-    max_len: int = 20
-    length_penalty: float = 0.0
-    n_best: int = 1
-    allow_unk: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_size", "max_len", "n_best"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
-        if self.n_best > self.beam_size:
-            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
-        alpha = self.length_penalty
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
-            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
-        if not isinstance(self.allow_unk, bool):
-            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.config import DecoderConfig
+from captioner.config import SATConfig
 from captioner.errors import ConfigError
 from captioner.models.attention import (HARD_TEST_MODES, AdditiveAttention, hard_test_context, region_features,
                                         sample_regions, soft_context)
@@ -259,8 +259,8 @@ class SATDecoder(CaptionDecoder):
         return log_probs, new_state, log_alpha.exp()
 
 
-def build_sat_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
-    """Registry builder: a ``SATDecoder`` from ``DecoderConfig`` (``grid`` sizes the region positions)."""
+def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
+    """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(
         vocab_size=vocab_size,
         feature_dim=feature_dim,

@@ -1,6 +1,9 @@
 """Decoder builders by ``DecoderConfig.name``: the two built-in families, and any you register.
 
-A builder is ``fn(cfg: DecoderConfig, feature_dim=D, vocab_size=V, grid=g) -> CaptionDecoder``.
+A builder is ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) -> CaptionDecoder``, where ``cfg`` is its
+family's config (``SATConfig``, ``TransformerConfig``: ``captioner.config.decoders``; a new family
+also needs its config class in ``DECODER_FAMILIES`` there).
+
 The built-in families are imported here, at the top, so the decoders never import the registry
 back (no import cycle); your own builders join with ``@register_decoder("name")``.
 """

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.config import DecoderConfig
+from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, attention_entropy
 from captioner.models.mha import MultiHeadAttention
@@ -275,9 +275,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
 
 def build_transformer_decoder(
-    cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int
+    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int
 ) -> TransformerCaptionDecoder:
-    """Registry builder (``decoder.name = "transformer"``)."""
+    """Registry builder: a ``TransformerCaptionDecoder`` from a ``TransformerConfig``."""
     return TransformerCaptionDecoder(
         vocab_size=vocab_size,
         feature_dim=feature_dim,

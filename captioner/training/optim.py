@@ -38,9 +38,8 @@ def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> 
 
 
 def schedule_width(model: Captioner) -> int:
-    """The ``d_model`` of an old Noam-scale ``train.lr``: Transformer width, else the LSTM width."""
-    dec = model.config.decoder
-    return dec.d_model if dec.name == "transformer" else dec.hidden_dim
+    """The ``d_model`` of an old Noam-scale ``train.lr``: the decoder family's width (d_model, LSTM hidden_dim)."""
+    return model.config.decoder.width
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig) -> GroupSchedule:

@@ -1,0 +1,46 @@
+"""Configuration: dataclasses, parsing and named presets.
+
+A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
+``train`` and ``decoding``. The decoder is one dataclass per family (``SATConfig``,
+``TransformerConfig``), picked by ``name``. Presets are registered by name; ``get_preset(name,
+**overrides)`` returns a fresh copy with dotted overrides applied, e.g. ``get_preset("sat_soft_tiny",
+**{"train.lr": 1e-3})``. Config files (JSON or YAML) hold the same nested structure; command-line
+``--set key=value`` flags override them.
+
+Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass), ``parse`` (nested
+mappings, overrides, files), ``presets`` (the preset table, ``resolve_config``).
+"""
+
+from captioner.config.decoders import (
+    DECODER_FAMILIES,
+    DECODERS,
+    DecoderConfig,
+    SATConfig,
+    TransformerConfig,
+    decoder_family,
+)
+from captioner.config.parse import load_config_file, parse_override
+from captioner.config.presets import GPU_BATCH, PRESETS, get_preset, list_presets, resolve_config
+from captioner.config.schema import (
+    ENCODERS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    LITE_MEAN,
+    LITE_STD,
+    SELECT_METRICS,
+    Config,
+    DataConfig,
+    DecodeOptions,
+    EncoderConfig,
+    ModelConfig,
+    TrainConfig,
+    model_config_from_dict,
+)
+
+__all__ = [
+    "DECODERS", "DECODER_FAMILIES", "ENCODERS", "GPU_BATCH", "IMAGENET_MEAN", "IMAGENET_STD", "LITE_MEAN",
+    "LITE_STD", "PRESETS", "SELECT_METRICS", "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
+    "EncoderConfig", "ModelConfig", "SATConfig", "TrainConfig", "TransformerConfig", "decoder_family",
+    "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
+    "resolve_config",
+]

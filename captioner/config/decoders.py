@@ -1,0 +1,174 @@
+"""Decoder configs, one dataclass per family, chosen by ``name``.
+
+``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``SATConfig``
+(Show, Attend and Tell LSTM) and ``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
+holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
+picks (``SATConfig`` when no name is given), so code written before the split keeps working.
+
+Configs written before the split (``config.json``, checkpoint headers) carry both families' fields in
+one flat mapping; :func:`split_family_keys` sets the other family's fields apart so parsing can drop them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from captioner.errors import ConfigError
+
+
+class _FamilyByName(type):
+    """Metaclass of ``DecoderConfig``: calling the base class builds the family its ``name`` picks."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is DecoderConfig:
+            if args:
+                raise TypeError("DecoderConfig(...) takes keyword arguments only (name=..., then the family's fields)")
+            cls = decoder_family(kwargs.get("name", DEFAULT_DECODER))
+        return type.__call__(cls, *args, **kwargs)
+
+
+@dataclass
+class DecoderConfig(metaclass=_FamilyByName):
+    """The fields every decoder family has; the base class of ``SATConfig`` and ``TransformerConfig``."""
+
+    name: str = "sat"  # one of DECODERS; picks the family (its class)
+    dropout: float = 0.5
+    max_len: int = 50  # longest caption (words) the model can produce / position table size
+
+    def __post_init__(self) -> None:
+        family = decoder_family(self.name)
+        if type(self) is not family:
+            raise ConfigError(f"decoder.name={self.name!r} needs {family.__name__}, not {type(self).__name__}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"decoder.dropout must be in [0, 1), got {self.dropout}")
+        self._check_positive("max_len")
+
+    @property
+    def width(self) -> int:
+        """The decoder's hidden width: the ``d_model`` an old Noam-scale ``train.lr`` was written for."""
+        raise NotImplementedError
+
+    def _check_positive(self, *keys: str) -> None:
+        for key in keys:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"decoder.{key} must be >= 1, got {getattr(self, key)}")
+
+
+@dataclass
+class SATConfig(DecoderConfig):
+    """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions."""
+
+    name: str = "sat"
+    embed_dim: int = 512  # word embedding size
+    attention: str = "soft"  # "soft" (deterministic) or "hard" (stochastic, REINFORCE)
+    hidden_dim: int = 512  # LSTM width
+    attention_dim: int = 512  # additive attention width
+    hard_test_mode: str = "expectation"  # hard attention at test time: "expectation" or "argmax"
+    hard_soft_prob: float = 0.5  # training: probability of using the expected context instead
+    # add learned row and column embeddings to the region features (what the Transformer's regions get):
+    # without them an LSTM that attends by content cannot tell where the region it looked at lies
+    region_positions: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention not in ("soft", "hard"):
+            raise ConfigError(f"decoder.attention={self.attention!r}: use 'soft' or 'hard'")
+        if self.hard_test_mode not in ("expectation", "argmax"):
+            raise ConfigError(f"decoder.hard_test_mode={self.hard_test_mode!r}: use expectation or argmax")
+        if not 0.0 <= self.hard_soft_prob <= 1.0:
+            raise ConfigError(f"decoder.hard_soft_prob must be in [0, 1], got {self.hard_soft_prob}")
+        self._check_positive("embed_dim", "hidden_dim", "attention_dim")
+
+    @property
+    def width(self) -> int:
+        return self.hidden_dim
+
+
+@dataclass
+class TransformerConfig(DecoderConfig):
+    """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward."""
+
+    name: str = "transformer"
+    d_model: int = 512  # token and region width
+    num_layers: int = 3
+    num_heads: int = 8  # d_model must be divisible by it
+    ff_dim: int = 2048  # feed-forward width
+    tie_embeddings: bool = False  # the output projection shares the word embedding's weights
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_positive("d_model", "num_layers", "num_heads", "ff_dim")
+        if self.d_model % self.num_heads:
+            raise ConfigError(f"decoder.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+
+    @property
+    def width(self) -> int:
+        return self.d_model
+
+
+DECODER_FAMILIES: dict[str, type[DecoderConfig]] = {"sat": SATConfig, "transformer": TransformerConfig}
+DECODERS = tuple(DECODER_FAMILIES)
+DEFAULT_DECODER = "sat"  # the family of a decoder mapping without a name
+SHARED_KEYS = tuple(f.name for f in dataclasses.fields(DecoderConfig))  # name, dropout, max_len
+
+
+def decoder_family(name: Any) -> type[DecoderConfig]:
+    """The config class of decoder family ``name``; ConfigError naming the families otherwise."""
+    family = DECODER_FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None:
+        raise ConfigError(f"decoder.name={name!r} is not one of {', '.join(DECODERS)}")
+    return family
+
+
+def family_keys(family: type[DecoderConfig]) -> list[str]:
+    """Every field of a family, shared ones first."""
+    return [f.name for f in dataclasses.fields(family)]
+
+
+def split_family_keys(family: type[DecoderConfig], keys: Iterable[str]) -> tuple[list[str], list[str]]:
+    """``keys`` that belong to another family (old flat configs carry them), and keys of no family at all."""
+    own = set(family_keys(family))
+    known = {key for other in DECODER_FAMILIES.values() for key in family_keys(other)}
+    foreign = [k for k in keys if k not in own and k in known]
+    unknown = sorted(k for k in keys if k not in known)
+    return foreign, unknown
+
+
+def is_family_default(key: str, value: Any) -> bool:
+    """Whether ``value`` is the default of ``key`` in the family that has it (old flat configs carry those)."""
+    for family in DECODER_FAMILIES.values():
+        for f in dataclasses.fields(family):
+            if f.name == key and f.default == value:
+                return True
+    return False
+
+
+def keys_help(family: type[DecoderConfig], key: str) -> str:
+    """One clause for an error about ``key``: the family's keys, and which other family has ``key``."""
+    name = next(n for n, cls in DECODER_FAMILIES.items() if cls is family)
+    owners = [n for n, other in DECODER_FAMILIES.items() if other is not family and key in family_keys(other)]
+    switch = f"; {key} belongs to the {owners[0]} decoder: set model.decoder.name={owners[0]} first" if owners else ""
+    return f"the {name} decoder's keys are {', '.join(family_keys(family))}{switch}"
+
+
+def switched_family(section: dict[str, Any], name: Any) -> dict[str, Any]:
+    """A decoder mapping for family ``name``: its defaults, keeping ``section``'s shared fields.
+
+    Setting ``model.decoder.name`` to another family goes through here, so ``--set decoder.name=transformer``
+    on a SAT preset gives the Transformer's defaults with the preset's ``dropout`` and ``max_len``.
+
+    Args:
+        section: the current decoder mapping (any family).
+        name: the new family's name; an unknown name is kept as is (parsing then names the families).
+
+    Returns:
+        The new mapping (``section`` itself is not changed).
+    """
+    if name == section.get("name") or not isinstance(name, str) or name not in DECODER_FAMILIES:
+        return {**section, "name": name}
+    new = dataclasses.asdict(DECODER_FAMILIES[name]())
+    new.update({k: section[k] for k in SHARED_KEYS if k in section and k != "name"})
+    return new

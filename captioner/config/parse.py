@@ -1,0 +1,182 @@
+"""Nested mappings <-> config dataclasses, dotted ``key=value`` overrides and config files.
+
+The nesting comes from the dataclasses themselves: a field whose type hint is a dataclass is a
+section, parsed from a nested mapping; any other field is a value. A field typed ``DecoderConfig``
+is parsed as the family its ``name`` picks (``captioner.config.decoders``): the keys of the other
+family, which configs written before the split carry, are dropped (a debug log line; a warning when
+the dropped value is not that family's default). Keys that no dataclass has are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import typing
+from pathlib import Path
+from typing import Any
+
+from captioner.config.decoders import (
+    DEFAULT_DECODER,
+    DecoderConfig,
+    decoder_family,
+    is_family_default,
+    keys_help,
+    split_family_keys,
+    switched_family,
+)
+from captioner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FAMILY_KEY = "model.decoder.name"  # applied before the other overrides: it picks which keys exist
+
+
+@functools.cache
+def sections(cls: type) -> dict[str, type]:
+    """The fields of dataclass ``cls`` that are themselves dataclasses: ``{field name: its class}``."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name])}
+
+
+def _where(prefix: str) -> str:
+    return prefix.rstrip(".") or "config"
+
+
+def _drop_other_family(family: type[DecoderConfig], data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``data`` without the keys of the other decoder family; ConfigError for keys no family has."""
+    foreign, unknown = split_family_keys(family, data)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)} "
+                          f"({keys_help(family, unknown[0])})")
+    if foreign:
+        changed = [k for k in foreign if not is_family_default(k, data[k])]
+        log.debug("%s: ignoring the other decoder family's keys %s", _where(prefix), ", ".join(foreign))
+        if changed:
+            log.warning("%s: ignoring %s: keys of another decoder family, not of %s", _where(prefix),
+                        ", ".join(f"{k}={data[k]!r}" for k in changed), data.get("name", DEFAULT_DECODER))
+    return {k: v for k, v in data.items() if k not in foreign}
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested mapping, validating every field.
+
+    Args:
+        cls: a config dataclass (``Config``, ``ModelConfig``, ``DecoderConfig``, ...).
+        data: its mapping; missing keys take the defaults.
+        prefix: the dotted path of ``data`` in the whole config (``"model."``), for error messages.
+
+    Raises:
+        ConfigError: a key the dataclass does not have, a section that is not a mapping, or a value
+            its ``__post_init__`` refuses.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_where(prefix)} must be a mapping, got {type(data).__name__}")
+    if cls is DecoderConfig:
+        cls = decoder_family(data.get("name", DEFAULT_DECODER))
+        data = _drop_other_family(cls, data, prefix)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+    subs = sections(cls)
+    kwargs = {k: from_dict(subs[k], v, f"{prefix}{k}.") if k in subs else v for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"bad config for {_where(prefix)}: {exc}") from None
+
+
+def family_first(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Overrides with ``model.decoder.name`` first (stable): the family it picks decides the valid keys."""
+    return sorted(items, key=lambda item: item[0] != FAMILY_KEY)
+
+
+def set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` (``"train.lr"``) in the mapping ``data`` of dataclass ``cls``, in place.
+
+    Setting ``model.decoder.name`` to another family replaces the decoder mapping by that family's
+    defaults, keeping ``dropout`` and ``max_len``. Raises ConfigError for a key ``cls`` does not have.
+    """
+    parts = key.split(".")
+    node, node_cls = data, cls
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict) or part not in sections(node_cls):
+            raise ConfigError(f"unknown config key: {key}")
+        node, node_cls = node[part], sections(node_cls)[part]
+    last = parts[-1]
+    if node_cls is DecoderConfig and last == "name":
+        new = switched_family(node, value)
+        node.clear()
+        node.update(new)
+        return
+    if last not in node:
+        extra = ""
+        if node_cls is DecoderConfig and isinstance(node.get("name"), str):
+            extra = f" ({keys_help(decoder_family(node['name']), last)})"
+        raise ConfigError(f"unknown config key: {key}{extra}")
+    node[last] = value
+
+
+def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: str = "") -> None:
+    """Merge the (partial) mapping ``new``, e.g. from a config file, into the full mapping ``base`` of ``cls``.
+
+    A decoder section that names another family switches ``base`` to it first (as :func:`set_dotted`);
+    the other family's keys are dropped, as :func:`from_dict` does, so old ``config.json`` files merge.
+    """
+    if cls is DecoderConfig and isinstance(new, dict):
+        if "name" in new:
+            switched = switched_family(base, new["name"])
+            base.clear()
+            base.update(switched)
+        if isinstance(base.get("name"), str):
+            new = _drop_other_family(decoder_family(base["name"]), new, prefix)
+    subs = sections(cls)
+    for key, value in new.items():
+        if key not in base:
+            raise ConfigError(f"unknown config key: {prefix}{key}")
+        if key in subs and isinstance(base[key], dict) and isinstance(value, dict):
+            deep_update(subs[key], base[key], value, f"{prefix}{key}.")
+        else:
+            base[key] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key=value`` from the command line; the value is read as JSON when it parses.
+
+    ``train.lr=1e-3`` -> ``("train.lr", 0.001)``; ``encoder.name=tiny`` -> ``("model.encoder.name", "tiny")``.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.startswith(("encoder.", "decoder.")):
+        key = "model." + key
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = {"none": None, "null": None, "true": True, "false": False}.get(raw.lower(), raw)
+    return key, value
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML config file into a nested dict (not yet validated)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file ({exc.strerror or exc})") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml and json raise different types
+        raise ConfigError(f"{path}: invalid config file ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: config file must hold a mapping")
+    return data

@@ -1,0 +1,272 @@
+"""Configuration dataclasses: ``Config`` and its sections.
+
+A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
+``train`` and ``decoding`` (how captions are searched). The decoder section is one dataclass per
+family (``captioner.config.decoders``). Nested mappings (config files, ``config.json``, checkpoint
+headers) become these classes through ``captioner.config.parse``; named presets live in
+``captioner.config.presets``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from captioner.config.decoders import DecoderConfig, SATConfig
+from captioner.config.parse import family_first, from_dict, set_dotted
+from captioner.errors import ConfigError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# efficientnet-lite (TF port) expects (x * 255 - 127) / 128, i.e. mean 127/255 and std 128/255.
+LITE_MEAN = (127.0 / 255.0,) * 3
+LITE_STD = (128.0 / 255.0,) * 3
+
+ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
+SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
+
+
+@dataclass
+class EncoderConfig:
+    name: str = "resnet101"  # one of ENCODERS
+    grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
+    pretrained: bool = True  # load ImageNet weights when the model is first built
+    weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
+    fine_tune: bool = False  # train the upper stages; otherwise the encoder is frozen
+    fine_tune_stages: int = 2  # how many top stages are trainable when fine_tune is set
+    width: int = 64  # channel width of the tiny CNN (ignored by the pretrained backbones)
+    image_size: int = 224  # the encoder sees image_size x image_size pixels
+    resize: str = "stretch"  # "stretch" (whole image, aspect undone in overlays) or "center_crop"
+    interpolation: str = "bilinear"  # "bilinear" or "bicubic"
+    mean: tuple[float, float, float] = IMAGENET_MEAN  # per-channel normalisation of [0,1] pixels
+    std: tuple[float, float, float] = IMAGENET_STD
+
+    def __post_init__(self) -> None:
+        self.mean = tuple(float(x) for x in self.mean)  # JSON round trips give lists
+        self.std = tuple(float(x) for x in self.std)
+        if self.name not in ENCODERS:
+            raise ConfigError(f"encoder.name={self.name!r} is not one of {', '.join(ENCODERS)}")
+        if self.grid < 1:
+            raise ConfigError(f"encoder.grid must be >= 1, got {self.grid}")
+        if self.image_size < 16:
+            raise ConfigError(f"encoder.image_size must be >= 16, got {self.image_size}")
+        if self.resize not in ("stretch", "center_crop"):
+            raise ConfigError(f"encoder.resize={self.resize!r}: use 'stretch' or 'center_crop'")
+        if self.interpolation not in ("bilinear", "bicubic"):
+            raise ConfigError(f"encoder.interpolation={self.interpolation!r}: use bilinear or bicubic")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ConfigError("encoder.mean and encoder.std need 3 values, std > 0")
+
+
+@dataclass
+class ModelConfig:
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    decoder: DecoderConfig = field(default_factory=SATConfig)  # SATConfig or TransformerConfig
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/shapes"  # dataset folder (COCO layout) or a Karpathy split JSON file
+    images: str | None = None  # image folder when it is not under root
+    train_split: str = "train"
+    val_split: str = "val"
+    test_split: str = "test"
+    min_freq: int = 1  # vocabulary: rarer words become <unk> (5 for COCO)
+    max_caption_len: int = 30  # words kept per training caption
+    skip_missing: bool = False  # skip images that are missing or unreadable instead of failing
+    num_workers: int = 0  # DataLoader workers
+    feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
+    # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else <run>/features
+    feature_cache_dir: str | None = None
+    # hold a split's cached features (or, training the encoder, its resized uint8 pixels) in one tensor
+    # in memory when it takes at most this many MiB: no decoding or copying per item (0 disables)
+    in_memory_mb: float = 4096.0
+
+    def __post_init__(self) -> None:
+        if self.min_freq < 1:
+            raise ConfigError(f"data.min_freq must be >= 1, got {self.min_freq}")
+        if self.max_caption_len < 1:
+            raise ConfigError(f"data.max_caption_len must be >= 1, got {self.max_caption_len}")
+        if not self.in_memory_mb >= 0:
+            raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 32
+    optimizer: str = "adam"  # "adam" or "adamw"
+    lr: float = 4e-4  # decoder learning rate (peak lr for the warm-up schedule)
+    encoder_lr: float = 1e-4  # learning rate of fine-tuned encoder stages
+    weight_decay: float = 0.0
+    grad_clip: float = 5.0  # max gradient norm (0 disables)
+    schedule: str = "constant"  # decoder: "constant" or "warmup" (lr * min(s/w, sqrt(w/s)): peak lr at step w)
+    warmup_steps: int = 4000
+    label_smoothing: float = 0.0
+    alpha_c: float = 1.0  # weight of the doubly stochastic attention penalty (SAT)
+    # that penalty's form: "excess" (only regions given more than one unit over the caption; never pulls
+    # towards uniform attention), "mean" (the tutorial's mean over regions) or "sum" (Xu et al.)
+    ds_form: str = "excess"
+    reinforce_weight: float = 1.0  # hard attention: weight of the REINFORCE term
+    entropy_weight: float = 0.01  # hard attention: entropy bonus
+    baseline_decay: float = 0.9  # hard attention: moving-average baseline decay
+    val_beam: int = 3  # beam size of the validation decoding (1 = greedy); 3 = ``captioner evaluate``'s default
+    val_max_images: int | None = None  # cap validation images per epoch (None = all)
+    patience: int = 5  # early stopping: epochs without a better validation select_metric
+    time_budget: float | None = None  # stop training after this many seconds
+    amp: str = "auto"  # "auto" (bf16/fp16 on CUDA), "off", "bf16", "fp16"
+    seed: int = 0
+    log_every: int = 50  # steps between CSV/TensorBoard log lines
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    skip_nonfinite: bool = False  # skip a batch whose loss is NaN/inf instead of stopping
+    compile: bool = False  # torch.compile the SAT decoder's per-word training step (opt-in; pays off on a GPU)
+    # with time_budget: scale every lr by a factor falling linearly from 1 to BUDGET_DECAY_FLOOR over the budget
+    # (budgeted training, Li et al. 2020); the run then ends annealed rather than mid-stride
+    budget_decay: bool = False
+    # --- recipe (issue 16) ---
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW (beta1, beta2); the Transformer presets use (0.9, 0.98)
+    encoder_schedule: str = "constant"  # fine-tuned encoder group: "constant" or "warmup", peak encoder_lr
+    decay_factor: float = 0.8  # lr multiplier (every group) of the plateau and step decays
+    decay_patience: int = 0  # plateau decay: x decay_factor per N epochs with no better select_metric; 0 = off
+    decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
+    select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
+    val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
+    init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
+    # --- self-critical (issue 15) ---
+    objective: str = "xe"  # "xe" (cross-entropy, teacher forcing) or "scst" (self-critical, Rennie et al. 2017)
+    scst_samples: int = 5  # scst: captions sampled per image
+    scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
+    scst_baseline: str = "mean"  # "mean" of the image's other samples (Luo 2020; stable) or "greedy" (Rennie et al.)
+    scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "adamw"):
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: use adam or adamw")
+        if self.schedule not in ("constant", "warmup"):
+            raise ConfigError(f"train.schedule={self.schedule!r}: use constant or warmup")
+        if self.amp not in ("auto", "off", "bf16", "fp16"):
+            raise ConfigError(f"train.amp={self.amp!r}: use auto, off, bf16 or fp16")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ConfigError("train.epochs and train.batch_size must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.val_beam < 1:
+            raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
+        if self.ds_form not in ("excess", "mean", "sum"):
+            raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
+        # --- recipe (issue 16) ---
+        betas = self.betas
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}")
+        try:
+            self.betas = tuple(float(b) for b in betas)  # JSON round trips give lists
+        except (TypeError, ValueError):
+            raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}") from None
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.betas must be in [0, 1), got {list(self.betas)}")
+        if self.encoder_schedule not in ("constant", "warmup"):
+            raise ConfigError(f"train.encoder_schedule={self.encoder_schedule!r}: use constant or warmup")
+        if self.warmup_steps < 1:
+            raise ConfigError(f"train.warmup_steps must be >= 1, got {self.warmup_steps}")
+        if not 0.0 < self.decay_factor <= 1.0:
+            raise ConfigError(f"train.decay_factor must be in (0, 1], got {self.decay_factor}")
+        if self.decay_patience < 0 or self.decay_every < 0:
+            raise ConfigError("train.decay_patience and train.decay_every must be >= 0 (0 = off)")
+        if self.select_metric not in SELECT_METRICS:
+            raise ConfigError(f"train.select_metric={self.select_metric!r}: use {' or '.join(SELECT_METRICS)}")
+        if self.val_max_len < 1:
+            raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
+        if self.encoder_lr <= 0:
+            raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
+        # --- self-critical (issue 15) ---
+        if self.objective not in ("xe", "scst"):
+            raise ConfigError(f"train.objective={self.objective!r}: use xe or scst")
+        if self.scst_baseline not in ("greedy", "mean"):
+            raise ConfigError(f"train.scst_baseline={self.scst_baseline!r}: use greedy or mean")
+        k = self.scst_samples
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.scst_baseline == "mean"):
+            raise ConfigError(f"train.scst_samples must be an integer >= 1 (>= 2 with scst_baseline=mean), got {k!r}")
+        if isinstance(self.scst_temperature, bool) or not isinstance(self.scst_temperature, (int, float)) \
+                or not 0.0 < self.scst_temperature < math.inf:
+            raise ConfigError(f"train.scst_temperature must be a number > 0, got {self.scst_temperature!r}")
+        w = self.scst_bleu_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ConfigError(f"train.scst_bleu_weight must be in [0, 1], got {w!r}")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to search.
+
+    Attributes:
+        beam_size: beams per image; 1 = greedy (batched argmax).
+        max_len: most words in a caption (``<eos>`` not counted).
+        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
+        n_best: hypotheses returned per image, best first (at most ``beam_size``).
+        allow_unk: let :func:`caption_features` / :func:`caption_images` emit ``<unk>``; by default
+            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
+            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
+    """
+
+    beam_size: int = 1
+    max_len: int = 20
+    length_penalty: float = 0.0
+    n_best: int = 1
+    allow_unk: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "max_len", "n_best"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
+        if self.n_best > self.beam_size:
+            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
+        alpha = self.length_penalty
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
+            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
+        if not isinstance(self.allow_unk, bool):
+            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decoding: DecodeOptions = field(default_factory=DecodeOptions)  # how captions are searched (beam, length)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        return from_dict(cls, data, "")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def override(self, **overrides: Any) -> "Config":
+        """Return a copy with dotted-key overrides applied (``"train.lr": 1e-3``).
+
+        ``model.decoder.name`` is applied first: another family starts from its defaults, keeping
+        ``dropout`` and ``max_len``, and the other overrides may then set its keys.
+        """
+        data = self.to_dict()
+        for key, value in family_first(list(overrides.items())):
+            set_dotted(Config, data, key, value)
+        return Config.from_dict(data)
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """Rebuild a ``ModelConfig`` (e.g. from a checkpoint), validating every field.
+
+    A decoder mapping written before the per-family split (both families' fields) is accepted: the
+    other family's fields are dropped.
+    """
+    return from_dict(ModelConfig, data, "model.")
