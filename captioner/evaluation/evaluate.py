@@ -162,7 +162,8 @@ def evaluate_checkpoint(
         not written to the file.
     """
     from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
-    from captioner.checkpoint.store import atomic_write, load_checkpoint
+    from captioner.checkpoint.atomic import atomic_write
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.coco import check_images, load_caption_set, load_instances
     from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 
