@@ -97,7 +97,7 @@ def caption_split(
     from captioner.data.dataset import image_loader
     from captioner.data.transforms import ImageTransform
     from captioner.decoding.search import DecodeOptions, caption_images
-    from captioner.features.cache import SafeImages, check_batch_errors, collate_safe
+    from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
