@@ -1,6 +1,6 @@
 """Rebuild a model from a checkpoint's config and weights, on the meta device first.
 
-Shape legend: none (whole models). Used by :func:`captioner.checkpoint.store.load_checkpoint`.
+Used by :func:`captioner.checkpoint.store.load_checkpoint`.
 
 The model is built on the meta device (no storage, random initialisation skipped), every tensor
 name and shape is checked against the file, and only then is real, uninitialised storage

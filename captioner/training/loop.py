@@ -65,6 +65,7 @@ __all__ = ["TrainForward", "TrainResult", "train"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class TrainResult:
     """What ``train`` returns.
