@@ -150,19 +150,16 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
 
 
 def test_budget_decay_scales_the_scheduled_lr_linearly_to_a_floor() -> None:
-    import time
-    from types import SimpleNamespace
-
-    from captioner.training.loop import BUDGET_DECAY_FLOOR, _budget_decay
+    from captioner.training.step import BUDGET_DECAY_FLOOR, budget_decay
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([param], lr=1e-3)
     cfg = get_preset("sat_soft_tiny", **{"train.time_budget": 100.0, "train.budget_decay": True})
     for elapsed, factor in ((50.0, 0.5), (90.0, 0.1), (500.0, BUDGET_DECAY_FLOOR)):
         optimizer.param_groups[0]["lr"] = 1e-3  # what the schedule set for this step
-        _budget_decay(SimpleNamespace(cfg=cfg, optimizer=optimizer, start=time.monotonic() - elapsed))
+        budget_decay(optimizer, cfg.train, elapsed)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * factor, rel=1e-3)
     cfg.train.budget_decay = False
     optimizer.param_groups[0]["lr"] = 1e-3
-    _budget_decay(SimpleNamespace(cfg=cfg, optimizer=optimizer, start=time.monotonic() - 50.0))
+    budget_decay(optimizer, cfg.train, 50.0)
     assert optimizer.param_groups[0]["lr"] == 1e-3

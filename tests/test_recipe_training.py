@@ -44,7 +44,7 @@ def step_lrs_by_epoch(run: Path) -> dict[int, list[float]]:
 
 def script_validation(monkeypatch: pytest.MonkeyPatch, scores: list[tuple[float, float]], seen: list | None = None):
     """Validation returns (BLEU-4, CIDEr-D) from ``scores``, one pair per call."""
-    import captioner.training.loop as train_mod
+    import captioner.training.epoch as train_mod
 
     calls = iter(scores)
 
@@ -120,7 +120,7 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
 
 def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import captioner.training.loop as train_mod
+    import captioner.training.epoch as train_mod
     from captioner.evaluation.metrics import bleu, cider_d
     from captioner.training.validation import score
 

@@ -282,10 +282,10 @@ CHECKPOINT_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt")
 
 
 def sabotage(monkeypatch: pytest.MonkeyPatch, how: str, at_call: int) -> None:
-    """Wrap the optimizer step of ``captioner.training.loop``: on its ``at_call``-th call (1-based, counted
+    """Wrap the optimizer step of ``captioner.training.step``: on its ``at_call``-th call (1-based, counted
     from the start of this session) either poison a decoder parameter with NaN after the step, or
     give one parameter a NaN gradient while the loss itself stays finite."""
-    import captioner.training.loop as train_module
+    import captioner.training.step as train_module
 
     real = train_module.clip_and_step
     calls = {"n": 0}

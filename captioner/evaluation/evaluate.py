@@ -97,7 +97,7 @@ def caption_split(
     from captioner.data.dataset import image_loader
     from captioner.data.transforms import ImageTransform
     from captioner.decoding.search import DecodeOptions, caption_images
-    from captioner.features.cache import SafeImages, check_batch_errors, collate_safe
+    from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -162,7 +162,8 @@ def evaluate_checkpoint(
         not written to the file.
     """
     from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
-    from captioner.checkpoint.store import atomic_write, load_checkpoint
+    from captioner.checkpoint.atomic import atomic_write
+    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.coco import check_images, load_caption_set, load_instances
     from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 

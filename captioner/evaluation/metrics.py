@@ -305,7 +305,7 @@ def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mappi
         path: output JSON file.
         items: ``(image_id, caption)`` pairs or ``{"image_id", "caption"}`` mappings.
     """
-    from captioner.checkpoint.store import atomic_write
+    from captioner.checkpoint.atomic import atomic_write
 
     rows = []
     for i, item in enumerate(items):

@@ -19,14 +19,14 @@ failed to load) is written last. A build writes ``<path>.partial`` and renames i
 under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.features.lock``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
-configuration and the image list; a cache whose key differs is stale and is refused by
-``FeatureCache.open(path, key=...)`` or rebuilt by ``get_feature_cache``.
+configuration and the image list (``captioner.features.keys``); a cache whose key differs is stale
+and is refused by ``FeatureCache.open(path, key=...)`` or rebuilt by ``get_feature_cache``. Images
+are read through ``captioner.features.safe_images``, so an unreadable one is raised or skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -38,105 +38,24 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.config import ModelConfig
 from captioner.errors import DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
-                                     version_of, widen_in_place)
+                                      version_of, widen_in_place)
+from captioner.features.keys import FORMAT_VERSION, SUFFIX, cache_key, cache_path
+from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
+from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "FeatureCache", "SafeImages", "cache_key", "cache_path",
+           "check_batch_errors", "collate_safe", "get_feature_cache"]
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"CAPFEAT1"
-FORMAT_VERSION = 1  # of float16 caches, and part of every cache_key (bfloat16 caches are version 2)
-SUFFIX = ".feats"
 _TAIL = struct.Struct("<Q")  # trailer length
-
-
-def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | None = None) -> str:
-    """Hash of everything that decides the cached features.
-
-    Args:
-        model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
-            resize, mean/std, interpolation); the decoder part does not.
-        caption_set: a ``CaptionSet``; its ordered image list (ids and paths) counts, plus size
-            and mtime of up to 64 evenly spaced images, so regenerated images invalidate the cache.
-        encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
-
-    Returns:
-        A hex SHA-256 digest.
-    """
-    enc = model_config.encoder
-    h = hashlib.sha256()
-    conf = {
-        "format": FORMAT_VERSION,
-        "encoder": {k: getattr(enc, k) for k in ("name", "weights", "pretrained", "grid", "width", "image_size",
-                                                   "resize", "interpolation")},
-        "mean": list(enc.mean),
-        "std": list(enc.std),
-    }
-    h.update(json.dumps(conf, sort_keys=True).encode())
-    images = caption_set.images
-    for rec in images:
-        h.update(f"{rec.image_id}\t{Path(rec.path).resolve()}\n".encode())
-    step = max(1, len(images) // 64)
-    for rec in images[::step]:
-        try:
-            st = os.stat(rec.path)
-            h.update(f"{st.st_size}:{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(b"missing\n")
-    if encoder is not None:
-        for name, tensor in sorted(encoder.state_dict().items()):
-            h.update(name.encode())
-            h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path:
-    """``<cache_dir>/<set name>_<split>_<key[:16]>.feats``."""
-    name = f"{caption_set.name}_{caption_set.split}".replace(os.sep, "_").replace(" ", "_")
-    return Path(cache_dir) / f"{name}_{key[:16]}{SUFFIX}"
-
-
-# ----------------------------------------------------------------------------- encoding input
-
-class SafeImages(Dataset):
-    """Items ``(pixels or None, index, error or None)``: an unreadable image never kills a batch.
-
-    The caller decides what an error means (raise, or skip the image), also with DataLoader workers,
-    whose exceptions would otherwise reach the main process wrapped in a traceback.
-    """
-
-    def __init__(self, load: Callable[[int], torch.Tensor], count: int) -> None:
-        self.load, self.count = load, count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, str | None]:
-        try:
-            return self.load(index), index, None
-        except ImageLoadError as exc:
-            return None, index, str(exc)
-
-
-def collate_safe(batch: list[tuple[torch.Tensor | None, int, str | None]]
-                 ) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
-    """-> (pixels of the readable images (b, ...) or None, indices (B), error per item or None)."""
-    pixels = [x for x, _, _ in batch if x is not None]
-    return (torch.stack(pixels) if pixels else None), [i for _, i, _ in batch], [e for _, _, e in batch]
-
-
-def check_batch_errors(errors: list[str | None], skip_bad: bool, what: str) -> None:
-    """Raise ``ImageLoadError`` for the first error unless ``skip_bad``; then log each skipped image."""
-    bad = [e for e in errors if e is not None]
-    if bad and not skip_bad:
-        raise ImageLoadError(bad[0])
-    for message in bad:
-        log.warning("%s: skipping unreadable image (%s)", what, message)
 
 
 # ----------------------------------------------------------------------------- the cache
