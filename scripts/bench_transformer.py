@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from captioner.models.base import State
 from captioner.models.transformer import TransformerCaptionDecoder
 
 FULL = dict(batch=32, regions=196, feature_dim=2048, vocab=10_000, d_model=512, layers=3, heads=8, ff=2048, steps=20)
@@ -100,7 +101,7 @@ def bench_cache(quick: bool) -> dict:
     b, t = (2 if quick else 8), (6 if quick else 20)
     features = torch.randn(b, size["regions"], size["feature_dim"], device=device)
 
-    def generate(start: dict) -> None:  # the steps only: init_state is the same for both
+    def generate(start: State) -> None:  # the steps only: init_state is the same for both
         state = start
         prev = torch.full((b,), 1, dtype=torch.long, device=device)
         for _ in range(t):

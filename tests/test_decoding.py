@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from captioner.config import get_preset
 from captioner.decoding.search import (
     DecodeOptions,
     beam_search,
@@ -15,9 +16,11 @@ from captioner.decoding.search import (
     decode,
     greedy_search,
     length_penalty,
+    never_emitted_ids,
 )
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder, reorder_nested
+from captioner.models.base import CaptionDecoder, State
+from captioner.models.captioner import build_model
 from captioner.text import Vocabulary
 
 BOS, EOS = 1, 2
@@ -37,18 +40,18 @@ class TableDecoder(CaptionDecoder):
         self.vocab_size = len(default)
         self.calls = 0
 
-    def init_state(self, features: torch.Tensor) -> dict:
-        return {"prefix": torch.zeros(features.size(0), 0, dtype=torch.long), "t": 0}
+    def init_state(self, features: torch.Tensor) -> State:
+        return State({}, {"prefix": torch.zeros(features.size(0), 0, dtype=torch.long), "t": 0})
 
     def step(self, prev_tokens, state):
         self.calls += 1
-        prefix = state["prefix"]  # (B, t) words so far
-        if state["t"]:
+        prefix, t = state.dynamic["prefix"], state.dynamic["t"]  # (B, t) words so far
+        if t:
             prefix = torch.cat([prefix, prev_tokens.view(-1, 1)], 1)
         rows = [self.table.get(tuple(p), self.default) for p in prefix.tolist()]
         log_probs = torch.tensor(rows, dtype=torch.float32).log()  # (B, V)
         peak = nn.functional.one_hot(prev_tokens % self.n_regions, self.n_regions).float()  # (B, N)
-        return log_probs, {"prefix": prefix, "t": state["t"] + 1}, torch.softmax(5.0 * peak, -1)
+        return log_probs, State(state.static, {"prefix": prefix, "t": t + 1}), torch.softmax(5.0 * peak, -1)
 
 
 def probs(**kw: float) -> list[float]:
@@ -77,15 +80,15 @@ class TinyGRUDecoder(CaptionDecoder):
 
     def init_state(self, features):
         keys = self.key(features)  # (B, N, H)
-        return {"h": keys.mean(1), "mem": {"keys": keys, "pair": (keys.tanh(), 3)}}
+        return State({"mem": {"keys": keys, "pair": (keys.tanh(), 3)}}, {"h": keys.mean(1)})
 
     def step(self, prev_tokens, state):
-        keys = state["mem"]["keys"]  # (B, N, H)
-        attn = torch.softmax((keys * state["h"].unsqueeze(1)).sum(-1), -1)  # (B, N)
-        ctx = (attn.unsqueeze(-1) * state["mem"]["pair"][0]).sum(1)  # (B, H)
-        h = self.cell(torch.cat([self.embed(prev_tokens), ctx], -1), state["h"])  # (B, H)
+        mem, h = state.static["mem"], state.dynamic["h"]
+        attn = torch.softmax((mem["keys"] * h.unsqueeze(1)).sum(-1), -1)  # (B, N)
+        ctx = (attn.unsqueeze(-1) * mem["pair"][0]).sum(1)  # (B, H)
+        h = self.cell(torch.cat([self.embed(prev_tokens), ctx], -1), h)  # (B, H)
         log_probs = torch.log_softmax(self.out(torch.cat([h, ctx], -1)) * 3.0, -1)  # (B, V)
-        return log_probs, {"h": h, "mem": state["mem"]}, attn
+        return log_probs, State(state.static, {"h": h}), attn
 
 
 class InPlaceCacheDecoder(TinyGRUDecoder):
@@ -93,20 +96,44 @@ class InPlaceCacheDecoder(TinyGRUDecoder):
 
     def init_state(self, features):
         state = super().init_state(features)
-        state["past"] = features.new_zeros(features.size(0), 32, self.cell.hidden_size)  # (B, T, H)
-        state["t"] = torch.zeros(features.size(0), dtype=torch.long)
-        return state
+        past = features.new_zeros(features.size(0), 32, self.cell.hidden_size)  # (B, T, H)
+        t = torch.zeros(features.size(0), dtype=torch.long)
+        return State(state.static, {**state.dynamic, "past": past, "t": t})
 
     def step(self, prev_tokens, state):
-        past, t = state["past"], int(state["t"][0])
-        log_probs, new, attn = super().step(prev_tokens, {**state, "h": state["h"] + 0.5 * past.mean(1)})
-        past[:, t] = new["h"]  # in place: identity unchanged, version counter bumped
-        return log_probs, {**new, "past": past, "t": state["t"] + 1}, attn
+        past, t = state.dynamic["past"], int(state.dynamic["t"][0])
+        h = state.dynamic["h"] + 0.5 * past.mean(1)
+        log_probs, new, attn = super().step(prev_tokens, State(state.static, {**state.dynamic, "h": h}))
+        past[:, t] = new.dynamic["h"]  # in place: identity unchanged, version counter bumped
+        return log_probs, State(new.static, {**new.dynamic, "past": past, "t": state.dynamic["t"] + 1}), attn
 
 
-def full_reorder(cls):
-    """The same decoder with its own reorder_state: decode() then reorders everything every step."""
-    return type(f"Full{cls.__name__}", (cls,), {"reorder_state": lambda self, s, i: reorder_nested(s, i)})
+def all_dynamic(cls):
+    """The same decoder declaring no per-image constants: search then copies every entry at every step."""
+
+    class AllDynamic(cls):
+        def init_state(self, features):
+            state = super().init_state(features)
+            return State({}, {"static": state.static, "dynamic": state.dynamic})
+
+        def step(self, prev_tokens, state):
+            inner = State(state.dynamic["static"], state.dynamic["dynamic"])
+            log_probs, new, attn = super().step(prev_tokens, inner)
+            return log_probs, State({}, {"static": new.static, "dynamic": new.dynamic}), attn
+
+    return AllDynamic
+
+
+class StaticWatcher(TinyGRUDecoder):
+    """Records, at every step, the batch size and the identity of the per-image constants it got."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: list[tuple[int, torch.Tensor]] = []  # kept alive, so no two share an id()
+
+    def step(self, prev_tokens, state):
+        self.seen.append((prev_tokens.numel(), state.static["mem"]["keys"]))
+        return super().step(prev_tokens, state)
 
 
 def hand_greedy(decoder, features, max_len):
@@ -201,16 +228,48 @@ def test_attention_row_per_word_from_chosen_beam():
 
 
 @pytest.mark.parametrize("cls", [TinyGRUDecoder, InPlaceCacheDecoder])
-def test_skipping_constant_state_copies_changes_nothing(cls):
+def test_declaring_per_image_constants_changes_nothing(cls):
     feats = torch.randn(5, 5, 8, generator=torch.Generator().manual_seed(8))
     opts = DecodeOptions(beam_size=3, max_len=12, n_best=3)
     fast = decode(cls(seed=3).eval(), feats, BOS, EOS, opts)
     with torch.inference_mode():  # callers may decode inside inference mode (inference tensors)
         inside = decode(cls(seed=3).eval(), feats.clone(), BOS, EOS, opts)
-    full = decode(full_reorder(cls)(seed=3).eval(), feats, BOS, EOS, opts)
+    full = decode(all_dynamic(cls)(seed=3).eval(), feats, BOS, EOS, opts)
     for a, b, c in zip(fast, full, inside):
         assert [h.tokens for h in a] == [h.tokens for h in b] == [h.tokens for h in c]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+
+
+def test_beam_search_copies_per_image_constants_only_when_rows_change_image():
+    dec = StaticWatcher(seed=3).eval()
+    feats = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(0))
+    decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=3, max_len=12))
+    sizes = [n for n, _ in dec.seen]
+    assert sizes[:3] == [4, 12, 9] and sizes[-1] == 6  # one row per image, 3 beams each, images finishing
+    for (n_prev, keys_prev), (n, keys) in zip(dec.seen, dec.seen[1:]):
+        assert (keys is keys_prev) == (n == n_prev)  # copied exactly when rows change image
+    assert len({id(keys) for _, keys in dec.seen}) == len(set(sizes)) < len(sizes)
+
+
+def test_state_select_and_reorder():
+    static = {"keys": torch.tensor([[1.0], [2.0]]), "pair": (torch.tensor([5, 6]), 3)}
+    state = State(static, {"h": torch.tensor([10, 20]), "t": 7})
+    picked = state.select(torch.tensor([1, 1, 0]))
+    assert picked.static["keys"].tolist() == [[2.0], [2.0], [1.0]] and picked.static["pair"][1] == 3
+    assert picked.static["pair"][0].tolist() == [6, 6, 5]
+    assert picked.dynamic["h"].tolist() == [20, 20, 10] and picked.dynamic["t"] == 7
+    moved = picked.reorder(torch.tensor([1, 0, 2]))  # beams swap within image 1
+    assert moved.static is picked.static and moved.dynamic["h"].tolist() == [20, 20, 10]
+    assert picked.reorder(torch.tensor([2, 0, 1])).dynamic["h"].tolist() == [10, 20, 20]
+
+
+def test_a_decoder_without_state_is_refused():
+    class DictDecoder(TinyGRUDecoder):
+        def init_state(self, features):
+            return {"h": features.mean(1)}
+
+    with pytest.raises(TypeError, match="DictDecoder.init_state returned a dict, not a captioner.models.base.State"):
+        decode(DictDecoder().eval(), torch.zeros(1, 5, 8), BOS, EOS, DecodeOptions(beam_size=2))
 
 
 def test_beam_one_equals_greedy_and_hand_loop():
@@ -299,8 +358,6 @@ class _FakeModel(nn.Module):
 @pytest.mark.parametrize("beam", [1, 3])
 def test_unk_is_never_emitted_unless_allowed(beam):
     """The table's "a" is id 3, which a Vocabulary calls <unk>: the model's first choice everywhere."""
-    from captioner.decoding.search import never_emitted_ids
-
     vocab = Vocabulary(["x", "y", "z"])  # ids 4, 5, 6; 3 is <unk>
     assert A == vocab.unk_id
     table = {(): probs(a=0.6, b=0.3), (A,): probs(a=0.5, eos=0.4), (B_,): probs(a=0.6, eos=0.3),
@@ -339,11 +396,6 @@ REAL = ["sat_soft_tiny", "sat_hard_tiny", "transformer_tiny"]
 
 
 def _real_model(preset: str, vocab_size: int = 20):
-    pytest.importorskip("captioner.models.encoder")
-    pytest.importorskip("captioner.models.lstm")
-    from captioner.config import get_preset
-    from captioner.models.captioner import build_model
-
     torch.manual_seed(0)
     return build_model(get_preset(preset).model, vocab_size=vocab_size).eval()
 

@@ -172,14 +172,16 @@ def test_argmax_and_expectation_differ_for_hard_attention():
         decoder.hard_test_mode = "sample"
 
 
-def test_reorder_state_selects_batch_rows():
+def test_state_select_picks_batch_rows():
     decoder = _decoder().eval()
     features, tokens = _batch(b=3)
     with torch.no_grad():
-        state = decoder.init_state(features)
-        lp, state, _ = decoder.step(tokens[:, 0], state)
+        start = decoder.init_state(features)
+        lp, state, _ = decoder.step(tokens[:, 0], start)
+        assert state.static is start.static and set(state.static) == {"features", "projected"}
+        assert set(state.dynamic) == {"h", "c"}
         index = torch.tensor([2, 0, 0, 1])
-        moved = decoder.reorder_state(state, index)
+        moved = state.select(index)
         lp_moved, _, alpha_moved = decoder.step(tokens[index, 1], moved)
         lp_ref, _, alpha_ref = decoder.step(tokens[:, 1], state)
     torch.testing.assert_close(lp_moved, lp_ref[index])

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from captioner.config import get_preset
 from captioner.errors import ConfigError
+from captioner.models.base import State
 from captioner.models.mha import MultiHeadAttention
 from captioner.models.transformer import TransformerCaptionDecoder, build_transformer_decoder
 
@@ -33,7 +34,7 @@ def inputs(batch: int = 3, steps: int = 6, seed: int = 1) -> tuple[torch.Tensor,
     return features, tokens
 
 
-def run_steps(dec: TransformerCaptionDecoder, state: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def run_steps(dec: TransformerCaptionDecoder, state: State, tokens: torch.Tensor) -> tuple[torch.Tensor, State]:
     """Feed tokens (B, T) one by one; returns log-probs (B, T, V) and the final state."""
     out = []
     for t in range(tokens.shape[1]):
@@ -104,9 +105,9 @@ def test_step_by_step_equals_full_forward(use_cache: bool) -> None:
             attn.append(a)
     torch.testing.assert_close(torch.stack(log_probs, 1), full.logits.log_softmax(-1), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.stack(attn, 1), full.attention, rtol=0, atol=1e-5)
-    assert state["step"] == tokens.shape[1]
+    assert state.dynamic["step"] == tokens.shape[1]
     if use_cache:
-        assert state["self_k"][0].shape == (3, 4, tokens.shape[1], 4)
+        assert state.dynamic["self_k"][0].shape == (3, 4, tokens.shape[1], 4)
 
 
 def test_step_does_not_modify_state() -> None:
@@ -116,8 +117,10 @@ def test_step_does_not_modify_state() -> None:
     _, s1, _ = dec.step(tokens[:, 0], state)
     lp_a, _, _ = dec.step(tokens[:, 1], s1)
     lp_b, _, _ = dec.step(tokens[:, 1], s1)  # same state twice (beam search keeps old states)
-    assert state["step"] == 0 and state["self_k"][0].shape[2] == 0
+    assert state.dynamic["step"] == 0 and state.dynamic["self_k"][0].shape[2] == 0
     torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=0)
+    # the projected regions are per-image constants: computed once, passed on as the same objects
+    assert s1.static is state.static and set(state.static) == {"memory_k", "memory_v"}
 
 
 def test_fused_and_manual_attention_agree() -> None:
@@ -165,16 +168,16 @@ def test_padding_does_not_change_real_tokens() -> None:
     torch.testing.assert_close(loss2, loss, rtol=0, atol=1e-6)
 
 
-def test_reorder_state_matches_running_on_the_reordered_batch() -> None:
+def test_state_select_matches_running_on_the_reordered_batch() -> None:
     dec = make_decoder().eval()
     features, tokens = inputs()
     index = torch.tensor([2, 0, 0, 1])
     with torch.no_grad():
         _, state = run_steps(dec, dec.init_state(features), tokens[:, :3])
-        state = dec.reorder_state(state, index)
+        state = state.select(index)
         after, _ = run_steps(dec, state, tokens[index, 3:])
         reference, _ = run_steps(dec, dec.init_state(features[index]), tokens[index])
-    assert state["self_k"][1].shape[0] == 4 and state["memory_k"][0].shape[0] == 4
+    assert state.dynamic["self_k"][1].shape[0] == 4 and state.static["memory_k"][0].shape[0] == 4
     torch.testing.assert_close(after, reference[:, 3:], rtol=0, atol=1e-5)
 
 

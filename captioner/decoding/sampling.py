@@ -3,12 +3,12 @@
 Shape legend: B images, K samples per image, R = B * K sampled rows, N regions, D feature width,
 V vocabulary, L <= max_len + 1 sampled steps.
 
-Like :mod:`captioner.decoding.search`, sampling talks to a decoder only through ``init_state``,
-``step`` and ``reorder_state`` (the state of B images is expanded to R rows with
-``reorder_state``, so encoder-side projections are computed once per image), and never
-re-implements a decoder step; it works for every decoder. It runs without gradients: a
-self-critical step re-scores the sampled captions with teacher forcing (``decoder(features,
-tokens)``), which gives the same log-probabilities with a graph (:mod:`captioner.training.scst`).
+Like :mod:`captioner.decoding.search`, sampling talks to a decoder only through ``init_state``
+and ``step`` (the state of B images is expanded to R rows once, with ``State.select``, so
+encoder-side projections are computed once per image), and never re-implements a decoder step; it
+works for every decoder. It runs without gradients: a self-critical step re-scores the sampled
+captions with teacher forcing (``decoder(features, tokens)``), which gives the same
+log-probabilities with a graph (:mod:`captioner.training.scst`).
 
 At each step the next word is drawn from ``softmax(log_probs / temperature)`` with the
 ``banned_ids`` (``<pad>``, ``<bos>``, ``<unk>``: :func:`captioner.decoding.search.never_emitted_ids`)
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.decoding.search import _ban
+from captioner.decoding.search import _ban, initial_state
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -76,8 +76,8 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
     B, device = features.size(0), features.device
     R = B * samples
     with torch.inference_mode(False), torch.no_grad():
-        state = decoder.init_state(features)  # B rows
-        state = decoder.reorder_state(state, torch.arange(B, device=device).repeat_interleave(samples))  # R rows
+        state = initial_state(decoder, features)  # B rows
+        state = state.select(torch.arange(B, device=device).repeat_interleave(samples))  # R rows, image-major
         prev = torch.full((R,), bos_id, dtype=torch.long, device=device)  # (R,)
         tokens = torch.full((R, max_len + 1), pad_id, dtype=torch.long, device=device)  # (R, max_len + 1)
         done = torch.zeros(R, dtype=torch.bool, device=device)  # (R,) <eos> drawn

@@ -3,8 +3,9 @@
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
 N regions (g*g), D feature width, V vocabulary, L words of a caption.
 
-Search talks to a decoder only through ``init_state(features)``, ``step(prev_tokens, state)`` and
-``reorder_state(state, index)``; it never re-implements a decoder step. Put the decoder in eval mode
+Search talks to a decoder only through ``init_state(features)`` and ``step(prev_tokens, state)``, and
+moves batch rows with the ``State`` methods (``select`` / ``reorder``, see
+:mod:`captioner.models.base`); it never re-implements a decoder step. Put the decoder in eval mode
 first (``decode`` works on whatever mode it is in; :func:`caption_features` and :func:`caption_images`
 switch the model to eval and restore its mode afterwards).
 
@@ -34,33 +35,17 @@ from dataclasses import dataclass
 import torch
 
 from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
+from captioner.decoding.hypotheses import (NEG_INF, Hypothesis, LiveBeams, best_reachable, keep_best,
+                                           length_penalty, top_candidates)
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder
+from captioner.models.base import CaptionDecoder, State
 from captioner.text import Vocabulary
 
 logger = logging.getLogger(__name__)
 
-NEG_INF = float("-inf")
-
-
-@dataclass
-class Hypothesis:
-    """One decoded caption.
-
-    Attributes:
-        tokens: emitted word ids, without ``<bos>``/``<eos>``.
-        score: ``log_prob`` normalised by the length penalty (the ranking key).
-        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at
-            the step that emitted that word, for this beam.
-        log_prob: raw sum of log-probabilities (including ``<eos>`` when finished).
-        finished: False when ``<eos>`` never came within ``max_len`` words.
-    """
-
-    tokens: list[int]
-    score: float
-    attention: torch.Tensor
-    log_prob: float = 0.0
-    finished: bool = True
+# Hypothesis and length_penalty live in captioner.decoding.hypotheses and are part of this module's API too.
+__all__ = ["CaptionResult", "DecodeOptions", "Hypothesis", "beam_search", "caption_features", "caption_images",
+           "decode", "greedy_search", "initial_state", "length_penalty", "never_emitted_ids"]
 
 
 @dataclass
@@ -84,11 +69,6 @@ class CaptionResult:
     attention: torch.Tensor
     grid: tuple[int, int]
     finished: bool = True
-
-
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (1.0 when alpha is 0)."""
-    return ((5.0 + length) / 6.0) ** alpha if alpha else 1.0
 
 
 def decode(
@@ -121,12 +101,21 @@ def decode(
     if decoder.training:
         logger.warning("decode() called with the decoder in training mode (dropout / sampling active); "
                        "call .eval() first or use caption_features()")
-    # no_grad, and inference mode off even inside a caller's inference_mode: beam search reads
-    # tensor version counters, and inference tensors (which have none) cannot change in place here.
+    # no_grad, and inference mode off even inside a caller's inference_mode, so that the returned
+    # attention maps are ordinary tensors that a caller may change in place.
     with torch.inference_mode(False), torch.no_grad():
         if options.beam_size == 1:
             return greedy_search(decoder, features, bos_id, eos_id, options, banned_ids)
         return beam_search(decoder, features, bos_id, eos_id, options, banned_ids)
+
+
+def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
+    """``decoder.init_state(features)``, checked to be a ``State`` (the decoding contract)."""
+    state = decoder.init_state(features)
+    if not isinstance(state, State):
+        raise TypeError(f"{type(decoder).__name__}.init_state returned a {type(state).__name__}, "
+                        "not a captioner.models.base.State")
+    return state
 
 
 def _ban(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int) -> torch.Tensor:
@@ -142,7 +131,7 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
     B, N = features.shape[:2]
     T, device = options.max_len, features.device
-    state = decoder.init_state(features)
+    state = initial_state(decoder, features)
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (B,)
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)  # (B, T)
     attn_hist = torch.zeros(B, T, N, dtype=torch.float32, device=device)  # (B, T, N)
@@ -186,137 +175,72 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     stops once it holds ``n_best`` finished hypotheses that no live beam can still beat (log-probs are
     <= 0, so a beam's sum only falls; with a length penalty the bound uses the most favourable
     length), and its rows leave the batch. The result equals image-by-image search.
+
+    The decoder state follows the beams: ``State.reorder`` (the per-step case: only ``dynamic`` is
+    copied) while every image keeps its rows, ``State.select`` when the rows change image (the first
+    expansion to K beams, images leaving the batch).
     """
     B, N = features.shape[:2]
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
-    state = decoder.init_state(features)  # B rows: one copy per image for the first step
-    reorder = _Reorderer(decoder, state)
+    state = initial_state(decoder, features)  # B rows: one copy per image for the first step
+    beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device),
+                   tokens=torch.zeros(B, T, dtype=torch.long, device=device),
+                   attention=torch.zeros(B, T, N, dtype=torch.float32, device=device), images=list(range(B)))
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
-    scores = torch.zeros(B, 1, dtype=torch.float64, device=device)  # (A, beams) raw log-prob sums
-    hist_tok = torch.zeros(B, T, dtype=torch.long, device=device)  # (R, T) words of each live beam
-    hist_att = torch.zeros(B, T, N, dtype=torch.float32, device=device)  # (R, T, N)
-    active = list(range(B))  # image of each group of rows
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    results: list[list[Hypothesis] | None] = [None] * B
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # per image, best first, at most n_best
+    results: list[list[Hypothesis]] = [[] for _ in range(B)]
 
-    def close(a: int, img: int, t: int) -> None:
-        """Finish image ``img`` (group ``a``), filling up with unfinished beams if needed."""
-        hyps = finished[img]
-        if len(hyps) < n_best:  # fall back on the live beams (t words, no <eos>)
-            beams = scores.size(1)
-            order = scores[a].argsort(descending=True).tolist()
-            extra = [i for i in order if math.isfinite(scores[a, i].item())] or order[:1]
-            for i in extra[: n_best - len(hyps)]:
-                row, raw = a * beams + i, scores[a, i].item()
-                hyps.append(Hypothesis(hist_tok[row, :t].tolist(), raw / length_penalty(t, alpha),
-                                       hist_att[row, :t].cpu(), raw, False))
+    def close(a: int, t: int) -> None:
+        """Group ``a``'s image is done after ``t`` words; too few finished: add its best live beams."""
+        hyps = finished[beams.images[a]]
+        if len(hyps) < n_best:
+            hyps += beams.unfinished(a, t, alpha, n_best - len(hyps))
         hyps.sort(key=lambda h: h.score, reverse=True)
-        results[img] = hyps[:n_best]
+        results[beams.images[a]] = hyps[:n_best]
 
     for t in range(T + 1):
-        A, beams = scores.shape
-        log_probs, new_state, attn = decoder.step(prev, state)  # (R, V), (R, N)
-        reorder.track(new_state)
-        state = new_state
-        V = log_probs.size(-1)
-        log_probs = _ban(log_probs.double(), banned_ids, eos_id)  # (R, V)
-        if t == T:  # after max_len words only <eos> may follow
-            only_eos = torch.full_like(log_probs, NEG_INF)  # (R, V)
-            only_eos[:, eos_id] = log_probs[:, eos_id]
-            log_probs = only_eos
-        cand = (scores.view(-1, 1) + log_probs).view(A, beams * V)  # (A, beams*V)
-        top_s, top_i = cand.topk(min(2 * K, beams * V), dim=1)  # (A, C)
-        top_tok = top_i % V  # (A, C)
-        src = torch.arange(A, device=device).view(-1, 1) * beams + top_i // V  # (A, C) source rows
-        is_eos = top_tok == eos_id  # (A, C)
+        log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
+        log_probs = _search_log_probs(log_probs, banned_ids, eos_id, eos_only=t == T)  # (R, V) float64
+        top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K)  # (A, C) each
+        is_eos = tok == eos_id  # (A, C)
         ends = is_eos & torch.isfinite(top_s)
         ends[:, K:] = False  # only an <eos> among the K best candidates finishes a hypothesis
-        if bool(ends.any()):
-            for a, c in ends.nonzero().tolist():
-                row, raw, img = int(src[a, c]), float(top_s[a, c]), active[a]
-                finished[img].append(Hypothesis(hist_tok[row, :t].tolist(), raw / length_penalty(t + 1, alpha),
-                                                hist_att[row, :t].cpu(), raw, True))
-                finished[img].sort(key=lambda h: h.score, reverse=True)
-                del finished[img][n_best:]
+        for a, c in ends.nonzero().tolist():
+            hyp = beams.hypothesis(int(src[a, c]), t, float(top_s[a, c]), alpha, finished=True)
+            keep_best(finished[beams.images[a]], hyp, n_best)
         if t == T:
-            for a, img in enumerate(active):
-                close(a, img, t)
+            for a in range(len(beams.images)):
+                close(a, t)
             break
         live_s, pos = top_s.masked_fill(is_eos, NEG_INF).topk(min(K, top_s.size(1)), dim=1)  # (A, K')
-        # Best normalised score any live beam can still reach: raw sums only fall, lp(L) is monotonic
-        # in L, so the optimum sits at the shortest (t + 2) or longest (T + 1) finished length.
-        best = live_s[:, 0]  # (A,)
-        bound = torch.maximum(best / length_penalty(t + 2, alpha), best / length_penalty(T + 1, alpha))
         keep = []
-        for a, (img, b) in enumerate(zip(active, bound.tolist())):
-            hyps = finished[img]
-            if b == NEG_INF or (len(hyps) >= n_best and hyps[n_best - 1].score >= b):
-                close(a, img, t)
+        for a, bound in enumerate(best_reachable(live_s[:, 0], t, T, alpha).tolist()):
+            hyps = finished[beams.images[a]]
+            if bound == NEG_INF or (len(hyps) >= n_best and hyps[n_best - 1].score >= bound):
+                close(a, t)
             else:
                 keep.append(a)
         if not keep:
             break
         keep_t = torch.tensor(keep, device=device)
         rows = src.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',) source row of each new beam
-        toks = top_tok.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',)
-        state = reorder(state, rows, keep_t, beams, pos.size(1), A)
-        hist_tok = hist_tok.index_select(0, rows)
-        hist_tok[:, t] = toks
-        hist_att = hist_att.index_select(0, rows)
-        hist_att[:, t] = attn.index_select(0, rows).float()
-        scores = live_s[keep_t]  # (A', K')
-        active = [active[a] for a in keep]
+        toks = tok.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',)
+        same_groups = len(keep) == len(beams.images) and pos.size(1) == beams.width
+        state = state.reorder(rows) if same_groups else state.select(rows)
+        beams = beams.advance(rows, toks, attn, t, live_s[keep_t], keep)
         prev = toks
-    return [r if r is not None else [] for r in results]
+    return results
 
 
-def _fingerprint(value: object) -> tuple:
-    """Identity and in-place version of every tensor inside a (nested) state entry."""
-    if isinstance(value, torch.Tensor):  # an inference tensor cannot be modified outside inference mode
-        return ((id(value), -1 if value.is_inference() else value._version),)
-    if isinstance(value, dict):
-        return tuple(x for v in value.values() for x in _fingerprint(v)) + (id(value), len(value))
-    if isinstance(value, (list, tuple)):
-        return tuple(x for v in value for x in _fingerprint(v)) + (id(value), len(value))
-    return (id(value),)
-
-
-class _Reorderer:
-    """``decoder.reorder_state`` that skips copying per-image constants.
-
-    A state entry that ``step`` has left untouched at every step since ``init_state`` (same objects,
-    no in-place change: tensor version counters are compared) still holds one row per image, repeated
-    for its beams; moving rows within an image's group leaves it unchanged. Such entries (SAT's region
-    features and their attention projections, the Transformer's projected memory) are re-indexed only
-    when the groups change (first expansion to K beams, images leaving the batch) instead of being
-    copied at every step. Decoders with their own ``reorder_state`` always get the whole state.
-    """
-
-    def __init__(self, decoder: CaptionDecoder, state: object) -> None:
-        self.decoder = decoder
-        default = getattr(decoder.reorder_state, "__func__", None) is CaptionDecoder.reorder_state
-        self.prints = {k: _fingerprint(v) for k, v in state.items()} if default and isinstance(state, dict) else {}
-
-    def track(self, new: object) -> None:
-        """Drop every entry that the last ``step`` replaced or changed in place."""
-        if not isinstance(new, dict):
-            self.prints = {}
-            return
-        self.prints = {k: fp for k, fp in self.prints.items() if k in new and _fingerprint(new[k]) == fp}
-
-    def __call__(self, state: object, rows: torch.Tensor, keep: torch.Tensor, beams: int, new_beams: int,
-                 groups: int) -> object:
-        if not self.prints or not isinstance(state, dict):
-            return self.decoder.reorder_state(state, rows)
-        moving = {k: v for k, v in state.items() if k not in self.prints}
-        out = self.decoder.reorder_state(moving, rows)
-        constant = {k: state[k] for k in self.prints}
-        if keep.numel() != groups or new_beams != beams:  # groups change: row 0 of each kept group
-            constant = self.decoder.reorder_state(constant, (keep * beams).repeat_interleave(new_beams))
-            self.prints = {k: _fingerprint(v) for k, v in constant.items()}
-        out.update(constant)
-        return out
+def _search_log_probs(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int, eos_only: bool) -> torch.Tensor:
+    """float64 log-probs (R, V) with banned ids at -inf; with ``eos_only`` every id but ``<eos>``."""
+    log_probs = _ban(log_probs.double(), banned, eos_id)
+    if not eos_only:
+        return log_probs
+    only_eos = torch.full_like(log_probs, NEG_INF)  # (R, V)
+    only_eos[:, eos_id] = log_probs[:, eos_id]
+    return only_eos
 
 
 def _grid_for(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:

@@ -9,13 +9,18 @@ A decoder is an ``nn.Module`` with:
   teacher forcing: ``tokens`` are the inputs ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``; logits at
   step t predict token t+1. Outputs are in input order (no sorting inside); padded steps are
   allowed and simply ignored by the loss.
-* ``init_state(features (B,N,D)) -> State`` — everything ``step`` needs (encoder-side projections
-  computed once here, caches, LSTM h/c).
-* ``step(prev_tokens (B,), state) -> (log_probs (B,V), state, attention (B,N))`` — one decoding step.
-* ``reorder_state(state, index (B',)) -> State`` — select/repeat batch rows (beam search). The
-  default implementation index-selects dim 0 of every tensor in the (nested) state.
+* ``init_state(features (B,N,D)) -> State`` — everything ``step`` needs: per-image constants
+  (region features, their projections, cross-attention keys/values) computed once, in
+  ``State.static``; what changes per step (LSTM h/c, self-attention cache), in ``State.dynamic``.
+* ``step(prev_tokens (B,), state) -> (log_probs (B,V), State, attention (B,N))`` — one decoding
+  step; the new state's ``static`` is the very same dict as the input's (nothing per-image is
+  recomputed or changed in place), its ``dynamic`` is new.
 
-``State`` is a ``dict[str, Any]`` whose tensors are batch-first (dim 0 = batch).
+Search and sampling move batch rows with the ``State`` methods, never by looking inside a decoder's
+state: ``select(index)`` when rows change image (an image's row repeated for its beams or samples,
+finished images dropped) and ``reorder(index)`` when beams only move among the rows of their own
+image, which leaves ``static`` alone: every row of an image holds the same constants, so there is
+nothing to copy.
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-State = dict[str, Any]
 
 
 @dataclass
@@ -66,6 +69,34 @@ def reorder_nested(value: Any, index: torch.Tensor) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class State:
+    """A decoder's state between steps; every tensor is batch-first (dim 0 = decoder row).
+
+    Attributes:
+        static: per-image constants from ``init_state`` (e.g. features (B,N,D), projected (B,N,A),
+            memory_k / memory_v L x (B,H,N,dh)); ``step`` passes the same dict on. Rows of one image
+            hold equal values.
+        dynamic: what ``step`` replaces at every step (e.g. h, c (B,H); self_k / self_v
+            L x (B,H,t,dh)); non-tensor values (a step counter) are shared by all rows.
+    """
+
+    static: dict[str, Any]
+    dynamic: dict[str, Any]
+
+    def select(self, index: torch.Tensor) -> State:
+        """Rows ``index`` (B',) of everything: row i of the result is row ``index[i]``, of any image."""
+        return State(reorder_nested(self.static, index), reorder_nested(self.dynamic, index))
+
+    def reorder(self, index: torch.Tensor) -> State:
+        """Rows ``index`` (B,) of ``dynamic``, ``static`` shared as it is.
+
+        Only for moves within an image: row ``index[i]`` must show the same image as row i (beam
+        search between steps), so the constants of row i are already right.
+        """
+        return State(self.static, reorder_nested(self.dynamic, index))
+
+
 class CaptionDecoder(nn.Module):
     """Base class: subclasses implement ``forward``, ``init_state`` and ``step``."""
 
@@ -79,9 +110,6 @@ class CaptionDecoder(nn.Module):
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         raise NotImplementedError
-
-    def reorder_state(self, state: State, index: torch.Tensor) -> State:
-        return reorder_nested(state, index)
 
 
 def attention_entropy(weights: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

@@ -241,22 +241,22 @@ class SATDecoder(CaptionDecoder):
     # ------------------------------------------------------------------ stepping
 
     def init_state(self, features: torch.Tensor) -> State:
-        """features (B,N,D) -> state {h (B,H), c (B,H), features (B,N,D), projected (B,N,A)}."""
+        """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A)}, dynamic {h, c (B,H)})."""
         features = self._regions(features)
         h, c = self._initial_hc(features)
-        return {"h": h, "c": c, "features": features, "projected": self.attention.project(features)}
+        return State(static={"features": features, "projected": self.attention.project(features)},
+                     dynamic={"h": h, "c": c})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N))."""
         emb = self.embedding(prev_tokens)  # (B, M)
-        h, c = state["h"], state["c"]
-        log_alpha = self.attention(state["projected"], h)  # (B, N)
-        context, _, _ = self._context(log_alpha, state["features"])  # (B, D)
+        h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
+        log_alpha = self.attention(state.static["projected"], h)  # (B, N)
+        context, _, _ = self._context(log_alpha, state.static["features"])  # (B, D)
         gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
         h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
         log_probs = F.log_softmax(self._deep_output(emb, h, gated), dim=-1)  # (B, V)
-        new_state = {"h": h, "c": c, "features": state["features"], "projected": state["projected"]}
-        return log_probs, new_state, log_alpha.exp()
+        return log_probs, State(state.static, {"h": h, "c": c}), log_alpha.exp()
 
 
 def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:

@@ -12,10 +12,10 @@ weights)::
 
 The overlay view ``attention`` is the last layer's cross-attention averaged over heads; only that
 layer takes the manual (weight-returning) attention path unless ``need_all_attention=True``.
-``init_state`` projects the regions to keys/values once per image; ``step`` keeps a key/value
-cache of the self-attention, so one step costs O(t) instead of re-running the whole prefix.
-No key-padding mask is needed: padding sits after ``<eos>`` and causal attention never lets a
-real token see a later one.
+``init_state`` projects the regions to keys/values once per image (``State.static``); ``step``
+keeps a key/value cache of the self-attention (``State.dynamic``), so one step costs O(t) instead
+of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
+causal attention never lets a real token see a later one.
 """
 
 from __future__ import annotations
@@ -233,19 +233,21 @@ class TransformerCaptionDecoder(CaptionDecoder):
                 prefix at every step (same outputs; the baseline of ``scripts/bench_transformer.py``).
 
         Returns:
-            State with ``memory_k``/``memory_v`` (L x (B, H, N, dh)), ``self_k``/``self_v``
-            (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int, tokens consumed).
+            State with static ``memory_k``/``memory_v`` (L x (B, H, N, dh)) and dynamic
+            ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
+            tokens consumed).
         """
         memory = self._memory(features)
         b = features.shape[0]
-        state: dict[str, Any] = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory], "step": 0}
+        static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory]}
+        dynamic: dict[str, Any] = {"step": 0}
         if use_cache:
             empty = memory[0][0].new_zeros(b, self.num_heads, 0, self.d_model // self.num_heads)  # (B, H, 0, dh)
-            state["self_k"] = [empty] * self.num_layers
-            state["self_v"] = [empty] * self.num_layers
+            dynamic["self_k"] = [empty] * self.num_layers
+            dynamic["self_v"] = [empty] * self.num_layers
         else:
-            state["prefix"] = torch.zeros(b, 0, dtype=torch.long, device=features.device)  # (B, 0)
-        return state
+            dynamic["prefix"] = torch.zeros(b, 0, dtype=torch.long, device=features.device)  # (B, 0)
+        return State(static, dynamic)
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         """One decoding step.
@@ -257,21 +259,22 @@ class TransformerCaptionDecoder(CaptionDecoder):
         Returns:
             (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads).
         """
-        memory = list(zip(state["memory_k"], state["memory_v"]))
-        new_state = dict(state, step=state["step"] + 1)
-        if "prefix" in state:  # uncached: re-run every earlier token
-            prefix = torch.cat([state["prefix"], prev_tokens[:, None]], dim=1)  # (B, t+1)
+        memory = list(zip(state.static["memory_k"], state.static["memory_v"]))
+        past = state.dynamic
+        dynamic: dict[str, Any] = {"step": past["step"] + 1}
+        if "prefix" in past:  # uncached: re-run every earlier token
+            prefix = torch.cat([past["prefix"], prev_tokens[:, None]], dim=1)  # (B, t+1)
             h, weights, _ = self._run(self._embed(prefix, 0), memory, None, need_all=False)  # (B, t+1, d)
-            new_state["prefix"] = prefix
+            dynamic["prefix"] = prefix
         else:
-            x = self._embed(prev_tokens[:, None], state["step"])  # (B, 1, d)
-            pasts = list(zip(state["self_k"], state["self_v"]))
+            x = self._embed(prev_tokens[:, None], past["step"])  # (B, 1, d)
+            pasts = list(zip(past["self_k"], past["self_v"]))
             h, weights, presents = self._run(x, memory, pasts, need_all=False)  # (B, 1, d)
-            new_state["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
-            new_state["self_v"] = [v for _, v in presents]
+            dynamic["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
+            dynamic["self_v"] = [v for _, v in presents]
         log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
         attention = weights[-1][:, :, -1].mean(dim=1)  # (B, N)
-        return log_probs, new_state, attention
+        return log_probs, State(state.static, dynamic), attention
 
 
 def build_transformer_decoder(
