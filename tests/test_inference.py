@@ -26,14 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square triangle on the left right of".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _checkpoint(root: Path, preset: str, **overrides: object) -> Path:
     """A tiny seeded checkpoint whose special tokens are unlikely (every caption has max_len words)."""
     from captioner.checkpoint.store import save_checkpoint
