@@ -1,6 +1,33 @@
 """captioner: image captioning with visual attention (Show, Attend and Tell; Transformer).
 
-Importing the package is light: torch, timm, matplotlib and pycocotools load only when used.
+Three lines of Python (see :mod:`captioner.inference`)::
+
+    import captioner
+    model = captioner.load("runs/x/best.safetensors")
+    print(model.caption(["photo.jpg"])[0].text)
+
+Importing the package is light: torch, timm, matplotlib and pycocotools load only when used
+(``load``, ``Captioner`` and ``Caption`` import :mod:`captioner.inference` on first access).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import Any
+
+from captioner.version import __version__
+__all__ = ["Caption", "Captioner", "load", "__version__"]
+
+_INFERENCE_NAMES = frozenset({"Caption", "Captioner", "load"})
+
+
+def __getattr__(name: str) -> Any:
+    """``captioner.load`` / ``Captioner`` / ``Caption``, imported from :mod:`captioner.inference` when first used."""
+    if name in _INFERENCE_NAMES:
+        from captioner import inference
+
+        return getattr(inference, name)
+    raise AttributeError(f"module 'captioner' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _INFERENCE_NAMES)

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from captioner import __version__
+from captioner.version import __version__
 from captioner.errors import CaptionerError
 
 COMMAND_MODULES = ("make_shapes", "train", "evaluate", "caption", "attend", "demo")

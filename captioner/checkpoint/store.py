@@ -47,6 +47,7 @@ from captioner.checkpoint.format import FORMAT, FORMAT_VERSION, first_line, pars
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError
 from captioner.text import Vocabulary
+from captioner.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ def _dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 def _header(model: torch.nn.Module, vocab: Vocabulary, metadata: Mapping[str, Any] | None,
             aliases: dict[str, str]) -> dict[str, str]:
-    import captioner
-
     config = getattr(model, "config", None)
     vocab_size = getattr(model, "vocab_size", None)
     if not dataclasses.is_dataclass(config) or not isinstance(vocab_size, int):
@@ -115,7 +114,7 @@ def _header(model: torch.nn.Module, vocab: Vocabulary, metadata: Mapping[str, An
     meta = dict(metadata or {})
     meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     meta.setdefault("torch_version", torch.__version__)
-    meta.setdefault("captioner_version", captioner.__version__)
+    meta.setdefault("captioner_version", __version__)
     try:
         meta_json = json.dumps(meta, default=_json_default)
     except (TypeError, ValueError) as exc:

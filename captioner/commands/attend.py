@@ -3,16 +3,17 @@
 Writes ``attention.png`` (grid: the image with its caption, then one panel per word),
 ``attention.gif`` (one frame per word), ``attention.json`` (raw weights) and ``attention.html``
 (the interactive explorer) to ``--out``. For a decoder with several attention layers/heads (the
-Transformer) the chosen caption is re-run through the decoder's teacher-forced forward with
-``need_all_attention=True`` (cached decoding equals the full forward), so the explorer can show
-every layer and head; ``--layer``/``--head`` pick what the PNG and GIF show.
+Transformer) the chosen caption is re-run through the decoder's teacher-forced forward
+(``Captioner.caption(..., all_heads=True)`` in :mod:`captioner.inference`; cached decoding equals
+the full forward), so the explorer can show every layer and head; ``--layer``/``--head`` pick
+what the PNG and GIF show.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from captioner.commands.caption import add_common_arguments, check_positive, resolve_device
+from captioner.commands.caption import add_common_arguments, check_positive
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -36,29 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stem", default="attention", help="output file name stem (default: attention)")
 
 
-def teacher_forced_attention(model, features, tokens: list[int], bos_id: int, grid: tuple[int, int]):
-    """Per-layer, per-head maps for a chosen caption: (L, layers, heads, g, g) array, or None.
-
-    Args:
-        model: a ``Captioner``.
-        features: (1, N, D) region features of the image.
-        tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
-        bos_id: the ``<bos>`` id.
-        grid: (g, g).
-    """
-    import torch
-
-    if not tokens:
-        return None
-    inputs = torch.tensor([[bos_id, *tokens[:-1]]], device=features.device)  # (1, L): step t predicts word t
-    with torch.inference_mode():
-        out = model.decoder(features, inputs, need_all_attention=True)
-    if out.all_attention is None:
-        return None
-    all_att = out.all_attention[0].float().cpu()  # (L, layers, heads, N)
-    return all_att.reshape(*all_att.shape[:3], *grid).numpy()
-
-
 def select_view(all_attention, layer: int | None, head: int | None):
     """The (L, g, g) maps of one layer (1-based; None = last) and head (1-based; None = mean of heads)."""
     from captioner.errors import ConfigError
@@ -77,28 +55,19 @@ def select_view(all_attention, layer: int | None, head: int | None):
 
 def run(args: argparse.Namespace) -> int:
     check_positive(args, "beam", "max_len")
-    import torch
-
-    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
-    from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding.search import DecodeOptions, caption_images
+    from captioner.device import resolve_device
     from captioner.errors import ConfigError
+    from captioner.inference import load
     from captioner.viz.overlays import colormap_lut, write_overlays
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
-    device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.checkpoint, device=str(device))
-    model = ckpt.model.to(device).eval()
+    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))
     image = load_image(args.image)
-    x = ImageTransform(ckpt.config.encoder)(image).unsqueeze(0).to(device)  # (1, 3, S, S)
-    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len, allow_unk=args.allow_unk)
-    result = caption_images(model, x, ckpt.vocab, options)[0]
-    with torch.inference_mode():
-        features, _ = model.encode(x)  # (1, N, D)
-    all_att = teacher_forced_attention(model, features, result.tokens, ckpt.vocab.bos_id, result.grid)
+    result = model.caption(image, beam=args.beam, max_len=args.max_len, all_heads=True, allow_unk=args.allow_unk)[0]
+    all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)
     attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
     if args.layer is not None or args.head is not None:
         if all_att is None:
@@ -106,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
                               "attention map per word")
         attention = select_view(all_att, args.layer, args.head)
     paths = write_overlays(
-        image, result.words, attention, args.out, box=crop_box(image.width, image.height, ckpt.config.encoder),
-        all_attention=all_att, cmap=args.cmap, alpha=args.alpha, stem=args.stem, caption=result.text,
+        image, result.words, attention, args.out, box=result.box, all_attention=all_att, cmap=args.cmap,
+        alpha=args.alpha, stem=args.stem, caption=result.text,
         layer=-1 if args.layer is None else args.layer - 1, head=None if args.head is None else args.head - 1,
     )
     print(f"{args.image}\t{result.text}")

@@ -2,7 +2,8 @@
 
 One line per image on stdout (``path<TAB>caption``, or JSON lines with ``--json``). A file that
 cannot be read gets its own one-line error on stderr and the others are still captioned; the exit
-code is 1 when any input failed. Heavy imports (torch, the models) happen inside ``run``.
+code is 1 when any input failed. ``run`` is a thin shell over :mod:`captioner.inference`; heavy
+imports (torch, the models) happen inside it.
 """
 
 from __future__ import annotations
@@ -74,23 +75,6 @@ def expand_paths(items: list[str]) -> tuple[list[Path], list[str]]:
     return files, problems
 
 
-def resolve_device(name: str) -> Any:
-    """``cpu``/``cuda``/``cuda:N``, or ``auto`` = CUDA when present; a ConfigError otherwise."""
-    import torch
-
-    from captioner.errors import ConfigError
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"--device {name!r} is not a device (use cpu, cuda, cuda:1 or auto)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name!r}: CUDA is not available on this machine")
-    return device
-
-
 def check_positive(args: argparse.Namespace, *flags: str) -> None:
     from captioner.errors import ConfigError
 
@@ -123,18 +107,11 @@ def run(args: argparse.Namespace) -> int:
         from captioner.viz.overlays import colormap_lut, write_overlays
 
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
-    import torch
-
-    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
-    from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding.search import DecodeOptions, caption_images
+    from captioner.device import resolve_device
+    from captioner.inference import load
 
-    device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.checkpoint, device=str(device))
-    model = ckpt.model.to(device).eval()
-    transform = ImageTransform(ckpt.config.encoder)
-    options = DecodeOptions(beam_size=args.beam, max_len=args.max_len, allow_unk=args.allow_unk)
+    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)
@@ -142,27 +119,24 @@ def run(args: argparse.Namespace) -> int:
     used_dirs: set[str] = set()
     for start in range(0, len(files), args.batch_size):
         t0 = time.perf_counter()
-        loaded = []  # (path, original image or None, tensor)
+        loaded = []  # (path, original image)
         for path in files[start:start + args.batch_size]:
             try:
-                image = load_image(path)
+                loaded.append((path, load_image(path)))
             except ImageLoadError as exc:
                 _error(str(exc))
                 failed = True
-                continue
-            loaded.append((path, image if args.overlay else None, transform(image)))
         if not loaded:
             continue
-        batch = torch.stack([x for _, _, x in loaded]).to(device)  # (B, 3, S, S)
-        results = caption_images(model, batch, ckpt.vocab, options)
+        results = model.caption([image for _, image in loaded], beam=args.beam, max_len=args.max_len,
+                                attention=bool(args.overlay), allow_unk=args.allow_unk, batch_size=len(loaded))
         seconds = (time.perf_counter() - t0) / len(loaded)
-        for (path, image, _), result in zip(loaded, results):
+        for (path, image), result in zip(loaded, results):
             row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),
                                    "tokens": list(result.words), "seconds": round(seconds, 4)}
             if args.overlay:
                 out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
-                write_overlays(image, result.words, result.attention, out_dir,
-                               box=crop_box(image.width, image.height, ckpt.config.encoder),
+                write_overlays(image, result.words, result.attention, out_dir, box=result.box,
                                cmap=args.cmap, alpha=args.alpha, caption=result.text)
                 row["overlay"] = str(out_dir)
             line = json.dumps(row, ensure_ascii=False) if args.json else f"{path}\t{result.text}"

@@ -37,28 +37,20 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
     Returns:
         One ``{"image_id", "caption", "references", "png", "gif", "json", "html"}`` dict per image.
     """
-    import torch
-
-    from captioner.checkpoint.store import load_checkpoint
-    from captioner.commands.attend import teacher_forced_attention
     from captioner.data.coco import load_instances
     from captioner.data.images import load_image
-    from captioner.data.transforms import ImageTransform, crop_box
+    from captioner.inference import load
     from captioner.viz.overlays import write_overlays
 
     cs, results = metrics["caption_set"], metrics["results"]
-    loaded = load_checkpoint(checkpoint, device=device)
-    model, enc = loaded.model.eval(), loaded.config.encoder
-    transform = ImageTransform(enc)
+    model = load(checkpoint, device=device)
     shown = []
     for i in pick_images(cs, load_instances(data, cs.split), count):
         record, result = cs.images[i], results[i]
         image = load_image(record.path)
-        with torch.inference_mode():
-            features, _ = model.encode(transform(image).unsqueeze(0).to(device))  # (1, N, D)
-        all_att = teacher_forced_attention(model, features, result.tokens, loaded.vocab.bos_id, result.grid)
+        all_att = model.teacher_forced(image, result.tokens)  # (L, layers, heads, g, g) or None
         paths = write_overlays(image, result.words, result.attention.float().numpy(), out_dir,
-                               box=crop_box(image.width, image.height, enc), all_attention=all_att,
+                               box=model.crop_box(image), all_attention=None if all_att is None else all_att.numpy(),
                                stem=f"test_{record.image_id}", caption=result.text)
         shown.append({"image_id": record.image_id, "caption": result.text,
                       "references": cs.references(record.image_id), **{k: str(p) for k, p in paths.items()}})
@@ -120,12 +112,12 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
 def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
                      progress: bool) -> dict[str, Any]:
     from captioner.demo.table import LABELS, format_value, table_row
+    from captioner.device import resolve_device
     from captioner.errors import DataError
     from captioner.evaluation.evaluate import evaluate_checkpoint
     from captioner.training.loop import train
-    from captioner.training.distributed import resolve_device
 
-    device = str(resolve_device(cfg.train.device, 0))
+    device = str(resolve_device(cfg.train.device, 0, option="train.device"))
     result = train(cfg, run_dir, progress=progress)
     if not result.best_checkpoint.exists():
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
@@ -220,14 +212,15 @@ def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any)
 
 def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     """Build a frozen-encoder config's train/val feature caches once, before parallel runs open them."""
+    from captioner.device import resolve_device
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary
     from captioner.training.data import load_caption_sets, prepare_data
-    from captioner.training.distributed import DistInfo, resolve_device
+    from captioner.training.distributed import DistInfo
 
     train_set, val_set = load_caption_sets(cfg)
     vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
     model = build_model(cfg.model, len(vocab))
-    info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0))
+    info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0, option="train.device"))
     # only the files are wanted here: not holding the features in memory (each run does that itself)
     prepare_data(cfg.override(**{"data.in_memory_mb": 0.0}), model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, progress)

@@ -28,7 +28,9 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
+from captioner.inference import Captioner, load
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +44,13 @@ class SplitCaptions:
 
     Attributes:
         caption_set: the images that were captioned (missing/unreadable ones removed when skipped).
-        results: one ``CaptionResult`` per image (text, words, attention (L, g, g)).
+        results: one ``inference.Caption`` per image (text, words, attention (L, g, g)).
         skipped: file names of images that could not be read (only with ``skip_missing``).
     """
 
     caption_set: Any
     results: list[Any]
     skipped: list[str]
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; other names are checked."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device={device!r} is not a valid torch device (use cpu, cuda, cuda:1 or auto)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} was asked for but CUDA is not available")
-    return dev
 
 
 def caption_split(
@@ -95,15 +84,14 @@ def caption_split(
         The captions, aligned with the (possibly filtered) caption set.
     """
     from captioner.data.dataset import image_loader
-    from captioner.data.transforms import ImageTransform
-    from captioner.decoding.search import DecodeOptions, caption_images
+    from captioner.decoding.search import DecodeOptions
     from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     options = DecodeOptions(beam_size=beam_size, max_len=max_len, allow_unk=allow_unk)
-    load = image_loader(caption_set, ImageTransform(model.config.encoder))
-    data = SafeImages(load, len(caption_set.images))
+    engine = Captioner(model, vocab, resolve_device(device))
+    data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     kept: list[int] = []
     results: list[Any] = []
@@ -111,7 +99,7 @@ def caption_split(
         for pixels, indices, errors in batches:
             check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
             if pixels is not None:
-                results += caption_images(model, pixels.to(device, non_blocking=True), vocab, options)
+                results += engine.caption(pixels, options=options, attention=True, batch_size=batch_size)
                 kept += [i for i, error in zip(indices, errors) if error is None]
             bar.update(len(indices))
     skipped = [caption_set.images[i].file_name for i in sorted(set(range(len(data))) - set(kept))]
@@ -163,7 +151,6 @@ def evaluate_checkpoint(
     """
     from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
     from captioner.checkpoint.atomic import atomic_write
-    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.coco import check_images, load_caption_set, load_instances
     from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 
@@ -171,9 +158,7 @@ def evaluate_checkpoint(
         raise ConfigError(f"max_images must be >= 1, got {max_images}")
     start = time.perf_counter()
     checkpoint = Path(checkpoint)
-    dev = resolve_device(device)
-    loaded = load_checkpoint(checkpoint, device=str(dev))
-    model = loaded.model.eval()
+    loaded = load(checkpoint, device=device)
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=skip_missing)
@@ -181,8 +166,8 @@ def evaluate_checkpoint(
     if max_images is not None and max_images < len(cs.images):
         cs = cs.subset(range(max_images))
     log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), beam_size)
-    decoded = caption_split(model, loaded.vocab, cs, beam_size=beam_size, max_len=max_len, batch_size=batch_size,
-                            skip_bad=skip_missing, device=dev, progress=progress, num_workers=num_workers,
+    decoded = caption_split(loaded.model, loaded.vocab, cs, beam_size=beam_size, max_len=max_len, batch_size=batch_size,
+                            skip_bad=skip_missing, device=loaded.device, progress=progress, num_workers=num_workers,
                             allow_unk=allow_unk)
     cs, results = decoded.caption_set, decoded.results
     hypotheses = [r.text for r in results]

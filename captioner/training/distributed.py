@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from captioner.errors import ConfigError
+from captioner.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +48,6 @@ class DistInfo:
         return self.world_size > 1
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``"auto"`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``; others as given."""
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device={name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={name!r} but CUDA is not available on this machine")
-        if device.index is None:
-            device = torch.device(f"cuda:{local_rank}")
-    return device
-
-
 def setup(device_name: str) -> DistInfo:
     """Join the torchrun process group when launched by torchrun; otherwise a single process.
 
@@ -77,8 +61,8 @@ def setup(device_name: str) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size <= 1:
-        return DistInfo(0, 1, 0, resolve_device(device_name, 0))
-    device = resolve_device(device_name, local_rank)
+        return DistInfo(0, 1, 0, resolve_device(device_name, 0, option="train.device"))
+    device = resolve_device(device_name, local_rank, option="train.device")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     initialized = False

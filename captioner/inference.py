@@ -1,0 +1,258 @@
+"""The inference API: ``load(checkpoint)`` then ``Captioner.caption(images)``.
+
+One pipeline serves every caller (the ``caption``, ``attend`` and ``evaluate`` commands, the demo,
+user code)::
+
+    import captioner
+    model = captioner.load("runs/x/best.safetensors")
+    print(model.caption(["photo.jpg"])[0].text)
+
+``caption`` takes paths, PIL images or already-transformed tensors, one or a list; for each image
+it loads (one-line ``ImageLoadError`` naming the file), transforms, encodes, searches (beam or
+greedy), and returns a :class:`Caption`: the words, the search's score, and on request the
+attention of every word and, for the Transformer, of every layer and head (a teacher-forced re-run
+of the chosen caption: cached decoding equals the full forward, so its last-layer mean of heads
+is the per-word attention the search returned). ``Caption.box`` is the part of the original image
+the encoder saw (what overlays draw the attention onto).
+
+Shape legend: B images, S encoder input side, N regions (g*g), D feature width, L words.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import torch
+from PIL import Image
+
+from captioner.checkpoint.store import load_checkpoint
+from captioner.data.images import load_image, to_rgb
+from captioner.data.transforms import ImageTransform, crop_box
+from captioner.decoding.search import DecodeOptions, caption_features
+from captioner.device import resolve_device
+from captioner.errors import ConfigError, DataError
+from captioner.text import Vocabulary
+
+__all__ = ["Caption", "Captioner", "ImageInput", "load", "teacher_forced_attention"]
+
+ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
+"""A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
+
+
+@dataclass
+class Caption:
+    """The caption of one image.
+
+    Attributes:
+        text: the words joined by spaces.
+        words: one string per emitted token (aligned with ``attention``).
+        tokens: emitted word ids (no ``<bos>``/``<eos>``).
+        score: the search's length-normalised log-probability of the caption.
+        grid: (g, g); N = g*g regions.
+        attention: (L, g, g) float32 CPU tensor, one map over the N regions per word (each sums to
+            1), or None unless asked for (``attention=True`` or ``all_heads=True``).
+        all_attention: (L, layers, heads, g, g) float32 CPU tensor, every decoder layer's and
+            head's map per word (Transformer, with ``all_heads=True``), else None.
+        image_size: (width, height) of the original image; None for a tensor input.
+        box: ``(left, top, right, bottom)`` of the original image the encoder saw (right/bottom
+            exclusive, original pixels); None for a tensor input (the whole tensor was seen).
+        finished: False when the caption was cut at ``max_len`` without ``<eos>``.
+    """
+
+    text: str
+    words: list[str]
+    tokens: list[int]
+    score: float
+    grid: tuple[int, int]
+    attention: torch.Tensor | None = None
+    all_attention: torch.Tensor | None = None
+    image_size: tuple[int, int] | None = None
+    box: tuple[int, int, int, int] | None = None
+    finished: bool = True
+
+
+def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tokens: Sequence[int], bos_id: int,
+                             grid: tuple[int, int]) -> torch.Tensor | None:
+    """Per-layer, per-head attention of a given caption, from the decoder's teacher-forced forward.
+
+    Args:
+        model: a ``models.captioner.Captioner`` in eval mode.
+        features: (1, N, D) region features of the image.
+        tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
+        bos_id: the ``<bos>`` id.
+        grid: (g, g).
+
+    Returns:
+        (L, layers, heads, g, g) float32 CPU tensor, or None for an empty caption or a decoder with
+        one attention map per word (the LSTM).
+    """
+    if not tokens:
+        return None
+    inputs = torch.tensor([[bos_id, *tokens[:-1]]], device=features.device)  # (1, L): step t predicts word t
+    with torch.inference_mode():
+        out = model.decoder(features, inputs, need_all_attention=True)
+    if out.all_attention is None:
+        return None
+    all_att = out.all_attention[0].float().cpu()  # (L, layers, heads, N)
+    return all_att.reshape(*all_att.shape[:3], *grid)  # (L, layers, heads, g, g)
+
+
+class Captioner:
+    """A trained captioning model ready for inference: network, vocabulary, transform and device.
+
+    Args:
+        model: a ``models.captioner.Captioner`` (its ``config`` gives the image transform).
+        vocab: the vocabulary it was trained with.
+        device: where it runs; default: where its parameters are.
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab: Vocabulary, device: str | torch.device | None = None) -> None:
+        self.model = model
+        self.vocab = vocab
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.config = model.config  # ModelConfig
+        self.transform = ImageTransform(self.config.encoder)
+
+    def __repr__(self) -> str:
+        return (f"Captioner(decoder={self.config.decoder.name!r}, encoder={self.config.encoder.name!r}, "
+                f"vocab={len(self.vocab)}, device={str(self.device)!r})")
+
+    def crop_box(self, image: Image.Image) -> tuple[int, int, int, int]:
+        """``(left, top, right, bottom)`` of ``image`` (original pixels) that the encoder sees."""
+        return crop_box(image.width, image.height, self.config.encoder)
+
+    def caption(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        beam: int = 3,
+        max_len: int = 20,
+        attention: bool = False,
+        all_heads: bool = False,
+        allow_unk: bool = False,
+        batch_size: int = 8,
+        options: DecodeOptions | None = None,
+    ) -> list[Caption]:
+        """Caption one image or several.
+
+        Args:
+            images: a path, PIL image or already-transformed (3, S, S) tensor, a (B, 3, S, S) batch,
+                or a list of these.
+            beam: beam size; 1 = greedy.
+            max_len: most words in a caption.
+            attention: keep each word's attention map (``Caption.attention``).
+            all_heads: also every layer's and head's map (Transformer; implies ``attention``).
+            allow_unk: let captions contain ``<unk>`` (banned by default).
+            batch_size: images encoded and searched together.
+            options: full search options; when given they replace ``beam``, ``max_len`` and
+                ``allow_unk``.
+
+        Returns:
+            One :class:`Caption` per image, in input order.
+
+        Raises:
+            ImageLoadError: a path is missing or not a readable image (the first such file).
+            DataError: an input is neither a path, an image nor a (3, S, S) tensor.
+            ConfigError: bad search options or batch size.
+        """
+        if options is None:
+            options = DecodeOptions(beam_size=beam, max_len=max_len, allow_unk=allow_unk)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        sources = self._flatten(images)
+        out: list[Caption] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(sources), batch_size):
+                out += self._caption_batch(sources[start:start + batch_size], options, attention or all_heads,
+                                           all_heads)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def teacher_forced(self, image: ImageInput, tokens: Sequence[int]) -> torch.Tensor | None:
+        """Every layer's and head's attention of a given caption of one image (see
+        :func:`teacher_forced_attention`): (L, layers, heads, g, g), or None (LSTM, empty caption)."""
+        sources = self._flatten(image)
+        if len(sources) != 1:
+            raise DataError(f"teacher_forced takes one image, got {len(sources)}")
+        pixels, _ = self._prepare(sources[0])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
+            return teacher_forced_attention(self.model, features, list(tokens), self.vocab.bos_id,
+                                            (int(grid[0]), int(grid[1])))
+        finally:
+            self.model.train(was_training)
+
+    # ------------------------------------------------------------------------- internals
+
+    def _caption_batch(self, sources: list[object], options: DecodeOptions, keep_attention: bool,
+                       all_heads: bool) -> list[Caption]:
+        prepared = [self._prepare(source) for source in sources]  # loads here: one chunk in memory at a time
+        pixels = torch.stack([x for x, _ in prepared]).to(self.device, non_blocking=True)  # (B, 3, S, S)
+        with torch.no_grad():
+            features, grid = self.model.encode(pixels)  # (B, N, D), (g, g)
+        grid = (int(grid[0]), int(grid[1]))
+        found = caption_features(self.model, features, self.vocab, options, grid=grid)
+        out = []
+        for i, ((_, size), result) in enumerate(zip(prepared, found)):
+            heads = None
+            if all_heads:
+                heads = teacher_forced_attention(self.model, features[i:i + 1], result.tokens, self.vocab.bos_id, grid)
+            box = crop_box(size[0], size[1], self.config.encoder) if size is not None else None
+            out.append(Caption(result.text, result.words, result.tokens, float(result.score), grid,
+                               result.attention if keep_attention else None, heads, size, box, result.finished))
+        return out
+
+    def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[object]:
+        """Inputs -> one source per image: a path, a PIL image or a (3, S, S) tensor."""
+        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        sources: list[object] = []
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.dim() == 4:
+                sources += list(item.unbind(0))  # (B, 3, S, S) -> B x (3, S, S)
+            else:
+                sources.append(item)
+        return sources
+
+    def _prepare(self, source: object) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """A source -> (pixels (3, S, S), original (width, height) or None for a tensor)."""
+        if isinstance(source, (str, os.PathLike)):
+            source = load_image(Path(source))
+        if isinstance(source, Image.Image):
+            image = to_rgb(source)
+            return self.transform(image), image.size
+        if isinstance(source, torch.Tensor):
+            side = self.transform.size
+            if tuple(source.shape) != (3, side, side):
+                raise DataError(f"an image tensor must be already transformed to (3, {side}, {side}) "
+                                f"(or a batch of them), got {tuple(source.shape)}")
+            return source, None
+        raise DataError(f"cannot caption a {type(source).__name__}: give a path, a PIL image or a "
+                        "(3, H, W) tensor")
+
+
+def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> Captioner:
+    """Load a trained checkpoint for inference.
+
+    Args:
+        checkpoint: a ``.safetensors`` (or torch-format) file written by training.
+        device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+
+    Returns:
+        A :class:`Captioner` in eval mode on ``device``.
+
+    Raises:
+        CheckpointError: missing, truncated or foreign checkpoint.
+        ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
+    """
+    dev = resolve_device(device)
+    loaded = load_checkpoint(checkpoint, device=str(dev))
+    return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

@@ -1,0 +1,147 @@
+"""The package's shape stays as docs/architecture.md draws it: no import cycles, the CLI on top.
+
+Walks ``captioner/`` with ``ast`` (function-level imports included, since a cycle hidden inside
+a function is still a cycle) and checks the import graph between the package's own modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "captioner"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The module a dotted import name lands in (``a.b.c`` -> ``a.b`` when ``c`` is an attribute)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: {captioner modules it imports anywhere in its body}}``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            for target in targets:
+                owner = _owner(target, modules)
+                if owner and owner != name:
+                    graph[name].add(owner)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_cycle_finder_sees_a_cycle_hidden_in_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_graph_reads_function_level_and_relative_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "captioner"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "one.py").write_text("def f():\n    from captioner.sub import two\n")
+    (pkg / "sub" / "two.py").write_text("from .one import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    graph = import_graph()
+    assert graph["captioner.sub.one"] == {"captioner.sub.two"}
+    assert graph["captioner.sub.two"] == {"captioner.sub.one"}
+    assert find_cycles(graph) == [["captioner.sub.one", "captioner.sub.two"]]
+
+
+def test_the_package_has_no_import_cycle():
+    assert find_cycles(import_graph()) == []
+
+
+def test_only_the_cli_imports_the_commands():
+    graph = import_graph()
+    offenders = {name: sorted(t for t in targets if t.startswith("captioner.commands"))
+                 for name, targets in graph.items()
+                 if not name.startswith("captioner.commands") and name != "captioner.cli"}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_models_do_not_import_training_evaluation_or_the_demo():
+    graph = import_graph()
+    upper = ("captioner.training", "captioner.evaluation", "captioner.demo", "captioner.viz", "captioner.commands")
+    bad = {name: sorted(t for t in targets if t.startswith(upper))
+           for name, targets in graph.items() if name.startswith(("captioner.models", "captioner.data",
+                                                                  "captioner.decoding"))}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
