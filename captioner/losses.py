@@ -127,11 +127,12 @@ class CaptionLoss(nn.Module):
         self.register_buffer("baseline_updates", torch.zeros((), dtype=torch.long))  # 0 = not yet initialised
 
     @classmethod
-    def from_config(cls, train_cfg, decoder_name: str, pad_id: int) -> "CaptionLoss":  # noqa: ANN001
-        """The cross-entropy stage's loss for a ``TrainConfig``; the penalty applies to SAT decoders only."""
+    def from_config(cls, train_cfg, decoder_cfg, pad_id: int) -> "CaptionLoss":  # noqa: ANN001
+        """The cross-entropy stage's loss for a ``TrainConfig`` and a decoder config (the doubly
+        stochastic penalty only where ``decoder_cfg.doubly_stochastic``: SAT)."""
         t = train_cfg
         return cls(pad_id=pad_id, label_smoothing=t.label_smoothing,
-                   alpha_c=t.alpha_c if decoder_name == "sat" else 0.0, ds_form=t.ds_form,
+                   alpha_c=t.alpha_c if decoder_cfg.doubly_stochastic else 0.0, ds_form=t.ds_form,
                    reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
                    baseline_decay=t.baseline_decay)
 

@@ -70,7 +70,7 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     batches = [(x.to(device), tokens.to(device))
                for x, tokens, _ in train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)]
     t = cfg.train
-    criterion = CaptionLoss.from_config(t, cfg.model.decoder.name, vocab.pad_id).to(device)  # what train() uses
+    criterion = CaptionLoss.from_config(t, cfg.model.decoder, vocab.pad_id).to(device)  # what train() uses
     optimizer = build_optimizer(model, t, train_encoder=False)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     precision = setup_precision(t.amp, device)  # the loop's autocast (bf16 in the GPU presets), not its compile

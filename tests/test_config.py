@@ -280,3 +280,17 @@ def test_old_flat_model_config_with_a_changed_foreign_key_warns(caplog: pytest.L
     caplog.set_level(logging.WARNING, logger=PARSE_LOG)
     assert model_config_from_dict(data) == get_preset("sat_soft_tiny").model
     assert caplog.messages == ["model.decoder: ignoring num_layers=6: keys of another decoder family, not of sat"]
+
+
+def test_family_properties_replace_name_branches():
+    from captioner.config import DecoderConfig
+    from captioner.losses import CaptionLoss
+    from captioner.config import TrainConfig
+
+    soft, hard = DecoderConfig(name="sat"), DecoderConfig(name="sat", attention="hard")
+    transformer = DecoderConfig(name="transformer", d_model=64, num_heads=4)
+    assert [c.attention_kind for c in (soft, hard, transformer)] == ["soft", "hard", "cross"]
+    assert [c.doubly_stochastic for c in (soft, transformer)] == [True, False]
+    train = TrainConfig(alpha_c=1.5)
+    assert CaptionLoss.from_config(train, soft, pad_id=0).alpha_c == 1.5
+    assert CaptionLoss.from_config(train, transformer, pad_id=0).alpha_c == 0.0

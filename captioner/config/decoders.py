@@ -51,6 +51,16 @@ class DecoderConfig(metaclass=_FamilyByName):
         """The decoder's hidden width: the ``d_model`` an old Noam-scale ``train.lr`` was written for."""
         raise NotImplementedError
 
+    @property
+    def attention_kind(self) -> str:
+        """How the decoder attends to the regions: ``"soft"``, ``"hard"`` (SAT) or ``"cross"`` (Transformer)."""
+        raise NotImplementedError
+
+    @property
+    def doubly_stochastic(self) -> bool:
+        """Whether ``train.alpha_c``'s penalty on each region's summed attention applies (SAT only)."""
+        return False
+
     def _check_positive(self, *keys: str) -> None:
         for key in keys:
             if getattr(self, key) < 1:
@@ -86,6 +96,14 @@ class SATConfig(DecoderConfig):
     def width(self) -> int:
         return self.hidden_dim
 
+    @property
+    def attention_kind(self) -> str:
+        return self.attention
+
+    @property
+    def doubly_stochastic(self) -> bool:
+        return True
+
 
 @dataclass
 class TransformerConfig(DecoderConfig):
@@ -107,6 +125,10 @@ class TransformerConfig(DecoderConfig):
     @property
     def width(self) -> int:
         return self.d_model
+
+    @property
+    def attention_kind(self) -> str:
+        return "cross"
 
 
 DECODER_FAMILIES: dict[str, type[DecoderConfig]] = {"sat": SATConfig, "transformer": TransformerConfig}

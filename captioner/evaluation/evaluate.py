@@ -207,7 +207,7 @@ def evaluate_checkpoint(
         "attention": attention_entropy_summary(results),
         "attention_correctness": correctness,
         "decoder": loaded.config.decoder.name,
-        "attention_type": loaded.config.decoder.attention if loaded.config.decoder.name == "sat" else "cross",
+        "attention_type": loaded.config.decoder.attention_kind,
         "seconds": round(time.perf_counter() - start, 3),
         "paths": {"metrics": str(metrics_path), "results": str(results_path)},
     })

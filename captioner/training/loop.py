@@ -158,7 +158,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     if t.objective == "scst":  # self-critical: rewards from the training references (DFs counted once, here)
         criterion = build_scst_loss(cfg, data.train_set, vocab)
     else:
-        criterion = CaptionLoss.from_config(t, cfg.model.decoder.name, vocab.pad_id).to(info.device)
+        criterion = CaptionLoss.from_config(t, cfg.model.decoder, vocab.pad_id).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_schedule(optimizer, model, t)
     if t.compile and hasattr(model.decoder, "compile_recurrence"):

@@ -221,7 +221,7 @@ def build_scst_loss(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCritical
                     "weights rarely samples a rewarded caption; start from a cross-entropy checkpoint")
     reward = CaptionReward([train_set.references(image.image_id) for image in train_set.images],
                            bleu_weight=t.scst_bleu_weight)
-    hard = cfg.model.decoder.name == "sat" and cfg.model.decoder.attention == "hard"
+    hard = cfg.model.decoder.attention_kind == "hard"
     return SelfCriticalLoss(reward, vocab, samples=t.scst_samples, temperature=t.scst_temperature,
                             baseline=t.scst_baseline, max_len=t.val_max_len, reinforce_weight=t.reinforce_weight,
                             entropy_weight=t.entropy_weight if hard else 0.0)
