@@ -74,6 +74,14 @@ class Caption:
     box: tuple[int, int, int, int] | None = None
     finished: bool = True
 
+    def __repr__(self) -> str:  # shapes, not the tensors' values: a result prints on one line
+        def shape(t: torch.Tensor | None) -> str:
+            return "None" if t is None else f"<{'x'.join(map(str, t.shape))}>"
+
+        return (f"Caption(text={self.text!r}, score={self.score:.4f}, grid={self.grid}, "
+                f"attention={shape(self.attention)}, all_attention={shape(self.all_attention)}, "
+                f"image_size={self.image_size}, box={self.box}, finished={self.finished})")
+
 
 def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tokens: Sequence[int], bos_id: int,
                              grid: tuple[int, int]) -> torch.Tensor | None:

@@ -222,3 +222,14 @@ def test_no_library_module_imports_the_commands():
         if "captioner.commands" in path.read_text():
             offenders.append(str(relative))
     assert offenders == []
+
+
+def test_a_caption_prints_on_one_line_with_shapes_not_values():
+    import torch
+
+    from captioner.inference import Caption
+
+    c = Caption(text="a red circle", words=["a", "red", "circle"], tokens=[4, 5, 6], score=-1.23456, grid=(2, 2),
+                attention=torch.full((3, 2, 2), 0.25))
+    assert repr(c) == ("Caption(text='a red circle', score=-1.2346, grid=(2, 2), attention=<3x2x2>, "
+                       "all_attention=None, image_size=None, box=None, finished=True)")
