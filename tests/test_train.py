@@ -281,3 +281,23 @@ def test_fine_tuning_trains_the_encoder_with_its_own_lr(tiny_shapes: Path, tmp_p
     encoder_changed = [k for k in trained if k.startswith("encoder.") and k.endswith("weight")
                        and not torch.equal(trained[k], initial[k])]
     assert encoder_changed
+
+
+def test_validation_decodes_with_the_configs_decoding_section(tiny_shapes: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import captioner.decoding.search as search
+
+    seen = []
+    real = search.caption_features
+
+    def spy(model, x, vocab, options):  # noqa: ANN001
+        seen.append(options)
+        return real(model, x, vocab, options)
+
+    monkeypatch.setattr(search, "caption_features", spy)
+    cfg = tiny_cfg("sat_soft_tiny", tiny_shapes, **{"decoding.length_penalty": 0.7, "decoding.beam_size": 5,
+                                                     "train.val_beam": 2, "train.val_max_len": 7})
+    train(cfg, tmp_path / "run", progress=False)
+    assert seen, "validation never decoded"
+    # the section's length penalty; beam and length from train.val_beam / val_max_len
+    assert {(o.length_penalty, o.beam_size, o.max_len, o.n_best) for o in seen} == {(0.7, 2, 7, 1)}

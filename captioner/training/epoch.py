@@ -100,14 +100,15 @@ def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
 def _validate_all(run: Run, data: TrainData) -> dict[str, float]:
     """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere.
 
-    Decodes like ``captioner evaluate``: beam ``train.val_beam``, ``train.val_max_len`` words, no ``<unk>``.
+    Decodes like ``captioner evaluate``: beam ``train.val_beam``, ``train.val_max_len`` words, and the
+    rest of the config's ``decoding`` section (length penalty 0 and no ``<unk>`` by default).
     """
     info, cfg = run.info, run.cfg
     dataset = data.val_dataset
     shard_indices = list(range(info.rank, len(dataset), info.world_size)) if info.distributed else None
     loader = val_loader(dataset, cfg, info, store=data.val_store, indices=shard_indices)
     shard = validate(run.learner.model, loader, data.val_set, data.vocab, cfg.train.val_beam, cfg.train.val_max_len,
-                     info.device, data.on_features)
+                     info.device, data.on_features, options=cfg.decoding)
     return score(ddp.gather_objects(shard, info))
 
 

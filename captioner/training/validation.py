@@ -9,6 +9,8 @@ Decoding bans ``<unk>`` as ``captioner evaluate`` does by default.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from captioner.text import Vocabulary
 
 @torch.inference_mode()
 def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
-             device: torch.device, on_features: bool) -> dict[str, Any]:
+             device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
     """Decode captions for the loader's images and collect hypotheses and references.
 
     Args:
@@ -32,13 +34,16 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
         beam_size, max_len: decoding options (beam 1 is greedy).
         device: where to run.
         on_features: ``x`` holds cached features rather than images.
+        options: the config's ``decoding`` section (a ``DecodeOptions``: length penalty, ``<unk>``);
+            ``beam_size`` and ``max_len`` replace its own. None: the defaults.
 
     Returns:
         ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
     """
     from captioner.decoding.search import DecodeOptions, caption_features, caption_images
 
-    options = DecodeOptions(beam_size=beam_size, max_len=max_len)
+    base = options if options is not None else DecodeOptions()
+    options = dataclasses.replace(base, beam_size=beam_size, max_len=max_len, n_best=1)
     hyps: list[str] = []
     refs: list[list[str]] = []
     entropy_sum, words = 0.0, 0
