@@ -189,6 +189,43 @@ def test_hard_attention_gets_a_region_reinforce_term_with_the_caption_advantage(
     assert model.decoder.attention.score.weight.grad.abs().sum() > 0
 
 
+
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
+    import torch.nn.functional as F
+
+    from captioner.text import Vocabulary
+    from captioner.training.scst import SelfCriticalLoss
+
+    vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
+    model = _model(preset, len(vocab)).eval()
+    decoder = model.decoder
+    features = torch.randn(2, 16, model.encoder.out_dim)
+    tokens = torch.tensor([vocab.encode("red circle", 10) + [vocab.pad_id],
+                           vocab.encode("green triangle left", 10)])  # (2, T) references, one padded
+    index = torch.tensor([0, 1])
+    pure = SelfCriticalLoss(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6)
+    mixed = SelfCriticalLoss(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6, xe_weight=0.5)
+    torch.manual_seed(0)
+    a, _ = pure.batch_loss(decoder, decoder, None, features, index)
+    torch.manual_seed(0)
+    b, _ = mixed.batch_loss(decoder, decoder, None, features, index, tokens=tokens)
+    logits = decoder(features, tokens[:, :-1]).logits  # the references' cross-entropy, by hand
+    ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
+    assert float(b.total - a.total) == pytest.approx(0.5 * float(ce), rel=1e-5)
+    assert b.parts["scst_xe"] == pytest.approx(float(ce), rel=1e-5)
+    assert "scst_xe" not in a.parts
+    with pytest.raises(ValueError, match="reference tokens"):
+        mixed.batch_loss(decoder, decoder, None, features, index)
+
+
+def test_scst_xe_weight_is_checked() -> None:
+    from captioner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scst_xe_weight"):
+        get_preset("sat_soft_tiny", **{"train.scst_xe_weight": -1})
+
+
 # ----------------------------------------------------------------------------- the second training stage
 
 

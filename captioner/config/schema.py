@@ -142,6 +142,9 @@ class TrainConfig:
     scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
     scst_baseline: str = "mean"  # "mean" of the image's other samples (Luo 2020; stable) or "greedy" (Rennie et al.)
     scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
+    # scst: + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al.
+    # 2018): keeps a small dataset's SCST stage close to the references; 0 = pure SCST
+    scst_xe_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -198,6 +201,9 @@ class TrainConfig:
         w = self.scst_bleu_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
             raise ConfigError(f"train.scst_bleu_weight must be in [0, 1], got {w!r}")
+        w = self.scst_xe_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.scst_xe_weight must be a number >= 0, got {w!r}")
 
 
 @dataclass(frozen=True)

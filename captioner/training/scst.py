@@ -23,6 +23,10 @@ training reads them; the references are not the batch's captions but all of each
 6. the loss ``-sum_{r,t} (r_r - b_r) log p(w_rt) / (sampled tokens)``: tokens after the first
    ``<eos>`` are padding and masked out; the advantage ``r - b`` is not normalised.
 
+With ``train.scst_xe_weight`` w > 0 the loss also holds ``w * CE``, the teacher-forced
+cross-entropy of the batch's own reference captions (the mixed objective of Paulus et al. 2018),
+logged as ``scst_xe``: on a small dataset it keeps the policy near the references.
+
 Hard attention: in training mode the teacher-forced pass samples a region per word again, so the
 attention choice gets its own REINFORCE term with the **same caption-level advantage**,
 ``-reinforce_weight * sum_{r,t} (r_r - b_r) log p(s_rt) / (sampled tokens)`` (the cross-entropy
@@ -119,17 +123,18 @@ class SelfCriticalLoss(nn.Module):
         max_len: most words per sampled (and greedy) caption: ``train.val_max_len``.
         reinforce_weight: hard attention: weight of the attention-choice REINFORCE term.
         entropy_weight: hard attention: weight of the attention-entropy bonus.
+        xe_weight: weight of the reference captions' cross-entropy (0: pure SCST).
     """
 
     def __init__(self, reward: CaptionReward, vocab: Vocabulary, samples: int = 5, temperature: float = 1.0,
                  baseline: str = "greedy", max_len: int = 20, reinforce_weight: float = 1.0,
-                 entropy_weight: float = 0.0) -> None:
+                 entropy_weight: float = 0.0, xe_weight: float = 0.0) -> None:
         super().__init__()
         if baseline not in BASELINES:
             raise ValueError(f"baseline {baseline!r}: use greedy or mean")
         self.reward, self.vocab = reward, vocab
         self.samples, self.temperature, self.baseline_kind, self.max_len = samples, temperature, baseline, max_len
-        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
+        self.reinforce_weight, self.entropy_weight, self.xe_weight = reinforce_weight, entropy_weight, xe_weight
         self.banned = never_emitted_ids(vocab)
 
     def _texts(self, ids: list[list[int]]) -> list[list[str]]:
@@ -148,7 +153,7 @@ class SelfCriticalLoss(nn.Module):
 
     def batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
                    encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
-                   image_index: torch.Tensor) -> tuple[LossResult, int]:
+                   image_index: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[LossResult, int]:
         """One SCST step's loss.
 
         Args:
@@ -157,12 +162,24 @@ class SelfCriticalLoss(nn.Module):
             encode: images -> features (B, N, D) when ``x`` holds pixels; None when ``x`` is features.
             x: the batch inputs, one row per caption item.
             image_index: (rows,) training image of each row.
+            tokens: (rows, T) the rows' reference captions ``[<bos> w.. <eos> pad..]``; needed when
+                ``xe_weight`` > 0.
 
         Returns:
             ``(LossResult, R)``: the loss and the number of sampled captions.
         """
+        if self.xe_weight and tokens is None:
+            raise ValueError("scst_xe_weight > 0 needs the batch's reference tokens")
         with dropout_off(decoder):
-            return self._batch_loss(forward, decoder, encode, x, image_index)
+            result, n = self._batch_loss(forward, decoder, encode, x, image_index)
+            if not self.xe_weight:
+                return result, n
+            out = forward(x, tokens[:, :-1])  # logits (rows, T-1, V): the references, teacher-forced
+            ce = F.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=self.vocab.pad_id)
+            weighted = self.xe_weight * ce
+            terms = {**result.terms, "scst_xe": ce.detach()}
+            return LossResult(total=result.total + weighted, objective=result.objective + weighted.detach(),
+                              terms=terms), n
 
     def _batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
                     encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
@@ -224,4 +241,4 @@ def build_scst_loss(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCritical
     hard = cfg.model.decoder.attention_kind == "hard"
     return SelfCriticalLoss(reward, vocab, samples=t.scst_samples, temperature=t.scst_temperature,
                             baseline=t.scst_baseline, max_len=t.val_max_len, reinforce_weight=t.reinforce_weight,
-                            entropy_weight=t.entropy_weight if hard else 0.0)
+                            entropy_weight=t.entropy_weight if hard else 0.0, xe_weight=t.scst_xe_weight)

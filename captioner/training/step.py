@@ -171,7 +171,7 @@ def train_step(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> 
     with learner.precision.autocast():
         if cfg.train.objective == "scst":  # sampled captions, rewarded (captioner/training/scst.py)
             result, n = learner.criterion.batch_loss(learner.forward, learner.model.decoder, learner.scst_encoder(),
-                                                     x, batch[2])
+                                                     x, batch[2], tokens=tokens)
             n = float(n)
         else:
             out = learner.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
