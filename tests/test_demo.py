@@ -173,3 +173,17 @@ def test_scst_demo_options() -> None:
     with pytest.raises(ConfigError, match="--scst-budget 'soon'"):
         DemoOptions.from_args(data="d", images=None, seed=0, budget=None, decoders="sat_soft", out="o", scst=True,
                               scst_budget="soon")
+
+
+def test_scst_stage_config_starts_from_the_decoders_best_checkpoint_with_the_mixed_objective(tmp_path: Path) -> None:
+    from captioner.config import get_preset
+    from captioner.demo.pipeline import SCST_LR_SCALE, SCST_XE_WEIGHT, scst_config
+
+    options = DemoOptions(out=tmp_path, scst=True, budgets={"sat_soft": 100.0, "sat_hard": 100.0, "transformer": 50.0})
+    cfg = get_preset("sat_soft_tiny")
+    stage = scst_config("sat_soft", cfg, options)
+    assert stage.train.objective == "scst" and stage.train.init == str(tmp_path / "sat_soft" / "best.safetensors")
+    assert stage.train.time_budget == pytest.approx(40.0)  # 40% of the decoder's budget by default
+    assert stage.train.lr == pytest.approx(cfg.train.lr * SCST_LR_SCALE)
+    assert stage.train.scst_xe_weight == SCST_XE_WEIGHT == 0.25
+    assert cfg.train.objective == "xe"  # the cross-entropy stage's config is left as it was
