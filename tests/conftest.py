@@ -41,3 +41,37 @@ def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shapes")
     make_shapes(out, images=60, seed=0, image_size=64)
     return out
+
+
+class UntrainedCheckpoints:
+    """Makes tiny seeded, untrained checkpoints for the caption/attend/inference tests.
+
+    ``make(root, preset, **overrides) -> root/<preset>.safetensors``: the preset's model (with the
+    dotted config ``overrides``) over the vocabulary ``words``, the output bias of ``<pad>``,
+    ``<bos>``, ``<eos>`` and ``<unk>`` set to -30 so that every caption has ``max_len`` real words.
+    """
+
+    words = tuple("a red blue green circle square triangle on the left right of".split())
+
+    def __call__(self, root: Path, preset: str, **overrides: object) -> Path:
+        from captioner.checkpoint.store import save_checkpoint
+        from captioner.config import get_preset
+        from captioner.models.captioner import build_model
+        from captioner.text import Vocabulary
+
+        torch.manual_seed(0)
+        vocab = Vocabulary(list(self.words))
+        model = build_model(get_preset(preset, **overrides).model, len(vocab), load_pretrained=False).eval()
+        with torch.no_grad():
+            for module in model.decoder.modules():
+                if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
+                    module.bias[: vocab.unk_id + 1] = -30.0
+        path = root / f"{preset}.safetensors"
+        save_checkpoint(path, model, vocab)
+        return path
+
+
+@pytest.fixture(scope="session")
+def untrained_checkpoint() -> UntrainedCheckpoints:
+    """``untrained_checkpoint(root, preset, **overrides) -> Path``; ``.words`` is its vocabulary."""
+    return UntrainedCheckpoints()

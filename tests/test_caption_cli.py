@@ -13,34 +13,13 @@ import torch
 from PIL import Image
 
 from captioner.cli import main
-from captioner.config import get_preset
-from captioner.models.captioner import build_model
-from captioner.text import Vocabulary
 from captioner.viz.overlays import read_attention_json
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = "a red blue green circle square triangle on the left right of".split()
-
-
-def _checkpoint(root: Path, preset: str) -> Path:
-    from captioner.checkpoint.store import save_checkpoint
-
-    torch.manual_seed(0)
-    vocab = Vocabulary(WORDS)
-    model = build_model(get_preset(preset).model, len(vocab), load_pretrained=False).eval()
-    with torch.no_grad():  # untrained: make special tokens unlikely, so every caption has max-len real words
-        for module in model.decoder.modules():
-            if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
-                module.bias[: vocab.unk_id + 1] = -30.0
-    path = root / f"{preset}.safetensors"
-    save_checkpoint(path, model, vocab)
-    return path
-
-
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
+def checkpoints(tmp_path_factory, untrained_checkpoint) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {name: _checkpoint(root, name) for name in ("sat_soft_tiny", "transformer_tiny")}
+    return {name: untrained_checkpoint(root, name) for name in ("sat_soft_tiny", "transformer_tiny")}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +60,7 @@ def test_folder_with_bad_files_captions_the_rest_and_fails(capsys, checkpoints, 
         assert line.startswith("captioner caption: error: ") and name in line
 
 
-def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints, photos):
+def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints, photos, untrained_checkpoint):
     files = [str(photos / name) for name in GOOD]
     code, out, err = _run(capsys, "caption", *files, "-c", str(checkpoints["sat_soft_tiny"]), "--json",
                           "--beam", "2", "--max-len", "3")
@@ -91,14 +70,14 @@ def test_json_lines_fields_and_exit_code_zero_when_all_good(capsys, checkpoints,
     for row in rows:
         assert set(row) == {"path", "caption", "score", "tokens", "seconds"}
         assert row["tokens"] == row["caption"].split() and len(row["tokens"]) == 3
-        assert set(row["tokens"]) <= set(WORDS) and isinstance(row["score"], float) and row["seconds"] > 0
+        assert set(row["tokens"]) <= set(untrained_checkpoint.words) and isinstance(row["score"], float) and row["seconds"] > 0
 
 
-def test_unk_is_banned_unless_allow_unk(capsys, photos, tmp_path):
+def test_unk_is_banned_unless_allow_unk(capsys, photos, tmp_path, untrained_checkpoint):
     """A model whose favourite word is <unk>: the caption command leaves it out unless asked."""
     from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 
-    loaded = load_checkpoint(_checkpoint(tmp_path, "sat_soft_tiny"))
+    loaded = load_checkpoint(untrained_checkpoint(tmp_path, "sat_soft_tiny"))
     with torch.no_grad():
         loaded.model.decoder.out_word.bias[loaded.vocab.unk_id] = 30.0
     path = tmp_path / "unk.safetensors"

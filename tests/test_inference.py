@@ -13,41 +13,19 @@ import torch
 from PIL import Image
 
 import captioner
-from captioner.config import get_preset
 from captioner.data.images import load_image
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, ImageLoadError
 from captioner.inference import Caption, Captioner, load
-from captioner.models.captioner import build_model
-from captioner.text import Vocabulary
 from captioner.viz.overlays import read_attention_json
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = "a red blue green circle square triangle on the left right of".split()
-
-
-def _checkpoint(root: Path, preset: str, **overrides: object) -> Path:
-    """A tiny seeded checkpoint whose special tokens are unlikely (every caption has max_len words)."""
-    from captioner.checkpoint.store import save_checkpoint
-
-    torch.manual_seed(0)
-    vocab = Vocabulary(WORDS)
-    model = build_model(get_preset(preset, **overrides).model, len(vocab), load_pretrained=False).eval()
-    with torch.no_grad():
-        for module in model.decoder.modules():
-            if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
-                module.bias[: vocab.unk_id + 1] = -30.0
-    path = root / f"{preset}.safetensors"
-    save_checkpoint(path, model, vocab)
-    return path
-
-
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
+def checkpoints(tmp_path_factory, untrained_checkpoint) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    paths = {name: _checkpoint(root, name) for name in ("sat_soft_tiny", "transformer_tiny")}
+    paths = {name: untrained_checkpoint(root, name) for name in ("sat_soft_tiny", "transformer_tiny")}
     crop = tmp_path_factory.mktemp("crop")
-    paths["center_crop"] = _checkpoint(crop, "transformer_tiny", **{"model.encoder.resize": "center_crop"})
+    paths["center_crop"] = untrained_checkpoint(crop, "transformer_tiny", **{"model.encoder.resize": "center_crop"})
     return paths
 
 
@@ -80,7 +58,7 @@ def _greedy(model: Captioner, path: Path, max_len: int) -> list[int]:
 
 
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
-def test_path_image_and_tensor_give_the_same_caption(checkpoints, photos, preset):
+def test_path_image_and_tensor_give_the_same_caption(checkpoints, photos, preset, untrained_checkpoint):
     model = load(checkpoints[preset], device="cpu")
     path = photos / "wide.png"
     image = load_image(path)
@@ -89,7 +67,7 @@ def test_path_image_and_tensor_give_the_same_caption(checkpoints, photos, preset
     assert all(isinstance(r, Caption) for r in results) and len(results) == 4
     assert len({tuple(r.words) for r in results}) == 1 and len(results[0].words) == 5
     assert len({r.score for r in results}) == 1 and results[0].score < 0.0
-    assert results[0].text == " ".join(results[0].words) and set(results[0].words) <= set(WORDS)
+    assert results[0].text == " ".join(results[0].words) and set(results[0].words) <= set(untrained_checkpoint.words)
     assert results[0].tokens == [model.vocab.stoi[w] for w in results[0].words]
     # a single item, a batch tensor and a batch split over several decoding batches: the same answer
     single = model.caption(path, max_len=5)
