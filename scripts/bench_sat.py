@@ -18,7 +18,6 @@ equivalent in-place sigmoid (cheaper on CPU), and runs the deep output once over
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
+from timing import best_times  # noqa: E402
 
 PAPER = {"batch": 32, "grid": 14, "feature_dim": 2048, "vocab": 10_000, "width": 512, "min_len": 11, "max_len": 21}
 QUICK = {"batch": 8, "grid": 7, "feature_dim": 256, "vocab": 1_000, "width": 64, "min_len": 6, "max_len": 12}
@@ -88,24 +89,6 @@ def make_batch(s: dict, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tenso
     return features, tokens, lengths
 
 
-def _best_times(*fns, repeats: int, sync=lambda: None) -> list[float]:
-    """Best-of-``repeats`` seconds of each function, interleaved so that load changes hit all.
-
-    ``sync`` waits for queued device work (``torch.cuda.synchronize`` on a GPU) around each call.
-    """
-    for fn in fns:  # warm-up
-        fn(), fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-    return [min(ts) for ts in times]
-
-
 def sat_train(quick: bool = False) -> dict:
     """Captions per second of one SAT training step, ours vs. the tutorial-style baseline.
 
@@ -146,7 +129,8 @@ def sat_train(quick: bool = False) -> dict:
         optimizer.step()
 
     if device.type != "cuda":
-        t_ours, t_base = _best_times(step_ours, step_baseline, repeats=5 if quick else 3)
+        best = best_times({"ours": step_ours, "baseline": step_baseline}, device, repeats=5 if quick else 3)
+        t_ours, t_base = best["ours"], best["baseline"]
         return {
             "captions_per_s": s["batch"] / t_ours,
             "baseline_captions_per_s": s["batch"] / t_base,
@@ -162,8 +146,8 @@ def sat_train(quick: bool = False) -> dict:
         loss.backward()
         optimizer.step()
 
-    t_ours, t_base, t_bf16 = _best_times(step_ours, step_baseline, step_ours_bf16, repeats=10,
-                                         sync=torch.cuda.synchronize)
+    best = best_times({"ours": step_ours, "baseline": step_baseline, "bf16": step_ours_bf16}, device, repeats=10)
+    t_ours, t_base, t_bf16 = best["ours"], best["baseline"], best["bf16"]
     return {
         "captions_per_s": s["batch"] / t_ours,
         "baseline_captions_per_s": s["batch"] / t_base,

@@ -13,15 +13,19 @@ Uses CUDA when available, else the CPU (one thread, see ``_threads``); ``--quick
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from captioner.models.base import State
-from captioner.models.transformer import TransformerCaptionDecoder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from captioner.models.base import State  # noqa: E402
+from timing import best_times  # noqa: E402
+from captioner.models.transformer import TransformerCaptionDecoder  # noqa: E402
 
 FULL = dict(batch=32, regions=196, feature_dim=2048, vocab=10_000, d_model=512, layers=3, heads=8, ff=2048, steps=20)
 QUICK = dict(batch=4, regions=16, feature_dim=64, vocab=200, d_model=32, layers=2, heads=4, ff=64, steps=6)
@@ -31,11 +35,6 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _decoder(size: dict, device: torch.device) -> TransformerCaptionDecoder:
     torch.manual_seed(0)
     grid = int(size["regions"] ** 0.5)
@@ -43,23 +42,6 @@ def _decoder(size: dict, device: torch.device) -> TransformerCaptionDecoder:
                                     d_model=size["d_model"], num_layers=size["layers"], num_heads=size["heads"],
                                     ff_dim=size["ff"], dropout=0.1, max_len=size["steps"])
     return dec.to(device)
-
-
-def _best_times(fns: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, float]:
-    """Seconds of the fastest of ``repeats`` calls of each function (interleaved, after a warm-up
-    call each), so that load from other processes hits both sides of a comparison alike."""
-    best = {}
-    for name, fn in fns.items():
-        fn()
-        best[name] = float("inf")
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 @contextmanager
@@ -90,7 +72,7 @@ def bench_train(quick: bool) -> dict:
         opt.step()
 
     with _threads(device):
-        best = _best_times({"fused": lambda: train_step(False), "manual": lambda: train_step(True)},
+        best = best_times({"fused": lambda: train_step(False), "manual": lambda: train_step(True)},
                            device, 2 if quick else 3)
     return {"device": device.type, "captions_per_s": b / best["fused"], "captions_per_s_all_manual": b / best["manual"]}
 
@@ -110,7 +92,7 @@ def bench_cache(quick: bool) -> dict:
 
     with torch.inference_mode(), _threads(device):
         with_cache, without = dec.init_state(features), dec.init_state(features, use_cache=False)
-        best = _best_times({"cached": lambda: generate(with_cache), "uncached": lambda: generate(without)}, device, 3)
+        best = best_times({"cached": lambda: generate(with_cache), "uncached": lambda: generate(without)}, device, 3)
     return {"device": device.type, "cached_ms_per_token": 1000 * best["cached"] / t,
             "uncached_ms_per_token": 1000 * best["uncached"] / t, "ratio": best["uncached"] / best["cached"]}
 
