@@ -35,6 +35,7 @@ from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, caption_features
 from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
+from captioner.models.base import eval_mode
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "load", "teacher_forced_attention"]
@@ -172,14 +173,10 @@ class Captioner:
             raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         sources = self._flatten(images)
         out: list[Caption] = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             for start in range(0, len(sources), batch_size):
                 out += self._caption_batch(sources[start:start + batch_size], options, attention or all_heads,
                                            all_heads)
-        finally:
-            self.model.train(was_training)
         return out
 
     def teacher_forced(self, image: ImageInput, tokens: Sequence[int]) -> torch.Tensor | None:
@@ -189,15 +186,11 @@ class Captioner:
         if len(sources) != 1:
             raise DataError(f"teacher_forced takes one image, got {len(sources)}")
         pixels, _ = self._prepare(sources[0])
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             with torch.no_grad():
                 features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
             return teacher_forced_attention(self.model, features, list(tokens), self.vocab.bos_id,
                                             (int(grid[0]), int(grid[1])))
-        finally:
-            self.model.train(was_training)
 
     # ------------------------------------------------------------------------- internals
 

@@ -425,3 +425,19 @@ def test_real_decoders_batched_equals_one_by_one_and_scores_match_forward(preset
             lp = torch.log_softmax(out.logits[0].double(), -1)  # (T, V)
             total = lp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum().item()
             assert h.log_prob == pytest.approx(total, abs=1e-3)
+
+
+def test_eval_mode_restores_the_mode_it_found_even_after_an_error():
+    from captioner.models.base import eval_mode
+
+    module = torch.nn.Sequential(torch.nn.Dropout(0.5))
+    for start in (True, False):
+        module.train(start)
+        with eval_mode(module) as inside:
+            assert inside is module and not module.training and not module[0].training
+        assert module.training is start and module[0].training is start
+    module.train()
+    with pytest.raises(RuntimeError):
+        with eval_mode(module):
+            raise RuntimeError("boom")
+    assert module.training

@@ -38,7 +38,7 @@ from captioner.config import DecodeOptions  # the config tree's decoding section
 from captioner.decoding.hypotheses import (NEG_INF, Hypothesis, LiveBeams, best_reachable, keep_best,
                                            length_penalty, top_candidates)
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder, State
+from captioner.models.base import CaptionDecoder, State, eval_mode
 from captioner.text import Vocabulary
 
 logger = logging.getLogger(__name__)
@@ -294,12 +294,8 @@ def caption_features(
     grid = grid or _grid_for(model, features.size(1))
     if grid[0] * grid[1] != features.size(1):
         raise ConfigError(f"grid {grid} does not match {features.size(1)} regions")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
-    finally:
-        model.train(was_training)
     return _to_results(hyps, vocab, grid)
 
 
@@ -310,12 +306,8 @@ def caption_images(
     options: DecodeOptions | None = None,
 ) -> list[CaptionResult]:
     """Encode images (B, 3, S, S) with ``model.encode`` and caption them; see :func:`caption_features`."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             features, grid = model.encode(images)  # (B, N, D), (g, g)
         hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
-    finally:
-        model.train(was_training)
     return _to_results(hyps, vocab, (int(grid[0]), int(grid[1])))

@@ -25,6 +25,8 @@ nothing to copy.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,3 +117,14 @@ class CaptionDecoder(nn.Module):
 def attention_entropy(weights: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """Entropy (nats) of attention distributions over the last dim: (..., N) -> (...)."""
     return -(weights * (weights + eps).log()).sum(-1)
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """Run a block with ``module`` in eval mode, then give it back the mode it had (even on an error)."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)

@@ -54,6 +54,7 @@ from torch import nn
 
 from captioner.decoding.search import DecodeOptions, decode, never_emitted_ids
 from captioner.losses import LossResult
+from captioner.models.base import eval_mode
 from captioner.decoding.sampling import sample_captions
 from captioner.training.scst_reward import CaptionReward
 from captioner.text import Vocabulary, tokenize
@@ -142,13 +143,9 @@ class SelfCriticalLoss(nn.Module):
         return [tokenize(self.vocab.decode(row)) for row in ids]
 
     def _greedy(self, decoder: nn.Module, features: torch.Tensor) -> list[list[int]]:
-        was_training = decoder.training
-        decoder.eval()
-        try:
+        with eval_mode(decoder):
             hyps = decode(decoder, features, self.vocab.bos_id, self.vocab.eos_id,
                           DecodeOptions(beam_size=1, max_len=self.max_len), self.banned)
-        finally:
-            decoder.train(was_training)
         return [h[0].tokens for h in hyps]
 
     def batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
