@@ -138,7 +138,7 @@ class _FixedReward:
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
 def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss, baselines, sequence_log_probs
+    from captioner.training.scst import SelfCriticalLoss, baselines, policy_log_probs
 
     assert baselines(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 0.0]), 3, "mean").tolist() == [0.0, 0.5, 0.5,
                                                                                             1.5, 1.5, 3.0]
@@ -159,8 +159,9 @@ def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
 
     def seq_lp() -> torch.Tensor:
         with torch.no_grad():
-            lp = sequence_log_probs(decoder(features.repeat_interleave(K, 0), inputs).logits, s.tokens)
-        return (lp * (s.tokens != vocab.pad_id)).sum(dim=1)  # (R,)
+            logits = decoder(features.repeat_interleave(K, 0), inputs).logits
+            lp = policy_log_probs(logits, s.tokens, s.tokens != vocab.pad_id, loss.banned, vocab.eos_id)
+        return lp.sum(dim=1)  # (R,)
 
     before = seq_lp()
     opt = torch.optim.SGD(decoder.parameters(), lr=0.05)
@@ -170,6 +171,50 @@ def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
     change = seq_lp() - before
     assert change[0] > 0 and change[K] > 0  # better than the baseline: log-probability raised
     assert change[1:K].mean() < change[0] and change[K + 1:].mean() < change[K]
+
+
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_rescoring_gives_the_log_probs_the_sampler_drew_with(preset: str) -> None:
+    """The gradient is of the policy that sampled: banned ids removed, temperature applied."""
+    from captioner.decoding.sampling import sample_captions
+    from captioner.training.scst import policy_log_probs
+
+    model = _model(preset).eval()
+    decoder, K, banned, T = model.decoder, 3, (0, 1, 3), 0.7  # <pad>, <bos>, <unk>
+    features = torch.randn(2, 16, model.encoder.out_dim)
+    torch.manual_seed(2)
+    s = sample_captions(decoder, features, bos_id=1, eos_id=2, pad_id=0, samples=K, max_len=6, temperature=T,
+                        banned_ids=banned)
+    valid = s.tokens != 0
+    inputs = torch.cat([torch.full_like(s.tokens[:, :1], 1), s.tokens[:, :-1]], dim=1)
+    with torch.no_grad():
+        logits = decoder(features.repeat_interleave(K, 0), inputs).logits  # (R, L, V)
+    rescored = policy_log_probs(logits, s.tokens, valid, banned, eos_id=2, temperature=T)
+    assert torch.allclose(rescored, s.log_probs, atol=1e-5)
+    assert bool((s.log_probs[~valid] == 0).all()) and bool((s.log_probs[valid] < 0).all())
+    full = torch.log_softmax(logits, -1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)  # the model's own softmax
+    assert (full - s.log_probs)[valid].abs().max() > 1e-2  # which is not the sampled policy
+
+
+@pytest.mark.parametrize("preset, head", [("sat_soft_tiny", "out_word"), ("transformer_tiny", "out")])
+def test_banned_ids_get_no_gradient_from_the_scst_term(preset: str, head: str) -> None:
+    """<unk> is never sampled: were it scored under the full softmax, every negative advantage would
+    raise it and nothing would lower it again (on Flickr8k it took the whole distribution)."""
+    from captioner.text import Vocabulary
+    from captioner.training.scst import SelfCriticalLoss
+
+    vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
+    model = _model(preset, len(vocab)).eval()
+    loss = SelfCriticalLoss(_FixedReward(4), vocab, samples=4, baseline="mean", max_len=6)
+    torch.manual_seed(0)
+    result, _ = loss.batch_loss(model.decoder, model.decoder, None, torch.randn(2, 16, model.encoder.out_dim),
+                                torch.tensor([0, 1]))
+    result.total.backward()
+    grad = getattr(model.decoder, head).bias.grad  # (V,): d loss / d logit, summed over positions
+    banned = [vocab.pad_id, vocab.bos_id, vocab.unk_id]
+    assert grad[banned].abs().max() == 0.0
+    allowed = [i for i in range(len(vocab)) if i not in banned]
+    assert grad[allowed].abs().max() > 0.0
 
 
 def test_hard_attention_gets_a_region_reinforce_term_with_the_caption_advantage() -> None:
