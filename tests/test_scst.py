@@ -217,6 +217,30 @@ def test_banned_ids_get_no_gradient_from_the_scst_term(preset: str, head: str) -
     assert grad[allowed].abs().max() > 0.0
 
 
+@pytest.mark.parametrize("baseline", ["mean", "greedy"])
+def test_the_greedy_reward_is_logged_with_either_baseline(baseline: str) -> None:
+    from captioner.decoding.search import DecodeOptions, decode
+    from captioner.text import Vocabulary
+    from captioner.training.scst import SelfCriticalLoss
+
+    vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
+    model = _model("sat_soft_tiny", len(vocab)).eval()
+    length = lambda captions, images: [float(len(c)) for c in captions]  # noqa: E731  reward: words
+    loss = SelfCriticalLoss(length, vocab, samples=3, baseline=baseline, max_len=6)
+    features = torch.randn(2, 16, model.encoder.out_dim)
+    torch.manual_seed(0)
+    result, _ = loss.batch_loss(model.decoder, model.decoder, None, features, torch.tensor([0, 1]))
+    greedy = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=1, max_len=6),
+                    loss.banned)
+    words = [float(len(loss._texts([h[0].tokens])[0])) for h in greedy]
+    assert result.parts["scst_greedy_reward"] == pytest.approx(sum(words) / 2)
+    sampled = result.parts["scst_reward"]
+    assert 0.0 <= result.parts["scst_better_than_greedy"] <= 1.0 and sampled >= 0
+    if baseline == "greedy":
+        assert result.parts["scst_baseline_reward"] == pytest.approx(result.parts["scst_greedy_reward"])
+        assert result.parts["scst_better"] == pytest.approx(result.parts["scst_better_than_greedy"])
+
+
 def test_hard_attention_gets_a_region_reinforce_term_with_the_caption_advantage() -> None:
     from captioner.text import Vocabulary
     from captioner.training.scst import SelfCriticalLoss
@@ -291,6 +315,7 @@ def test_init_then_scst_round_trip_through_the_cli(tiny_shapes: Path, tmp_path: 
     for row in rows:
         reward, base, better = float(row["scst_reward"]), float(row["scst_baseline_reward"]), float(row["scst_better"])
         assert reward >= 0 and base >= 0 and 0.0 <= better <= 1.0 and float(row["loss"]) == pytest.approx(-reward)
+        assert float(row["scst_greedy_reward"]) >= 0 and 0.0 <= float(row["scst_better_than_greedy"]) <= 1.0
     before, after = load_file(str(stage1["sat_soft_tiny"])), load_file(str(out / "latest.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)  # SCST trained the initialised weights
     assert (out / "best.safetensors").is_file()

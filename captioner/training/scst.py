@@ -14,7 +14,7 @@ training reads them; the references are not the batch's captions but all of each
    policy trained, the same one step 5 re-scores (:func:`dropout_off`);
 3. the **baseline** (``train.scst_baseline``): ``greedy``, the reward of the model's own greedy
    caption (eval mode, no gradients: the test-time policy, as in the paper), or ``mean``, the mean
-   reward of the image's other K - 1 samples;
+   reward of the image's other K - 1 samples (the greedy caption is decoded and logged either way);
 4. the **reward** r (CIDEr-D against all training references of the image, document frequencies of
    the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.training.scst_reward.CaptionReward`);
 5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
@@ -39,7 +39,9 @@ The result is a :class:`captioner.losses.LossResult`, so the training loop logs 
 for non-finite values as it does the cross-entropy: ``objective`` (the ``loss`` column) is
 ``-(mean sample reward)`` minus the entropy bonus; ``terms`` hold ``scst_reward`` (mean sample
 reward), ``scst_baseline_reward`` (mean baseline: the greedy reward, or the others' mean),
-``scst_better`` (share of samples whose reward beats their baseline), and for hard attention
+``scst_better`` (share of samples whose reward beats their baseline), ``scst_greedy_reward`` (mean
+reward of the greedy captions, the test-time policy, decoded at every step whatever the
+baseline) and ``scst_better_than_greedy`` (share of samples beating it), and for hard attention
 ``reinforce`` and ``entropy``.
 """
 
@@ -212,14 +214,12 @@ class SelfCriticalLoss(nn.Module):
                 features = features.float()
             sampled = sample_captions(decoder, features, self.vocab.bos_id, self.vocab.eos_id, self.vocab.pad_id,
                                       K, self.max_len, self.temperature, self.banned)
-            greedy_ids = self._greedy(decoder, features) if self.baseline_kind == "greedy" else None
+            greedy_ids = self._greedy(decoder, features)  # logged with either baseline: the test-time policy
         sample_images = [i for i in images for _ in range(K)]
         rewards = self.reward(self._texts(sampled.words()), sample_images)
         device = x.device
         reward_t = torch.tensor(rewards, dtype=torch.float32, device=device)  # (R,)
-        greedy_t = None
-        if greedy_ids is not None:
-            greedy_t = torch.tensor(self.reward(self._texts(greedy_ids), images), dtype=torch.float32, device=device)
+        greedy_t = torch.tensor(self.reward(self._texts(greedy_ids), images), dtype=torch.float32, device=device)  # (B,)
         base = baselines(reward_t, K, self.baseline_kind, greedy_t)  # (R,)
         advantage = reward_t - base  # (R,)
 
@@ -234,7 +234,8 @@ class SelfCriticalLoss(nn.Module):
         total = -(advantage.unsqueeze(1) * token_lp).sum() / count
         objective = -reward_t.mean()
         terms = {"scst_reward": reward_t.mean(), "scst_baseline_reward": base.mean(),
-                 "scst_better": (reward_t > base).float().mean()}
+                 "scst_better": (reward_t > base).float().mean(), "scst_greedy_reward": greedy_t.mean(),
+                 "scst_better_than_greedy": (reward_t > greedy_t.repeat_interleave(K)).float().mean()}
         if out.sample_log_probs is not None:  # hard attention: the region choices share the advantage
             region_lp = out.sample_log_probs.float() * mask  # (R, L)
             term = -self.reinforce_weight * (advantage.unsqueeze(1) * region_lp).sum() / count
