@@ -13,7 +13,7 @@ EXAMPLES = """
   captioner demo --decoders sat_soft,transformer --budget sat_soft=180,transformer=60
   captioner demo --data data/shapes --images 4000 --seed 1 --out runs/demo_seed1
   captioner demo --scst                             # + a self-critical stage per decoder (rows sat_soft+scst, ...)
-  captioner demo --scst --scst-budget 60            # ... of 60 s each (default: 40% of the decoder's budget)
+  captioner demo --scst --scst-budget 60            # ... of 60 s each (default: the decoder's own budget)
 """
 
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after each decoder's budget, a self-critical (SCST) stage from its best checkpoint")
     parser.add_argument("--scst-budget", default=None,
                         help="seconds of each SCST stage: one number or decoder=seconds pairs "
-                             "(default: 40%% of the decoder's --budget)")
+                             "(default: the decoder's own --budget)")
 
 
 def run(args: argparse.Namespace) -> int:
