@@ -10,7 +10,9 @@ random 5-reference caption sets:
   10-16 words;
 * **scst**: one self-critical step on B images with K = 5 samples each (sampling through the
   decoder contract, greedy baseline, CIDEr-D reward with corpus document frequencies, teacher-
-  forced re-scoring, backward, Adam), of which **reward_s** is the reward's share (Python CIDEr-D).
+  forced re-scoring, backward, Adam), of which **reward_s** is the reward's share (Python CIDEr-D)
+  and **greedy_s** the greedy caption's decoding (done every step with either baseline: it is
+  the baseline of ``greedy`` and the logged ``scst_greedy_reward`` of both).
 
 ``captions_per_s`` counts trained captions: B for xe, B * K sampled captions for scst. CUDA is used
 when present.
@@ -99,6 +101,16 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
         return out
 
     scst.reward = timed_reward  # type: ignore[assignment]  # the same reward, timed
+    greedy = scst._greedy
+    spent["greedy"] = 0.0
+
+    def timed_greedy(*args):  # noqa: ANN002
+        g0 = time.perf_counter()
+        out = greedy(*args)
+        spent["greedy"] += time.perf_counter() - g0
+        return out
+
+    scst._greedy = timed_greedy  # type: ignore[method-assign]  # the greedy caption, decoded every step, timed
 
     def scst_step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -107,13 +119,15 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
         opt.step()
 
     xe_s = _timed(xe_step, s["steps"], device)
-    spent["reward"] = 0.0
+    spent["reward"] = spent["greedy"] = 0.0
     scst_s = _timed(scst_step, s["steps"], device)
     reward_s = spent["reward"] / (s["steps"] + 1)
+    greedy_s = spent["greedy"] / (s["steps"] + 1)
     return {"xe_step_s": round(xe_s, 4), "xe_captions_per_s": round(B / xe_s, 1),
             "scst_step_s": round(scst_s, 4), "scst_captions_per_s": round(B * SAMPLES / scst_s, 1),
             "scst_images_per_s": round(B / scst_s, 1), "reward_s": round(reward_s, 4),
-            "reward_share": round(reward_s / scst_s, 3), "doc_freq_once_s": round(df_seconds, 3)}
+            "reward_share": round(reward_s / scst_s, 3), "greedy_s": round(greedy_s, 4),
+            "greedy_share": round(greedy_s / scst_s, 3), "doc_freq_once_s": round(df_seconds, 3)}
 
 
 def bench_scst_step(quick: bool = False) -> dict:
