@@ -4,7 +4,7 @@
     python scripts/train.py --preset sat_soft_lite --data data/shapes --out runs/sat
     torchrun --nproc_per_node=2 scripts/train.py --preset sat_soft --data data/coco --out runs/coco
     python scripts/train.py --preset sat_soft --data data/coco --out runs/coco_ft \
-        --init runs/coco/best.safetensors --set encoder.fine_tune=true
+        --init runs/coco/best.safetensors --set encoder.fine_tune=true --set train.seed=1
 
 See ``captioner train --help`` (the same parser) and docs/training.md.
 """

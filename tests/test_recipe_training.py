@@ -9,6 +9,7 @@ are scripted (``_validate_all`` patched), so the outcome does not hang on what a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -247,6 +248,40 @@ def test_init_starts_a_fine_tuning_stage_from_the_checkpoint(stage1: Path, tiny_
 
     # the stage-2 run resumes like any other (its weights come from train_state.pt)
     assert _cli(["--out", str(out), "--resume", "--epochs", "2", "--no-progress"]) == 0
+
+
+def test_an_init_stage_with_the_first_stages_seed_is_warned_that_it_replays_its_batches(
+        stage1: Path, tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Same seed and batch size: the same caption order and dropout masks, which the model has fitted."""
+    import logging
+    import shutil
+
+    from captioner.training.initialize import load_init_checkpoint, replay_warning
+
+    meta = _metadata(stage1)
+    assert meta["train_seed"] == 0 and meta["train_batch_size"] == 16  # written with every checkpoint
+    init = load_init_checkpoint(stage1, get_preset("sat_soft_tiny").model)
+    warning = replay_warning(init, seed=0, batch_size=16)
+    assert warning is not None and "train.seed=1" in warning and str(stage1) in warning
+    assert replay_warning(init, seed=1, batch_size=16) is None
+    assert replay_warning(init, seed=0, batch_size=32) is None  # other batches: no replay
+    # an older checkpoint without the fields: the run folder's config.json beside it says the seed
+    old = dataclasses.replace(init, metadata={k: v for k, v in init.metadata.items() if not k.startswith("train_")})
+    assert replay_warning(old, 0, 16) is not None
+    lone = tmp_path / "lone" / "best.safetensors"
+    lone.parent.mkdir()
+    shutil.copy(stage1, lone)
+    assert replay_warning(dataclasses.replace(old, path=lone), 0, 16) is None  # nothing says: no warning
+
+    base = ["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--init", str(stage1), "--set", "train.lr=1e-9",
+            "--set", "train.val_max_images=4", "--batch-size", "16", "--epochs", "1", "--no-progress"]
+    with caplog.at_level(logging.WARNING, logger="captioner"):
+        assert _cli([*base, "--out", str(tmp_path / "same")]) == 0
+    assert sum("replays that run's caption order" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="captioner"):
+        assert _cli([*base, "--out", str(tmp_path / "other"), "--set", "train.seed=1"]) == 0
+    assert not any("replays" in r.getMessage() for r in caplog.records)
 
 
 def _checkpoint_vocab(path: Path) -> dict:

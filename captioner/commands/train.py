@@ -14,7 +14,7 @@ EXAMPLES = """
   captioner train --config my_run.yaml --set train.lr=1e-3 --set decoder.hidden_dim=256
   captioner train --out runs/sat --resume                  # continue where it stopped (config from the run)
   captioner train --preset sat_soft --data data/coco --out runs/sat_ft \
-      --init runs/sat/best.safetensors --set encoder.fine_tune=true   # stage 2: fine-tune the encoder
+      --init runs/sat/best.safetensors --set encoder.fine_tune=true --set train.seed=1  # stage 2
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """

@@ -119,7 +119,9 @@ def _save(run: Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]])
     prog, run_dir, model = run.progress, run.folder.path, run.learner.model
     last = prog.history[-1]
     meta = {"epoch": last["epoch"], "step": prog.step, "val_bleu4": last["BLEU-4"], "val_cider_d": last["CIDEr-D"],
-            "select_metric": prog.select_metric, "val_split": run.cfg.data.val_split}
+            "select_metric": prog.select_metric, "val_split": run.cfg.data.val_split,
+            # the random streams' identity: an --init run with the same ones replays them (initialize.replay_warning)
+            "train_seed": run.cfg.train.seed, "train_batch_size": run.cfg.train.batch_size}
     save_checkpoint(run_dir / "latest.safetensors", model, data.vocab, metadata=meta)
     if improved:
         save_checkpoint(run_dir / "best.safetensors", model, data.vocab, metadata=meta)

@@ -52,7 +52,7 @@ from captioner.models.captioner import build_model
 from captioner.training import distributed as ddp
 from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
 from captioner.training.epoch import end_of_epoch, train_one_epoch
-from captioner.training.initialize import apply_init, load_init_checkpoint
+from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import build_optimizer, build_schedule, setup_precision
 from captioner.training.run import Clock, Learner, Run, RunFolder, TrainForward, restore_train_state
@@ -135,6 +135,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = load_init_checkpoint(cfg.train.init, cfg.model)
+            replay = replay_warning(init, cfg.train.seed, cfg.train.batch_size)
+            if replay and info.is_main and cfg.train.objective == "xe":  # SCST runs with its dropout layers off
+                log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
     if init is not None:
         vocab = init.vocab  # the output layer's rows are the checkpoint's words
