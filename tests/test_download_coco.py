@@ -71,8 +71,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        type(self).sent += len(body)  # before the write: the client may finish reading before this thread goes on
         self.wfile.write(body)
-        type(self).sent += len(body)
 
     def log_message(self, *args: object) -> None:
         pass
