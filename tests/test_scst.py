@@ -258,7 +258,6 @@ def test_hard_attention_gets_a_region_reinforce_term_with_the_caption_advantage(
     assert model.decoder.attention.score.weight.grad.abs().sum() > 0
 
 
-
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
 def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
     import torch.nn.functional as F

@@ -91,9 +91,9 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             if t == max_len:  # after max_len words only <eos> may follow
                 word = torch.full_like(prev, eos_id)
             else:
-                scores = _ban(log_probs.float(), banned_ids, eos_id) / temperature  # (R, V)
-                word = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)  # (R,)
-                drawn = torch.log_softmax(scores, dim=-1).gather(1, word.unsqueeze(1)).squeeze(1)  # (R,)
+                probs = torch.softmax(_ban(log_probs.float(), banned_ids, eos_id) / temperature, dim=-1)  # (R, V)
+                word = torch.multinomial(probs, 1).squeeze(1)  # (R,)
+                drawn = probs.gather(1, word.unsqueeze(1)).squeeze(1).log()  # (R,): a drawn word's p is never 0
                 drawn_lp[:, t] = torch.where(done, torch.zeros_like(drawn), drawn)
             word = torch.where(done, torch.full_like(word, pad_id), word)
             tokens[:, t] = word

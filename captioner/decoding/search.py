@@ -119,11 +119,11 @@ def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
 
 
 def _ban(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int) -> torch.Tensor:
-    """Out-of-place: banned ids (never <eos>) get -inf."""
+    """Out-of-place: banned ids (never <eos>) get -inf; (..., V) -> (..., V)."""
     ids = [i for i in banned if i != eos_id]
     if not ids:
         return log_probs
-    return log_probs.index_fill(1, torch.tensor(ids, device=log_probs.device), NEG_INF)
+    return log_probs.index_fill(-1, torch.tensor(ids, device=log_probs.device), NEG_INF)
 
 
 def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
