@@ -261,17 +261,23 @@ def test_an_init_stage_with_the_first_stages_seed_is_warned_that_it_replays_its_
     meta = _metadata(stage1)
     assert meta["train_seed"] == 0 and meta["train_batch_size"] == 16  # written with every checkpoint
     init = load_init_checkpoint(stage1, get_preset("sat_soft_tiny").model)
-    warning = replay_warning(init, seed=0, batch_size=16)
+    same = tiny_cfg(tiny_shapes).train  # seed 0, batch 16, cross-entropy
+
+    def train_cfg(**changes: object):  # noqa: ANN202
+        return dataclasses.replace(same, **changes)
+
+    warning = replay_warning(init, same)
     assert warning is not None and "train.seed=1" in warning and str(stage1) in warning
-    assert replay_warning(init, seed=1, batch_size=16) is None
-    assert replay_warning(init, seed=0, batch_size=32) is None  # other batches: no replay
+    assert replay_warning(init, train_cfg(seed=1)) is None
+    assert replay_warning(init, train_cfg(batch_size=32)) is None  # other batches: no replay
+    assert replay_warning(init, train_cfg(objective="scst")) is None  # SCST turns its dropout layers off
     # an older checkpoint without the fields: the run folder's config.json beside it says the seed
     old = dataclasses.replace(init, metadata={k: v for k, v in init.metadata.items() if not k.startswith("train_")})
-    assert replay_warning(old, 0, 16) is not None
+    assert replay_warning(old, same) is not None
     lone = tmp_path / "lone" / "best.safetensors"
     lone.parent.mkdir()
     shutil.copy(stage1, lone)
-    assert replay_warning(dataclasses.replace(old, path=lone), 0, 16) is None  # nothing says: no warning
+    assert replay_warning(dataclasses.replace(old, path=lone), same) is None  # nothing says: no warning
 
     base = ["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--init", str(stage1), "--set", "train.lr=1e-9",
             "--set", "train.val_max_images=4", "--batch-size", "16", "--epochs", "1", "--no-progress"]

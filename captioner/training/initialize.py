@@ -96,7 +96,7 @@ def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) ->
                       f"{wanted.itos[index]!r} in this run; an --init run uses the checkpoint's vocabulary")
 
 
-def replay_warning(init: InitWeights, seed: int, batch_size: int) -> str | None:
+def replay_warning(init: InitWeights, train: Any) -> str | None:
     """The warning for an ``--init`` run that would replay its checkpoint's batches and dropout masks, or None.
 
     A run's caption order is fixed by ``train.seed + epoch`` and its dropout (and sampling) stream
@@ -107,16 +107,20 @@ def replay_warning(init: InitWeights, seed: int, batch_size: int) -> str | None:
     cross-entropy logged 1.13-1.2 nats for 9 epochs, then 1.72 from epoch 10; the same weights
     scored 1.72 on those very batches with another dropout stream, or in another order.
 
-    Self-critical training runs with its dropout layers off, so only cross-entropy stages warn.
-    The seed is read from the checkpoint's metadata (``train_seed``, written since 2026-11-26) or
+    ``train`` is the new run's ``TrainConfig`` (seed, batch size, objective). Self-critical training
+    runs with its dropout layers off, so only cross-entropy stages warn. The seed is read from the
+    checkpoint's metadata (``train_seed``, written since 2026-11-26) or
     from the ``config.json`` beside it (a run folder's checkpoint); without either, None.
     """
+    if train.objective != "xe":
+        return None
+    seed, batch_size = train.seed, train.batch_size
     seed_then, batch_then = init.metadata.get("train_seed"), init.metadata.get("train_batch_size")
     if seed_then is None:
         config_file = init.path.parent / "config.json"
         try:
-            train = json.loads(config_file.read_text()).get("train", {})
-            seed_then, batch_then = train.get("seed"), train.get("batch_size")
+            then = json.loads(config_file.read_text()).get("train", {})
+            seed_then, batch_then = then.get("seed"), then.get("batch_size")
         except (OSError, ValueError, AttributeError):
             return None
     if seed_then != seed or batch_then != batch_size:

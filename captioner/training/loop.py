@@ -135,8 +135,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = load_init_checkpoint(cfg.train.init, cfg.model)
-            replay = replay_warning(init, cfg.train.seed, cfg.train.batch_size)
-            if replay and info.is_main and cfg.train.objective == "xe":  # SCST runs with its dropout layers off
+            replay = replay_warning(init, cfg.train)
+            if replay and info.is_main:
                 log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
     if init is not None:
