@@ -91,26 +91,18 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
     df_seconds = time.perf_counter() - t0
     scst = SelfCriticalLoss(reward, vocab, samples=SAMPLES, baseline="greedy", max_len=16)
     index = torch.arange(B)
-    spent = {"reward": 0.0}
-    original = reward.__call__
+    spent = {"reward": 0.0, "greedy": 0.0}
 
-    def timed_reward(captions, images):  # noqa: ANN001
-        r0 = time.perf_counter()
-        out = original(captions, images)
-        spent["reward"] += time.perf_counter() - r0
-        return out
+    def timed(key: str, fn):  # noqa: ANN001, ANN202
+        def call(*args):  # noqa: ANN002, ANN202
+            t0 = time.perf_counter()
+            out = fn(*args)
+            spent[key] += time.perf_counter() - t0
+            return out
+        return call
 
-    scst.reward = timed_reward  # type: ignore[assignment]  # the same reward, timed
-    greedy = scst._greedy
-    spent["greedy"] = 0.0
-
-    def timed_greedy(*args):  # noqa: ANN002
-        g0 = time.perf_counter()
-        out = greedy(*args)
-        spent["greedy"] += time.perf_counter() - g0
-        return out
-
-    scst._greedy = timed_greedy  # type: ignore[method-assign]  # the greedy caption, decoded every step, timed
+    scst.reward = timed("reward", reward.__call__)  # type: ignore[assignment]  # the same reward, timed
+    scst._greedy = timed("greedy", scst._greedy)  # type: ignore[method-assign]  # the greedy decode, every step
 
     def scst_step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -119,7 +111,6 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
         opt.step()
 
     xe_s = _timed(xe_step, s["steps"], device)
-    spent["reward"] = spent["greedy"] = 0.0
     scst_s = _timed(scst_step, s["steps"], device)
     reward_s = spent["reward"] / (s["steps"] + 1)
     greedy_s = spent["greedy"] / (s["steps"] + 1)
