@@ -6,6 +6,7 @@ import json
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -167,3 +168,26 @@ def test_dataloader_end_to_end(tiny_set) -> None:
     x, tokens, index = batches[0]
     assert x.shape == (2, 3, 16, 16) and tokens.shape == (2, 8)  # "red all over the place here" + bos/eos
     assert (tokens[0, 5:] == 0).all() and index.tolist() == [0, 0]
+
+
+def test_length_buckets_visit_every_caption_once_in_batches_of_similar_length() -> None:
+    from torch.utils.data import DistributedSampler
+
+    from captioner.training.data import LengthBuckets, SkipSampler
+
+    gen = np.random.default_rng(0)
+    lengths = gen.integers(3, 30, size=1000)  # token counts of 1,000 captions
+    base = DistributedSampler(range(1000), num_replicas=1, rank=0, shuffle=True, seed=0)
+    base.set_epoch(3)
+    order = list(LengthBuckets(base, lengths, batch_size=32, pool_batches=10, seed=3))
+    assert sorted(order) == list(range(1000))  # a permutation: every caption once
+    batches = [order[i:i + 32] for i in range(0, 1000, 32)]
+    padded = sum(max(lengths[b]) * len(b) for b in batches)
+    random = sum(max(lengths[b]) * len(b) for b in (list(base)[i:i + 32] for i in range(0, 1000, 32)))
+    assert padded < 0.75 * random  # far less padding than random batches
+    assert order == list(LengthBuckets(base, lengths, 32, 10, seed=3))  # same seed, same order (resume)
+    assert order != list(LengthBuckets(base, lengths, 32, 10, seed=4))  # the batch order is shuffled
+    pool = set(list(base)[:320])  # a pool's batches come from the base order's first 320 captions
+    assert set(order[:320]) == pool
+    skipped = list(SkipSampler(LengthBuckets(base, lengths, 32, 10, seed=3), 64))
+    assert skipped == order[64:]  # mid-epoch resume skips whole batches of the same order

@@ -9,7 +9,7 @@ import torch
 
 from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.training.schedules import GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
+from captioner.training.schedules import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
 
 
 def two_groups(decoder_lr: float = 1.0, encoder_lr: float = 1.0) -> torch.optim.Optimizer:
@@ -69,10 +69,26 @@ def test_constant_schedule_and_group_lookup_by_name() -> None:
     assert lrs_used(sched, 3) == [[3e-4, 1e-5]] * 3
     with pytest.raises(ConfigError, match="'encoder'"):
         build_scheduler(two_groups(), {"decoder": (3e-4, "constant")}, 10)
-    with pytest.raises(ConfigError, match="'cosine'"):
-        GroupSchedule(two_groups(), [1e-4, 1e-4], ["warmup", "cosine"], 10)
+    with pytest.raises(ConfigError, match="'triangle'"):
+        GroupSchedule(two_groups(), [1e-4, 1e-4], ["warmup", "triangle"], 10)
+    with pytest.raises(ConfigError, match="total number of steps"):
+        GroupSchedule(two_groups(), [1e-4, 1e-4], ["cosine", "constant"], 10)
     with pytest.raises(ConfigError, match="warmup_steps"):
         GroupSchedule(two_groups(), [1e-4, 1e-4], ["warmup", "warmup"], 0)
+
+
+def test_cosine_warms_up_then_anneals_to_the_floor_at_the_planned_last_step() -> None:
+    peak, w, total = 1e-3, 10, 110
+    sched = GroupSchedule(two_groups(), [peak, 1e-4], ["cosine", "constant"], w, total_steps=total)
+    lrs = [row[0] for row in lrs_used(sched, total + 5)]
+    assert lrs[0] == pytest.approx(peak / w) and lrs[w - 1] == pytest.approx(peak)  # linear warm-up to the peak
+    assert lrs[w - 1 + (total - w) // 2] == pytest.approx(peak * (COSINE_FLOOR + (1 - COSINE_FLOOR) / 2))  # halfway
+    assert lrs[total - 1] == pytest.approx(peak * COSINE_FLOOR)  # the floor at the last planned step ...
+    assert lrs[-1] == pytest.approx(peak * COSINE_FLOOR)  # ... and after it (a resumed run with more epochs)
+    assert all(a >= b for a, b in zip(lrs[w - 1:], lrs[w:]))  # never rises after the warm-up
+    resumed = GroupSchedule(two_groups(), [peak, 1e-4], ["cosine", "constant"], w, total_steps=total)
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.total_steps == total
 
 
 def test_old_noam_configs_keep_their_decoder_curve(caplog: pytest.LogCaptureFixture) -> None:

@@ -28,6 +28,7 @@ LITE_STD = (128.0 / 255.0,) * 3
 
 ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
+SCHEDULES = ("constant", "warmup", "cosine")  # train.schedule, train.encoder_schedule
 
 
 @dataclass
@@ -104,7 +105,9 @@ class TrainConfig:
     encoder_lr: float = 1e-4  # learning rate of fine-tuned encoder stages
     weight_decay: float = 0.0
     grad_clip: float = 5.0  # max gradient norm (0 disables)
-    schedule: str = "constant"  # decoder: "constant" or "warmup" (lr * min(s/w, sqrt(w/s)): peak lr at step w)
+    # decoder: "constant", "warmup" (lr * min(s/w, sqrt(w/s)): peak lr at step w) or "cosine" (linear warm-up
+    # over warmup_steps, then a half cosine to 5% of lr at the last step that train.epochs plans)
+    schedule: str = "constant"
     warmup_steps: int = 4000
     label_smoothing: float = 0.0
     alpha_c: float = 1.0  # weight of the doubly stochastic attention penalty (SAT)
@@ -127,9 +130,12 @@ class TrainConfig:
     # with time_budget: scale every lr by a factor falling linearly from 1 to BUDGET_DECAY_FLOOR over the budget
     # (budgeted training, Li et al. 2020); the run then ends annealed rather than mid-stride
     budget_decay: bool = False
+    # batch captions of similar length: sort pools of this many batches by length, shuffle the batches of each
+    # pool (0 = plain random batches). Less padding, the same captions per epoch: 1.6x fewer steps on Flickr8k
+    length_buckets: int = 0
     # --- recipe (issue 16) ---
     betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW (beta1, beta2); the Transformer presets use (0.9, 0.98)
-    encoder_schedule: str = "constant"  # fine-tuned encoder group: "constant" or "warmup", peak encoder_lr
+    encoder_schedule: str = "constant"  # fine-tuned encoder group: one of SCHEDULES, peak encoder_lr
     decay_factor: float = 0.8  # lr multiplier (every group) of the plateau and step decays
     decay_patience: int = 0  # plateau decay: x decay_factor per N epochs with no better select_metric; 0 = off
     decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
@@ -149,8 +155,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"train.optimizer={self.optimizer!r}: use adam or adamw")
-        if self.schedule not in ("constant", "warmup"):
-            raise ConfigError(f"train.schedule={self.schedule!r}: use constant or warmup")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule={self.schedule!r}: use {', '.join(SCHEDULES)}")
         if self.amp not in ("auto", "off", "bf16", "fp16"):
             raise ConfigError(f"train.amp={self.amp!r}: use auto, off, bf16 or fp16")
         if self.epochs < 1 or self.batch_size < 1:
@@ -159,6 +165,9 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) \
+                or self.length_buckets < 0:
+            raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")
         if self.val_beam < 1:
             raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
         if self.ds_form not in ("excess", "mean", "sum"):
@@ -173,8 +182,8 @@ class TrainConfig:
             raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}") from None
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"train.betas must be in [0, 1), got {list(self.betas)}")
-        if self.encoder_schedule not in ("constant", "warmup"):
-            raise ConfigError(f"train.encoder_schedule={self.encoder_schedule!r}: use constant or warmup")
+        if self.encoder_schedule not in SCHEDULES:
+            raise ConfigError(f"train.encoder_schedule={self.encoder_schedule!r}: use {', '.join(SCHEDULES)}")
         if self.warmup_steps < 1:
             raise ConfigError(f"train.warmup_steps must be >= 1, got {self.warmup_steps}")
         if not 0.0 < self.decay_factor <= 1.0:

@@ -152,6 +152,41 @@ def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: An
     return TrainData(train_set, val_set, vocab, train_ds, val_ds, on_features, train_store, val_store)
 
 
+class LengthBuckets(Sampler[int]):
+    """Another sampler's indices, reordered so that each batch holds captions of similar length.
+
+    The base order is cut into pools of ``batch_size * pool_batches`` indices; each pool is sorted
+    by caption length (stable) and cut into batches, and the pool's batches are shuffled with a
+    generator seeded by ``seed``. An epoch still visits every caption once, in batches drawn at
+    random from the base order, but a batch is padded to about its own captions' length instead
+    of the longest of 32 random ones (on Flickr8k 13 steps instead of 22 at batch 32).
+
+    Args:
+        base: the epoch's caption order (a ``DistributedSampler``, already set to its epoch).
+        lengths: token count of every caption of the dataset (``CaptionTrainDataset.lengths()``).
+        batch_size: this process's batch.
+        pool_batches: batches per sorted pool; larger pools pad less and mix less.
+        seed: seeds the shuffle of the batches inside each pool (``train.seed + epoch``).
+    """
+
+    def __init__(self, base: Sampler[int], lengths: Any, batch_size: int, pool_batches: int, seed: int) -> None:
+        self.base, self.lengths = base, lengths
+        self.batch_size, self.pool = batch_size, batch_size * pool_batches
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.base)
+        gen = torch.Generator().manual_seed(self.seed)
+        for start in range(0, len(order), self.pool):
+            pool = sorted(order[start:start + self.pool], key=lambda i: int(self.lengths[i]))
+            batches = [pool[b:b + self.batch_size] for b in range(0, len(pool), self.batch_size)]
+            for b in torch.randperm(len(batches), generator=gen).tolist():
+                yield from batches[b]
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+
 class SkipSampler(Sampler[int]):
     """Drop the first ``skip`` indices of another sampler (resuming in the middle of an epoch)."""
 
@@ -193,6 +228,8 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
     sampler: Sampler[int] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
                                                shuffle=True, seed=cfg.train.seed, drop_last=False)
     sampler.set_epoch(epoch)
+    if cfg.train.length_buckets:
+        sampler = LengthBuckets(sampler, dataset.lengths(), batch, cfg.train.length_buckets, cfg.train.seed + epoch)
     if skip_batches:
         sampler = SkipSampler(sampler, skip_batches * batch)
     if store is not None:

@@ -163,7 +163,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         criterion = CaptionLoss.from_config(t, cfg.model.decoder, vocab.pad_id).to(info.device)
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
-    scheduler = build_schedule(optimizer, model, t)
+    scheduler = build_schedule(optimizer, model, t, total_steps=t.epochs * math.ceil(len(data.train_dataset) / t.batch_size))
     if t.compile and hasattr(model.decoder, "compile_recurrence"):
         model.decoder.compile_recurrence()
     forward = TrainForward(model, data.on_features)

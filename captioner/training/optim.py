@@ -42,16 +42,19 @@ def schedule_width(model: Captioner) -> int:
     return model.config.decoder.width
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig) -> GroupSchedule:
+def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig,
+                   total_steps: int | None = None) -> GroupSchedule:
     """One schedule per parameter group (see :mod:`captioner.training.schedules`).
 
     The decoder group peaks at ``cfg.lr`` with ``cfg.schedule``; the fine-tuned encoder group at
     ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. A legacy Noam-scale ``cfg.lr`` (>= 0.1 under
-    ``warmup``) is turned into its peak, with a warning.
+    ``warmup``) is turned into its peak, with a warning. ``total_steps`` (the steps ``cfg.epochs``
+    plans) is what the ``cosine`` shape anneals over.
     """
     peak = decoder_peak_lr(cfg.lr, cfg.schedule, schedule_width(model), cfg.warmup_steps)
     return build_scheduler(optimizer, {"decoder": (peak, cfg.schedule),
-                                       "encoder": (cfg.encoder_lr, cfg.encoder_schedule)}, cfg.warmup_steps)
+                                       "encoder": (cfg.encoder_lr, cfg.encoder_schedule)}, cfg.warmup_steps,
+                           total_steps)
 
 
 @dataclass
