@@ -229,7 +229,7 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
                                                shuffle=True, seed=cfg.train.seed, drop_last=False)
     sampler.set_epoch(epoch)
     if cfg.train.length_buckets:
-        sampler = LengthBuckets(sampler, dataset.lengths(), batch, cfg.train.length_buckets, cfg.train.seed + epoch)
+        sampler = LengthBuckets(sampler, dataset.lengths, batch, cfg.train.length_buckets, cfg.train.seed + epoch)
     if skip_batches:
         sampler = SkipSampler(sampler, skip_batches * batch)
     if store is not None:
