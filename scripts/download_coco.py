@@ -15,10 +15,10 @@ Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
     dataset_coco.json                       Karpathy split (from caption_datasets.zip)
     downloads/*.zip                         the archives (deleted after extraction unless --keep-archives)
 
-The download, resume, checksum and safe-extraction code is shared with ``download_flickr8k.py``
-(``scripts/download_common.py``). Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
+Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
 with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
-mismatch deletes the ``.part`` file and fails with the file's name. Anything already present
+mismatch deletes the ``.part`` file and fails with the file's name. The download, resume, checksum
+and extraction code is shared with ``download_flickr8k.py`` (``download_common.py``). Anything already present
 (an extracted folder with its ``.extracted`` marker, or the JSON files) is skipped.
 ``--mirror URL`` fetches every archive as ``URL/<archive name>`` (a local mirror, or file:// URLs).
 """

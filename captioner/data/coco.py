@@ -14,9 +14,10 @@
 * a COCO captions JSON file given directly (``images_dir`` says where its images are).
 
 The folder layouts are the entries of :data:`LAYOUTS`, tried in order; when none matches, the
-error names each layout and the files it looks for. Of the folders a layout allows, the images are taken from the first one that holds the first
-files the annotations name (``image_dirs.pick_image_dir``). Annotation files are validated
-before anything trains: invalid JSON names the file and line,
+error names each layout and the files it looks for. Of the folders a layout allows, the images
+are taken from the first one that holds the first files the annotations name
+(``image_dirs.pick_image_dir``). Annotation files are validated before anything trains: invalid
+JSON names the file and line,
 a malformed entry names its index and the missing key. COCO-format files are indexed with
 ``pycocotools.coco.COCO``.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +38,6 @@ from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, 
 from captioner.data.checks import check_images
 from captioner.data.image_dirs import pick_image_dir
 from captioner.errors import DataError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
            "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "check_images", "coco_index",
