@@ -17,7 +17,8 @@ Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
 
 Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
 with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
-mismatch deletes the ``.part`` file and fails with the file's name. Anything already present
+mismatch deletes the ``.part`` file and fails with the file's name. The download, resume, checksum
+and extraction code is shared with ``download_flickr8k.py`` (``download_common.py``). Anything already present
 (an extracted folder with its ``.extracted`` marker, or the JSON files) is skipped.
 ``--mirror URL`` fetches every archive as ``URL/<archive name>`` (a local mirror, or file:// URLs).
 """
@@ -25,22 +26,18 @@ mismatch deletes the ``.part`` file and fails with the file's name. Anything alr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
-import shutil
 import sys
-import urllib.error
-import urllib.request
-import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from captioner.errors import CaptionerError, DataError  # noqa: E402
+from download_common import download, open_zip, verify, write_members  # noqa: E402,F401  (verify: for callers)
 
 log = logging.getLogger("download_coco")
-CHUNK = 1 << 20
 MARKER = ".extracted"
 
 
@@ -111,95 +108,18 @@ def is_present(root: Path, archive: Archive) -> bool:
     return all((root / dest).exists() for _, dest in archive.members)
 
 
-def download(url: str, dest: Path, size: int | None = None, md5: str | None = None,
-             progress: bool = True, opener: Callable[..., object] = urllib.request.urlopen) -> Path:
-    """Fetch ``url`` to ``dest`` through ``dest.part``, resuming a partial file with HTTP Range.
-
-    Raises:
-        DataError: network failure, or a size/MD5 mismatch (the ``.part`` file is deleted).
-    """
-    from tqdm import tqdm
-
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    if size is not None and have > size:
-        log.warning("%s is larger than expected; starting over", part)
-        part.unlink()
-        have = 0
-    if size is None or have < size:
-        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-        try:
-            response = opener(request, timeout=60)
-        except urllib.error.HTTPError as exc:
-            if exc.code != 416:  # 416: nothing left to fetch
-                raise DataError(f"{url}: download failed (HTTP {exc.code} {exc.reason})") from None
-            response = None
-        except (urllib.error.URLError, OSError) as exc:
-            raise DataError(f"{url}: download failed ({getattr(exc, 'reason', exc)})") from None
-        if response is not None:
-            with response:
-                status = getattr(response, "status", None) or response.getcode()
-                resumed = have > 0 and status == 206
-                if have and not resumed:
-                    log.info("%s: server ignored the range request; downloading from the start", url)
-                    have = 0
-                length = response.headers.get("Content-Length")
-                total = have + int(length) if length else size
-                with open(part, "ab" if resumed else "wb") as f, tqdm(
-                        total=total, initial=have, unit="B", unit_scale=True, desc=dest.name,
-                        disable=not progress) as bar:
-                    while chunk := response.read(CHUNK):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-    verify(part, size, md5, label=dest.name)
-    part.replace(dest)
-    return dest
-
-
-def verify(path: Path, size: int | None, md5: str | None, label: str | None = None) -> None:
-    """Check size and MD5; on mismatch delete ``path`` and raise ``DataError``."""
-    label = label or path.name
-    actual = path.stat().st_size
-    if size is not None and actual != size:
-        path.unlink()
-        raise DataError(f"{label}: got {actual} bytes, expected {size}; the partial file was removed, run again")
-    if md5 is not None:
-        digest = hashlib.md5()
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != md5:
-            path.unlink()
-            raise DataError(f"{label}: MD5 {digest.hexdigest()} does not match {md5}; "
-                            "the file was removed, run again")
-
-
 def extract(zip_path: Path, root: Path, archive: Archive) -> list[Path]:
     """Extract the archive's members under ``root``; folders get a completion marker."""
-    written = []
-    try:
-        zf = zipfile.ZipFile(zip_path)
-    except zipfile.BadZipFile:
-        raise DataError(f"{zip_path}: not a valid zip archive") from None
-    with zf:
+    with open_zip(zip_path) as zf:
         names = zf.namelist()
+        pairs = []
         for prefix, dest in archive.members:
             matched = [n for n in names if n == prefix or (prefix.endswith("/") and n.startswith(prefix))]
             if not matched:
                 raise DataError(f"{zip_path}: has no {prefix!r} (is it the right archive?)")
-            for name in matched:
-                if name.endswith("/"):
-                    continue
-                rel = dest + name[len(prefix):] if prefix.endswith("/") else dest
-                out = (root / rel).resolve()
-                if root.resolve() not in out.parents:
-                    raise DataError(f"{zip_path}: member {name!r} would escape {root}")
-                out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_name(out.name + ".tmp")
-                with zf.open(name) as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, CHUNK)
-                tmp.replace(out)
-                written.append(out)
+            pairs += [(name, dest + name[len(prefix):] if prefix.endswith("/") else dest)
+                      for name in matched if not name.endswith("/")]
+        written = write_members(zf, zip_path, root, pairs)
     target = root / archive.target
     if target.is_dir():
         (target / MARKER).write_text(f"extracted from {zip_path.name}\n")

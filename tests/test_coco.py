@@ -159,8 +159,10 @@ def test_karpathy_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None
     override = load_caption_set(path, "val", images_dir=tmp_path / "coco")
     assert override.images[0].path == tmp_path / "coco" / "val2014" / "COCO_3.jpg"
     assert len(load_caption_set(tmp_path, "val")) == 1  # the only dataset_*.json of a folder is found
-    with pytest.raises(DataError, match=f"^{path}: unknown split 'dev'; available: train, restval, val, test, all$"):
-        load_caption_set(path, "dev")
+    dev = load_caption_set(path, "dev")  # the Flickr8k name of val, so one command serves both layouts
+    assert [r.image_id for r in dev.images] == [3] and dev.split == "val"
+    with pytest.raises(DataError, match=f"^{path}: unknown split 'devel'; available: train, restval, val, test, all$"):
+        load_caption_set(path, "devel")
 
 
 def test_karpathy_flickr_style_uses_imgid(tmp_path: Path) -> None:
@@ -189,9 +191,12 @@ def test_layout_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(DataError, match=f"^{missing}: dataset path does not exist$"):
         load_caption_set(missing, "train")
-    with pytest.raises(DataError, match=rf"^{tmp_path}: no caption data found \(looked for captions_train.json, "
-                                        r"annotations/captions_train.json, captions_coco_format.json \+ splits.tsv, "
-                                        r"dataset_\*.json\)$"):
+    with pytest.raises(DataError, match=rf"^{tmp_path}: no caption data found; the layouts that load: "
+                                        r"flat COCO folder \(captions_train.json\), official COCO "
+                                        r"\(annotations/captions_train.json\), Flickr8k in COCO format "
+                                        r"\(captions_coco_format.json \+ splits.tsv\), Karpathy split file "
+                                        r"\(dataset_\*.json\), Flickr8k official \(Flickr8k_text/Flickr8k.token.txt "
+                                        r"\+ Flickr_8k.<split>Images.txt\)$"):
         load_caption_set(tmp_path, "train")
     write_json(tmp_path / "captions_train.json", coco_dict())
     write_json(tmp_path / "annotations" / "captions_val2017.json", coco_dict())

@@ -43,7 +43,7 @@ def _references(root: Path, split: str) -> dict[int, list[str]]:
 
 def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
     report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="test", beam_size=2, max_len=8, batch_size=4,
-                                    out_dir=tmp_path, progress=False, meteor=False)
+                                    out_dir=tmp_path, progress=False, meteor=False, coco_caption=False)
     metrics_file, results_file = tmp_path / "metrics_test.json", tmp_path / "captions_test_results.json"
     saved = json.loads(metrics_file.read_text())
     rows = json.loads(results_file.read_text())
@@ -82,7 +82,7 @@ def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tm
 
     monkeypatch.setattr(ev, "caption_split", oracle)
     report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", out_dir=tmp_path, progress=False,
-                                    meteor=False)
+                                    meteor=False, coco_caption=False)
     assert report["BLEU-1"] == pytest.approx(1.0) and report["BLEU-4"] == pytest.approx(1.0)
     assert report["CIDEr-D"] > 1.0
 
@@ -98,7 +98,7 @@ def test_caption_split_is_batch_invariant_and_defaults_next_to_checkpoint(checkp
     many = ev.caption_split(loaded.model, loaded.vocab, part, beam_size=1, max_len=5, batch_size=3, progress=False)
     assert [r.text for r in one.results] == [r.text for r in many.results] and len(one.results) == 5
     report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", beam_size=1, max_images=2,
-                                    progress=False, meteor=False)
+                                    progress=False, meteor=False, coco_caption=False)
     assert report["num_images"] == 2 and report["images_listed"] == len(cs)
     assert (checkpoint.parent / "metrics_val.json").is_file()
     assert len(json.loads((checkpoint.parent / "captions_val_results.json").read_text())) == 2
@@ -113,18 +113,18 @@ def test_missing_and_unreadable_images(checkpoint: Path, tiny_shapes: Path, tmp_
     # A file whose header is garbage is caught by check_images before any decoding ...
     images[2].path.write_bytes(b"broken")
     with pytest.raises(DataError, match=rf"1 of 6 image files cannot be read \(e.g. {images[2].file_name}: "):
-        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False, coco_caption=False)
     shutil.copy(tiny_shapes / "images" / images[2].file_name, images[2].path)
     # ... truncated pixel data (a valid header) is only seen when the image is decoded.
     data = images[3].path.read_bytes()
     images[3].path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ImageLoadError, match=images[3].file_name):
-        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False, coco_caption=False)
     images[1].path.unlink()
     with pytest.raises(DataError, match=rf"1 of 6 image files are missing \(e.g. {images[1].file_name}\)"):
-        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False)
+        ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, progress=False, meteor=False, coco_caption=False)
     report = ev.evaluate_checkpoint(checkpoint, root, out_dir=tmp_path, batch_size=2, progress=False,
-                                    skip_missing=True, meteor=False)
+                                    skip_missing=True, meteor=False, coco_caption=False)
     assert report["missing_images"] == 1 and report["unreadable_images"] == [images[3].file_name]
     assert report["num_images"] == 4
     ids = [row["image_id"] for row in json.loads((tmp_path / "captions_test_results.json").read_text())]
@@ -145,7 +145,7 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
     from captioner.cli import main
 
     base = ["evaluate", str(checkpoint), "--data", str(tiny_shapes), "--beam", "1", "--max-len", "6",
-            "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--no-meteor"]
+            "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--no-meteor", "--no-coco-caption"]
     assert main(base) == 0
     table = capsys.readouterr().out
     saved = json.loads((tmp_path / "metrics_test.json").read_text())
@@ -163,6 +163,47 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
     assert "none.safetensors" in capsys.readouterr().err
     assert main(["evaluate", "--help"]) == 0
     assert "captioner evaluate runs/sat/best.safetensors --data data/shapes" in capsys.readouterr().out
+
+
+def test_command_reports_coco_caption_beside_the_built_in_scores(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.cli import main
+    from captioner.evaluation import coco_caption as cc
+
+    if cc.unavailable_reason() is not None:
+        pytest.skip(cc.unavailable_reason())
+    argv = ["evaluate", str(checkpoint), "--data", str(tiny_shapes), "--beam", "1", "--max-len", "6",
+            "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--no-meteor"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    saved = json.loads((tmp_path / "metrics_test.json").read_text())
+    rows = json.loads((tmp_path / "captions_test_results.json").read_text())
+    refs = _references(tiny_shapes, "test")
+    expected, _ = cc.coco_caption_metrics([r["caption"] for r in rows], [refs[r["image_id"]] for r in rows],
+                                          meteor=False)
+    assert {k: saved[k] for k in cc.COCO_KEYS} == pytest.approx(expected)
+    assert saved["coco/METEOR"] is None and saved["coco_caption_note"].endswith("METEOR off")
+    built_in, coco = table.split("built-in scores (captioner's tokeniser):\n")[1].split(f"{cc.LABEL}:\n")
+    assert re.search(rf"^  BLEU-4 +{saved['BLEU-4']:.4f}$", built_in, re.M)
+    assert re.search(rf"^  BLEU-4 +{saved['coco/BLEU-4']:.4f}$", coco, re.M)
+    assert re.search(rf"^  CIDEr-D +{saved['coco/CIDEr-D']:.4f}$", coco, re.M)
+    assert f"coco-caption BLEU-4 {saved['coco/BLEU-4']:.4f} is" in coco
+
+
+def test_without_java_the_built_in_scores_come_with_one_line(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.cli import main
+    from captioner.evaluation import coco_caption as cc
+
+    monkeypatch.setattr(cc, "unavailable_reason", lambda: "needs Java on PATH for the PTB tokeniser")
+    assert main(["evaluate", str(checkpoint), "--data", str(tiny_shapes), "--beam", "1", "--max-len", "6",
+                 "--out", str(tmp_path), "--no-progress", "--device", "cpu", "--no-meteor"]) == 0
+    table = capsys.readouterr().out
+    saved = json.loads((tmp_path / "metrics_test.json").read_text())
+    assert all(saved[k] is None for k in cc.COCO_KEYS) and saved["BLEU-4"] is not None
+    note = "coco-caption scores not computed: needs Java on PATH for the PTB tokeniser"
+    assert saved["coco_caption_note"] == note and table.count(note) == 1 and cc.LABEL not in table
 
 
 def test_format_report_shows_attention_and_skips() -> None:

@@ -16,6 +16,7 @@ MOVED = {
                                  "collate_safe": "captioner.features.safe_images",
                                  "check_batch_errors": "captioner.features.safe_images"},
     "captioner.training.loop": {"TrainForward": "captioner.training.run"},
+    "captioner.data.coco": {"check_images": "captioner.data.checks"},
 }
 
 

@@ -1,4 +1,8 @@
-"""``captioner evaluate``: score a checkpoint on a split (BLEU, CIDEr-D, attention statistics)."""
+"""``captioner evaluate``: score a checkpoint on a split (BLEU, CIDEr-D, attention statistics).
+
+The table shows the built-in scores, then the coco-caption scores (PTB tokenisation, the papers'
+scoring) when pycocoevalcap and Java are present, else one line saying why they are missing.
+"""
 
 from __future__ import annotations
 
@@ -31,11 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", metavar="NAME", help="cpu, cuda, cuda:1 or auto (default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-meteor", action="store_true", help="skip METEOR (saves starting Java)")
+    parser.add_argument("--no-coco-caption", action="store_true",
+                        help="skip the coco-caption scores (PTB tokenisation; saves starting Java)")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
 
 
 def format_report(report: dict) -> str:
     """A readable table of the scores, the counts and the files written."""
+    from captioner.evaluation.coco_caption import COCO_KEYS, LABEL
     from captioner.evaluation.metrics import METRIC_KEYS, format_metrics
 
     def num(value: object, digits: int = 4) -> str:
@@ -43,10 +50,19 @@ def format_report(report: dict) -> str:
 
     lines = [f"{report['checkpoint']} on {report['data']} [{report['split']}]: {report['num_images']} images, "
              f"{report['num_references']} references, beam {report['beam_size']}"]
+    lines.append("built-in scores (captioner's tokeniser):")
     lines += ["  " + line for line in format_metrics({k: report.get(k) for k in METRIC_KEYS}).splitlines()]
-    if report.get("BLEU-4") is not None:
-        lines.append(f"  (papers print every score x100: BLEU-4 {report['BLEU-4']:.4f} is "
-                     f"{100 * report['BLEU-4']:.1f} in a paper's table)")
+    coco = {k.split("/", 1)[1]: report.get(k) for k in COCO_KEYS}
+    if coco["BLEU-4"] is not None:
+        lines.append(f"{LABEL}:")
+        lines += ["  " + line for line in format_metrics(coco).splitlines()[:-1]]
+    elif report.get("coco_caption_note"):
+        lines.append(report["coco_caption_note"])
+    key = "coco/BLEU-4" if report.get("coco/BLEU-4") is not None else "BLEU-4"
+    if report.get(key) is not None:
+        which = "coco-caption BLEU-4" if key.startswith("coco/") else "BLEU-4"
+        lines.append(f"  (papers print every score x100: {which} {report[key]:.4f} is "
+                     f"{100 * report[key]:.1f} in a paper's table)")
     att = report.get("attention") or {}
     if att.get("attention_entropy") is not None:
         lines.append(f"  attention entropy: {num(att['attention_entropy'], 3)} nats "
@@ -83,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor, allow_unk=args.allow_unk,
+        coco_caption=not args.no_coco_caption,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:

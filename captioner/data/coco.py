@@ -9,11 +9,15 @@
 * the Flickr8k-subset layout, ``captions_coco_format.json`` + ``splits.tsv`` + ``images/``;
 * a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``; see ``karpathy.py``),
   given directly or as the only ``dataset_*.json`` in the folder;
+* the official Flickr8k distribution, ``Flickr8k_text/Flickr8k.token.txt`` + split lists and
+  ``Flicker8k_Dataset/`` (see ``flickr8k.py``);
 * a COCO captions JSON file given directly (``images_dir`` says where its images are).
 
-Of the folders a layout allows, the images are taken from the first one that holds the first
-files the annotations name (``image_dirs.pick_image_dir``). Annotation files are validated
-before anything trains: invalid JSON names the file and line,
+The folder layouts are the entries of :data:`LAYOUTS`, tried in order; when none matches, the
+error names each layout and the files it looks for. Of the folders a layout allows, the images
+are taken from the first one that holds the first files the annotations name
+(``image_dirs.pick_image_dir``). Annotation files are validated before anything trains: invalid
+JSON names the file and line,
 a malformed entry names its index and the missing key. COCO-format files are indexed with
 ``pycocotools.coco.COCO``.
 """
@@ -23,18 +27,21 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.data import karpathy
+from captioner.data import flickr8k, karpathy
 from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
                                          build_caption_set)
-from captioner.data.image_dirs import all_missing_message, pick_image_dir
+from captioner.data.checks import check_images
+from captioner.data.image_dirs import pick_image_dir
 from captioner.errors import DataError
 
-log = logging.getLogger(__name__)
+__all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
+           "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "check_images", "coco_index",
+           "load_caption_set", "load_instances", "read_json", "validate_coco"]
 
 ALL_SPLIT = "all"  # the whole file, for layouts whose one file holds several splits
 FLICKR_JSON, FLICKR_SPLITS = "captions_coco_format.json", "splits.tsv"
@@ -73,36 +80,73 @@ def load_caption_set(
     return cs
 
 
+@dataclass(frozen=True)
+class Layout:
+    """One folder layout ``load_caption_set`` reads.
+
+    Attributes:
+        name: what it is called in messages.
+        looks_for: ``looks_for(split)``, the files it needs, for the "no caption data" error.
+        detect: ``detect(root, split)``, true when ``root`` is this layout.
+        load: ``load(root, split, images_dir, include_restval)``, the caption set.
+    """
+
+    name: str
+    looks_for: Callable[[str], str]
+    detect: Callable[[Path, str], bool]
+    load: Callable[[Path, str, Path | None, bool], CaptionSet]
+
+
+def _load_flat(root: Path, split: str, images: Path | None, _: bool) -> CaptionSet:
+    path = root / f"captions_{split}.json"
+    data = read_json(path)
+    image_dir = images or pick_image_dir(data, root / "images", root / split, root)
+    return caption_set_from_coco(path, data, split, image_dir, root.name)
+
+
+def _load_official(root: Path, split: str, images: Path | None, _: bool) -> CaptionSet:
+    path = root / "annotations" / f"captions_{split}.json"
+    data = read_json(path)
+    image_dir = images or pick_image_dir(data, root / split, root / "images" / split)
+    return caption_set_from_coco(path, data, split, image_dir, root.name)
+
+
+def _load_karpathy_folder(root: Path, split: str, images: Path | None, include_restval: bool) -> CaptionSet:
+    files = sorted(root.glob("dataset_*.json"))
+    if len(files) > 1:
+        names = ", ".join(p.name for p in files)
+        raise DataError(f"{root}: several Karpathy split files ({names}); pass the one to use as the path")
+    return _load_file(files[0], split, images, include_restval)
+
+
+# In order of precedence: a folder that several layouts match loads as the first.
+LAYOUTS = (
+    Layout("flat COCO folder", lambda s: f"captions_{s}.json",
+           lambda root, s: (root / f"captions_{s}.json").is_file(), _load_flat),
+    Layout("official COCO", lambda s: f"annotations/captions_{s}.json",
+           lambda root, s: (root / "annotations" / f"captions_{s}.json").is_file(), _load_official),
+    Layout("Flickr8k in COCO format", lambda s: f"{FLICKR_JSON} + {FLICKR_SPLITS}",
+           lambda root, s: (root / FLICKR_JSON).is_file() and (root / FLICKR_SPLITS).is_file(),
+           lambda root, s, images, _: _load_flickr(root / FLICKR_JSON, read_json(root / FLICKR_JSON), s, images,
+                                                   root.name)),
+    Layout("Karpathy split file", lambda s: "dataset_*.json",
+           lambda root, s: any(root.glob("dataset_*.json")), _load_karpathy_folder),
+    Layout("Flickr8k official", lambda s: f"Flickr8k_text/{flickr8k.TOKEN_FILE} + Flickr_8k.<split>Images.txt",
+           lambda root, s: flickr8k.detect(root), lambda root, s, images, _: flickr8k.load(root, s, images)),
+)
+
+
 def _load(root: Path, split: str, images: Path | None, include_restval: bool) -> CaptionSet:
     if root.is_file():
         return _load_file(root, split, images, include_restval)
-
-    flat = root / f"captions_{split}.json"
-    official = root / "annotations" / f"captions_{split}.json"
-    if flat.is_file():
-        data = read_json(flat)
-        image_dir = images or pick_image_dir(data, root / "images", root / split, root)
-        return caption_set_from_coco(flat, data, split, image_dir, root.name)
-    if official.is_file():
-        data = read_json(official)
-        image_dir = images or pick_image_dir(data, root / split, root / "images" / split)
-        return caption_set_from_coco(official, data, split, image_dir, root.name)
-    if (root / FLICKR_JSON).is_file() and (root / FLICKR_SPLITS).is_file():
-        json_path = root / FLICKR_JSON
-        return _load_flickr(json_path, read_json(json_path), split, images, root.name)
-    karpathy_files = sorted(root.glob("dataset_*.json"))
-    if len(karpathy_files) == 1:
-        return _load_file(karpathy_files[0], split, images, include_restval)
-    if len(karpathy_files) > 1:
-        names = ", ".join(p.name for p in karpathy_files)
-        raise DataError(f"{root}: several Karpathy split files ({names}); pass the one to use as the path")
+    for layout in LAYOUTS:
+        if layout.detect(root, split):
+            return layout.load(root, split, images, include_restval)
     available = available_splits(root)
     if available:
         raise DataError(f"{root}: unknown split {split!r}; available: {', '.join(available)}")
-    raise DataError(
-        f"{root}: no caption data found (looked for captions_{split}.json, annotations/captions_{split}.json, "
-        f"{FLICKR_JSON} + {FLICKR_SPLITS}, dataset_*.json)"
-    )
+    looked = ", ".join(f"{layout.name} ({layout.looks_for(split)})" for layout in LAYOUTS)
+    raise DataError(f"{root}: no caption data found; the layouts that load: {looked}")
 
 
 def available_splits(root: str | Path) -> list[str]:
@@ -253,90 +297,7 @@ def caption_set_from_coco(
     return build_caption_set(path, name, split, entries, images_dir)
 
 
-# ----------------------------------------------------------------------------- checks and boxes
-
-
-def check_images(cs: CaptionSet, skip_missing: bool = False, check_headers: bool = True,
-                 max_pixels: int | None = None, workers: int = 8) -> CaptionSet:
-    """Find missing and unreadable image files before training.
-
-    Every file must exist; with ``check_headers`` its header must also parse as an image of at
-    most ``max_pixels`` pixels (:func:`captioner.data.images.probe_image`, no pixel decoding), so
-    empty files, text files named ``.jpg``, broken headers and decompression bombs are found here
-    rather than in the middle of an epoch. Truncated pixel data is only seen when an image is
-    decoded (the feature cache and evaluation skip such images when asked).
-
-    Args:
-        cs: a caption set.
-        skip_missing: return a copy without the missing or unreadable images (logged) instead of
-            failing.
-        check_headers: also open each file's header (threaded; about a millisecond per file).
-        max_pixels: size limit (default :data:`captioner.data.images.DEFAULT_MAX_PIXELS`).
-        workers: threads for the header checks.
-
-    Returns:
-        ``cs`` itself when every file is fine, else the filtered copy.
-
-    Raises:
-        DataError: some files are missing or unreadable and ``skip_missing`` is False, or all of
-            them are.
-    """
-    missing = [i for i, r in enumerate(cs.images) if not r.path.is_file()]
-    where = cs.images_dir if cs.images_dir is not None else (cs.images[0].path.parent if cs.images else cs.root)
-    total = len(cs.images)
-    if missing:
-        examples = ", ".join(cs.images[i].file_name for i in missing[:3])
-        if len(missing) == total:
-            raise DataError(all_missing_message(total, examples, where))
-        if not skip_missing:
-            raise DataError(f"{len(missing)} of {total} image files are missing (e.g. {examples}) under {where}; "
-                            "pass --skip-missing to skip them")
-        log.warning("skipping %d of %d images whose files are missing (e.g. %s) under %s",
-                    len(missing), total, examples, where)
-    gone = set(missing)
-    bad: list[tuple[int, str]] = []
-    if check_headers:
-        bad = _unreadable([i for i in range(total) if i not in gone], cs, max_pixels, workers)
-    if bad:
-        examples = "; ".join(f"{cs.images[i].file_name}: {reason}" for i, reason in bad[:3])
-        if len(bad) + len(gone) == total:
-            raise DataError(f"none of the {total} image files can be read (e.g. {examples}) under {where}")
-        if not skip_missing:
-            raise DataError(f"{len(bad)} of {total} image files cannot be read (e.g. {examples}) under {where}; "
-                            "pass --skip-missing to skip them")
-        log.warning("skipping %d of %d images whose files cannot be read (e.g. %s) under %s",
-                    len(bad), total, examples, where)
-        gone |= {i for i, _ in bad}
-    if not gone:
-        return cs
-    return cs.subset([i for i in range(total) if i not in gone])
-
-
-def _unreadable(indices: list[int], cs: CaptionSet, max_pixels: int | None, workers: int) -> list[tuple[int, str]]:
-    """``(index, reason)`` of the images whose header does not parse (reason without the path)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from captioner.data.images import DEFAULT_MAX_PIXELS, probe_image
-    from captioner.errors import ImageLoadError
-
-    limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
-
-    def probe(i: int) -> str | None:
-        path = cs.images[i].path
-        try:
-            probe_image(path, max_pixels=limit)
-        except ImageLoadError as exc:
-            text = str(exc)
-            prefix = f"{path}: "
-            return text[len(prefix):] if text.startswith(prefix) else text
-        return None
-
-    if len(indices) < 64 or workers <= 1:
-        reasons = [probe(i) for i in indices]
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            reasons = list(pool.map(probe, indices, chunksize=64))
-    return [(i, r) for i, r in zip(indices, reasons) if r is not None]
+# ----------------------------------------------------------------------------- boxes
 
 
 def load_instances(

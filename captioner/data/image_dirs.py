@@ -17,8 +17,8 @@ SAMPLE = 8  # image files probed per candidate folder
 LAYOUTS_HINT = (
     "the layouts that load keep images in images/, <split>/ or the dataset folder beside captions_<split>.json; "
     "in <split>/ or images/<split>/ beside annotations/; in images/ beside captions_coco_format.json; at "
-    "<filepath>/<filename> beside a Karpathy dataset_*.json; otherwise point at the image folder: "
-    "--set data.images=DIR (train), --images DIR (evaluate)"
+    "<filepath>/<filename> beside a Karpathy dataset_*.json; in Flicker8k_Dataset/ beside Flickr8k_text/; "
+    "otherwise point at the image folder: --set data.images=DIR (train), --images DIR (evaluate)"
 )
 
 

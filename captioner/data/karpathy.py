@@ -3,8 +3,12 @@
 Format: ``{"images": [{"filepath"?, "filename", "split", "cocoid" | "imgid",
 "sentences": [{"raw", "tokens"}, ...]}, ...]}``. Splits are ``train``, ``val``, ``test`` and (COCO)
 ``restval``; by default ``train`` includes ``restval``, the usual 113k-image training set.
-Images are found at ``images_dir/filepath/filename`` (``filepath`` is optional; ``images_dir``
-defaults to the folder holding the JSON file).
+Images are found at ``images_dir/filepath/filename`` (``filepath`` is optional). ``images_dir``
+defaults to the first of the JSON file's folder and its ``Flicker8k_Dataset/``, ``Flickr8k_Dataset/``,
+``images/`` and ``Images/`` subfolders that holds the first images (the JSON's folder when none does),
+so ``dataset_flickr8k.json`` placed beside the official Flickr8k folders finds its images.
+``dev`` is an alias of ``val`` (the Flickr8k distribution calls it dev), so the same commands work
+on both.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from captioner.data.caption_set import CaptionSet, ImageRecord, _is_int, _short, build_caption_set
+from captioner.data.image_dirs import SAMPLE, pick_image_dir
 from captioner.errors import DataError
 
 RESTVAL = "restval"
+ALIASES = {"dev": "val"}
+IMAGE_SUBDIRS = ("Flicker8k_Dataset", "Flickr8k_Dataset", "images", "Images")
 
 
 def is_karpathy(data: Any) -> bool:
@@ -39,18 +46,20 @@ def caption_set_from_karpathy(
     Args:
         path: the JSON file (for messages and the default image folder).
         data: its parsed content.
-        split: ``train``, ``val``, ``test``, ``restval`` or ``all``.
-        images_dir: image folder; ``filepath`` entries are joined below it.
+        split: ``train``, ``val`` (or ``dev``), ``test``, ``restval`` or ``all``.
+        images_dir: image folder; ``filepath`` entries are joined below it (default: see the module).
         include_restval: ``train`` also takes the ``restval`` images.
     """
     available = karpathy_splits(data)
+    if split in ALIASES and split not in available and ALIASES[split] in available:
+        split = ALIASES[split]
     if split not in available + ["all"]:
         raise DataError(f"{path}: unknown split {split!r}; available: {', '.join(available + ['all'])}")
     wanted = {split}
     if split == "train" and include_restval:
         wanted.add(RESTVAL)
     if images_dir is None:
-        images_dir = path.parent
+        images_dir = _image_dir(path, data)
 
     entries: list[tuple[ImageRecord, list[str]]] = []
     seen: set[int] = set()
@@ -62,6 +71,14 @@ def caption_set_from_karpathy(
         if split == "all" or img["split"] in wanted:
             entries.append((record, captions))
     return build_caption_set(path, path.stem, split, entries, images_dir)
+
+
+def _image_dir(path: Path, data: dict) -> Path:
+    """The folder of the first images among the JSON's folder and :data:`IMAGE_SUBDIRS` below it."""
+    first = [img for img in data["images"][:SAMPLE] if isinstance(img, dict) and isinstance(img.get("filename"), str)]
+    probe = {"images": [{"file_name": str(Path(img.get("filepath") or "") / img["filename"])} for img in first
+                        if isinstance(img.get("filepath") or "", str)]}
+    return pick_image_dir(probe, path.parent, *(path.parent / d for d in IMAGE_SUBDIRS))
 
 
 def _parse_image(path: Path, i: int, img: Any, images_dir: Path) -> tuple[ImageRecord, list[str]]:

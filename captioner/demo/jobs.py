@@ -123,7 +123,8 @@ def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlay
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
     log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), beam_size)
     metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", beam_size=beam_size, out_dir=run_dir,
-                                  device=device, progress=progress, meteor=False)
+                                  device=device, progress=progress, meteor=False,
+                                  coco_caption=False)  # synthetic scenes: no paper to compare with
     shown = write_demo_overlays(metrics, result.best_checkpoint, Path(cfg.data.root), run_dir / "overlays",
                                 overlays, device=device)
     steps = int(result.history[-1]["step"]) if result.history else None

@@ -6,6 +6,9 @@ search, and scores the captions against **all** raw references of each image:
 * BLEU-1..4 (corpus BLEU, nltk), METEOR and ROUGE-L on the **0-1 scale**, CIDEr-D on coco-caption's
   scale (about 1.0 for a good COCO model); papers print every score x100;
 * METEOR and ROUGE-L need ``pycocoevalcap`` (METEOR also Java), else they are None ("unavailable");
+* beside these built-in scores, the coco-caption scores the papers print (``coco/BLEU-1`` ..
+  ``coco/CIDEr-D``: PTB tokenisation and pycocoevalcap's scorers, :mod:`.coco_caption`) when
+  pycocoevalcap and Java are present, else None with a one-line ``coco_caption_note``;
 * the mean attention entropy per generated word (nats; log N is uniform attention);
 * attention correctness when the dataset has object boxes (``instances_<split>.json``).
 
@@ -124,6 +127,7 @@ def evaluate_checkpoint(
     num_workers: int = 0,
     meteor: bool = True,
     allow_unk: bool = False,
+    coco_caption: bool = True,
 ) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
@@ -142,9 +146,12 @@ def evaluate_checkpoint(
         num_workers: DataLoader workers for image decoding.
         meteor: compute METEOR (starts a Java process; None when unavailable or off).
         allow_unk: let captions contain ``<unk>`` (banned by default, as in training's validation).
+        coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
+            PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
 
     Returns:
-        The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` at the top level,
+        The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` and
+        ``"coco/BLEU-4"`` at the top level,
         ``"attention"``, ``"attention_correctness"``, counts, ``"paths"``), plus ``"results"``
         (the ``CaptionResult`` list) and ``"caption_set"`` (the images they belong to), which are
         not written to the file.
@@ -152,6 +159,7 @@ def evaluate_checkpoint(
     from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
     from captioner.checkpoint.atomic import atomic_write
     from captioner.data.coco import check_images, load_caption_set, load_instances
+    from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
     from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 
     if max_images is not None and max_images < 1:
@@ -173,6 +181,12 @@ def evaluate_checkpoint(
     hypotheses = [r.text for r in results]
     references = [cs.references(rec.image_id) for rec in cs.images]
     scores = caption_metrics(hypotheses, references, meteor=meteor)
+    if coco_caption:
+        coco_scores, coco_note = coco_caption_metrics(hypotheses, references, meteor=meteor)
+    else:
+        coco_scores, coco_note = dict.fromkeys(COCO_KEYS), "coco-caption scores not computed: turned off"
+    if coco_scores["coco/BLEU-4"] is None:
+        log.info("%s; the built-in scores only", coco_note)
 
     instances = load_instances(data_root, split, images_dir)
     correctness = None
@@ -189,7 +203,9 @@ def evaluate_checkpoint(
     results_path = out / f"captions_{name}_results.json"
     report: dict[str, Any] = {key: scores.get(key) for key in METRIC_KEYS}
     report.update({k: v for k, v in scores.items() if k not in report})
+    report.update(coco_scores)
     report.update({
+        "coco_caption_note": coco_note,
         "scale": SCALE_NOTE,
         "note": PAPER_NOTE,
         "checkpoint": str(checkpoint),

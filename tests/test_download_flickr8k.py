@@ -1,0 +1,160 @@
+"""scripts/download_flickr8k.py against small stand-in zips served on 127.0.0.1 (never a real host)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import importlib.util
+import io
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from captioner.data.coco import check_images, load_caption_set
+from captioner.errors import DataError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "download_flickr8k.py"
+spec = importlib.util.spec_from_file_location("download_flickr8k", SCRIPT)
+df = importlib.util.module_from_spec(spec)
+sys.modules["download_flickr8k"] = df  # dataclasses look their module up while the class is made
+spec.loader.exec_module(df)
+
+NAMES = {"train": ["101_a.jpg", "102_b.jpg", "103_c.jpg"], "dev": ["201_d.jpg"], "test": ["301_e.jpg"]}
+
+
+def _jpeg(shade: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4), (shade, 80, 160)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def _archives() -> dict[str, bytes]:
+    """Laid out as the mirror's zips are: a Flicker8k_Dataset/ folder, loose text files, __MACOSX junk."""
+    names = [n for split in NAMES.values() for n in split]
+    images = {f"Flicker8k_Dataset/{n}": _jpeg(30 * i) for i, n in enumerate(names)}
+    images["__MACOSX/Flicker8k_Dataset/._101_a.jpg"] = b"\x00\x05\x16\x07 resource fork"
+    token = "".join(f"{n}#{k}\tcaption {k} of {n} .\r\n" for n in names for k in range(5)) + "bad line\r\n"
+    text = {"Flickr8k.token.txt": token.encode(), "readme.txt": b"Flickr8k\n",
+            "__MACOSX/._Flickr8k.token.txt": b"junk"}
+    text.update({f"Flickr_8k.{s}Images.txt": ("\r\n".join(v) + "\r\n").encode() for s, v in NAMES.items()})
+    return {"Flickr8k_Dataset.zip": _zip(images), "Flickr8k_text.zip": _zip(text)}
+
+
+FILES = _archives()
+SHA = {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Serves FILES with HTTP Range support; records the requests and the bytes sent."""
+
+    log: list[tuple[str, str | None]] = []
+    sent = 0
+
+    def do_GET(self) -> None:  # noqa: N802
+        name, rng = self.path.rsplit("/", 1)[-1], self.headers.get("Range")
+        type(self).log.append((name, rng))
+        if name not in FILES:
+            self.send_error(404)
+            return
+        start = int(rng.split("=")[1].rstrip("-")) if rng else 0
+        body = FILES[name][start:]
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        type(self).sent += len(body)  # before the write: the client may be done before this thread goes on
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def mirror():
+    _Handler.log, _Handler.sent = [], 0
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/Flickr8k"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_download_unzips_into_the_layout_the_loader_reads(mirror: str, tmp_path: Path) -> None:
+    root = tmp_path / "flickr8k"
+    assert df.main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
+    assert sorted(p.name for p in (root / "Flicker8k_Dataset").glob("*.jpg")) == sorted(
+        n for v in NAMES.values() for n in v)  # no __MACOSX resource forks
+    assert (root / "Flickr8k_text" / "readme.txt").exists() and not (root / "__MACOSX").exists()
+    assert list((root / "downloads").iterdir()) == []
+    assert (root / "Flickr8k.sha256").read_text() == "".join(
+        f"{SHA[n]}  {n}\n" for n in ("Flickr8k_Dataset.zip", "Flickr8k_text.zip"))
+    train = check_images(load_caption_set(root, "train"))
+    assert (len(train), train.num_captions, train.name) == (3, 15, "flickr8k")
+    assert len(load_caption_set(root, "dev")) == 1 and len(load_caption_set(root, "test")) == 1
+
+    requests = len(_Handler.log)
+    assert df.main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
+    assert len(_Handler.log) == requests == 2  # the second run fetches nothing
+
+
+def test_resume_after_a_partial_file_then_check(mirror: str, tmp_path: Path) -> None:
+    root, name = tmp_path / "f8k", "Flickr8k_Dataset.zip"
+    (root / "downloads").mkdir(parents=True)
+    (root / "downloads" / f"{name}.part").write_bytes(FILES[name][:700])
+    argv = ["--root", str(root), "--mirror", mirror, "--only", "images", "--sha256", f"images={SHA[name]}",
+            "--no-progress", "--keep-archives"]
+    assert df.main(argv) == 0
+    assert _Handler.log == [(name, "bytes=700-")] and _Handler.sent == len(FILES[name]) - 700
+    assert (root / "downloads" / name).read_bytes() == FILES[name]
+    assert len(list((root / "Flicker8k_Dataset").glob("*.jpg"))) == 5
+    assert not (root / "Flickr8k_text").exists()
+
+
+def test_checksum_mismatch_is_one_line_and_exit_1(mirror: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "f8k"
+    wrong = "0" * 64
+    assert df.main(["--root", str(root), "--mirror", mirror, "--only", "text", "--sha256", f"text={wrong}",
+                    "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"download_flickr8k: error: Flickr8k_text.zip: SHA256 {SHA['Flickr8k_text.zip']} does not "
+                   f"match {wrong}; the file was removed, run again\n")
+    assert list((root / "downloads").iterdir()) == [] and not (root / "Flickr8k_text").exists()
+    assert df.main(["--sha256", "text=abc"]) == 1
+    assert "expected KEY=HEX with KEY one of images, text" in capsys.readouterr().err
+
+
+def test_dry_run_lists_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "f8k"
+    (root / "downloads").mkdir(parents=True)
+    (root / "downloads" / "Flickr8k_text.zip.part").write_bytes(b"x" * 9)
+    assert df.main(["--root", str(root), "--dry-run", "--sha256", "text=" + "a" * 64]) == 0
+    out = capsys.readouterr().out
+    assert (f"download {df.BASE}/Flickr8k_Dataset.zip -> {root}/downloads/Flickr8k_Dataset.zip "
+            "(SHA-256 recorded, not checked)") in out
+    assert "(SHA-256 checked, resuming at 9 bytes)" in out
+    assert f"extract Flickr8k_text.zip -> {root}/Flickr8k_text/" in out
+    assert df.BASE == "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
+    assert sorted(p.name for p in root.rglob("*")) == ["Flickr8k_text.zip.part", "downloads"]
+
+
+def test_the_wrong_zip_is_refused(tmp_path: Path) -> None:
+    text = df.select_archives(only=["text"])[0]
+    bad = tmp_path / "Flickr8k_text.zip"
+    bad.write_bytes(_zip({"Flickr8k_text/readme.txt": b"no captions here"}))
+    with pytest.raises(DataError, match=r"Flickr8k_text\.zip: has no Flickr8k\.token\.txt \(is it the right"):
+        df.extract(bad, tmp_path / "out", text)
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a valid zip"):
+        df.extract(bad, tmp_path / "out", text)
