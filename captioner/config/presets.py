@@ -76,7 +76,7 @@ def _warmup(batch_size: int, warmup_steps: int, lr: float) -> dict[str, Any]:
 # schedule over a fixed number of epochs, so the run ends annealed after the same steps on any machine.
 FLICKR8K: Layer = {"data": dict(root="data/flickr8k", val_split="dev", min_freq=5,
                                 feature_cache_dir="runs/flickr8k/features"),
-                   **_train(epochs=9, batch_size=32, schedule="cosine", warmup_steps=100, length_buckets=50,
+                   **_train(epochs=6, batch_size=32, schedule="cosine", warmup_steps=100, length_buckets=50,
                             patience=0, decay_patience=0)}
 
 # --- GPU: the lite encoder at 448 px (a real 14 x 14 grid of 1280-d regions), batch 128 ----------------------
