@@ -268,6 +268,8 @@ def make_shapes(
     """
     if images < 3:
         raise ConfigError(f"images must be >= 3 (one per split), got {images}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     if image_size < 32:
         raise ConfigError(f"image_size must be >= 32, got {image_size}")
     if len(split_fractions) != 3 or min(split_fractions) <= 0 or abs(sum(split_fractions) - 1) > 1e-6:
