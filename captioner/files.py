@@ -91,6 +91,8 @@ def check_regular(path: str | os.PathLike, limit: int | None, error: type[Captio
         st = os.stat(path)
     except OSError as exc:
         raise error(_os_reason(path, exc)) from None
+    except ValueError:  # an embedded NUL byte: no such file can exist
+        raise error(f"{str(path)!r}: not a valid path (it holds a NUL byte)") from None
     _check_stat(path, st, limit, error, what)
     return st.st_size
 

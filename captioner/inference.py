@@ -35,7 +35,7 @@ from captioner.data.inputs import ImageSource, image_sources, pil_image, token_i
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, caption_features
 from captioner.device import resolve_device
-from captioner.errors import ConfigError, DataError
+from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.models.base import eval_mode
 from captioner.text import Vocabulary
 
@@ -248,9 +248,13 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> 
         A :class:`Captioner` in eval mode on ``device``.
 
     Raises:
-        CheckpointError: missing, truncated or foreign checkpoint.
+        CheckpointError: not a path, or a missing, truncated or foreign checkpoint.
         ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
     """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
     loaded = load_checkpoint(checkpoint, device=str(dev))
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

@@ -33,7 +33,7 @@ from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, 
                                          build_caption_set)
 from captioner.data.image_dirs import all_missing_message, pick_image_dir
 from captioner.errors import DataError
-from captioner.files import MiB, read_bytes, read_text
+from captioner.files import MiB, check_regular, read_bytes, read_text
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def load_caption_set(
 
 
 def _load(root: Path, split: str, images: Path | None, include_restval: bool) -> CaptionSet:
-    if root.is_file():
+    if not root.is_dir():  # an annotation file (a pipe or a device is refused here by name)
+        check_regular(root, MAX_ANNOTATION_BYTES, DataError, "annotation file")
         return _load_file(root, split, images, include_restval)
 
     flat = root / f"captions_{split}.json"
