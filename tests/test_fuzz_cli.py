@@ -41,7 +41,8 @@ FLOATS = WORDS[:1] + ["", "nan", "inf", "-inf", "1e999", "-1", "2", "[0.5]", "1,
 
 def _paths(ws: Path) -> list[str]:
     """Values for an option that wants a file: things that are not a usable file."""
-    return [str(ws / "missing.bin"), "/dev/zero", str(ws / "pipe"), str(ws / "empty_dataset"), str(ws / "notes.txt" / "sub"),
+    return [str(ws / "missing.bin"), "/dev/zero", str(ws / "pipe"), str(ws / "empty_dataset"),
+            str(ws / "notes.txt" / "sub"),
             str(ws / ("n" * 300)), str(ws / "broken"), "", "a\nb"]
 
 

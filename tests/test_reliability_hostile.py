@@ -406,7 +406,8 @@ def model(ckpt: Path):
 def test_9_tensors_that_are_not_floats_are_refused(model, dtype: torch.dtype) -> None:
     side = model.transform.size
     name = str(dtype).replace("torch.", "")
-    with pytest.raises(ImageInputError, match=rf"^image 1: a {name} tensor is not an already-transformed image"):
+    article = "an" if name[0] in "aeiou" else "a"
+    with pytest.raises(ImageInputError, match=rf"^image 1: {article} {name} tensor is not an already-transformed "):
         model.caption(torch.zeros(3, side, side, dtype=dtype), beam=1, max_len=3)
 
 

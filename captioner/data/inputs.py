@@ -87,8 +87,10 @@ def pil_image(image: Image.Image, name: str = "image", max_pixels: int | None = 
 def tensor_image(x: torch.Tensor, side: int, name: str = "image") -> torch.Tensor:
     """An already-transformed image tensor, checked: floating dtype (made float32), (3, S, S), finite."""
     if x.is_complex() or not x.is_floating_point():
-        raise ImageInputError(f"{name}: a {str(x.dtype).replace('torch.', '')} tensor is not an already-transformed "
-                              "image (normalised floats); give the PIL image or its path, or transform it first")
+        dtype = str(x.dtype).replace("torch.", "")
+        article = "an" if dtype[0] in "aeiou" else "a"
+        raise ImageInputError(f"{name}: {article} {dtype} tensor is not an already-transformed image (normalised "
+                              "floats); give the PIL image or its path, or transform it first")
     if tuple(x.shape) != (3, side, side):
         raise ImageInputError(f"{name}: an image tensor must be already transformed to (3, {side}, {side}) "
                               f"(or a batch of them), got {tuple(x.shape)}")

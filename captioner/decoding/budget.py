@@ -47,8 +47,8 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
     grow = decoder.state_bytes_per_word() if hasattr(decoder, "state_bytes_per_word") else 0
     one = search_bytes(options.beam_size, options.max_len, n_regions, int(getattr(decoder, "vocab_size", 0)), grow)
     if one > MEMORY_LIMIT:
-        raise ConfigError(f"beam size {options.beam_size} with max_len {options.max_len} (--beam, --max-len) could need "
-                          f"{size_text(one)} for one image's search if no caption ended before max_len (limit "
+        raise ConfigError(f"beam size {options.beam_size} with max_len {options.max_len} (--beam, --max-len) could "
+                          f"need {size_text(one)} for one image's search if no caption ended before max_len (limit "
                           f"{size_text(MEMORY_LIMIT)}): lower --beam or --max-len")
     per_chunk = max(1, MEMORY_LIMIT // max(one, 1))
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]

@@ -74,7 +74,7 @@ class BeamHistory:
         self.words.append(words)
         self.attention.append(attention)
 
-    def read(self, pending: list[Pending], n_regions: int, alpha: float) -> list[Hypothesis]:
+    def read(self, pending: list[Pending], n_regions: int) -> list[Hypothesis]:
         """The hypotheses of ``pending`` with their tokens and attention, all walked back at once."""
         if not pending:
             return []

@@ -160,7 +160,7 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
         ends = live & (best == eos_id)
         n_words = torch.where(ends, torch.full_like(n_words, t), n_words)
         steps.append(best)
-        attn_steps.append(attn.float())
+        attn_steps.append(attn.to(torch.float32, copy=True))  # a copy: a decoder may reuse its buffer
         done |= ends
         if bool(done.all()):
             break
@@ -240,7 +240,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         history.append(rows, toks, attn.index_select(0, rows).float())
         beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
         prev = toks
-    read = iter(history.read([h for per_image in results for h in per_image], N, alpha))
+    read = iter(history.read([h for per_image in results for h in per_image], N))
     return [[next(read) for _ in per_image] for per_image in results]
 
 
