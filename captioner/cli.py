@@ -3,6 +3,11 @@
 Each subcommand lives in ``captioner/commands/<name>.py`` and provides ``NAME``, ``HELP``,
 ``EXAMPLES``, ``add_arguments(parser)`` and ``run(args) -> int``. Command modules import only
 argparse at module level, so ``captioner --help`` starts fast; heavy imports happen inside ``run``.
+
+Exit codes: 0 success; 1 an error (one line on stderr, ``captioner COMMAND: error: ...``, never a
+traceback); 2 a usage error found by the option parser (an unknown option, a value of the wrong
+type: also one line); 130 interrupted (Ctrl-C); 141 stdout closed early (``captioner caption
+photos/ | head -1``), which ends the command quietly, as for other command-line tools.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from captioner.version import __version__
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, one_line
 
 COMMAND_MODULES = ("make_shapes", "train", "evaluate", "caption", "attend", "demo")
 
@@ -29,8 +36,18 @@ EPILOG = """examples:
 run 'captioner COMMAND --help' for each command's options and examples."""
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (``captioner train: error: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="captioner",
         description="Image captioning with visual attention: train, evaluate, caption, and see what each word looked at.",
         epilog=EPILOG,
@@ -70,11 +87,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except CaptionerError as exc:
-        print(f"captioner {args.command}: error: {exc}", file=sys.stderr)
+        print(f"captioner {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"captioner {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:  # a disk that filled up, a folder made read-only under a running command ...
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"captioner {args.command}: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
 
 
 if __name__ == "__main__":

@@ -36,8 +36,12 @@ def resolve_device(spec: str | torch.device, local_rank: int = 0, option: str = 
         device = torch.device(spec)
     except (RuntimeError, TypeError, ValueError):
         raise ConfigError(f"{where} is not a device ({DEVICE_HINT})") from None
-    if device.type != "cuda":
+    if device.type == "cpu":
         return device
+    if device.type == "mps" and torch.backends.mps.is_available():
+        return device
+    if device.type != "cuda":  # meta, xla, hpu ...: torch parses them, the models cannot run there
+        raise ConfigError(f"{where}: {device.type} devices are not supported here ({DEVICE_HINT})")
     if not torch.cuda.is_available():
         raise ConfigError(f"{where}: CUDA is not available on this machine")
     if device.index is None:

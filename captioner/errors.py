@@ -8,6 +8,11 @@ The CLI prints that line and exits non-zero instead of showing a traceback.
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: newlines and other control characters shown as escapes (``\\n``)."""
+    return "".join(ch if ch >= " " or ch == "\t" else repr(ch)[1:-1] for ch in text)
+
+
 class CaptionerError(Exception):
     """Base class for user-facing errors (one-line message, no traceback in the CLI)."""
 
@@ -26,3 +31,8 @@ class ImageLoadError(DataError):
 
 class CheckpointError(CaptionerError):
     """A checkpoint that is truncated, foreign, unsafe or does not match."""
+
+
+class ImageInputError(DataError, ValueError):
+    """An image handed to the Python API that cannot be captioned: the wrong type, dtype or shape,
+    an empty or too large image, or NaN/inf values (see :mod:`captioner.data.inputs`)."""

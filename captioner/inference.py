@@ -30,11 +30,12 @@ import torch
 from PIL import Image
 
 from captioner.checkpoint.store import load_checkpoint
-from captioner.data.images import load_image, to_rgb
+from captioner.data.images import load_image
+from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, caption_features
 from captioner.device import resolve_device
-from captioner.errors import ConfigError, DataError
+from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.models.base import eval_mode
 from captioner.text import Vocabulary
 
@@ -163,14 +164,24 @@ class Captioner:
             One :class:`Caption` per image, in input order.
 
         Raises:
-            ImageLoadError: a path is missing or not a readable image (the first such file).
-            DataError: an input is neither a path, an image nor a (3, S, S) tensor.
-            ConfigError: bad search options or batch size.
+            ImageLoadError: a path is missing, not a regular file or not a readable image (the first
+                such file).
+            ImageInputError: an input that cannot be captioned, checked before any work: not a path,
+                an image or a tensor; a tensor that is not floating point, not (3, S, S) or holds
+                NaN/inf; an image with no pixels or too many (:mod:`captioner.data.inputs`). It is a
+                ``DataError`` and a ``ValueError``.
+            ConfigError: bad search options (a search that could not fit in memory included, see
+                :mod:`captioner.decoding.budget`), batch size or flags.
         """
         if options is None:
             options = DecodeOptions(beam_size=beam, max_len=max_len, allow_unk=allow_unk)
+        elif not isinstance(options, DecodeOptions):
+            raise ConfigError(f"options must be a DecodeOptions, got {type(options).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        for flag, value in (("attention", attention), ("all_heads", all_heads)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} must be True or False, got {value!r}")
         sources = self._flatten(images)
         out: list[Caption] = []
         with eval_mode(self.model):
@@ -185,6 +196,7 @@ class Captioner:
         sources = self._flatten(image)
         if len(sources) != 1:
             raise DataError(f"teacher_forced takes one image, got {len(sources)}")
+        tokens = token_ids(tokens, len(self.vocab))
         pixels, _ = self._prepare(sources[0])
         with eval_mode(self.model):
             with torch.no_grad():
@@ -212,32 +224,17 @@ class Captioner:
                                result.attention if keep_attention else None, heads, size, box, result.finished))
         return out
 
-    def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[object]:
-        """Inputs -> one source per image: a path, a PIL image or a (3, S, S) tensor."""
-        items = list(images) if isinstance(images, (list, tuple)) else [images]
-        sources: list[object] = []
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.dim() == 4:
-                sources += list(item.unbind(0))  # (B, 3, S, S) -> B x (3, S, S)
-            else:
-                sources.append(item)
-        return sources
+    def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[ImageSource]:
+        """Inputs -> one checked source per image (the one place they are checked: :mod:`captioner.data.inputs`)."""
+        return image_sources(images, self.transform.size)
 
-    def _prepare(self, source: object) -> tuple[torch.Tensor, tuple[int, int] | None]:
-        """A source -> (pixels (3, S, S), original (width, height) or None for a tensor)."""
-        if isinstance(source, (str, os.PathLike)):
-            source = load_image(Path(source))
+    def _prepare(self, source: ImageSource) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """A checked source -> (pixels (3, S, S), original (width, height) or None for a tensor)."""
+        if isinstance(source, Path):
+            source = pil_image(load_image(source), str(source))
         if isinstance(source, Image.Image):
-            image = to_rgb(source)
-            return self.transform(image), image.size
-        if isinstance(source, torch.Tensor):
-            side = self.transform.size
-            if tuple(source.shape) != (3, side, side):
-                raise DataError(f"an image tensor must be already transformed to (3, {side}, {side}) "
-                                f"(or a batch of them), got {tuple(source.shape)}")
-            return source, None
-        raise DataError(f"cannot caption a {type(source).__name__}: give a path, a PIL image or a "
-                        "(3, H, W) tensor")
+            return self.transform(source), source.size
+        return source, None
 
 
 def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> Captioner:
@@ -251,9 +248,13 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> 
         A :class:`Captioner` in eval mode on ``device``.
 
     Raises:
-        CheckpointError: missing, truncated or foreign checkpoint.
+        CheckpointError: not a path, or a missing, truncated or foreign checkpoint.
         ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
     """
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
     loaded = load_checkpoint(checkpoint, device=str(dev))
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

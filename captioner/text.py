@@ -12,12 +12,13 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from captioner.errors import DataError
+from captioner.files import MiB, atomic_write, read_text
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
+MAX_VOCAB_BYTES = 64 * MiB  # a 1M-word vocabulary is about 15 MB of JSON
 
 _WORD = re.compile(r"[^\W_]+")
 _APOSTROPHES = re.compile(r"['\u2019`]")
@@ -60,7 +61,8 @@ class Vocabulary:
 
     @classmethod
     def build(
-        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None
+        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None,
+        max_len: int | None = None,
     ) -> "Vocabulary":
         """Build from captions (raw strings or token lists).
 
@@ -68,6 +70,8 @@ class Vocabulary:
             captions: raw caption strings (tokenized with :func:`tokenize`) or token lists.
             min_freq: tokens seen fewer times are mapped to ``<unk>``.
             max_size: keep at most this many ordinary tokens (most frequent first).
+            max_len: count only the first ``max_len`` words of each caption, the words that
+                :meth:`encode` with the same ``max_len`` keeps (``data.max_caption_len``).
 
         Returns:
             A vocabulary whose tokens are sorted by decreasing frequency, ties alphabetically.
@@ -76,7 +80,8 @@ class Vocabulary:
             raise DataError(f"min_freq must be >= 1, got {min_freq}")
         counts: Counter[str] = Counter()
         for cap in captions:
-            counts.update(tokenize(cap) if isinstance(cap, str) else cap)
+            words = tokenize(cap) if isinstance(cap, str) else cap
+            counts.update(words if max_len is None else list(words)[:max_len])
         kept = sorted((t for t, c in counts.items() if c >= min_freq), key=lambda t: (-counts[t], t))
         if max_size is not None:
             kept = kept[:max_size]
@@ -139,19 +144,19 @@ class Vocabulary:
         return cls([str(t) for t in itos[len(SPECIALS):]])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write JSON atomically (temp file + rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), ensure_ascii=False))
-        os.replace(tmp, path)
+        """Write JSON atomically (temporary file, fsync, rename); DataError when it cannot be written."""
+        data = json.dumps(self.to_dict(), ensure_ascii=False).encode("utf-8")
+        atomic_write(path, lambda f: f.write(data), error=DataError)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Vocabulary":
+        """Read a vocabulary file (a regular file of at most ``MAX_VOCAB_BYTES``)."""
+        if not os.path.lexists(path):
+            raise DataError(f"{path}: vocabulary file not found")
+        text = read_text(path, MAX_VOCAB_BYTES, DataError, "vocabulary file")
         try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise DataError(f"{path}: vocabulary file not found") from None
-        except (OSError, ValueError, RecursionError) as exc:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
             raise DataError(f"{path}: cannot read vocabulary ({type(exc).__name__}: {str(exc)[:200]})") from None
         try:
             return cls.from_dict(data)

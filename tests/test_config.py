@@ -196,7 +196,7 @@ def test_unknown_keys_and_bad_sections_are_named() -> None:
         Config.from_dict({"model": {"encoder": "tiny"}})
     with pytest.raises(ConfigError, match=r"^unknown config key: model.encoder.grid.x$"):
         resolve_config(None, None, ["encoder.grid.x=1"])
-    with pytest.raises(ConfigError, match=r"^bad config for model.encoder: "):
+    with pytest.raises(ConfigError, match=r"^model.encoder.grid: got '4' \(a string\), wanted a whole number$"):
         Config.from_dict({"model": {"encoder": {"grid": "4"}}})
 
 

@@ -188,10 +188,14 @@ def test_permission_error_is_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     path = tmp_path / "locked.png"
     path.write_bytes(_png_bytes())
 
-    def deny(self: Path) -> bytes:
-        raise PermissionError(13, "Permission denied", str(self))
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "read_bytes", deny)
+    def deny(file: os.PathLike, flags: int, *args: object, **kwargs: object) -> int:
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", deny)  # what opening a chmod 000 file does (root would not see it)
     with pytest.raises(ImageLoadError, match=f"^{path}: permission denied$"):
         load_image(path)
 

@@ -10,6 +10,7 @@ import pytest
 
 MOVED = {
     "captioner.checkpoint.store": {"atomic_write": "captioner.checkpoint.atomic"},
+    "captioner.checkpoint.atomic": {"atomic_write": "captioner.files"},
     "captioner.features.cache": {"cache_key": "captioner.features.keys", "cache_path": "captioner.features.keys",
                                  "FORMAT_VERSION": "captioner.features.keys", "SUFFIX": "captioner.features.keys",
                                  "SafeImages": "captioner.features.safe_images",

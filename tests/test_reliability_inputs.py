@@ -190,14 +190,14 @@ def test_unreadable_file_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     good, secret = tmp_path / "good.png", tmp_path / "secret.png"
     for path in (good, secret):
         Image.new("RGB", (8, 8), (0, 200, 0)).save(path)
-    real_read_bytes = Path.read_bytes
+    real_open = os.open
 
-    def read_bytes(self: Path) -> bytes:
-        if self.name == "secret.png":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_read_bytes(self)
+    def deny(file: os.PathLike, flags: int, *args: object, **kwargs: object) -> int:
+        if Path(file).name == "secret.png":
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", deny)
     code = main(["caption", str(secret), str(good), "--checkpoint", str(tiny_checkpoint), "--beam", "1"])
     out, err = capsys.readouterr()
     assert code == 1

@@ -18,6 +18,7 @@ path ending in ``.safetensors`` would be handed to safetensors by torch >= 2.14)
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -28,11 +29,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file as _st_load_file
 
+from captioner.checkpoint.pickle_scan import refusal_reason
 from captioner.errors import CheckpointError
+from captioner.files import check_regular
 
 FORMAT = "captioner"
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+# the largest checkpoint or training state read (safetensors loads every tensor into memory): a
+# fine-tuned ResNet-101 captioner is about 0.3 GB, its train_state.pt with Adam's moments about 1 GB
+MAX_CHECKPOINT_BYTES = 4 << 30
 ZIP_MAGIC = b"PK\x03\x04"
 
 Header = dict[str, str]
@@ -49,18 +55,6 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
 
 
-def unpickling_reason(exc: BaseException) -> str:
-    """The informative part of torch's weights_only refusal, e.g. 'Unsupported global: GLOBAL io.open'."""
-    text = str(exc)
-    if "WeightsUnpickler error:" in text:
-        rest = text.split("WeightsUnpickler error:", 1)[1]
-        for line in rest.splitlines():
-            line = line.split(" was not an allowed")[0].strip()
-            if line:
-                return line[:160]
-    return first_line(exc)[:160]
-
-
 def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
     """``torch.load(weights_only=True)`` of ``path`` through an open file, every failure a CheckpointError.
 
@@ -71,13 +65,15 @@ def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
         CheckpointError: "refused" for pickled objects the weights-only unpickler does not allow
             (nothing is executed), "truncated or corrupt" for anything else.
     """
+    check_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, what)
     try:
         with open(path, "rb") as f, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # e.g. "Detected pickle protocol 4 ..."
             return torch.load(f, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
+    except pickle.UnpicklingError:
+        # named from the file's own opcodes, not from the wording of torch's message
         raise CheckpointError(f"{path}: refused: the file holds pickled objects that weights_only loading "
-                              f"does not allow, it may run code ({unpickling_reason(exc)})") from None
+                              f"does not allow, it may run code ({refusal_reason(path)})") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or first_line(exc)})") from None
     except Exception as exc:  # noqa: BLE001 - truncated zip, EOF, bad pickle opcodes, SafetensorError ...
@@ -105,10 +101,9 @@ def _sniff(path: Path) -> tuple[str, int, int]:
 
 def read_file(path: Path, want_tensors: bool) -> tuple[Header, Tensors | None]:
     """Header strings (and CPU tensors) from either file format; CheckpointError on anything wrong."""
-    if not path.exists():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path}: checkpoint not found")
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a file")
+    check_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, "checkpoint")  # no pipes, devices, huge files
     kind, size, header_len = _sniff(path)
     if kind == "torch":
         return _read_torch(path, want_tensors)

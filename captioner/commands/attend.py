@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
     parser.add_argument("--head", type=int, default=None,
                         help="Transformer: attention head shown, 1-based (default: the mean of all heads)")
-    parser.add_argument("--stem", default="attention", help="output file name stem (default: attention)")
+    parser.add_argument("--stem", default="attention",
+                        help="output file name stem, a plain name without folders (default: attention)")
 
 
 def select_view(all_attention, layer: int | None, head: int | None):
@@ -59,9 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
     from captioner.errors import ConfigError
     from captioner.inference import load
-    from captioner.viz.overlays import colormap_lut, write_overlays
+    from captioner.viz.overlays import check_stem, colormap_lut, write_overlays
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
+    check_stem(args.stem, "--stem")  # the files must stay inside --out
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))

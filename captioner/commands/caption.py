@@ -2,15 +2,27 @@
 
 One line per image on stdout (``path<TAB>caption``, or JSON lines with ``--json``). A file that
 cannot be read gets its own one-line error on stderr and the others are still captioned; the exit
-code is 1 when any input failed. ``run`` is a thin shell over :mod:`captioner.inference`; heavy
-imports (torch, the models) happen inside it.
+code is 1 when any input failed. In a folder (or a glob), an entry with an image extension that is
+not a readable regular file (a named pipe, a device, a broken link, a link loop, a folder) is
+skipped with one error line saying why. ``run`` is a thin shell over :mod:`captioner.inference`;
+heavy imports (torch, the models) happen inside it.
+
+Output is unambiguous for any file name: ``--json`` lines are valid UTF-8 JSON (a name that is not
+valid UTF-8 keeps its bytes as ``\\udcXX`` escapes, which ``os.fsencode(json.loads(line)["path"])``
+turns back into them), and in the plain output a name or caption holding a tab, a newline, another
+control character or such bytes, or starting with ``"``, is written as a JSON string (in double
+quotes). Overlay folders are named after the image's file stem made safe (:func:`safe_name`), so
+they always lie inside ``--overlay``.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,6 +37,8 @@ EXAMPLES = """
   captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
 """
 
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_AMBIGUOUS = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # control characters (tab, newline) and raw bytes
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
 _GLOB_CHARS = frozenset("*?[")
 
@@ -51,25 +65,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=0.5, help="overlay heat-map opacity 0..1 (default: 0.5)")
 
 
+def _why_not_a_file(path: Path) -> str | None:
+    """Why a folder or glob entry cannot be captioned (``"a named pipe, not a regular file"``), or None."""
+    import stat as stat_module
+
+    from captioner.files import file_kind
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "broken symbolic link" if path.is_symlink() else "file not found"
+    except OSError as exc:
+        return "symbolic link loop" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+    if stat_module.S_ISDIR(mode):
+        return "a directory, not an image file"
+    kind = file_kind(mode)
+    return None if kind is None else f"a {kind}, not a regular file"
+
+
+def _scan(entries: list[Path], problems: list[str]) -> list[Path]:
+    """The entries that are regular files; each other one is a problem line saying why it is skipped."""
+    files = []
+    for entry in sorted(entries):
+        why = _why_not_a_file(entry)
+        if why is None:
+            files.append(entry)
+        else:
+            problems.append(f"{entry}: skipped: {why}")
+    return files
+
+
 def expand_paths(items: list[str]) -> tuple[list[Path], list[str]]:
     """Files, folders (their images, sorted) and globs -> (files, one-line problems).
 
-    A path that does not exist and has no glob characters is kept, so that loading reports it.
+    A path that does not exist and has no glob characters is kept, so that loading reports it. In a
+    folder, only names with an image extension are considered; those that are not regular files
+    are reported (and skipped), as are glob matches that are not.
     """
     files: list[Path] = []
     problems: list[str] = []
     for item in items:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-            if not found:
+            try:
+                entries = [p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS]
+            except OSError as exc:
+                problems.append(f"{item}: cannot list folder ({exc.strerror or exc})")
+                continue
+            found = _scan(entries, problems)
+            if not entries:
                 problems.append(f"{item}: no images in folder (extensions: {', '.join(sorted(IMAGE_EXTENSIONS))})")
             files += found
-        elif not path.exists() and _GLOB_CHARS & set(item):
-            matches = sorted(Path(p) for p in glob.glob(item) if Path(p).is_file())
+        elif not os.path.lexists(path) and _GLOB_CHARS & set(item):
+            matches = [Path(p) for p in glob.glob(item) if not Path(p).is_dir()]
             if not matches:
                 problems.append(f"{item}: no files match")
-            files += matches
+            files += _scan(matches, problems)
         else:
             files.append(path)
     return files, problems
@@ -84,7 +135,14 @@ def check_positive(args: argparse.Namespace, *flags: str) -> None:
 
 
 def unique_dir(root: Path, stem: str, used: set[str]) -> Path:
-    """``root/stem``, or ``root/stem-2``... when two inputs share a file stem."""
+    """``root/<safe stem>``, or ``root/<safe stem>-2``... when two inputs share a stem; always inside ``root``.
+
+    The stem is made safe first (:func:`captioner.files.safe_name`): ``...png`` has the stem ``..``,
+    which would otherwise put the overlays one level above ``root``.
+    """
+    from captioner.files import safe_name
+
+    stem = safe_name(stem)
     name, n = stem, 1
     while name in used:
         n += 1
@@ -93,8 +151,23 @@ def unique_dir(root: Path, stem: str, used: set[str]) -> Path:
     return root / name
 
 
+def json_line(row: Any) -> str:
+    """``row`` as one JSON line, valid UTF-8 whatever the names hold: lone surrogates (undecodable bytes of a
+    file name) are written as ``\\udcXX`` escapes instead of raw bytes."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(row, ensure_ascii=False))
+
+
+def plain_field(text: str) -> str:
+    """``text`` as is, or as a JSON string when it could make a ``path<TAB>caption`` line ambiguous."""
+    if text.startswith('"') or _AMBIGUOUS.search(text):
+        return json_line(text)
+    return text
+
+
 def _error(message: str) -> None:
-    print(f"captioner {NAME}: error: {message}", file=sys.stderr, flush=True)
+    from captioner.errors import one_line
+
+    print(f"captioner {NAME}: error: {one_line(message)}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +212,6 @@ def run(args: argparse.Namespace) -> int:
                 write_overlays(image, result.words, result.attention, out_dir, box=result.box,
                                cmap=args.cmap, alpha=args.alpha, caption=result.text)
                 row["overlay"] = str(out_dir)
-            line = json.dumps(row, ensure_ascii=False) if args.json else f"{path}\t{result.text}"
+            line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
             print(line, flush=True)
     return 1 if failed else 0

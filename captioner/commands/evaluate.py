@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("beam", "max_len", "batch_size"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_images is not None and args.max_images < 1:
+        raise ConfigError(f"--max-images must be >= 1, got {args.max_images}")
+    if args.workers < 0:
+        raise ConfigError(f"--workers must be >= 0, got {args.workers}")
     report = evaluate_checkpoint(
         args.checkpoint, args.data, split=args.split, beam_size=args.beam, max_len=args.max_len,
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,

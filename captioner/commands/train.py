@@ -13,6 +13,7 @@ EXAMPLES = """
   captioner train --preset transformer_tiny --data data/shapes --epochs 3 --set decoder.num_layers=1
   captioner train --config my_run.yaml --set train.lr=1e-3 --set decoder.hidden_dim=256
   captioner train --out runs/sat --resume                  # continue where it stopped (config from the run)
+  captioner train --preset sat_soft_lite --data data/shapes --out runs/sat --overwrite  # old run -> runs/sat.old-<time>
   captioner train --preset sat_soft --data data/coco --out runs/sat_ft \
       --init runs/sat/best.safetensors --set encoder.fine_tune=true --set train.seed=1  # stage 2
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--skip-missing", action="store_true", help="skip missing/unreadable images (data.skip_missing)")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --out from train_state.pt (its config.json is the base config)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="--out holds an earlier run: move it aside to DIR.old-<time> (never deleted) and start a "
+                          "new one; without --resume or --overwrite such a folder is refused")
     run.add_argument("--init", metavar="CKPT",
                      help="start a new run from this checkpoint's weights and vocabulary, with a fresh optimizer "
                           "(train.init); the architecture must match, encoder.fine_tune may change")
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.training.loop import train
 
     cfg, out = resolve(args)
-    result = train(cfg, out, resume=args.resume, progress=not args.no_progress)
+    result = train(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         chosen = "" if result.select_metric == "BLEU-4" else f", {result.select_metric} {result.best_score:.4f}"
         print(f"best val BLEU-4 {result.best_bleu4:.4f} (0-1 scale){chosen}, selected on {result.select_metric} "

@@ -26,10 +26,13 @@ from captioner.config.decoders import (
     split_family_keys,
     switched_family,
 )
+from captioner.config.types import check_section
 from captioner.errors import ConfigError
+from captioner.files import MiB, read_text
 
 log = logging.getLogger(__name__)
 
+MAX_CONFIG_BYTES = 16 * MiB  # config files and a run's config.json (a few KB in practice)
 FAMILY_KEY = "model.decoder.name"  # applied before the other overrides: it picks which keys exist
 
 
@@ -69,8 +72,9 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         prefix: the dotted path of ``data`` in the whole config (``"model."``), for error messages.
 
     Raises:
-        ConfigError: a key the dataclass does not have, a section that is not a mapping, or a value
-            its ``__post_init__`` refuses.
+        ConfigError: a key the dataclass does not have, a section that is not a mapping, a value
+            of the wrong type for its field (:mod:`captioner.config.types`), or a value its
+            ``__post_init__`` refuses.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{_where(prefix)} must be a mapping, got {type(data).__name__}")
@@ -83,6 +87,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
     subs = sections(cls)
     kwargs = {k: from_dict(subs[k], v, f"{prefix}{k}.") if k in subs else v for k, v in data.items()}
+    kwargs = check_section(cls, kwargs, prefix, skip=set(subs))  # each value's type, named by its key
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -162,12 +167,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML config file into a nested dict (not yet validated)."""
+    """Read a JSON or YAML config file into a nested dict (not yet validated).
+
+    Only a regular file of at most :data:`MAX_CONFIG_BYTES` is read (ConfigError otherwise).
+    """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc.strerror or exc})") from None
+    text = read_text(path, MAX_CONFIG_BYTES, ConfigError, "config file")  # regular files only, bounded
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml

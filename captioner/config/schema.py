@@ -18,7 +18,8 @@ from typing import Any
 
 from captioner.config.decoders import DecoderConfig, SATConfig
 from captioner.config.parse import family_first, from_dict, set_dotted
-from captioner.errors import ConfigError
+from captioner.errors import CaptionerError, ConfigError
+from captioner.files import atomic_write
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -92,6 +93,8 @@ class DataConfig:
             raise ConfigError(f"data.min_freq must be >= 1, got {self.min_freq}")
         if self.max_caption_len < 1:
             raise ConfigError(f"data.max_caption_len must be >= 1, got {self.max_caption_len}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if not self.in_memory_mb >= 0:
             raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
 
@@ -170,6 +173,17 @@ class TrainConfig:
             raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")
         if self.val_beam < 1:
             raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ConfigError(f"train.time_budget must be a number of seconds > 0 or null, got {self.time_budget}")
+        if self.val_max_images is not None and self.val_max_images < 1:
+            raise ConfigError(f"train.val_max_images must be >= 1 or null, got {self.val_max_images}")
+        for key in ("grad_clip", "weight_decay", "alpha_c", "reinforce_weight", "entropy_weight"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if not 0.0 <= self.baseline_decay < 1.0:
+            raise ConfigError(f"train.baseline_decay must be in [0, 1), got {self.baseline_decay}")
+        if self.log_every < 1:
+            raise ConfigError(f"train.log_every must be >= 1, got {self.log_every}")
         if self.ds_form not in ("excess", "mean", "sum"):
             raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
         # --- recipe (issue 16) ---
@@ -264,7 +278,9 @@ class Config:
         return from_dict(cls, data, "")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write ``config.json`` atomically; CaptionerError (one line) when it cannot be written."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=CaptionerError)
 
     def override(self, **overrides: Any) -> "Config":
         """Return a copy with dotted-key overrides applied (``"train.lr": 1e-3``).

@@ -38,11 +38,14 @@ from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, 
 from captioner.data.checks import check_images
 from captioner.data.image_dirs import pick_image_dir
 from captioner.errors import DataError
+from captioner.files import MiB, check_regular, read_bytes, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
            "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "check_images", "coco_index",
            "load_caption_set", "load_instances", "read_json", "validate_coco"]
 
+# the largest annotation file read (COCO's instances_train2014.json is 0.45 GB; Karpathy's dataset_coco.json 0.15 GB)
+MAX_ANNOTATION_BYTES = 1024 * MiB
 ALL_SPLIT = "all"  # the whole file, for layouts whose one file holds several splits
 FLICKR_JSON, FLICKR_SPLITS = "captions_coco_format.json", "splits.tsv"
 _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmentation"}
@@ -137,7 +140,8 @@ LAYOUTS = (
 
 
 def _load(root: Path, split: str, images: Path | None, include_restval: bool) -> CaptionSet:
-    if root.is_file():
+    if not root.is_dir():  # an annotation file (a pipe or a device is refused here by name)
+        check_regular(root, MAX_ANNOTATION_BYTES, DataError, "annotation file")
         return _load_file(root, split, images, include_restval)
     for layout in LAYOUTS:
         if layout.detect(root, split):
@@ -187,10 +191,7 @@ def _load_flickr(json_path: Path, data: Any, split: str, images_dir: Path | None
 
 def _read_splits_tsv(path: Path) -> dict[str, str]:
     """``image<TAB>split`` lines (an ``image<TAB>split`` header is optional) -> {file_name: split}."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read split file ({exc})") from None
+    lines = read_text(path, MAX_ANNOTATION_BYTES, DataError, "split file").splitlines()
     splits: dict[str, str] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip() or (number == 1 and line.strip().lower() == "image\tsplit"):
@@ -205,13 +206,11 @@ def _read_splits_tsv(path: Path) -> dict[str, str]:
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file; DataError naming the file (and line) when it is missing or invalid."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+    """Parse a JSON file; DataError naming the file (and line) when it is missing or invalid.
+
+    Only a regular file of at most :data:`MAX_ANNOTATION_BYTES` is read.
+    """
+    raw = read_bytes(path, MAX_ANNOTATION_BYTES, DataError, "annotation file")
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:

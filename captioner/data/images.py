@@ -19,10 +19,13 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from captioner.errors import ImageLoadError
+from captioner.files import MiB, check_regular, read_bytes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIXELS = 64_000_000  # refuse larger images before decoding (decompression bombs)
+# refuse larger files before reading them: 64 megapixels of uncompressed 16-bit RGBA fit in 512 MiB
+DEFAULT_MAX_BYTES = 512 * MiB
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited onto white
 
 # File signatures: a file that starts like an image but cannot be parsed is corrupt, not "not an image".
@@ -38,24 +41,27 @@ _SIGNATURES = {
 _BOMB = re.compile(r"\((\d+) pixels\)")
 
 
-def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> Image.Image:
     """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
 
     Args:
-        path: image file.
+        path: image file; only a regular file is read (a named pipe, a device or a socket is
+            refused by name, without blocking).
         max_pixels: refuse images with more pixels than this (checked from the header, before
             decoding). ``None`` disables this check; PIL's own ``Image.MAX_IMAGE_PIXELS`` guard
             (about 179 megapixels) still applies.
+        max_bytes: refuse files larger than this, from their size, before reading them.
 
     Returns:
         A fully loaded ``PIL.Image`` in mode ``"RGB"``.
 
     Raises:
-        ImageLoadError: the file is missing, unreadable, empty, not an image, truncated or
-            corrupt, too large, or in a mode that cannot be converted to RGB.
+        ImageLoadError: the file is missing, unreadable, not a regular file, empty, not an image,
+            truncated or corrupt, too large, or in a mode that cannot be converted to RGB.
     """
     path = Path(path)
-    data = _read_bytes(path)
+    data = _read_bytes(path, max_bytes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -80,6 +86,7 @@ def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PI
         ImageLoadError: as :func:`load_image`, for the problems visible in the header.
     """
     path = Path(path)
+    check_regular(path, DEFAULT_MAX_BYTES, ImageLoadError, "image file")  # open() would block on a pipe
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -115,17 +122,8 @@ def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PI
     return width, height
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ImageLoadError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ImageLoadError(f"{path}: is a directory, not an image file") from None
-    except PermissionError:
-        raise ImageLoadError(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise ImageLoadError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+def _read_bytes(path: Path, max_bytes: int) -> bytes:
+    data = read_bytes(path, max_bytes, ImageLoadError, "image file")  # regular files only, bounded
     if not data:
         raise ImageLoadError(f"{path}: file is empty")
     return data

@@ -47,6 +47,8 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond", "star", "c
 SIZES: dict[str, float] = {"small": 0.19, "large": 0.34}  # nominal extent as a fraction of the image side
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 CAPTIONS_PER_IMAGE = 5
+MAX_IMAGES = 10_000_000  # make_shapes refuses more (and larger images): a request that could never finish
+MAX_IMAGE_SIZE = 4096
 
 _SIZE_JITTER = 0.06  # extents vary +-6% around the nominal size
 _GAP = 0.04  # minimum empty space between two objects' boxes (fraction of the side)
@@ -268,8 +270,14 @@ def make_shapes(
     """
     if images < 3:
         raise ConfigError(f"images must be >= 3 (one per split), got {images}")
+    if images > MAX_IMAGES:
+        raise ConfigError(f"images must be at most {MAX_IMAGES}, got {images}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     if image_size < 32:
         raise ConfigError(f"image_size must be >= 32, got {image_size}")
+    if image_size > MAX_IMAGE_SIZE:
+        raise ConfigError(f"image_size must be at most {MAX_IMAGE_SIZE}, got {image_size}")
     if len(split_fractions) != 3 or min(split_fractions) <= 0 or abs(sum(split_fractions) - 1) > 1e-6:
         raise ConfigError(f"split_fractions must be 3 positive numbers summing to 1, got {split_fractions}")
     start = time.perf_counter()

@@ -1,7 +1,11 @@
 """Scored captions and the bookkeeping of batched beam search (:func:`captioner.decoding.search.beam_search`).
 
 Shape legend: A images still searching, W beams per image, R = A * W rows of the decoder batch,
-T most words, N regions, V vocabulary, C candidates per image.
+T most words, N regions, V vocabulary, C candidates per image, H hypotheses read out, L their words.
+
+Memory grows with the words actually generated, never with ``max_len``: each step stores only what
+it chose (:class:`BeamHistory`), and a hypothesis is a :class:`Pending` record until the search
+ends and reads the kept ones back.
 """
 
 from __future__ import annotations
@@ -40,43 +44,82 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 @dataclass
+class Pending:
+    """A hypothesis still to be read out of a :class:`BeamHistory`: ``words`` words ending at ``row``
+    of the decoder batch of step ``words`` (ranked by ``score``; tokens and attention come later)."""
+
+    row: int
+    words: int
+    score: float
+    log_prob: float
+    finished: bool
+
+
+class BeamHistory:
+    """Back-pointers of a beam search: what each step kept, so memory grows with the words generated.
+
+    Step ``t`` appends, for every row of the next decoder batch, the row of batch ``t`` it continues
+    (``parents``), the word it chose (``words``) and the attention of the step that chose it (N,).
+    A hypothesis is read back by walking the pointers (:meth:`read`), so no step copies the whole
+    history of every beam: a step costs O(R * N) whatever ``max_len`` is.
+    """
+
+    def __init__(self) -> None:
+        self.parents: list[torch.Tensor] = []  # step t: (R_{t+1},) row of batch t
+        self.words: list[torch.Tensor] = []  # step t: (R_{t+1},) word emitted at step t
+        self.attention: list[torch.Tensor] = []  # step t: (R_{t+1}, N) float32
+
+    def append(self, parents: torch.Tensor, words: torch.Tensor, attention: torch.Tensor) -> None:
+        self.parents.append(parents)
+        self.words.append(words)
+        self.attention.append(attention)
+
+    def read(self, pending: list[Pending], n_regions: int) -> list[Hypothesis]:
+        """The hypotheses of ``pending`` with their tokens and attention, all walked back at once."""
+        if not pending:
+            return []
+        device = self.parents[0].device if self.parents else torch.device("cpu")
+        count, longest = len(pending), max(p.words for p in pending)
+        lengths = torch.tensor([p.words for p in pending], device=device)  # (H,)
+        rows = torch.tensor([p.row for p in pending], device=device)  # (H,) row in batch ``words``
+        tokens = torch.zeros(count, longest, dtype=torch.long, device=device)  # (H, L)
+        attention = torch.zeros(count, longest, n_regions, dtype=torch.float32, device=device)  # (H, L, N)
+        for t in range(longest - 1, -1, -1):
+            active = lengths > t  # (H,) hypotheses whose word t was chosen at step t
+            at = rows.clamp(max=self.parents[t].numel() - 1)  # inactive rows are masked out below
+            tokens[:, t] = torch.where(active, self.words[t][at], tokens[:, t])
+            attention[:, t] = torch.where(active[:, None], self.attention[t][at], attention[:, t])
+            rows = torch.where(active, self.parents[t][at], rows)
+        tokens_cpu, attention_cpu = tokens.cpu(), attention.cpu()
+        return [Hypothesis(tokens_cpu[i, :p.words].tolist(), p.score, attention_cpu[i, :p.words].clone(), p.log_prob,
+                           p.finished) for i, p in enumerate(pending)]
+
+
+@dataclass
 class LiveBeams:
     """The live beams of the images still searching.
 
     Group ``a`` holds the beams of image ``images[a]``: rows ``a * width .. (a + 1) * width - 1`` of
-    the decoder batch.
+    the decoder batch; their words and attention are in the search's :class:`BeamHistory`.
     """
 
     scores: torch.Tensor  # (A, width) float64 raw log-prob sums
-    tokens: torch.Tensor  # (R, T) the words of each beam so far
-    attention: torch.Tensor  # (R, T, N) float32, from the step that emitted each word
     images: list[int]  # (A,) image of each group
 
     @property
     def width(self) -> int:
         return self.scores.size(1)
 
-    def hypothesis(self, row: int, words: int, raw: float, alpha: float, finished: bool) -> Hypothesis:
+    def pending(self, row: int, words: int, raw: float, alpha: float, finished: bool) -> Pending:
         """The first ``words`` words of ``row``; scored over ``words`` tokens, plus ``<eos>`` if finished."""
-        return Hypothesis(self.tokens[row, :words].tolist(), raw / length_penalty(words + int(finished), alpha),
-                          self.attention[row, :words].cpu(), raw, finished)
+        return Pending(row, words, raw / length_penalty(words + int(finished), alpha), raw, finished)
 
-    def unfinished(self, a: int, words: int, alpha: float, count: int) -> list[Hypothesis]:
+    def unfinished(self, a: int, words: int, alpha: float, count: int) -> list[Pending]:
         """Group ``a``'s ``count`` best live beams (finite scores; at least one) as unfinished hypotheses."""
         order = self.scores[a].argsort(descending=True).tolist()
         beams = [i for i in order if math.isfinite(self.scores[a, i].item())] or order[:1]
-        return [self.hypothesis(a * self.width + i, words, self.scores[a, i].item(), alpha, finished=False)
+        return [self.pending(a * self.width + i, words, self.scores[a, i].item(), alpha, finished=False)
                 for i in beams[:count]]
-
-    def advance(self, rows: torch.Tensor, words: torch.Tensor, attention: torch.Tensor, t: int,
-                scores: torch.Tensor, keep: list[int]) -> LiveBeams:
-        """The next beams: row i continues source row ``rows[i]`` with ``words[i]`` (R',) as word t,
-        ``attention`` (R, N) of the step that chose it; ``scores`` (A', K'); ``keep`` the groups left."""
-        tokens = self.tokens.index_select(0, rows)  # (R', T)
-        tokens[:, t] = words
-        history = self.attention.index_select(0, rows)  # (R', T, N)
-        history[:, t] = attention.index_select(0, rows).float()
-        return LiveBeams(scores, tokens, history, [self.images[a] for a in keep])
 
 
 def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int
@@ -99,7 +142,7 @@ def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int
     return top_s, src, top_i % V
 
 
-def keep_best(hyps: list[Hypothesis], hyp: Hypothesis, n_best: int) -> None:
+def keep_best(hyps: list[Pending], hyp: Pending, n_best: int) -> None:
     """Add ``hyp`` to ``hyps`` (best score first, ties in arrival order) and keep the ``n_best`` best."""
     hyps.append(hyp)
     hyps.sort(key=lambda h: h.score, reverse=True)

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
-from captioner.decoding.hypotheses import (NEG_INF, Hypothesis, LiveBeams, best_reachable, keep_best,
-                                           length_penalty, top_candidates)
+from captioner.decoding.budget import image_chunks
+from captioner.decoding.hypotheses import (NEG_INF, BeamHistory, Hypothesis, LiveBeams, Pending, best_reachable,
+                                           keep_best, length_penalty, top_candidates)
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State, eval_mode
 from captioner.text import Vocabulary
@@ -92,6 +93,11 @@ def decode(
 
     Returns:
         Per image, ``options.n_best`` hypotheses, best score first.
+
+    Raises:
+        ConfigError: features that are not (B, N, D), or a search that could need more memory than
+            :data:`captioner.decoding.budget.MEMORY_LIMIT` for one image (one line naming the beam
+            size and ``max_len``). Images are searched in chunks that fit the limit.
     """
     options = options or DecodeOptions()
     if features.dim() != 3:
@@ -103,10 +109,12 @@ def decode(
                        "call .eval() first or use caption_features()")
     # no_grad, and inference mode off even inside a caller's inference_mode, so that the returned
     # attention maps are ordinary tensors that a caller may change in place.
+    search = greedy_search if options.beam_size == 1 else beam_search
+    out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
-        if options.beam_size == 1:
-            return greedy_search(decoder, features, bos_id, eos_id, options, banned_ids)
-        return beam_search(decoder, features, bos_id, eos_id, options, banned_ids)
+        for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
+            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids)
+    return out
 
 
 def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
@@ -133,8 +141,8 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     T, device = options.max_len, features.device
     state = initial_state(decoder, features)
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (B,)
-    tokens = torch.zeros(B, T, dtype=torch.long, device=device)  # (B, T)
-    attn_hist = torch.zeros(B, T, N, dtype=torch.float32, device=device)  # (B, T, N)
+    steps: list[torch.Tensor] = []  # one (B,) per word: memory grows with the words generated
+    attn_steps: list[torch.Tensor] = []  # one (B, N) per word
     log_prob = torch.zeros(B, dtype=torch.float64, device=device)  # (B,)
     n_words = torch.full((B,), T, dtype=torch.long, device=device)  # (B,)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) emitted <eos>
@@ -151,12 +159,14 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
         log_prob = torch.where(live, log_prob + best_lp.double(), log_prob)
         ends = live & (best == eos_id)
         n_words = torch.where(ends, torch.full_like(n_words, t), n_words)
-        tokens[:, t] = best
-        attn_hist[:, t] = attn.float()
+        steps.append(best)
+        attn_steps.append(attn.to(torch.float32, copy=True))  # a copy: a decoder may reuse its buffer
         done |= ends
         if bool(done.all()):
             break
         prev = best
+    tokens = torch.stack(steps, 1) if steps else torch.zeros(B, 0, dtype=torch.long, device=device)  # (B, L)
+    attn_hist = torch.stack(attn_steps, 1) if attn_steps else features.new_zeros(B, 0, N).float()  # (B, L, N)
     out = []
     for b, (n, lp_b, fin) in enumerate(zip(n_words.tolist(), log_prob.tolist(), done.tolist())):
         scored = n + int(fin)
@@ -184,12 +194,11 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
     state = initial_state(decoder, features)  # B rows: one copy per image for the first step
-    beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device),
-                   tokens=torch.zeros(B, T, dtype=torch.long, device=device),
-                   attention=torch.zeros(B, T, N, dtype=torch.float32, device=device), images=list(range(B)))
+    beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
+    history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
-    finished: list[list[Hypothesis]] = [[] for _ in range(B)]  # per image, best first, at most n_best
-    results: list[list[Hypothesis]] = [[] for _ in range(B)]
+    finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
+    results: list[list[Pending]] = [[] for _ in range(B)]
 
     def close(a: int, t: int) -> None:
         """Group ``a``'s image is done after ``t`` words; too few finished: add its best live beams."""
@@ -207,7 +216,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         ends = is_eos & torch.isfinite(top_s)
         ends[:, K:] = False  # only an <eos> among the K best candidates finishes a hypothesis
         for a, c in ends.nonzero().tolist():
-            hyp = beams.hypothesis(int(src[a, c]), t, float(top_s[a, c]), alpha, finished=True)
+            hyp = beams.pending(int(src[a, c]), t, float(top_s[a, c]), alpha, finished=True)
             keep_best(finished[beams.images[a]], hyp, n_best)
         if t == T:
             for a in range(len(beams.images)):
@@ -228,9 +237,11 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         toks = tok.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',)
         same_groups = len(keep) == len(beams.images) and pos.size(1) == beams.width
         state = state.reorder(rows) if same_groups else state.select(rows)
-        beams = beams.advance(rows, toks, attn, t, live_s[keep_t], keep)
+        history.append(rows, toks, attn.index_select(0, rows).float())
+        beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
         prev = toks
-    return results
+    read = iter(history.read([h for per_image in results for h in per_image], N))
+    return [[next(read) for _ in per_image] for per_image in results]
 
 
 def _search_log_probs(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int, eos_only: bool) -> torch.Tensor:

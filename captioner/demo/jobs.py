@@ -118,7 +118,7 @@ def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlay
     from captioner.training.loop import train
 
     device = str(resolve_device(cfg.train.device, 0, option="train.device"))
-    result = train(cfg, run_dir, progress=progress)
+    result = train(cfg, run_dir, progress=progress, overwrite=True)  # a demo re-run moves the last one aside
     if not result.best_checkpoint.exists():
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
     log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), beam_size)
@@ -220,7 +220,7 @@ def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     from captioner.training.distributed import DistInfo
 
     train_set, val_set = load_caption_sets(cfg)
-    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq)
+    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
     model = build_model(cfg.model, len(vocab))
     info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0, option="train.device"))
     # only the files are wanted here: not holding the features in memory (each run does that itself)

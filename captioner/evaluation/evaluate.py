@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
+from captioner.files import safe_name, writable_folder
 from captioner.inference import Captioner, load
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,11 @@ def evaluate_checkpoint(
 
     if max_images is not None and max_images < 1:
         raise ConfigError(f"max_images must be >= 1, got {max_images}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     start = time.perf_counter()
     checkpoint = Path(checkpoint)
+    writable_folder(Path(out_dir) if out_dir is not None else checkpoint.parent, DataError)  # before hours of work
     loaded = load(checkpoint, device=device)
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
@@ -198,7 +202,7 @@ def evaluate_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DataError(f"{out}: cannot create the output folder ({exc.strerror or exc})") from None
-    name = split.replace(os.sep, "_")
+    name = safe_name(split, "split")  # the output files stay inside ``out``
     metrics_path = out / f"metrics_{name}.json"
     results_path = out / f"captions_{name}_results.json"
     report: dict[str, Any] = {key: scores.get(key) for key in METRIC_KEYS}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.errors import DataError
+from captioner.errors import DataError, one_line
 from captioner.text import tokenize
 
 logger = logging.getLogger(__name__)
@@ -324,12 +325,14 @@ def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mappi
 
 def read_coco_results(path: str | Path) -> list[tuple[int, str]]:
     """Read a COCO captioning results file back as ``(image_id, caption)`` pairs."""
+    from captioner.files import MiB, read_text
+
+    if not os.path.lexists(path):
+        raise DataError(f"{path}: results file not found")
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: results file not found") from None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read results JSON ({exc})") from None
+        data = json.loads(read_text(path, 1024 * MiB, DataError, "results file"))
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: cannot read results JSON ({one_line(str(exc))[:200]})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of {{image_id, caption}} objects")
     out = []

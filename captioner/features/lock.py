@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from captioner.errors import CaptionerError
+from captioner.files import read_text
 
 
 def lock_path(path: Path) -> Path:
@@ -32,8 +33,8 @@ def busy_error(path: Path) -> CaptionerError:
     """One line naming the lock and, when it says, the pid of the process writing ``path``."""
     lock = lock_path(path)
     try:
-        holder = lock.read_text().strip()
-    except OSError:
+        holder = read_text(lock, 4096).strip()
+    except CaptionerError:
         holder = ""
     who = f", pid {holder}" if holder.isdigit() else ""
     return CaptionerError(f"feature cache {path} is being written by another process (lock {lock}{who})")

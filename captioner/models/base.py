@@ -113,6 +113,13 @@ class CaptionDecoder(nn.Module):
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         raise NotImplementedError
 
+    def state_bytes_per_word(self) -> int:
+        """Bytes one row's decoding state grows by per generated word (0: a state of fixed size, the LSTM).
+
+        Search uses it to bound its memory before it starts (``captioner.decoding.budget``).
+        """
+        return 0
+
 
 def attention_entropy(weights: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """Entropy (nats) of attention distributions over the last dim: (..., N) -> (...)."""

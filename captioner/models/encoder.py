@@ -39,6 +39,7 @@ from torch import nn
 
 from captioner.config import EncoderConfig
 from captioner.errors import CheckpointError, ConfigError
+from captioner.files import check_regular
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,11 @@ def _looks_like_path(weights: str) -> bool:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a tensors-only state dict (``torch.save`` with ``weights_only=True``, or safetensors)."""
+    """Read a tensors-only state dict (``torch.save`` with ``weights_only=True``, or safetensors).
+
+    Only a regular file of at most 4 GiB is opened (a named pipe would block ``open``).
+    """
+    check_regular(path, 4 << 30, CheckpointError, "weights file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -249,6 +249,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
             dynamic["prefix"] = torch.zeros(b, 0, dtype=torch.long, device=features.device)  # (B, 0)
         return State(static, dynamic)
 
+    def state_bytes_per_word(self) -> int:
+        """The self-attention cache: a key and a value of width d per layer and word."""
+        return 2 * self.num_layers * self.d_model * self.embed.weight.element_size()
+
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         """One decoding step.
 

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from captioner.config import ModelConfig
-from captioner.errors import CheckpointError, ConfigError
+from captioner.config.parse import MAX_CONFIG_BYTES
+from captioner.errors import CaptionerError, CheckpointError, ConfigError
+from captioner.files import read_text
 from captioner.text import Vocabulary
 from captioner.training.state import config_diff
 
@@ -119,9 +121,9 @@ def replay_warning(init: InitWeights, train: Any) -> str | None:
     if seed_then is None:
         config_file = init.path.parent / "config.json"
         try:
-            then = json.loads(config_file.read_text()).get("train", {})
+            then = json.loads(read_text(config_file, MAX_CONFIG_BYTES)).get("train", {})
             seed_then, batch_then = then.get("seed"), then.get("batch_size")
-        except (OSError, ValueError, AttributeError):
+        except (CaptionerError, ValueError, AttributeError, RecursionError):
             return None
     if seed_then != seed or batch_then != batch_size:
         return None

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from captioner.errors import CaptionerError
+from captioner.files import check_regular
+
 log = logging.getLogger(__name__)
 
 COLUMNS = (
@@ -70,6 +73,8 @@ class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, keep_until_step: int | None = None,
                  tensorboard: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.csv"
+        if os.path.lexists(self.path):  # opening a named pipe here would block
+            check_regular(self.path, None, CaptionerError, "metrics file")
         rows: list[dict[str, str]] = []
         if keep_until_step is not None and self.path.exists():
             with open(self.path, newline="") as f:

@@ -56,6 +56,7 @@ from captioner.training.initialize import apply_init, load_init_checkpoint, repl
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import build_optimizer, build_schedule, setup_precision
 from captioner.training.run import Clock, Learner, Run, RunFolder, TrainForward, restore_train_state
+from captioner.training.run_folder import check_run_folder, earlier_run_files, make_run_folder, move_aside
 from captioner.training.scst import build_scst_loss
 from captioner.training.selection import keep_select_metric
 from captioner.training.state import (Progress, check_resume_config, check_resume_vocab, remove_stale_temp_files,
@@ -93,46 +94,52 @@ class TrainResult:
 
 
 
-def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True) -> TrainResult:
+def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
+          overwrite: bool = False) -> TrainResult:
     """Train a captioner; all outputs go to the run folder ``out_dir``.
 
     Args:
         cfg: the full configuration (model, data, train).
-        out_dir: run folder (created); see the module docstring for its files.
+        out_dir: run folder (created); see the module docstring for its files. A folder that holds
+            an earlier run is refused unless ``resume`` or ``overwrite`` is given.
         resume: continue the run saved in ``out_dir/train_state.pt`` exactly where it stopped (its
             weights come from there; ``train.init`` only matters when a run starts).
         progress: show tqdm progress bars (rank 0, interactive terminals only).
+        overwrite: start a new run in a folder that holds an earlier one: once the config, the data
+            and the folder are checked, the earlier run is moved to ``<out_dir>.old-<time>``
+            (never deleted).
 
     Returns:
         A ``TrainResult`` (on every rank under torchrun).
 
     Raises:
-        CaptionerError: bad data, config or run folder, a ``train.init`` checkpoint whose
-            architecture differs, or a non-finite loss.
+        CaptionerError: bad data, config or run folder (an earlier run without ``resume`` or
+            ``overwrite``, a file, a folder that cannot be written), a ``train.init`` checkpoint whose
+            architecture differs, or a non-finite loss. Nothing is written before these checks.
     """
     start = time.monotonic()
+    check_run_folder(Path(out_dir), resume, overwrite)  # before anything is read, computed or written
     info = ddp.setup(cfg.train.device)
     try:
-        return _train(cfg, Path(out_dir), resume, progress, info, start)
+        return _train(cfg, Path(out_dir), resume, progress, info, start, overwrite)
     finally:
         ddp.cleanup(info)
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float) -> TrainResult:
+def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float,
+           overwrite: bool) -> TrainResult:
     state_path = run_dir / "train_state.pt"
     saved = None
     init = None
     if resume:
         if not state_path.exists():
-            raise CheckpointError(f"{run_dir}: nothing to resume (no train_state.pt); train without --resume first")
+            again = "--overwrite instead of --resume" if earlier_run_files(run_dir) else "no --resume"
+            raise CheckpointError(f"{run_dir}: nothing to resume (no train_state.pt); train without --resume "
+                                  f"first (here: {again})")
         check_resume_config(cfg, run_dir)
-        if info.is_main:
-            remove_stale_temp_files(run_dir)
         saved = load_train_state(state_path)
         cfg = keep_select_metric(cfg, saved, announce=info.is_main)
     else:
-        if info.is_main and state_path.exists():
-            log.warning("%s holds an earlier run; starting over (pass --resume to continue it)", run_dir)
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = load_init_checkpoint(cfg.train.init, cfg.model)
             replay = replay_warning(init, cfg.train)
@@ -142,11 +149,15 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     if init is not None:
         vocab = init.vocab  # the output layer's rows are the checkpoint's words
     else:
-        vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume)
+        vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
     if resume:
         check_resume_vocab(vocab, run_dir)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if info.is_main:  # config, data and folder are checked: the first write to the run folder
+        if resume:
+            remove_stale_temp_files(run_dir)
+        elif overwrite:
+            move_aside(run_dir)
+        make_run_folder(run_dir)
         cfg.save(run_dir / "config.json")
         vocab.save(run_dir / "vocab.json")
 

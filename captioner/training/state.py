@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from captioner.config import Config
-from captioner.errors import CaptionerError, CheckpointError, ConfigError
+from captioner.config.parse import MAX_CONFIG_BYTES
+from captioner.errors import CaptionerError, CheckpointError, ConfigError, one_line
+from captioner.files import read_text
 from captioner.text import Vocabulary
 from captioner.training.logging_utils import RunningMean
 
@@ -154,12 +156,13 @@ _RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.de
 def check_resume_config(cfg: Config, run_dir: Path) -> None:
     """Refuse a resume whose model config differs from the run's ``config.json``; warn on other changes."""
     path = run_dir / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; cannot resume this run")
+    text = read_text(path, MAX_CONFIG_BYTES, CheckpointError, "config file")
     try:
-        saved = Config.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; cannot resume this run") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+        saved = Config.from_dict(json.loads(text))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({one_line(str(exc))[:200]})") from None
     diff = config_diff(saved.to_dict(), cfg.to_dict())
     model_diff = [k for k in diff if k.startswith("model.")]
     if model_diff:

@@ -106,7 +106,7 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     d = cfg.data
     cs = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
-    vocab = Vocabulary.build(cs.all_captions(), min_freq=d.min_freq)
+    vocab = Vocabulary.build(cs.all_captions(), min_freq=d.min_freq, max_len=d.max_caption_len)
     targets = word_targets(cs, vocab)  # (C, V)
     if not targets.any():
         raise DataError(f"{d.root}: the {d.train_split!r} captions give no words to detect")

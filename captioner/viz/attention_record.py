@@ -11,12 +11,13 @@ decoders with several layers/heads (the Transformer), ``"layers"``, ``"heads"`` 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from captioner.errors import DataError
+from captioner.errors import DataError, one_line
 
 
 def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
@@ -98,12 +99,14 @@ def write_attention_json(path: str | Path, record: AttentionRecord) -> Path:
 
 def read_attention_json(path: str | Path) -> AttentionRecord:
     """Read a file written by :func:`write_attention_json` / :func:`write_overlays`."""
+    from captioner.files import MiB, read_text
+
+    if not os.path.lexists(path):
+        raise DataError(f"{path}: attention file not found")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: attention file not found") from None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read attention JSON ({exc})") from None
+        data = json.loads(read_text(path, 256 * MiB, DataError, "attention file"))
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: cannot read attention JSON ({one_line(str(exc))[:200]})") from None
     try:
         return AttentionRecord.from_dict(data)
     except DataError as exc:

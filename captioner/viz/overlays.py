@@ -24,6 +24,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from captioner.viz.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
+from captioner.files import safe_name
 from captioner.viz.explorer import write_explorer
 from captioner.viz.heatmaps import (
     BLUR_CELLS,
@@ -236,6 +237,13 @@ def render_gif_frames(
 # ----------------------------------------------------------------------------- all outputs
 
 
+def check_stem(stem: str, option: str = "stem") -> None:
+    """Refuse a file name stem that would leave its folder (``../x``, ``a/b``, ``..``) or is empty."""
+    if not isinstance(stem, str) or not stem or safe_name(stem, fallback="") != stem:
+        raise ConfigError(f"{option} {stem!r} must be a plain file name (no folder separators or control "
+                          "characters, not '.' or '..')")
+
+
 def write_overlays(
     image: Image.Image,
     words: Sequence[str],
@@ -261,7 +269,7 @@ def write_overlays(
         all_attention: (L, layers, heads, g, g) per-layer/per-head maps (Transformer) or None.
         cmap: matplotlib colour map name.
         alpha: heat-map opacity, 0..1.
-        stem: file name stem.
+        stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
         caption: caption text (defaults to the words joined by spaces).
         layer: layer the explorer shows first (when ``all_attention`` is given).
         head: head the explorer shows first (None = mean of heads).
@@ -272,6 +280,7 @@ def write_overlays(
     colormap_lut(cmap)  # fail early on a bad name
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+    check_stem(stem)
     image = image.convert("RGB")
     box = tuple(float(v) for v in box) if box is not None else (0.0, 0.0, float(image.width), float(image.height))
     record = AttentionRecord(caption if caption is not None else " ".join(words), list(words), attention,

@@ -1,0 +1,245 @@
+"""Reading and writing files a user names: regular files only, every read bounded, writes atomic.
+
+Every file the package reads on a user's behalf (images, config and annotation files,
+vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` or is checked with
+:func:`check_regular` first, so a named pipe cannot block, a device such as ``/dev/zero`` cannot
+fill memory and a huge file is refused from its size before it is read. The kind of file is named
+in the one-line error (``photo.jpg: is a named pipe, not a regular file``).
+
+Every file written into a run folder or next to a checkpoint goes through :func:`atomic_write`: a
+temporary ``.<name>.*.tmp`` in the same folder, fsync'ed, renamed over the target with
+``os.replace``, then the folder itself fsync'ed so the rename survives a power cut.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from captioner.errors import CaptionerError, CheckpointError
+
+__all__ = ["MiB", "atomic_write", "check_regular", "file_kind", "read_bytes", "read_text", "safe_name",
+           "size_text", "writable_folder"]
+
+MiB = 1 << 20
+_CHUNK = 8 * MiB
+
+
+def size_text(n: int) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units, as the limits are set)."""
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def file_kind(mode: int) -> str | None:
+    """What a ``st_mode`` is when it is not a regular file (``"named pipe"``, ``"directory"``, ...), else None."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISFIFO(mode):
+        return "named pipe"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+def _os_reason(path: Path, exc: OSError) -> str:
+    """One line for an OSError while opening or statting ``path``."""
+    if isinstance(exc, FileNotFoundError):
+        return f"{path}: {'broken symbolic link' if path.is_symlink() else 'file not found'}"
+    if isinstance(exc, PermissionError):
+        return f"{path}: permission denied"
+    if exc.errno == errno.ELOOP:
+        return f"{path}: symbolic link loop"
+    if exc.errno == errno.ENXIO:
+        return f"{path}: is a socket or a device without a reader, not a regular file"
+    return f"{path}: cannot read file ({exc.strerror or exc})"
+
+
+def check_regular(path: str | os.PathLike, limit: int | None, error: type[CaptionerError] = CaptionerError,
+                  what: str = "file") -> int:
+    """Refuse anything but a regular file of at most ``limit`` bytes, without opening it.
+
+    Args:
+        path: the file (symbolic links are followed).
+        limit: largest size accepted in bytes; None for no bound.
+        error: the exception type raised.
+        what: what the file should be, for the size message (``"image file"``).
+
+    Returns:
+        The file's size in bytes.
+
+    Raises:
+        error: missing, a broken link or a link loop, unreadable, not a regular file, or too large.
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise error(_os_reason(path, exc)) from None
+    except ValueError:  # an embedded NUL byte: no such file can exist
+        raise error(f"{str(path)!r}: not a valid path (it holds a NUL byte)") from None
+    _check_stat(path, st, limit, error, what)
+    return st.st_size
+
+
+def _check_stat(path: Path, st: os.stat_result, limit: int | None, error: type[CaptionerError], what: str) -> None:
+    kind = file_kind(st.st_mode)
+    if kind == "directory":
+        raise error(f"{path}: is a directory, not {'an' if what[:1] in 'aeiou' else 'a'} {what}")
+    if kind is not None:
+        raise error(f"{path}: is a {kind}, not a regular file")
+    if limit is not None and st.st_size > limit:
+        raise error(f"{path}: {what} too large ({size_text(st.st_size)}, limit {size_text(limit)})")
+
+
+def read_bytes(path: str | os.PathLike, limit: int, error: type[CaptionerError] = CaptionerError,
+               what: str = "file") -> bytes:
+    """The content of a regular file of at most ``limit`` bytes.
+
+    The file is opened without blocking (a named pipe with no writer cannot hang the call), checked
+    to be a regular file through the open descriptor, and read in chunks that stop one byte past
+    ``limit`` (a file that grows while it is read is still refused, not read whole).
+
+    Raises:
+        error: as :func:`check_regular`, or a read error (one line naming the file).
+    """
+    path = Path(path)
+    check_regular(path, limit, error, what)  # names sockets and links before open() gets in the way
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise error(_os_reason(path, exc)) from None
+    try:
+        _check_stat(path, os.fstat(fd), limit, error, what)  # the file opened, not the one statted before
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise error(f"{path}: cannot read file ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise error(f"{path}: {what} too large (more than {size_text(limit)})")
+    return b"".join(chunks)
+
+
+def read_text(path: str | os.PathLike, limit: int, error: type[CaptionerError] = CaptionerError,
+              what: str = "file") -> str:
+    """:func:`read_bytes` decoded as UTF-8; undecodable bytes are one ``error`` line naming the file."""
+    data = read_bytes(path, limit, error, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def safe_name(name: str, fallback: str = "image") -> str:
+    """A file or folder name made from user input that stays inside the folder it is joined to.
+
+    Path separators and control characters become ``_``; a name made only of dots (``.``, ``..``,
+    the stem of ``...png``) or an empty one becomes ``fallback``.
+    """
+    cleaned = "".join("_" if ch in "/\\" or ord(ch) < 32 or ch == "\x7f" else ch for ch in name)
+    if not cleaned.strip("."):
+        return fallback
+    return cleaned
+
+
+def writable_folder(path: str | os.PathLike, error: type[CaptionerError] = CaptionerError) -> Path:
+    """Check that ``path`` is, or can be made, a folder that files can be written in; create nothing.
+
+    Walks up to the nearest existing folder and writes (then removes) a hidden temporary file there,
+    which is the only test that also sees read-only mounts and immutable folders (``chattr +i``),
+    even as root.
+
+    Returns:
+        The existing folder that was tested (``path`` itself, or the ancestor it will be created in).
+
+    Raises:
+        error: ``path`` or one of its parents is a file, or the folder cannot be written.
+    """
+    path = Path(path)
+    probe = path
+    while not probe.exists():
+        if probe.is_symlink():
+            raise error(f"{probe}: broken symbolic link, not a folder")
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "" if probe == path else f" (so {path} cannot be created)"
+        raise error(f"{probe}: is a file, not a folder{where}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".captioner-write-test-", suffix=".tmp", dir=probe)
+    except OSError as exc:
+        raise error(f"{probe}: cannot write in this folder ({exc.strerror or exc})") from None
+    os.close(fd)
+    Path(tmp).unlink(missing_ok=True)
+    return probe
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
+                 error: type[CaptionerError] = CheckpointError) -> Path:
+    """Write a file so that readers see either the old or the complete new content.
+
+    ``write(f)`` fills a temporary file in the same folder; it is flushed and fsync'ed, renamed over
+    ``path`` with ``os.replace`` and the folder is fsync'ed. On any failure the temporary file is
+    removed and the previous ``path`` is left untouched.
+
+    Raises:
+        error: (default ``CheckpointError``) the folder is missing or the file cannot be written.
+    """
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        raise error(f"{path}: folder {folder} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
+        raise
+    _fsync_dir(folder)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
