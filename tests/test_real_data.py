@@ -21,7 +21,9 @@ def test_coco2017_mini(shared_data: Path) -> None:
     assert (len(cs), cs.num_captions) == (80, 400)
     assert all(len(cs.references(r.image_id)) == 5 for r in cs.images)
     assert all(r.path.parent == root / "train2017" and r.width and r.height for r in cs.images)
-    assert load_instances(root, "train2017") is None  # captions only
+    boxes = load_instances(root, "train2017")  # the official instances file of the same 80 photos
+    assert boxes is not None and len(boxes) == 80
+    assert sum(len(b) for b in boxes.values()) == 739  # every box, crowd boxes included (README of the data)
     with pytest.raises(DataError, match=r"unknown split 'train'; available: train2017, val2017_text_only$"):
         load_caption_set(root, "train")
 
