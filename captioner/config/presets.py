@@ -125,7 +125,9 @@ PRESETS: dict[str, tuple[Layer, ...]] = {
     # Flickr8k benchmark (docs/flickr8k.md; scripts/reproduce_flickr8k.sh)
     "sat_soft_flickr8k": ("sat_soft_lite", FLICKR8K, _sat("soft", region_positions=True)),
     "sat_hard_flickr8k": ("sat_hard_lite", FLICKR8K, _sat("hard", region_positions=True)),
-    "transformer_flickr8k": ("transformer_lite", FLICKR8K, _train(schedule="cosine", lr=5e-4, warmup_steps=1000)),
+    # 2 layers and dropout 0.3: at 3 layers and 0.1 the dev CIDEr-D peaked at epoch 2 of 6 and fell (GPU sweep)
+    "transformer_flickr8k": ("transformer_lite", FLICKR8K, _transformer(num_layers=2, dropout=0.3),
+                             _train(schedule="cosine", lr=5e-4, warmup_steps=1000)),
     # GPU (SAT lite's warm-up is the unused default, 4000 steps)
     "sat_soft_lite_gpu": ("sat_soft_lite", _gpu(lr=SAT_LR, warmup_steps=4000, compile=True)),
     "sat_hard_lite_gpu": ("sat_hard_lite", _gpu(lr=SAT_LR, warmup_steps=4000, compile=True)),
