@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Write ``runs/flickr8k/results.md``: one row per Flickr8k model and stage, beside the published rows.
+
+    python scripts/flickr8k_results.py runs/flickr8k            # reads the run folders below it
+
+Each run folder (``runs/flickr8k/<name>/``) is read for:
+
+* ``metrics.csv`` (training): the wall time of training, from its last epoch row;
+* ``metrics_dev.json`` (``captioner evaluate ... --split dev``): the coco-caption scores (PTB
+  tokenisation, as the papers report them) when they were computed, else the built-in ones, and the
+  attention entropy per word against uniform;
+* ``coco2017-mini/metrics_train2017.json`` (``captioner evaluate ... --data coco2017-mini``), when
+  present: attention correctness on the real COCO boxes, as a ratio to uniform attention.
+
+Writes the table to ``<root>/results.md`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+# Flickr8k test, coco-caption scoring, x100 (issue 21; Xu et al. 2015 Table 1 and the papers it names)
+PUBLISHED = [
+    ("Xu et al. 2015, soft attention", "VGG, frozen", "67 / 44.8 / 29.9 / 19.5", "18.93", "-", "-"),
+    ("Xu et al. 2015, hard attention", "VGG, frozen", "67 / 45.7 / 31.4 / 21.3", "20.30", "-", "-"),
+    ("Adaptive attention (Lu et al. 2017), public reimplementation", "VGG-16 frozen, beam 3",
+     "62.4 / 44.0 / 30.3 / 20.5", "19.9", "-", "52.4"),
+    ("the same", "ResNet-152 fine-tuned, beam 5", "65.9 / 48.0 / 33.9 / 23.5", "20.7", "-", "58.9"),
+    ("SCA-CNN (Chen et al. 2017)", "ResNet-152", "68.2 / 49.6 / 35.9 / 25.8", "22.4", "-", "-"),
+]
+HEADER = ("| system | encoder | BLEU-1/2/3/4 | METEOR | ROUGE-L | CIDEr-D | attention entropy (uniform) "
+          "| attention correctness, COCO boxes | training time |")
+
+
+def _score(report: dict, key: str) -> float | None:
+    """The coco-caption score when it was computed, else the built-in one."""
+    value = report.get(f"coco/{key}")
+    return value if value is not None else report.get(key)
+
+
+def _x100(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f}"
+
+
+def _training_seconds(run: Path) -> float | None:
+    path = run / "metrics.csv"
+    if not path.exists():
+        return None
+    rows = [r for r in csv.DictReader(path.open()) if r.get("kind") == "epoch" and r.get("seconds")]
+    return float(rows[-1]["seconds"]) if rows else None
+
+
+def _entropy(report: dict) -> str:
+    att = report.get("attention") or {}
+    mean, uniform = att.get("mean_entropy"), att.get("uniform_entropy")
+    if mean is None:
+        return "-"
+    return f"{mean:.2f} ({uniform:.2f})" if uniform is not None else f"{mean:.2f}"
+
+
+def _correctness(run: Path) -> str:
+    path = run / "coco2017-mini" / "metrics_train2017.json"
+    if not path.exists():
+        return "-"
+    corr = json.loads(path.read_text()).get("attention_correctness") or {}
+    ratio, words = corr.get("ratio_to_uniform"), corr.get("words")
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}x ({words} words)" if words is not None else f"{ratio:.2f}x"
+
+
+def row(run: Path) -> str | None:
+    """One table row for a run folder with ``metrics_dev.json``; None without it."""
+    path = run / "metrics_dev.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    bleu = " / ".join(_x100(_score(report, f"BLEU-{n}")) for n in range(1, 5))
+    cider = _score(report, "CIDEr-D")
+    seconds = _training_seconds(run)
+    minutes = "-" if seconds is None else f"{seconds / 60:.0f} min"
+    scoring = "coco-caption" if report.get("coco/BLEU-4") is not None else "built-in"
+    return (f"| **{run.name}** (dev, {scoring}) | EfficientNet-Lite0 frozen, beam {report.get('beam_size', 3)} | {bleu} "
+            f"| {_x100(_score(report, 'METEOR'), 2)} | {_x100(_score(report, 'ROUGE-L'))} "
+            f"| {_x100(cider) if cider is not None and not math.isnan(cider) else '-'} | {_entropy(report)} "
+            f"| {_correctness(run)} | {minutes} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path, help="the folder holding the Flickr8k run folders (runs/flickr8k)")
+    args = parser.parse_args(argv)
+    if not args.root.is_dir():
+        print(f"flickr8k_results: {args.root} is not a folder", file=sys.stderr)
+        return 1
+    ours = [r for r in (row(p) for p in sorted(args.root.iterdir()) if p.is_dir()) if r]
+    lines = [HEADER, "|" + " --- |" * (HEADER.count("|") - 1)]
+    lines += [f"| {name} (test) | {enc} | {bleu} | {meteor} | {rouge} | {cider} | - | - | - |"
+              for name, enc, bleu, meteor, rouge, cider in PUBLISHED]
+    lines += ours
+    text = "\n".join(lines) + "\n"
+    (args.root / "results.md").write_text(text)
+    print(text, end="")
+    return 0 if ours else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
