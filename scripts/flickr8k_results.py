@@ -57,7 +57,7 @@ def _training_seconds(run: Path) -> float | None:
 
 def _entropy(report: dict) -> str:
     att = report.get("attention") or {}
-    mean, uniform = att.get("mean_entropy"), att.get("uniform_entropy")
+    mean, uniform = att.get("attention_entropy"), att.get("uniform_entropy")
     if mean is None:
         return "-"
     return f"{mean:.2f} ({uniform:.2f})" if uniform is not None else f"{mean:.2f}"
@@ -68,7 +68,7 @@ def _correctness(run: Path) -> str:
     if not path.exists():
         return "-"
     corr = json.loads(path.read_text()).get("attention_correctness") or {}
-    ratio, words = corr.get("ratio_to_uniform"), corr.get("words")
+    ratio, words = corr.get("ratio"), corr.get("words_scored")
     if ratio is None:
         return "-"
     return f"{ratio:.2f}x ({words} words)" if words is not None else f"{ratio:.2f}x"

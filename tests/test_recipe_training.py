@@ -334,3 +334,34 @@ def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:
     swapped = Vocabulary([words[1], words[0], *words[2:]])
     with pytest.raises(ConfigError, match=rf"token 4 is {words[0]!r} in the checkpoint but {words[1]!r}"):
         apply_init(model, init, swapped)
+
+
+def test_cosine_schedule_anneals_over_the_planned_epochs_with_length_buckets(
+        tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Flickr8k presets' loop: batches of similar length, lr from the peak to the floor over train.epochs."""
+    from captioner.training.schedules import COSINE_FLOOR
+
+    script_validation(monkeypatch, DIVERGING[:2])
+    lr = 1e-3
+    cfg = tiny_cfg(tiny_shapes, **{"train.epochs": 2, "train.schedule": "cosine", "train.warmup_steps": 1,
+                                   "train.length_buckets": 4, "train.lr": lr, "train.patience": 0})
+    result = train(cfg, tmp_path, progress=False)
+    assert [h["epoch"] for h in result.history] == [1, 2]
+    step_rows = rows(tmp_path, "step")
+    assert len(step_rows) == 2 * STEPS  # every caption once per epoch, in the same number of batches
+    lrs = [float(r["lr"]) for r in step_rows]
+    assert lrs[0] == pytest.approx(lr) and lrs[-1] == pytest.approx(lr * COSINE_FLOOR, rel=1e-3)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # never rises after the (one-step) warm-up
+
+
+def test_the_flickr8k_presets_share_one_feature_cache_and_are_listed_in_train_help(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.cli import main
+
+    configs = [get_preset(f"{d}_flickr8k") for d in ("sat_soft", "sat_hard", "transformer")]
+    assert len({json.dumps(dataclasses.asdict(c.model.encoder)) for c in configs}) == 1  # one cache key ...
+    assert len({c.data.feature_cache_dir for c in configs}) == 1  # ... in one folder
+    assert {c.model.decoder.attention_kind for c in configs} == {"soft", "hard", "cross"}
+    assert main(["train", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{d}_flickr8k" in help_text for d in ("sat_soft", "sat_hard", "transformer"))

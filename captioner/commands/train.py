@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from captioner.config.presets import list_presets
+
 NAME = "train"
 HELP = "train a caption model (checkpoints, metrics.csv and resume state go to the run folder)"
 EXAMPLES = """
@@ -17,6 +19,7 @@ EXAMPLES = """
   captioner train --preset sat_soft --data data/coco --out runs/sat_ft \
       --init runs/sat/best.safetensors --set encoder.fine_tune=true --set train.seed=1  # stage 2
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
+  captioner train --preset sat_soft_flickr8k --data ../shared/data/flickr8k --out runs/flickr8k/sat_soft  # docs/flickr8k.md
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """
 
@@ -24,7 +27,7 @@ EXAMPLES = """
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``captioner train`` (also used by ``scripts/train.py``)."""
     cfg = parser.add_argument_group("configuration (later wins: preset, --config, --set, flags)")
-    cfg.add_argument("--preset", metavar="NAME", help="named preset, e.g. sat_soft_tiny, sat_soft_lite, transformer")
+    cfg.add_argument("--preset", metavar="NAME", help=f"named preset: {', '.join(list_presets())}")
     cfg.add_argument("--config", metavar="FILE", help="JSON or YAML config file (nested model/data/train keys)")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override one config value, e.g. train.lr=1e-3 or decoder.hidden_dim=256 (repeatable)")

@@ -1,0 +1,61 @@
+"""scripts/flickr8k_results.py: the results table of the Flickr8k benchmark from its run folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "flickr8k_results.py"
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("flickr8k_results", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: float | None) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    report = {f"BLEU-{n}": 0.1 * n for n in range(1, 5)} | {"CIDEr-D": 0.5, "METEOR": 0.19, "ROUGE-L": 0.45,
+                                                             "beam_size": 3,
+                                                             "attention": {"attention_entropy": 3.36,
+                                                                           "uniform_entropy": 3.89}}
+    if coco:
+        report |= {f"coco/BLEU-{n}": 0.2 * n / 2 + 0.01 for n in range(1, 5)} | {
+            "coco/CIDEr-D": 0.526, "coco/METEOR": 0.196, "coco/ROUGE-L": 0.46}
+    (run / "metrics_dev.json").write_text(json.dumps(report))
+    (run / "metrics.csv").write_text("kind,epoch,seconds\nstep,1,10\nepoch,1,60\nstep,2,70\n"
+                                     f"epoch,2,{seconds}\n")
+    if correctness is not None:
+        (run / "coco2017-mini").mkdir()
+        (run / "coco2017-mini" / "metrics_train2017.json").write_text(
+            json.dumps({"attention_correctness": {"ratio": correctness, "words_scored": 50}}))
+    return run
+
+
+def test_rows_prefer_coco_caption_scores_and_read_time_and_attention(results, tmp_path: Path, capsys) -> None:
+    make_run(tmp_path, "sat_soft", coco=True, seconds=2188.0, correctness=1.378)
+    make_run(tmp_path, "transformer", coco=False, seconds=1500.0, correctness=None)
+    (tmp_path / "features").mkdir()  # no metrics_dev.json: not a row
+    assert results.main([str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    assert table == capsys.readouterr().out
+    lines = table.splitlines()
+    assert lines[0].startswith("| system |") and set(lines[1]) <= set("| -")
+    assert sum("(test)" in line for line in lines) == len(results.PUBLISHED)
+    soft = next(line for line in lines if "**sat_soft**" in line)
+    assert "(dev, coco-caption)" in soft and "11.0 / 21.0 / 31.0 / 41.0" in soft  # the coco/ scores, x100
+    assert "| 19.60 | 46.0 | 52.6 | 3.36 (3.89) | 1.38x (50 words) | 36 min |" in soft
+    tf = next(line for line in lines if "**transformer**" in line)
+    assert "(dev, built-in)" in tf and "10.0 / 20.0 / 30.0 / 40.0" in tf and "| 50.0 |" in tf and "| 25 min |" in tf
+
+
+def test_no_scored_run_is_an_error(results, tmp_path: Path) -> None:
+    assert results.main([str(tmp_path)]) == 1  # a table of the papers alone is no result
+    assert results.main([str(tmp_path / "missing")]) == 1
