@@ -34,8 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from captioner.errors import CaptionerError, DataError  # noqa: E402
-from download_common import download, open_zip, verify, write_members  # noqa: E402,F401  (verify: for callers)
+from captioner.errors import DataError  # noqa: E402
+from download_common import Steps, archive_parser, download, open_zip, run_cli, verify, write_members  # noqa: E402,F401  (verify: for callers)
+from download_common import prepare as prepare_archives  # noqa: E402
 
 log = logging.getLogger("download_coco")
 MARKER = ".extracted"
@@ -126,68 +127,33 @@ def extract(zip_path: Path, root: Path, archive: Archive) -> list[Path]:
     return written
 
 
+def _fetch(zip_path: Path, root: Path, a: Archive, progress: bool) -> None:
+    if not zip_path.exists():
+        download(a.url, zip_path, a.size, a.md5, progress=progress)
+
+
+STEPS = Steps(is_present=is_present, where=lambda root, a: f"{root}/{{{', '.join(d for _, d in a.members)}}}",
+              describe=lambda a: f"{a.size / 1e9:.2f} GB" if a.size else "size unknown",
+              fetch=_fetch, extract=extract)
+
+
 def prepare(root: Path, archives: Sequence[Archive], dry_run: bool = False, keep_archives: bool = False,
             progress: bool = True) -> list[str]:
     """Download, verify and extract each archive not yet present; returns the actions (done or planned)."""
-    actions = []
-    downloads = root / "downloads"
-    for a in archives:
-        zip_path = downloads / a.name
-        if is_present(root, a):
-            actions.append(f"skip {a.key}: {root / a.target} is present")
-            continue
-        if zip_path.exists():
-            actions.append(f"use {zip_path} (already downloaded)")
-        else:
-            part = zip_path.with_name(zip_path.name + ".part")
-            resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
-            size = f"{a.size / 1e9:.2f} GB" if a.size else "size unknown"
-            actions.append(f"download {a.url} -> {zip_path} ({size}{resume})")
-        dests = ", ".join(dest for _, dest in a.members)
-        actions.append(f"extract {a.name} -> {root}/{{{dests}}}")
-        if not keep_archives:
-            actions.append(f"delete {zip_path}")
-        if dry_run:
-            continue
-        downloads.mkdir(parents=True, exist_ok=True)
-        if not zip_path.exists():
-            download(a.url, zip_path, a.size, a.md5, progress=progress)
-        log.info("extracting %s", zip_path)
-        extract(zip_path, root, a)
-        if not keep_archives:
-            zip_path.unlink()
-    return actions
+    return prepare_archives(root, archives, STEPS, dry_run, keep_archives, progress)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/coco", help="dataset folder (default: data/coco)")
-    p.add_argument("--only", nargs="+", metavar="NAME", choices=[a.key for a in ARCHIVES],
-                   help="process only these archives: " + ", ".join(a.key for a in ARCHIVES))
+    p = archive_parser(__doc__, "data/coco", ARCHIVES)
     p.add_argument("--instances", action="store_true", help="also extract instances_{train,val}2014.json")
-    p.add_argument("--mirror", metavar="URL", help="fetch every archive as URL/<archive name>")
-    p.add_argument("--keep-archives", action="store_true", help="keep the zip files after extraction")
-    p.add_argument("--dry-run", action="store_true", help="list what would be done, do nothing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    root = Path(args.root)
-    try:
-        archives = select_archives(args.only, args.mirror, args.instances)
-        actions = prepare(root, archives, dry_run=args.dry_run, keep_archives=args.keep_archives,
-                          progress=not args.no_progress)
-    except CaptionerError as exc:
-        print(f"download_coco: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("download_coco: interrupted (run again to resume)", file=sys.stderr)
-        return 130
-    print(("would do:\n  " if args.dry_run else "done:\n  ") + "\n  ".join(actions))
-    return 0
+    return run_cli("download_coco", lambda: prepare(
+        Path(args.root), select_archives(args.only, args.mirror, args.instances), dry_run=args.dry_run,
+        keep_archives=args.keep_archives, progress=not args.no_progress), args.dry_run)
 
 
 if __name__ == "__main__":

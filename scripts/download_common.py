@@ -8,6 +8,7 @@ destination folder. Errors are ``DataError`` with one line naming the file.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import shutil
@@ -15,11 +16,13 @@ import sys
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from captioner.errors import DataError  # noqa: E402
+from captioner.errors import CaptionerError, DataError  # noqa: E402
 
 log = logging.getLogger("download")
 CHUNK = 1 << 20
@@ -131,3 +134,84 @@ def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterab
         tmp.replace(out)
         written.append(out)
     return written
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What one dataset's script does with one of its archives (an object with ``key``, ``name``, ``url``).
+
+    Attributes:
+        is_present: ``(root, archive) -> bool``: its content is already extracted.
+        where: ``(root, archive) -> str``: what it fills, for the messages.
+        describe: ``archive -> str``: what the download knows or checks (size, checksum).
+        fetch: ``(zip_path, root, archive, progress) -> None``: download and check it.
+        extract: ``(zip_path, root, archive) -> Any``: take its files out.
+    """
+
+    is_present: Callable[[Path, Any], bool]
+    where: Callable[[Path, Any], str]
+    describe: Callable[[Any], str]
+    fetch: Callable[[Path, Path, Any, bool], None]
+    extract: Callable[[Path, Path, Any], Any]
+
+
+def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = False, keep_archives: bool = False,
+            progress: bool = True) -> list[str]:
+    """Download, check and extract each archive not yet present (``root/downloads/`` holds the zips).
+
+    Returns:
+        The actions, done or (``dry_run``) planned, one line each.
+    """
+    actions = []
+    downloads = root / "downloads"
+    for a in archives:
+        zip_path = downloads / a.name
+        if steps.is_present(root, a):
+            actions.append(f"skip {a.key}: {steps.where(root, a)} is present")
+            continue
+        if zip_path.exists():
+            actions.append(f"use {zip_path} (already downloaded)")
+        else:
+            part = zip_path.with_name(zip_path.name + ".part")
+            resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
+            actions.append(f"download {a.url} -> {zip_path} ({steps.describe(a)}{resume})")
+        actions.append(f"extract {a.name} -> {steps.where(root, a)}")
+        if not keep_archives:
+            actions.append(f"delete {zip_path}")
+        if dry_run:
+            continue
+        downloads.mkdir(parents=True, exist_ok=True)
+        steps.fetch(zip_path, root, a, progress)
+        log.info("extracting %s", zip_path)
+        steps.extract(zip_path, root, a)
+        if not keep_archives:
+            zip_path.unlink()
+    return actions
+
+
+def run_cli(prog: str, work: Callable[[], list[str]], dry_run: bool) -> int:
+    """Run a script's ``work``, print its actions; one line and exit 1 on an error, 130 on Ctrl-C."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        actions = work()
+    except CaptionerError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (run again to resume)", file=sys.stderr)
+        return 130
+    print(("would do:\n  " if dry_run else "done:\n  ") + "\n  ".join(actions))
+    return 0
+
+
+def archive_parser(doc: str | None, default_root: str, archives: Sequence[Any]) -> argparse.ArgumentParser:
+    """The options every download script has: --root, --only, --mirror, --keep-archives, --dry-run, --no-progress."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=default_root, help=f"dataset folder (default: {default_root})")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=[a.key for a in archives],
+                   help="process only these archives: " + ", ".join(a.key for a in archives))
+    p.add_argument("--mirror", metavar="URL", help="fetch every archive as URL/<archive name>")
+    p.add_argument("--keep-archives", action="store_true", help="keep the zip files after extraction")
+    p.add_argument("--dry-run", action="store_true", help="list what would be done, do nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p

@@ -39,8 +39,9 @@ from pathlib import Path, PurePosixPath
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from captioner.errors import CaptionerError, DataError  # noqa: E402
-from download_common import download, file_digest, open_zip, verify, write_members  # noqa: E402
+from captioner.errors import DataError  # noqa: E402
+from download_common import Steps, archive_parser, download, file_digest, open_zip, run_cli, verify, write_members  # noqa: E402
+from download_common import prepare as prepare_archives  # noqa: E402
 
 log = logging.getLogger("download_flickr8k")
 BASE = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
@@ -141,74 +142,41 @@ def record_digest(root: Path, name: str, digest: str) -> None:
     path.write_text("\n".join(sorted(lines, key=lambda line: line.split("  ", 1)[-1])) + "\n")
 
 
+def _fetch(zip_path: Path, root: Path, a: Archive, progress: bool) -> None:
+    """Download (unless kept from an earlier run), check or record the SHA-256."""
+    if not zip_path.exists():
+        download(a.url, zip_path, progress=progress)
+    if a.sha256:  # also a zip kept from an earlier run; a mismatch removes it
+        verify(zip_path, None, a.sha256, label=a.name, algorithm="sha256")
+    digest = a.sha256 or file_digest(zip_path, "sha256")
+    record_digest(root, a.name, digest)
+    log.info("%s: %d bytes, SHA-256 %s%s", a.name, zip_path.stat().st_size, digest,
+             " (checked)" if a.sha256 else f" (recorded in {root / RECORD})")
+
+
+STEPS = Steps(is_present=is_present, where=lambda root, a: f"{root / a.folder}/",
+              describe=lambda a: "SHA-256 checked" if a.sha256 else "SHA-256 recorded, not checked",
+              fetch=_fetch, extract=extract)
+
+
 def prepare(root: Path, archives: Sequence[Archive], dry_run: bool = False, keep_archives: bool = False,
             progress: bool = True) -> list[str]:
     """Download, check and extract each archive not yet present; returns the actions (done or planned)."""
-    actions = []
-    downloads = root / "downloads"
-    for a in archives:
-        zip_path = downloads / a.name
-        if is_present(root, a):
-            actions.append(f"skip {a.key}: {root / a.folder} is present")
-            continue
-        if zip_path.exists():
-            actions.append(f"use {zip_path} (already downloaded)")
-        else:
-            part = zip_path.with_name(zip_path.name + ".part")
-            resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
-            check = "SHA-256 checked" if a.sha256 else "SHA-256 recorded, not checked"
-            actions.append(f"download {a.url} -> {zip_path} ({check}{resume})")
-        actions.append(f"extract {a.name} -> {root / a.folder}/")
-        if not keep_archives:
-            actions.append(f"delete {zip_path}")
-        if dry_run:
-            continue
-        downloads.mkdir(parents=True, exist_ok=True)
-        if not zip_path.exists():
-            download(a.url, zip_path, progress=progress)
-        if a.sha256:  # also a zip kept from an earlier run; a mismatch removes it
-            verify(zip_path, None, a.sha256, label=a.name, algorithm="sha256")
-        digest = a.sha256 or file_digest(zip_path, "sha256")
-        record_digest(root, a.name, digest)
-        log.info("%s: %d bytes, SHA-256 %s%s", a.name, zip_path.stat().st_size, digest,
-                 " (checked)" if a.sha256 else f" (recorded in {root / RECORD})")
-        log.info("extracting %s", zip_path)
-        extract(zip_path, root, a)
-        if not keep_archives:
-            zip_path.unlink()
-    return actions
+    return prepare_archives(root, archives, STEPS, dry_run, keep_archives, progress)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="data/flickr8k", help="dataset folder (default: data/flickr8k)")
-    p.add_argument("--only", nargs="+", metavar="NAME", choices=[a.key for a in ARCHIVES],
-                   help="process only these archives: " + ", ".join(a.key for a in ARCHIVES))
+    p = archive_parser(__doc__, "data/flickr8k", ARCHIVES)
     p.add_argument("--sha256", action="append", metavar="KEY=HEX",
                    help="expected SHA-256 of an archive (images=..., text=...); repeat for both")
-    p.add_argument("--mirror", metavar="URL", help="fetch every archive as URL/<archive name>")
-    p.add_argument("--keep-archives", action="store_true", help="keep the zip files after extraction")
-    p.add_argument("--dry-run", action="store_true", help="list what would be done, do nothing")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    root = Path(args.root)
-    try:
-        archives = select_archives(args.only, args.mirror, parse_sha256(args.sha256))
-        actions = prepare(root, archives, dry_run=args.dry_run, keep_archives=args.keep_archives,
-                          progress=not args.no_progress)
-    except CaptionerError as exc:
-        print(f"download_flickr8k: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("download_flickr8k: interrupted (run again to resume)", file=sys.stderr)
-        return 130
-    print(("would do:\n  " if args.dry_run else "done:\n  ") + "\n  ".join(actions))
-    return 0
+    return run_cli("download_flickr8k", lambda: prepare(
+        Path(args.root), select_archives(args.only, args.mirror, parse_sha256(args.sha256)), dry_run=args.dry_run,
+        keep_archives=args.keep_archives, progress=not args.no_progress), args.dry_run)
 
 
 if __name__ == "__main__":
