@@ -3,15 +3,7 @@
 # benchmark (bf16 and fp32 rows). Needs $OUT; wheels for packages the GPU image lacks in .whl/.
 # Each stage has its own time limit so that a slow one leaves the others' results in $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="$PWD:/tmp/site"
-else
-    export PYTHONPATH="$PWD"
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc;
-  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"; } | tee "$OUT/machine.txt"
+source "$(dirname "$0")/gpu_env.sh"
 SECONDS=0
 timeout 90 python3 scripts/benchmark.py --only sat_train --json 2>&1 | tee "$OUT/sat_train.json"
 echo "sat_train: ${SECONDS}s"

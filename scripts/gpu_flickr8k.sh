@@ -16,15 +16,8 @@
 # flickr8k_runs.tar.gz (every run's metrics.csv, config.json and log).
 set -uo pipefail
 DATA=${1:?usage: OUT=DIR bash scripts/gpu_flickr8k.sh DATA}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="$PWD:/tmp/site"
-else
-    export PYTHONPATH="$PWD"
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc;
-  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"; } | tee "$OUT/machine.txt"
+export OMP_NUM_THREADS=2
+source "$(dirname "$0")/gpu_env.sh"
 
 SECONDS=0
 timeout "${BENCH_LIMIT:-100}" python3 scripts/benchmark.py --only sat_train --json 2>&1 | tee "$OUT/sat_train.json"
