@@ -555,3 +555,18 @@ def test_13_a_very_long_caption_does_not_grow_the_vocabulary() -> None:
     long = "a red circle " + " ".join(f"w{i}" for i in range(10_000))
     assert len(Vocabulary.build(["a blue square", long], max_len=30)) == 4 + 5 + 27
     assert len(Vocabulary.build(["a blue square", long])) == 4 + 5 + 10_000
+
+
+def test_worker_counts_are_bounded_so_a_typo_cannot_fork_thousands_of_processes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.config import get_preset
+    from captioner.config.schema import MAX_WORKERS
+    from captioner.errors import ConfigError
+
+    assert get_preset("sat_soft_tiny", **{"data.num_workers": MAX_WORKERS}).data.num_workers == MAX_WORKERS
+    with pytest.raises(ConfigError, match=rf"data.num_workers must be between 0 and {MAX_WORKERS}, got 100000"):
+        get_preset("sat_soft_tiny", **{"data.num_workers": 100000})
+    from captioner.cli import main
+
+    assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tmp_path), "--workers", "100000"]) == 1
+    assert f"--workers must be between 0 and {MAX_WORKERS}, got 100000" in capsys.readouterr().err

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from captioner.config.schema import MAX_WORKERS
+
 NAME = "evaluate"
 HELP = "score a checkpoint on a dataset split; writes metrics_<split>.json and a COCO results file"
 EXAMPLES = """
@@ -96,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_images is not None and args.max_images < 1:
         raise ConfigError(f"--max-images must be >= 1, got {args.max_images}")
-    if args.workers < 0:
-        raise ConfigError(f"--workers must be >= 0, got {args.workers}")
+    if not 0 <= args.workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers must be between 0 and {MAX_WORKERS}, got {args.workers}")
     report = evaluate_checkpoint(
         args.checkpoint, args.data, split=args.split, beam_size=args.beam, max_len=args.max_len,
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,

@@ -29,7 +29,8 @@ LITE_STD = (128.0 / 255.0,) * 3
 
 ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
-SCHEDULES = ("constant", "warmup", "cosine")  # train.schedule, train.encoder_schedule
+SCHEDULES = ("constant", "warmup", "cosine")
+MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
 @dataclass
@@ -93,8 +94,8 @@ class DataConfig:
             raise ConfigError(f"data.min_freq must be >= 1, got {self.min_freq}")
         if self.max_caption_len < 1:
             raise ConfigError(f"data.max_caption_len must be >= 1, got {self.max_caption_len}")
-        if self.num_workers < 0:
-            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if not 0 <= self.num_workers <= MAX_WORKERS:
+            raise ConfigError(f"data.num_workers must be between 0 and {MAX_WORKERS}, got {self.num_workers}")
         if not self.in_memory_mb >= 0:
             raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
 
