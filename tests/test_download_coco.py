@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import http.server
 import importlib.util
 import io
 import json
 import sys
-import threading
 import zipfile
 from pathlib import Path
 
 import pytest
+from range_server import RangeHandler, serve
 
 from captioner.errors import DataError
 
@@ -47,46 +46,15 @@ ARCHIVE_FILES = {
 }
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """Serves ARCHIVE_FILES with HTTP Range support; records what it was asked."""
-
-    honour_range = True
-    log: list[tuple[str, str | None]] = []
-    sent = 0
-
-    def do_GET(self) -> None:  # noqa: N802
-        name = self.path.rsplit("/", 1)[-1]
-        rng = self.headers.get("Range")
-        type(self).log.append((name, rng))
-        if name not in ARCHIVE_FILES:
-            self.send_error(404)
-            return
-        data = ARCHIVE_FILES[name]
-        start = int(rng.split("=")[1].rstrip("-")) if rng and self.honour_range else 0
-        if start >= len(data) and start:
-            self.send_response(416)
-            self.end_headers()
-            return
-        body = data[start:]
-        self.send_response(206 if start else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        type(self).sent += len(body)  # before the write: the client may finish reading before this thread goes on
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+_Handler: type[RangeHandler] = RangeHandler  # the running server's handler class (set by the fixture)
 
 
 @pytest.fixture()
 def server():
-    _Handler.log, _Handler.sent, _Handler.honour_range = [], 0, True
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/mirror"
-    httpd.shutdown()
-    httpd.server_close()
+    global _Handler
+    with serve(ARCHIVE_FILES, "mirror") as (url, handler):
+        _Handler = handler
+        yield url
 
 
 def _archives(mirror: str, **kwargs) -> list:

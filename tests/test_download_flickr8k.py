@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import http.server
 import importlib.util
 import io
 import sys
-import threading
 import zipfile
 from pathlib import Path
 
 import pytest
+from range_server import RangeHandler, serve
 from PIL import Image
 
 from captioner.data.coco import check_images, load_caption_set
@@ -56,38 +55,15 @@ FILES = _archives()
 SHA = {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """Serves FILES with HTTP Range support; records the requests and the bytes sent."""
-
-    log: list[tuple[str, str | None]] = []
-    sent = 0
-
-    def do_GET(self) -> None:  # noqa: N802
-        name, rng = self.path.rsplit("/", 1)[-1], self.headers.get("Range")
-        type(self).log.append((name, rng))
-        if name not in FILES:
-            self.send_error(404)
-            return
-        start = int(rng.split("=")[1].rstrip("-")) if rng else 0
-        body = FILES[name][start:]
-        self.send_response(206 if start else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        type(self).sent += len(body)  # before the write: the client may be done before this thread goes on
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+_Handler: type[RangeHandler] = RangeHandler  # the running server's handler class (set by the fixture)
 
 
 @pytest.fixture()
 def mirror():
-    _Handler.log, _Handler.sent = [], 0
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/Flickr8k"
-    httpd.shutdown()
-    httpd.server_close()
+    global _Handler
+    with serve(FILES, "Flickr8k") as (url, handler):
+        _Handler = handler
+        yield url
 
 
 def test_download_unzips_into_the_layout_the_loader_reads(mirror: str, tmp_path: Path) -> None:
