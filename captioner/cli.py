@@ -17,7 +17,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from captioner.version import __version__
@@ -84,20 +84,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s" if not args.verbose else "%(levelname)s %(name)s: %(message)s",
     )
+    return run_reporting_errors(f"captioner {args.command}", lambda: int(args._run(args) or 0))
+
+
+def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """``run()``'s exit code, or the one-line report of a failure: what every command line of the project does.
+
+    ``CaptionerError`` and ``OSError`` (a disk that filled up, a folder made read-only under a running
+    command) print ``<prog>: error: <one line>`` and give 1, Ctrl-C prints ``<prog>: <interrupted>``
+    and gives 130, and a reader that went away (``| head``) ends quietly with 141.
+    """
     try:
-        return int(args._run(args) or 0)
+        return run()
     except CaptionerError as exc:
-        print(f"captioner {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"captioner {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except OSError as exc:  # a disk that filled up, a folder made read-only under a running command ...
+    except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"captioner {args.command}: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
         return 1
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from captioner.errors import CaptionerError, DataError  # noqa: E402
+from captioner.cli import run_reporting_errors  # noqa: E402
+from captioner.errors import DataError  # noqa: E402
 
 log = logging.getLogger("download")
 CHUNK = 1 << 20
@@ -190,18 +191,16 @@ def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = F
 
 
 def run_cli(prog: str, work: Callable[[], list[str]], dry_run: bool) -> int:
-    """Run a script's ``work``, print its actions; one line and exit 1 on an error, 130 on Ctrl-C."""
+    """Run a script's ``work`` and print its actions, reporting failures as the ``captioner`` CLI does
+    (one line and exit 1 on an error, 130 on Ctrl-C)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+
+    def run() -> int:
         actions = work()
-    except CaptionerError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted (run again to resume)", file=sys.stderr)
-        return 130
-    print(("would do:\n  " if dry_run else "done:\n  ") + "\n  ".join(actions))
-    return 0
+        print(("would do:\n  " if dry_run else "done:\n  ") + "\n  ".join(actions))
+        return 0
+
+    return run_reporting_errors(prog, run, interrupted="interrupted (run again to resume)")
 
 
 def archive_parser(doc: str | None, default_root: str, archives: Sequence[Any]) -> argparse.ArgumentParser:
