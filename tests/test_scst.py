@@ -190,10 +190,31 @@ def test_rescoring_gives_the_log_probs_the_sampler_drew_with(preset: str) -> Non
     with torch.no_grad():
         logits = decoder(features.repeat_interleave(K, 0), inputs).logits  # (R, L, V)
     rescored = policy_log_probs(logits, s.tokens, valid, banned, eos_id=2, temperature=T)
-    assert torch.allclose(rescored, s.log_probs, atol=1e-5)
-    assert bool((s.log_probs[~valid] == 0).all()) and bool((s.log_probs[valid] < 0).all())
+    drawn = _drawn_log_probs(decoder, features, s.tokens, banned, eos_id=2, temperature=T)
+    assert torch.allclose(rescored, drawn, atol=1e-5)
+    assert bool((rescored[~valid] == 0).all()) and bool((rescored[valid] < 0).all())
     full = torch.log_softmax(logits, -1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)  # the model's own softmax
-    assert (full - s.log_probs)[valid].abs().max() > 1e-2  # which is not the sampled policy
+    assert (full - drawn)[valid].abs().max() > 1e-2  # which is not the sampled policy
+
+
+def _drawn_log_probs(decoder, features, tokens, banned, eos_id, temperature):
+    """(R, L) log-probability of each sampled id under the distribution the sampler drew it from
+    (the decoder's step, banned ids at -inf except <eos>, divided by the temperature), replayed step by
+    step through the decoding state; 0 at padding."""
+    R, L = tokens.shape
+    K = R // features.size(0)
+    state = decoder.init_state(features).select(torch.arange(features.size(0)).repeat_interleave(K))
+    prev = torch.full((R,), 1, dtype=torch.long)  # <bos>
+    out = torch.zeros(R, L)
+    ban = torch.tensor([i for i in banned if i != eos_id])
+    with torch.no_grad():
+        for t in range(L):
+            log_probs, state, _ = decoder.step(prev, state)  # (R, V)
+            probs = torch.softmax(log_probs.float().index_fill(-1, ban, float("-inf")) / temperature, dim=-1)
+            drawn = probs.gather(1, tokens[:, t:t + 1]).squeeze(1).log()
+            out[:, t] = torch.where(tokens[:, t] != 0, drawn, torch.zeros_like(drawn))
+            prev = tokens[:, t]
+    return out
 
 
 @pytest.mark.parametrize("preset, head", [("sat_soft_tiny", "out_word"), ("transformer_tiny", "out")])

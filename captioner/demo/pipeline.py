@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioner.config import get_preset
+from captioner.data.coco import load_caption_set
+from captioner.data.shapes import make_shapes
+from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
+from captioner.demo.report import write_report
+from captioner.demo.table import LABELS
 from captioner.errors import ConfigError, DataError
+from captioner.training.word_detectors import pretrain_word_detectors
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +182,6 @@ def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
     Returns:
         ``{"generated": bool, "images": int, "seed": ..., "image_size": ...}`` (from the files).
     """
-    from captioner.data.shapes import make_shapes
-
     root = options.data
     files = [root / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in ("train", "val", "test")]
     if all(f.is_file() for f in files):
@@ -206,8 +211,6 @@ def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None
     With ``encoder_weights`` the encoder is loaded from that file and frozen, and its features go
     to the shared cache ``out/features``.
     """
-    from captioner.config import get_preset
-
     overrides: dict[str, Any] = {"data.root": str(options.data), "train.time_budget": float(options.budgets[decoder]),
                                  "train.seed": options.seed, "train.device": options.device}
     if encoder_weights is not None:
@@ -236,8 +239,6 @@ def default_jobs(options: DemoOptions) -> int:
 
 def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
     """Step 2: word-detector pretraining of the demo CNN into ``out/encoder.safetensors``."""
-    from captioner.training.word_detectors import pretrain_word_detectors
-
     cfg = demo_config(options.decoders[0], options)
     result = pretrain_word_detectors(cfg, options.out / "encoder.safetensors", seconds=options.encoder_budget,
                                      progress=options.progress)
@@ -252,11 +253,6 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
-    from captioner.data.coco import load_caption_set
-    from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
-    from captioner.demo.table import LABELS
-    from captioner.demo.report import write_report
-
     start = time.monotonic()
     out = options.out
     out.mkdir(parents=True, exist_ok=True)

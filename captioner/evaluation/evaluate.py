@@ -31,9 +31,17 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set, load_instances
+from captioner.data.dataset import image_loader
+from captioner.decoding.search import DecodeOptions
 from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
-from captioner.files import safe_name, writable_folder
+from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
+from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
+from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
+from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
+from captioner.files import atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, load
 
 log = logging.getLogger(__name__)
@@ -87,10 +95,6 @@ def caption_split(
     Returns:
         The captions, aligned with the (possibly filtered) caption set.
     """
-    from captioner.data.dataset import image_loader
-    from captioner.decoding.search import DecodeOptions
-    from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
-
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     options = DecodeOptions(beam_size=beam_size, max_len=max_len, allow_unk=allow_unk)
@@ -157,12 +161,6 @@ def evaluate_checkpoint(
         (the ``CaptionResult`` list) and ``"caption_set"`` (the images they belong to), which are
         not written to the file.
     """
-    from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
-    from captioner.checkpoint.atomic import atomic_write
-    from captioner.data.coco import check_images, load_caption_set, load_instances
-    from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
-    from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
-
     if max_images is not None and max_images < 1:
         raise ConfigError(f"max_images must be >= 1, got {max_images}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:

@@ -42,15 +42,15 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.config import ModelConfig
+from captioner.data.dataset import image_loader
 from captioner.errors import DataError, ImageLoadError
-from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
-                                      version_of, widen_in_place)
-from captioner.features.keys import FORMAT_VERSION, SUFFIX, cache_key, cache_path
+from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows,
+                                      map_dtype, peak, version_of, widen_in_place)
+from captioner.features.keys import cache_key, cache_path
 from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "FeatureCache", "SafeImages", "cache_key", "cache_path",
-           "check_batch_errors", "collate_safe", "get_feature_cache"]
+__all__ = ["MAGIC", "FeatureCache", "get_feature_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,6 @@ class FeatureCache:
             DataError: the encoder produced NaN/inf (or beyond bfloat16's range) for an image.
             ImageLoadError: an unreadable image without ``skip_bad``.
         """
-        from captioner.data.dataset import image_loader
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if len(caption_set.images) == 0:

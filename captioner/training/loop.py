@@ -62,7 +62,7 @@ from captioner.training.selection import keep_select_metric
 from captioner.training.state import (Progress, check_resume_config, check_resume_vocab, remove_stale_temp_files,
                                       seed_everything)
 
-__all__ = ["TrainForward", "TrainResult", "train"]
+__all__ = ["TrainResult", "train"]
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Sampler
 from tqdm import tqdm
 
+from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.errors import ImageLoadError
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ def pixels_in_memory(cs: Any, transform: Any, limit_mb: float, what: str, progre
     An unreadable image returns None too: the streaming path then reports (or skips) it exactly
     as it would have without this one.
     """
-    from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
-
     side = transform.size
     nbytes = len(cs.images) * 3 * side * side
     if limit_mb <= 0 or nbytes > limit_mb * MIB or not len(cs.images):

@@ -174,7 +174,7 @@ def check_resume_config(cfg: Config, run_dir: Path) -> None:
                     ", ".join(other))
 
 
-# Files the run folder writes atomically (``captioner.checkpoint.atomic.atomic_write``: ``.<name>.*.tmp``).
+# Files the run folder writes atomically (``captioner.files.atomic_write``: ``.<name>.*.tmp``).
 _ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
 
 
