@@ -222,7 +222,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
     from captioner.decoding import search
 
     assert search.DecodeOptions is DecodeOptions
-    assert Config().decoding == DecodeOptions() == DecodeOptions(1, 20, 0.0, 1, False)
+    assert Config().decoding == DecodeOptions() == DecodeOptions(3, 20, 0.0, 1, False)
     cfg = resolve_config("sat_soft_tiny", None, ["decoding.beam_size=5", "decoding.length_penalty=0.7",
                                                  "decoding.n_best=2", "decoding.allow_unk=true"])
     assert cfg.decoding == DecodeOptions(beam_size=5, max_len=20, length_penalty=0.7, n_best=2, allow_unk=True)
@@ -230,7 +230,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
                                          "allow_unk": True}
     cfg.save(tmp_path / "config.json")
     assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).decoding == cfg.decoding
-    with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=1"):
+    with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=3"):
         resolve_config("sat_soft_tiny", None, ["decoding.n_best=4"])
     with pytest.raises(ConfigError, match=r"unknown config key: decoding.beam$"):
         resolve_config("sat_soft_tiny", None, ["decoding.beam=4"])

@@ -235,16 +235,18 @@ class DecodeOptions:
     """How to search.
 
     Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax).
+        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every
+            caller shares: ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo
+            and (through the config's ``decoding`` section) training's validation.
         max_len: most words in a caption (``<eos>`` not counted).
         length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
         n_best: hypotheses returned per image, best first (at most ``beam_size``).
-        allow_unk: let :func:`caption_features` / :func:`caption_images` emit ``<unk>``; by default
+        allow_unk: let captions contain ``<unk>``; by default
             it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
             better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
     """
 
-    beam_size: int = 1
+    beam_size: int = 3
     max_len: int = 20
     length_penalty: float = 0.0
     n_best: int = 1

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.decoding.search import _ban, initial_state
+from captioner.decoding.filters import SuppressTokens
+from captioner.decoding.search import initial_state
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -73,6 +74,7 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
                           f"{samples}, {max_len}, {temperature}")
     if pad_id not in banned_ids:
         raise ConfigError("sample_captions: pad_id must be one of the banned ids")
+    suppress = SuppressTokens(banned_ids, eos_id)
     B, device = features.size(0), features.device
     R = B * samples
     with torch.inference_mode(False), torch.no_grad():
@@ -87,7 +89,7 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             if t == max_len:  # after max_len words only <eos> may follow
                 word = torch.full_like(prev, eos_id)
             else:
-                probs = torch.softmax(_ban(log_probs.float(), banned_ids, eos_id) / temperature, dim=-1)  # (R, V)
+                probs = torch.softmax(suppress(log_probs.float()) / temperature, dim=-1)  # (R, V)
                 word = torch.multinomial(probs, 1).squeeze(1)  # (R,)
             word = torch.where(done, torch.full_like(word, pad_id), word)
             tokens[:, t] = word

@@ -24,7 +24,7 @@ from captioner.demo.table import LABELS, format_value, table_row
 from captioner.device import resolve_device
 from captioner.errors import DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint
-from captioner.inference import load
+from captioner.inference import decode_options, load
 from captioner.models.captioner import build_model
 from captioner.text import Vocabulary
 from captioner.training.data import load_caption_sets, prepare_data
@@ -85,7 +85,7 @@ def epochs_trained(history: Sequence[dict[str, Any]], train_items: int, batch_si
     return round(history[-1]["step"] / max(1, math.ceil(train_items / batch_size)), 2)
 
 
-def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int | None, overlays: int, train_captions: int,
                 progress: bool = True, threads: int | None = None, scst_cfg: Any = None) -> dict[str, Any]:
     """Train one decoder, score its best checkpoint on the test split, draw overlays; then, with
     ``scst_cfg``, the same for its self-critical stage (``<run_dir>+scst``, ``--init`` from this one).
@@ -118,14 +118,15 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
     return done
 
 
-def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int | None, overlays: int, train_captions: int,
                      progress: bool) -> dict[str, Any]:
     device = str(resolve_device(cfg.train.device, 0, option="train.device"))
     result = train(cfg, run_dir, progress=progress, overwrite=True)  # a demo re-run moves the last one aside
     if not result.best_checkpoint.exists():
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
-    log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), beam_size)
-    metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", beam_size=beam_size, out_dir=run_dir,
+    options = decode_options(**({} if beam_size is None else {"beam_size": beam_size}))
+    log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), options.beam_size)
+    metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", options, out_dir=run_dir,
                                   device=device, progress=progress, meteor=False,
                                   coco_caption=False)  # synthetic scenes: no paper to compare with
     shown = write_demo_overlays(metrics, result.best_checkpoint, Path(cfg.data.root), run_dir / "overlays",

@@ -74,7 +74,7 @@ class DemoOptions:
         decoders: which of ``DEMO_DECODERS`` to train, in order.
         out: output folder (runs, report).
         overlays: test images written with overlays and explorers per decoder.
-        beam_size: beam size of the test captions.
+        beam_size: beam size of the test captions; None: ``DecodeOptions()``'s (3).
         device: ``"cpu"``, ``"cuda"``, ``"auto"``.
         image_size: side of generated scenes in pixels (the encoder sees its own ``image_size``).
         presets: decoder -> preset name (default ``<decoder>_demo``).
@@ -93,7 +93,7 @@ class DemoOptions:
     decoders: tuple[str, ...] = DEMO_DECODERS
     out: Path = Path("runs/demo")
     overlays: int = 4
-    beam_size: int = 3
+    beam_size: int | None = None
     device: str = "cpu"
     image_size: int = 128
     presets: dict[str, str] = field(default_factory=lambda: dict(DEMO_PRESETS))
@@ -122,7 +122,7 @@ class DemoOptions:
             raise ConfigError(f"--encoder-budget must be > 0 seconds, got {self.encoder_budget}")
         if self.jobs is not None and self.jobs < 1:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
-        if self.overlays < 0 or self.beam_size < 1:
+        if self.overlays < 0 or (self.beam_size is not None and self.beam_size < 1):
             raise ConfigError("--overlays must be >= 0 and --beam >= 1")
         if self.scst_budgets and not self.scst:
             raise ConfigError("--scst-budget needs --scst")
@@ -135,7 +135,7 @@ class DemoOptions:
 
     @classmethod
     def from_args(cls, data: str, images: int | None, seed: int, budget: str | float | None,
-                  decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int = 3, device: str = "cpu",
+                  decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int | None = None, device: str = "cpu",
                   quick: bool = False, encoder_budget: float | None = None, scst: bool = False,
                   scst_budget: str | float | None = None, **extra: Any) -> "DemoOptions":
         """Options from command-line values; ``quick`` picks small defaults for the unset ones.

@@ -295,7 +295,7 @@ def attention_correctness_for_results(
     """Attention correctness of a decoded split (called by ``evaluate.py``).
 
     Args:
-        results: ``CaptionResult`` per image (``words``, ``attention`` (L, g, g)), aligned with
+        results: ``captioner.inference.Caption`` per image (``words``, ``attention`` (L, g, g)), aligned with
             ``caption_set.images``.
         caption_set: the ``CaptionSet`` the results were decoded from (image sizes come from its
             records, or from the image file when a record has none).

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.decoding.search import DecodeOptions, _ban, decode, never_emitted_ids
+from captioner.decoding.filters import SuppressTokens
+from captioner.decoding.search import DecodeOptions, decode, never_emitted_ids
 from captioner.losses import LossResult
 from captioner.models.base import eval_mode
 from captioner.decoding.sampling import sample_captions
@@ -125,7 +126,7 @@ def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
     (greedy training CIDEr-D 1.55 -> 0.26). Under pi the banned ids get no gradient at all.
     Positions where ``mask`` is False (padding) are 0.
     """
-    scores = _ban(logits.float(), banned_ids, eos_id)  # the sampler's ban (captioner.decoding.sampling)
+    scores = SuppressTokens(banned_ids, eos_id)(logits.float())  # the sampler's filter (captioner.decoding.sampling)
     if temperature != 1.0:
         scores = scores / temperature
     chosen = F.log_softmax(scores, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (R, L), -inf at pad

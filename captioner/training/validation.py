@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from captioner.decoding import search
+from captioner import inference
 from captioner.decoding.search import DecodeOptions
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.models.base import attention_entropy
@@ -53,7 +53,10 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
             continue
         x, index = batch
         x = x.to(device, non_blocking=True)
-        results = (search.caption_features if on_features else search.caption_images)(model, x, vocab, options)
+        if on_features:
+            results = inference.caption_features(model, x, vocab, options)
+        else:
+            results = inference.caption_images(model, x, vocab, options)
         for res, i in zip(results, index.tolist()):
             hyps.append(res.text)
             refs.append(val_set.references(val_set.images[i].image_id))
