@@ -34,6 +34,10 @@ from captioner.training.memory import MemoryBatches, MemoryEvalBatches, features
 
 log = logging.getLogger(__name__)
 
+# Feature-cache building and validation run without gradients: they batch at least this many images
+# even when the training batch is smaller (memory allows it, and small batches waste the encoder).
+MIN_INFERENCE_BATCH = 32
+
 
 @dataclass
 class TrainData:
@@ -104,7 +108,8 @@ def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info
                    progress: bool) -> tuple[Callable[[int], torch.Tensor], Any, Any]:
     """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier), the
     caption set it serves, and a ``MemoryStore`` of the features when they fit in memory."""
-    kwargs = dict(batch_size=max(cfg.train.batch_size, 32), device=info.device, skip_bad=cfg.data.skip_missing,
+    kwargs = dict(batch_size=max(cfg.train.batch_size, MIN_INFERENCE_BATCH), device=info.device,
+                  skip_bad=cfg.data.skip_missing,
                   progress=progress and info.is_main, num_workers=cfg.data.num_workers)
     transform = ImageTransform(cfg.model.encoder)
     if info.is_main:
@@ -242,8 +247,9 @@ def val_loader(dataset: Dataset, cfg: Config, info: DistInfo, store: Any = None,
     """Validation images in dataset order (``indices``: a rank's shard), from ``store`` when given."""
     if store is not None:
         return MemoryEvalBatches(store, list(range(len(store))) if indices is None else indices,
-                                 max(cfg.train.batch_size, 32))
+                                 max(cfg.train.batch_size, MIN_INFERENCE_BATCH))
     if indices is not None:
         dataset = Subset(dataset, indices)
-    return DataLoader(dataset, batch_size=max(cfg.train.batch_size, 32), shuffle=False, collate_fn=collate_images,
+    return DataLoader(dataset, batch_size=max(cfg.train.batch_size, MIN_INFERENCE_BATCH), shuffle=False,
+                      collate_fn=collate_images,
                       num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")

@@ -43,6 +43,8 @@ from captioner.training.memory import pixels_in_memory
 
 log = logging.getLogger(__name__)
 
+POSTFIX_EVERY = 25  # steps between updates of the progress bar's loss
+
 SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r -> 0: the mean)
 
 
@@ -144,7 +146,7 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         step += 1
         losses.append(float(loss.detach()))
         bar.update(1)
-        if step % 25 == 0:
+        if step % POSTFIX_EVERY == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     bar.close()
     elapsed = time.monotonic() - start
