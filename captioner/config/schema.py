@@ -30,6 +30,7 @@ LITE_STD = (128.0 / 255.0,) * 3
 ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
+OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.objectives
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
@@ -212,8 +213,8 @@ class TrainConfig:
         if self.encoder_lr <= 0:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
         # --- self-critical (issue 15) ---
-        if self.objective not in ("xe", "scst"):
-            raise ConfigError(f"train.objective={self.objective!r}: use xe or scst")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
         if self.scst_baseline not in ("greedy", "mean"):
             raise ConfigError(f"train.scst_baseline={self.scst_baseline!r}: use greedy or mean")
         k = self.scst_samples
