@@ -50,7 +50,7 @@ def test_build_objective_picks_the_class_by_name(tiny_shapes: Path) -> None:
     assert type(xe) is CrossEntropy and (xe.alpha_c, xe.entropy_weight) == (0.5, cfg.train.entropy_weight)
     scst = build_objective(cfg.override(**{"train.objective": "scst", "train.scst_samples": 3}), train_set, VOCAB,
                            torch.device("cpu"))
-    assert type(scst) is SelfCritical and scst.samples == 3 and scst.baseline_kind == cfg.train.scst_baseline
+    assert type(scst) is SelfCritical and scst.samples == 3 and scst.baseline_kind == cfg.train.scst.baseline
 
 
 @pytest.mark.parametrize("preset", ["sat_hard_tiny", "transformer_tiny"])

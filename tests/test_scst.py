@@ -311,8 +311,9 @@ def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
 def test_scst_xe_weight_is_checked() -> None:
     from captioner.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="scst_xe_weight"):
-        get_preset("sat_soft_tiny", **{"train.scst_xe_weight": -1})
+    for key in ("train.scst.xe_weight", "train.scst_xe_weight"):  # the flat key of older configs, too
+        with pytest.raises(ConfigError, match=r"train\.scst\.xe_weight must be a number >= 0"):
+            get_preset("sat_soft_tiny", **{key: -1})
 
 
 # ----------------------------------------------------------------------------- the second training stage
@@ -326,7 +327,7 @@ def test_init_then_scst_round_trip_through_the_cli(tiny_shapes: Path, tmp_path: 
     assert main(["train", "--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out),
                  "--init", str(stage1["sat_soft_tiny"]), "--set", "train.objective=scst", "--set",
                  "train.batch_size=16", "--set", "train.val_max_images=4", "--set", "train.val_beam=1",
-                 "--set", "train.log_every=5", "--set", "train.scst_samples=3", "--epochs", "1",
+                 "--set", "train.log_every=5", "--set", "train.scst.samples=3", "--epochs", "1",
                  "--no-progress"]) == 0
     cfg = json.loads((out / "config.json").read_text())["train"]
     assert cfg["objective"] == "scst" and cfg["init"] == str(stage1["sat_soft_tiny"])
@@ -345,7 +346,7 @@ def test_resume_mid_scst_reproduces_the_uninterrupted_run(tiny_shapes: Path, tmp
                                                           stage1: dict[str, Path]) -> None:
     """Hard attention: the sampled words, the greedy baseline and the sampled regions all draw random numbers."""
     scst = {"train.objective": "scst", "train.init": str(stage1["sat_hard_tiny"]), "train.epochs": 2,
-            "train.scst_samples": 2, "train.lr": 1e-3}
+            "train.scst.samples": 2, "train.lr": 1e-3}
     whole = tmp_path / "whole"
     train(tiny_cfg("sat_hard_tiny", tiny_shapes, **scst), whole, progress=False)
     part = tmp_path / "part"
@@ -362,10 +363,15 @@ def test_resume_mid_scst_reproduces_the_uninterrupted_run(tiny_shapes: Path, tmp
 
 @pytest.mark.parametrize("key,value,message", [
     ("train.objective", "rl", "train.objective='rl': use xe or scst"),
-    ("train.scst_baseline", "beam", "train.scst_baseline='beam': use greedy or mean"),
-    ("train.scst_samples", 0, "train.scst_samples must be an integer >= 1"),
-    ("train.scst_temperature", -1, "train.scst_temperature must be a number > 0"),
-    ("train.scst_bleu_weight", 2, "train.scst_bleu_weight must be in [0, 1]"),
+    ("train.scst.baseline", "beam", "train.scst.baseline='beam': use mean or greedy"),
+    ("train.scst.samples", 0, "train.scst.samples must be an integer >= 1"),
+    ("train.scst.temperature", -1, "train.scst.temperature must be a number > 0"),
+    ("train.scst.bleu_weight", 2, "train.scst.bleu_weight must be in [0, 1]"),
+    # the flat keys of configs written before train.scst was a section: the same checks
+    ("train.scst_baseline", "beam", "train.scst.baseline='beam': use mean or greedy"),
+    ("train.scst_samples", 0, "train.scst.samples must be an integer >= 1"),
+    ("train.scst_temperature", -1, "train.scst.temperature must be a number > 0"),
+    ("train.scst_bleu_weight", 2, "train.scst.bleu_weight must be in [0, 1]"),
 ])
 def test_bad_scst_settings_are_one_line_errors(key: str, value, message: str, tiny_shapes: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:
