@@ -27,7 +27,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 
-ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
+# encoder.name: the names the config accepts. Everything else about an encoder (trunk, stride, feature
+# width, weights) is its entry in captioner.models.registry, whose register_encoder adds a new name here.
+ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.objectives
@@ -37,7 +39,7 @@ MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process e
 
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS
+    name: str = "resnet101"  # one of ENCODERS (registered encoders)
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
