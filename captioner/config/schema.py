@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from captioner.config.decoders import DecoderConfig, SATConfig
 from captioner.config.parse import family_first, from_dict, set_dotted
@@ -27,15 +27,19 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 
-ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
+# encoder.name: the names the config accepts. Everything else about an encoder (trunk, stride, feature
+# width, weights) is its entry in captioner.models.registry, whose register_encoder adds a new name here.
+ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
+OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.objectives
+SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS
+    name: str = "resnet101"  # one of ENCODERS (registered encoders)
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
@@ -101,6 +105,38 @@ class DataConfig:
 
 
 @dataclass
+class ScstConfig:
+    """Self-critical sequence training (``train.objective = "scst"``, Rennie et al. 2017): ``train.scst``."""
+
+    samples: int = 5  # captions sampled per image
+    temperature: float = 1.0  # sampling temperature (softmax of log-probs / T)
+    baseline: str = "mean"  # one of SCST_BASELINES: the image's other samples' mean reward (Luo 2020; stable) or greedy's
+    bleu_weight: float = 0.0  # reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
+    # + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al. 2018):
+    # keeps a small dataset's SCST stage close to the references; 0 = pure SCST
+    xe_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.baseline not in SCST_BASELINES:
+            raise ConfigError(f"train.scst.baseline={self.baseline!r}: use {' or '.join(SCST_BASELINES)}")
+        k = self.samples
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.baseline == "mean"):
+            raise ConfigError(f"train.scst.samples must be an integer >= 1 (>= 2 with baseline mean), got {k!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 < self.temperature < math.inf:
+            raise ConfigError(f"train.scst.temperature must be a number > 0, got {self.temperature!r}")
+        w = self.bleu_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ConfigError(f"train.scst.bleu_weight must be in [0, 1], got {w!r}")
+        w = self.xe_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
+
+
+SCST_KEYS = tuple(f.name for f in dataclasses.fields(ScstConfig))
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 20
     batch_size: int = 32
@@ -137,7 +173,6 @@ class TrainConfig:
     # batch captions of similar length: sort pools of this many batches by length, shuffle the batches of each
     # pool (0 = plain random batches). Less padding, the same captions per epoch: 1.6x fewer steps on Flickr8k
     length_buckets: int = 0
-    # --- recipe (issue 16) ---
     betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW (beta1, beta2); the Transformer presets use (0.9, 0.98)
     encoder_schedule: str = "constant"  # fine-tuned encoder group: one of SCHEDULES, peak encoder_lr
     decay_factor: float = 0.8  # lr multiplier (every group) of the plateau and step decays
@@ -146,15 +181,11 @@ class TrainConfig:
     select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
     val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
-    # --- self-critical (issue 15) ---
-    objective: str = "xe"  # "xe" (cross-entropy, teacher forcing) or "scst" (self-critical, Rennie et al. 2017)
-    scst_samples: int = 5  # scst: captions sampled per image
-    scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
-    scst_baseline: str = "mean"  # "mean" of the image's other samples (Luo 2020; stable) or "greedy" (Rennie et al.)
-    scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
-    # scst: + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al.
-    # 2018): keeps a small dataset's SCST stage close to the references; 0 = pure SCST
-    scst_xe_weight: float = 0.0
+    objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
+    scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
+
+    # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -187,7 +218,6 @@ class TrainConfig:
             raise ConfigError(f"train.log_every must be >= 1, got {self.log_every}")
         if self.ds_form not in ("excess", "mean", "sum"):
             raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
-        # --- recipe (issue 16) ---
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}")
@@ -211,23 +241,8 @@ class TrainConfig:
             raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
         if self.encoder_lr <= 0:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
-        # --- self-critical (issue 15) ---
-        if self.objective not in ("xe", "scst"):
-            raise ConfigError(f"train.objective={self.objective!r}: use xe or scst")
-        if self.scst_baseline not in ("greedy", "mean"):
-            raise ConfigError(f"train.scst_baseline={self.scst_baseline!r}: use greedy or mean")
-        k = self.scst_samples
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.scst_baseline == "mean"):
-            raise ConfigError(f"train.scst_samples must be an integer >= 1 (>= 2 with scst_baseline=mean), got {k!r}")
-        if isinstance(self.scst_temperature, bool) or not isinstance(self.scst_temperature, (int, float)) \
-                or not 0.0 < self.scst_temperature < math.inf:
-            raise ConfigError(f"train.scst_temperature must be a number > 0, got {self.scst_temperature!r}")
-        w = self.scst_bleu_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-            raise ConfigError(f"train.scst_bleu_weight must be in [0, 1], got {w!r}")
-        w = self.scst_xe_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"train.scst_xe_weight must be a number >= 0, got {w!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
 
 
 @dataclass(frozen=True)

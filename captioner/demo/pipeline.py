@@ -56,7 +56,7 @@ SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decod
 # step costs about six cross-entropy steps: at 0.4 the stages were 33-88 steps and "objects ok" moved by
 # up to -3 points; at 1.0 (115-236 steps) it rose for all three decoders, docs/demo.md)
 SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage's (Rennie et al. lower it too)
-# the SCST stage adds this weight of the references' cross-entropy (train.scst_xe_weight): with it
+# the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
 # "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
 SCST_XE_WEIGHT = 0.25
 
@@ -225,7 +225,7 @@ def scst_config(decoder: str, cfg: Any, options: DemoOptions):  # -> Config
     from ``out/<decoder>/best.safetensors`` for ``options.scst_budgets[decoder]`` seconds."""
     return cfg.override(**{"train.objective": "scst", "train.init": str(options.out / decoder / "best.safetensors"),
                            "train.time_budget": options.scst_budgets[decoder],
-                           "train.lr": cfg.train.lr * SCST_LR_SCALE, "train.scst_xe_weight": SCST_XE_WEIGHT})
+                           "train.lr": cfg.train.lr * SCST_LR_SCALE, "train.scst.xe_weight": SCST_XE_WEIGHT})
 
 
 def default_jobs(options: DemoOptions) -> int:

@@ -1,6 +1,8 @@
-"""The full model: encoder + decoder, built from a ``ModelConfig`` (decoders by name: ``registry``).
+"""The full model: encoder + decoder, built from a ``ModelConfig`` (both by name: ``registry``).
 
 Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
+Importing this module registers the built-in encoders and decoders (their modules register
+themselves when imported).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from torch import nn
 
 from captioner.config import ModelConfig
 from captioner.errors import ConfigError
+from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
 from captioner.models.base import CaptionDecoder, DecoderOutput
+from captioner.models.encoder import build_encoder
 from captioner.models.registry import build_decoder
 
 
@@ -49,8 +53,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
         load_pretrained: load the encoder's ImageNet weights when ``cfg.encoder.pretrained``;
             False when the weights will come from a checkpoint (never downloads then).
     """
-    from captioner.models.encoder import build_encoder
-
     if vocab_size < 5:
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
