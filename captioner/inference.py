@@ -150,7 +150,7 @@ def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tok
     """Per-layer, per-head attention of a given caption, from the decoder's teacher-forced forward.
 
     Args:
-        model: a ``models.captioner.Captioner`` in eval mode.
+        model: a ``models.captioner.CaptionModel`` in eval mode.
         features: (1, N, D) region features of the image.
         tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
         bos_id: the ``<bos>`` id.
@@ -199,7 +199,7 @@ class Captioner:
     """A trained captioning model ready for inference: network, vocabulary, transform and device.
 
     Args:
-        model: a ``models.captioner.Captioner`` (its ``config`` gives the image transform).
+        model: a ``models.captioner.CaptionModel`` (its ``config`` gives the image transform).
         vocab: the vocabulary it was trained with.
         device: where it runs; default: where its parameters are.
     """

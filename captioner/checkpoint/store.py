@@ -108,7 +108,7 @@ def _header(model: torch.nn.Module, vocab: Vocabulary, metadata: Mapping[str, An
     config = getattr(model, "config", None)
     vocab_size = getattr(model, "vocab_size", None)
     if not dataclasses.is_dataclass(config) or not isinstance(vocab_size, int):
-        raise CheckpointError("save_checkpoint needs a Captioner (a model with .config and .vocab_size)")
+        raise CheckpointError("save_checkpoint needs a CaptionModel (a model with .config and .vocab_size)")
     if len(vocab) != vocab_size:
         raise CheckpointError(f"vocabulary has {len(vocab)} tokens but the model was built for {vocab_size}")
     meta = dict(metadata or {})
@@ -137,7 +137,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
     Args:
         path: output file; ``.safetensors`` (default) or ``.pt``/``.pth``/``.bin`` (torch.save of
             tensors and strings only).
-        model: a ``Captioner``.
+        model: a ``CaptionModel``.
         vocab: its vocabulary (``len(vocab) == model.vocab_size``).
         metadata: JSON-serialisable training metadata (epoch, step, metrics, ...).
         file_format: "safetensors" or "torch"; default from the suffix.

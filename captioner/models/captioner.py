@@ -18,7 +18,7 @@ from captioner.models.encoder import build_encoder
 from captioner.models.registry import build_decoder
 
 
-class Captioner(nn.Module):
+class CaptionModel(nn.Module):
     """Encoder + decoder. ``config`` travels with the model into checkpoints.
 
     Args:
@@ -44,7 +44,7 @@ class Captioner(nn.Module):
         return self.decoder(features, tokens, need_all_attention=need_all_attention)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> Captioner:
+def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> CaptionModel:
     """Build encoder and decoder from config.
 
     Args:
@@ -57,4 +57,4 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
     decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
-    return Captioner(encoder, decoder, cfg, vocab_size)
+    return CaptionModel(encoder, decoder, cfg, vocab_size)

@@ -27,7 +27,7 @@ from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, col
 from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError
 from captioner.features.cache import get_feature_cache
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.text import Vocabulary
 from captioner.training.distributed import DistInfo, barrier
 from captioner.training.memory import MemoryBatches, MemoryEvalBatches, features_in_memory, pixels_in_memory
@@ -104,7 +104,7 @@ class _Remap:
         return self.base(self.index[i])
 
 
-def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
+def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
                    progress: bool) -> tuple[Callable[[int], torch.Tensor], Any, Any]:
     """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier), the
     caption set it serves, and a ``MemoryStore`` of the features when they fit in memory."""
@@ -127,7 +127,7 @@ def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info
     return _Remap(cache.loader(), valid), cs.subset(valid), None
 
 
-def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: Any, val_set: Any,
+def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set: Any, val_set: Any,
                  run_dir: Path, info: DistInfo, progress: bool) -> TrainData:
     """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
 

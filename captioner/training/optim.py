@@ -12,13 +12,13 @@ import torch
 
 from captioner.config import TrainConfig
 from captioner.errors import ConfigError
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.training.schedules import GroupSchedule, build_scheduler, decoder_peak_lr
 
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: CaptionModel, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
     """Adam/AdamW over the decoder (``cfg.lr``) and the trainable encoder stages (``cfg.encoder_lr``).
 
     The group lrs are those peaks; :func:`build_schedule` then sets each group's lr per step.
@@ -37,12 +37,12 @@ def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> 
     return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
-def schedule_width(model: Captioner) -> int:
+def schedule_width(model: CaptionModel) -> int:
     """The ``d_model`` of an old Noam-scale ``train.lr``: the decoder family's width (d_model, LSTM hidden_dim)."""
     return model.config.decoder.width
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig,
+def build_schedule(optimizer: torch.optim.Optimizer, model: CaptionModel, cfg: TrainConfig,
                    total_steps: int | None = None) -> GroupSchedule:
     """One schedule per parameter group (see :mod:`captioner.training.schedules`).
 

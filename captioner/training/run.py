@@ -28,7 +28,7 @@ from torch import nn
 
 from captioner.config import Config
 from captioner.errors import CheckpointError
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.training.distributed import DistInfo
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.objective import Objective, TrainModel
@@ -49,7 +49,7 @@ class TrainForward(nn.Module):
         on_features: inputs are region features (B,N,D) rather than images (B,3,S,S).
     """
 
-    def __init__(self, model: Captioner, on_features: bool) -> None:
+    def __init__(self, model: CaptionModel, on_features: bool) -> None:
         super().__init__()
         self.model = model
         self.on_features = on_features
@@ -81,7 +81,7 @@ class Learner:
             ``DistributedDataParallel`` wrapper under torchrun (set by the loop).
     """
 
-    model: Captioner
+    model: CaptionModel
     module: TrainForward
     objective: Objective
     optimizer: torch.optim.Optimizer

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.config import Config
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, one_line
@@ -199,8 +200,6 @@ def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
     The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
     is left for loading ``train_state.pt`` to report.
     """
-    from captioner.checkpoint.store import read_checkpoint_metadata
-
     latest = run_dir / "latest.safetensors"
     if not latest.exists():
         return

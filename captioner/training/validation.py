@@ -20,12 +20,12 @@ from captioner import inference
 from captioner.decoding.search import DecodeOptions
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.models.base import attention_entropy
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.text import Vocabulary
 
 
 @torch.inference_mode()
-def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
+def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
              device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
     """Decode captions for the loader's images and collect hypotheses and references.
 
