@@ -42,7 +42,7 @@ from captioner.models.base import eval_mode
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
-           "load", "teacher_forced_attention"]
+           "load", "search_features", "teacher_forced_attention"]
 
 ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
 """A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
@@ -132,8 +132,21 @@ def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Voca
     if grid[0] * grid[1] != features.size(1):
         raise ConfigError(f"grid {grid} does not match {features.size(1)} regions")
     with eval_mode(model):
-        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
+        hyps = search_features(model.decoder, features, vocab, options)
     return _captions(hyps, vocab, grid)
+
+
+def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
+                    options: DecodeOptions | None = None) -> list[list[Hypothesis]]:
+    """The search every caption goes through: ``decoder`` in eval mode (restored afterwards),
+    ``<pad>``/``<bos>`` (and ``<unk>`` unless ``options.allow_unk``) never emitted.
+
+    :func:`caption_features` calls it for whole models; SCST's greedy baseline calls it with the
+    decoder alone. Returns ``options.n_best`` hypotheses per image, best first.
+    """
+    options = options if options is not None else DecodeOptions()
+    with eval_mode(decoder):
+        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
 
 
 def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,

@@ -104,6 +104,42 @@ class DataConfig:
             raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to search.
+
+    Attributes:
+        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every
+            caller shares: ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo
+            and (through the config's ``decoding`` section) training's validation.
+        max_len: most words in a caption (``<eos>`` not counted).
+        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
+        n_best: hypotheses returned per image, best first (at most ``beam_size``).
+        allow_unk: let captions contain ``<unk>``; by default
+            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
+            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
+    """
+
+    beam_size: int = 3
+    max_len: int = 20
+    length_penalty: float = 0.0
+    n_best: int = 1
+    allow_unk: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "max_len", "n_best"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
+        if self.n_best > self.beam_size:
+            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
+        alpha = self.length_penalty
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
+            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
+        if not isinstance(self.allow_unk, bool):
+            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
+
+
 @dataclass
 class ScstConfig:
     """Self-critical sequence training (``train.objective = "scst"``, Rennie et al. 2017): ``train.scst``."""
@@ -157,7 +193,7 @@ class TrainConfig:
     reinforce_weight: float = 1.0  # hard attention: weight of the REINFORCE term
     entropy_weight: float = 0.01  # hard attention: entropy bonus
     baseline_decay: float = 0.9  # hard attention: moving-average baseline decay
-    val_beam: int = 3  # beam size of the validation decoding (1 = greedy); 3 = ``captioner evaluate``'s default
+    val_beam: int = DecodeOptions.beam_size  # beam size of the validation decoding (1 = greedy): DecodeOptions()'s
     val_max_images: int | None = None  # cap validation images per epoch (None = all)
     patience: int = 5  # early stopping: epochs without a better validation select_metric
     time_budget: float | None = None  # stop training after this many seconds
@@ -179,7 +215,7 @@ class TrainConfig:
     decay_patience: int = 0  # plateau decay: x decay_factor per N epochs with no better select_metric; 0 = off
     decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
     select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
-    val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
+    val_max_len: int = DecodeOptions.max_len  # longest validation caption in words: DecodeOptions()'s
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
     objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
     scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
@@ -243,42 +279,6 @@ class TrainConfig:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How to search.
-
-    Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every
-            caller shares: ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo
-            and (through the config's ``decoding`` section) training's validation.
-        max_len: most words in a caption (``<eos>`` not counted).
-        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
-        n_best: hypotheses returned per image, best first (at most ``beam_size``).
-        allow_unk: let captions contain ``<unk>``; by default
-            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
-            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
-    """
-
-    beam_size: int = 3
-    max_len: int = 20
-    length_penalty: float = 0.0
-    n_best: int = 1
-    allow_unk: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_size", "max_len", "n_best"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
-        if self.n_best > self.beam_size:
-            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
-        alpha = self.length_penalty
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
-            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
-        if not isinstance(self.allow_unk, bool):
-            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
 
 
 @dataclass

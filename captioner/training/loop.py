@@ -182,7 +182,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         run.clock.seconds_before = run.progress.seconds
         del saved
     elif info.rank > 0:
-        seed_everything(t.seed + 1_000_003 * info.rank)  # own dropout / attention-sampling stream per rank
+        seed_everything(t.seed + ddp.RANK_SEED_STRIDE * info.rank)  # own dropout / attention-sampling stream per rank
     if info.distributed:
         run.learner.forward = nn.parallel.DistributedDataParallel(
             forward, device_ids=[info.device.index] if info.device.type == "cuda" else None,

@@ -29,7 +29,7 @@ from torch import nn
 from captioner.config import Config
 from captioner.errors import CheckpointError
 from captioner.models.captioner import CaptionModel
-from captioner.training.distributed import DistInfo
+from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.objective import Objective, TrainModel
 from captioner.training.optim import Precision
@@ -230,7 +230,7 @@ def restore_train_state(run: Run, state: dict[str, Any]) -> None:
     if info.rank < len(rngs):
         restore_rng(rngs[info.rank], info.device)
     else:
-        seed_everything(run.cfg.train.seed + 1_000_003 * info.rank + run.progress.step)
+        seed_everything(run.cfg.train.seed + RANK_SEED_STRIDE * info.rank + run.progress.step)
     if state.get("world_size", 1) != info.world_size and run.progress.batch_in_epoch and info.is_main:
         log.warning("resuming mid-epoch with %d processes (saved with %d): the batch order differs",
                     info.world_size, state["world_size"])

@@ -61,9 +61,9 @@ from captioner.config import ScstConfig, TrainConfig
 from captioner.config.schema import SCST_BASELINES
 from captioner.decoding.filters import SuppressTokens
 from captioner.decoding.sampling import sample_captions
-from captioner.decoding.search import DecodeOptions, decode, never_emitted_ids
+from captioner.decoding.search import DecodeOptions, never_emitted_ids
+from captioner.inference import search_features
 from captioner.losses import LossResult
-from captioner.models.base import eval_mode
 from captioner.text import Vocabulary, tokenize
 from captioner.training.objective import Batch, Objective, TrainModel
 from captioner.training.scst_reward import CaptionReward
@@ -169,9 +169,7 @@ class SelfCritical(Objective):
         return [tokenize(self.vocab.decode(row)) for row in ids]
 
     def _greedy(self, decoder: nn.Module, features: torch.Tensor) -> list[list[int]]:
-        with eval_mode(decoder):
-            hyps = decode(decoder, features, self.vocab.bos_id, self.vocab.eos_id,
-                          DecodeOptions(beam_size=1, max_len=self.max_len), self.banned)
+        hyps = search_features(decoder, features, self.vocab, DecodeOptions(beam_size=1, max_len=self.max_len))
         return [h[0].tokens for h in hyps]
 
     def loss(self, model: TrainModel, batch: Batch) -> LossResult:
