@@ -17,6 +17,7 @@ from captioner.errors import CheckpointError, ConfigError, DataError, ImageLoadE
 from captioner.inference import Caption, Captioner, load
 from captioner.viz.overlays import read_attention_json
 
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, untrained_checkpoint) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
