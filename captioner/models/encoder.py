@@ -95,10 +95,6 @@ class Encoder(nn.Module):
             self.trunk.get_submodule(name).eval()
         return self
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The parameters the optimiser should update (empty for a frozen encoder)."""
-        return [p for p in self.parameters() if p.requires_grad]
-
     def feature_map(self, images: torch.Tensor) -> torch.Tensor:
         """images (B,3,S,S) -> trunk feature map (B,D,h,w), before pooling."""
         return self.trunk(images)
