@@ -92,3 +92,15 @@ def test_captured_steps_give_the_plain_search_exactly_on_cuda() -> None:
         plain = decode(decoder, features, BOS, EOS, options)
         _same(decode(graphed, features, BOS, EOS, options), plain)
     assert graphed.stats.captures >= 2 and graphed.stats.replays > 0 and graphed.stats.failed == 0
+
+
+def test_only_shapes_that_come_back_get_buffers_and_at_most_max_graphs() -> None:
+    """A shrinking beam batch passes through sizes seen once: those run the decoder's own step."""
+    features, options = _features(6), DecodeOptions(beam_size=3, max_len=9)
+    plain = decode(_decoder(), features, BOS, EOS, options)
+    graphed = GraphedSteps(_decoder(), max_graphs=1, capture=False)
+    _same(decode(graphed, features, BOS, EOS, options), plain)
+    assert len(graphed._entries) == 1 and graphed.stats.shapes >= 3
+    (key,) = graphed._entries
+    assert key[0] == (18,)  # 6 images x 3 beams: the shape of most steps
+    assert graphed.stats.static_copies == 1  # the 18 rows' constants, copied once: reorder keeps them

@@ -9,8 +9,12 @@ unchanged greedy and beam search. Each ``step`` copies its inputs into static bu
 and replays one CUDA graph of the decoder's step instead of launching its kernels one by one. The
 same shape must come back to be worth a capture: a shape is captured the second time it is seen
 (greedy search: the batch at every step; beam search: images x beams at every step while no image
-has finished, and each smaller batch once images finish), at most ``max_graphs`` shapes, and the
-others run eagerly on the same buffers.
+has finished, and each smaller batch that lasts more than one step), at most ``max_graphs`` shapes;
+the others run the decoder's own step.
+
+Only shapes that come back get buffers (a shrinking beam batch passes through many sizes once),
+and at most ``max_graphs`` of them: memory stays bounded by ``max_graphs`` copies of the largest
+state.
 
 The per-image constants (``State.static``: region features and their projection) are copied into
 the buffers only when the search hands over a different dict (``State.select``: the first beam
@@ -36,8 +40,8 @@ from captioner.models.base import CaptionDecoder, State
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPHS = 8  # captured shapes kept per wrapper; more shapes run eagerly
-CAPTURE_AFTER = 2  # a shape is captured on its second use (a shape seen once is not worth a capture)
+MAX_GRAPHS = 4  # shapes given buffers and a graph per wrapper (each holds R x (N x D + N x A) values); more: eager
+CAPTURE_AFTER = 2  # a shape gets its buffers and graph on its second use (one seen once is not worth a capture)
 
 
 @dataclass
@@ -60,7 +64,6 @@ class _Entry:
     prev: torch.Tensor  # (R,)
     static: dict[str, torch.Tensor]
     dynamic: dict[str, torch.Tensor]
-    uses: int = 0
     last_static: dict[str, Any] | None = None  # the caller's dict the buffers hold (kept alive: `is` stays sound)
     graph: Any = None
     out: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor] | None = None
@@ -108,7 +111,8 @@ class GraphedSteps(CaptionDecoder):
         self.vocab_size = decoder.vocab_size
         self.capture, self.max_graphs = capture, max_graphs
         self.stats = DecodeGraphStats()
-        self._entries: dict[tuple, _Entry] = {}
+        self._entries: dict[tuple, _Entry] = {}  # shapes seen CAPTURE_AFTER times: buffers (and a graph)
+        self._seen: dict[tuple, int] = {}  # times each shape was seen before it got buffers
         self.train(decoder.training)
 
     def init_state(self, features: torch.Tensor) -> State:
@@ -131,12 +135,17 @@ class GraphedSteps(CaptionDecoder):
             return self.decoder.step(prev_tokens, state)
         entry = self._entries.get(key)
         if entry is None:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen == 1:
+                self.stats.shapes += 1
+            if seen < CAPTURE_AFTER or len(self._entries) >= self.max_graphs:  # no buffers for this shape
+                self.stats.eager_steps += 1
+                return self.decoder.step(prev_tokens, state)
             entry = self._entries[key] = _Entry(torch.empty_like(prev_tokens),
                                                 {k: torch.empty_like(v) for k, v in state.static.items()},
                                                 {k: torch.empty_like(v) for k, v in state.dynamic.items()},
                                                 eager=not self.capture)
-            self.stats.shapes += 1
-        entry.uses += 1
         entry.prev.copy_(prev_tokens)
         if state.static is not entry.last_static:
             for k, v in state.static.items():
@@ -145,8 +154,8 @@ class GraphedSteps(CaptionDecoder):
             self.stats.static_copies += 1
         for k, v in state.dynamic.items():
             entry.dynamic[k].copy_(v)
-        if entry.graph is None and not entry.eager and entry.uses >= CAPTURE_AFTER:
-            self._capture(key, entry)
+        if entry.graph is None and not entry.eager:
+            self._capture(entry)
         if entry.graph is None:
             self.stats.eager_steps += 1
             log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
@@ -156,10 +165,7 @@ class GraphedSteps(CaptionDecoder):
         log_probs, dynamic, attn = entry.out
         return log_probs, State(state.static, dict(dynamic)), attn
 
-    def _capture(self, key: tuple, entry: _Entry) -> None:
-        if self.graphs >= self.max_graphs:
-            entry.eager = True
-            return
+    def _capture(self, entry: _Entry) -> None:
         device = entry.prev.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -170,7 +176,7 @@ class GraphedSteps(CaptionDecoder):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
             torch.cuda.synchronize(device)
             entry.eager = True
             self.stats.failed += 1

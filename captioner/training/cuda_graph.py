@@ -239,7 +239,7 @@ class GraphedStep:
             # thread_local: a DataLoader's pin-memory thread may touch CUDA while this thread captures
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 stats, keys = self._forward_backward(entry)
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
             torch.cuda.synchronize(self.device)
             entry.eager, entry.graph = True, None
             self.stats.failed += 1
