@@ -12,6 +12,7 @@
 #   coco_scale     a 20,000-image memory-mapped feature cache (15 GiB) through the training loader, captured step
 #   f8k_graph      the Flickr8k recipe at 448 px (14 x 14), train.cuda_graph, one epoch (time-budgeted)
 #   f8k_eager      the same, eager, on the cache the previous stage built
+#   (FULL=1 adds the earlier sat_train and train_loop benchmarks, if TOTAL_LIMIT leaves time)
 # Wheels for packages the GPU image lacks come from .whl/ (scripts/gpu_env.sh); the Flickr8k data from
 # F8K_DATA (default .gpu_data/flickr8k; in the dry run a small synthetic scene set).
 set -uo pipefail
@@ -89,6 +90,11 @@ for run in f8k_graph f8k_eager; do
     mkdir -p "$OUT/$run"
     cp "$WORK/$run"/metrics.csv "$WORK/$run"/config.json "$OUT/$run/" 2>/dev/null
 done
+
+if [ "${FULL:-0}" = 1 ]; then  # the earlier checks (docs/benchmarks.md), when TOTAL_LIMIT leaves room
+    stage sat_train 90 python3 scripts/benchmark.py --only sat_train --json $QUICK
+    stage train_loop 200 python3 scripts/benchmark.py --only train_loop --json $QUICK
+fi
 
 python3 scripts/gpu_summary.py "$OUT" "$WORK" 2> "$OUT/summary.log" | tee "$OUT/summary.txt"
 echo "total: $(( $(date +%s) - T0 ))s" | tee -a "$OUT/stages.txt"
