@@ -7,6 +7,7 @@
 # Stages, in order of importance; each has its own time limit (cut to what is left of TOTAL_LIMIT), writes
 # $OUT/<stage>.json (or run folders) and $OUT/<stage>.log as it goes, and a failing stage is reported in
 # $OUT/stages.txt while the others still run. Every figure lands in $OUT/summary.json and $OUT/summary.txt.
+#   cuda_tests     the capture tests that skip without CUDA (captured step and graphed search against eager)
 #   sat_graph      training step at paper sizes: tutorial, fp32 / bf16 eager and captured, hard eager / captured
 #   beam_graph     greedy and beam-3 images/s over 256 images, eager vs graphed steps (same captions?)
 #   coco_scale     a 20,000-image memory-mapped feature cache (15 GiB) through the training loader, captured step
@@ -59,6 +60,7 @@ gpu_memory() {  # sample the GPU's used memory every second into $OUT/$1 until k
     echo $!
 }
 
+stage cuda_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decoding_graphs.py
 stage sat_graph 100 python3 scripts/benchmark.py --only sat_graph --json $QUICK
 stage beam_graph 80 python3 scripts/benchmark.py --only beam_graph --json $QUICK
 export SCALE_DIR=$WORK SCALE_SECONDS=${SCALE_SECONDS:-30}

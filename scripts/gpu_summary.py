@@ -65,9 +65,13 @@ def main(argv: list[str]) -> int:
     sat, beam, scale = _json(out, "sat_graph"), _json(out, "beam_graph"), _json(out, "coco_scale")
     f8k = {name: _f8k(out, name) for name in ("f8k_graph", "f8k_eager")}
     summary = {"sat_graph": sat, "beam_graph": beam, "coco_scale": scale, **f8k}
+    tests = (out / "cuda_tests.out").read_text(errors="replace").strip().splitlines() \
+        if (out / "cuda_tests.out").exists() else []
+    summary["cuda_tests"] = tests[-1] if tests else None
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [
         f"device: {sat.get('device') or beam.get('device') or scale.get('device') or 'unknown'}",
+        f"capture tests: {_fmt(summary['cuda_tests'])}",
         "-- SAT training step, B 32, paper sizes (captions/s) --",
         *(f"  {k}: {_fmt(sat.get(f'{k}_captions_per_s'))}"
           for k in ("tutorial", "fp32", "fp32_graph", "bf16", "bf16_graph", "hard", "hard_graph")),

@@ -174,7 +174,7 @@ class GraphedSteps(CaptionDecoder):
                 self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
         except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
             torch.cuda.synchronize(device)

@@ -236,8 +236,9 @@ class GraphedStep:
             for p in self.params:
                 p.grad = None
             graph = torch.cuda.CUDAGraph()
+            # the warm-up's stream (cuBLAS workspaces are per stream: none is created mid-capture);
             # thread_local: a DataLoader's pin-memory thread may touch CUDA while this thread captures
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 stats, keys = self._forward_backward(entry)
         except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
             torch.cuda.synchronize(self.device)
