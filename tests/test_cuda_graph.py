@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from captioner.config import get_preset
 from captioner.errors import ConfigError
@@ -197,3 +198,34 @@ def test_a_training_objective_with_extra_terms_gives_its_eager_loss() -> None:
     assert result.captions == eager.captions == 4
     assert "weighted_logit0" in result.terms
     _assert_same(result, _grads(graphed.decoder), eager, _grads(decoder))
+
+
+class _CountCasts(TorchDispatchMode):
+    """Counts dtype casts (``aten._to_copy``) of tensors of one shape."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_autocast_the_features_are_cast_once_and_the_loss_stays_close() -> None:
+    """bf16 autocast: the SAT decoder casts the (B,N,D) features once, not at every step's bmm;
+    the loss stays within bf16 rounding of fp32, and the padded static-buffer path keeps it."""
+    features, tokens = _batch([10, 7, 5, 8])
+    decoder, loss = _decoder(), _loss()
+    fp32 = loss(decoder(features, tokens[:, :-1]), tokens[:, 1:]).total.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = decoder(features, tokens[:, :-1])
+        bf16 = loss(out, tokens[:, 1:]).total.detach()
+    assert out.aux["context"].dtype == torch.bfloat16  # the context came from bf16 features
+    with _CountCasts(tuple(features.shape)) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder(features, tokens[:, :-1])
+    assert casts.count == 1  # once per batch, not once per step (9 steps here)
+    assert abs(float(bf16) - float(fp32)) < 0.02 * abs(float(fp32))
+    graphed = GraphedStep(_decoder(), _loss(), pad_id=0, autocast_dtype=torch.bfloat16, capture=False)
+    assert torch.allclose(graphed(features, tokens).total, bf16, rtol=1e-2)

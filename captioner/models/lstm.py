@@ -195,6 +195,10 @@ class SATDecoder(CaptionDecoder):
         _, T = tokens.shape
         H = self.hidden_dim
         features = self._regions(features)  # read every step: keep it dense
+        device_type = features.device.type
+        if torch.is_autocast_enabled(device_type) and features.is_floating_point():
+            # autocast would cast the (B, N, D) features for the context's bmm at every step: cast them once
+            features = features.to(torch.get_autocast_dtype(device_type))
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
