@@ -201,15 +201,16 @@ def test_a_training_objective_with_extra_terms_gives_its_eager_loss() -> None:
 
 
 class _CountCasts(TorchDispatchMode):
-    """Counts dtype casts (``aten._to_copy``) of tensors of one shape."""
+    """Counts dtype casts (``aten._to_copy``) per input shape."""
 
-    def __init__(self, shape: tuple[int, ...]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.shape, self.count = shape, 0
+        self.shapes: dict[tuple[int, ...], int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
-            self.count += 1
+        if func is torch.ops.aten._to_copy.default:
+            shape = tuple(args[0].shape)
+            self.shapes[shape] = self.shapes.get(shape, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -223,9 +224,12 @@ def test_under_autocast_the_features_are_cast_once_and_the_loss_stays_close() ->
         out = decoder(features, tokens[:, :-1])
         bf16 = loss(out, tokens[:, 1:]).total.detach()
     assert out.aux["context"].dtype == torch.bfloat16  # the context came from bf16 features
-    with _CountCasts(tuple(features.shape)) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+    with _CountCasts() as casts, torch.autocast("cpu", dtype=torch.bfloat16):
         decoder(features, tokens[:, :-1])
-    assert casts.count == 1  # once per batch, not once per step (9 steps here)
+    w_query = decoder.lstm.weight_hh.shape[0] + decoder.attention_dim + 1, decoder.hidden_dim  # (4H+A+1, H)
+    w_ctx = decoder.lstm.weight_hh.shape[0], D  # (4H, D)
+    # once per batch, not once per step (9 steps here): the features, the fused query weight, the context weight
+    assert [casts.shapes.get(s) for s in (tuple(features.shape), w_query, w_ctx)] == [1, 1, 1]
     assert abs(float(bf16) - float(fp32)) < 0.02 * abs(float(fp32))
     graphed = GraphedStep(_decoder(), _loss(), pad_id=0, autocast_dtype=torch.bfloat16, capture=False)
     assert torch.allclose(graphed(features, tokens).total, bf16, rtol=1e-2)
