@@ -30,7 +30,8 @@ if [ "$DRY" = 1 ]; then
     QUICK=--quick
     echo "dry run on the CPU (tiny sizes)" | tee "$OUT/machine.txt"
 else
-    source scripts/gpu_env.sh
+    source scripts/gpu_env.sh || echo "gpu_env: wheels not installed; stages that need them will fail" \
+        | tee -a "$OUT/stages.txt"
     QUICK=
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
