@@ -233,3 +233,36 @@ def test_under_autocast_the_features_are_cast_once_and_the_loss_stays_close() ->
     assert abs(float(bf16) - float(fp32)) < 0.02 * abs(float(fp32))
     graphed = GraphedStep(_decoder(), _loss(), pad_id=0, autocast_dtype=torch.bfloat16, capture=False)
     assert torch.allclose(graphed(features, tokens).total, bf16, rtol=1e-2)
+
+
+@pytest.mark.slow
+def test_the_training_loop_with_the_wrapper_logs_the_plain_loops_losses(tiny_shapes, tmp_path, monkeypatch,
+                                                                         caplog) -> None:  # noqa: ANN001
+    """The whole loop (``train``) through the wrapper's step -- on the CPU its eager static-buffer path, the
+    device check lifted for the test -- logs the losses of the plain loop, step by step (SAT soft, dropout 0)."""
+    import ast
+    import csv
+    import logging
+
+    import captioner.training.loop as loop
+
+    def losses(run) -> list[float]:  # noqa: ANN001
+        with open(run / "metrics.csv", newline="") as f:
+            return [float(r["loss"]) for r in csv.DictReader(f) if r["kind"] == "step"]
+
+    def config(graph: bool):  # noqa: ANN202
+        return get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), "train.epochs": 1,
+                                              "train.batch_size": 16, "train.log_every": 1, "train.val_max_images": 4,
+                                              "train.device": "cpu", "train.cuda_graph": graph,
+                                              "data.feature_cache_dir": str(tmp_path / "features")})
+
+    loop.train(config(False), tmp_path / "plain", progress=False)
+    monkeypatch.setattr(loop, "check_cuda_graph", lambda *args: None)
+    with caplog.at_level(logging.INFO, logger="captioner.training.loop"):
+        loop.train(config(True), tmp_path / "graphed", progress=False)
+    plain, graphed = losses(tmp_path / "plain"), losses(tmp_path / "graphed")
+    assert len(plain) == len(graphed) > 3
+    assert graphed == pytest.approx(plain, rel=1e-4)
+    (stats,) = [ast.literal_eval(r.getMessage().split(": ", 1)[1]) for r in caplog.records
+                if r.getMessage().startswith("train.cuda_graph: {")]
+    assert stats["eager_steps"] == len(graphed) and stats["captures"] == 0  # every step went through the wrapper
