@@ -13,7 +13,7 @@
 #   coco_scale     a 20,000-image memory-mapped feature cache (15 GiB) through the training loader, captured step
 #   f8k_graph      the Flickr8k recipe at 448 px (14 x 14), train.cuda_graph, one epoch (time-budgeted)
 #   f8k_eager      the same, eager, on the cache the previous stage built
-#   (FULL=1 adds the earlier sat_train and train_loop benchmarks, if TOTAL_LIMIT leaves time)
+#   (ONLY="stage ..." runs just those stages, e.g. a short rerun; FULL=1 adds the earlier sat_train and train_loop benchmarks, if TOTAL_LIMIT leaves time)
 # Wheels for packages the GPU image lacks come from .whl/ (scripts/gpu_env.sh); the Flickr8k data from
 # F8K_DATA (default .gpu_data/flickr8k; in the dry run a small synthetic scene set).
 set -uo pipefail
@@ -40,6 +40,7 @@ rm -rf "$WORK"; mkdir -p "$WORK"
 
 stage() {  # stage NAME LIMIT_S COMMAND...: stdout to $OUT/NAME.json (benchmarks) or the log, stderr to the log
     local name=$1 limit=$2; shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="sat_graph beam_graph": a rerun
     local left=$(( TOTAL - ($(date +%s) - T0) ))
     if (( left < 30 )); then
         echo "$name: skipped, ${left}s left of TOTAL_LIMIT=${TOTAL}" | tee -a "$OUT/stages.txt"; return
