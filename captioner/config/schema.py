@@ -203,6 +203,9 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     skip_nonfinite: bool = False  # skip a batch whose loss is NaN/inf instead of stopping
     compile: bool = False  # torch.compile the SAT decoder's per-word training step (opt-in; pays off on a GPU)
+    # replay the SAT step (forward, loss, backward) as one CUDA graph per batch shape (opt-in; CUDA, cached
+    # features, one process; captioner/training/cuda_graph.py, docs/gpu.md)
+    cuda_graph: bool = False
     # with time_budget: scale every lr by a factor falling linearly from 1 to BUDGET_DECAY_FLOOR over the budget
     # (budgeted training, Li et al. 2020); the run then ends annealed rather than mid-stride
     budget_decay: bool = False

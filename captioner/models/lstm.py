@@ -195,6 +195,10 @@ class SATDecoder(CaptionDecoder):
         _, T = tokens.shape
         H = self.hidden_dim
         features = self._regions(features)  # read every step: keep it dense
+        device_type = features.device.type
+        low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        if low is not None:  # autocast would cast the (B, N, D) features for every step's bmm: cast them once
+            features = features.to(low)
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
@@ -204,6 +208,8 @@ class SATDecoder(CaptionDecoder):
         # Everything that reads h_{t-1}: LSTM recurrence, attention query, gate -- one matmul per step.
         w_query = torch.cat([self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight])  # (4H+A+1, H)
         b_query = torch.cat([self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias])
+        if low is not None:  # the per-step weights cast once too (what autocast's weight cache does in eager mode)
+            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
 
         hs, contexts, betas, log_alphas, sample_lps, regions = [], [], [], [], [], []
         recurrence = self._compiled_recurrence or self._recurrence

@@ -50,6 +50,7 @@ from captioner.config import Config
 from captioner.errors import CheckpointError
 from captioner.models.captioner import build_model
 from captioner.training import distributed as ddp
+from captioner.training.cuda_graph import GraphedStep, check_cuda_graph
 from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
 from captioner.training.epoch import end_of_epoch, train_one_epoch
 from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
@@ -128,6 +129,10 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float,
            overwrite: bool) -> TrainResult:
+    if cfg.train.cuda_graph:  # refused here, before anything is read or written, where it cannot run
+        check_cuda_graph(cfg.train, cfg.model.decoder.name, bool(cfg.data.feature_cache and not
+                                                                 cfg.model.encoder.fine_tune), info.device,
+                         info.distributed)
     state_path = run_dir / "train_state.pt"
     saved = None
     init = None
@@ -177,6 +182,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
     run = Run(cfg, info, Learner(model, forward, objective, optimizer, scheduler, precision), RunFolder(run_dir),
               Clock(start, t.time_budget), Progress(select_metric=t.select_metric), show_progress=progress)
+    if t.cuda_graph:
+        run.learner.graphed = GraphedStep(model.decoder, objective, vocab.pad_id, precision.dtype)
     if saved is not None:
         restore_train_state(run, saved)
         run.clock.seconds_before = run.progress.seconds
@@ -198,6 +205,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     finally:
         if run.folder.logger is not None:
             run.folder.logger.close()
+        if run.learner.graphed is not None and info.is_main:  # captures, replays, eager steps per shape
+            log.info("train.cuda_graph: %s", run.learner.graphed.stats.as_dict())
     ddp.barrier(info)
     prog = run.progress
     return TrainResult(run_dir / "best.safetensors", run_dir / "latest.safetensors", max(prog.best_bleu4, 0.0),

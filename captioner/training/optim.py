@@ -144,6 +144,7 @@ def clip_and_step(
     params: list[torch.nn.Parameter],
     grad_clip: float,
     precision: Precision,
+    backward: bool = True,
 ) -> StepResult:
     """Backward, optional clipping and an optimizer step (through the ``GradScaler`` for fp16).
 
@@ -152,13 +153,16 @@ def clip_and_step(
     so the caller must not advance the schedule either. Without it such a step is taken as is
     (the next loss is then non-finite and stops training there).
 
+    ``backward=False``: the gradients are already in place (``train.cuda_graph`` replayed the backward).
+
     Returns:
         A :class:`StepResult`, falsy when the optimizer did not step (a ``GradScaler`` also skips
         steps with inf/nan gradients, lowering its scale).
     """
     scaler = precision.scaler
     if scaler is None:
-        loss.backward()
+        if backward:
+            loss.backward()
         norm = _grad_norm(params, grad_clip) if grad_clip > 0 or precision.skip_nonfinite else None
         if precision.skip_nonfinite and norm is not None:
             norm = float(norm)  # the decision below needs it now

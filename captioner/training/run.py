@@ -79,6 +79,8 @@ class Learner:
         precision: autocast dtype and gradient scaler.
         forward: the module that runs ``module`` with gradients: ``module`` itself, or its
             ``DistributedDataParallel`` wrapper under torchrun (set by the loop).
+        graphed: ``train.cuda_graph``: the captured forward + loss + backward
+            (:class:`~captioner.training.cuda_graph.GraphedStep`), else None.
     """
 
     model: CaptionModel
@@ -88,6 +90,7 @@ class Learner:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
     forward: nn.Module | None = None
+    graphed: Any = None
 
     def __post_init__(self) -> None:
         if self.forward is None:

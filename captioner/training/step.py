@@ -137,7 +137,8 @@ def read_stats(run: Run, epoch: int, inputs: torch.Tensor | None = None) -> None
 def _optimizer_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult
     """Clip and step, then advance the schedule (and the budget decay) when the optimizer stepped."""
     learner = run.learner
-    step = clip_and_step(loss, learner.optimizer, params, run.cfg.train.grad_clip, learner.precision)
+    step = clip_and_step(loss, learner.optimizer, params, run.cfg.train.grad_clip, learner.precision,
+                         backward=learner.graphed is None)  # a captured step has run its backward
     if step:
         learner.scheduler.step()
         budget_decay(learner.optimizer, run.cfg.train, run.clock.session_seconds())
@@ -154,6 +155,8 @@ def _batch_on_device(run: Run, batch: Any) -> Batch:
 def _loss(run: Run, batch: Batch) -> LossResult:
     """The objective's loss of ``batch`` under the run's precision, gradients cleared for the backward."""
     learner = run.learner
+    if learner.graphed is not None:  # train.cuda_graph: forward, loss and backward replayed as one graph
+        return learner.graphed(batch.x, batch.tokens, batch.image_index)
     with learner.precision.autocast():
         result = learner.objective.loss(learner.train_model(), batch)
     learner.optimizer.zero_grad(set_to_none=True)
