@@ -31,6 +31,7 @@ from typing import Union
 import torch
 from PIL import Image
 
+from captioner.checkpoint.remote import resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
 from captioner.data.images import load_image
 from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
@@ -330,24 +331,32 @@ class Captioner:
         return source, None
 
 
-def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> Captioner:
-    """Load a trained checkpoint for inference.
+def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha256: str | None = None,
+         progress: bool | None = None) -> Captioner:
+    """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
-        checkpoint: a ``.safetensors`` (or torch-format) file written by training.
+        checkpoint: a ``.safetensors`` (or torch-format) file written by training, a run folder
+            (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
+            ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
+            (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
         device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+        sha256: the file's expected SHA-256 (instead of the URL fragment).
+        progress: show a download bar (default: when stderr is a terminal).
 
     Returns:
         A :class:`Captioner` in eval mode on ``device``.
 
     Raises:
-        CheckpointError: not a path, or a missing, truncated or foreign checkpoint.
-        ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
+        CheckpointError: not a path, or a missing, truncated or foreign checkpoint; a download that
+            failed, a hash that does not match, offline mode with nothing cached.
+        ConfigError: ``device`` is not a device, or CUDA is asked for and absent; a malformed hash.
     """
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    loaded = load_checkpoint(checkpoint, device=str(dev))
+    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress)
+    loaded = load_checkpoint(path, device=str(dev))
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
