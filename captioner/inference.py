@@ -100,16 +100,16 @@ def grid_of(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:
     return (root, root)
 
 
+def _caption(h: Hypothesis, vocab: Vocabulary, grid: tuple[int, int]) -> Caption:
+    """One hypothesis as a :class:`Caption` with its attention (L, g, g)."""
+    words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
+    attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
+    return Caption(vocab.decode(h.tokens), words, list(h.tokens), float(h.score), grid, attention, finished=h.finished)
+
+
 def _captions(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, int]) -> list[Caption]:
     """Each image's best hypothesis as a :class:`Caption` with its attention (L, g, g)."""
-    out = []
-    for per_image in hyps:
-        h = per_image[0]
-        words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
-        attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
-        out.append(Caption(vocab.decode(h.tokens), words, list(h.tokens), float(h.score), grid, attention,
-                           finished=h.finished))
-    return out
+    return [_caption(per_image[0], vocab, grid) for per_image in hyps]
 
 
 def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
@@ -297,6 +297,38 @@ class Captioner:
                 features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
             return teacher_forced_attention(self.model, features, list(tokens), self.vocab.bos_id,
                                             (int(grid[0]), int(grid[1])))
+
+    def caption_nbest(self, image: ImageInput, n_best: int = 3, options: DecodeOptions | None = None, *,
+                      all_heads: bool = False, **decoding: object) -> list[Caption]:
+        """The ``n_best`` best captions of one image (best first), each with its per-word attention.
+
+        Args:
+            image: one path, PIL image or (3, S, S) tensor.
+            n_best: how many captions (at most the beam size).
+            options, **decoding: search options, as in :meth:`caption` (``beam=5``, ``max_len=16``).
+            all_heads: also every layer's and head's map of each caption (Transformer).
+
+        Returns:
+            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box``.
+        """
+        options = decode_options(options, **decoding, n_best=n_best)
+        sources = self._flatten(image)
+        if len(sources) != 1:
+            raise DataError(f"caption_nbest takes one image, got {len(sources)}")
+        pixels, size = self._prepare(sources[0])
+        box = crop_box(size[0], size[1], self.config.encoder) if size is not None else None
+        with eval_mode(self.model):
+            with torch.no_grad():
+                features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
+            grid = (int(grid[0]), int(grid[1]))
+            out = []
+            for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
+                c = _caption(h, self.vocab, grid)
+                c.image_size, c.box = size, box
+                if all_heads:
+                    c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
+                out.append(c)
+        return out
 
     # ------------------------------------------------------------------------- internals
 
