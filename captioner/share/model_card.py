@@ -106,7 +106,7 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 def _describe(config: dict) -> str:
     enc, dec = config.get("encoder", {}), config.get("decoder", {})
-    encoder = f"{enc.get('name', '?')} encoder ({enc.get('grid', '?')}x{enc.get('grid', '?')} regions, " \
+    encoder = f"CNN encoder ({enc.get('name', '?')}, {enc.get('grid', '?')}x{enc.get('grid', '?')} regions, " \
               f"{enc.get('image_size', '?')}px input)"
     if dec.get("name") == "transformer":
         decoder = f"Transformer decoder ({dec.get('num_layers', '?')} layers, {dec.get('num_heads', '?')} heads) " \

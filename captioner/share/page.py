@@ -38,9 +38,8 @@ h1 { font-size: 1.2em; margin: 0 0 .5em; font-weight: 600; }
 #best { font-size: 1.35em; margin: .3em 0; }
 #nbest { margin: .2em 0 .6em; padding-left: 1.6em; }
 #nbest li { cursor: pointer; padding: .1em .3em; border-radius: 4px; }
-#nbest li.active { background: #2853c7; color: #fff; }
+#nbest li.active { background: #dfe6f7; box-shadow: inset 3px 0 #2853c7; }
 #nbest .score { color: #777; font-size: .85em; margin-left: .6em; }
-#nbest li.active .score { color: #dde; }
 iframe { width: 100%; border: 0; min-height: 420px; background: #fafafa; }
 .downloads { display: flex; gap: .8em; margin: .4em 0; }
 [hidden] { display: none !important; }
