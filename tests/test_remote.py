@@ -202,6 +202,12 @@ def test_cli_reports_a_bad_url_in_one_line(capsys) -> None:
     assert err.startswith("captioner caption: error: ") and url in err and len(err.splitlines()) == 1
 
 
+def test_evaluate_by_url_needs_an_output_folder(capsys, tmp_path: Path) -> None:
+    url = "https://example.invalid/model.safetensors"
+    assert main(["evaluate", url, "--data", str(tmp_path)]) == 1
+    assert "give an output folder (--out) for a checkpoint loaded from a URL" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ the Hub
 
 
