@@ -31,6 +31,7 @@ from typing import Union
 import torch
 from PIL import Image
 
+from captioner.checkpoint.remote import resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
 from captioner.data.images import load_image
 from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
@@ -99,16 +100,16 @@ def grid_of(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:
     return (root, root)
 
 
+def _caption(h: Hypothesis, vocab: Vocabulary, grid: tuple[int, int]) -> Caption:
+    """One hypothesis as a :class:`Caption` with its attention (L, g, g)."""
+    words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
+    attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
+    return Caption(vocab.decode(h.tokens), words, list(h.tokens), float(h.score), grid, attention, finished=h.finished)
+
+
 def _captions(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, int]) -> list[Caption]:
     """Each image's best hypothesis as a :class:`Caption` with its attention (L, g, g)."""
-    out = []
-    for per_image in hyps:
-        h = per_image[0]
-        words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
-        attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
-        out.append(Caption(vocab.decode(h.tokens), words, list(h.tokens), float(h.score), grid, attention,
-                           finished=h.finished))
-    return out
+    return [_caption(per_image[0], vocab, grid) for per_image in hyps]
 
 
 def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
@@ -297,6 +298,38 @@ class Captioner:
             return teacher_forced_attention(self.model, features, list(tokens), self.vocab.bos_id,
                                             (int(grid[0]), int(grid[1])))
 
+    def caption_nbest(self, image: ImageInput, n_best: int = 3, options: DecodeOptions | None = None, *,
+                      all_heads: bool = False, **decoding: object) -> list[Caption]:
+        """The ``n_best`` best captions of one image (best first), each with its per-word attention.
+
+        Args:
+            image: one path, PIL image or (3, S, S) tensor.
+            n_best: how many captions (at most the beam size).
+            options, **decoding: search options, as in :meth:`caption` (``beam=5``, ``max_len=16``).
+            all_heads: also every layer's and head's map of each caption (Transformer).
+
+        Returns:
+            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box``.
+        """
+        options = decode_options(options, **decoding, n_best=n_best)
+        sources = self._flatten(image)
+        if len(sources) != 1:
+            raise DataError(f"caption_nbest takes one image, got {len(sources)}")
+        pixels, size = self._prepare(sources[0])
+        box = crop_box(size[0], size[1], self.config.encoder) if size is not None else None
+        with eval_mode(self.model):
+            with torch.no_grad():
+                features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
+            grid = (int(grid[0]), int(grid[1]))
+            out = []
+            for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
+                c = _caption(h, self.vocab, grid)
+                c.image_size, c.box = size, box
+                if all_heads:
+                    c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
+                out.append(c)
+        return out
+
     # ------------------------------------------------------------------------- internals
 
     def _caption_batch(self, sources: list[object], options: DecodeOptions, keep_attention: bool,
@@ -330,24 +363,32 @@ class Captioner:
         return source, None
 
 
-def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> Captioner:
-    """Load a trained checkpoint for inference.
+def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha256: str | None = None,
+         progress: bool | None = None) -> Captioner:
+    """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
-        checkpoint: a ``.safetensors`` (or torch-format) file written by training.
+        checkpoint: a ``.safetensors`` (or torch-format) file written by training, a run folder
+            (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
+            ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
+            (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
         device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+        sha256: the file's expected SHA-256 (instead of the URL fragment).
+        progress: show a download bar (default: when stderr is a terminal).
 
     Returns:
         A :class:`Captioner` in eval mode on ``device``.
 
     Raises:
-        CheckpointError: not a path, or a missing, truncated or foreign checkpoint.
-        ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
+        CheckpointError: not a path, or a missing, truncated or foreign checkpoint; a download that
+            failed, a hash that does not match, offline mode with nothing cached.
+        ConfigError: ``device`` is not a device, or CUDA is asked for and absent; a malformed hash.
     """
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    loaded = load_checkpoint(checkpoint, device=str(dev))
+    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress)
+    loaded = load_checkpoint(path, device=str(dev))
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

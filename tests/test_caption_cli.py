@@ -161,7 +161,7 @@ def test_attend_lstm_has_no_layer_maps_and_reports_bad_images(capsys, checkpoint
 
 
 def test_help_shows_examples(capsys):
-    for command in ("caption", "attend"):
+    for command in ("caption", "attend", "export", "serve"):
         assert main([command, "--help"]) == 0
         assert "examples:" in capsys.readouterr().out
 
@@ -169,7 +169,7 @@ def test_help_shows_examples(capsys):
 def test_package_and_cli_imports_stay_light():
     """``import captioner`` (whose ``load`` is lazy) and importing the CLI and building its parser
     (every command module) load no heavy package: one child process checks both, in that order."""
-    heavy = "('matplotlib', 'timm', 'pycocotools', 'torch')"
+    heavy = "('matplotlib', 'timm', 'pycocotools', 'torch', 'fastapi', 'uvicorn', 'huggingface_hub')"
     code = ("import json, sys, captioner; "
             f"first = sorted(m for m in {heavy} if m in sys.modules); "
             "import captioner.cli; captioner.cli.build_parser(); "

@@ -39,6 +39,8 @@ EXAMPLES = """
   captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
 """
 
+CHECKPOINT_HELP = ("checkpoint: a .safetensors file, a run folder, an https:// URL (cached; #sha256=HEX checks it) "
+                   "or hf://ORG/REPO[/FILE]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _AMBIGUOUS = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # control characters (tab, newline) and raw bytes
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
@@ -47,7 +49,7 @@ _GLOB_CHARS = frozenset("*?[")
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
-    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help="checkpoint (.safetensors)")
+    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help=CHECKPOINT_HELP)
     add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
 

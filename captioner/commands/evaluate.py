@@ -23,7 +23,8 @@ EXAMPLES = """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file (.safetensors) written by training")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint written by training: a .safetensors file, a run folder, an https:// "
+                        "URL (#sha256=HEX checks it) or hf://ORG/REPO[/FILE]; a remote one needs --out")
     parser.add_argument("--data", required=True, metavar="PATH", help="dataset folder, COCO captions JSON or Karpathy split JSON")
     parser.add_argument("--images", default=None, metavar="DIR", help="image folder when it is not where the layout puts it")
     parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from captioner.checkpoint.remote import is_remote
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
@@ -161,8 +162,15 @@ def evaluate_checkpoint(
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     options = decode_options(options, **decoding)
     start = time.perf_counter()
-    checkpoint = Path(checkpoint)
-    writable_folder(Path(out_dir) if out_dir is not None else checkpoint.parent, DataError)  # before hours of work
+    if is_remote(checkpoint):
+        if out_dir is None:
+            raise ConfigError(f"{checkpoint}: give an output folder (--out) for a checkpoint loaded from a URL "
+                              "or the Hub (its own folder is the download cache)")
+    else:
+        checkpoint = Path(checkpoint)
+        home = checkpoint if checkpoint.is_dir() else checkpoint.parent  # a run folder, or the file's folder
+        out_dir = home if out_dir is None else out_dir
+    writable_folder(Path(out_dir), DataError)  # before hours of work
     loaded = load(checkpoint, device=device)
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
@@ -189,7 +197,7 @@ def evaluate_checkpoint(
     if instances is not None:
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
 
-    out = Path(out_dir) if out_dir is not None else checkpoint.parent
+    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
