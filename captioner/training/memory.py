@@ -6,7 +6,10 @@ When a split's cached features, or (training the encoder) its resized uint8 pixe
 ``data.in_memory_mb``, training keeps them in one tensor: every image is decoded once, and a batch
 is one gather instead of B ``__getitem__`` calls and a collate. The batches are exactly the ones
 the ``DataLoader`` path gives (same sampler, same order, same padding, bit-identical values), so
-switching between the two paths never changes a run.
+switching between the two paths never changes a run. Features are the one difference in form: the
+``DataLoader`` carries them in the cache's stored float16/bfloat16 and ``model_input`` widens them
+on the device, while the store (on the GPU in a CUDA run) widens its gathered rows itself; both
+give the model the same float32 values.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class MemoryStore:
         return self.rows.numel() * self.rows.element_size()
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
-        """Inputs of the images ``index`` (B,) as float32 (B, ...), as the per-item loaders give them."""
+        """Inputs of the images ``index`` (B,) as float32 (B, ...), as the model receives them (stored
+        float16/bfloat16 features widened exactly, where the rows live: on the GPU in a CUDA run)."""
         x = self.rows.index_select(0, index.to(self.rows.device))
         return self.normalize(x) if self.normalize is not None else x.float()
 
