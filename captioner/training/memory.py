@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.errors import ImageLoadError
+from captioner.features.dtype import stored_rows
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def features_in_memory(cache: Any, limit_mb: float, what: str) -> MemoryStore | 
     nbytes = cache.count * cache.num_regions * cache.dim * np.dtype(cache.features.dtype).itemsize
     if limit_mb <= 0 or nbytes > limit_mb * MIB or not bool(cache.valid.all()):
         return None
-    rows = torch.from_numpy(np.array(cache.features))  # one read of the whole map, in its stored dtype
+    rows = stored_rows(cache.features, cache.dtype)  # one read of the whole map: float16, or bfloat16 (not its bits)
     log.info("%s: holding %d images' features in memory (%.0f MiB)", what, cache.count, nbytes / MIB)
     return MemoryStore(rows)
 
