@@ -10,7 +10,16 @@ words per image over a vocabulary of about 10,000 words, and trains the paper-si
 COCO cache too large for ``data.in_memory_mb`` takes. On CUDA the step is the captured one
 (``train.cuda_graph``; eager with ``SCALE_EAGER=1``), on a CPU the same wrapper runs eagerly.
 
-Reported: the time blocked waiting for the loader against the whole (``loader_wait_fraction``, also
+``loader_scale`` (CPU is enough) times the loader alone, no model: items/s through ``train_loader``
+(``LOADER_WORKERS`` workers, default 2) over a synthetic cache of ``LOADER_IMAGES`` images (default
+2,000 x 196 x 2048 float16, 1.5 GiB, in ``SCALE_DIR`` or /tmp, deleted afterwards), for rows decoded
+to float32 in the worker (``float32_in_worker``, what the loader did before #25) and for rows kept in
+their stored float16 (``stored_dtype``, which ``model_input`` widens on the device), alternating
+``LOADER_ROUNDS`` times, ``LOADER_SECONDS`` each, in the same process; the median of each is kept.
+
+    python scripts/benchmark.py --only loader_scale --json
+
+Reported (coco_scale): the time blocked waiting for the loader against the whole (``loader_wait_fraction``, also
 after the first 20 steps, when captures are done), captions/s, the epoch time it projects, the same
 steps' batches replayed from device memory without the loader (``model_captions_per_s``,
 ``efficiency`` = loop / model), peak GPU memory, and how long writing the cache took. Caveat: a
@@ -39,7 +48,7 @@ from captioner.config import get_preset  # noqa: E402
 from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402
 from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
 from captioner.features.cache import MAGIC, FeatureCache  # noqa: E402
-from captioner.features.dtype import version_of  # noqa: E402
+from captioner.features.dtype import model_input, version_of  # noqa: E402
 from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
@@ -116,7 +125,7 @@ def coco_scale(quick: bool = False) -> dict:
         waits, kept, losses = [], [], []
         began = time.perf_counter()
         for x, tokens, _ in _timed(loader, waits):
-            x, tokens = x.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+            x, tokens = model_input(x, device), tokens.to(device, non_blocking=True)  # float16 -> float32 here
             losses.append(train(x, tokens))
             if len(kept) < 50:
                 kept.append((x.clone(), tokens.clone()))
@@ -172,7 +181,59 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-BENCHMARKS = {"coco_scale": coco_scale}
+class _Float32Rows:
+    """``load(index)``: a cache row decoded to float32 in the worker (the loader before #25; picklable)."""
+
+    def __init__(self, cache: FeatureCache) -> None:
+        self.cache = cache
+
+    def __call__(self, index: int) -> torch.Tensor:
+        return self.cache[index]
+
+
+def loader_scale(quick: bool = False) -> dict:
+    """Items/s of the training loader alone over a memory-mapped cache: float32 rows against stored float16."""
+    count = int(os.environ.get("LOADER_IMAGES", 200 if quick else 2_000))
+    workers = int(os.environ.get("LOADER_WORKERS", 2))
+    seconds = float(os.environ.get("LOADER_SECONDS", 1 if quick else 8))
+    rounds = int(os.environ.get("LOADER_ROUNDS", 1 if quick else 3))
+    grid, dim = (4, 32) if quick else (14, 2048)
+    device = torch.device("cpu")  # the loader's own cost (model_input widens on the GPU, off the host)
+    out: dict = {"images": count, "workers": workers, "regions": grid * grid, "dim": dim, "rounds": rounds,
+                 "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="loader_scale_", dir=os.environ.get("SCALE_DIR")) as tmp:
+        out["cache_gib"] = round(write_cache(Path(tmp) / "train.feats", count, grid, dim), 2)
+        cache = FeatureCache.open(Path(tmp) / "train.feats")
+        cs = caption_set(count, 500)
+        cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": "cpu"})
+        vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+        variants = {"float32_in_worker": _Float32Rows(cache), "stored_dtype": cache.loader()}
+        datasets = {name: CaptionTrainDataset(cs, vocab, load, cfg.data.max_caption_len)
+                    for name, load in variants.items()}
+        speeds: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(rounds):
+            for name, dataset in datasets.items():
+                items, began = 0, None
+                loader = train_loader(dataset, cfg, r, DistInfo(0, 1, 0, device))
+                for i, (x, _, _) in enumerate(loader):
+                    out.setdefault("loader_dtype", {})[name] = str(x.dtype).removeprefix("torch.")
+                    if i == 2:  # workers started and warm
+                        began = time.perf_counter()
+                    elif began is not None:
+                        items += x.shape[0]
+                        if time.perf_counter() - began > seconds:
+                            break
+                elapsed = time.perf_counter() - began if began is not None else float("nan")
+                speeds[name].append(items / elapsed if items else float("nan"))
+                del loader
+        for name, values in speeds.items():
+            out[f"{name}_items_per_s"] = round(float(np.median(values)), 1)
+            out[f"{name}_rounds"] = [round(v, 1) for v in values]
+        out["speedup"] = round(out["stored_dtype_items_per_s"] / out["float32_in_worker_items_per_s"], 2)
+    return out
+
+
+BENCHMARKS = {"coco_scale": coco_scale, "loader_scale": loader_scale}
 
 if __name__ == "__main__":
-    print(coco_scale("--quick" in sys.argv))
+    print((loader_scale if "--loader" in sys.argv else coco_scale)("--quick" in sys.argv))

@@ -30,6 +30,7 @@ from torch import nn
 
 from captioner.config import TrainConfig
 from captioner.errors import CaptionerError
+from captioner.features.dtype import model_input
 from captioner.losses import LossResult
 from captioner.training import distributed as ddp
 from captioner.training.diagnosis import first_loss_cause
@@ -146,10 +147,14 @@ def _optimizer_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) ->
 
 
 def _batch_on_device(run: Run, batch: Any) -> Batch:
-    """The loader's ``(x, tokens, image_index)`` with ``x`` and ``tokens`` moved to the run's device."""
+    """The loader's ``(x, tokens, image_index)`` with ``x`` and ``tokens`` moved to the run's device.
+
+    Cached features arrive in their stored float16/bfloat16 and become float32 here, on the device
+    (``model_input``): the model, the captured step's static buffers and the loss see float32.
+    """
     x, tokens, image_index = batch
     device = run.info.device
-    return Batch(x.to(device, non_blocking=True), tokens.to(device, non_blocking=True), image_index)  # tokens (B, T)
+    return Batch(model_input(x, device), tokens.to(device, non_blocking=True), image_index)  # tokens (B, T)
 
 
 def _loss(run: Run, batch: Batch) -> LossResult:

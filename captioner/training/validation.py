@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from captioner import inference
 from captioner.decoding.search import DecodeOptions
 from captioner.evaluation.metrics import bleu, cider_d
+from captioner.features.dtype import model_input
 from captioner.models.base import attention_entropy
 from captioner.models.captioner import CaptionModel
 from captioner.text import Vocabulary
@@ -52,7 +53,7 @@ def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocab
         if batch is None:  # no readable image in this batch (data.skip_missing)
             continue
         x, index = batch
-        x = x.to(device, non_blocking=True)
+        x = model_input(x, device)  # cached features: float16/bfloat16 -> float32 on the device
         if on_features:
             results = inference.caption_features(model, x, vocab, options)
         else:
