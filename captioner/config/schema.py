@@ -155,6 +155,13 @@ class TrainConfig:
     # scst: + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al.
     # 2018): keeps a small dataset's SCST stage close to the references; 0 = pure SCST
     scst_xe_weight: float = 0.0
+    # --- grounding (issue 24) ---
+    # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
+    # names an object (with its colour/size words) pulls its attention into that object's box; 0 = off
+    attention_supervision: float = 0.0
+    # "mass" (-log of the attention inside the box) or "cross_entropy" (to the box's normalised mask, Liu et al.
+    # 2017); docs/grounding.md
+    attention_supervision_form: str = "mass"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -228,6 +235,13 @@ class TrainConfig:
         w = self.scst_xe_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
             raise ConfigError(f"train.scst_xe_weight must be a number >= 0, got {w!r}")
+        # --- grounding (issue 24) ---
+        w = self.attention_supervision
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.attention_supervision must be a number >= 0 (0 = off), got {w!r}")
+        if self.attention_supervision_form not in ("mass", "cross_entropy"):
+            raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
+                              f"cross_entropy")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from captioner.models.captioner import build_model
 from captioner.training import distributed as ddp
 from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
 from captioner.training.epoch import end_of_epoch, train_one_epoch
+from captioner.training.grounding import build_attention_supervision
 from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
 from captioner.training.logging_utils import MetricsLogger
 from captioner.training.optim import build_optimizer, build_schedule, setup_precision
@@ -179,7 +180,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         model.decoder.compile_recurrence()
     forward = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
-    run = Run(cfg, info, Learner(model, forward, criterion, optimizer, scheduler, precision), RunFolder(run_dir),
+    learner = Learner(model, forward, criterion, optimizer, scheduler, precision,
+                      grounding=build_attention_supervision(cfg, data.train_set, vocab))
+    run = Run(cfg, info, learner, RunFolder(run_dir),
               Clock(start, t.time_budget), Progress(select_metric=t.select_metric), show_progress=progress)
     if saved is not None:
         restore_train_state(run, saved)

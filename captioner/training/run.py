@@ -72,6 +72,7 @@ class Learner:
         optimizer: its param groups (decoder first) hold every trained parameter.
         scheduler: the lr schedule, stepped once per optimizer step.
         precision: autocast dtype and gradient scaler.
+        grounding: the box-supervision hook added to the cross-entropy (``train.attention_supervision``), or None.
     """
 
     model: Captioner
@@ -80,6 +81,7 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
+    grounding: Any = None  # train.attention_supervision: AttentionSupervision (training/grounding.py) or None
 
     def params(self) -> list[nn.Parameter]:
         """Every parameter the optimizer steps, in param-group order."""
