@@ -93,13 +93,14 @@ def _cell(value: Any, fmt: str) -> str:
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
     """HTML comparison table (columns of ``captioner.demo.table.COLUMNS``)."""
-    from captioner.demo.table import COLUMNS
+    from captioner.demo.table import shown_columns
 
-    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
+    columns = shown_columns(rows)
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in columns)
     body = []
     for row in rows:
         cells = [html.escape(labels.get(row["decoder"], row["decoder"]))]
-        cells += [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS[1:]]
+        cells += [_cell(row.get(key), fmt) for key, _, fmt in columns[1:]]
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
