@@ -203,7 +203,7 @@ def test_old_configs_without_the_key_load_unchanged() -> None:
         get_preset("sat_soft_tiny", **{"train.attention_supervision_form": "box"})
 
 
-@pytest.mark.parametrize("preset", ["sat_hard_tiny", "transformer_tiny"])
+@pytest.mark.parametrize("preset", [pytest.param("sat_hard_tiny", marks=pytest.mark.slow), "transformer_tiny"])
 def test_training_logs_the_supervised_share_and_the_terms_share(preset: str, tiny_shapes: Path,
                                                                tmp_path: Path) -> None:
     from captioner.training.loop import train
