@@ -7,12 +7,12 @@ Shape legend: B batch, T caption steps, N regions.
 area inside that object's box (``captioner.data.grounding.box_coverage``), and zeros for every
 other word: a word with an all-zero row is not supervised and contributes nothing. Two forms:
 
-* ``"mass"`` (default): ``-log sum_n alpha_n coverage_n``, minus the log of the attention mass
+* ``"mass"``: ``-log sum_n alpha_n coverage_n``, minus the log of the attention mass
   inside the box: exactly the quantity attention correctness measures. It is 0 once all the
   attention is in the box, wherever in the box it sits, so the decoder may stay as sharp as it
   likes; and for an ambiguous word whose target is the union of several boxes it asks for "one of
   them", never for all of them.
-* ``"cross_entropy"`` (Liu et al.): ``-sum_n p_n log alpha_n`` with ``p = coverage / sum(coverage)``,
+* ``"cross_entropy"`` (Liu et al.; default): ``-sum_n p_n log alpha_n`` with ``p = coverage / sum(coverage)``,
   the cross-entropy to the box's normalised mask; it also asks the attention to spread evenly over
   the box (its minimum is ``alpha = p``).
 
@@ -47,7 +47,7 @@ class GroundingTerm:
     in_box: torch.Tensor
 
 
-def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "mass") -> GroundingTerm:
+def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "cross_entropy") -> GroundingTerm:
     """The supervision term for attention maps and box coverages.
 
     Args:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--decoders", default="sat_soft,sat_hard,transformer")
     parser.add_argument("--weights", default="0,1", help="train.attention_supervision values, comma-separated")
-    parser.add_argument("--form", default="mass", help="train.attention_supervision_form")
+    parser.add_argument("--form", default="cross_entropy", help="train.attention_supervision_form")
     parser.add_argument("--epochs", default="sat_soft=4,sat_hard=4,transformer=3",
                         help="epochs: one number or decoder=epochs pairs")
     parser.add_argument("--unseen-pairs", type=int, default=0)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train.patience": 0, "train.schedule": "cosine", "train.warmup_steps": 1,
                 "train.attention_supervision": weight, "train.attention_supervision_form": args.form, **extra})
             build_feature_caches(cfg, progress=False)
-            run_dir = out / (f"{name}_w{weight:g}" + ("" if args.form == "mass" else f"_{args.form}"))
+            run_dir = out / (f"{name}_w{weight:g}" + ("" if args.form == "cross_entropy" else f"_{args.form}"))
             began = time.monotonic()
             done = _train_and_score(name, cfg, run_dir, beam_size=3, overlays=2, train_captions=1, progress=False)
             row = {"decoder": name, "weight": weight, "form": args.form, "epochs": epochs[name],

@@ -38,7 +38,7 @@ PARSE_LOG = "captioner.config.parse"
 SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 # train fields added after the snapshot was taken: every preset keeps their defaults
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "attention_supervision": 0.0,
-                      "attention_supervision_form": "mass"}
+                      "attention_supervision_form": "cross_entropy"}
 SAT_KEYS = ["name", "dropout", "max_len", "embed_dim", "attention", "hidden_dim", "attention_dim",
             "hard_test_mode", "hard_soft_prob", "region_positions"]
 TRANSFORMER_KEYS = ["name", "dropout", "max_len", "d_model", "num_layers", "num_heads", "ff_dim", "tie_embeddings"]

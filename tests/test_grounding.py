@@ -140,8 +140,9 @@ def _in_box(decoder: torch.nn.Module, features: torch.Tensor, tokens: torch.Tens
         return float((decoder(features, tokens).attention[0, 2] * cov).sum())
 
 
+@pytest.mark.parametrize("form", ["cross_entropy", "mass"])
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "sat_hard_tiny", "transformer_tiny"])
-def test_the_gradient_raises_the_in_box_attention_of_one_step(preset: str) -> None:
+def test_the_gradient_raises_the_in_box_attention_of_one_step(preset: str, form: str) -> None:
     from captioner.models.captioner import build_model
 
     torch.manual_seed(0)
@@ -157,7 +158,7 @@ def test_the_gradient_raises_the_in_box_attention_of_one_step(preset: str) -> No
     optimizer = torch.optim.SGD(decoder.parameters(), lr=0.5)
     decoder.train()
     out = decoder(features, tokens)
-    grounding_loss(out.attention, coverage, "mass").loss.backward()
+    grounding_loss(out.attention, coverage, form).loss.backward()
     optimizer.step()
     after = _in_box(decoder, features, tokens, coverage[0, 2])
     assert after > before + 0.01, (before, after)
@@ -196,7 +197,7 @@ def test_old_configs_without_the_key_load_unchanged() -> None:
         old = json.loads((FIXTURES / name).read_text())
         assert "attention_supervision" not in old["train"]
         cfg = Config.from_dict(old)
-        assert cfg.train.attention_supervision == 0.0 and cfg.train.attention_supervision_form == "mass"
+        assert cfg.train.attention_supervision == 0.0 and cfg.train.attention_supervision_form == "cross_entropy"
     with pytest.raises(ConfigError, match="train.attention_supervision must be a number >= 0"):
         get_preset("sat_soft_tiny", **{"train.attention_supervision": -1.0})
     with pytest.raises(ConfigError, match="attention_supervision_form='box'"):

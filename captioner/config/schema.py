@@ -159,9 +159,9 @@ class TrainConfig:
     # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
     # names an object (with its colour/size words) pulls its attention into that object's box; 0 = off
     attention_supervision: float = 0.0
-    # "mass" (-log of the attention inside the box) or "cross_entropy" (to the box's normalised mask, Liu et al.
-    # 2017); docs/grounding.md
-    attention_supervision_form: str = "mass"
+    # "cross_entropy" (to the box's normalised mask, Liu et al. 2017: the attention spread over the object) or
+    # "mass" (-log of the attention inside the box, anywhere in it); measured in docs/grounding.md
+    attention_supervision_form: str = "cross_entropy"
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):

@@ -111,11 +111,11 @@ class AttentionSupervision:
     Args:
         targets: the batch targets' box coverages.
         weight: lambda, the term's weight (``train.attention_supervision``).
-        form: ``"mass"`` or ``"cross_entropy"`` (``train.attention_supervision_form``).
+        form: ``"cross_entropy"`` or ``"mass"`` (``train.attention_supervision_form``).
         pad_id: id of padding in the targets.
     """
 
-    def __init__(self, targets: GroundingTargets, weight: float, form: str = "mass", pad_id: int = 0) -> None:
+    def __init__(self, targets: GroundingTargets, weight: float, form: str = "cross_entropy", pad_id: int = 0) -> None:
         self.targets = targets
         self.weight = weight
         self.form = form
