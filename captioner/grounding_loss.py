@@ -13,8 +13,12 @@ other word: a word with an all-zero row is not supervised and contributes nothin
   likes; and for an ambiguous word whose target is the union of several boxes it asks for "one of
   them", never for all of them.
 * ``"cross_entropy"`` (Liu et al.; default): ``-sum_n p_n log alpha_n`` with ``p = coverage / sum(coverage)``,
-  the cross-entropy to the box's normalised mask; it also asks the attention to spread evenly over
-  the box (its minimum is ``alpha = p``).
+  the cross-entropy to the box's normalised mask; it also asks the attention to spread over the box
+  as its area is (its minimum is ``alpha = p``). The value returned is that cross-entropy minus the
+  target's own entropy ``-sum_n p_n log p_n``, a constant per word: the KL divergence
+  ``KL(p || alpha)``, with the same gradient, 0 at the optimum. So, like the other terms, its
+  logged value and its share of the loss say how far the attention is from the target (the raw
+  cross-entropy never falls below the entropy of the box, log 4 for a box over four regions).
 
 Either is averaged over the supervised words of the batch and weighted by ``weight``
 (``train.attention_supervision``). docs/grounding.md says which was chosen and why.
@@ -74,7 +78,8 @@ def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = 
         per_word = -mass.clamp(min=_EPS).log()  # (B, T)
     else:
         target = coverage / area.clamp(min=_EPS).unsqueeze(-1)  # (B, T, N), rows sum to 1 where supervised
-        per_word = -(target * attention.clamp(min=_EPS).log()).sum(dim=-1)  # (B, T)
+        log_ratio = target.clamp(min=_EPS).log() - attention.clamp(min=_EPS).log()  # (B, T, N)
+        per_word = (target * log_ratio).sum(dim=-1)  # (B, T) KL(p || alpha) = cross-entropy - H(p)
     loss = (per_word * supervised).sum() / words.clamp(min=1.0)
     in_box = (mass.detach() * supervised).sum() / words.clamp(min=1.0)
     return GroundingTerm(loss, words.detach(), in_box)

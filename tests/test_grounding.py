@@ -122,14 +122,16 @@ def test_a_word_with_no_box_contributes_nothing(form: str) -> None:
     assert empty.loss.item() == 0.0 and empty.words.item() == 0 and empty.loss.requires_grad
 
 
-def test_mass_form_is_minus_log_of_the_attention_in_the_box() -> None:
+def test_the_two_forms_on_a_known_map() -> None:
     att = torch.tensor([[[0.1, 0.2, 0.3, 0.4]]])
     cov = torch.tensor([[[0.0, 1.0, 0.5, 0.0]]])
     term = grounding_loss(att, cov, "mass")
     assert term.loss.item() == pytest.approx(-np.log(0.2 + 0.15))
     assert term.in_box.item() == pytest.approx(0.35)
-    ce = grounding_loss(att, cov, "cross_entropy")  # target (0, 2/3, 1/3, 0)
-    assert ce.loss.item() == pytest.approx(-(2 / 3 * np.log(0.2) + 1 / 3 * np.log(0.3)))
+    ce = grounding_loss(att, cov, "cross_entropy")  # target (0, 2/3, 1/3, 0): cross-entropy minus its entropy
+    cross_entropy = -(2 / 3 * np.log(0.2) + 1 / 3 * np.log(0.3))
+    assert ce.loss.item() == pytest.approx(cross_entropy + (2 / 3 * np.log(2 / 3) + 1 / 3 * np.log(1 / 3)))
+    assert grounding_loss(torch.tensor([[[0.0, 2 / 3, 1 / 3, 0.0]]]), cov).loss.item() == pytest.approx(0.0, abs=1e-5)
     with pytest.raises(ConfigError, match="use one of mass, cross_entropy"):
         grounding_loss(att, cov, "l2")
 
