@@ -7,7 +7,8 @@ Three lines of Python (see :mod:`captioner.inference`)::
     print(model.caption(["photo.jpg"])[0].text)
 
 Importing the package is light: torch, timm, matplotlib and pycocotools load only when used
-(``load``, ``Captioner`` and ``Caption`` import :mod:`captioner.inference` on first access).
+(``load``, ``Captioner``, ``Caption`` and ``DecodeOptions`` import :mod:`captioner.inference` on first
+access).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from captioner.version import __version__
-__all__ = ["Caption", "Captioner", "load", "__version__"]
 
-_INFERENCE_NAMES = frozenset({"Caption", "Captioner", "load"})
+__all__ = ["Caption", "Captioner", "DecodeOptions", "load", "__version__"]
+
+_INFERENCE_NAMES = frozenset({"Caption", "Captioner", "DecodeOptions", "load"})
 
 
 def __getattr__(name: str) -> Any:
-    """``captioner.load`` / ``Captioner`` / ``Caption``, imported from :mod:`captioner.inference` when first used."""
+    """``captioner.load`` / ``Captioner`` / ``Caption`` / ``DecodeOptions``, imported from :mod:`captioner.inference` when first used."""
     if name in _INFERENCE_NAMES:
         from captioner import inference
 

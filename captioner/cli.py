@@ -23,7 +23,7 @@ from typing import NoReturn
 from captioner.version import __version__
 from captioner.errors import CaptionerError, one_line
 
-COMMAND_MODULES = ("make_shapes", "train", "evaluate", "caption", "attend", "demo")
+COMMAND_MODULES = ("make_shapes", "train", "evaluate", "caption", "attend", "export", "serve", "demo")
 
 EPILOG = """examples:
   captioner demo                                   # generate shapes, train 3 decoders, write runs/demo/report.html
@@ -32,6 +32,9 @@ EPILOG = """examples:
   captioner evaluate runs/sat/best.safetensors --data data/shapes --split test --beam 3
   captioner caption photo.jpg --checkpoint runs/sat/best.safetensors
   captioner attend photo.jpg --checkpoint runs/sat/best.safetensors --out overlays/
+  captioner caption photo.jpg -c 'https://example.org/model.safetensors#sha256=...'   # or -c hf://org/repo
+  captioner export runs/sat --out export/sat           # checkpoint + SHA-256 + model card, for the Hub
+  captioner serve -c runs/sat/best.safetensors         # a local page: drop a photo, hover the words
 
 run 'captioner COMMAND --help' for each command's options and examples."""
 

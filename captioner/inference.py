@@ -20,6 +20,8 @@ Shape legend: B images, S encoder input side, N regions (g*g), D feature width, 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,17 +31,19 @@ from typing import Union
 import torch
 from PIL import Image
 
+from captioner.checkpoint.remote import resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
 from captioner.data.images import load_image
 from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
-from captioner.decoding.search import DecodeOptions, caption_features
+from captioner.decoding.search import DecodeOptions, Hypothesis, decode, never_emitted_ids
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.models.base import eval_mode
 from captioner.text import Vocabulary
 
-__all__ = ["Caption", "Captioner", "ImageInput", "load", "teacher_forced_attention"]
+__all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
+           "load", "search_features", "teacher_forced_attention"]
 
 ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
 """A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
@@ -85,12 +89,82 @@ class Caption:
                 f"image_size={self.image_size}, box={self.box}, finished={self.finished})")
 
 
+def grid_of(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:
+    """(rows, cols) of ``n_regions`` region features: the model's encoder grid, else a square."""
+    g = getattr(getattr(getattr(model, "config", None), "encoder", None), "grid", None)
+    if g is not None and g * g == n_regions:
+        return (g, g)
+    root = math.isqrt(n_regions)
+    if root * root != n_regions:
+        raise ConfigError(f"cannot shape {n_regions} regions into a square grid; pass grid=(rows, cols)")
+    return (root, root)
+
+
+def _caption(h: Hypothesis, vocab: Vocabulary, grid: tuple[int, int]) -> Caption:
+    """One hypothesis as a :class:`Caption` with its attention (L, g, g)."""
+    words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
+    attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
+    return Caption(vocab.decode(h.tokens), words, list(h.tokens), float(h.score), grid, attention, finished=h.finished)
+
+
+def _captions(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, int]) -> list[Caption]:
+    """Each image's best hypothesis as a :class:`Caption` with its attention (L, g, g)."""
+    return [_caption(per_image[0], vocab, grid) for per_image in hyps]
+
+
+def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
+                     options: DecodeOptions | None = None, grid: tuple[int, int] | None = None) -> list[Caption]:
+    """Best caption per image from region features: the one search every caller goes through.
+
+    Args:
+        model: a ``CaptionModel`` (its ``decoder`` is used); switched to eval mode for the search and
+            restored afterwards. ``<pad>`` and ``<bos>`` are never emitted, nor ``<unk>`` unless
+            ``options.allow_unk``.
+        features: (B, N, D) region features.
+        vocab: the vocabulary the model was trained with.
+        options: search options; default ``DecodeOptions()`` (beam 3, 20 words).
+        grid: (rows, cols) of the regions; default :func:`grid_of`.
+
+    Returns:
+        One :class:`Caption` per image, with its attention (L, g, g); no image size or box.
+    """
+    options = options if options is not None else DecodeOptions()
+    grid = grid or grid_of(model, features.size(1))
+    if grid[0] * grid[1] != features.size(1):
+        raise ConfigError(f"grid {grid} does not match {features.size(1)} regions")
+    with eval_mode(model):
+        hyps = search_features(model.decoder, features, vocab, options)
+    return _captions(hyps, vocab, grid)
+
+
+def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
+                    options: DecodeOptions | None = None) -> list[list[Hypothesis]]:
+    """The search every caption goes through: ``decoder`` in eval mode (restored afterwards),
+    ``<pad>``/``<bos>`` (and ``<unk>`` unless ``options.allow_unk``) never emitted.
+
+    :func:`caption_features` calls it for whole models; SCST's greedy baseline calls it with the
+    decoder alone. Returns ``options.n_best`` hypotheses per image, best first.
+    """
+    options = options if options is not None else DecodeOptions()
+    with eval_mode(decoder):
+        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
+
+
+def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,
+                   options: DecodeOptions | None = None) -> list[Caption]:
+    """Encode transformed images (B, 3, S, S) with ``model.encode`` and caption them (:func:`caption_features`)."""
+    with eval_mode(model):
+        with torch.no_grad():
+            features, grid = model.encode(images)  # (B, N, D), (g, g)
+        return caption_features(model, features, vocab, options, grid=(int(grid[0]), int(grid[1])))
+
+
 def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tokens: Sequence[int], bos_id: int,
                              grid: tuple[int, int]) -> torch.Tensor | None:
     """Per-layer, per-head attention of a given caption, from the decoder's teacher-forced forward.
 
     Args:
-        model: a ``models.captioner.Captioner`` in eval mode.
+        model: a ``models.captioner.CaptionModel`` in eval mode.
         features: (1, N, D) region features of the image.
         tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
         bos_id: the ``<bos>`` id.
@@ -111,11 +185,35 @@ def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tok
     return all_att.reshape(*all_att.shape[:3], *grid)  # (L, layers, heads, g, g)
 
 
+def decode_options(options: DecodeOptions | None = None, **overrides: object) -> DecodeOptions:
+    """``options`` (default ``DecodeOptions()``) with ``overrides`` applied by one ``replace``.
+
+    ``beam`` is accepted as a short name for ``beam_size`` (the ``--beam`` of the commands).
+
+    Raises:
+        ConfigError: ``options`` is not a ``DecodeOptions``, an override is not one of its fields, or
+            a value is out of range (``DecodeOptions`` checks it).
+    """
+    if options is None:
+        options = DecodeOptions()
+    elif not isinstance(options, DecodeOptions):
+        raise ConfigError(f"options must be a DecodeOptions, got {type(options).__name__}")
+    if "beam" in overrides:
+        if "beam_size" in overrides:
+            raise ConfigError("give beam or beam_size, not both")
+        overrides["beam_size"] = overrides.pop("beam")
+    fields = [f.name for f in dataclasses.fields(DecodeOptions)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown decoding option(s) {', '.join(unknown)}; the options are: beam, {', '.join(fields)}")
+    return dataclasses.replace(options, **overrides)
+
+
 class Captioner:
     """A trained captioning model ready for inference: network, vocabulary, transform and device.
 
     Args:
-        model: a ``models.captioner.Captioner`` (its ``config`` gives the image transform).
+        model: a ``models.captioner.CaptionModel`` (its ``config`` gives the image transform).
         vocab: the vocabulary it was trained with.
         device: where it runs; default: where its parameters are.
     """
@@ -138,27 +236,26 @@ class Captioner:
     def caption(
         self,
         images: ImageInput | Sequence[ImageInput],
-        beam: int = 3,
-        max_len: int = 20,
+        options: DecodeOptions | None = None,
+        *,
         attention: bool = False,
         all_heads: bool = False,
-        allow_unk: bool = False,
         batch_size: int = 8,
-        options: DecodeOptions | None = None,
+        **decoding: object,
     ) -> list[Caption]:
         """Caption one image or several.
 
         Args:
             images: a path, PIL image or already-transformed (3, S, S) tensor, a (B, 3, S, S) batch,
                 or a list of these.
-            beam: beam size; 1 = greedy.
-            max_len: most words in a caption.
+            options: search options; default ``DecodeOptions()`` (beam 3, 20 words, ``<unk>``
+                banned), the one default every caller shares.
             attention: keep each word's attention map (``Caption.attention``).
             all_heads: also every layer's and head's map (Transformer; implies ``attention``).
-            allow_unk: let captions contain ``<unk>`` (banned by default).
             batch_size: images encoded and searched together.
-            options: full search options; when given they replace ``beam``, ``max_len`` and
-                ``allow_unk``.
+            **decoding: ``DecodeOptions`` fields that replace those of ``options``: ``beam_size``
+                (or its short name ``beam``; 1 = greedy), ``max_len``, ``length_penalty``, ``n_best``,
+                ``allow_unk``. For example ``caption(photo, beam=5, max_len=16)``.
 
         Returns:
             One :class:`Caption` per image, in input order.
@@ -170,13 +267,10 @@ class Captioner:
                 an image or a tensor; a tensor that is not floating point, not (3, S, S) or holds
                 NaN/inf; an image with no pixels or too many (:mod:`captioner.data.inputs`). It is a
                 ``DataError`` and a ``ValueError``.
-            ConfigError: bad search options (a search that could not fit in memory included, see
-                :mod:`captioner.decoding.budget`), batch size or flags.
+            ConfigError: bad search options (an unknown one, or a search that could not fit in
+                memory, see :mod:`captioner.decoding.budget`), batch size or flags.
         """
-        if options is None:
-            options = DecodeOptions(beam_size=beam, max_len=max_len, allow_unk=allow_unk)
-        elif not isinstance(options, DecodeOptions):
-            raise ConfigError(f"options must be a DecodeOptions, got {type(options).__name__}")
+        options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         for flag, value in (("attention", attention), ("all_heads", all_heads)):
@@ -204,6 +298,38 @@ class Captioner:
             return teacher_forced_attention(self.model, features, list(tokens), self.vocab.bos_id,
                                             (int(grid[0]), int(grid[1])))
 
+    def caption_nbest(self, image: ImageInput, n_best: int = 3, options: DecodeOptions | None = None, *,
+                      all_heads: bool = False, **decoding: object) -> list[Caption]:
+        """The ``n_best`` best captions of one image (best first), each with its per-word attention.
+
+        Args:
+            image: one path, PIL image or (3, S, S) tensor.
+            n_best: how many captions (at most the beam size).
+            options, **decoding: search options, as in :meth:`caption` (``beam=5``, ``max_len=16``).
+            all_heads: also every layer's and head's map of each caption (Transformer).
+
+        Returns:
+            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box``.
+        """
+        options = decode_options(options, **decoding, n_best=n_best)
+        sources = self._flatten(image)
+        if len(sources) != 1:
+            raise DataError(f"caption_nbest takes one image, got {len(sources)}")
+        pixels, size = self._prepare(sources[0])
+        box = crop_box(size[0], size[1], self.config.encoder) if size is not None else None
+        with eval_mode(self.model):
+            with torch.no_grad():
+                features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
+            grid = (int(grid[0]), int(grid[1]))
+            out = []
+            for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
+                c = _caption(h, self.vocab, grid)
+                c.image_size, c.box = size, box
+                if all_heads:
+                    c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
+                out.append(c)
+        return out
+
     # ------------------------------------------------------------------------- internals
 
     def _caption_batch(self, sources: list[object], options: DecodeOptions, keep_attention: bool,
@@ -214,15 +340,15 @@ class Captioner:
             features, grid = self.model.encode(pixels)  # (B, N, D), (g, g)
         grid = (int(grid[0]), int(grid[1]))
         found = caption_features(self.model, features, self.vocab, options, grid=grid)
-        out = []
         for i, ((_, size), result) in enumerate(zip(prepared, found)):
-            heads = None
             if all_heads:
-                heads = teacher_forced_attention(self.model, features[i:i + 1], result.tokens, self.vocab.bos_id, grid)
-            box = crop_box(size[0], size[1], self.config.encoder) if size is not None else None
-            out.append(Caption(result.text, result.words, result.tokens, float(result.score), grid,
-                               result.attention if keep_attention else None, heads, size, box, result.finished))
-        return out
+                result.all_attention = teacher_forced_attention(self.model, features[i:i + 1], result.tokens,
+                                                                self.vocab.bos_id, grid)
+            if not keep_attention:
+                result.attention = None
+            if size is not None:
+                result.image_size, result.box = size, crop_box(size[0], size[1], self.config.encoder)
+        return found
 
     def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[ImageSource]:
         """Inputs -> one checked source per image (the one place they are checked: :mod:`captioner.data.inputs`)."""
@@ -237,24 +363,32 @@ class Captioner:
         return source, None
 
 
-def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto") -> Captioner:
-    """Load a trained checkpoint for inference.
+def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha256: str | None = None,
+         progress: bool | None = None) -> Captioner:
+    """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
-        checkpoint: a ``.safetensors`` (or torch-format) file written by training.
+        checkpoint: a ``.safetensors`` (or torch-format) file written by training, a run folder
+            (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
+            ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
+            (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
         device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
+        sha256: the file's expected SHA-256 (instead of the URL fragment).
+        progress: show a download bar (default: when stderr is a terminal).
 
     Returns:
         A :class:`Captioner` in eval mode on ``device``.
 
     Raises:
-        CheckpointError: not a path, or a missing, truncated or foreign checkpoint.
-        ConfigError: ``device`` is not a device, or CUDA is asked for and absent.
+        CheckpointError: not a path, or a missing, truncated or foreign checkpoint; a download that
+            failed, a hash that does not match, offline mode with nothing cached.
+        ConfigError: ``device`` is not a device, or CUDA is asked for and absent; a malformed hash.
     """
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    loaded = load_checkpoint(checkpoint, device=str(dev))
+    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress)
+    loaded = load_checkpoint(path, device=str(dev))
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

@@ -63,11 +63,14 @@ class LossResult:
             ``reinforce`` (the surrogate term), ``entropy`` (mean attention entropy, nats),
             ``baseline``, ``advantage_scale``, and ``weighted_<name>`` for each regulariser as
             it enters the objective (``alpha_c * doubly_stochastic``, ``entropy_weight * entropy``).
+        captions: how many captions the loss averages over: the weight of this batch's terms in
+            the logged means (set by the training objectives; None from ``CaptionLoss`` alone).
     """
 
     total: torch.Tensor
     objective: torch.Tensor
     terms: dict[str, torch.Tensor]
+    captions: int | None = None
 
     @property
     def parts(self) -> dict[str, float]:

@@ -36,7 +36,7 @@ from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.captioner import build_decoder  # noqa: E402
 from captioner.training.scst_reward import CaptionReward  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
-from captioner.training.scst import SelfCriticalLoss  # noqa: E402
+from captioner.training.scst import SelfCritical  # noqa: E402
 
 FULL = {"presets": ("sat_soft_lite", "sat_hard_lite", "transformer_lite"), "batch": 16, "grid": 7,
         "feature_dim": 1280, "words": 1000, "images": 2000, "steps": 10}
@@ -89,7 +89,7 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
     t0 = time.perf_counter()
     reward = CaptionReward(refs)  # document frequencies: counted once, here
     df_seconds = time.perf_counter() - t0
-    scst = SelfCriticalLoss(reward, vocab, samples=SAMPLES, baseline="greedy", max_len=16)
+    scst = SelfCritical(reward, vocab, samples=SAMPLES, baseline="greedy", max_len=16)
     index = torch.arange(B)
     spent = {"reward": 0.0, "greedy": 0.0}
 
@@ -106,7 +106,7 @@ def _one(preset: str, s: dict, device: torch.device) -> dict:
 
     def scst_step() -> None:
         opt.zero_grad(set_to_none=True)
-        result, _ = scst.batch_loss(decoder, decoder, None, features, index)
+        result = scst.batch_loss(decoder, decoder, None, features, index)
         result.total.backward()
         opt.step()
 

@@ -53,6 +53,7 @@ def _loop_seconds(cfg, out: Path, epochs: int) -> float:
 
 def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device) -> float:
     """Bare steps of the same model on one real batch already on the device."""
+    from captioner.features.dtype import model_input
     from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary
@@ -67,7 +68,7 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     info = DistInfo(0, 1, 0, device)
     data = prepare_data(cfg, model, vocab, train_set, val_set, Path(cfg.data.feature_cache_dir), info, False)
     # the epoch's own batches (their caption lengths set the SAT time loop's length), already in place
-    batches = [(x.to(device), tokens.to(device))
+    batches = [(model_input(x, device), tokens.to(device))  # cached features widened to float32 as in the loop
                for x, tokens, _ in train_loader(data.train_dataset, cfg, 0, info, store=data.train_store)]
     t = cfg.train
     criterion = CaptionLoss.from_config(t, cfg.model.decoder, vocab.pad_id).to(device)  # what train() uses

@@ -31,20 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity (default: 0.5)")
     args = parser.parse_args(argv)
 
-    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.images import load_image
-    from captioner.data.transforms import ImageTransform, crop_box
-    from captioner.decoding.search import DecodeOptions, caption_images
     from captioner.errors import CaptionerError
+    from captioner.inference import load
     from captioner.viz.overlays import render_grid
 
     try:
-        ckpt = load_checkpoint(args.checkpoint)
+        model = load(args.checkpoint, device="cpu")
         image = load_image(args.image)
-        x = ImageTransform(ckpt.config.encoder)(image).unsqueeze(0)  # (1, 3, S, S)
-        result = caption_images(ckpt.model.eval(), x, ckpt.vocab, DecodeOptions(args.beam, args.max_len))[0]
-        grid = render_grid(image, result.text, result.words, result.attention.numpy(),
-                           crop_box(image.width, image.height, ckpt.config.encoder), args.cmap, args.alpha,
+        result = model.caption(image, attention=True, beam=args.beam, max_len=args.max_len)[0]
+        grid = render_grid(image, result.text, result.words, result.attention.numpy(), result.box, args.cmap, args.alpha,
                            panel_side=args.panel, columns=args.columns)
     except CaptionerError as exc:
         print(f"make_readme_overlay: error: {exc}", file=sys.stderr)

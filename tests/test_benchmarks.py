@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -23,3 +25,11 @@ def test_sat_train_benchmark_baseline_computes_the_same_loss():
     figures = _load("bench_sat").sat_train(quick=True)
     assert figures["device"] == "cpu"
     assert figures["captions_per_s"] > 0 and figures["baseline_captions_per_s"] > 0
+
+
+@pytest.mark.slow  # builds the Lite0 model and serves it: about 10 s
+def test_serve_benchmark_runs_and_reports_percentiles():
+    pytest.importorskip("fastapi")
+    figures = _load("bench_serve").serve_latency(quick=True)
+    assert figures["requests"] == 5 and figures["words"] == 20  # untrained decoder: full-length captions
+    assert 0 < figures["server_p50_seconds"] <= figures["p50_seconds"] <= figures["p95_seconds"]

@@ -86,46 +86,6 @@ def test_read_metadata_does_not_build_the_model(tmp_path, monkeypatch):
     assert Vocabulary.from_dict(info["vocab"]) == VOCAB and info["metadata"]["step"] == 7
 
 
-class _Exploit:
-    """Unpickling this calls open(marker, "w"): it would create the marker file."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-@pytest.mark.parametrize("legacy", [False, True])
-def test_code_executing_pickle_is_refused_without_running(tmp_path, legacy):
-    marker = tmp_path / "pwned"
-    path = tmp_path / "evil.pt"
-    payload = {"format": "captioner", "state_dict": {"x": torch.zeros(1)}, "hook": _Exploit(marker)}
-    torch.save(payload, path, _use_new_zipfile_serialization=not legacy)
-    for loader in (load_checkpoint, load_train_state):
-        with pytest.raises(CheckpointError, match="refused"):
-            loader(path)
-        assert not marker.exists()
-    torch.load(path, weights_only=False)  # proof the payload is live: an unsafe load runs it
-    assert marker.exists()
-
-
-def test_truncated_files_are_refused(tmp_path):
-    path = save_checkpoint(tmp_path / "m.safetensors", _model(), VOCAB)
-    data = path.read_bytes()
-    for cut in (len(data) // 2, 200, 4):
-        bad = tmp_path / f"cut{cut}.safetensors"
-        bad.write_bytes(data[:cut])
-        with pytest.raises(CheckpointError, match="truncated") as err:
-            load_checkpoint(bad)
-        assert str(bad) in str(err.value) and "\n" not in str(err.value)
-    pt = save_checkpoint(tmp_path / "m.pt", _model(), VOCAB)
-    bad = tmp_path / "cut.pt"
-    bad.write_bytes(pt.read_bytes()[: pt.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        load_checkpoint(bad)
-
-
 def test_missing_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_checkpoint(tmp_path / "nope.safetensors")
@@ -138,19 +98,6 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("just some text, not weights\n")
     with pytest.raises(CheckpointError, match="not a captioner checkpoint"):
         load_checkpoint(tmp_path / "notes.txt")
-
-
-def test_mismatched_architecture_names_what_differs(tmp_path):
-    path = save_checkpoint(tmp_path / "m.safetensors", _model(), VOCAB)
-    cfg = read_checkpoint_metadata(path)["config"]
-    cfg["decoder"]["hidden_dim"] = 48  # the weights were made for 32
-    _rewrite_header(path, config=json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"shape mismatch for decoder\.\S+: checkpoint \(\d+(, \d+)*\) vs model"):
-        load_checkpoint(path)
-    cfg["decoder"].update(name="transformer", hidden_dim=32)
-    _rewrite_header(path, config=json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="missing keys decoder.+unexpected keys decoder"):
-        load_checkpoint(path)
 
 
 @pytest.mark.parametrize("field,value,says", [
@@ -188,9 +135,9 @@ def test_format_is_sniffed_from_content_not_name(tmp_path):
 
 def test_vocab_size_mismatch_and_newer_format_refused(tmp_path):
     path = save_checkpoint(tmp_path / "m.safetensors", _model(), VOCAB)
-    _rewrite_header(path, vocab_size="21")
+    _rewrite_header(path, vocab_size="21")  # a header that disagrees with its vocabulary: see also
     with pytest.raises(CheckpointError, match="vocab size mismatch: vocabulary has 20 tokens, checkpoint says 21"):
-        load_checkpoint(path)
+        load_checkpoint(path)  # test_reliability_checkpoints (the vocabulary side)
     path = save_checkpoint(tmp_path / "n.safetensors", _model(), VOCAB)
     _rewrite_header(path, format_version="99")
     with pytest.raises(CheckpointError, match="newer"):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.data.coco import CaptionSet, check_images, load_caption_set, load_instances
+from captioner.data.checks import check_images
+from captioner.data.coco import CaptionSet, load_caption_set, load_instances
 from captioner.errors import DataError
 
 CAPTIONS = {

@@ -37,8 +37,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 PARSE_LOG = "captioner.config.parse"
 SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 # train fields added after the snapshot was taken: every preset keeps their defaults
-ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "attention_supervision": 0.0,
-                      "attention_supervision_form": "cross_entropy"}
+ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
+                      "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy"}
+
+
+def _flat_scst(train: dict) -> dict:
+    """A train mapping with the ``scst`` section as the flat ``scst_<key>`` fields the snapshot holds."""
+    return {**{k: v for k, v in train.items() if k != "scst"}, **{f"scst_{k}": v for k, v in train["scst"].items()}}
 SAT_KEYS = ["name", "dropout", "max_len", "embed_dim", "attention", "hidden_dim", "attention_dim",
             "hard_test_mode", "hard_soft_prob", "region_positions"]
 TRANSFORMER_KEYS = ["name", "dropout", "max_len", "d_model", "num_layers", "num_heads", "ff_dim", "tie_embeddings"]
@@ -67,6 +72,7 @@ def test_preset_names_are_the_snapshots() -> None:
 @pytest.mark.parametrize("name", sorted(SNAPSHOT))
 def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     new, old = _as_json(get_preset(name).to_dict()), SNAPSHOT[name]
+    new["train"] = _flat_scst(new["train"])  # the same values; the section's keys, as the snapshot names them
     assert new.pop("decoding") == _as_json(dataclasses.asdict(DecodeOptions()))  # the new section: defaults
     dec, old_dec = new["model"].pop("decoder"), old["model"].pop("decoder")
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
@@ -223,7 +229,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
     from captioner.decoding import search
 
     assert search.DecodeOptions is DecodeOptions
-    assert Config().decoding == DecodeOptions() == DecodeOptions(1, 20, 0.0, 1, False)
+    assert Config().decoding == DecodeOptions() == DecodeOptions(3, 20, 0.0, 1, False)
     cfg = resolve_config("sat_soft_tiny", None, ["decoding.beam_size=5", "decoding.length_penalty=0.7",
                                                  "decoding.n_best=2", "decoding.allow_unk=true"])
     assert cfg.decoding == DecodeOptions(beam_size=5, max_len=20, length_penalty=0.7, n_best=2, allow_unk=True)
@@ -231,7 +237,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
                                          "allow_unk": True}
     cfg.save(tmp_path / "config.json")
     assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).decoding == cfg.decoding
-    with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=1"):
+    with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=3"):
         resolve_config("sat_soft_tiny", None, ["decoding.n_best=4"])
     with pytest.raises(ConfigError, match=r"unknown config key: decoding.beam$"):
         resolve_config("sat_soft_tiny", None, ["decoding.beam=4"])
@@ -279,6 +285,39 @@ def test_old_checkpoint_with_the_flat_decoder_config_loads(name: str, fmt: str, 
     tokens = torch.randint(4, len(vocab), (2, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(images, tokens).logits, model(images, tokens).logits, rtol=0, atol=0)
+
+
+OLD_SCST = {"scst_samples": 3, "scst_temperature": 0.7, "scst_baseline": "greedy", "scst_bleu_weight": 0.25,
+            "scst_xe_weight": 0.5}  # the flat train keys before train.scst was a section
+NEW_SCST = {"samples": 3, "temperature": 0.7, "baseline": "greedy", "bleu_weight": 0.25, "xe_weight": 0.5}
+
+
+def test_old_flat_scst_keys_load_from_files_mappings_and_overrides(tmp_path: Path) -> None:
+    new = get_preset("sat_soft_tiny", **{f"train.scst.{k}": v for k, v in NEW_SCST.items()})
+    assert dataclasses.asdict(new.train.scst) == NEW_SCST
+    # --set train.scst_samples=3 ...
+    assert resolve_config("sat_soft_tiny", None, [f"train.{k}={json.dumps(v)}" for k, v in OLD_SCST.items()]) == new
+    assert get_preset("sat_soft_tiny", **{f"train.{k}": v for k, v in OLD_SCST.items()}) == new
+    # a config file (a partial mapping merged over the preset) and a whole config.json, both flat
+    (tmp_path / "partial.json").write_text(json.dumps({"train": OLD_SCST}))
+    assert resolve_config("sat_soft_tiny", tmp_path / "partial.json", []) == new
+    old = _as_json(new.to_dict())
+    old["train"] = _flat_scst(old["train"])
+    assert "scst" not in old["train"] and Config.from_dict(old) == new
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert resolve_config(None, tmp_path / "config.json", []) == new
+    # written today: nested
+    new.save(tmp_path / "new.json")
+    assert json.loads((tmp_path / "new.json").read_text())["train"]["scst"] == NEW_SCST
+
+
+def test_an_old_scst_key_and_its_new_place_together_are_refused() -> None:
+    data = _as_json(get_preset("sat_soft_tiny").to_dict())
+    data["train"]["scst_samples"] = 3
+    with pytest.raises(ConfigError, match=r"train.scst_samples and train.scst.samples are one setting, given twice"):
+        Config.from_dict(data)
+    with pytest.raises(ConfigError, match=r"unknown config key: train.scst.sample$"):
+        resolve_config("sat_soft_tiny", None, ["train.scst.sample=3"])
 
 
 def test_old_flat_model_config_with_a_changed_foreign_key_warns(caplog: pytest.LogCaptureFixture) -> None:

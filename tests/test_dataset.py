@@ -16,11 +16,17 @@ from captioner.config import EncoderConfig
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                     image_loader)
-from captioner.data.transforms import ImageTransform, crop_box, denormalize, to_pil
+from captioner.data.transforms import ImageTransform, crop_box, denormalize
 from captioner.errors import ImageLoadError
 from captioner.text import Vocabulary
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def to_pil(x: torch.Tensor, cfg: EncoderConfig) -> Image.Image:
+    """A normalised (3, S, S) tensor back to a PIL RGB image (for display and debugging)."""
+    pixels = denormalize(x.detach().float().cpu(), cfg).mul(255.0).round().byte()  # (3, S, S)
+    return Image.fromarray(pixels.permute(1, 2, 0).numpy())
 
 
 def enc(**kw) -> EncoderConfig:

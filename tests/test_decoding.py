@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from captioner.config import get_preset
+from captioner.inference import caption_features
 from captioner.decoding.search import (
     DecodeOptions,
     beam_search,
-    caption_features,
     decode,
     greedy_search,
     length_penalty,

@@ -185,7 +185,7 @@ def test_scst_stage_config_starts_from_the_decoders_best_checkpoint_with_the_mix
     assert stage.train.objective == "scst" and stage.train.init == str(tmp_path / "sat_soft" / "best.safetensors")
     assert stage.train.time_budget == pytest.approx(100.0)  # the decoder's own budget by default
     assert stage.train.lr == pytest.approx(cfg.train.lr * SCST_LR_SCALE)
-    assert stage.train.scst_xe_weight == SCST_XE_WEIGHT == 0.25
+    assert stage.train.scst.xe_weight == SCST_XE_WEIGHT == 0.25
     assert cfg.train.objective == "xe"  # the cross-entropy stage's config is left as it was
 
 

@@ -13,7 +13,8 @@ import pytest
 from range_server import RangeHandler, serve
 from PIL import Image
 
-from captioner.data.coco import check_images, load_caption_set
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set
 from captioner.errors import DataError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "download_flickr8k.py"

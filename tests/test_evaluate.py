@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.device import resolve_device
 from captioner.evaluation import evaluate as ev
 from captioner.config import get_preset
 from captioner.errors import ConfigError, DataError, ImageLoadError
@@ -73,10 +74,10 @@ def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_s
 def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """An oracle that answers each image with one of its own references scores BLEU 1."""
-    from captioner.decoding.search import CaptionResult
+    from captioner.inference import Caption
 
-    def oracle(model, vocab, caption_set, **kwargs):
-        results = [CaptionResult(caption_set.references(r.image_id)[0], [], [], 0.0, torch.zeros(0, 4, 4), (4, 4))
+    def oracle(engine, caption_set, *args, **kwargs):
+        results = [Caption(caption_set.references(r.image_id)[0], [], [], 0.0, (4, 4), torch.zeros(0, 4, 4))
                    for r in caption_set.images]
         return ev.SplitCaptions(caption_set, results, [])
 
@@ -88,14 +89,14 @@ def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tm
 
 
 def test_caption_split_is_batch_invariant_and_defaults_next_to_checkpoint(checkpoint: Path, tiny_shapes: Path) -> None:
-    from captioner.checkpoint.store import load_checkpoint
     from captioner.data.coco import load_caption_set
+    from captioner.inference import load
 
-    loaded = load_checkpoint(checkpoint)
+    loaded = load(checkpoint, device="cpu")
     cs = load_caption_set(tiny_shapes, "val")
     part = cs.subset([0, 1, 2, 3, 4])
-    one = ev.caption_split(loaded.model, loaded.vocab, part, beam_size=1, max_len=5, batch_size=1, progress=False)
-    many = ev.caption_split(loaded.model, loaded.vocab, part, beam_size=1, max_len=5, batch_size=3, progress=False)
+    one = ev.caption_split(loaded, part, beam_size=1, max_len=5, batch_size=1, progress=False)
+    many = ev.caption_split(loaded, part, beam_size=1, max_len=5, batch_size=3, progress=False)
     assert [r.text for r in one.results] == [r.text for r in many.results] and len(one.results) == 5
     report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", beam_size=1, max_images=2,
                                     progress=False, meteor=False, coco_caption=False)
@@ -137,7 +138,7 @@ def test_bad_inputs_raise_clear_errors(checkpoint: Path, tiny_shapes: Path, tmp_
     with pytest.raises(ConfigError, match="max_images"):
         ev.evaluate_checkpoint(checkpoint, tiny_shapes, max_images=0, out_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="device='gpu7'"):
-        ev.resolve_device("gpu7")
+        resolve_device("gpu7")
 
 
 def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
@@ -228,3 +229,30 @@ def test_format_report_shows_attention_and_skips() -> None:
         format_report(report)
     report["attention_correctness"] = None
     assert "attention correctness" not in format_report(report)
+
+
+def test_evaluate_validation_and_caption_decode_alike(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    """One pipeline, one default: ``evaluate``, training's validation and ``caption`` give the same
+    captions for the same images with no decoding option given (``DecodeOptions()``: beam 3)."""
+    from captioner.config import Config
+    from captioner.data.coco import load_caption_set
+    from captioner.data.dataset import CaptionEvalDataset, collate_images, image_loader
+    from captioner.inference import load
+    from captioner.training.validation import validate
+
+    images = 6
+    report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", max_images=images, out_dir=tmp_path,
+                                    progress=False, meteor=False, coco_caption=False)
+    evaluated = [r.text for r in report["results"]]
+    model = load(checkpoint, device="cpu")
+    cs = report["caption_set"]
+    captioned = [c.text for c in model.caption([rec.path for rec in cs.images])]
+    cfg = Config()  # what a run's validation uses when nothing is set
+    loader = torch.utils.data.DataLoader(CaptionEvalDataset(cs, image_loader(cs, model.transform)), batch_size=4,
+                                         collate_fn=collate_images)
+    shard = validate(model.model, loader, cs, model.vocab, cfg.train.val_beam, cfg.train.val_max_len,
+                     torch.device("cpu"), on_features=False, options=cfg.decoding)
+    assert len(evaluated) == images and evaluated == captioned == shard["hypotheses"]
+    assert report["beam_size"] == 3 and report["max_len"] == 20
+    greedy = [c.text for c in model.caption([rec.path for rec in cs.images], beam=1)]
+    assert greedy != captioned  # the shared default is beam search, not greedy

@@ -19,7 +19,8 @@ from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
 from captioner.errors import CaptionerError, DataError, ImageLoadError
-from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
+from captioner.features.cache import FeatureCache, get_feature_cache
+from captioner.features.keys import cache_key, cache_path
 from captioner.models.encoder import build_encoder
 
 COUNT = 10
@@ -234,7 +235,7 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
     """
     from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
-    from captioner.training.loop import TrainForward
+    from captioner.training.run import TrainForward
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
     from captioner.training.distributed import DistInfo
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.data.coco import check_images, load_caption_set
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set
 from captioner.errors import DataError
 
 SPLITS = {"train": ["1000_a.jpg", "1001_b.jpg", "1002_c.jpg", "1003_f.jpg"], "dev": ["2000_d.jpg"],

@@ -135,7 +135,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
         tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     over = {"data.root": str(tiny_shapes), "train.batch_size": 16, "train.val_max_images": 4, "train.epochs": 1,
             "train.log_every": 3}
-    with caplog.at_level(logging.WARNING, logger="captioner.training.loop"):
+    with caplog.at_level(logging.WARNING, logger="captioner.training.step"):
         train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 5.0, "train.ds_form": "sum"}), tmp_path / "sum",
               progress=False)
     heavy = [r.getMessage() for r in caplog.records if "outweighs the cross-entropy" in r.getMessage()]
@@ -144,7 +144,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
     assert float(rows[0]["share_doubly_stochastic"]) > 0.5
     assert float(rows[0]["share_ce"]) + float(rows[0]["share_doubly_stochastic"]) == pytest.approx(1.0, abs=1e-4)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="captioner.training.loop"):
+    with caplog.at_level(logging.WARNING, logger="captioner.training.step"):
         train(get_preset("sat_soft_tiny", **over, **{"train.alpha_c": 1.0}), tmp_path / "excess", progress=False)
     assert not [r for r in caplog.records if "outweighs" in r.getMessage()]
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from captioner.config import EncoderConfig
-from captioner.data.coco import check_images, load_caption_set, load_instances
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import load_image
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.errors import DataError

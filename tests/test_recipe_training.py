@@ -106,17 +106,18 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
     import inspect
 
     from captioner.commands import evaluate as evaluate_cmd
+    from captioner.commands.decoding_flags import decoding_overrides
+    from captioner.config import DecodeOptions
     from captioner.evaluation.evaluate import evaluate_checkpoint
 
     parser = argparse.ArgumentParser()
     evaluate_cmd.add_arguments(parser)
-    defaults = parser.parse_args(["ckpt", "--data", "x"])
-    api = inspect.signature(evaluate_checkpoint).parameters
-    assert (api["beam_size"].default, api["max_len"].default) == (defaults.beam, defaults.max_len)
+    assert decoding_overrides(parser.parse_args(["ckpt", "--data", "x"])) == {}  # nothing set: DecodeOptions()
+    assert inspect.signature(evaluate_checkpoint).parameters["options"].default is None  # -> DecodeOptions()
     seen: list = []
     script_validation(monkeypatch, DIVERGING, seen)
     train(tiny_cfg(tiny_shapes), tmp_path, progress=False)
-    assert seen == [(defaults.beam, defaults.max_len)] == [(3, 20)]
+    assert seen == [(DecodeOptions().beam_size, DecodeOptions().max_len)] == [(3, 20)]
 
 
 def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_path: Path,

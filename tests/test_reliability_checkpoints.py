@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from captioner.checkpoint.store import load_checkpoint, save_checkpoint
+from captioner.checkpoint.store import load_checkpoint, load_train_state, save_checkpoint
 from captioner.cli import main
 from captioner.config import get_preset
 from captioner.errors import CaptionerError, CheckpointError
@@ -151,6 +151,11 @@ def test_code_running_pickle_is_refused_without_running(kind: str, tmp_path: Pat
     assert str(info.value).startswith(f"{path}: refused") and "\n" not in str(info.value)
     assert not marker.exists()
 
+    if kind.endswith(".pt"):  # a training state in torch format is read with the same guard
+        with pytest.raises(CheckpointError, match="refused"):
+            load_train_state(path)
+        assert not marker.exists()
+
     line = assert_one_error_line(*caption_cli(path, photo, capsys))
     assert f"{path}: refused" in line
     assert not marker.exists()
@@ -265,7 +270,7 @@ def test_header_length_never_looks_like_a_pickle(first_bytes: bytes, vocab: Voca
 def test_truncated_checkpoint_is_refused_at_every_cut(checkpoints: dict[str, Path], tmp_path: Path, photo: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     data = checkpoints["sat"].read_bytes()
-    cuts = sorted({0, 1, 7, 8, 9, 100, header_length(checkpoints["sat"]) + 8, len(data) // 2, len(data) - 1}
+    cuts = sorted({0, 1, 4, 7, 8, 9, 100, 200, header_length(checkpoints["sat"]) + 8, len(data) // 2, len(data) - 1}
                   | set(range(0, len(data), max(1, len(data) // 40))))
     path = tmp_path / "cut.safetensors"
     for cut in cuts:
@@ -274,6 +279,8 @@ def test_truncated_checkpoint_is_refused_at_every_cut(checkpoints: dict[str, Pat
             load_checkpoint(path)
         message = str(info.value)
         assert message.startswith(f"{path}: ") and "\n" not in message, (cut, message)
+        if cut in (4, 200, len(data) // 2):
+            assert "truncated" in message, (cut, message)
     path.write_bytes(data[: len(data) // 2])
     line = assert_one_error_line(*caption_cli(path, photo, capsys))
     assert "truncated" in line
@@ -291,6 +298,8 @@ def test_truncated_torch_format_checkpoint_is_refused(vocab: Vocabulary, tmp_pat
         with pytest.raises(CheckpointError) as info:
             load_checkpoint(path)
         assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value), cut
+        if cut == len(data) // 2:
+            assert "truncated or corrupt" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- resume into a run folder
@@ -462,7 +471,8 @@ print(cache.path)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set
     from captioner.data.transforms import ImageTransform
-    from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
+    from captioner.features.cache import FeatureCache, get_feature_cache
+    from captioner.features.keys import cache_key, cache_path
     from captioner.models.encoder import build_encoder
 
     cfg = get_preset("sat_soft_tiny").model

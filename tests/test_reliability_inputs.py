@@ -402,6 +402,7 @@ def test_broken_val_split_is_found_before_training(tiny_shapes: Path, tmp_path: 
 
 def test_some_empty_captions_are_dropped_with_one_warning(tiny_shapes: Path, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from captioner.data.checks import check_images
     from captioner.data.coco import load_caption_set
 
     doc = json.loads((tiny_shapes / "captions_train.json").read_text())
@@ -420,7 +421,8 @@ def test_some_empty_captions_are_dropped_with_one_warning(tiny_shapes: Path, tmp
 
 
 def test_check_images_names_unreadable_files_before_training(spoiled_shapes) -> None:
-    from captioner.data.coco import check_images, load_caption_set
+    from captioner.data.checks import check_images
+    from captioner.data.coco import load_caption_set
 
     root, kinds = spoiled_shapes
     cs = load_caption_set(root, "train")

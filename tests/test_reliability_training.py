@@ -290,17 +290,17 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, how: str, at_call: int) -> None:
     real = train_module.clip_and_step
     calls = {"n": 0}
 
-    def clip_and_step(loss, optimizer, params, grad_clip, precision):
+    def clip_and_step(loss, optimizer, params, grad_clip, precision, **kwargs):
         calls["n"] += 1
         if calls["n"] != at_call:
-            return real(loss, optimizer, params, grad_clip, precision)
+            return real(loss, optimizer, params, grad_clip, precision, **kwargs)
         if how == "nan_gradient":
             hook = params[-1].register_hook(lambda g: torch.full_like(g, math.nan))
             try:
-                return real(loss, optimizer, params, grad_clip, precision)
+                return real(loss, optimizer, params, grad_clip, precision, **kwargs)
             finally:
                 hook.remove()
-        stepped = real(loss, optimizer, params, grad_clip, precision)
+        stepped = real(loss, optimizer, params, grad_clip, precision, **kwargs)
         with torch.no_grad():
             params[-1].fill_(math.nan)
         return stepped

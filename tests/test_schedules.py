@@ -9,7 +9,16 @@ import torch
 
 from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.training.schedules import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, noam_factor, warmup_shape
+from captioner.training.schedules import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, warmup_shape
+
+
+def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
+    """The reference: the unnormalised Vaswani et al. multiplier ``d**-0.5 * min(s**-0.5, s * w**-1.5)``.
+
+    Equal to ``(d_model * warmup_steps) ** -0.5 * warmup_shape(step, warmup_steps)``.
+    """
+    step = max(step, 1)
+    return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
 def two_groups(decoder_lr: float = 1.0, encoder_lr: float = 1.0) -> torch.optim.Optimizer:

@@ -138,18 +138,18 @@ class _FixedReward:
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
 def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss, baselines, policy_log_probs
+    from captioner.training.scst import SelfCritical, baselines, policy_log_probs
 
     assert baselines(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 0.0]), 3, "mean").tolist() == [0.0, 0.5, 0.5,
                                                                                             1.5, 1.5, 3.0]
     vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
     model = _model(preset, len(vocab)).eval()  # eval: no dropout, so sampling and re-scoring agree exactly
     decoder, K = model.decoder, 4
-    loss = SelfCriticalLoss(_FixedReward(K), vocab, samples=K, baseline="mean", max_len=6)
+    loss = SelfCritical(_FixedReward(K), vocab, samples=K, baseline="mean", max_len=6)
     features = torch.randn(2, 16, model.encoder.out_dim)
     torch.manual_seed(0)
-    result, n = loss.batch_loss(decoder, decoder, None, features, torch.tensor([0, 1]))
-    assert n == 2 * K and result.parts["scst_reward"] == pytest.approx(0.25)
+    result = loss.batch_loss(decoder, decoder, None, features, torch.tensor([0, 1]))
+    assert result.captions == 2 * K and result.parts["scst_reward"] == pytest.approx(0.25)
     assert result.parts["scst_better"] == pytest.approx(0.25)  # the first sample of each image beats its baseline
     # the sampled sequences, recovered by re-sampling with the same seed
     from captioner.decoding.sampling import sample_captions
@@ -190,10 +190,31 @@ def test_rescoring_gives_the_log_probs_the_sampler_drew_with(preset: str) -> Non
     with torch.no_grad():
         logits = decoder(features.repeat_interleave(K, 0), inputs).logits  # (R, L, V)
     rescored = policy_log_probs(logits, s.tokens, valid, banned, eos_id=2, temperature=T)
-    assert torch.allclose(rescored, s.log_probs, atol=1e-5)
-    assert bool((s.log_probs[~valid] == 0).all()) and bool((s.log_probs[valid] < 0).all())
+    drawn = _drawn_log_probs(decoder, features, s.tokens, banned, eos_id=2, temperature=T)
+    assert torch.allclose(rescored, drawn, atol=1e-5)
+    assert bool((rescored[~valid] == 0).all()) and bool((rescored[valid] < 0).all())
     full = torch.log_softmax(logits, -1).gather(-1, s.tokens.unsqueeze(-1)).squeeze(-1)  # the model's own softmax
-    assert (full - s.log_probs)[valid].abs().max() > 1e-2  # which is not the sampled policy
+    assert (full - drawn)[valid].abs().max() > 1e-2  # which is not the sampled policy
+
+
+def _drawn_log_probs(decoder, features, tokens, banned, eos_id, temperature):
+    """(R, L) log-probability of each sampled id under the distribution the sampler drew it from
+    (the decoder's step, banned ids at -inf except <eos>, divided by the temperature), replayed step by
+    step through the decoding state; 0 at padding."""
+    R, L = tokens.shape
+    K = R // features.size(0)
+    state = decoder.init_state(features).select(torch.arange(features.size(0)).repeat_interleave(K))
+    prev = torch.full((R,), 1, dtype=torch.long)  # <bos>
+    out = torch.zeros(R, L)
+    ban = torch.tensor([i for i in banned if i != eos_id])
+    with torch.no_grad():
+        for t in range(L):
+            log_probs, state, _ = decoder.step(prev, state)  # (R, V)
+            probs = torch.softmax(log_probs.float().index_fill(-1, ban, float("-inf")) / temperature, dim=-1)
+            drawn = probs.gather(1, tokens[:, t:t + 1]).squeeze(1).log()
+            out[:, t] = torch.where(tokens[:, t] != 0, drawn, torch.zeros_like(drawn))
+            prev = tokens[:, t]
+    return out
 
 
 @pytest.mark.parametrize("preset, head", [("sat_soft_tiny", "out_word"), ("transformer_tiny", "out")])
@@ -201,14 +222,14 @@ def test_banned_ids_get_no_gradient_from_the_scst_term(preset: str, head: str) -
     """<unk> is never sampled: were it scored under the full softmax, every negative advantage would
     raise it and nothing would lower it again (on Flickr8k it took the whole distribution)."""
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss
+    from captioner.training.scst import SelfCritical
 
     vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
     model = _model(preset, len(vocab)).eval()
-    loss = SelfCriticalLoss(_FixedReward(4), vocab, samples=4, baseline="mean", max_len=6)
+    loss = SelfCritical(_FixedReward(4), vocab, samples=4, baseline="mean", max_len=6)
     torch.manual_seed(0)
-    result, _ = loss.batch_loss(model.decoder, model.decoder, None, torch.randn(2, 16, model.encoder.out_dim),
-                                torch.tensor([0, 1]))
+    result = loss.batch_loss(model.decoder, model.decoder, None, torch.randn(2, 16, model.encoder.out_dim),
+                             torch.tensor([0, 1]))
     result.total.backward()
     grad = getattr(model.decoder, head).bias.grad  # (V,): d loss / d logit, summed over positions
     banned = [vocab.pad_id, vocab.bos_id, vocab.unk_id]
@@ -221,15 +242,15 @@ def test_banned_ids_get_no_gradient_from_the_scst_term(preset: str, head: str) -
 def test_the_greedy_reward_is_logged_with_either_baseline(baseline: str) -> None:
     from captioner.decoding.search import DecodeOptions, decode
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss
+    from captioner.training.scst import SelfCritical
 
     vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
     model = _model("sat_soft_tiny", len(vocab)).eval()
     length = lambda captions, images: [float(len(c)) for c in captions]  # noqa: E731  reward: words
-    loss = SelfCriticalLoss(length, vocab, samples=3, baseline=baseline, max_len=6)
+    loss = SelfCritical(length, vocab, samples=3, baseline=baseline, max_len=6)
     features = torch.randn(2, 16, model.encoder.out_dim)
     torch.manual_seed(0)
-    result, _ = loss.batch_loss(model.decoder, model.decoder, None, features, torch.tensor([0, 1]))
+    result = loss.batch_loss(model.decoder, model.decoder, None, features, torch.tensor([0, 1]))
     greedy = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=1, max_len=6),
                     loss.banned)
     words = [float(len(loss._texts([h[0].tokens])[0])) for h in greedy]
@@ -243,15 +264,15 @@ def test_the_greedy_reward_is_logged_with_either_baseline(baseline: str) -> None
 
 def test_hard_attention_gets_a_region_reinforce_term_with_the_caption_advantage() -> None:
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss
+    from captioner.training.scst import SelfCritical
 
     vocab = Vocabulary.build(["a red circle", "a blue square"], min_freq=1)
     model = _model("sat_hard_tiny", len(vocab)).train()
-    loss = SelfCriticalLoss(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=5, entropy_weight=0.01)
+    loss = SelfCritical(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=5, entropy_weight=0.01)
     torch.manual_seed(0)
-    result, n = loss.batch_loss(model.decoder, model.decoder, None, torch.randn(3, 16, model.encoder.out_dim),
-                                torch.tensor([4, 4, 7]))  # rows 0 and 1 are one image: sampled once
-    assert n == 2 * 3
+    result = loss.batch_loss(model.decoder, model.decoder, None, torch.randn(3, 16, model.encoder.out_dim),
+                             torch.tensor([4, 4, 7]))  # rows 0 and 1 are one image: sampled once
+    assert result.captions == 2 * 3
     assert {"reinforce", "entropy", "scst_reward", "scst_baseline_reward", "scst_better"} <= set(result.parts)
     assert result.parts["reinforce"] != 0.0 and math.isfinite(float(result.total.detach()))
     result.total.backward()
@@ -263,7 +284,7 @@ def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
     import torch.nn.functional as F
 
     from captioner.text import Vocabulary
-    from captioner.training.scst import SelfCriticalLoss
+    from captioner.training.scst import SelfCritical
 
     vocab = Vocabulary.build(["a red circle", "a blue square", "green triangle left"], min_freq=1)
     model = _model(preset, len(vocab)).eval()
@@ -272,12 +293,12 @@ def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
     tokens = torch.tensor([vocab.encode("red circle", 10) + [vocab.pad_id],
                            vocab.encode("green triangle left", 10)])  # (2, T) references, one padded
     index = torch.tensor([0, 1])
-    pure = SelfCriticalLoss(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6)
-    mixed = SelfCriticalLoss(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6, xe_weight=0.5)
+    pure = SelfCritical(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6)
+    mixed = SelfCritical(_FixedReward(3), vocab, samples=3, baseline="mean", max_len=6, xe_weight=0.5)
     torch.manual_seed(0)
-    a, _ = pure.batch_loss(decoder, decoder, None, features, index)
+    a = pure.batch_loss(decoder, decoder, None, features, index)
     torch.manual_seed(0)
-    b, _ = mixed.batch_loss(decoder, decoder, None, features, index, tokens=tokens)
+    b = mixed.batch_loss(decoder, decoder, None, features, index, tokens=tokens)
     logits = decoder(features, tokens[:, :-1]).logits  # the references' cross-entropy, by hand
     ce = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
     assert float((b.total - a.total).detach()) == pytest.approx(0.5 * float(ce.detach()), rel=1e-5)
@@ -290,8 +311,9 @@ def test_mixed_objective_adds_the_references_cross_entropy(preset: str) -> None:
 def test_scst_xe_weight_is_checked() -> None:
     from captioner.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="scst_xe_weight"):
-        get_preset("sat_soft_tiny", **{"train.scst_xe_weight": -1})
+    for key in ("train.scst.xe_weight", "train.scst_xe_weight"):  # the flat key of older configs, too
+        with pytest.raises(ConfigError, match=r"train\.scst\.xe_weight must be a number >= 0"):
+            get_preset("sat_soft_tiny", **{key: -1})
 
 
 # ----------------------------------------------------------------------------- the second training stage
@@ -305,7 +327,7 @@ def test_init_then_scst_round_trip_through_the_cli(tiny_shapes: Path, tmp_path: 
     assert main(["train", "--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out),
                  "--init", str(stage1["sat_soft_tiny"]), "--set", "train.objective=scst", "--set",
                  "train.batch_size=16", "--set", "train.val_max_images=4", "--set", "train.val_beam=1",
-                 "--set", "train.log_every=5", "--set", "train.scst_samples=3", "--epochs", "1",
+                 "--set", "train.log_every=5", "--set", "train.scst.samples=3", "--epochs", "1",
                  "--no-progress"]) == 0
     cfg = json.loads((out / "config.json").read_text())["train"]
     assert cfg["objective"] == "scst" and cfg["init"] == str(stage1["sat_soft_tiny"])
@@ -324,7 +346,7 @@ def test_resume_mid_scst_reproduces_the_uninterrupted_run(tiny_shapes: Path, tmp
                                                           stage1: dict[str, Path]) -> None:
     """Hard attention: the sampled words, the greedy baseline and the sampled regions all draw random numbers."""
     scst = {"train.objective": "scst", "train.init": str(stage1["sat_hard_tiny"]), "train.epochs": 2,
-            "train.scst_samples": 2, "train.lr": 1e-3}
+            "train.scst.samples": 2, "train.lr": 1e-3}
     whole = tmp_path / "whole"
     train(tiny_cfg("sat_hard_tiny", tiny_shapes, **scst), whole, progress=False)
     part = tmp_path / "part"
@@ -341,10 +363,15 @@ def test_resume_mid_scst_reproduces_the_uninterrupted_run(tiny_shapes: Path, tmp
 
 @pytest.mark.parametrize("key,value,message", [
     ("train.objective", "rl", "train.objective='rl': use xe or scst"),
-    ("train.scst_baseline", "beam", "train.scst_baseline='beam': use greedy or mean"),
-    ("train.scst_samples", 0, "train.scst_samples must be an integer >= 1"),
-    ("train.scst_temperature", -1, "train.scst_temperature must be a number > 0"),
-    ("train.scst_bleu_weight", 2, "train.scst_bleu_weight must be in [0, 1]"),
+    ("train.scst.baseline", "beam", "train.scst.baseline='beam': use mean or greedy"),
+    ("train.scst.samples", 0, "train.scst.samples must be an integer >= 1"),
+    ("train.scst.temperature", -1, "train.scst.temperature must be a number > 0"),
+    ("train.scst.bleu_weight", 2, "train.scst.bleu_weight must be in [0, 1]"),
+    # the flat keys of configs written before train.scst was a section: the same checks
+    ("train.scst_baseline", "beam", "train.scst.baseline='beam': use mean or greedy"),
+    ("train.scst_samples", 0, "train.scst.samples must be an integer >= 1"),
+    ("train.scst_temperature", -1, "train.scst.temperature must be a number > 0"),
+    ("train.scst_bleu_weight", 2, "train.scst.bleu_weight must be in [0, 1]"),
 ])
 def test_bad_scst_settings_are_one_line_errors(key: str, value, message: str, tiny_shapes: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:

@@ -285,16 +285,16 @@ def test_fine_tuning_trains_the_encoder_with_its_own_lr(tiny_shapes: Path, tmp_p
 
 def test_validation_decodes_with_the_configs_decoding_section(tiny_shapes: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import captioner.decoding.search as search
+    import captioner.inference as inference
 
     seen = []
-    real = search.caption_features
+    real = inference.caption_features
 
     def spy(model, x, vocab, options):  # noqa: ANN001
         seen.append(options)
         return real(model, x, vocab, options)
 
-    monkeypatch.setattr(search, "caption_features", spy)
+    monkeypatch.setattr(inference, "caption_features", spy)
     cfg = tiny_cfg("sat_soft_tiny", tiny_shapes, **{"decoding.length_penalty": 0.7, "decoding.beam_size": 5,
                                                      "train.val_beam": 2, "train.val_max_len": 7})
     train(cfg, tmp_path / "run", progress=False)

@@ -21,6 +21,8 @@ import torch
 from captioner.checkpoint.format import describe
 from captioner.config import ModelConfig
 from captioner.errors import CheckpointError
+from captioner.models.base import CaptionDecoder
+from captioner.models.captioner import build_model
 
 __all__ = ["MAX_DERIVED_BYTES", "as_checkpoint_error", "build_model_from_state"]
 
@@ -85,23 +87,21 @@ def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor
     """How to recompute each non-persistent buffer of a meta-device model from its (meta) value.
 
     None when the model holds tensors that ``to_empty`` + ``load_state_dict`` would leave wrong
-    and that we cannot recompute: an unknown non-persistent buffer, a buffer shared under two
-    names, or a tensor kept as a plain module attribute.
+    and that we cannot recompute: a non-persistent buffer its decoder does not list in
+    ``derived_buffers()``, a buffer shared under two names, or a tensor kept as a plain module attribute.
     """
-    from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_positions
-
-    known = {(TransformerCaptionDecoder, "positions"): lambda t: sinusoidal_positions(t.shape[0], t.shape[1])}
     persistent = set(model.state_dict())
     recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
             return None
+        known = module.derived_buffers() if isinstance(module, CaptionDecoder) else {}
         for attr, buf in module.named_buffers(recurse=False):
             name = f"{prefix}.{attr}" if prefix else attr
             if buf is None or name in persistent:
                 continue
-            recipe = next((fn for (cls, a), fn in known.items() if isinstance(module, cls) and a == attr), None)
+            recipe = known.get(attr)
             if recipe is None or id(buf) in seen:
                 return None
             seen.add(id(buf))
@@ -180,8 +180,6 @@ def build_model_from_state(path: Path, config: ModelConfig, vocab_size: int, sta
         CheckpointError: a config the model code refuses or that asks for absurd sizes, or tensor
             names and shapes that differ from the model's.
     """
-    from captioner.models.captioner import build_model
-
     with (as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
           _SkipMetaInit(), _tensor_budget(path, len(state))):
         model = build_model(config, vocab_size=vocab_size, load_pretrained=False)

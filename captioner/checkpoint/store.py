@@ -23,7 +23,7 @@ Files are recognised by content, not by name (:mod:`captioner.checkpoint.format`
 the model on the meta device, checks every tensor name and shape against the file, and only then
 allocates (uninitialised) storage and copies the weights in (:mod:`captioner.checkpoint.build`): a
 header with absurd sizes is refused before anything big is allocated, and no time is spent on a
-random initialisation. Every write is atomic (:mod:`captioner.checkpoint.atomic`).
+random initialisation. Every write is atomic (:func:`captioner.files.atomic_write`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as _st_save
 
-from captioner.checkpoint.atomic import atomic_write
+from captioner.files import atomic_write
 from captioner.checkpoint.build import as_checkpoint_error, build_model_from_state
 from captioner.checkpoint.format import FORMAT, FORMAT_VERSION, first_line, parse_header, read_file, torch_load
 from captioner.config import ModelConfig, model_config_from_dict
@@ -51,7 +51,7 @@ from captioner.version import __version__
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "LoadedCheckpoint", "atomic_write", "load_checkpoint", "load_train_state",
+__all__ = ["FORMAT", "FORMAT_VERSION", "LoadedCheckpoint", "load_checkpoint", "load_train_state",
            "read_checkpoint_metadata", "save_checkpoint", "save_train_state"]
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -108,7 +108,7 @@ def _header(model: torch.nn.Module, vocab: Vocabulary, metadata: Mapping[str, An
     config = getattr(model, "config", None)
     vocab_size = getattr(model, "vocab_size", None)
     if not dataclasses.is_dataclass(config) or not isinstance(vocab_size, int):
-        raise CheckpointError("save_checkpoint needs a Captioner (a model with .config and .vocab_size)")
+        raise CheckpointError("save_checkpoint needs a CaptionModel (a model with .config and .vocab_size)")
     if len(vocab) != vocab_size:
         raise CheckpointError(f"vocabulary has {len(vocab)} tokens but the model was built for {vocab_size}")
     meta = dict(metadata or {})
@@ -137,7 +137,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
     Args:
         path: output file; ``.safetensors`` (default) or ``.pt``/``.pth``/``.bin`` (torch.save of
             tensors and strings only).
-        model: a ``Captioner``.
+        model: a ``CaptionModel``.
         vocab: its vocabulary (``len(vocab) == model.vocab_size``).
         metadata: JSON-serialisable training metadata (epoch, step, metrics, ...).
         file_format: "safetensors" or "torch"; default from the suffix.

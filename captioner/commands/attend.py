@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from captioner.commands.caption import add_common_arguments, check_positive
+from captioner.commands.caption import add_common_arguments
+from captioner.commands.decoding_flags import decoding_overrides
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -55,7 +56,7 @@ def select_view(all_attention, layer: int | None, head: int | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    check_positive(args, "beam", "max_len")
+    decoding = decoding_overrides(args)
     from captioner.data.images import load_image
     from captioner.device import resolve_device
     from captioner.errors import ConfigError
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))
     image = load_image(args.image)
-    result = model.caption(image, beam=args.beam, max_len=args.max_len, all_heads=True, allow_unk=args.allow_unk)[0]
+    result = model.caption(image, all_heads=True, **decoding)[0]
     all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)
     attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
     if args.layer is not None or args.head is not None:

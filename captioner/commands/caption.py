@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
+
 NAME = "caption"
 HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"
 EXAMPLES = """
@@ -37,6 +39,8 @@ EXAMPLES = """
   captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
 """
 
+CHECKPOINT_HELP = ("checkpoint: a .safetensors file, a run folder, an https:// URL (cached; #sha256=HEX checks it) "
+                   "or hf://ORG/REPO[/FILE]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _AMBIGUOUS = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # control characters (tab, newline) and raw bytes
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
@@ -45,12 +49,9 @@ _GLOB_CHARS = frozenset("*?[")
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
-    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help="checkpoint (.safetensors)")
-    parser.add_argument("--beam", type=int, default=3, help="beam size; 1 = greedy (default: 3)")
-    parser.add_argument("--max-len", type=int, default=20, help="longest caption in words (default: 20)")
+    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help=CHECKPOINT_HELP)
+    add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
-    parser.add_argument("--allow-unk", action="store_true",
-                        help="let captions contain <unk> (banned by default, like <pad> and <bos>)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +174,8 @@ def _error(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError, ImageLoadError
 
-    check_positive(args, "beam", "max_len", "batch_size")
+    decoding = decoding_overrides(args)
+    check_positive(args, "batch_size")
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.overlay:  # matplotlib (colour maps) loads only when overlays are asked for
@@ -201,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
                 failed = True
         if not loaded:
             continue
-        results = model.caption([image for _, image in loaded], beam=args.beam, max_len=args.max_len,
-                                attention=bool(args.overlay), allow_unk=args.allow_unk, batch_size=len(loaded))
+        results = model.caption([image for _, image in loaded], attention=bool(args.overlay), batch_size=len(loaded),
+                                **decoding)
         seconds = (time.perf_counter() - t0) / len(loaded)
         for (path, image), result in zip(loaded, results):
             row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),

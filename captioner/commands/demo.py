@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated decoders to train (default: sat_soft,sat_hard,transformer)")
     parser.add_argument("--out", default="runs/demo", help="output folder for runs and the report (default: runs/demo)")
     parser.add_argument("--overlays", type=int, default=4, help="test images shown with overlays per decoder (default: 4)")
-    parser.add_argument("--beam", type=int, default=3, help="beam size for the test captions (default: 3)")
+    parser.add_argument("--beam", type=int, default=None, help="beam size for the test captions (default: 3, as everywhere)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--quick", action="store_true", help="tiny run: fewer scenes, short budgets, small models")
     parser.add_argument("--scst", action="store_true",

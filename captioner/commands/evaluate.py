@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
 from captioner.config.schema import MAX_WORKERS
 
 NAME = "evaluate"
@@ -22,13 +23,12 @@ EXAMPLES = """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file (.safetensors) written by training")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint written by training: a .safetensors file, a run folder, an https:// "
+                        "URL (#sha256=HEX checks it) or hf://ORG/REPO[/FILE]; a remote one needs --out")
     parser.add_argument("--data", required=True, metavar="PATH", help="dataset folder, COCO captions JSON or Karpathy split JSON")
     parser.add_argument("--images", default=None, metavar="DIR", help="image folder when it is not where the layout puts it")
     parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")
-    parser.add_argument("--beam", type=int, default=3, metavar="K", help="beam size; 1 = greedy (default: 3)")
-    parser.add_argument("--max-len", type=int, default=20, metavar="N", help="longest caption in words (default: 20)")
-    parser.add_argument("--allow-unk", action="store_true", help="let captions contain <unk> (banned by default)")
+    add_decoding_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per decoding batch (default: 32)")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the checkpoint's folder)")
     parser.add_argument("--max-images", type=int, default=None, metavar="N", help="score only the first N images")
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError
     from captioner.evaluation.evaluate import evaluate_checkpoint
 
-    for flag in ("beam", "max_len", "batch_size"):
+    decoding = decoding_overrides(args)
+    for flag in ("batch_size",):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.max_images is not None and args.max_images < 1:
@@ -107,11 +108,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.workers <= MAX_WORKERS:
         raise ConfigError(f"--workers must be between 0 and {MAX_WORKERS}, got {args.workers}")
     report = evaluate_checkpoint(
-        args.checkpoint, args.data, split=args.split, beam_size=args.beam, max_len=args.max_len,
+        args.checkpoint, args.data, split=args.split,
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
-        num_workers=args.workers, meteor=not args.no_meteor, allow_unk=args.allow_unk,
-        coco_caption=not args.no_coco_caption,
+        num_workers=args.workers, meteor=not args.no_meteor,
+        coco_caption=not args.no_coco_caption, **decoding,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:

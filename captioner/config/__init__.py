@@ -33,6 +33,7 @@ from captioner.config.schema import (
     DecodeOptions,
     EncoderConfig,
     ModelConfig,
+    ScstConfig,
     TrainConfig,
     model_config_from_dict,
 )
@@ -40,7 +41,7 @@ from captioner.config.schema import (
 __all__ = [
     "DECODERS", "DECODER_FAMILIES", "ENCODERS", "GPU_BATCH", "IMAGENET_MEAN", "IMAGENET_STD", "LITE_MEAN",
     "LITE_STD", "PRESETS", "SELECT_METRICS", "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "TrainConfig", "TransformerConfig", "decoder_family",
+    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_family",
     "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]

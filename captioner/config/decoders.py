@@ -7,6 +7,12 @@ picks (``SATConfig`` when no name is given), so code written before the split ke
 
 Configs written before the split (``config.json``, checkpoint headers) carry both families' fields in
 one flat mapping; :func:`split_family_keys` sets the other family's fields apart so parsing can drop them.
+
+The families by name (:data:`DECODER_FAMILIES`) are the config layer's: parsing needs them before any
+model code is imported. A family's name is its class's ``name`` default. The decoder builders live in
+``captioner.models.registry``, whose ``register_decoder(config_cls)`` also adds a new family here
+(:func:`register_family`). Every option is validated here, once; the decoders trust their config
+(the one run-time switch, ``SATDecoder.hard_test_mode``, goes through :func:`check_hard_test_mode`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from captioner.errors import ConfigError
+
+SAT_ATTENTIONS = ("soft", "hard")  # decoder.attention
+HARD_TEST_MODES = ("expectation", "argmax")  # decoder.hard_test_mode
+
+
+def check_hard_test_mode(mode: Any) -> str:
+    """``mode`` when it is one of :data:`HARD_TEST_MODES`; ConfigError otherwise."""
+    if mode not in HARD_TEST_MODES:
+        raise ConfigError(f"decoder.hard_test_mode={mode!r}: use {' or '.join(HARD_TEST_MODES)}")
+    return mode
 
 
 class _FamilyByName(type):
@@ -34,7 +50,7 @@ class _FamilyByName(type):
 class DecoderConfig(metaclass=_FamilyByName):
     """The fields every decoder family has; the base class of ``SATConfig`` and ``TransformerConfig``."""
 
-    name: str = "sat"  # one of DECODERS; picks the family (its class)
+    name: str = "sat"  # one of DECODERS; picks the family (its class); each family's default is its own name
     dropout: float = 0.5
     max_len: int = 50  # longest caption (words) the model can produce / position table size
 
@@ -84,10 +100,9 @@ class SATConfig(DecoderConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.attention not in ("soft", "hard"):
+        if self.attention not in SAT_ATTENTIONS:
             raise ConfigError(f"decoder.attention={self.attention!r}: use 'soft' or 'hard'")
-        if self.hard_test_mode not in ("expectation", "argmax"):
-            raise ConfigError(f"decoder.hard_test_mode={self.hard_test_mode!r}: use expectation or argmax")
+        check_hard_test_mode(self.hard_test_mode)
         if not 0.0 <= self.hard_soft_prob <= 1.0:
             raise ConfigError(f"decoder.hard_soft_prob must be in [0, 1], got {self.hard_soft_prob}")
         self._check_positive("embed_dim", "hidden_dim", "attention_dim")
@@ -131,17 +146,39 @@ class TransformerConfig(DecoderConfig):
         return "cross"
 
 
-DECODER_FAMILIES: dict[str, type[DecoderConfig]] = {"sat": SATConfig, "transformer": TransformerConfig}
-DECODERS = tuple(DECODER_FAMILIES)
+def family_name(family: type[DecoderConfig]) -> str:
+    """The name a family answers to: its class's ``name`` default (``SATConfig`` -> ``"sat"``)."""
+    return next(f.default for f in dataclasses.fields(family) if f.name == "name")
+
+
+DECODER_FAMILIES: dict[str, type[DecoderConfig]] = {family_name(c): c for c in (SATConfig, TransformerConfig)}
+DECODERS = tuple(DECODER_FAMILIES)  # the built-in families
 DEFAULT_DECODER = "sat"  # the family of a decoder mapping without a name
 SHARED_KEYS = tuple(f.name for f in dataclasses.fields(DecoderConfig))  # name, dropout, max_len
+
+
+def register_family(family: type[DecoderConfig]) -> str:
+    """Add a decoder config class under its name (``captioner.models.registry.register_decoder`` calls this).
+
+    Returns:
+        Its name.
+
+    Raises:
+        ConfigError: another class already has that name.
+    """
+    if not (isinstance(family, type) and issubclass(family, DecoderConfig)) or family is DecoderConfig:
+        raise ConfigError(f"{family!r} is not a DecoderConfig family")
+    name = family_name(family)
+    if DECODER_FAMILIES.setdefault(name, family) is not family:
+        raise ConfigError(f"decoder.name={name!r} is already {DECODER_FAMILIES[name].__name__}'s")
+    return name
 
 
 def decoder_family(name: Any) -> type[DecoderConfig]:
     """The config class of decoder family ``name``; ConfigError naming the families otherwise."""
     family = DECODER_FAMILIES.get(name) if isinstance(name, str) else None
     if family is None:
-        raise ConfigError(f"decoder.name={name!r} is not one of {', '.join(DECODERS)}")
+        raise ConfigError(f"decoder.name={name!r} is not one of {', '.join(DECODER_FAMILIES)}")
     return family
 
 

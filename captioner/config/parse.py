@@ -4,7 +4,10 @@ The nesting comes from the dataclasses themselves: a field whose type hint is a 
 section, parsed from a nested mapping; any other field is a value. A field typed ``DecoderConfig``
 is parsed as the family its ``name`` picks (``captioner.config.decoders``): the keys of the other
 family, which configs written before the split carry, are dropped (a debug log line; a warning when
-the dropped value is not that family's default). Keys that no dataclass has are errors.
+the dropped value is not that family's default). A section's keys that moved into a sub-section
+(``RENAMED_KEYS`` of its class: ``train.scst_samples`` is now ``train.scst.samples``) are read at
+their new place, in mappings, files and ``key=value`` overrides alike. Keys that no dataclass has are
+errors.
 """
 
 from __future__ import annotations
@@ -48,6 +51,47 @@ def _where(prefix: str) -> str:
     return prefix.rstrip(".") or "config"
 
 
+def renamed_keys(cls: type) -> dict[str, str]:
+    """``{old key: its dotted place now}`` of a section's keys that moved (``{"scst_samples": "scst.samples"}``)."""
+    return getattr(cls, "RENAMED_KEYS", {})
+
+
+def move_renamed(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A section's mapping with its moved keys at their new places (a copy when any moved; ``data`` is kept).
+
+    Raises:
+        ConfigError: an old key and its new place both given.
+    """
+    moves = {old: new for old, new in renamed_keys(cls).items() if old in data}
+    if not moves:
+        return data
+    data = dict(data)
+    for old, new in moves.items():
+        *path, last = new.split(".")
+        node = data
+        for part in path:
+            child = node.get(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{prefix}{part} must be a mapping, got {type(child).__name__}")
+            node[part] = node = dict(child)
+        if last in node:
+            raise ConfigError(f"{prefix}{old} and {prefix}{new} are one setting, given twice: keep {prefix}{new}")
+        node[last] = data.pop(old)
+    return data
+
+
+def current_key(cls: type, key: str) -> str:
+    """A dotted key as it is named now: ``train.scst_samples`` -> ``train.scst.samples``; others unchanged."""
+    *path, last = key.split(".")
+    node_cls = cls
+    for part in path:
+        node_cls = sections(node_cls).get(part)
+        if node_cls is None:
+            return key
+    new = renamed_keys(node_cls).get(last)
+    return key if new is None else ".".join([*path, new])
+
+
 def _drop_other_family(family: type[DecoderConfig], data: dict[str, Any], prefix: str) -> dict[str, Any]:
     """``data`` without the keys of the other decoder family; ConfigError for keys no family has."""
     foreign, unknown = split_family_keys(family, data)
@@ -81,6 +125,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     if cls is DecoderConfig:
         cls = decoder_family(data.get("name", DEFAULT_DECODER))
         data = _drop_other_family(cls, data, prefix)
+    data = move_renamed(cls, data, prefix)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -103,9 +148,10 @@ def set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
     """Set ``key`` (``"train.lr"``) in the mapping ``data`` of dataclass ``cls``, in place.
 
     Setting ``model.decoder.name`` to another family replaces the decoder mapping by that family's
-    defaults, keeping ``dropout`` and ``max_len``. Raises ConfigError for a key ``cls`` does not have.
+    defaults, keeping ``dropout`` and ``max_len``. A key that moved (:func:`current_key`) is set at its
+    new place. Raises ConfigError for a key ``cls`` does not have.
     """
-    parts = key.split(".")
+    parts = current_key(cls, key).split(".")
     node, node_cls = data, cls
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict) or part not in sections(node_cls):
@@ -138,6 +184,8 @@ def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: st
             base.update(switched)
         if isinstance(base.get("name"), str):
             new = _drop_other_family(decoder_family(base["name"]), new, prefix)
+    if isinstance(new, dict):
+        new = move_renamed(cls, new, prefix)
     subs = sections(cls)
     for key, value in new.items():
         if key not in base:

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from captioner.config.decoders import DecoderConfig, SATConfig
 from captioner.config.parse import family_first, from_dict, set_dotted
@@ -27,15 +27,19 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 
-ENCODERS = ("tiny", "resnet50", "resnet101", "efficientnet_lite0")
+# encoder.name: the names the config accepts. Everything else about an encoder (trunk, stride, feature
+# width, weights) is its entry in captioner.models.registry, whose register_encoder adds a new name here.
+ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
+OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.objectives
+SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS
+    name: str = "resnet101"  # one of ENCODERS (registered encoders)
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
@@ -100,6 +104,74 @@ class DataConfig:
             raise ConfigError(f"data.in_memory_mb must be >= 0, got {self.in_memory_mb}")
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to search.
+
+    Attributes:
+        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every
+            caller shares: ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo
+            and (through the config's ``decoding`` section) training's validation.
+        max_len: most words in a caption (``<eos>`` not counted).
+        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
+        n_best: hypotheses returned per image, best first (at most ``beam_size``).
+        allow_unk: let captions contain ``<unk>``; by default
+            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
+            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
+    """
+
+    beam_size: int = 3
+    max_len: int = 20
+    length_penalty: float = 0.0
+    n_best: int = 1
+    allow_unk: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "max_len", "n_best"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
+        if self.n_best > self.beam_size:
+            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
+        alpha = self.length_penalty
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
+            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
+        if not isinstance(self.allow_unk, bool):
+            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
+
+
+@dataclass
+class ScstConfig:
+    """Self-critical sequence training (``train.objective = "scst"``, Rennie et al. 2017): ``train.scst``."""
+
+    samples: int = 5  # captions sampled per image
+    temperature: float = 1.0  # sampling temperature (softmax of log-probs / T)
+    baseline: str = "mean"  # one of SCST_BASELINES: the image's other samples' mean reward (Luo 2020; stable) or greedy's
+    bleu_weight: float = 0.0  # reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
+    # + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al. 2018):
+    # keeps a small dataset's SCST stage close to the references; 0 = pure SCST
+    xe_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.baseline not in SCST_BASELINES:
+            raise ConfigError(f"train.scst.baseline={self.baseline!r}: use {' or '.join(SCST_BASELINES)}")
+        k = self.samples
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.baseline == "mean"):
+            raise ConfigError(f"train.scst.samples must be an integer >= 1 (>= 2 with baseline mean), got {k!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 < self.temperature < math.inf:
+            raise ConfigError(f"train.scst.temperature must be a number > 0, got {self.temperature!r}")
+        w = self.bleu_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ConfigError(f"train.scst.bleu_weight must be in [0, 1], got {w!r}")
+        w = self.xe_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
+
+
+SCST_KEYS = tuple(f.name for f in dataclasses.fields(ScstConfig))
+
+
 @dataclass
 class TrainConfig:
     epochs: int = 20
@@ -121,7 +193,7 @@ class TrainConfig:
     reinforce_weight: float = 1.0  # hard attention: weight of the REINFORCE term
     entropy_weight: float = 0.01  # hard attention: entropy bonus
     baseline_decay: float = 0.9  # hard attention: moving-average baseline decay
-    val_beam: int = 3  # beam size of the validation decoding (1 = greedy); 3 = ``captioner evaluate``'s default
+    val_beam: int = DecodeOptions.beam_size  # beam size of the validation decoding (1 = greedy): DecodeOptions()'s
     val_max_images: int | None = None  # cap validation images per epoch (None = all)
     patience: int = 5  # early stopping: epochs without a better validation select_metric
     time_budget: float | None = None  # stop training after this many seconds
@@ -131,37 +203,35 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     skip_nonfinite: bool = False  # skip a batch whose loss is NaN/inf instead of stopping
     compile: bool = False  # torch.compile the SAT decoder's per-word training step (opt-in; pays off on a GPU)
+    # replay the SAT step (forward, loss, backward) as one CUDA graph per batch shape (opt-in; CUDA, cached
+    # features, one process; captioner/training/cuda_graph.py, docs/gpu.md)
+    cuda_graph: bool = False
     # with time_budget: scale every lr by a factor falling linearly from 1 to BUDGET_DECAY_FLOOR over the budget
     # (budgeted training, Li et al. 2020); the run then ends annealed rather than mid-stride
     budget_decay: bool = False
     # batch captions of similar length: sort pools of this many batches by length, shuffle the batches of each
     # pool (0 = plain random batches). Less padding, the same captions per epoch: 1.6x fewer steps on Flickr8k
     length_buckets: int = 0
-    # --- recipe (issue 16) ---
     betas: tuple[float, float] = (0.9, 0.999)  # Adam/AdamW (beta1, beta2); the Transformer presets use (0.9, 0.98)
     encoder_schedule: str = "constant"  # fine-tuned encoder group: one of SCHEDULES, peak encoder_lr
     decay_factor: float = 0.8  # lr multiplier (every group) of the plateau and step decays
     decay_patience: int = 0  # plateau decay: x decay_factor per N epochs with no better select_metric; 0 = off
     decay_every: int = 0  # step decay: x decay_factor after every N epochs; 0 = off
     select_metric: str = "CIDEr-D"  # val metric for best.safetensors, early stopping, decay: CIDEr-D or BLEU-4
-    val_max_len: int = 20  # longest validation caption in words; 20 = ``captioner evaluate``'s default
+    val_max_len: int = DecodeOptions.max_len  # longest validation caption in words: DecodeOptions()'s
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
-    # --- self-critical (issue 15) ---
-    objective: str = "xe"  # "xe" (cross-entropy, teacher forcing) or "scst" (self-critical, Rennie et al. 2017)
-    scst_samples: int = 5  # scst: captions sampled per image
-    scst_temperature: float = 1.0  # scst: sampling temperature (softmax of log-probs / T)
-    scst_baseline: str = "mean"  # "mean" of the image's other samples (Luo 2020; stable) or "greedy" (Rennie et al.)
-    scst_bleu_weight: float = 0.0  # scst: reward = (1 - w) * CIDEr-D + w * BLEU-4 (sentence level)
-    # scst: + w * cross-entropy of the batch's reference captions (the mixed objective of Paulus et al.
-    # 2018): keeps a small dataset's SCST stage close to the references; 0 = pure SCST
-    scst_xe_weight: float = 0.0
+    objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
+    scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
     # --- grounding (issue 24) ---
     # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
-    # names an object (with its colour/size words) pulls its attention into that object's box; 0 = off
+    # names an object (with its colour/size words) pulls its attention onto that object's box; 0 = off
     attention_supervision: float = 0.0
     # "cross_entropy" (to the box's normalised mask, Liu et al. 2017: the attention spread over the object) or
     # "mass" (-log of the attention inside the box, anywhere in it); measured in docs/grounding.md
     attention_supervision_form: str = "cross_entropy"
+
+    # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw"):
@@ -194,7 +264,6 @@ class TrainConfig:
             raise ConfigError(f"train.log_every must be >= 1, got {self.log_every}")
         if self.ds_form not in ("excess", "mean", "sum"):
             raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
-        # --- recipe (issue 16) ---
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}")
@@ -218,23 +287,8 @@ class TrainConfig:
             raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
         if self.encoder_lr <= 0:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
-        # --- self-critical (issue 15) ---
-        if self.objective not in ("xe", "scst"):
-            raise ConfigError(f"train.objective={self.objective!r}: use xe or scst")
-        if self.scst_baseline not in ("greedy", "mean"):
-            raise ConfigError(f"train.scst_baseline={self.scst_baseline!r}: use greedy or mean")
-        k = self.scst_samples
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.scst_baseline == "mean"):
-            raise ConfigError(f"train.scst_samples must be an integer >= 1 (>= 2 with scst_baseline=mean), got {k!r}")
-        if isinstance(self.scst_temperature, bool) or not isinstance(self.scst_temperature, (int, float)) \
-                or not 0.0 < self.scst_temperature < math.inf:
-            raise ConfigError(f"train.scst_temperature must be a number > 0, got {self.scst_temperature!r}")
-        w = self.scst_bleu_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-            raise ConfigError(f"train.scst_bleu_weight must be in [0, 1], got {w!r}")
-        w = self.scst_xe_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"train.scst_xe_weight must be a number >= 0, got {w!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
         # --- grounding (issue 24) ---
         w = self.attention_supervision
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
@@ -242,40 +296,6 @@ class TrainConfig:
         if self.attention_supervision_form not in ("mass", "cross_entropy"):
             raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
                               f"cross_entropy")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How to search.
-
-    Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax).
-        max_len: most words in a caption (``<eos>`` not counted).
-        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
-        n_best: hypotheses returned per image, best first (at most ``beam_size``).
-        allow_unk: let :func:`caption_features` / :func:`caption_images` emit ``<unk>``; by default
-            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
-            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
-    """
-
-    beam_size: int = 1
-    max_len: int = 20
-    length_penalty: float = 0.0
-    n_best: int = 1
-    allow_unk: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_size", "max_len", "n_best"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
-        if self.n_best > self.beam_size:
-            raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
-        alpha = self.length_penalty
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
-            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
-        if not isinstance(self.allow_unk, bool):
-            raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 from captioner.errors import DataError
 from captioner.text import tokenize
 
-log = logging.getLogger("captioner.data.coco")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

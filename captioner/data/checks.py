@@ -9,9 +9,10 @@ import logging
 
 from captioner.data.caption_set import CaptionSet
 from captioner.data.image_dirs import all_missing_message
-from captioner.errors import DataError
+from captioner.data.images import DEFAULT_MAX_PIXELS, probe_image
+from captioner.errors import DataError, ImageLoadError
 
-log = logging.getLogger("captioner.data.coco")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 __all__ = ["check_images"]
 
@@ -76,8 +77,6 @@ def _unreadable(indices: list[int], cs: CaptionSet, max_pixels: int | None, work
     """``(index, reason)`` of the images whose header does not parse (reason without the path)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from captioner.data.images import DEFAULT_MAX_PIXELS, probe_image
-    from captioner.errors import ImageLoadError
 
     limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
 

@@ -35,13 +35,12 @@ from typing import Any
 from captioner.data import flickr8k, karpathy
 from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
                                          build_caption_set)
-from captioner.data.checks import check_images
 from captioner.data.image_dirs import pick_image_dir
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_bytes, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
-           "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "check_images", "coco_index",
+           "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "coco_index",
            "load_caption_set", "load_instances", "read_json", "validate_coco"]
 
 # the largest annotation file read (COCO's instances_train2014.json is 0.45 GB; Karpathy's dataset_coco.json 0.15 GB)
@@ -68,7 +67,7 @@ def load_caption_set(
 
     Returns:
         The caption set (``root`` as given); image paths are resolved but not checked (see
-        :func:`check_images`).
+        :func:`captioner.data.checks.check_images`).
 
     Raises:
         DataError: no layout matches, the split is unknown (the message lists the available

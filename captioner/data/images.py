@@ -72,6 +72,24 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
     return image
 
 
+def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode image bytes already in memory (an upload) with the checks of :func:`load_image`.
+
+    Args:
+        data: the file's bytes (the caller bounds their size).
+        name: what error messages call it (the uploaded file's name).
+        max_pixels: refuse images with more pixels than this, from the header, before decoding.
+
+    Raises:
+        ImageLoadError: ``"<name>: <reason>"``: empty, not an image, truncated or corrupt, too large.
+    """
+    if not data:
+        raise ImageLoadError(f"{name}: file is empty")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _decode(Path(name), data, max_pixels)
+
+
 def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """Cheap check of an image file without decoding its pixels: it opens and its header parses.
 

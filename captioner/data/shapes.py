@@ -36,6 +36,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from captioner.errors import ConfigError, DataError
+from captioner.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -281,9 +282,8 @@ def _split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(data, separators=(",", ":")) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)
 
 
 def make_shapes(

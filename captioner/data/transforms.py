@@ -87,9 +87,3 @@ def denormalize(x: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
     mean = torch.tensor(cfg.mean, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
     std = torch.tensor(cfg.std, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
     return (x * std + mean).clamp(0.0, 1.0)  # (..., 3, S, S)
-
-
-def to_pil(x: torch.Tensor, cfg: EncoderConfig) -> Image.Image:
-    """A normalised (3, S, S) tensor back to a PIL RGB image (for display and debugging)."""
-    pixels = denormalize(x.detach().float().cpu(), cfg).mul(255.0).round().byte()  # (3, S, S)
-    return Image.fromarray(pixels.permute(1, 2, 0).numpy())

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.decoding.search import _ban, initial_state
+from captioner.decoding.filters import SuppressTokens
+from captioner.decoding.search import initial_state
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -37,14 +38,11 @@ class SampledCaptions:
         tokens: (R, L) sampled ids: words, then ``<eos>`` when the caption finished, then ``pad_id``.
         lengths: (R,) number of words (``<eos>`` not counted).
         finished: (R,) whether ``<eos>`` was sampled.
-        log_probs: (R, L) float32 log-probability of each sampled id under the distribution it was
-            drawn from (banned ids removed, divided by the temperature); 0 at padding.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     finished: torch.Tensor
-    log_probs: torch.Tensor | None = None
 
     def words(self) -> list[list[int]]:
         """Per row, the word ids without ``<eos>`` and padding (one host sync)."""
@@ -76,6 +74,7 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
                           f"{samples}, {max_len}, {temperature}")
     if pad_id not in banned_ids:
         raise ConfigError("sample_captions: pad_id must be one of the banned ids")
+    suppress = SuppressTokens(banned_ids, eos_id)
     B, device = features.size(0), features.device
     R = B * samples
     with torch.inference_mode(False), torch.no_grad():
@@ -84,17 +83,14 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
         prev = torch.full((R,), bos_id, dtype=torch.long, device=device)  # (R,)
         tokens = torch.full((R, max_len + 1), pad_id, dtype=torch.long, device=device)  # (R, max_len + 1)
         done = torch.zeros(R, dtype=torch.bool, device=device)  # (R,) <eos> drawn
-        drawn_lp = torch.zeros(R, max_len + 1, dtype=torch.float32, device=device)  # (R, max_len + 1)
         steps = 0
         for t in range(max_len + 1):
             log_probs, state, _ = decoder.step(prev, state)  # (R, V)
             if t == max_len:  # after max_len words only <eos> may follow
                 word = torch.full_like(prev, eos_id)
             else:
-                probs = torch.softmax(_ban(log_probs.float(), banned_ids, eos_id) / temperature, dim=-1)  # (R, V)
+                probs = torch.softmax(suppress(log_probs.float()) / temperature, dim=-1)  # (R, V)
                 word = torch.multinomial(probs, 1).squeeze(1)  # (R,)
-                drawn = probs.gather(1, word.unsqueeze(1)).squeeze(1).log()  # (R,): a drawn word's p is never 0
-                drawn_lp[:, t] = torch.where(done, torch.zeros_like(drawn), drawn)
             word = torch.where(done, torch.full_like(word, pad_id), word)
             tokens[:, t] = word
             done |= word == eos_id
@@ -102,7 +98,7 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             if bool(done.all()):
                 break
             prev = word
-        tokens, drawn_lp = tokens[:, :steps], drawn_lp[:, :steps]  # (R, L)
+        tokens = tokens[:, :steps]  # (R, L)
         words = (tokens != pad_id) & (tokens != eos_id)
         lengths = words.sum(dim=1)  # (R,)
         finished = (tokens == eos_id).any(dim=1)
@@ -111,5 +107,5 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             forced = tokens[:, max_len] == eos_id
             finished = finished & ~forced
             tokens[:, max_len] = torch.where(forced, torch.full_like(tokens[:, max_len], pad_id), tokens[:, max_len])
-            tokens, drawn_lp = tokens[:, :max_len], drawn_lp[:, :max_len]
-    return SampledCaptions(tokens, lengths, finished, drawn_lp)
+            tokens = tokens[:, :max_len]
+    return SampledCaptions(tokens, lengths, finished)

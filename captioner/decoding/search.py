@@ -6,8 +6,8 @@ N regions (g*g), D feature width, V vocabulary, L words of a caption.
 Search talks to a decoder only through ``init_state(features)`` and ``step(prev_tokens, state)``, and
 moves batch rows with the ``State`` methods (``select`` / ``reorder``, see
 :mod:`captioner.models.base`); it never re-implements a decoder step. Put the decoder in eval mode
-first (``decode`` works on whatever mode it is in; :func:`caption_features` and :func:`caption_images`
-switch the model to eval and restore its mode afterwards).
+first (``decode`` works on whatever mode it is in; :func:`captioner.inference.caption_features`
+switches the model to eval and restores its mode afterwards).
 
 Length: a caption has at most ``max_len`` words. After ``max_len`` words the search asks the decoder
 once more, for ``<eos>`` only, so a caption of exactly ``max_len`` words can still finish. If the
@@ -20,56 +20,35 @@ Scores: ``log_prob`` is the sum of the log-probabilities of every emitted token,
 for ``<eos>`` when finished) and ``alpha = DecodeOptions.length_penalty``; ``alpha = 0`` gives the raw
 sum. Larger alpha favours longer captions.
 
-Never emitted: ``<pad>`` and ``<bos>``, and ``<unk>`` unless ``DecodeOptions.allow_unk`` (the
-vocabulary-level :func:`caption_features` / :func:`caption_images` ban them; ``decode`` itself bans
-exactly the ``banned_ids`` it is given).
+Never emitted: ``<pad>`` and ``<bos>``, and ``<unk>`` unless ``DecodeOptions.allow_unk``
+(:func:`never_emitted_ids`; the inference layer passes them, ``decode`` itself suppresses exactly the
+``banned_ids`` it is given, through :class:`captioner.decoding.filters.SuppressTokens`).
+
+This module knows decoders and region features, nothing about images: the pipeline from an image
+to a :class:`captioner.inference.Caption` is :mod:`captioner.inference`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
 from captioner.decoding.budget import image_chunks
+from captioner.decoding.filters import SuppressTokens
 from captioner.decoding.hypotheses import (NEG_INF, BeamHistory, Hypothesis, LiveBeams, Pending, best_reachable,
                                            keep_best, length_penalty, top_candidates)
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder, State, eval_mode
+from captioner.models.base import CaptionDecoder, State
 from captioner.text import Vocabulary
 
 logger = logging.getLogger(__name__)
 
 # Hypothesis and length_penalty live in captioner.decoding.hypotheses and are part of this module's API too.
-__all__ = ["CaptionResult", "DecodeOptions", "Hypothesis", "beam_search", "caption_features", "caption_images",
-           "decode", "greedy_search", "initial_state", "length_penalty", "never_emitted_ids"]
-
-
-@dataclass
-class CaptionResult:
-    """The best caption of one image, ready for display and overlays.
-
-    Attributes:
-        text: words joined by spaces (``<pad>``/``<bos>`` skipped).
-        words: one string per emitted token (aligned with ``attention``).
-        tokens: emitted ids (no ``<bos>``/``<eos>``).
-        score: length-normalised log-probability.
-        attention: (L, g, g) float32 CPU tensor, one map per word.
-        grid: (g, g).
-        finished: False when the caption was cut at ``max_len`` without ``<eos>``.
-    """
-
-    text: str
-    words: list[str]
-    tokens: list[int]
-    score: float
-    attention: torch.Tensor
-    grid: tuple[int, int]
-    finished: bool = True
+__all__ = ["DecodeOptions", "Hypothesis", "beam_search", "decode", "greedy_search", "initial_state", "length_penalty",
+           "never_emitted_ids"]
 
 
 def decode(
@@ -87,9 +66,10 @@ def decode(
         features: (B, N, D) region features.
         bos_id: id fed at the first step.
         eos_id: id that ends a caption.
-        options: search options; default greedy, 20 words.
-        banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``); their log-probabilities are set
-            to -inf, the others are not renormalised.
+        options: search options; default ``DecodeOptions()`` (beam 3, 20 words).
+        banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
+            :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
+            renormalised.
 
     Returns:
         Per image, ``options.n_best`` hypotheses, best score first.
@@ -106,7 +86,7 @@ def decode(
         return []
     if decoder.training:
         logger.warning("decode() called with the decoder in training mode (dropout / sampling active); "
-                       "call .eval() first or use caption_features()")
+                       "call .eval() first or use captioner.inference.caption_features()")
     # no_grad, and inference mode off even inside a caller's inference_mode, so that the returned
     # attention maps are ordinary tensors that a caller may change in place.
     search = greedy_search if options.beam_size == 1 else beam_search
@@ -126,17 +106,10 @@ def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
     return state
 
 
-def _ban(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int) -> torch.Tensor:
-    """Out-of-place: banned ids (never <eos>) get -inf; (..., V) -> (..., V)."""
-    ids = [i for i in banned if i != eos_id]
-    if not ids:
-        return log_probs
-    return log_probs.index_fill(-1, torch.tensor(ids, device=log_probs.device), NEG_INF)
-
-
 def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
                   options: DecodeOptions, banned_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
+    suppress = SuppressTokens(banned_ids, eos_id)
     B, N = features.shape[:2]
     T, device = options.max_len, features.device
     state = initial_state(decoder, features)
@@ -154,7 +127,7 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
             log_prob = torch.where(ends, log_prob + eos_lp, log_prob)
             done |= ends
             break
-        best_lp, best = _ban(log_probs, banned_ids, eos_id).max(dim=-1)  # (B,), (B,)
+        best_lp, best = suppress(log_probs).max(dim=-1)  # (B,), (B,)
         live = ~done
         log_prob = torch.where(live, log_prob + best_lp.double(), log_prob)
         ends = live & (best == eos_id)
@@ -190,6 +163,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     copied) while every image keeps its rows, ``State.select`` when the rows change image (the first
     expansion to K beams, images leaving the batch).
     """
+    suppress = SuppressTokens(banned_ids, eos_id)
     B, N = features.shape[:2]
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
@@ -210,7 +184,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
 
     for t in range(T + 1):
         log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
-        log_probs = _search_log_probs(log_probs, banned_ids, eos_id, eos_only=t == T)  # (R, V) float64
+        log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
         top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K)  # (A, C) each
         is_eos = tok == eos_id  # (A, C)
         ends = is_eos & torch.isfinite(top_s)
@@ -244,9 +218,9 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     return [[next(read) for _ in per_image] for per_image in results]
 
 
-def _search_log_probs(log_probs: torch.Tensor, banned: Sequence[int], eos_id: int, eos_only: bool) -> torch.Tensor:
-    """float64 log-probs (R, V) with banned ids at -inf; with ``eos_only`` every id but ``<eos>``."""
-    log_probs = _ban(log_probs.double(), banned, eos_id)
+def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id: int, eos_only: bool) -> torch.Tensor:
+    """float64 log-probs (R, V) with suppressed ids at -inf; with ``eos_only`` every id but ``<eos>``."""
+    log_probs = suppress(log_probs.double())
     if not eos_only:
         return log_probs
     only_eos = torch.full_like(log_probs, NEG_INF)  # (R, V)
@@ -254,71 +228,8 @@ def _search_log_probs(log_probs: torch.Tensor, banned: Sequence[int], eos_id: in
     return only_eos
 
 
-def _grid_for(model: torch.nn.Module, n_regions: int) -> tuple[int, int]:
-    g = getattr(getattr(getattr(model, "config", None), "encoder", None), "grid", None)
-    if g is not None and g * g == n_regions:
-        return (g, g)
-    root = math.isqrt(n_regions)
-    if root * root != n_regions:
-        raise ConfigError(f"cannot shape {n_regions} regions into a square grid; pass grid=(rows, cols)")
-    return (root, root)
-
-
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:
     """Ids a caption never contains: ``<pad>``, ``<bos>`` and, unless ``options.allow_unk``, ``<unk>``."""
     if options is not None and options.allow_unk:
         return (vocab.pad_id, vocab.bos_id)
     return (vocab.pad_id, vocab.bos_id, vocab.unk_id)
-
-
-def _to_results(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, int]) -> list[CaptionResult]:
-    out = []
-    for per_image in hyps:
-        h = per_image[0]
-        words = [vocab.itos[i] if 0 <= i < len(vocab) else "<unk>" for i in h.tokens]
-        attention = h.attention.view(len(h.tokens), grid[0], grid[1])  # (L, g, g)
-        out.append(CaptionResult(vocab.decode(h.tokens), words, list(h.tokens), h.score, attention, grid, h.finished))
-    return out
-
-
-def caption_features(
-    model: torch.nn.Module,
-    features: torch.Tensor,
-    vocab: Vocabulary,
-    options: DecodeOptions | None = None,
-    grid: tuple[int, int] | None = None,
-) -> list[CaptionResult]:
-    """Best caption per image from precomputed region features.
-
-    Args:
-        model: a ``Captioner`` (its ``decoder`` is used); switched to eval mode for the search and
-            restored afterwards. ``<pad>`` and ``<bos>`` are never emitted, nor ``<unk>`` unless
-            ``options.allow_unk``.
-        features: (B, N, D) region features.
-        vocab: the vocabulary the model was trained with.
-        options: search options.
-        grid: (rows, cols) of the regions; default from ``model.config.encoder.grid`` or sqrt(N).
-
-    Returns:
-        One ``CaptionResult`` per image.
-    """
-    grid = grid or _grid_for(model, features.size(1))
-    if grid[0] * grid[1] != features.size(1):
-        raise ConfigError(f"grid {grid} does not match {features.size(1)} regions")
-    with eval_mode(model):
-        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
-    return _to_results(hyps, vocab, grid)
-
-
-def caption_images(
-    model: torch.nn.Module,
-    images: torch.Tensor,
-    vocab: Vocabulary,
-    options: DecodeOptions | None = None,
-) -> list[CaptionResult]:
-    """Encode images (B, 3, S, S) with ``model.encode`` and caption them; see :func:`caption_features`."""
-    with eval_mode(model):
-        with torch.no_grad():
-            features, grid = model.encode(images)  # (B, N, D), (g, g)
-        hyps = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
-    return _to_results(hyps, vocab, (int(grid[0]), int(grid[1])))

@@ -16,6 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from captioner.checkpoint.store import load_checkpoint
+from captioner.data.coco import load_instances
+from captioner.data.images import load_image
+from captioner.demo.report import read_metrics_csv
+from captioner.demo.table import LABELS, format_value, table_row
+from captioner.device import resolve_device
+from captioner.errors import DataError
+from captioner.evaluation.evaluate import evaluate_checkpoint
+from captioner.inference import decode_options, load
+from captioner.models.captioner import build_model
+from captioner.text import Vocabulary
+from captioner.training.data import load_caption_sets, prepare_data
+from captioner.training.distributed import DistInfo
+from captioner.training.loop import train
+from captioner.viz.overlays import write_overlays
+
 log = logging.getLogger(__name__)
 
 PROGRESS_SECONDS = 15.0  # parallel runs: seconds between progress lines
@@ -37,11 +53,6 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
     Returns:
         One ``{"image_id", "caption", "references", "png", "gif", "json", "html"}`` dict per image.
     """
-    from captioner.data.coco import load_instances
-    from captioner.data.images import load_image
-    from captioner.inference import load
-    from captioner.viz.overlays import write_overlays
-
     cs, results = metrics["caption_set"], metrics["results"]
     model = load(checkpoint, device=device)
     shown = []
@@ -59,8 +70,6 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
 
 def parameter_counts(checkpoint: Path) -> dict[str, int]:
     """Total, decoder and trained parameter counts of a checkpoint's model."""
-    from captioner.checkpoint.store import load_checkpoint
-
     loaded = load_checkpoint(checkpoint)
     model, fine_tune = loaded.model, loaded.config.encoder.fine_tune
     decoder = sum(p.numel() for p in model.decoder.parameters())
@@ -76,7 +85,7 @@ def epochs_trained(history: Sequence[dict[str, Any]], train_items: int, batch_si
     return round(history[-1]["step"] / max(1, math.ceil(train_items / batch_size)), 2)
 
 
-def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int | None, overlays: int, train_captions: int,
                 progress: bool = True, threads: int | None = None, scst_cfg: Any = None) -> dict[str, Any]:
     """Train one decoder, score its best checkpoint on the test split, draw overlays; then, with
     ``scst_cfg``, the same for its self-critical stage (``<run_dir>+scst``, ``--init`` from this one).
@@ -109,20 +118,15 @@ def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: in
     return done
 
 
-def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int, overlays: int, train_captions: int,
+def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int | None, overlays: int, train_captions: int,
                      progress: bool) -> dict[str, Any]:
-    from captioner.demo.table import LABELS, format_value, table_row
-    from captioner.device import resolve_device
-    from captioner.errors import DataError
-    from captioner.evaluation.evaluate import evaluate_checkpoint
-    from captioner.training.loop import train
-
     device = str(resolve_device(cfg.train.device, 0, option="train.device"))
     result = train(cfg, run_dir, progress=progress, overwrite=True)  # a demo re-run moves the last one aside
     if not result.best_checkpoint.exists():
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
-    log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), beam_size)
-    metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", beam_size=beam_size, out_dir=run_dir,
+    options = decode_options(**({} if beam_size is None else {"beam_size": beam_size}))
+    log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), options.beam_size)
+    metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", options, out_dir=run_dir,
                                   device=device, progress=progress, meteor=False,
                                   coco_caption=False)  # synthetic scenes: no paper to compare with
     shown = write_demo_overlays(metrics, result.best_checkpoint, Path(cfg.data.root), run_dir / "overlays",
@@ -159,8 +163,6 @@ def _worker(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def progress_line(run_dirs: dict[str, Path]) -> str:
     """``sat_soft step 250 loss 0.61 val B-4 0.52 | ...`` from each run's ``metrics.csv``."""
-    from captioner.demo.report import read_metrics_csv
-
     parts = []
     for name, run_dir in run_dirs.items():
         steps, epochs = read_metrics_csv(run_dir)
@@ -214,12 +216,6 @@ def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any)
 
 def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     """Build a frozen-encoder config's train/val feature caches once, before parallel runs open them."""
-    from captioner.device import resolve_device
-    from captioner.models.captioner import build_model
-    from captioner.text import Vocabulary
-    from captioner.training.data import load_caption_sets, prepare_data
-    from captioner.training.distributed import DistInfo
-
     train_set, val_set = load_caption_sets(cfg)
     vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
     model = build_model(cfg.model, len(vocab))

@@ -34,8 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioner.data.shapes import MAX_UNSEEN_PAIRS
+from captioner.config import get_preset
+from captioner.data.coco import load_caption_set
+from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
+from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
+from captioner.demo.report import write_report
+from captioner.demo.table import LABELS
 from captioner.errors import ConfigError, DataError
+from captioner.training.word_detectors import pretrain_word_detectors
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +56,7 @@ SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decod
 # step costs about six cross-entropy steps: at 0.4 the stages were 33-88 steps and "objects ok" moved by
 # up to -3 points; at 1.0 (115-236 steps) it rose for all three decoders, docs/demo.md)
 SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage's (Rennie et al. lower it too)
-# the SCST stage adds this weight of the references' cross-entropy (train.scst_xe_weight): with it
+# the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
 # "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
 SCST_XE_WEIGHT = 0.25
 # train.attention_supervision of each decoder (issue 24; docs/grounding.md): the attention of each object word
@@ -73,7 +79,7 @@ class DemoOptions:
         decoders: which of ``DEMO_DECODERS`` to train, in order.
         out: output folder (runs, report).
         overlays: test images written with overlays and explorers per decoder.
-        beam_size: beam size of the test captions.
+        beam_size: beam size of the test captions; None: ``DecodeOptions()``'s (3).
         device: ``"cpu"``, ``"cuda"``, ``"auto"``.
         image_size: side of generated scenes in pixels (the encoder sees its own ``image_size``).
         presets: decoder -> preset name (default ``<decoder>_demo``).
@@ -96,7 +102,7 @@ class DemoOptions:
     decoders: tuple[str, ...] = DEMO_DECODERS
     out: Path = Path("runs/demo")
     overlays: int = 4
-    beam_size: int = 3
+    beam_size: int | None = None
     device: str = "cpu"
     image_size: int = 128
     presets: dict[str, str] = field(default_factory=lambda: dict(DEMO_PRESETS))
@@ -127,7 +133,7 @@ class DemoOptions:
             raise ConfigError(f"--encoder-budget must be > 0 seconds, got {self.encoder_budget}")
         if self.jobs is not None and self.jobs < 1:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
-        if self.overlays < 0 or self.beam_size < 1:
+        if self.overlays < 0 or (self.beam_size is not None and self.beam_size < 1):
             raise ConfigError("--overlays must be >= 0 and --beam >= 1")
         if isinstance(self.unseen_pairs, bool) or not isinstance(self.unseen_pairs, int) \
                 or not 0 <= self.unseen_pairs <= MAX_UNSEEN_PAIRS:
@@ -144,7 +150,7 @@ class DemoOptions:
 
     @classmethod
     def from_args(cls, data: str, images: int | None, seed: int, budget: str | float | None,
-                  decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int = 3, device: str = "cpu",
+                  decoders: str | Sequence[str], out: str, overlays: int = 4, beam_size: int | None = None, device: str = "cpu",
                   quick: bool = False, encoder_budget: float | None = None, scst: bool = False,
                   scst_budget: str | float | None = None, **extra: Any) -> "DemoOptions":
         """Options from command-line values; ``quick`` picks small defaults for the unset ones.
@@ -191,8 +197,6 @@ def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
     Returns:
         ``{"generated": bool, "images": int, "seed": ..., "image_size": ...}`` (from the files).
     """
-    from captioner.data.shapes import make_shapes
-
     root = options.data
     files = [root / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in ("train", "val", "test")]
     if all(f.is_file() for f in files):
@@ -228,8 +232,6 @@ def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None
     to the shared cache ``out/features``. ``options.attention_supervision`` sets
     ``train.attention_supervision`` to the decoder's ``ATTENTION_SUPERVISION`` weight (else 0).
     """
-    from captioner.config import get_preset
-
     overrides: dict[str, Any] = {"data.root": str(options.data), "train.time_budget": float(options.budgets[decoder]),
                                  "train.seed": options.seed, "train.device": options.device,
                                  "train.attention_supervision": (ATTENTION_SUPERVISION[decoder]
@@ -246,7 +248,7 @@ def scst_config(decoder: str, cfg: Any, options: DemoOptions):  # -> Config
     from ``out/<decoder>/best.safetensors`` for ``options.scst_budgets[decoder]`` seconds."""
     return cfg.override(**{"train.objective": "scst", "train.init": str(options.out / decoder / "best.safetensors"),
                            "train.time_budget": options.scst_budgets[decoder],
-                           "train.lr": cfg.train.lr * SCST_LR_SCALE, "train.scst_xe_weight": SCST_XE_WEIGHT})
+                           "train.lr": cfg.train.lr * SCST_LR_SCALE, "train.scst.xe_weight": SCST_XE_WEIGHT})
 
 
 def default_jobs(options: DemoOptions) -> int:
@@ -260,8 +262,6 @@ def default_jobs(options: DemoOptions) -> int:
 
 def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
     """Step 2: word-detector pretraining of the demo CNN into ``out/encoder.safetensors``."""
-    from captioner.training.word_detectors import pretrain_word_detectors
-
     cfg = demo_config(options.decoders[0], options)
     result = pretrain_word_detectors(cfg, options.out / "encoder.safetensors", seconds=options.encoder_budget,
                                      progress=options.progress)
@@ -276,11 +276,6 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
-    from captioner.data.coco import load_caption_set
-    from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
-    from captioner.demo.table import LABELS
-    from captioner.demo.report import write_report
-
     start = time.monotonic()
     out = options.out
     out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from captioner.demo.table import LABELS, format_value, shown_columns
+from captioner.errors import DataError
+from captioner.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 _CSS = """
@@ -86,15 +90,11 @@ def data_uri(png: bytes) -> str:
 
 
 def _cell(value: Any, fmt: str) -> str:
-    from captioner.demo.table import format_value
-
     return html.escape(format_value(value, fmt))
 
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
     """HTML comparison table (columns of ``captioner.demo.table.COLUMNS``)."""
-    from captioner.demo.table import shown_columns
-
     columns = shown_columns(rows)
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in columns)
     body = []
@@ -151,8 +151,6 @@ def _rel(path: str | os.PathLike, base: Path) -> str:
 
 def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
     """The whole report page as one self-contained HTML string."""
-    from captioner.demo.table import LABELS
-
     out_dir = Path(out_dir)
     runs = report.get("runs", {})
     curves = curves_png({n: r["run_dir"] for n, r in runs.items()}, LABELS)
@@ -181,8 +179,6 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
 
 
 def _budgets(runs: dict[str, Any]) -> str:
-    from captioner.demo.table import LABELS
-
     return ", ".join(f"{LABELS.get(n, n)} {r['budget']:.0f} s" for n, r in runs.items() if r.get("budget")) or "-"
 
 
@@ -213,6 +209,4 @@ def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)

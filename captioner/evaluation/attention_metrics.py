@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from captioner.data.transforms import crop_box
 from captioner.errors import DataError
 from captioner.evaluation.object_words import VOCABULARIES, WordTable, choose_vocabulary, find_mentions, word_table
+from captioner.grids import as_array, cell_centre, cell_weights
 
 __all__ = ["WordScore", "WordScores", "VOCABULARIES", "attention_correctness", "attention_mass", "summarize",
            "caption_object_accuracy", "attention_entropy_summary", "attention_correctness_for_results",
@@ -81,17 +83,6 @@ class WordScores:
 # ----------------------------------------------------------------------------- geometry
 
 
-def _interp_matrix(n_out: int, lo: float, hi: float, g: int, scale: float) -> np.ndarray:
-    """(n_out, g) matrix: canvas pixel -> grid cell weights (nearest), zero outside the view."""
-    centres = (np.arange(n_out) + 0.5) / scale  # pixel centres in original coordinates
-    pos = (centres - lo) / max(hi - lo, 1e-9) * g
-    inside = (pos >= 0) & (pos < g)
-    cells = np.clip(np.floor(pos).astype(int), 0, g - 1)
-    m = np.zeros((n_out, g))
-    m[np.arange(n_out)[inside], cells[inside]] = 1.0
-    return m
-
-
 def _box_coverage(n_out: int, lo: float, hi: float, scale: float) -> np.ndarray:
     """(n_out,) fraction of each canvas pixel covered by the interval [lo, hi) (original px)."""
     edges = np.arange(n_out + 1) / scale
@@ -115,7 +106,7 @@ class _Canvas:
         scale = min(1.0, MAX_CANVAS_SIDE / max(w, h))
         cw, ch = max(1, round(w * scale)), max(1, round(h * scale))
         left, top, right, bottom = view
-        return cls(_interp_matrix(ch, top, bottom, g, scale), _interp_matrix(cw, left, right, g, scale), scale, view)
+        return cls(cell_weights(ch, top, bottom, g, scale), cell_weights(cw, left, right, g, scale), scale, view)
 
     def place(self, attention: np.ndarray) -> np.ndarray:
         """(g, g) attention -> (H', W') map on the image, each region's weight spread over its cells."""
@@ -134,12 +125,6 @@ class _Canvas:
             np.maximum(out, cov, out=out)
         return out
 
-    def cell_centre(self, flat_index: int, g: int) -> tuple[float, float]:
-        """Centre of grid cell ``flat_index`` (row-major) in original pixels."""
-        r, c = divmod(flat_index, g)
-        left, top, right, bottom = self.view
-        return left + (c + 0.5) * (right - left) / g, top + (r + 0.5) * (bottom - top) / g
-
 
 def _inside(point: tuple[float, float], boxes: Iterable[Sequence[float]]) -> bool:
     px, py = point
@@ -155,9 +140,7 @@ def attention_mass(attention: Any, boxes: Sequence[Sequence[float]], image_size:
 
 def _as_maps(attention: Any) -> np.ndarray:
     """Tensor/array (L, g, g), (g, g) or (L, N) -> float64 array (L, g, g)."""
-    if hasattr(attention, "detach"):
-        attention = attention.detach().float().cpu().numpy()
-    att = np.asarray(attention, dtype=np.float64)
+    att = as_array(attention, np.float64)
     if att.ndim == 2 and att.shape[0] == att.shape[1] and att.shape[0] > 1:
         att = att[None]
     if att.ndim == 2:  # (L, N)
@@ -221,7 +204,7 @@ def attention_correctness(
         uniform = float((uniform_map * mask).sum())
         for i in range(m.start, m.end):
             placed = canvas.place(att[i])
-            hit = _inside(canvas.cell_centre(int(att[i].argmax()), g), targets)
+            hit = _inside(cell_centre(int(att[i].argmax()), g, canvas.view), targets)
             result.scored.append(WordScore(i, words[i], m.category, float((placed * mask).sum()), uniform, hit))
     return result
 
@@ -312,7 +295,7 @@ def attention_correctness_for_results(
     """Attention correctness of a decoded split (called by ``evaluate.py``).
 
     Args:
-        results: ``CaptionResult`` per image (``words``, ``attention`` (L, g, g)), aligned with
+        results: ``captioner.inference.Caption`` per image (``words``, ``attention`` (L, g, g)), aligned with
             ``caption_set.images``.
         caption_set: the ``CaptionSet`` the results were decoded from (image sizes come from its
             records, or from the image file when a record has none).
@@ -326,8 +309,6 @@ def attention_correctness_for_results(
         dataset's own category names), plus ``objects_correct`` (share of captions naming every
         object with the right colour and shape, inventing none) for the synthetic scenes.
     """
-    from captioner.data.transforms import crop_box
-
     if len(results) != len(caption_set.images):
         raise DataError(f"{len(results)} results for {len(caption_set.images)} images")
     table = word_table(vocabulary if vocabulary is not None else detect_vocabulary(instances))

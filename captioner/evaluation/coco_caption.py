@@ -26,6 +26,8 @@ import sys
 import tempfile
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 
+from captioner.evaluation.metrics import _meteor, _tokenized
+
 COCO_KEYS = ("coco/BLEU-1", "coco/BLEU-2", "coco/BLEU-3", "coco/BLEU-4", "coco/METEOR", "coco/ROUGE-L",
              "coco/CIDEr-D")
 LABEL = "coco-caption scores (pycocoevalcap, PTB tokenisation: the papers' scoring)"
@@ -108,8 +110,6 @@ def coco_caption_metrics(hypotheses: Sequence[str], references: Sequence[Sequenc
         saying why when the scores cannot be computed here; ``coco/METEOR`` None when METEOR is off
         or fails. BLEU, METEOR and ROUGE-L on the 0-1 scale, CIDEr-D on coco-caption's x10 scale.
     """
-    from captioner.evaluation.metrics import _meteor, _tokenized
-
     _tokenized(hypotheses, references)  # the built-in scorers' input checks, one message for both
     empty: dict[str, float | None] = dict.fromkeys(COCO_KEYS)
     reason = unavailable_reason()

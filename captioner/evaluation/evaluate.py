@@ -33,10 +33,19 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from captioner.device import resolve_device
+from captioner.checkpoint.remote import is_remote
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set, load_instances
+from captioner.data.dataset import image_loader
+from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
-from captioner.files import safe_name, writable_folder
-from captioner.inference import Captioner, load
+from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
+from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
+from captioner.evaluation.compositional import compositional_scores
+from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
+from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
+from captioner.files import atomic_write, safe_name, writable_folder
+from captioner.inference import Captioner, decode_options, load
 
 log = logging.getLogger(__name__)
 
@@ -60,43 +69,33 @@ class SplitCaptions:
 
 
 def caption_split(
-    model: torch.nn.Module,
-    vocab: Any,
+    engine: Captioner,
     caption_set: Any,
-    beam_size: int = 3,
-    max_len: int = 20,
+    options: DecodeOptions | None = None,
     batch_size: int = 32,
     skip_bad: bool = False,
-    device: str | torch.device = "cpu",
     progress: bool = True,
     num_workers: int = 0,
-    allow_unk: bool = False,
+    **decoding: Any,
 ) -> SplitCaptions:
-    """Caption every image of ``caption_set`` in batches.
+    """Caption every image of ``caption_set`` in batches, through ``engine.caption``.
 
     Args:
-        model: a ``Captioner`` already on ``device`` (its config gives the image transform).
-        vocab: its vocabulary.
+        engine: a loaded model (:func:`captioner.inference.load`).
         caption_set: the images (file presence should be checked with ``check_images`` first).
-        beam_size, max_len: search options (beam 1 = greedy).
+        options: search options (default ``DecodeOptions()``: beam 3, 20 words).
         batch_size: images per decoding batch.
         skip_bad: leave out unreadable images (logged) instead of raising ``ImageLoadError``.
-        device: where the pixels go.
         progress: show a tqdm bar.
         num_workers: DataLoader workers for image decoding.
-        allow_unk: let captions contain ``<unk>`` (banned by default).
+        **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``, ...).
 
     Returns:
         The captions, aligned with the (possibly filtered) caption set.
     """
-    from captioner.data.dataset import image_loader
-    from captioner.decoding.search import DecodeOptions
-    from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
-
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    options = DecodeOptions(beam_size=beam_size, max_len=max_len, allow_unk=allow_unk)
-    engine = Captioner(model, vocab, resolve_device(device))
+    options = decode_options(options, **decoding)
     data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     kept: list[int] = []
@@ -118,8 +117,7 @@ def evaluate_checkpoint(
     checkpoint: str | os.PathLike,
     data_root: str | os.PathLike,
     split: str = "test",
-    beam_size: int = 3,
-    max_len: int = 20,
+    options: DecodeOptions | None = None,
     batch_size: int = 32,
     out_dir: str | os.PathLike | None = None,
     images_dir: str | os.PathLike | None = None,
@@ -129,8 +127,8 @@ def evaluate_checkpoint(
     progress: bool = True,
     num_workers: int = 0,
     meteor: bool = True,
-    allow_unk: bool = False,
     coco_caption: bool = True,
+    **decoding: Any,
 ) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
@@ -138,7 +136,8 @@ def evaluate_checkpoint(
         checkpoint: a ``.safetensors`` checkpoint written by training.
         data_root: dataset folder or annotation file (as for ``load_caption_set``).
         split: split to score, e.g. ``"test"`` (Karpathy test for COCO).
-        beam_size, max_len: search options.
+        options: search options (default ``DecodeOptions()``: beam 3, 20 words, ``<unk>`` banned,
+            as in training's validation).
         batch_size: images per decoding batch.
         out_dir: where the two JSON files go (default: the checkpoint's folder).
         images_dir: image folder when it is not where the layout puts it.
@@ -148,31 +147,33 @@ def evaluate_checkpoint(
         progress: show tqdm bars.
         num_workers: DataLoader workers for image decoding.
         meteor: compute METEOR (starts a Java process; None when unavailable or off).
-        allow_unk: let captions contain ``<unk>`` (banned by default, as in training's validation).
         coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
             PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
+        **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``,
+            ``max_len``, ``allow_unk``, ...).
 
     Returns:
         The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` and
         ``"coco/BLEU-4"`` at the top level,
         ``"attention"``, ``"attention_correctness"``, counts, ``"paths"``), plus ``"results"``
-        (the ``CaptionResult`` list) and ``"caption_set"`` (the images they belong to), which are
+        (the ``Caption`` list) and ``"caption_set"`` (the images they belong to), which are
         not written to the file.
     """
-    from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
-    from captioner.checkpoint.atomic import atomic_write
-    from captioner.data.coco import check_images, load_caption_set, load_instances
-    from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
-    from captioner.evaluation.compositional import compositional_scores
-    from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
-
     if max_images is not None and max_images < 1:
         raise ConfigError(f"max_images must be >= 1, got {max_images}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    options = decode_options(options, **decoding)
     start = time.perf_counter()
-    checkpoint = Path(checkpoint)
-    writable_folder(Path(out_dir) if out_dir is not None else checkpoint.parent, DataError)  # before hours of work
+    if is_remote(checkpoint):
+        if out_dir is None:
+            raise ConfigError(f"{checkpoint}: give an output folder (--out) for a checkpoint loaded from a URL "
+                              "or the Hub (its own folder is the download cache)")
+    else:
+        checkpoint = Path(checkpoint)
+        home = checkpoint if checkpoint.is_dir() else checkpoint.parent  # a run folder, or the file's folder
+        out_dir = home if out_dir is None else out_dir
+    writable_folder(Path(out_dir), DataError)  # before hours of work
     loaded = load(checkpoint, device=device)
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
@@ -180,10 +181,9 @@ def evaluate_checkpoint(
     missing = listed - len(cs.images)
     if max_images is not None and max_images < len(cs.images):
         cs = cs.subset(range(max_images))
-    log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), beam_size)
-    decoded = caption_split(loaded.model, loaded.vocab, cs, beam_size=beam_size, max_len=max_len, batch_size=batch_size,
-                            skip_bad=skip_missing, device=loaded.device, progress=progress, num_workers=num_workers,
-                            allow_unk=allow_unk)
+    log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), options.beam_size)
+    decoded = caption_split(loaded, cs, options, batch_size=batch_size, skip_bad=skip_missing, progress=progress,
+                            num_workers=num_workers)
     cs, results = decoded.caption_set, decoded.results
     hypotheses = [r.text for r in results]
     references = [cs.references(rec.image_id) for rec in cs.images]
@@ -201,7 +201,7 @@ def evaluate_checkpoint(
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
         correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
 
-    out = Path(out_dir) if out_dir is not None else checkpoint.parent
+    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -219,9 +219,9 @@ def evaluate_checkpoint(
         "checkpoint": str(checkpoint),
         "data": str(data_root),
         "split": split,
-        "beam_size": beam_size,
-        "max_len": max_len,
-        "allow_unk": allow_unk,
+        "beam_size": options.beam_size,
+        "max_len": options.max_len,
+        "allow_unk": options.allow_unk,
         "num_images": len(cs.images),
         "num_references": sum(len(r) for r in references),
         "images_listed": listed,

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.errors import DataError, one_line
+from captioner.files import MiB, atomic_write, read_text
 from captioner.text import tokenize
 
 logger = logging.getLogger(__name__)
@@ -306,8 +307,6 @@ def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mappi
         path: output JSON file.
         items: ``(image_id, caption)`` pairs or ``{"image_id", "caption"}`` mappings.
     """
-    from captioner.checkpoint.atomic import atomic_write
-
     rows = []
     for i, item in enumerate(items):
         try:
@@ -325,8 +324,6 @@ def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mappi
 
 def read_coco_results(path: str | Path) -> list[tuple[int, str]]:
     """Read a COCO captioning results file back as ``(image_id, caption)`` pairs."""
-    from captioner.files import MiB, read_text
-
     if not os.path.lexists(path):
         raise DataError(f"{path}: results file not found")
     try:

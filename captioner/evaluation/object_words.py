@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from captioner.data.shapes import COLORS, SHAPES, SIZES
 from captioner.errors import DataError
 from captioner.text import tokenize
 
@@ -164,8 +165,6 @@ def choose_vocabulary(names: Iterable[str]) -> str | WordTable:
         ``"shapes"`` when every name is a synthetic shape, ``"coco"`` when every name is a COCO
         category (or there are none), else ``category_table(names)``.
     """
-    from captioner.data.shapes import SHAPES
-
     names = list(dict.fromkeys(str(n) for n in names))
     if names and set(names) <= set(SHAPES):
         return "shapes"
@@ -176,8 +175,6 @@ def choose_vocabulary(names: Iterable[str]) -> str | WordTable:
 
 def _shape_table() -> WordTable:
     """Shape nouns (and plurals) and the colour/size words of the synthetic scenes."""
-    from captioner.data.shapes import COLORS, SHAPES, SIZES
-
     phrases: dict[tuple[str, ...], str] = {}
     for shape in SHAPES:
         words = tuple(shape.split())

@@ -42,15 +42,15 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.config import ModelConfig
+from captioner.data.dataset import image_loader
 from captioner.errors import DataError, ImageLoadError
-from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
-                                      version_of, widen_in_place)
-from captioner.features.keys import FORMAT_VERSION, SUFFIX, cache_key, cache_path
+from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows,
+                                      map_dtype, peak, stored_rows, version_of, widen_in_place)
+from captioner.features.keys import cache_key, cache_path
 from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "FeatureCache", "SafeImages", "cache_key", "cache_path",
-           "check_batch_errors", "collate_safe", "get_feature_cache"]
+__all__ = ["MAGIC", "FeatureCache", "get_feature_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class FeatureCache:
         path: the cache file.
         count: number of images C (rows).
         num_regions: N.  dim: D.  grid: (g, g) as reported by the encoder.
-        dtype: the stored values, "float16" or "bfloat16" (rows are always read as float32).
+        dtype: the stored values, "float16" or "bfloat16" (``cache[i]`` reads a row as float32,
+            ``loader()`` in this dtype).
         key: the ``cache_key`` it was built for ("" when built without one).
         valid: (C,) bool array, False for images that failed to load (rows of zeros).
     """
@@ -108,16 +109,27 @@ class FeatureCache:
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Row ``index`` as a float32 (N, D) tensor (a copy; the map stays on disk)."""
+        return decode_row(self.features[self._check(index)], self.dtype)
+
+    def stored(self, index: int) -> torch.Tensor:
+        """Row ``index`` as an (N, D) tensor of the stored dtype, float16 or bfloat16 (a copy)."""
+        return stored_rows(self.features[self._check(index)], self.dtype)
+
+    def loader(self) -> Callable[[int], torch.Tensor]:
+        """A picklable ``load(index) -> (N, D)`` in the stored 2-byte dtype, for the caption datasets.
+
+        Rows stay float16/bfloat16 through the DataLoader (workers, collate, pinned memory) and are
+        widened to float32 on the training device (``captioner.features.dtype.model_input``).
+        """
+        return self.stored
+
+    def _check(self, index: int) -> int:
         index = int(index)
         if not 0 <= index < self.count:
             raise IndexError(f"feature cache {self.path} has {self.count} images, index {index} is out of range")
         if not self.valid[index]:
             raise ImageLoadError(f"image #{index} failed to load when feature cache {self.path} was built")
-        return decode_row(self.features[index], self.dtype)
-
-    def loader(self) -> Callable[[int], torch.Tensor]:
-        """A picklable ``load(index) -> (N, D) float32`` for the caption datasets."""
-        return self.__getitem__
+        return index
 
     def valid_indices(self) -> list[int]:
         """Indices (into ``caption_set.images``) whose features are present."""
@@ -191,8 +203,6 @@ class FeatureCache:
             DataError: the encoder produced NaN/inf (or beyond bfloat16's range) for an image.
             ImageLoadError: an unreadable image without ``skip_bad``.
         """
-        from captioner.data.dataset import image_loader
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if len(caption_set.images) == 0:

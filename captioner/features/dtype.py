@@ -46,10 +46,35 @@ def map_dtype(dtype: str) -> type:
 
 def decode_row(row: np.ndarray, dtype: str) -> torch.Tensor:
     """One stored row (N, D) of the memory map -> a float32 (N, D) tensor (a copy)."""
+    return stored_rows(row, dtype).float()
+
+
+def stored_rows(rows: np.ndarray, dtype: str) -> torch.Tensor:
+    """Stored rows (..., N, D) of the memory map -> a tensor of the stored 2-byte dtype (a copy).
+
+    ``torch.float16`` or ``torch.bfloat16``, the same bits as on disk: half the bytes of float32
+    for the DataLoader workers, the shared-memory transfer, the collate and the pinned copy to
+    move. :func:`model_input` widens a batch to float32 on the training device, exactly.
+    """
     if dtype == "float16":
-        return torch.from_numpy(np.array(row, dtype=np.float32))
-    bits = np.array(row, dtype=np.uint16).view(np.int16)  # torch has few uint16 ops
-    return torch.from_numpy(bits).view(torch.bfloat16).float()
+        return torch.from_numpy(np.array(rows, dtype=np.float16))
+    bits = np.array(rows, dtype=np.uint16).view(np.int16)  # torch has few uint16 ops
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+STORED_TORCH = frozenset(_TORCH.values())  # the dtypes cached features travel in before model_input
+
+
+def model_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A loader's batch ``x`` on ``device``, float16/bfloat16 features widened there to float32.
+
+    The one step between a loader and the model: cached features cross the DataLoader and the
+    host-to-device copy in their stored 2-byte dtype and become float32 only on the device (an
+    exact conversion, so the values are those of ``decode_row``). Any other dtype (float32
+    features from memory, images) is only moved.
+    """
+    x = x.to(device, non_blocking=True)
+    return x.float() if x.dtype in STORED_TORCH else x
 
 
 def encode_rows(feats: torch.Tensor, dtype: str) -> np.ndarray:

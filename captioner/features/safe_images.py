@@ -16,7 +16,7 @@ from captioner.errors import ImageLoadError
 
 __all__ = ["SafeImages", "check_batch_errors", "collate_safe"]
 
-log = logging.getLogger("captioner.features.cache")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 
 class SafeImages(Dataset):

@@ -14,7 +14,7 @@ has no bias (softmax would cancel it).
 
 * soft context: the expectation ``sum_i alpha_i f_i``;
 * hard context: the feature of one region ``s ~ Multinoulli(alpha)`` (training), or at test
-  time the expectation or the feature of ``argmax alpha`` (see ``HARD_TEST_MODES``).
+  time the expectation or the feature of ``argmax alpha`` (``decoder.hard_test_mode``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HARD_TEST_MODES = ("expectation", "argmax")
+from captioner.config.decoders import HARD_TEST_MODES
+
 
 
 class AdditiveAttention(nn.Module):

@@ -26,7 +26,7 @@ nothing to copy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,16 @@ class CaptionDecoder(nn.Module):
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         raise NotImplementedError
+
+    def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.
+
+        ``fn(t)`` gives the buffer's value from a tensor of its shape and dtype (a meta tensor when a
+        checkpoint is loaded: ``captioner.checkpoint.build`` allocates the model empty, fills the
+        stored weights and recomputes these). None here: a decoder that registers such a buffer
+        says how to recompute it.
+        """
+        return {}
 
     def state_bytes_per_word(self) -> int:
         """Bytes one row's decoding state grows by per generated word (0: a state of fixed size, the LSTM).

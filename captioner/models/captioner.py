@@ -1,6 +1,8 @@
-"""The full model: encoder + decoder, built from a ``ModelConfig`` (decoders by name: ``registry``).
+"""The full model: encoder + decoder, built from a ``ModelConfig`` (both by name: ``registry``).
 
 Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
+Importing this module registers the built-in encoders and decoders (their modules register
+themselves when imported).
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from torch import nn
 
 from captioner.config import ModelConfig
 from captioner.errors import ConfigError
+from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
 from captioner.models.base import CaptionDecoder, DecoderOutput
+from captioner.models.encoder import build_encoder
 from captioner.models.registry import build_decoder
 
 
-class Captioner(nn.Module):
+class CaptionModel(nn.Module):
     """Encoder + decoder. ``config`` travels with the model into checkpoints.
 
     Args:
@@ -40,7 +44,7 @@ class Captioner(nn.Module):
         return self.decoder(features, tokens, need_all_attention=need_all_attention)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> Captioner:
+def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> CaptionModel:
     """Build encoder and decoder from config.
 
     Args:
@@ -49,10 +53,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
         load_pretrained: load the encoder's ImageNet weights when ``cfg.encoder.pretrained``;
             False when the weights will come from a checkpoint (never downloads then).
     """
-    from captioner.models.encoder import build_encoder
-
     if vocab_size < 5:
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
     decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
-    return Captioner(encoder, decoder, cfg, vocab_size)
+    return CaptionModel(encoder, decoder, cfg, vocab_size)

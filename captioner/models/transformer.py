@@ -21,6 +21,7 @@ causal attention never lets a real token see a later one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, attention_entropy
 from captioner.models.mha import MultiHeadAttention
+from captioner.models.registry import register_decoder
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
 
@@ -169,6 +171,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
         if tie_embeddings:
             self.out.weight = self.embed.weight
 
+    def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """``positions`` is not stored in checkpoints: the sinusoidal table of its shape."""
+        return {"positions": lambda table: sinusoidal_positions(table.shape[0], table.shape[1])}
+
     # ------------------------------------------------------------------ shared pieces
 
     def _embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -281,6 +287,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return log_probs, State(state.static, dynamic), attention
 
 
+@register_decoder(TransformerConfig)
 def build_transformer_decoder(
     cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int
 ) -> TransformerCaptionDecoder:

@@ -20,12 +20,23 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from captioner.config import Config
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set
+from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions,
+                                    collate_images, image_loader)
+from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError
-from captioner.models.captioner import Captioner
+from captioner.features.cache import get_feature_cache
+from captioner.models.captioner import CaptionModel
 from captioner.text import Vocabulary
 from captioner.training.distributed import DistInfo, barrier
+from captioner.training.memory import MemoryBatches, MemoryEvalBatches, features_in_memory, pixels_in_memory
 
 log = logging.getLogger(__name__)
+
+# Feature-cache building and validation run without gradients: they batch at least this many images
+# even when the training batch is smaller (memory allows it, and small batches waste the encoder).
+MIN_INFERENCE_BATCH = 32
 
 
 @dataclass
@@ -52,8 +63,6 @@ class TrainData:
 
 def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
     """Load and check the training and validation caption sets (before any training starts)."""
-    from captioner.data.coco import check_images, load_caption_set
-
     d = cfg.data
     train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
     val_set = check_images(load_caption_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
@@ -95,16 +104,12 @@ class _Remap:
         return self.base(self.index[i])
 
 
-def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
+def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
                    progress: bool) -> tuple[Callable[[int], torch.Tensor], Any, Any]:
     """Feature loader for ``cs`` (built by rank 0, opened by the others after a barrier), the
     caption set it serves, and a ``MemoryStore`` of the features when they fit in memory."""
-    from captioner.training.memory import features_in_memory
-
-    from captioner.data.transforms import ImageTransform
-    from captioner.features.cache import get_feature_cache
-
-    kwargs = dict(batch_size=max(cfg.train.batch_size, 32), device=info.device, skip_bad=cfg.data.skip_missing,
+    kwargs = dict(batch_size=max(cfg.train.batch_size, MIN_INFERENCE_BATCH), device=info.device,
+                  skip_bad=cfg.data.skip_missing,
                   progress=progress and info.is_main, num_workers=cfg.data.num_workers)
     transform = ImageTransform(cfg.model.encoder)
     if info.is_main:
@@ -122,7 +127,7 @@ def _cached_loader(model: Captioner, cfg: Config, cs: Any, cache_dir: Path, info
     return _Remap(cache.loader(), valid), cs.subset(valid), None
 
 
-def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: Any, val_set: Any,
+def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set: Any, val_set: Any,
                  run_dir: Path, info: DistInfo, progress: bool) -> TrainData:
     """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
 
@@ -131,11 +136,6 @@ def prepare_data(cfg: Config, model: Captioner, vocab: Vocabulary, train_set: An
     pixels with ``data.skip_missing`` an image found unreadable mid-epoch is dropped from its
     batch (a warning names it; a batch left empty comes out as ``None``).
     """
-    from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset, image_loader
-    from captioner.data.transforms import ImageTransform
-
-    from captioner.training.memory import pixels_in_memory
-
     on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
     if on_features:
         cache_dir = Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE")
@@ -226,9 +226,6 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
         skip_batches: batches of this epoch already done (mid-epoch resume).
         store: a ``MemoryStore`` of the dataset's inputs: the same batches, cut from memory.
     """
-    from captioner.data.dataset import collate_captions
-    from captioner.training.memory import MemoryBatches
-
     batch = rank_batch_size(cfg.train.batch_size, info)
     sampler: Sampler[int] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,
                                                shuffle=True, seed=cfg.train.seed, drop_last=False)
@@ -248,13 +245,11 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
 def val_loader(dataset: Dataset, cfg: Config, info: DistInfo, store: Any = None,
                indices: list[int] | None = None) -> Any:
     """Validation images in dataset order (``indices``: a rank's shard), from ``store`` when given."""
-    from captioner.data.dataset import collate_images
-    from captioner.training.memory import MemoryEvalBatches
-
     if store is not None:
         return MemoryEvalBatches(store, list(range(len(store))) if indices is None else indices,
-                                 max(cfg.train.batch_size, 32))
+                                 max(cfg.train.batch_size, MIN_INFERENCE_BATCH))
     if indices is not None:
         dataset = Subset(dataset, indices)
-    return DataLoader(dataset, batch_size=max(cfg.train.batch_size, 32), shuffle=False, collate_fn=collate_images,
+    return DataLoader(dataset, batch_size=max(cfg.train.batch_size, MIN_INFERENCE_BATCH), shuffle=False,
+                      collate_fn=collate_images,
                       num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda")

@@ -20,6 +20,10 @@ from captioner.device import resolve_device
 
 log = logging.getLogger(__name__)
 
+# Rank r seeds its dropout / attention-sampling stream at seed + r * RANK_SEED_STRIDE: a prime far
+# beyond any step count, so the ranks' streams never start on the same seed.
+RANK_SEED_STRIDE = 1_000_003
+
 
 @dataclass(frozen=True)
 class DistInfo:

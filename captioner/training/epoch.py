@@ -26,11 +26,11 @@ from captioner.training.optim import nonfinite_tensors
 from captioner.training.run import Run, train_state
 from captioner.training.selection import decay_after_epoch
 from captioner.training.state import capture_rng, restore_rng
-from captioner.training.step import name_list, read_stats, train_step
+from captioner.training.step import name_list, read_stats, step_function
 from captioner.training.step_stats import term_shares
 from captioner.training.validation import score, validate
 
-log = logging.getLogger("captioner.training.loop")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 
 def image_error(run: Run, exc: ImageLoadError, where: str) -> ImageLoadError:
@@ -59,8 +59,9 @@ def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
     """
     cfg, info, prog, learner = run.cfg, run.info, run.progress, run.learner
     params = learner.params()
+    train_step = step_function(run)
     learner.forward.train()
-    learner.criterion.train()
+    learner.objective.train()
     bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="batch", leave=False,
                initial=prog.batch_in_epoch, total=prog.batch_in_epoch + len(loader),
                disable=True if not (run.show_progress and info.is_main) else None)

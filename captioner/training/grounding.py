@@ -10,11 +10,13 @@ boxes by ``captioner.data.grounding.bind_mentions``, and each box is laid on the
 ``box_coverage``. Images without boxes (no entry in ``instances_<split>.json``) give all-zero rows:
 their captions train without the term. A caption's binding is computed once and remembered.
 
-:class:`AttentionSupervision` adds ``weight * grounding_loss(...)`` (``captioner.grounding_loss``)
-to a cross-entropy ``LossResult``, with the terms ``grounding`` (unweighted, per supervised word),
-``weighted_grounding`` (so ``share_grounding`` and the regulariser warning see it),
-``grounded_words`` (share of target words supervised) and ``grounding_in_box`` (their attention
-mass inside the box). :func:`build_attention_supervision` makes it for a run, or returns None.
+:class:`AttentionSupervision` is the term ``grounding_loss(...)`` (``captioner.grounding_loss``) as
+one of the cross-entropy objective's extra terms (``captioner.training.objective.LossTerm``): the
+objective adds ``weight *`` it to the loss and logs ``grounding`` (unweighted, per supervised word)
+and ``weighted_grounding`` (so ``share_grounding`` and the regulariser warning see it), and the
+term's ``stats``: ``grounded_words`` (share of target words supervised) and ``grounding_in_box``
+(their attention mass inside the box). :func:`build_attention_supervision` makes it for a run
+(``captioner.training.objectives.build_cross_entropy`` asks), or returns None.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from captioner.data.transforms import crop_box
 from captioner.evaluation.attention_metrics import detect_vocabulary
 from captioner.evaluation.object_words import WordTable, find_mentions, word_table
 from captioner.grounding_loss import grounding_loss
-from captioner.losses import LossResult
 from captioner.models.base import DecoderOutput
 from captioner.text import Vocabulary
 
@@ -106,7 +107,11 @@ class GroundingTargets:
 
 
 class AttentionSupervision:
-    """Adds the box-supervision term to a cross-entropy ``LossResult`` (see the module docstring).
+    """The box-supervision term of :class:`captioner.training.objective.CrossEntropy` (a ``LossTerm``).
+
+    ``CrossEntropy`` adds ``weight * term(output, batch)`` to the loss and logs it as ``grounding``
+    and ``weighted_grounding``; ``stats`` (the last batch's ``grounded_words`` and
+    ``grounding_in_box``) is logged beside them.
 
     Args:
         targets: the batch targets' box coverages.
@@ -115,33 +120,27 @@ class AttentionSupervision:
         pad_id: id of padding in the targets.
     """
 
+    name = "grounding"
+
     def __init__(self, targets: GroundingTargets, weight: float, form: str = "cross_entropy", pad_id: int = 0) -> None:
         self.targets = targets
         self.weight = weight
         self.form = form
         self.pad_id = pad_id
+        self.stats: dict[str, torch.Tensor] = {}
 
-    def __call__(self, result: LossResult, output: DecoderOutput, targets: torch.Tensor,
-                 image_index: torch.Tensor) -> LossResult:
-        """``result`` with ``weight * term`` added to its total and objective, and the term's statistics.
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        """The unweighted term for a teacher-forced ``output`` of ``batch`` (``tokens``, ``image_index``).
 
-        Args:
-            result: the criterion's result for ``output`` and ``targets``.
-            output: the decoder's teacher-forced output (``attention`` (B, T, N) is supervised).
-            targets: (B, T) target ids (``tokens[:, 1:]``).
-            image_index: (B,) training-image index of each caption.
+        ``output.attention`` (B, T-1, N) is supervised for the targets ``batch.tokens[:, 1:]``.
         """
-        if output.attention is None:
-            return result
-        coverage = self.targets.coverage(targets.cpu(), image_index.cpu()).to(output.attention.device,
-                                                                                non_blocking=True)
+        targets = batch.tokens[:, 1:]  # (B, T-1)
+        coverage = self.targets.coverage(targets.cpu(), batch.image_index.cpu()).to(output.attention.device,
+                                                                                     non_blocking=True)
         term = grounding_loss(output.attention, coverage, self.form)
-        weighted = self.weight * term.loss
         words = (targets != self.pad_id).sum().clamp(min=1).to(term.words.dtype)
-        terms = {**result.terms, "grounding": term.loss.detach(), "weighted_grounding": weighted.detach(),
-                 "grounded_words": term.words / words, "grounding_in_box": term.in_box}
-        return LossResult(total=result.total + weighted, objective=result.objective + weighted.detach(),
-                          terms=terms)
+        self.stats = {"grounded_words": term.words / words, "grounding_in_box": term.in_box}
+        return term.loss
 
 
 def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> AttentionSupervision | None:

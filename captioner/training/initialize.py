@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from captioner.checkpoint.store import load_checkpoint
 from captioner.config import ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
@@ -147,8 +148,6 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
         CheckpointError: the file is missing or not a readable checkpoint.
         ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
     """
-    from captioner.checkpoint.store import load_checkpoint
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--init {path}: checkpoint not found")

@@ -14,7 +14,8 @@ keeps the metric it started with when resumed.
 ``train.init`` (``--init``) starts a new run from a checkpoint's weights and vocabulary with a fresh
 optimizer (:mod:`captioner.training.initialize`), e.g. the fine-tuning stage of the SAT recipe.
 ``train.objective = "scst"`` trains such a stage with self-critical sequence training instead of
-cross-entropy (:mod:`captioner.training.scst`); everything else in the loop stays the same.
+cross-entropy (:mod:`captioner.training.scst`): the objective is an object chosen once here
+(:mod:`captioner.training.objectives`); everything else in the loop stays the same.
 
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
@@ -47,23 +48,22 @@ from torch import nn
 from captioner.checkpoint.store import load_train_state
 from captioner.config import Config
 from captioner.errors import CheckpointError
-from captioner.losses import CaptionLoss
 from captioner.models.captioner import build_model
 from captioner.training import distributed as ddp
+from captioner.training.cuda_graph import GraphedStep, check_cuda_graph
 from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
 from captioner.training.epoch import end_of_epoch, train_one_epoch
-from captioner.training.grounding import build_attention_supervision
 from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
 from captioner.training.logging_utils import MetricsLogger
+from captioner.training.objectives import build_objective
 from captioner.training.optim import build_optimizer, build_schedule, setup_precision
 from captioner.training.run import Clock, Learner, Run, RunFolder, TrainForward, restore_train_state
 from captioner.training.run_folder import check_run_folder, earlier_run_files, make_run_folder, move_aside
-from captioner.training.scst import build_scst_loss
 from captioner.training.selection import keep_select_metric
 from captioner.training.state import (Progress, check_resume_config, check_resume_vocab, remove_stale_temp_files,
                                       seed_everything)
 
-__all__ = ["TrainForward", "TrainResult", "train"]
+__all__ = ["TrainResult", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
 
 def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.DistInfo, start: float,
            overwrite: bool) -> TrainResult:
+    if cfg.train.cuda_graph:  # refused here, before anything is read or written, where it cannot run
+        check_cuda_graph(cfg.train, cfg.model.decoder.name, bool(cfg.data.feature_cache and not
+                                                                 cfg.model.encoder.fine_tune), info.device,
+                         info.distributed)
     state_path = run_dir / "train_state.pt"
     saved = None
     init = None
@@ -169,27 +173,23 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         init = None
     data = prepare_data(cfg, model, vocab, train_set, val_set, run_dir, info, progress)
     t = cfg.train
-    criterion: nn.Module
-    if t.objective == "scst":  # self-critical: rewards from the training references (DFs counted once, here)
-        criterion = build_scst_loss(cfg, data.train_set, vocab)
-    else:
-        criterion = CaptionLoss.from_config(t, cfg.model.decoder, vocab.pad_id).to(info.device)
+    objective = build_objective(cfg, data.train_set, vocab, info.device)  # SCST counts its reward's DFs here, once
     optimizer = build_optimizer(model, t, train_encoder=not data.on_features)
     scheduler = build_schedule(optimizer, model, t, total_steps=t.epochs * math.ceil(len(data.train_dataset) / t.batch_size))
     if t.compile and hasattr(model.decoder, "compile_recurrence"):
         model.decoder.compile_recurrence()
     forward = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
-    learner = Learner(model, forward, criterion, optimizer, scheduler, precision,
-                      grounding=build_attention_supervision(cfg, data.train_set, vocab))
-    run = Run(cfg, info, learner, RunFolder(run_dir),
+    run = Run(cfg, info, Learner(model, forward, objective, optimizer, scheduler, precision), RunFolder(run_dir),
               Clock(start, t.time_budget), Progress(select_metric=t.select_metric), show_progress=progress)
+    if t.cuda_graph:
+        run.learner.graphed = GraphedStep(model.decoder, objective, vocab.pad_id, precision.dtype)
     if saved is not None:
         restore_train_state(run, saved)
         run.clock.seconds_before = run.progress.seconds
         del saved
     elif info.rank > 0:
-        seed_everything(t.seed + 1_000_003 * info.rank)  # own dropout / attention-sampling stream per rank
+        seed_everything(t.seed + ddp.RANK_SEED_STRIDE * info.rank)  # own dropout / attention-sampling stream per rank
     if info.distributed:
         run.learner.forward = nn.parallel.DistributedDataParallel(
             forward, device_ids=[info.device.index] if info.device.type == "cuda" else None,
@@ -205,6 +205,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     finally:
         if run.folder.logger is not None:
             run.folder.logger.close()
+        if run.learner.graphed is not None and info.is_main:  # captures, replays, eager steps per shape
+            log.info("train.cuda_graph: %s", run.learner.graphed.stats.as_dict())
     ddp.barrier(info)
     prog = run.progress
     return TrainResult(run_dir / "best.safetensors", run_dir / "latest.safetensors", max(prog.best_bleu4, 0.0),

@@ -6,7 +6,10 @@ When a split's cached features, or (training the encoder) its resized uint8 pixe
 ``data.in_memory_mb``, training keeps them in one tensor: every image is decoded once, and a batch
 is one gather instead of B ``__getitem__`` calls and a collate. The batches are exactly the ones
 the ``DataLoader`` path gives (same sampler, same order, same padding, bit-identical values), so
-switching between the two paths never changes a run.
+switching between the two paths never changes a run. Features are the one difference in form: the
+``DataLoader`` carries them in the cache's stored float16/bfloat16 and ``model_input`` widens them
+on the device, while the store (on the GPU in a CUDA run) widens its gathered rows itself; both
+give the model the same float32 values.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 from torch.utils.data import Sampler
 from tqdm import tqdm
 
+from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.errors import ImageLoadError
+from captioner.features.dtype import stored_rows
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,8 @@ class MemoryStore:
         return self.rows.numel() * self.rows.element_size()
 
     def gather(self, index: torch.Tensor) -> torch.Tensor:
-        """Inputs of the images ``index`` (B,) as float32 (B, ...), as the per-item loaders give them."""
+        """Inputs of the images ``index`` (B,) as float32 (B, ...), as the model receives them (stored
+        float16/bfloat16 features widened exactly, where the rows live: on the GPU in a CUDA run)."""
         x = self.rows.index_select(0, index.to(self.rows.device))
         return self.normalize(x) if self.normalize is not None else x.float()
 
@@ -67,7 +73,7 @@ def features_in_memory(cache: Any, limit_mb: float, what: str) -> MemoryStore | 
     nbytes = cache.count * cache.num_regions * cache.dim * np.dtype(cache.features.dtype).itemsize
     if limit_mb <= 0 or nbytes > limit_mb * MIB or not bool(cache.valid.all()):
         return None
-    rows = torch.from_numpy(np.array(cache.features))  # one read of the whole map, in its stored dtype
+    rows = stored_rows(cache.features, cache.dtype)  # one read of the whole map: float16, or bfloat16 (not its bits)
     log.info("%s: holding %d images' features in memory (%.0f MiB)", what, cache.count, nbytes / MIB)
     return MemoryStore(rows)
 
@@ -78,8 +84,6 @@ def pixels_in_memory(cs: Any, transform: Any, limit_mb: float, what: str, progre
     An unreadable image returns None too: the streaming path then reports (or skips) it exactly
     as it would have without this one.
     """
-    from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
-
     side = transform.size
     nbytes = len(cs.images) * 3 * side * side
     if limit_mb <= 0 or nbytes > limit_mb * MIB or not len(cs.images):

@@ -12,13 +12,13 @@ import torch
 
 from captioner.config import TrainConfig
 from captioner.errors import ConfigError
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.training.schedules import GroupSchedule, build_scheduler, decoder_peak_lr
 
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: CaptionModel, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
     """Adam/AdamW over the decoder (``cfg.lr``) and the trainable encoder stages (``cfg.encoder_lr``).
 
     The group lrs are those peaks; :func:`build_schedule` then sets each group's lr per step.
@@ -37,12 +37,12 @@ def build_optimizer(model: Captioner, cfg: TrainConfig, train_encoder: bool) -> 
     return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
-def schedule_width(model: Captioner) -> int:
+def schedule_width(model: CaptionModel) -> int:
     """The ``d_model`` of an old Noam-scale ``train.lr``: the decoder family's width (d_model, LSTM hidden_dim)."""
     return model.config.decoder.width
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, model: Captioner, cfg: TrainConfig,
+def build_schedule(optimizer: torch.optim.Optimizer, model: CaptionModel, cfg: TrainConfig,
                    total_steps: int | None = None) -> GroupSchedule:
     """One schedule per parameter group (see :mod:`captioner.training.schedules`).
 
@@ -144,6 +144,7 @@ def clip_and_step(
     params: list[torch.nn.Parameter],
     grad_clip: float,
     precision: Precision,
+    backward: bool = True,
 ) -> StepResult:
     """Backward, optional clipping and an optimizer step (through the ``GradScaler`` for fp16).
 
@@ -152,13 +153,16 @@ def clip_and_step(
     so the caller must not advance the schedule either. Without it such a step is taken as is
     (the next loss is then non-finite and stops training there).
 
+    ``backward=False``: the gradients are already in place (``train.cuda_graph`` replayed the backward).
+
     Returns:
         A :class:`StepResult`, falsy when the optimizer did not step (a ``GradScaler`` also skips
         steps with inf/nan gradients, lowering its scale).
     """
     scaler = precision.scaler
     if scaler is None:
-        loss.backward()
+        if backward:
+            loss.backward()
         norm = _grad_norm(params, grad_clip) if grad_clip > 0 or precision.skip_nonfinite else None
         if precision.skip_nonfinite and norm is not None:
             norm = float(norm)  # the decision below needs it now

@@ -4,7 +4,7 @@ Shape legend: B batch, T caption steps, N regions, D feature width, S image side
 
 A :class:`Run` is made of small parts, each with one job:
 
-* :class:`Learner`: what is trained and how (model, the module that runs it, loss, optimizer,
+* :class:`Learner`: what is trained and how (model, the module that runs it, objective, optimizer,
   schedule, precision); its state is saved in ``train_state.pt``.
 * :class:`RunFolder`: where the run writes (the folder and its metrics logger).
 * :class:`Clock`: when this call began, the time budget and the seconds of earlier sessions.
@@ -28,14 +28,15 @@ from torch import nn
 
 from captioner.config import Config
 from captioner.errors import CheckpointError
-from captioner.models.captioner import Captioner
-from captioner.training.distributed import DistInfo
+from captioner.models.captioner import CaptionModel
+from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
 from captioner.training.logging_utils import MetricsLogger
+from captioner.training.objective import Objective, TrainModel
 from captioner.training.optim import Precision
 from captioner.training.state import Progress, restore_rng, seed_everything
 from captioner.training.step_stats import DeviceStats
 
-log = logging.getLogger("captioner.training.loop")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 STATE_FORMAT = "captioner-train-state"
 
@@ -48,7 +49,7 @@ class TrainForward(nn.Module):
         on_features: inputs are region features (B,N,D) rather than images (B,3,S,S).
     """
 
-    def __init__(self, model: Captioner, on_features: bool) -> None:
+    def __init__(self, model: CaptionModel, on_features: bool) -> None:
         super().__init__()
         self.model = model
         self.on_features = on_features
@@ -60,6 +61,10 @@ class TrainForward(nn.Module):
                 x, _ = self.model.encoder(x)  # (B, N, D)
         return self.model.decoder(x, tokens)
 
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B,3,S,S) -> region features (B,N,D) through the bare encoder (not DDP-wrapped)."""
+        return self.model.encoder(images)[0]
+
 
 @dataclass
 class Learner:
@@ -67,31 +72,37 @@ class Learner:
 
     Attributes:
         model: the captioner (its ``state_dict`` is what checkpoints hold).
-        forward: a :class:`TrainForward` over ``model``, DDP-wrapped under torchrun.
-        criterion: ``CaptionLoss`` (cross-entropy and regularisers) or the SCST loss.
+        module: the :class:`TrainForward` over ``model``.
+        objective: the training objective (:mod:`captioner.training.objective`).
         optimizer: its param groups (decoder first) hold every trained parameter.
         scheduler: the lr schedule, stepped once per optimizer step.
         precision: autocast dtype and gradient scaler.
-        grounding: the box-supervision hook added to the cross-entropy (``train.attention_supervision``), or None.
+        forward: the module that runs ``module`` with gradients: ``module`` itself, or its
+            ``DistributedDataParallel`` wrapper under torchrun (set by the loop).
+        graphed: ``train.cuda_graph``: the captured forward + loss + backward
+            (:class:`~captioner.training.cuda_graph.GraphedStep`), else None.
     """
 
-    model: Captioner
-    forward: nn.Module
-    criterion: nn.Module
+    model: CaptionModel
+    module: TrainForward
+    objective: Objective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
-    grounding: Any = None  # train.attention_supervision: AttentionSupervision (training/grounding.py) or None
+    forward: nn.Module | None = None
+    graphed: Any = None
+
+    def __post_init__(self) -> None:
+        if self.forward is None:
+            self.forward = self.module
 
     def params(self) -> list[nn.Parameter]:
         """Every parameter the optimizer steps, in param-group order."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def scst_encoder(self):  # -> Callable | None
-        """images (B,3,S,S) -> features (B,N,D) for SCST sampling, or None when batches hold cached features."""
-        if getattr(self.forward, "module", self.forward).on_features:
-            return None
-        return lambda images: self.model.encoder(images)[0]  # (B, N, D)
+    def train_model(self) -> TrainModel:
+        """What the objective trains through: ``forward``, the bare decoder and, on images, the bare encoder."""
+        return TrainModel(self.forward, self.model.decoder, None if self.module.on_features else self.module.features)
 
 
 @dataclass
@@ -159,7 +170,7 @@ class Run:
     Attributes:
         cfg: the full configuration (a resume keeps the run's ``select_metric``).
         info: this process's rank, world size and device.
-        learner: model, loss, optimizer, schedule, precision.
+        learner: model, objective, optimizer, schedule, precision.
         folder: the run folder and its logger.
         clock: start time, time budget, earlier sessions.
         progress: counters and best-so-far (saved in ``train_state.pt``).
@@ -187,7 +198,7 @@ def train_state(run: Run, rngs: list[dict[str, Any]]) -> dict[str, Any]:
         "model": learner.model.state_dict(),
         "optimizer": learner.optimizer.state_dict(),
         "scheduler": learner.scheduler.state_dict(),
-        "criterion": learner.criterion.state_dict(),
+        "criterion": learner.objective.state_dict(),  # (the key it had when it held a criterion)
         "scaler": scaler.state_dict() if scaler is not None else {},
         "progress": run.progress.state_dict(),
         "rng": rngs,  # one snapshot per rank
@@ -209,7 +220,7 @@ def restore_train_state(run: Run, state: dict[str, Any]) -> None:
         learner.model.load_state_dict(state["model"])
         learner.optimizer.load_state_dict(state["optimizer"])
         learner.scheduler.load_state_dict(state["scheduler"])
-        learner.criterion.load_state_dict(state["criterion"])
+        learner.objective.load_state_dict(state["criterion"])
         if learner.precision.scaler is not None and state["scaler"]:
             learner.precision.scaler.load_state_dict(state["scaler"])
         run.progress.load_state_dict(state["progress"])
@@ -222,7 +233,7 @@ def restore_train_state(run: Run, state: dict[str, Any]) -> None:
     if info.rank < len(rngs):
         restore_rng(rngs[info.rank], info.device)
     else:
-        seed_everything(run.cfg.train.seed + 1_000_003 * info.rank + run.progress.step)
+        seed_everything(run.cfg.train.seed + RANK_SEED_STRIDE * info.rank + run.progress.step)
     if state.get("world_size", 1) != info.world_size and run.progress.batch_in_epoch and info.is_main:
         log.warning("resuming mid-epoch with %d processes (saved with %d): the batch order differs",
                     info.world_size, state["world_size"])

@@ -56,15 +56,6 @@ def warmup_shape(step: int, warmup_steps: int) -> float:
     return min(step / warmup_steps, math.sqrt(warmup_steps / step))
 
 
-def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
-    """The unnormalised Vaswani et al. multiplier ``d**-0.5 * min(s**-0.5, s * w**-1.5)``.
-
-    Equal to ``(d_model * warmup_steps) ** -0.5 * warmup_shape(step, warmup_steps)``.
-    """
-    step = max(step, 1)
-    return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
-
-
 def cosine_shape(step: int, warmup_steps: int, total_steps: int) -> float:
     """Linear warm-up to 1.0 at step w, then a half cosine down to ``COSINE_FLOOR`` at ``total_steps``."""
     step = max(step, 1)

@@ -7,14 +7,15 @@ One step, given a training batch (caption items ``(x, tokens, image_index)``, as
 training reads them; the references are not the batch's captions but all of each image's):
 
 1. the batch's **distinct images** (first occurrence of each ``image_index``, in batch order);
-2. **K samples** per image (``train.scst_samples``), drawn without gradients through the decoder
-   contract (:func:`captioner.decoding.sampling.sample_captions`), temperature ``train.scst_temperature``,
+2. **K samples** per image (``train.scst.samples``), drawn without gradients through the decoder
+   contract (:func:`captioner.decoding.sampling.sample_captions`), temperature ``train.scst.temperature``,
    at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
    decoder's training mode with its dropout layers off (hard attention samples its regions): the
    policy trained, the same one step 5 re-scores (:func:`dropout_off`);
-3. the **baseline** (``train.scst_baseline``): ``greedy``, the reward of the model's own greedy
-   caption (eval mode, no gradients: the test-time policy, as in the paper), or ``mean``, the mean
-   reward of the image's other K - 1 samples (the greedy caption is decoded and logged either way);
+3. the **baseline** (``train.scst.baseline``): ``mean`` (the default), the mean reward of the
+   image's other K - 1 samples, or ``greedy``, the reward of the model's own greedy caption (eval
+   mode, no gradients: the test-time policy, as in the paper); the greedy caption is decoded and
+   logged either way;
 4. the **reward** r (CIDEr-D against all training references of the image, document frequencies of
    the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.training.scst_reward.CaptionReward`);
 5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
@@ -25,7 +26,7 @@ training reads them; the references are not the batch's captions but all of each
 6. the loss ``-sum_{r,t} (r_r - b_r) log pi(w_rt) / (sampled tokens)``: tokens after the first
    ``<eos>`` are padding and masked out; the advantage ``r - b`` is not normalised.
 
-With ``train.scst_xe_weight`` w > 0 the loss also holds ``w * CE``, the teacher-forced
+With ``train.scst.xe_weight`` w > 0 the loss also holds ``w * CE``, the teacher-forced
 cross-entropy of the batch's own reference captions (the mixed objective of Paulus et al. 2018),
 logged as ``scst_xe``: on a small dataset it keeps the policy near the references.
 
@@ -56,16 +57,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.decoding.search import DecodeOptions, _ban, decode, never_emitted_ids
-from captioner.losses import LossResult
-from captioner.models.base import eval_mode
+from captioner.config import ScstConfig, TrainConfig
+from captioner.config.schema import SCST_BASELINES
+from captioner.decoding.filters import SuppressTokens
 from captioner.decoding.sampling import sample_captions
-from captioner.training.scst_reward import CaptionReward
+from captioner.decoding.search import DecodeOptions, never_emitted_ids
+from captioner.inference import search_features
+from captioner.losses import LossResult
 from captioner.text import Vocabulary, tokenize
+from captioner.training.objective import Batch, Objective, TrainModel
+from captioner.training.scst_reward import CaptionReward
 
 log = logging.getLogger(__name__)
-
-BASELINES = ("greedy", "mean")
 
 
 def distinct_images(image_index: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -125,34 +128,37 @@ def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
     (greedy training CIDEr-D 1.55 -> 0.26). Under pi the banned ids get no gradient at all.
     Positions where ``mask`` is False (padding) are 0.
     """
-    scores = _ban(logits.float(), banned_ids, eos_id)  # the sampler's ban (captioner.decoding.sampling)
+    scores = SuppressTokens(banned_ids, eos_id)(logits.float())  # the sampler's filter (captioner.decoding.sampling)
     if temperature != 1.0:
         scores = scores / temperature
     chosen = F.log_softmax(scores, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (R, L), -inf at pad
     return torch.where(mask, chosen, torch.zeros_like(chosen))
 
 
-class SelfCriticalLoss(nn.Module):
-    """SCST loss for any decoder (see the module docstring); no buffers, so nothing to resume.
+class SelfCritical(Objective):
+    """The SCST objective for any decoder (see the module docstring); no buffers, so nothing to resume.
+
+    The defaults are ``train.scst``'s (:class:`captioner.config.schema.ScstConfig`).
 
     Args:
         reward: the caption reward over the training images.
         vocab: the model's vocabulary.
         samples: K, samples per image.
         temperature: sampling temperature.
-        baseline: ``"greedy"`` or ``"mean"``.
+        baseline: ``"mean"`` or ``"greedy"``.
         max_len: most words per sampled (and greedy) caption: ``train.val_max_len``.
         reinforce_weight: hard attention: weight of the attention-choice REINFORCE term.
         entropy_weight: hard attention: weight of the attention-entropy bonus.
         xe_weight: weight of the reference captions' cross-entropy (0: pure SCST).
     """
 
-    def __init__(self, reward: CaptionReward, vocab: Vocabulary, samples: int = 5, temperature: float = 1.0,
-                 baseline: str = "greedy", max_len: int = 20, reinforce_weight: float = 1.0,
-                 entropy_weight: float = 0.0, xe_weight: float = 0.0) -> None:
+    def __init__(self, reward: CaptionReward, vocab: Vocabulary, samples: int = ScstConfig.samples,
+                 temperature: float = ScstConfig.temperature, baseline: str = ScstConfig.baseline,
+                 max_len: int = TrainConfig.val_max_len, reinforce_weight: float = 1.0, entropy_weight: float = 0.0,
+                 xe_weight: float = ScstConfig.xe_weight) -> None:
         super().__init__()
-        if baseline not in BASELINES:
-            raise ValueError(f"baseline {baseline!r}: use greedy or mean")
+        if baseline not in SCST_BASELINES:
+            raise ValueError(f"baseline {baseline!r}: use {' or '.join(SCST_BASELINES)}")
         self.reward, self.vocab = reward, vocab
         self.samples, self.temperature, self.baseline_kind, self.max_len = samples, temperature, baseline, max_len
         self.reinforce_weight, self.entropy_weight, self.xe_weight = reinforce_weight, entropy_weight, xe_weight
@@ -163,14 +169,17 @@ class SelfCriticalLoss(nn.Module):
         return [tokenize(self.vocab.decode(row)) for row in ids]
 
     def _greedy(self, decoder: nn.Module, features: torch.Tensor) -> list[list[int]]:
-        with eval_mode(decoder):
-            hyps = decode(decoder, features, self.vocab.bos_id, self.vocab.eos_id,
-                          DecodeOptions(beam_size=1, max_len=self.max_len), self.banned)
+        hyps = search_features(decoder, features, self.vocab, DecodeOptions(beam_size=1, max_len=self.max_len))
         return [h[0].tokens for h in hyps]
+
+    def loss(self, model: TrainModel, batch: Batch) -> LossResult:
+        """One SCST step's loss (:meth:`batch_loss` with the batch's parts)."""
+        return self.batch_loss(model.forward, model.decoder, model.encode, batch.x, batch.image_index,
+                               tokens=batch.tokens)
 
     def batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
                    encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
-                   image_index: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[LossResult, int]:
+                   image_index: torch.Tensor, tokens: torch.Tensor | None = None) -> LossResult:
         """One SCST step's loss.
 
         Args:
@@ -183,24 +192,24 @@ class SelfCriticalLoss(nn.Module):
                 ``xe_weight`` > 0.
 
         Returns:
-            ``(LossResult, R)``: the loss and the number of sampled captions.
+            The loss; its ``captions`` is R, the number of sampled captions.
         """
         if self.xe_weight and tokens is None:
-            raise ValueError("scst_xe_weight > 0 needs the batch's reference tokens")
+            raise ValueError("train.scst.xe_weight > 0 needs the batch's reference tokens")
         with dropout_off(decoder):
-            result, n = self._batch_loss(forward, decoder, encode, x, image_index)
+            result = self._batch_loss(forward, decoder, encode, x, image_index)
             if not self.xe_weight:
-                return result, n
+                return result
             out = forward(x, tokens[:, :-1])  # logits (rows, T-1, V): the references, teacher-forced
             ce = F.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=self.vocab.pad_id)
             weighted = self.xe_weight * ce
             terms = {**result.terms, "scst_xe": ce.detach()}
             return LossResult(total=result.total + weighted, objective=result.objective + weighted.detach(),
-                              terms=terms), n
+                              terms=terms, captions=result.captions)
 
     def _batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
                     encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
-                    image_index: torch.Tensor) -> tuple[LossResult, int]:
+                    image_index: torch.Tensor) -> LossResult:
         rows, images = distinct_images(image_index)
         K = self.samples
         keep = torch.tensor(rows, device=x.device)
@@ -244,18 +253,19 @@ class SelfCriticalLoss(nn.Module):
             total, objective = total + bonus, objective + bonus.detach()
             terms["entropy"] = entropy.detach()
             terms["weighted_entropy"] = self.entropy_weight * entropy.detach()
-        return LossResult(total=total, objective=objective.detach(), terms=terms), int(targets.size(0))
+        return LossResult(total=total, objective=objective.detach(), terms=terms, captions=int(targets.size(0)))
 
 
-def build_scst_loss(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCriticalLoss:
+def build_self_critical(cfg: Any, train_set: Any, vocab: Vocabulary) -> SelfCritical:
     """``train.objective = "scst"``: the loss over ``train_set``'s references (DFs counted here, once)."""
     t = cfg.train
     if not t.init:
         log.warning("train.objective=scst without train.init (--init): self-critical training from random "
                     "weights rarely samples a rewarded caption; start from a cross-entropy checkpoint")
     reward = CaptionReward([train_set.references(image.image_id) for image in train_set.images],
-                           bleu_weight=t.scst_bleu_weight)
+                           bleu_weight=t.scst.bleu_weight)
     hard = cfg.model.decoder.attention_kind == "hard"
-    return SelfCriticalLoss(reward, vocab, samples=t.scst_samples, temperature=t.scst_temperature,
-                            baseline=t.scst_baseline, max_len=t.val_max_len, reinforce_weight=t.reinforce_weight,
-                            entropy_weight=t.entropy_weight if hard else 0.0, xe_weight=t.scst_xe_weight)
+    s = t.scst
+    return SelfCritical(reward, vocab, samples=s.samples, temperature=s.temperature, baseline=s.baseline,
+                        max_len=t.val_max_len, reinforce_weight=t.reinforce_weight,
+                        entropy_weight=t.entropy_weight if hard else 0.0, xe_weight=s.xe_weight)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.config import Config
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, one_line
@@ -174,7 +175,7 @@ def check_resume_config(cfg: Config, run_dir: Path) -> None:
                     ", ".join(other))
 
 
-# Files the run folder writes atomically (``captioner.checkpoint.atomic.atomic_write``: ``.<name>.*.tmp``).
+# Files the run folder writes atomically (``captioner.files.atomic_write``: ``.<name>.*.tmp``).
 _ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
 
 
@@ -199,8 +200,6 @@ def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
     The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
     is left for loading ``train_state.pt`` to report.
     """
-    from captioner.checkpoint.store import read_checkpoint_metadata
-
     latest = run_dir / "latest.safetensors"
     if not latest.exists():
         return

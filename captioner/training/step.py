@@ -2,10 +2,16 @@
 
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), V vocabulary.
 
-Without torchrun and ``train.skip_nonfinite`` a step never waits for the device: its loss terms
-go to ``run.session.stats`` and are checked when read (:func:`read_stats`, every
-``train.log_every`` steps, at the end of an epoch and when time is up). Under torchrun, or with
-``skip_nonfinite`` (which must decide before the optimizer steps), the loss is read every step.
+The loss comes from the run's objective (``objective.loss(model, batch)``,
+:mod:`captioner.training.objective`), whichever it is. Two steps share the rest:
+
+* :func:`step_deferred` (one process, no ``train.skip_nonfinite``) never waits for the device: its
+  loss terms go to ``run.session.stats`` and are checked when read (:func:`read_stats`, every
+  ``train.log_every`` steps, at the end of an epoch and when time is up);
+* :func:`step_synchronised` (under torchrun, or with ``skip_nonfinite``, which must decide before
+  the optimizer steps) reads the loss, summed over ranks, every step.
+
+:func:`step_function` picks one for the run.
 
 A non-finite loss stops the run with one line naming the step (:func:`nonfinite_error`);
 ``train.skip_nonfinite`` skips such batches instead (:func:`skip_batch`), and still stops when
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,13 +30,16 @@ from torch import nn
 
 from captioner.config import TrainConfig
 from captioner.errors import CaptionerError
+from captioner.features.dtype import model_input
+from captioner.losses import LossResult
 from captioner.training import distributed as ddp
 from captioner.training.diagnosis import first_loss_cause
+from captioner.training.objective import Batch
 from captioner.training.optim import clip_and_step, nonfinite_tensors
 from captioner.training.run import Run
 from captioner.training.step_stats import weighted_terms
 
-log = logging.getLogger("captioner.training.loop")  # the messages' logger before this module was split out
+log = logging.getLogger(__name__)
 
 MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
 BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the time budget runs out
@@ -59,13 +69,13 @@ def nonfinite_error(run: Run, value: float, epoch: int, step: int | None = None,
                           f"{last_good} (set train.skip_nonfinite=true to skip such batches{note})")
 
 
-def skip_batch(run: Run, epoch: int, why: str, criterion_state: dict[str, torch.Tensor] | None) -> None:
+def skip_batch(run: Run, epoch: int, why: str, objective_state: dict[str, torch.Tensor] | None) -> None:
     """``train.skip_nonfinite``: count and report a skipped batch, and stop when skipping cannot help."""
     prog, session = run.progress, run.session
     prog.skipped += 1
     session.skipped_in_a_row += 1
-    if criterion_state is not None:
-        run.learner.criterion.load_state_dict(criterion_state)  # e.g. a REINFORCE baseline updated from this batch
+    if objective_state is not None:
+        run.learner.objective.load_state_dict(objective_state)  # e.g. a REINFORCE baseline updated from this batch
     if run.info.is_main:
         log.warning("skipping batch at step %d: %s", prog.step, why)
     bad = nonfinite_tensors(run.learner.model)
@@ -129,67 +139,98 @@ def read_stats(run: Run, epoch: int, inputs: torch.Tensor | None = None) -> None
 def _optimizer_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult
     """Clip and step, then advance the schedule (and the budget decay) when the optimizer stepped."""
     learner = run.learner
-    step = clip_and_step(loss, learner.optimizer, params, run.cfg.train.grad_clip, learner.precision)
+    step = clip_and_step(loss, learner.optimizer, params, run.cfg.train.grad_clip, learner.precision,
+                         backward=learner.graphed is None)  # a captured step has run its backward
     if step:
         learner.scheduler.step()
         budget_decay(learner.optimizer, run.cfg.train, run.clock.session_seconds())
     return step
 
 
-def train_step(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
-    """One batch (``run.progress.step`` already counts it).
+def _batch_on_device(run: Run, batch: Any) -> Batch:
+    """The loader's ``(x, tokens, image_index)`` with ``x`` and ``tokens`` moved to the run's device.
+
+    Cached features arrive in their stored float16/bfloat16 and become float32 here, on the device
+    (``model_input``): the model, the captured step's static buffers and the loss see float32.
+    """
+    x, tokens, image_index = batch
+    device = run.info.device
+    return Batch(model_input(x, device), tokens.to(device, non_blocking=True), image_index)  # tokens (B, T)
+
+
+def _loss(run: Run, batch: Batch) -> LossResult:
+    """The objective's loss of ``batch`` under the run's precision, gradients cleared for the backward."""
+    learner = run.learner
+    if learner.graphed is not None:  # train.cuda_graph: forward, loss and backward replayed as one graph
+        return learner.graphed(batch.x, batch.tokens, batch.image_index)
+    with learner.precision.autocast():
+        result = learner.objective.loss(learner.train_model(), batch)
+    learner.optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+def _skip_empty(run: Run, time_up: bool) -> tuple[bool, float]:
+    """A batch of which no image could be read (``data.skip_missing``): nothing is trained."""
+    if run.info.is_main:
+        log.warning("skipping batch at step %d: none of its images could be read", run.progress.step)
+    return time_up, 0.0
+
+
+def step_deferred(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
+    """One batch on one process without ``train.skip_nonfinite``: the step never waits for the device.
+
+    The loss terms go to ``run.session.stats`` and are checked when read (:func:`read_stats`); the
+    first step is read at once, so that a failure there is diagnosed from its own batch.
 
     Args:
-        run: the run; its learner is stepped and its session and meters updated.
-        batch: ``(x, tokens (B,T), references)`` from the train loader, where x is images
+        run: the run; its learner is stepped and its session updated (``run.progress.step``
+            already counts this batch).
+        batch: ``(x, tokens (B,T), image_index)`` from the train loader, where x is images
             (B,3,S,S) or cached features (B,N,D); None when ``data.skip_missing`` left it empty.
         params: every trained parameter (:meth:`Learner.params`).
         epoch: 0-based epoch (for messages).
 
     Returns:
-        ``(time_up, captions)``: the time-budget vote (agreed by all ranks) and the number of
-        captions trained (all ranks; 0 when the batch was skipped).
+        ``(time_up, captions)``: the time budget ran out, and the captions trained (0 when skipped).
+    """
+    if batch is None:
+        return _skip_empty(run, run.clock.time_up())
+    prog, learner, session = run.progress, run.learner, run.session
+    batch = _batch_on_device(run, batch)
+    result = _loss(run, batch)
+    last_lr = learner.optimizer.param_groups[0]["lr"]
+    step = _optimizer_step(run, result.total, params)
+    session.stats.add(result, result.captions, prog.step, step.grad_norm if learner.precision.scaler is None else None)
+    session.last_lr = last_lr
+    if prog.step == 1:  # a first-step failure is diagnosed from its own batch
+        read_stats(run, epoch, inputs=batch.x)
+    return run.clock.time_up(), float(result.captions)
+
+
+def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
+    """One batch under torchrun or with ``train.skip_nonfinite``: the loss is read before the update.
+
+    One all-reduce carries every rank's loss statistics and its "time is up" vote; a non-finite
+    loss stops the run, or with ``train.skip_nonfinite`` skips the batch (the objective's state
+    put back as it was before the batch), as does a non-finite gradient norm.
+
+    Args and returns: as :func:`step_deferred`; ``time_up`` and ``captions`` are agreed by all ranks.
     """
     cfg, info, prog, learner, session = run.cfg, run.info, run.progress, run.learner, run.session
-    per_step = info.distributed or cfg.train.skip_nonfinite
     reduce_on = info.device if info.device.type == "cuda" else torch.device("cpu")
     if cfg.data.skip_missing and info.distributed:  # every rank skips a batch left empty on any rank
         flags = torch.tensor([float(batch is None), float(run.clock.time_up())], dtype=torch.float64,
                              device=reduce_on)
         flags = ddp.all_reduce_sum(flags, info).cpu()
-        empty, time_up = bool(flags[0] > 0), bool(flags[1] > 0)
-    else:
-        empty, time_up = batch is None, False
-    if empty:
-        if info.is_main:
-            log.warning("skipping batch at step %d: none of its images could be read", prog.step)
-        return time_up or (not info.distributed and run.clock.time_up()), 0.0
-    x, tokens, _ = batch
-    x = x.to(info.device, non_blocking=True)
-    tokens = tokens.to(info.device, non_blocking=True)  # (B, T)
-    criterion_state = ({k: v.detach().clone() for k, v in learner.criterion.state_dict().items()}
+        if flags[0] > 0:
+            return _skip_empty(run, bool(flags[1] > 0))
+    elif batch is None:
+        return _skip_empty(run, not info.distributed and run.clock.time_up())
+    batch = _batch_on_device(run, batch)
+    objective_state = ({k: v.detach().clone() for k, v in learner.objective.state_dict().items()}
                        if cfg.train.skip_nonfinite else None)
-    with learner.precision.autocast():
-        if cfg.train.objective == "scst":  # sampled captions, rewarded (captioner/training/scst.py)
-            result, n = learner.criterion.batch_loss(learner.forward, learner.model.decoder, learner.scst_encoder(),
-                                                     x, batch[2], tokens=tokens)
-            n = float(n)
-        else:
-            out = learner.forward(x, tokens[:, :-1])  # logits (B, T-1, V)
-            result = learner.criterion(out, tokens[:, 1:])
-            if learner.grounding is not None:  # train.attention_supervision (captioner/training/grounding.py)
-                result = learner.grounding(result, out, tokens[:, 1:], batch[2])
-            n = float(tokens.size(0))
-    learner.optimizer.zero_grad(set_to_none=True)
-    if not per_step:
-        last_lr = learner.optimizer.param_groups[0]["lr"]
-        step = _optimizer_step(run, result.total, params)
-        session.stats.add(result, int(n), prog.step, step.grad_norm if learner.precision.scaler is None else None)
-        session.last_lr = last_lr
-        if prog.step == 1:  # a first-step failure is diagnosed from its own batch
-            read_stats(run, epoch, inputs=x)
-        return run.clock.time_up(), n
-    # One all-reduce carries the loss statistics and the "time is up" vote of every rank.
+    result = _loss(run, batch)
+    n = float(result.captions)
     keys = sorted(result.terms)
     stats = torch.stack([result.total.detach().float() * n, result.total.new_tensor(n),
                          *(result.terms[k].float() * n for k in keys), result.objective.float() * n,
@@ -200,13 +241,13 @@ def train_step(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> 
     loss = float(stats[0] / stats[1])
     if not math.isfinite(loss):
         if not cfg.train.skip_nonfinite:
-            raise nonfinite_error(run, loss, epoch, inputs=x)
-        skip_batch(run, epoch, f"non-finite loss ({loss})", criterion_state)
+            raise nonfinite_error(run, loss, epoch, inputs=batch.x)
+        skip_batch(run, epoch, f"non-finite loss ({loss})", objective_state)
         return time_up, 0.0
     last_lr = learner.optimizer.param_groups[0]["lr"]  # the lr this step uses
     step = _optimizer_step(run, result.total, params)
     if getattr(step, "skipped_nonfinite", False):  # optimizer, its state and the schedule untouched
-        skip_batch(run, epoch, f"non-finite gradient norm ({step.grad_norm})", criterion_state)
+        skip_batch(run, epoch, f"non-finite gradient norm ({step.grad_norm})", objective_state)
         return time_up, 0.0
     if learner.precision.scaler is None and getattr(step, "nonfinite", False) and session.bad_grad_step is None:
         session.bad_grad_step = prog.step
@@ -218,3 +259,9 @@ def train_step(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> 
     parts = {"loss": float(stats[-2] / stats[1]), **{k: float(stats[2 + i] / stats[1]) for i, k in enumerate(keys)}}
     add_means(run, parts, float(stats[1]))
     return time_up, float(stats[1])
+
+
+def step_function(run: Run) -> Callable[[Run, Any, list[nn.Parameter], int], tuple[bool, float]]:
+    """The step this run takes: :func:`step_synchronised` under torchrun or with ``train.skip_nonfinite``
+    (which must decide before the optimizer steps), else :func:`step_deferred`."""
+    return step_synchronised if run.info.distributed or run.cfg.train.skip_nonfinite else step_deferred

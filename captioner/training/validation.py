@@ -16,13 +16,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from captioner import inference
+from captioner.decoding.search import DecodeOptions
+from captioner.evaluation.metrics import bleu, cider_d
+from captioner.features.dtype import model_input
 from captioner.models.base import attention_entropy
-from captioner.models.captioner import Captioner
+from captioner.models.captioner import CaptionModel
 from captioner.text import Vocabulary
 
 
 @torch.inference_mode()
-def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
+def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
              device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
     """Decode captions for the loader's images and collect hypotheses and references.
 
@@ -40,8 +44,6 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
     Returns:
         ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
     """
-    from captioner.decoding.search import DecodeOptions, caption_features, caption_images
-
     base = options if options is not None else DecodeOptions()
     options = dataclasses.replace(base, beam_size=beam_size, max_len=max_len, n_best=1)
     hyps: list[str] = []
@@ -51,8 +53,11 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
         if batch is None:  # no readable image in this batch (data.skip_missing)
             continue
         x, index = batch
-        x = x.to(device, non_blocking=True)
-        results = (caption_features if on_features else caption_images)(model, x, vocab, options)
+        x = model_input(x, device)  # cached features: float16/bfloat16 -> float32 on the device
+        if on_features:
+            results = inference.caption_features(model, x, vocab, options)
+        else:
+            results = inference.caption_images(model, x, vocab, options)
         for res, i in zip(results, index.tolist()):
             hyps.append(res.text)
             refs.append(val_set.references(val_set.images[i].image_id))
@@ -64,8 +69,6 @@ def validate(model: Captioner, loader: DataLoader, val_set: Any, vocab: Vocabula
 
 def score(shards: list[dict[str, Any]]) -> dict[str, float]:
     """Corpus BLEU-1..4 (0-1), CIDEr-D and mean attention entropy per generated word over merged shards."""
-    from captioner.evaluation.metrics import bleu, cider_d
-
     hyps = [h for s in shards for h in s["hypotheses"]]
     refs = [r for s in shards for r in s["references"]]
     words = sum(s["words"] for s in shards)

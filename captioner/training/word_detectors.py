@@ -27,12 +27,23 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import save
 from tqdm import tqdm
 
 from captioner.config import Config
+from captioner.data.checks import check_images
+from captioner.data.coco import load_caption_set
+from captioner.data.dataset import image_loader
+from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError
+from captioner.files import atomic_write
+from captioner.models.encoder import build_encoder
+from captioner.text import Vocabulary, tokenize
+from captioner.training.memory import pixels_in_memory
 
 log = logging.getLogger(__name__)
+
+POSTFIX_EVERY = 25  # steps between updates of the progress bar's loss
 
 SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r -> 0: the mean)
 
@@ -57,8 +68,6 @@ class PretrainResult:
 
 def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001
     """(C, V) float: 1 where a word occurs in any caption of image c (special tokens and <unk> stay 0)."""
-    from captioner.text import tokenize
-
     targets = torch.zeros(len(caption_set.images), len(vocab))
     for i, record in enumerate(caption_set.images):
         for caption in caption_set.captions[record.image_id]:
@@ -91,15 +100,6 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         ConfigError: no stopping rule, or a bad batch size.
         DataError: the training split cannot be read or gives no words.
     """
-    from safetensors.torch import save_file
-
-    from captioner.data.coco import check_images, load_caption_set
-    from captioner.data.dataset import image_loader
-    from captioner.data.transforms import ImageTransform
-    from captioner.models.encoder import build_encoder
-    from captioner.text import Vocabulary
-    from captioner.training.memory import pixels_in_memory
-
     if seconds is None and max_steps is None:
         raise ConfigError("pretrain_word_detectors needs seconds or max_steps")
     if batch_size < 1:
@@ -146,7 +146,7 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         step += 1
         losses.append(float(loss.detach()))
         bar.update(1)
-        if step % 25 == 0:
+        if step % POSTFIX_EVERY == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     bar.close()
     elapsed = time.monotonic() - start
@@ -156,9 +156,8 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         raise DataError("word-detector pretraining produced non-finite weights; lower its learning rate")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in encoder.trunk.state_dict().items()}, str(tmp))
-    os.replace(tmp, out)
+    weights = {k: v.detach().contiguous() for k, v in encoder.trunk.state_dict().items()}
+    atomic_write(out, lambda f: f.write(save(weights)), error=DataError)
     first, last = sum(losses[:20]) / len(losses[:20]), sum(losses[-20:]) / len(losses[-20:])
     log.info("word-detector pretraining: %d steps in %.0f s, loss %.3f -> %.3f; encoder weights in %s",
              step, elapsed, first, last, out)

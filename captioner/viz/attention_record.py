@@ -18,13 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from captioner.errors import DataError, one_line
-
-
-def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
-    """numpy view of an array or (CPU/GPU, grad or not) tensor, without importing torch."""
-    if hasattr(x, "detach"):
-        x = x.detach().float().cpu().numpy()  # type: ignore[union-attr]
-    return np.asarray(x, dtype=dtype)
+from captioner.files import MiB, read_text
+from captioner.grids import as_array
 
 
 @dataclass
@@ -99,8 +94,6 @@ def write_attention_json(path: str | Path, record: AttentionRecord) -> Path:
 
 def read_attention_json(path: str | Path) -> AttentionRecord:
     """Read a file written by :func:`write_attention_json` / :func:`write_overlays`."""
-    from captioner.files import MiB, read_text
-
     if not os.path.lexists(path):
         raise DataError(f"{path}: attention file not found")
     try:

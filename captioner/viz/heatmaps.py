@@ -30,8 +30,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
-from captioner.viz.attention_record import as_array
 from captioner.errors import ConfigError, DataError
+from captioner.grids import as_array, cell_weights
 
 __all__ = ["BLUR_CELLS", "DIM", "UNIFORM_FLOOR", "attention_stats", "attention_to_image_map", "color_scale",
            "colormap_lut", "map_peaks", "overlay_heatmap", "stats_label"]
@@ -43,7 +43,11 @@ _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsam
 
 
 def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
-    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0."""
+    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0.
+
+    ``smooth``: bilinear with a Gaussian blur; else nearest (:func:`captioner.grids.cell_weights`)."""
+    if not smooth:
+        return cell_weights(size, start, stop, g)
     weights = np.zeros((size, g), dtype=np.float64)
     centres = np.arange(size) + 0.5
     inside = np.flatnonzero((centres >= start) & (centres < stop))
@@ -51,18 +55,15 @@ def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) ->
         return weights
     cell = (stop - start) / g
     u = (centres[inside] - start) / cell  # position in grid units, 0..g
-    if smooth:
-        u = np.clip(u - 0.5, 0.0, g - 1.0)  # half-pixel centres, clamped at the edges
-        lo = np.minimum(np.floor(u).astype(int), g - 1)
-        hi = np.minimum(lo + 1, g - 1)
-        frac = u - lo
-        np.add.at(weights, (inside, lo), 1.0 - frac)
-        np.add.at(weights, (inside, hi), frac)
-        sigma = BLUR_CELLS * cell
-        if sigma >= 0.5:
-            weights[inside] = _gaussian_blur_columns(weights[inside], sigma)
-    else:
-        weights[inside, np.minimum(np.floor(u).astype(int), g - 1)] = 1.0
+    u = np.clip(u - 0.5, 0.0, g - 1.0)  # half-pixel centres, clamped at the edges
+    lo = np.minimum(np.floor(u).astype(int), g - 1)
+    hi = np.minimum(lo + 1, g - 1)
+    frac = u - lo
+    np.add.at(weights, (inside, lo), 1.0 - frac)
+    np.add.at(weights, (inside, hi), frac)
+    sigma = BLUR_CELLS * cell
+    if sigma >= 0.5:
+        weights[inside] = _gaussian_blur_columns(weights[inside], sigma)
     return weights
 
 

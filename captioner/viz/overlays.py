@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from captioner.viz.attention_record import AttentionRecord, as_array, read_attention_json, write_attention_json
+from captioner.grids import as_array
+from captioner.viz.attention_record import AttentionRecord, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
 from captioner.files import safe_name
 from captioner.viz.explorer import write_explorer

@@ -1,0 +1,279 @@
+"""Where a checkpoint named by the user lives: a local file, a run folder, a URL or a Hub repository.
+
+:func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and every ``--checkpoint`` accept
+into a local file, which is then read exactly as any local checkpoint is (safetensors, or the
+weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.format`):
+
+* ``path/to/model.safetensors`` (or ``.pt``): that file;
+* a run folder: its ``best.safetensors``, else ``latest.safetensors``, else an exported
+  ``model.safetensors`` (``captioner export``);
+* ``https://host/path/model.safetensors[#sha256=HEX]``: downloaded once into the cache
+  (``$CAPTIONER_CACHE``, default ``~/.cache/captioner``) under ``urls/<hash of the URL>/<name>``,
+  with a progress bar, resumable (``<name>.part`` plus HTTP Range), renamed into place only when
+  complete and verified. The SHA-256 comes from the URL fragment or the ``sha256`` argument; a
+  mismatch deletes the file and says so. A cached file is checked again when a hash is given;
+* ``hf://org/repo[@revision][/path/in/repo]`` (default file ``model.safetensors``): through
+  ``huggingface_hub`` (the ``hub`` extra), which keeps its own cache and honours ``HF_ENDPOINT``,
+  ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE``.
+
+Offline mode (``CAPTIONER_OFFLINE=1`` or ``HF_HUB_OFFLINE=1``): a cached file is used, nothing is
+fetched, and a missing one is a one-line error saying what to download and where to put it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import sys
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from captioner.download import DownloadError, download, file_digest
+from captioner.errors import CheckpointError, ConfigError, DataError
+
+__all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec", "cache_root",
+           "is_remote", "offline", "parse_hub", "resolve_checkpoint", "split_sha256", "url_cache_path"]
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "CAPTIONER_CACHE"
+OFFLINE_ENV = "CAPTIONER_OFFLINE"
+DEFAULT_HUB_FILE = "model.safetensors"
+RUN_FOLDER_FILES = ("best.safetensors", "latest.safetensors", DEFAULT_HUB_FILE)
+URL_RETRIES = 3  # a connection cut mid-file is resumed this many times before giving up
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def offline() -> bool:
+    """True when ``CAPTIONER_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to 1/true/yes/on."""
+    return _truthy(os.environ.get(OFFLINE_ENV)) or _truthy(os.environ.get("HF_HUB_OFFLINE"))
+
+
+def cache_root() -> Path:
+    """``$CAPTIONER_CACHE``, else ``$XDG_CACHE_HOME/captioner``, else ``~/.cache/captioner``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "captioner"
+
+
+def is_remote(spec: object) -> bool:
+    """Whether ``spec`` names a URL or a Hub repository (anything with a ``scheme://``) rather than a path."""
+    return isinstance(spec, str) and bool(_SCHEME.match(spec))
+
+
+def split_sha256(spec: str, sha256: str | None = None) -> tuple[str, str | None]:
+    """``(spec without its #sha256=... fragment, the expected lowercase SHA-256 or None)``.
+
+    Raises:
+        ConfigError: a hash that is not 64 hex digits, or two different hashes.
+    """
+    base, _, fragment = spec.partition("#")
+    found = None
+    if fragment:
+        for key, value in urllib.parse.parse_qsl(fragment, keep_blank_values=True):
+            if key.lower() == "sha256":
+                found = value
+    found = _checked_hash(spec, found) if found is not None else None
+    given = _checked_hash(spec, sha256) if sha256 is not None else None
+    if found and given and found != given:
+        raise ConfigError(f"{spec}: the URL says sha256={found} but sha256={given} was given")
+    return base, found or given
+
+
+def _checked_hash(spec: str, value: object) -> str:
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise ConfigError(f"{spec}: sha256 must be 64 hex digits, got {str(value)[:80]!r}")
+    return value.lower()
+
+
+def url_cache_path(url: str) -> Path:
+    """Where a URL's file is cached: ``<cache>/urls/<first 16 hex of sha256(url)>/<file name>``."""
+    parsed = urllib.parse.urlsplit(url)
+    name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1]) or "checkpoint.safetensors"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "checkpoint.safetensors"
+    key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    return cache_root() / "urls" / key / name
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    """``hf://org/repo[@revision][/file]`` taken apart."""
+
+    repo_id: str
+    filename: str
+    revision: str | None
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"hf://{self.repo_id}{rev}/{self.filename}"
+
+
+def parse_hub(spec: str) -> HubSpec:
+    """Parse ``hf://org/repo[@revision][/path/in/repo]``; CheckpointError when it is not one."""
+    rest = spec[len("hf://"):]
+    parts = [p for p in rest.split("/")]
+    if len(parts) < 2 or not parts[0] or not parts[1] or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"{spec}: a hub checkpoint is hf://ORG/REPO[@REVISION][/FILE]")
+    repo, _, revision = parts[1].partition("@")
+    filename = "/".join(parts[2:]) or DEFAULT_HUB_FILE
+    return HubSpec(f"{parts[0]}/{repo}", filename, revision or None)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` while fetching, so two processes never write the same ``.part`` file."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename still protects readers
+        yield
+        return
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
+    dest = url_cache_path(url)
+    if dest.is_file():
+        if sha256 is None:
+            return dest
+        got = file_digest(dest)
+        if got == sha256:
+            return dest
+        dest.unlink()
+        log.warning("%s: cached copy %s has SHA-256 %s, not %s; it was removed, fetching again", url, dest, got, sha256)
+    if offline():
+        raise CheckpointError(f"{url}: not in the cache and offline mode is on ({OFFLINE_ENV}/HF_HUB_OFFLINE); "
+                              f"download it where there is a network to {dest} (curl -L -o '{dest}' '{url}') "
+                              "and run again, or give a local path")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{dest.parent}: cannot create the checkpoint cache ({exc.strerror or exc}); "
+                              f"set {CACHE_ENV} to a writable folder") from None
+    with _exclusive(dest):
+        if dest.is_file():  # another process finished it while we waited for the lock
+            return _fetch_url(url, sha256, progress)
+        log.info("downloading %s -> %s", url, dest)
+        try:
+            download(url, dest, checksum=sha256, algorithm="sha256", progress=_show_progress(progress),
+                     error=CheckpointError, retries=URL_RETRIES)
+        except DownloadError as exc:
+            raise CheckpointError(f"{exc}; nothing is cached at {dest}: fetch the file there by hand "
+                                  "(or anywhere, and give its path)") from None
+        except DataError as exc:
+            raise CheckpointError(str(exc)) from None
+    if sha256 is None:
+        digest = file_digest(dest)
+        log.info("%s: SHA-256 %s (add #sha256=%s to the URL to check it next time)", url, digest, digest)
+    return dest
+
+
+def _hub_error(hub: HubSpec, exc: Exception) -> CheckpointError:
+    name = type(exc).__name__
+    first = (str(exc).strip().splitlines() or [name])[0][:200]
+    if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
+        rev = f" --revision {hub.revision}" if hub.revision else ""
+        return CheckpointError(f"{hub}: not in the Hugging Face cache and the Hub cannot be reached (offline mode or "
+                               f"no network); where there is a network run `hf download {hub.repo_id} "
+                               f"{hub.filename}{rev}` (it fills the same cache), or give a local path")
+    if name == "RepositoryNotFoundError":
+        return CheckpointError(f"{hub}: repository {hub.repo_id} not found on the Hub (or private: log in "
+                               "with `hf auth login` or set HF_TOKEN)")
+    if name in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+        return CheckpointError(f"{hub}: no file {hub.filename} in {hub.repo_id}")
+    if name == "RevisionNotFoundError":
+        return CheckpointError(f"{hub}: no revision {hub.revision} in {hub.repo_id}")
+    return CheckpointError(f"{hub}: download from the Hub failed ({name}: {first})")
+
+
+def _fetch_hub(spec: str, sha256: str | None, progress: bool | None) -> Path:
+    hub = parse_hub(spec)
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError:
+        raise CheckpointError(f"{spec}: hub checkpoints need huggingface_hub: pip install 'captioner[hub]'") from None
+    local_only = offline() or constants.is_offline_mode()
+    try:
+        path = Path(huggingface_hub.hf_hub_download(
+            hub.repo_id, hub.filename, revision=hub.revision, local_files_only=local_only,
+            endpoint=os.environ.get("HF_ENDPOINT") or None, library_name="captioner"))
+    except Exception as exc:  # noqa: BLE001 - the hub client's error classes, network errors, bad ids
+        raise _hub_error(hub, exc) from None
+    if sha256 is not None:
+        got = file_digest(path)
+        if got != sha256:
+            with contextlib.suppress(OSError):
+                path.unlink()  # the snapshot link; the blob is the Hub cache's business (`hf cache`)
+            raise CheckpointError(f"{hub}: SHA-256 {got} does not match {sha256}; the cached link {path} was removed")
+    return path
+
+
+def _run_folder(folder: Path) -> Path:
+    for name in RUN_FOLDER_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise CheckpointError(f"{folder}: a folder, and it holds no checkpoint ({', '.join(RUN_FOLDER_FILES)})")
+
+
+def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None) -> Path:
+    """The local file behind a checkpoint spec, downloading it first when needed.
+
+    Args:
+        spec: a file, a run folder, an ``https://`` URL (``#sha256=HEX`` optional) or
+            ``hf://org/repo[@revision][/file]``.
+        sha256: the expected SHA-256 (for URLs and hub files; for a local file it is checked, and
+            the file is left alone when it differs).
+        progress: show a download bar; default when stderr is a terminal.
+
+    Returns:
+        A local path (not yet read: loading checks the content).
+
+    Raises:
+        CheckpointError: a bad spec, a failed or refused download, a hash mismatch, offline with
+            nothing cached, or a folder with no checkpoint.
+        ConfigError: a malformed hash.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint must be a path, URL or hf:// id, got {type(spec).__name__}")
+    text = os.fspath(spec)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    scheme = _SCHEME.match(text)
+    if scheme:
+        base, expected = split_sha256(text, sha256)
+        kind = scheme.group(1).lower()
+        if kind in ("https", "http"):
+            return _fetch_url(base, expected, progress)
+        if kind == "hf":
+            return _fetch_hub(base, expected, progress)
+        raise CheckpointError(f"{text[:200]}: unsupported scheme {kind}://; give a path, an https:// URL "
+                              "or hf://ORG/REPO[/FILE]")
+    path = Path(text)
+    if path.is_dir():
+        path = _run_folder(path)
+    if sha256 is not None:
+        expected = _checked_hash(text, sha256)
+        if path.is_file() and (got := file_digest(path)) != expected:
+            raise CheckpointError(f"{path}: SHA-256 {got} does not match {expected}")
+    return path

@@ -1,0 +1,35 @@
+"""The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``).
+
+A flag left out is not passed on, so the one default, ``DecodeOptions()`` (beam 3, 20 words,
+``<unk>`` banned: :mod:`captioner.config.schema`), applies to every command as to the Python API
+and to training's validation. Imports only argparse (the CLI's ``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from captioner.errors import ConfigError
+
+FLAGS = {"beam": "beam_size", "max_len": "max_len"}  # option dest -> DecodeOptions field
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "beam size; 1 = greedy") -> None:
+    parser.add_argument("--beam", type=int, default=None, metavar="K", help=f"{beam_help} (default: 3)")
+    parser.add_argument("--max-len", type=int, default=None, metavar="N", help="longest caption in words (default: 20)")
+    parser.add_argument("--allow-unk", action="store_true", help="let captions contain <unk> (banned by default)")
+
+
+def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The ``DecodeOptions`` fields the user set, checked (one line naming the flag when < 1)."""
+    out: dict[str, object] = {}
+    for dest, field in FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise ConfigError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
+        out[field] = value
+    if getattr(args, "allow_unk", False):
+        out["allow_unk"] = True
+    return out

@@ -1,0 +1,129 @@
+"""``captioner serve``: a local web page that captions photos and shows where each word looked.
+
+Loads each checkpoint once (file, run folder, URL or ``hf://`` id, as ``--checkpoint`` everywhere),
+then serves :mod:`captioner.share.server` with uvicorn on 127.0.0.1 (``--host`` to open it to
+other machines, with a warning). Needs the ``serve`` extra (FastAPI, uvicorn, python-multipart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from captioner.commands.caption import CHECKPOINT_HELP
+
+NAME = "serve"
+HELP = "serve a local web page: drop a photo, read the caption, hover each word to see its attention"
+EXAMPLES = """
+  captioner serve -c runs/demo/sat_soft/best.safetensors            # then open http://127.0.0.1:8000
+  captioner serve -c soft=runs/sat/best.safetensors -c tf=runs/tf/best.safetensors --port 8080
+  captioner serve -c 'https://example.org/model.safetensors#sha256=...' --examples photos/
+  captioner serve -c hf://org/captioner-sat --host 0.0.0.0            # reachable from other machines
+"""
+
+_NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="[NAME=]CKPT",
+                        help=CHECKPOINT_HELP + "; repeat for several models, NAME= names one on the page")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
+    parser.add_argument("--examples", metavar="DIR", default=None,
+                        help="offer the images in DIR as examples (default: three built-in synthetic scenes)")
+    parser.add_argument("--max-upload-mb", type=float, default=20.0, help="largest upload in MiB (default: 20)")
+    parser.add_argument("--max-beam", type=int, default=5, help="largest beam offered (default: 5)")
+
+
+def model_name(spec: str, taken: set[str]) -> tuple[str, str]:
+    """``(name on the page, checkpoint spec)`` of one ``--checkpoint`` value (``NAME=SPEC`` or ``SPEC``)."""
+    named = _NAMED.match(spec)
+    if named and "://" not in named.group(1):
+        return named.group(1), named.group(2)
+    base = spec.split("#", 1)[0].split("?", 1)[0].rstrip("/")
+    parts = [p for p in re.split(r"[/\\]", base) if p]
+    stem = re.sub(r"\.(safetensors|pt|pth|bin)$", "", parts[-1]) if parts else "model"
+    if base.startswith("hf://") and len(parts) >= 3:  # hf://org/repo[/file]: the repository names it
+        stem = "/".join(parts[1:3]) + ("" if len(parts) == 3 or stem == "model" else f"/{stem}")
+    elif stem in ("best", "latest", "model") and len(parts) > 1:
+        stem = f"{parts[-2]}/{stem}"
+    name, n = stem, 1
+    while name in taken:
+        n += 1
+        name = f"{stem}-{n}"
+    return name, spec
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A one-line error now rather than uvicorn's exit when the address is taken."""
+    import socket
+
+    from captioner.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: unknown address ({exc.strerror})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from captioner.errors import ConfigError
+
+    log = logging.getLogger("captioner.serve")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.max_upload_mb <= 0 or args.max_beam < 1:
+        raise ConfigError("--max-upload-mb must be > 0 and --max-beam >= 1")
+    try:
+        import uvicorn
+
+        from captioner.share.server import ServedModel, ServeLimits, create_app
+    except ImportError as exc:
+        raise ConfigError(f"captioner serve needs FastAPI and uvicorn ({exc.name} is missing): "
+                          "pip install 'captioner[serve]'") from None
+    from captioner.device import resolve_device
+    from captioner.files import MiB
+    from captioner.inference import load
+    from captioner.share.examples import example_scenes, folder_examples
+
+    examples = folder_examples(args.examples) if args.examples else example_scenes()
+    device = resolve_device(args.device, option="--device")
+    models, taken = [], set()
+    for spec in args.checkpoint:
+        name, spec = model_name(spec, taken)
+        taken.add(name)
+        models.append(ServedModel(name, load(spec, device=device)))
+        log.info("loaded %s as %r", spec, name)
+    limits = ServeLimits(max_bytes=int(args.max_upload_mb * MiB), max_beam=args.max_beam)
+    app = create_app(models, examples, limits)
+    if not is_loopback(args.host):
+        log.warning("warning: serving on %s: anyone who can reach this machine on port %d can use this page "
+                    "(there is no login); use the default --host 127.0.0.1 to keep it on this machine",
+                    args.host, args.port)
+    _check_port_free(args.host, args.port)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving {', '.join(m.name for m in models)} on http://{shown}:{args.port}  (Ctrl-C stops)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,188 @@
+"""Decoding steps replayed as CUDA graphs: greedy and beam search off the launch queue.
+
+Shape legend: R rows of the decoder batch (images, or images x beams), N regions, D feature width,
+V vocabulary.
+
+:class:`GraphedSteps` wraps a decoder whose state has a fixed size (``state_bytes_per_word() == 0``:
+the SAT LSTM) and is itself a ``CaptionDecoder``, so ``decode(GraphedSteps(decoder), ...)`` runs the
+unchanged greedy and beam search. Each ``step`` copies its inputs into static buffers of its shape
+and replays one CUDA graph of the decoder's step instead of launching its kernels one by one. The
+same shape must come back to be worth a capture: a shape is captured the second time it is seen
+(greedy search: the batch at every step; beam search: images x beams at every step while no image
+has finished, and each smaller batch that lasts more than one step), at most ``max_graphs`` shapes;
+the others run the decoder's own step.
+
+Only shapes that come back get buffers (a shrinking beam batch passes through many sizes once),
+and at most ``max_graphs`` of them: memory stays bounded by ``max_graphs`` copies of the largest
+state.
+
+The per-image constants (``State.static``: region features and their projection) are copied into
+the buffers only when the search hands over a different dict (``State.select``: the first beam
+expansion, images leaving the batch); between steps ``State.reorder`` keeps the same dict and only
+the LSTM state is copied. A graph replays the very kernels of the eager step on the same shapes, so
+the captions, scores and attention maps are the eager search's, bit for bit.
+
+The outputs of a step (log-probabilities, the new state, the attention) are the graph's own buffers,
+overwritten by the next step of that shape: search reads or copies them before its next step
+(it already copies the attention, since any decoder may reuse its buffers).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from captioner.errors import ConfigError
+from captioner.models.base import CaptionDecoder, State
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 4  # shapes given buffers and a graph per wrapper (each holds R x (N x D + N x A) values); more: eager
+CAPTURE_AFTER = 2  # a shape gets its buffers and graph on its second use (one seen once is not worth a capture)
+
+
+@dataclass
+class DecodeGraphStats:
+    """What a :class:`GraphedSteps` did."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    failed: int = 0
+    shapes: int = 0
+    static_copies: int = 0  # per-image constants copied into the buffers (a new State.static dict)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Entry:
+    prev: torch.Tensor  # (R,)
+    static: dict[str, torch.Tensor]
+    dynamic: dict[str, torch.Tensor]
+    last_static: dict[str, Any] | None = None  # the caller's dict the buffers hold (kept alive: `is` stays sound)
+    graph: Any = None
+    out: tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor] | None = None
+    eager: bool = False
+    keys: list[str] = field(default_factory=list)
+
+
+def _key(prev: torch.Tensor, state: State) -> tuple | None:
+    """The shape key of a step, or None when the state holds anything but tensors."""
+    parts: list[Any] = [tuple(prev.shape), prev.dtype]
+    for group in (state.static, state.dynamic):
+        for name in sorted(group):
+            value = group[name]
+            if not isinstance(value, torch.Tensor):
+                return None
+            parts.append((name, tuple(value.shape), value.dtype))
+        parts.append("|")
+    return tuple(parts)
+
+
+class GraphedSteps(CaptionDecoder):
+    """``decoder`` with its ``step`` replayed from CUDA graphs (see the module docstring).
+
+    Args:
+        decoder: a decoder with a fixed-size state (``state_bytes_per_word() == 0``), in eval mode.
+        max_graphs: at most this many captured shapes.
+        capture: capture CUDA graphs (default: when the decoder's parameters are on a CUDA device);
+            False runs the same static-buffer path eagerly (the CPU).
+    """
+
+    def __init__(self, decoder: CaptionDecoder, max_graphs: int = MAX_GRAPHS, capture: bool | None = None) -> None:
+        super().__init__()
+        if decoder.state_bytes_per_word():
+            raise ConfigError(f"{type(decoder).__name__}'s state grows with every word; only decoders with a "
+                              "fixed-size state (the SAT LSTM) can replay their steps as graphs")
+        if max_graphs < 0:
+            raise ConfigError(f"max_graphs must be >= 0, got {max_graphs}")
+        param = next(decoder.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        if capture is None:
+            capture = device.type == "cuda"
+        if capture and device.type != "cuda":
+            raise ConfigError(f"graphed decoding needs a CUDA device (the decoder is on {device})")
+        self.decoder = decoder
+        self.vocab_size = decoder.vocab_size
+        self.capture, self.max_graphs = capture, max_graphs
+        self.stats = DecodeGraphStats()
+        self._entries: dict[tuple, _Entry] = {}  # shapes seen CAPTURE_AFTER times: buffers (and a graph)
+        self._seen: dict[tuple, int] = {}  # times each shape was seen before it got buffers
+        self.train(decoder.training)
+
+    def init_state(self, features: torch.Tensor) -> State:
+        return self.decoder.init_state(features)
+
+    def state_bytes_per_word(self) -> int:
+        return 0
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False):  # noqa: ANN201
+        return self.decoder(features, tokens, need_all_attention)
+
+    @property
+    def graphs(self) -> int:
+        return sum(e.graph is not None for e in self._entries.values())
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        key = _key(prev_tokens, state)
+        if key is None or torch.is_grad_enabled():  # a non-tensor state, or a step that must keep its graph
+            self.stats.eager_steps += 1
+            return self.decoder.step(prev_tokens, state)
+        entry = self._entries.get(key)
+        if entry is None:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen == 1:
+                self.stats.shapes += 1
+            if seen < CAPTURE_AFTER or len(self._entries) >= self.max_graphs:  # no buffers for this shape
+                self.stats.eager_steps += 1
+                return self.decoder.step(prev_tokens, state)
+            entry = self._entries[key] = _Entry(torch.empty_like(prev_tokens),
+                                                {k: torch.empty_like(v) for k, v in state.static.items()},
+                                                {k: torch.empty_like(v) for k, v in state.dynamic.items()},
+                                                eager=not self.capture)
+        entry.prev.copy_(prev_tokens)
+        if state.static is not entry.last_static:
+            for k, v in state.static.items():
+                entry.static[k].copy_(v)
+            entry.last_static = state.static
+            self.stats.static_copies += 1
+        for k, v in state.dynamic.items():
+            entry.dynamic[k].copy_(v)
+        if entry.graph is None and not entry.eager:
+            self._capture(entry)
+        if entry.graph is None:
+            self.stats.eager_steps += 1
+            log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
+            return log_probs, State(state.static, new.dynamic), attn
+        entry.graph.replay()
+        self.stats.replays += 1
+        log_probs, dynamic, attn = entry.out
+        return log_probs, State(state.static, dict(dynamic)), attn
+
+    def _capture(self, entry: _Entry) -> None:
+        device = entry.prev.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(side):  # one eager warm-up step on the buffers
+                self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
+        except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
+            torch.cuda.synchronize(device)
+            entry.eager = True
+            self.stats.failed += 1
+            first = (str(exc).strip().splitlines() or [repr(exc)])[0]
+            log.warning("graphed decoding: capturing a step of %d rows failed (%s); it runs eagerly",
+                        entry.prev.shape[0], first[:200])
+            return
+        entry.graph, entry.out = graph, (log_probs, new.dynamic, attn)
+        self.stats.captures += 1

@@ -1,0 +1,50 @@
+"""Region grids in the base layer: arrays from tensors, and where each grid cell lies on an image.
+
+The heat maps (:mod:`captioner.viz.heatmaps`), the attention metrics
+(:mod:`captioner.evaluation.attention_metrics`) and the box targets all place a g x g grid on the
+part of an image the encoder saw; this module is that one placement, so that a word's attention,
+its overlay and the box it is scored against agree cell for cell.
+
+Shape legend: g grid side, n pixels along one axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["as_array", "cell_centre", "cell_weights"]
+
+
+def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
+    """numpy copy or view of an array or (CPU/GPU, grad or not) tensor, without importing torch."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()  # type: ignore[union-attr]
+    return np.asarray(x, dtype=dtype)
+
+
+def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) -> np.ndarray:
+    """(n, g) 0/1 matrix taking each of ``n`` pixels to the grid cell it falls in (nearest).
+
+    The grid's g cells split ``[start, stop)`` (original pixels) evenly; pixel i has its centre at
+    ``(i + 0.5) / scale`` in original pixels (``scale`` < 1 for a downscaled canvas). Pixels
+    outside the interval get an all-zero row.
+    """
+    centres = (np.arange(n) + 0.5) / scale  # pixel centres in original coordinates
+    pos = (centres - start) / max(stop - start, 1e-9) * g  # position in grid units, 0..g
+    inside = (pos >= 0) & (pos < g)
+    cells = np.clip(np.floor(pos).astype(int), 0, g - 1)
+    weights = np.zeros((n, g))
+    weights[np.arange(n)[inside], cells[inside]] = 1.0
+    return weights
+
+
+def cell_centre(flat_index: int, g: int, view: Sequence[float]) -> tuple[float, float]:
+    """Centre (x, y) of grid cell ``flat_index`` (row-major) of a g x g grid over ``view``.
+
+    ``view`` is ``(left, top, right, bottom)`` in original pixels (the encoder's crop box).
+    """
+    r, c = divmod(int(flat_index), g)
+    left, top, right, bottom = view
+    return left + (c + 0.5) * (right - left) / g, top + (r + 0.5) * (bottom - top) / g

@@ -1,0 +1,212 @@
+"""The web app behind ``captioner serve``: FastAPI routes over models loaded once.
+
+Routes (all answers come from this process; the page fetches nothing from anywhere else):
+
+* ``GET /``: the page (:mod:`captioner.share.page`), one HTML document with inline CSS and JS;
+* ``GET /api/models``: the models served, ``[{"name", "decoder", "encoder", "vocab"}]``;
+* ``GET /examples/{i}``: example picture ``i`` (:mod:`captioner.share.examples`);
+* ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
+  captions of the picture, each with its attention record (the ``attention.json`` format of
+  :mod:`captioner.viz.attention_record`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
+  shown in an iframe, so hovering a word, the layer/head selectors of a Transformer, the colour
+  scale and the crop box are the explorer's own).
+
+Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are answered with
+``{"error": "<file>: <reason>"}`` and status 400 or 413; the process keeps serving. A request
+bigger than the limit is refused from its ``Content-Length`` before its body is read. Each model
+has a lock: requests for it are captioned one at a time (each with its own image and its own
+answer), which on a CPU is as fast as running them side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from captioner.data.images import decode_image
+from captioner.errors import CaptionerError, ConfigError, one_line
+from captioner.files import MiB, size_text
+from captioner.inference import Captioner
+from captioner.share.examples import Example
+from captioner.share.page import render_page
+from captioner.viz.attention_record import AttentionRecord
+from captioner.viz.explorer import render_explorer
+
+__all__ = ["ServeLimits", "ServedModel", "caption_upload", "create_app", "running"]
+
+log = logging.getLogger(__name__)
+
+FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
+CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+       "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
+       "base-uri 'none'")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one upload may ask for.
+
+    Attributes:
+        max_bytes: largest upload accepted.
+        max_pixels: largest image accepted (from its header, before decoding: decompression bombs).
+        max_beam: largest beam size (the n-best list is at most the beam).
+        max_len: longest caption in words.
+        display_side: largest side of the picture in the explorer.
+    """
+
+    max_bytes: int = 20 * MiB
+    max_pixels: int = 40_000_000
+    max_beam: int = 5
+    max_len: int = 20
+    display_side: int = 720
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ServedModel:
+    """A model loaded once, its name on the page, and the lock its requests take turns on."""
+
+    name: str
+    captioner: Captioner
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def info(self) -> dict:
+        cfg = self.captioner.config
+        return {"name": self.name, "decoder": cfg.decoder.name, "encoder": cfg.encoder.name,
+                "vocab": len(self.captioner.vocab)}
+
+
+def _check_choice(name: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 3, n_best: int = 1,
+                   limits: ServeLimits = ServeLimits()) -> dict:
+    """Caption uploaded image bytes: the n-best captions, each with its record and explorer page.
+
+    Raises:
+        ImageLoadError: the bytes are not a readable image, or it is too large.
+        ConfigError: ``beam`` or ``n_best`` out of range.
+    """
+    beam = _check_choice("beam", beam, 1, limits.max_beam)
+    n_best = _check_choice("n_best", n_best, 1, beam)
+    t0 = time.perf_counter()
+    image = decode_image(data, filename, limits.max_pixels)
+    with served.lock:
+        captions = served.captioner.caption_nbest(image, n_best=n_best, beam=beam, max_len=limits.max_len,
+                                                  all_heads=True)
+    out = []
+    for rank, c in enumerate(captions, start=1):
+        record = AttentionRecord(c.text, c.words, c.attention, c.image_size, c.box, c.all_attention)
+        title = f"{served.name}: caption {rank} of {len(captions)}"
+        out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
+                    "record": record.to_dict(decimals=5),
+                    "explorer": render_explorer(image, record, title=title, max_side=limits.display_side)})
+    return {"model": served.name, "file": filename, "beam": beam, "image_size": list(image.size),
+            "seconds": round(time.perf_counter() - t0, 3), "captions": out}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": one_line(message)}, status_code=status)
+
+
+def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
+               limits: ServeLimits = ServeLimits()) -> FastAPI:
+    """The app serving ``models`` (loaded already; the first is the default) and ``examples``."""
+    if not models:
+        raise ConfigError("serve needs at least one model")
+    by_name = {m.name: m for m in models}
+    if len(by_name) != len(models):
+        raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
+    app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
+    page = render_page([m.info() for m in models], [e.name for e in examples], limits.max_beam, limits.max_bytes)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):  # noqa: ANN202
+        length = request.headers.get("content-length", "")
+        if request.method == "POST" and length.isdigit() and int(length) > limits.max_bytes + FORM_OVERHEAD:
+            return _error(413, f"upload too large ({size_text(int(length))}; the limit is "
+                               f"{size_text(limits.max_bytes)})")
+        response = await call_next(request)
+        response.headers["Content-Security-Policy"] = CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_form(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'request'}: {e.get('msg', '')}"
+                    for e in exc.errors()]
+        return _error(422, "bad request: " + "; ".join(problems))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request %s failed", request.url.path)
+        return _error(500, f"the server failed on this request ({type(exc).__name__}); it keeps serving")
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/api/models")
+    def list_models() -> list[dict]:
+        return [m.info() for m in models]
+
+    @app.get("/examples/{index}")
+    def example(index: int) -> Response:
+        if not 0 <= index < len(examples):
+            return _error(404, f"no example {index}")
+        return Response(examples[index].data, media_type=examples[index].media_type)
+
+    @app.post("/api/caption")
+    def caption(image: UploadFile = File(...), model: str = Form(""), beam: int = Form(3),
+                n_best: int = Form(1)) -> JSONResponse:
+        served = by_name.get(model or models[0].name)
+        if served is None:
+            return _error(404, f"no model named {model!r}; served: {', '.join(by_name)}")
+        name = one_line(image.filename or "upload")[:200]
+        data = image.file.read(limits.max_bytes + 1)
+        if len(data) > limits.max_bytes:
+            return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
+        try:
+            return JSONResponse(caption_upload(served, data, name, beam, n_best, limits))
+        except CaptionerError as exc:
+            return _error(400, str(exc))
+        except MemoryError:
+            return _error(413, f"{name}: not enough memory to caption this image")
+
+    return app
+
+
+@contextlib.contextmanager
+def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a background thread (tests, benchmarks); yields its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="captioner-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise ConfigError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)

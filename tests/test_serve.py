@@ -1,0 +1,209 @@
+"""``captioner serve``: the FastAPI app over a real uvicorn server on 127.0.0.1 (no browser here;
+``test_browser_serve.py`` drives the page in Chromium).
+
+Checks: the page is self-contained; the answer equals the library's for the same image (n-best
+included); bad uploads get one-line messages and the server keeps serving; two requests at once
+each get their own answer; the command's options fail in one line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import struct
+import threading
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("multipart")
+
+from captioner.cli import main  # noqa: E402
+from captioner.commands.serve import is_loopback, model_name  # noqa: E402
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def scene(seed: int, size: tuple[int, int]) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid 8x8 PNG whose header claims ``width`` x ``height`` (CRC fixed): decoding it would need GBs."""
+    data = bytearray(png_bytes(Image.new("L", (8, 8))))
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4: ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17: ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr: ihdr + 17])))
+    return bytes(data)
+
+
+def post(base: str, data: bytes, filename: str = "photo.png", **fields: object) -> tuple[int, dict]:
+    boundary = "----captioner-test-boundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{filename}"\r\n'
+                 "Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    request = urllib.request.Request(f"{base}/api/caption", data=body, method="POST",
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
+    import captioner
+    from captioner.files import MiB
+    from captioner.share.examples import example_scenes
+    from captioner.share.server import ServedModel, ServeLimits, create_app, running
+
+    root = tmp_path_factory.mktemp("serve")
+    models = {name: captioner.load(untrained_checkpoint(root, name), device="cpu")
+              for name in ("sat_soft_tiny", "transformer_tiny")}
+    served = [ServedModel(name, model) for name, model in models.items()]
+    app = create_app(served, example_scenes(2), ServeLimits(max_bytes=MiB // 4, max_beam=4))
+    with running(app) as base:
+        yield base, models
+
+
+def test_page_is_self_contained(server) -> None:
+    base, _ = server
+    with urllib.request.urlopen(f"{base}/", timeout=30) as r:
+        page = r.read().decode()
+        csp = r.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp and "connect-src 'self'" in csp
+    assert "http://" not in page and "https://" not in page and "//cdn" not in page
+    assert 'id="file"' in page and "sat_soft_tiny" in page and "transformer_tiny" in page
+    for path in ("/docs", "/openapi.json"):  # FastAPI's doc pages load scripts from CDNs: turned off
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(base + path, timeout=30)
+    with urllib.request.urlopen(f"{base}/api/models", timeout=30) as r:
+        assert [m["name"] for m in json.loads(r.read())] == ["sat_soft_tiny", "transformer_tiny"]
+    with urllib.request.urlopen(f"{base}/examples/1", timeout=30) as r:
+        assert Image.open(io.BytesIO(r.read())).size == (256, 256)
+
+
+@pytest.mark.parametrize("name", ["sat_soft_tiny", "transformer_tiny"])
+def test_answer_equals_the_library(server, name: str) -> None:
+    base, models = server
+    image = scene(0, (120, 90))
+    status, answer = post(base, png_bytes(image), model=name, beam=3, n_best=3)
+    assert status == 200, answer
+    expected = models[name].caption_nbest(image, n_best=3, beam=3, all_heads=True)
+    assert [c["text"] for c in answer["captions"]] == [c.text for c in expected]
+    assert answer["captions"][0]["text"] == models[name].caption(image, beam=3)[0].text
+    scores = [c["score"] for c in answer["captions"]]
+    assert scores == sorted(scores, reverse=True)
+    record = answer["captions"][0]["record"]
+    assert record["format"] == "captioner-attention" and record["image_size"] == [120, 90]
+    np.testing.assert_allclose(record["attention"], expected[0].attention.numpy(), atol=1e-4)
+    assert ("all_attention" in record) == (name == "transformer_tiny")
+    explorer = answer["captions"][0]["explorer"]
+    assert explorer.startswith("<!DOCTYPE html>") and "explorer-data" in explorer
+
+
+def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server) -> None:
+    base, _ = server
+    good = png_bytes(scene(1, (64, 64)))
+    cases = [
+        (b"just some notes\n", "notes.txt", 400, "notes.txt: not an image file"),
+        (good[: len(good) // 2], "cut.png", 400, "cut.png: truncated or corrupt image"),
+        (bomb_png(9000, 9000), "bomb.png", 400, "bomb.png: image too large (9000x9000 pixels, limit 40000000"),
+        (b"", "empty.jpg", 400, "empty.jpg: file is empty"),
+        (good + b"\0" * (300 * 1024), "big.png", 413, "big.png: upload too large (over 256.0 KiB)"),
+    ]
+    for data, name, status, message in cases:
+        got, answer = post(base, data, name)
+        assert (got, answer["error"][: len(message)]) == (status, message), answer
+        assert "\n" not in answer["error"]
+        assert post(base, good)[0] == 200  # still serving
+    got, answer = post(base, good, model="nope")
+    assert got == 404 and "no model named 'nope'" in answer["error"]
+    got, answer = post(base, good, beam=9)
+    assert got == 400 and answer["error"] == "beam must be between 1 and 4, got 9"
+    got, answer = post(base, good, beam=2, n_best=3)
+    assert got == 400 and answer["error"] == "n_best must be between 1 and 2, got 3"
+
+
+def test_a_50_mb_upload_is_refused_before_its_body_is_read(server) -> None:
+    base, _ = server
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/api/caption")
+    conn.putheader("Content-Type", "multipart/form-data; boundary=x")
+    conn.putheader("Content-Length", str(50 * 1024 * 1024))
+    conn.endheaders(b"--x\r\n")
+    response = conn.getresponse()
+    assert response.status == 413
+    assert json.loads(response.read())["error"] == "upload too large (50.0 MiB; the limit is 256.0 KiB)"
+    conn.close()
+    assert post(base, png_bytes(scene(2, (64, 64))))[0] == 200
+
+
+def test_two_requests_at_once_each_get_their_own_answer(server) -> None:
+    base, models = server
+    images = [scene(10, (64, 64)), scene(11, (100, 70))]
+    answers: list[dict] = [{}, {}]
+    barrier = threading.Barrier(2)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        answers[i] = post(base, png_bytes(images[i]), f"img{i}.png", model="sat_soft_tiny", beam=2, n_best=1)[1]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for image, answer, name in zip(images, answers, ("img0.png", "img1.png")):
+        expected = models["sat_soft_tiny"].caption(image, beam=2, attention=True)[0]
+        assert answer["file"] == name and answer["image_size"] == list(image.size)
+        np.testing.assert_allclose(answer["captions"][0]["record"]["attention"], expected.attention.numpy(),
+                                   atol=1e-4)
+
+
+def test_model_names_and_hosts() -> None:
+    assert model_name("runs/sat/best.safetensors", set()) == ("sat/best", "runs/sat/best.safetensors")
+    assert model_name("soft=runs/a.safetensors", set()) == ("soft", "runs/a.safetensors")
+    assert model_name("https://h/x/model.safetensors#sha256=ab", set())[0] == "x/model"
+    assert model_name("https://h/m.safetensors?a=b", set())[0] != ""
+    assert model_name("runs/a.safetensors", {"a"})[0] == "a-2"
+    assert model_name("hf://org/repo", set())[0] == "org/repo"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5")
+
+
+def test_cli_errors_and_the_host_warning(tmp_path: Path, untrained_checkpoint, capsys, monkeypatch, caplog) -> None:
+    import uvicorn
+
+    ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
+    assert main(["serve", "-c", str(ckpt), "--port", "70000"]) == 1
+    assert "--port must be between 0 and 65535" in capsys.readouterr().err
+    assert main(["serve", "-c", str(tmp_path / "missing.safetensors")]) == 1
+    assert "missing.safetensors: checkpoint not found" in capsys.readouterr().err
+    assert main(["serve", "-c", str(ckpt), "--examples", str(tmp_path / "none")]) == 1
+    assert "--examples must be a folder" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    with caplog.at_level("WARNING"):
+        assert main(["serve", "-c", str(ckpt), "--host", "0.0.0.0", "--port", "0"]) == 0
+    assert calls and calls[0]["host"] == "0.0.0.0"
+    assert any("anyone who can reach this machine" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert main(["serve", "-c", str(ckpt), "--port", "0"]) == 0
+    assert calls[-1]["host"] == "127.0.0.1" and not caplog.records
