@@ -11,7 +11,7 @@ from captioner.demo import pipeline as demo
 from captioner.cli import main
 from captioner.config import get_preset
 from captioner.demo.pipeline import DEMO_DECODERS, DemoOptions, ensure_scenes, parse_budgets, run_demo
-from captioner.demo.table import COLUMNS, format_table
+from captioner.demo.table import COLUMNS, COMPOSITIONAL, format_table
 from captioner.errors import ConfigError, DataError
 
 TINY = {name: f"{name}_tiny" for name in DEMO_DECODERS}
@@ -88,7 +88,7 @@ def test_format_table_lines_up_columns(mini_report: dict) -> None:
     assert len(lines) == 2 + len(DEMO_DECODERS)
     assert lines[0].split()[:3] == ["decoder", "B-1", "B-2"]
     assert {len(line) for line in lines} == {len(lines[0])}
-    assert format_table([{"decoder": "x"}]).splitlines()[-1].split()[1:] == ["-"] * (len(COLUMNS) - 1)
+    assert format_table([{"decoder": "x"}]).splitlines()[-1].split()[1:] == ["-"] * (len(COLUMNS) - 1 - len(COMPOSITIONAL))
 
 
 def test_scenes_are_generated_once(tmp_path: Path) -> None:
@@ -187,3 +187,37 @@ def test_scst_stage_config_starts_from_the_decoders_best_checkpoint_with_the_mix
     assert stage.train.lr == pytest.approx(cfg.train.lr * SCST_LR_SCALE)
     assert stage.train.scst.xe_weight == SCST_XE_WEIGHT == 0.25
     assert cfg.train.objective == "xe"  # the cross-entropy stage's config is left as it was
+
+
+def test_attention_supervision_is_on_by_default_and_can_be_turned_off(tmp_path: Path) -> None:
+    import argparse
+
+    from captioner.commands import demo as command
+
+    on, off = DemoOptions(), DemoOptions(attention_supervision=False)
+    for name in DEMO_DECODERS:
+        assert demo.demo_config(name, on).train.attention_supervision == demo.ATTENTION_SUPERVISION[name] > 0
+        assert demo.demo_config(name, off).train.attention_supervision == 0.0
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--no-attention-supervision", "--unseen-pairs", "4"])
+    assert args.no_attention_supervision and args.unseen_pairs == 4 and args.data is None
+    with pytest.raises(ConfigError, match="--unseen-pairs must be a whole number from 0 to 18"):
+        DemoOptions(unseen_pairs=19)
+
+
+def test_scenes_with_other_unseen_pairs_are_refused(tmp_path: Path) -> None:
+    plain = DemoOptions(data=tmp_path / "scenes", images=30, image_size=32)
+    assert ensure_scenes(plain)["unseen_pairs"] == 0
+    with pytest.raises(DataError, match="its scenes hold 0 unseen colour-shape pairs, not 4; pass another --data"):
+        ensure_scenes(DemoOptions(data=tmp_path / "scenes", unseen_pairs=4))
+    split = ensure_scenes(DemoOptions(data=tmp_path / "split", images=30, image_size=32, unseen_pairs=4))
+    assert split["generated"] and split["unseen_pairs"] == 4
+    assert ensure_scenes(DemoOptions(data=tmp_path / "split", unseen_pairs=4))["unseen_pairs"] == 4
+
+
+def test_the_table_shows_seen_and_unseen_columns_only_for_a_compositional_split() -> None:
+    plain = format_table([{"decoder": "sat_soft", "attention_supervision": 1.0, "objects_correct": 0.9}])
+    assert "att. sup." in plain and "unseen ok" not in plain
+    split = format_table([{"decoder": "sat_soft", "objects_correct_unseen": 0.5, "unseen_pairs_named": 0.25}])
+    assert "seen ok" in split and "unseen ok" in split and "25.0%" in split

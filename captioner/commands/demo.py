@@ -14,12 +14,15 @@ EXAMPLES = """
   captioner demo --data data/shapes --images 4000 --seed 1 --out runs/demo_seed1
   captioner demo --scst                             # + a self-critical stage per decoder (rows sat_soft+scst, ...)
   captioner demo --scst --scst-budget 60            # ... of 60 s each (default: the decoder's own budget)
+  captioner demo --no-attention-supervision         # without the box supervision of the attention, to compare
+  captioner demo --unseen-pairs 4 --out runs/demo_unseen4   # 4 colour-shape pairs seen only in test
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="data/shapes",
-                        help="synthetic-scenes folder; generated when absent (default: data/shapes)")
+    parser.add_argument("--data", default=None,
+                        help="synthetic-scenes folder; generated when absent (default: data/shapes, "
+                             "or data/shapes_unseen<K> with --unseen-pairs K)")
     parser.add_argument("--images", type=int, default=None,
                         help="scenes to generate when the folder is absent (default: 3000; --quick: 400)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scenes and of training (default: 0)")
@@ -45,14 +48,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the decoder's own --budget)")
 
 
+    parser.add_argument("--no-attention-supervision", action="store_true",
+                        help="train without attention supervised by the object boxes (for comparison)")
+    parser.add_argument("--unseen-pairs", type=int, default=0, metavar="K",
+                        help="compositional split: K colour-shape pairs only in test (scenes in "
+                             "data/shapes_unseen<K> unless --data); the table adds objects right for seen and "
+                             "unseen pairs")
+
+
 def run(args: argparse.Namespace) -> int:
     from captioner.demo.pipeline import DemoOptions, run_demo
     from captioner.demo.table import format_table
 
+    data = args.data or ("data/shapes" if not args.unseen_pairs else f"data/shapes_unseen{args.unseen_pairs}")
     options = DemoOptions.from_args(
-        data=args.data, images=args.images, seed=args.seed, budget=args.budget, decoders=args.decoders,
+        data=data, images=args.images, seed=args.seed, budget=args.budget, decoders=args.decoders,
         out=args.out, overlays=args.overlays, beam_size=args.beam, device=args.device, quick=args.quick,
         encoder_budget=args.encoder_budget, jobs=args.jobs, scst=args.scst, scst_budget=args.scst_budget,
+        attention_supervision=not args.no_attention_supervision, unseen_pairs=args.unseen_pairs,
     )
     report = run_demo(options)
     print()

@@ -81,6 +81,12 @@ def format_report(report: dict) -> str:
         lines.append(f"  pointing accuracy: {num(corr.get('pointing_accuracy'))}")
     if corr.get("objects_correct") is not None:
         lines.append(f"  objects correct: {num(corr['objects_correct'])} (captions naming every object right)")
+    if corr.get("unseen_pairs"):
+        lines.append(f"  objects correct, scenes with seen pairs only: {num(corr['objects_correct_seen'])} "
+                     f"({corr['scenes_seen']} scenes); with an unseen pair: {num(corr['objects_correct_unseen'])} "
+                     f"({corr['scenes_unseen']} scenes)")
+        lines.append(f"  pairs named right: unseen {num(corr['unseen_pairs_named'])} ({corr['objects_unseen']} objects; "
+                     f"{', '.join(corr['unseen_pairs'])}), seen {num(corr['seen_pairs_named'])}")
     if report.get("missing_images") or report.get("unreadable_images"):
         lines.append(f"skipped: {report.get('missing_images', 0)} missing, "
                      f"{len(report.get('unreadable_images') or [])} unreadable images")

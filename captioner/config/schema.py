@@ -222,6 +222,13 @@ class TrainConfig:
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
     objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
     scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
+    # --- grounding (issue 24) ---
+    # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
+    # names an object (with its colour/size words) pulls its attention onto that object's box; 0 = off
+    attention_supervision: float = 0.0
+    # "cross_entropy" (to the box's normalised mask, Liu et al. 2017: the attention spread over the object) or
+    # "mass" (-log of the attention inside the box, anywhere in it); measured in docs/grounding.md
+    attention_supervision_form: str = "cross_entropy"
 
     # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
@@ -282,6 +289,13 @@ class TrainConfig:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
+        # --- grounding (issue 24) ---
+        w = self.attention_supervision
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.attention_supervision must be a number >= 0 (0 = off), got {w!r}")
+        if self.attention_supervision_form not in ("mass", "cross_entropy"):
+            raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
+                              f"cross_entropy")
 
 
 @dataclass

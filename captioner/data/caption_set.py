@@ -41,11 +41,15 @@ class ObjectBox:
 
 class InstanceBoxes(dict):
     """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
-    list, in file order (also those no box of the split uses), so words can be matched to them."""
+    list, in file order (also those no box of the split uses), so words can be matched to them; and
+    ``unseen_pairs``: the (colour, shape) pairs a compositional split of the scenes kept out of
+    training (``info.unseen_pairs``; empty otherwise)."""
 
-    def __init__(self, boxes: Any = (), categories: Sequence[str] = ()) -> None:
+    def __init__(self, boxes: Any = (), categories: Sequence[str] = (),
+                 unseen_pairs: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(boxes)
         self.categories = list(categories)
+        self.unseen_pairs = [tuple(p) for p in unseen_pairs]
 
 
 @dataclass

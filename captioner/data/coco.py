@@ -340,7 +340,7 @@ def load_instances(
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
             raise DataError(f"{path}: annotation {j} has an invalid bbox {_short(box)} (need [x, y, w, h])")
     coco = coco_index(data, with_categories=True)
-    boxes = InstanceBoxes(categories=list(dict.fromkeys(names.values())))
+    boxes = InstanceBoxes(categories=list(dict.fromkeys(names.values())), unseen_pairs=_unseen_pairs(path, data))
     for image_id in coco.imgs:
         boxes[image_id] = [
             ObjectBox(names[ann["category_id"]], tuple(float(v) for v in ann["bbox"]),
@@ -348,3 +348,13 @@ def load_instances(
             for ann in coco.imgToAnns.get(image_id, [])
         ]
     return boxes
+
+
+def _unseen_pairs(path: Path, data: dict) -> list[tuple[str, str]]:
+    """``info.unseen_pairs`` of a compositional scenes split: ``[[colour, shape], ...]`` (else empty)."""
+    info = data.get("info")
+    pairs = info.get("unseen_pairs", []) if isinstance(info, dict) else []
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, str) for v in p)
+                                              for p in pairs):
+        raise DataError(f"{path}: info.unseen_pairs must be a list of [colour, shape] pairs, got {_short(pairs)}")
+    return [(c, s) for c, s in pairs]

@@ -10,6 +10,9 @@ minutes on a laptop, and on which attention can be checked against known object 
 * ``out/instances_{train,val,test}.json``: COCO instances (one category per shape; ``bbox``,
   ``segmentation`` polygon, ``area``, plus ``color`` and ``size`` keys).
 
+``unseen_pairs=K`` (``captioner make-shapes --unseen-pairs K``) makes a compositional split: K
+colour-shape pairs never occur in train or val, and every other test scene holds one of them.
+
 Captions are deterministic functions of the scene: each image gets all 5 templates of the
 family for its object count (:func:`scene_captions`), objects are listed left to right (two
 objects: along their dominant axis), and relations come from the dominant axis of the centre
@@ -25,6 +28,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +54,7 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 CAPTIONS_PER_IMAGE = 5
 MAX_IMAGES = 10_000_000  # make_shapes refuses more (and larger images): a request that could never finish
 MAX_IMAGE_SIZE = 4096
+MAX_UNSEEN_PAIRS = 18  # held-out colour-shape pairs of the compositional split (half of the 36)
 
 _SIZE_JITTER = 0.06  # extents vary +-6% around the nominal size
 _GAP = 0.04  # minimum empty space between two objects' boxes (fraction of the side)
@@ -140,11 +145,26 @@ def _valid(objects: list[SceneObject], size: int) -> bool:
 # ----------------------------------------------------------------------------- rendering
 
 
-def sample_scene(rng: np.random.Generator, size: int) -> list[SceneObject]:
-    """Draw 1-3 objects: distinct shapes, independent colours and sizes, then valid positions."""
+def sample_scene(rng: np.random.Generator, size: int, forbidden: frozenset[tuple[str, str]] = frozenset(),
+                 require: Sequence[tuple[str, str]] = ()) -> list[SceneObject]:
+    """Draw 1-3 objects: distinct shapes, independent colours and sizes, then valid positions.
+
+    ``forbidden`` (colour, shape) pairs never occur (such an object's colour is drawn again among
+    the allowed ones); with ``require``, the first object gets one of those pairs. Without either,
+    the draws are the ones the scenes have always had.
+    """
     count = int(rng.integers(1, 4))
     shapes = [SHAPES[i] for i in rng.choice(len(SHAPES), size=count, replace=False)]
     colors = [list(COLORS)[i] for i in rng.integers(0, len(COLORS), size=count)]
+    if require:
+        color, shape = require[int(rng.integers(0, len(require)))]
+        if shape in shapes[1:]:  # keep the shapes distinct: the other object takes the replaced shape
+            shapes[shapes.index(shape, 1)] = shapes[0]
+        shapes[0], colors[0] = shape, color
+    for k, (color, shape) in enumerate(zip(colors, shapes)):
+        if (color, shape) in forbidden:
+            allowed = [c for c in COLORS if (c, shape) not in forbidden]
+            colors[k] = allowed[int(rng.integers(0, len(allowed)))]
     sizes = [list(SIZES)[i] for i in rng.integers(0, len(SIZES), size=count)]
     extents = [SIZES[s] * size * (1 + rng.uniform(-_SIZE_JITTER, _SIZE_JITTER)) for s in sizes]
     lo = np.array(extents) / 2 + 0.02 * size  # (n,) centre bounds keep objects inside the image
@@ -240,6 +260,21 @@ def render_scene(rng: np.random.Generator, objects: list[SceneObject], size: int
 # ----------------------------------------------------------------------------- dataset writer
 
 
+def held_out_pairs(seed: int, count: int) -> list[tuple[str, str]]:
+    """``count`` (colour, shape) pairs for the compositional split, fixed by ``seed``.
+
+    Colours and shapes are shuffled, then pair j is (colour j mod 6, shape (j + j // 6) mod 6): the
+    first six use every colour and every shape once, and up to ``MAX_UNSEEN_PAIRS`` each colour and
+    each shape keeps at least half of its partners in training.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_UNSEEN_PAIRS:
+        raise ConfigError(f"unseen_pairs must be an integer from 0 to {MAX_UNSEEN_PAIRS}, got {count!r}")
+    rng = np.random.default_rng([seed, 24])
+    colors = [list(COLORS)[i] for i in rng.permutation(len(COLORS))]
+    shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))]
+    return [(colors[j % len(colors)], shapes[(j + j // len(colors)) % len(shapes)]) for j in range(count)]
+
+
 def _split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
     val = max(1, round(fractions[1] * n))
     test = max(1, round(fractions[2] * n))
@@ -253,7 +288,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def make_shapes(
     out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
-    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
 ) -> dict:
     """Write the synthetic shapes dataset (see the module docstring for the files).
 
@@ -263,6 +298,9 @@ def make_shapes(
         seed: random seed; the same seed gives byte-identical files.
         image_size: side of the square images in pixels (>= 32).
         split_fractions: train/val/test fractions (each > 0, summing to 1).
+        unseen_pairs: K > 0 makes a compositional split: K colour-shape pairs (:func:`held_out_pairs`)
+            never occur in train and val; every other test scene has one of them (the rest are drawn
+            as usual), and every file's ``info`` lists them as ``unseen_pairs``.
 
     Returns:
         Stats: ``out``, ``images``, ``captions``, ``objects``, ``splits`` ({name: images}),
@@ -280,6 +318,7 @@ def make_shapes(
         raise ConfigError(f"image_size must be at most {MAX_IMAGE_SIZE}, got {image_size}")
     if len(split_fractions) != 3 or min(split_fractions) <= 0 or abs(sum(split_fractions) - 1) > 1e-6:
         raise ConfigError(f"split_fractions must be 3 positive numbers summing to 1, got {split_fractions}")
+    held = held_out_pairs(seed, unseen_pairs)
     start = time.perf_counter()
     out = Path(out)
     image_dir = out / "images"
@@ -288,21 +327,29 @@ def make_shapes(
     except OSError as exc:
         raise DataError(f"{image_dir}: cannot create output folder ({exc.strerror or exc})") from None
 
+    order = np.random.default_rng([seed, images, 7]).permutation(images)
+    bounds = np.cumsum([0] + _split_sizes(images, split_fractions))
+    test_rank = {int(k): r for r, k in enumerate(sorted(order[bounds[2]:]))}  # test scenes, in image order
     width = max(5, len(str(images)))
     records, counts = [], {1: 0, 2: 0, 3: 0}
     for i in range(images):
         rng = np.random.default_rng([seed, i])
-        objects = sample_scene(rng, image_size)
+        if held and i not in test_rank:
+            objects = sample_scene(rng, image_size, forbidden=frozenset(held))
+        elif held and test_rank[i] % 2 == 0:
+            objects = sample_scene(rng, image_size, require=held)
+        else:
+            objects = sample_scene(rng, image_size)
         file_name = f"{i + 1:0{width}d}.png"
         render_scene(rng, objects, image_size).save(image_dir / file_name, format="PNG", compress_level=1)
         records.append((i + 1, file_name, objects))
         counts[len(objects)] += 1
 
-    order = np.random.default_rng([seed, images, 7]).permutation(images)
-    bounds = np.cumsum([0] + _split_sizes(images, split_fractions))
     categories = [{"id": k + 1, "name": s, "supercategory": "shape"} for k, s in enumerate(SHAPES)]
     info = {"description": "captioner synthetic shapes", "version": "1", "seed": seed,
             "image_size": image_size, "images": images}
+    if held:
+        info["unseen_pairs"] = [list(pair) for pair in held]
     caption_id = object_id = 0
     for name, lo, hi in zip(SPLITS, bounds[:-1], bounds[1:]):
         chosen = sorted(int(k) for k in order[lo:hi])
@@ -322,7 +369,7 @@ def make_shapes(
     sizes = {name: int(hi - lo) for name, lo, hi in zip(SPLITS, bounds[:-1], bounds[1:])}
     stats = {"out": str(out), "images": images, "captions": images * CAPTIONS_PER_IMAGE,
              "objects": sum(len(r[2]) for r in records), "splits": sizes, "objects_per_image": counts,
-             "seconds": round(time.perf_counter() - start, 2)}
+             "seconds": round(time.perf_counter() - start, 2), "unseen_pairs": [list(p) for p in held]}
     log.info("shapes: wrote %d images (%s) to %s in %.1fs", images, sizes, out, stats["seconds"])
     return stats
 

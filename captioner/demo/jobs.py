@@ -134,7 +134,8 @@ def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int | None, 
     steps = int(result.history[-1]["step"]) if result.history else None
     row = table_row(name, metrics, result.seconds, epochs_trained(result.history, train_captions,
                                                                   cfg.train.batch_size),
-                    parameter_counts(result.best_checkpoint), steps=steps)
+                    parameter_counts(result.best_checkpoint), steps=steps,
+                    attention_supervision=cfg.train.attention_supervision)
     log.info("%s: BLEU-4 %s, objects correct %s, attention correctness %s (uniform %s)", LABELS.get(name, name),
              format_value(row["BLEU-4"], "{:.3f}"), format_value(row["objects_correct"], "{:.1%}"),
              format_value(row["attention_correctness"], "{:.3f}"), format_value(row["uniform_baseline"], "{:.3f}"))

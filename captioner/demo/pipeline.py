@@ -36,7 +36,7 @@ from typing import Any
 
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
-from captioner.data.shapes import make_shapes
+from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
 from captioner.demo.report import write_report
 from captioner.demo.table import LABELS
@@ -59,6 +59,11 @@ SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage'
 # the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
 # "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
 SCST_XE_WEIGHT = 0.25
+# train.attention_supervision of each decoder (issue 24; docs/grounding.md): the attention of each object word
+# (with its colour and size words) is pulled onto that object's box, in the default cross-entropy form. Measured at
+# the demo's step counts with the same encoder: objects right SAT soft 72.0% -> 78.3%, Transformer 88.3% -> 90.7%,
+# attention 5.8x -> 8.1x and 3.0x -> 8.1x uniform; SAT hard 60.7% -> 77.0%, 6.0x -> 8.1x. --no-attention-supervision: 0
+ATTENTION_SUPERVISION = {"sat_soft": 1.0, "sat_hard": 1.0, "transformer": 1.0}
 
 
 @dataclass
@@ -83,6 +88,10 @@ class DemoOptions:
         progress: show tqdm bars (runs in this process; worker processes log a progress line instead).
         scst: add a self-critical stage after each decoder's cross-entropy budget (``<decoder>+scst`` rows).
         scst_budgets: decoder -> seconds of that stage (default ``SCST_BUDGET_SHARE`` of ``budgets``).
+        attention_supervision: supervise each decoder's attention with the object boxes
+            (``train.attention_supervision`` = ``ATTENTION_SUPERVISION[decoder]``); False trains without.
+        unseen_pairs: generate a compositional split (``make_shapes(unseen_pairs=K)``): K colour-shape
+            pairs only in test; the table then has objects right for seen and unseen pairs apart.
     """
 
     data: Path = Path("data/shapes")
@@ -102,6 +111,8 @@ class DemoOptions:
     progress: bool = True
     scst: bool = False
     scst_budgets: dict[str, float] = field(default_factory=dict)
+    attention_supervision: bool = True
+    unseen_pairs: int = 0
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
@@ -124,6 +135,10 @@ class DemoOptions:
             raise ConfigError(f"--jobs must be >= 1, got {self.jobs}")
         if self.overlays < 0 or (self.beam_size is not None and self.beam_size < 1):
             raise ConfigError("--overlays must be >= 0 and --beam >= 1")
+        if isinstance(self.unseen_pairs, bool) or not isinstance(self.unseen_pairs, int) \
+                or not 0 <= self.unseen_pairs <= MAX_UNSEEN_PAIRS:
+            raise ConfigError(f"--unseen-pairs must be a whole number from 0 to {MAX_UNSEEN_PAIRS}, "
+                              f"got {self.unseen_pairs!r}")
         if self.scst_budgets and not self.scst:
             raise ConfigError("--scst-budget needs --scst")
         bad = {k: v for k, v in self.scst_budgets.items() if k not in DEMO_DECODERS or not v > 0}
@@ -186,13 +201,18 @@ def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
     files = [root / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in ("train", "val", "test")]
     if all(f.is_file() for f in files):
         info = _scenes_info(files[0])
+        held = len(info.pop("unseen_pairs") or [])
+        if held != options.unseen_pairs:
+            raise DataError(f"{root}: its scenes hold {held} unseen colour-shape pairs, not {options.unseen_pairs}; "
+                            f"pass another --data folder")
         log.info("using the synthetic scenes in %s (%s images, seed %s)", root, info.get("images"), info.get("seed"))
-        return {"generated": False, **info}
+        return {"generated": False, **info, "unseen_pairs": held}
     if root.exists() and any(root.iterdir()) and not (root / "images").is_dir():
         raise DataError(f"{root}: exists and is not a synthetic-scenes folder; pass another --data folder")
-    stats = make_shapes(root, images=options.images, seed=options.seed, image_size=options.image_size)
+    stats = make_shapes(root, images=options.images, seed=options.seed, image_size=options.image_size,
+                        unseen_pairs=options.unseen_pairs)
     return {"generated": True, "images": stats["images"], "seed": options.seed, "image_size": options.image_size,
-            "seconds": stats["seconds"]}
+            "seconds": stats["seconds"], "unseen_pairs": options.unseen_pairs}
 
 
 def _scenes_info(path: Path) -> dict[str, Any]:
@@ -202,17 +222,20 @@ def _scenes_info(path: Path) -> dict[str, Any]:
         raise DataError(f"{path}: cannot read ({exc})") from None
     if info.get("description") != SCENES_INFO:
         raise DataError(f"{path.parent}: not a synthetic-scenes folder (run the demo with another --data)")
-    return {k: info.get(k) for k in ("images", "seed", "image_size")}
+    return {k: info.get(k) for k in ("images", "seed", "image_size", "unseen_pairs")}
 
 
 def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None = None):  # -> Config
     """The training config of one decoder: its preset + data folder, budget, seed, device, overrides.
 
     With ``encoder_weights`` the encoder is loaded from that file and frozen, and its features go
-    to the shared cache ``out/features``.
+    to the shared cache ``out/features``. ``options.attention_supervision`` sets
+    ``train.attention_supervision`` to the decoder's ``ATTENTION_SUPERVISION`` weight (else 0).
     """
     overrides: dict[str, Any] = {"data.root": str(options.data), "train.time_budget": float(options.budgets[decoder]),
-                                 "train.seed": options.seed, "train.device": options.device}
+                                 "train.seed": options.seed, "train.device": options.device,
+                                 "train.attention_supervision": (ATTENTION_SUPERVISION[decoder]
+                                                                 if options.attention_supervision else 0.0)}
     if encoder_weights is not None:
         overrides.update({"model.encoder.pretrained": True, "model.encoder.weights": str(encoder_weights),
                           "model.encoder.fine_tune": False, "data.feature_cache": True,

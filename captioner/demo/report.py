@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from captioner.demo.table import COLUMNS, LABELS, format_value
+from captioner.demo.table import LABELS, format_value, shown_columns
 from captioner.errors import DataError
 from captioner.files import atomic_write
 
@@ -95,17 +95,22 @@ def _cell(value: Any, fmt: str) -> str:
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
     """HTML comparison table (columns of ``captioner.demo.table.COLUMNS``)."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in COLUMNS)
+    columns = shown_columns(rows)
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in columns)
     body = []
     for row in rows:
         cells = [html.escape(labels.get(row["decoder"], row["decoder"]))]
-        cells += [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS[1:]]
+        cells += [_cell(row.get(key), fmt) for key, _, fmt in columns[1:]]
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 _NOTES = """<p class="note">BLEU-1..4 on the 0-1 scale and CIDEr-D on the coco-caption scale (0-10), against
-all 5 references of each test image. <b>objects ok</b>: share of test captions that name every object with its right colour and shape
+all 5 references of each test image. <b>att. sup.</b>: the weight of the attention supervision by the object boxes
+the decoder trained with (<code>train.attention_supervision</code>; 0: without, <code>--no-attention-supervision</code>);
+<b>seen ok</b> / <b>unseen ok</b> / <b>unseen named</b> (with <code>--unseen-pairs</code>): objects ok over test scenes
+with only seen colour-shape pairs / with a pair never seen in training, and the share of those unseen pairs named right.
+<b>objects ok</b>: share of test captions that name every object with its right colour and shape
 and invent none. <b>att. corr.</b>: for each word naming an object (and the colour/size words before it),
 the share of its attention mass inside the object's ground-truth box, with the attention placed on the
 original image; <b>uniform</b>: what uniform attention scores on the same boxes (the boxes' area share);

@@ -10,7 +10,9 @@ search, and scores the captions against **all** raw references of each image:
   ``coco/CIDEr-D``: PTB tokenisation and pycocoevalcap's scorers, :mod:`.coco_caption`) when
   pycocoevalcap and Java are present, else None with a one-line ``coco_caption_note``;
 * the mean attention entropy per generated word (nats; log N is uniform attention);
-* attention correctness when the dataset has object boxes (``instances_<split>.json``).
+* attention correctness when the dataset has object boxes (``instances_<split>.json``), and on a
+  compositional split of the scenes (``make-shapes --unseen-pairs``) objects right for scenes with
+  seen and with unseen colour-shape pairs apart (:mod:`.compositional`).
 
 It writes ``metrics_<split>.json`` and ``captions_<split>_results.json`` (``[{"image_id",
 "caption"}]``, the COCO results format) to ``out_dir`` (default: the checkpoint's folder).
@@ -39,6 +41,7 @@ from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
 from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
+from captioner.evaluation.compositional import compositional_scores
 from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 from captioner.files import atomic_write, safe_name, writable_folder
@@ -196,6 +199,7 @@ def evaluate_checkpoint(
     correctness = None
     if instances is not None:
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
+        correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
 
     out = Path(out_dir)
     try:

@@ -277,5 +277,8 @@ def check_cuda_graph(train_cfg: Any, decoder_name: str, on_features: bool, devic
         raise ConfigError(f"train.cuda_graph captures the cross-entropy step; train.objective={train_cfg.objective!r}")
     if train_cfg.compile:
         raise ConfigError("train.cuda_graph and train.compile are alternatives; set one of them to false")
+    if train_cfg.attention_supervision:
+        raise ConfigError("train.cuda_graph does not capture train.attention_supervision (its box targets are built "
+                          "per batch on the host); set one of them to 0/false")
     if train_cfg.amp == "fp16" or (train_cfg.amp == "auto" and not torch.cuda.is_bf16_supported()):
         raise ConfigError("train.cuda_graph does not capture fp16 with a gradient scaler; use train.amp=bf16 or off")

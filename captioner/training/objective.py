@@ -80,6 +80,7 @@ class LossTerm(Protocol):
 
     name: str
     weight: float
+    # optional: ``stats``, a dict of detached 0-d tensors about the last call, logged beside the term
 
     def __call__(self, output: DecoderOutput, batch: Batch) -> torch.Tensor:
         """The unweighted term: a scalar with a graph."""
@@ -120,5 +121,6 @@ class CrossEntropy(Objective, CaptionLoss):
             total, objective = total + weighted, objective + weighted.detach()
             terms[term.name] = value.detach()
             terms[f"weighted_{term.name}"] = weighted.detach()
+            terms.update(getattr(term, "stats", None) or {})  # a term's own statistics of this batch, if any
         return dataclasses.replace(result, total=total, objective=objective, terms=terms,
                                    captions=int(tokens.size(0)))

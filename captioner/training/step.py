@@ -114,7 +114,8 @@ def add_means(run: Run, means: dict[str, float], captions: float) -> None:
         run.session.warned_regulariser = True
         name, value = max(heavy.items(), key=lambda kv: kv[1])
         hint = {"doubly_stochastic": "lower train.alpha_c or use train.ds_form=excess",
-                "entropy": "lower train.entropy_weight"}.get(name, "lower its weight")
+                "entropy": "lower train.entropy_weight",
+                "grounding": "lower train.attention_supervision"}.get(name, "lower its weight")
         log.warning("the weighted %s term (%.3g) outweighs the cross-entropy (%.3g) at step %d: it, not the "
                     "captions, now drives the attention (%s)", name.replace("_", " "), value, ce,
                     run.progress.step, hint)
