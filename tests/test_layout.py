@@ -14,10 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "captioner"
 MAX_LINES = 400
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path | None = None) -> dict[str, Path]:
+    """``{dotted name: file}`` of every module under ``package`` (default :data:`PACKAGE`)."""
+    package = package or PACKAGE
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
@@ -164,7 +166,7 @@ DEFERRED_OK = ("captioner.commands", "captioner.cli", "captioner")
 def function_level_imports(package: Path) -> list[str]:
     """``module:line`` of each import of a ``captioner`` module inside a function body."""
     found = []
-    for name, path in _modules_under(package).items():
+    for name, path in _modules(package).items():
         if name in DEFERRED_OK or name.startswith(DEFERRED_OK[0]):
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -178,16 +180,6 @@ def function_level_imports(package: Path) -> list[str]:
                 if any(n == "captioner" or n.startswith("captioner.") for n in names):
                     found.append(f"{name}:{node.lineno}")
     return sorted(set(found))
-
-
-def _modules_under(package: Path) -> dict[str, Path]:
-    found = {}
-    for path in package.rglob("*.py"):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
-    return found
 
 
 def test_imports_of_the_package_are_at_module_top():
