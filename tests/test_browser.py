@@ -8,7 +8,10 @@ from __future__ import annotations
 import io
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +26,10 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-dev-shm-usage", "--window-size=1100,900")
 
 
-@pytest.fixture(scope="module")
-def driver():
+@contextmanager
+def chrome(*logs: str) -> Iterator[Any]:
+    """A headless Chromium driver that keeps the given logs (``"browser"``, ``"performance"``), quit
+    and its profile removed afterwards; the test skips where selenium or chromium is absent."""
     webdriver = pytest.importorskip("selenium.webdriver")
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         pytest.skip("chromium/chromedriver not installed")
@@ -35,12 +40,20 @@ def driver():
     options.binary_location = CHROMIUM
     for flag in (*FLAGS, f"--user-data-dir={profile}"):
         options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.set_capability("goog:loggingPrefs", dict.fromkeys(logs, "ALL"))
     drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     drv.set_page_load_timeout(30)
-    yield drv
-    drv.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def driver():
+    with chrome("browser") as drv:
+        yield drv
 
 
 def _canvas_pixels(element) -> np.ndarray:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,31 +17,17 @@ import pytest
 import torch
 from PIL import Image
 
-from test_browser import CHROMEDRIVER, CHROMIUM, FLAGS
+from test_browser import chrome
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
 
 
 @pytest.fixture(scope="module")
 def driver():
-    webdriver = pytest.importorskip("selenium.webdriver")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.skip("chromium/chromedriver not installed")
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="captioner-chrome-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (*FLAGS, f"--user-data-dir={profile}"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    drv.set_page_load_timeout(30)
-    yield drv
-    drv.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    with chrome("browser", "performance") as drv:
+        yield drv
 
 
 @pytest.fixture(scope="module")
