@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from captioner.data.images import probe_image
 from captioner.errors import DataError
 from captioner.text import tokenize
 
@@ -28,6 +29,16 @@ class ImageRecord:
     path: Path
     width: int | None = None
     height: int | None = None
+
+    def size(self) -> tuple[int, int]:
+        """``(width, height)``: the annotation's, else read from the file's header (no pixel decoding).
+
+        Raises:
+            ImageLoadError: the file is missing, unreadable or not an image (one line naming it).
+        """
+        if self.width and self.height:
+            return int(self.width), int(self.height)
+        return probe_image(self.path)
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,7 @@ def attention_correctness_for_results(
     scores, correct = [], []
     for result, record in zip(results, caption_set.images):
         objs = instances.get(record.image_id, [])
-        width, height = _image_size(record)
+        width, height = record.size()
         view = crop_box(width, height, encoder_cfg)
         scores.append(attention_correctness(result.words, result.attention, objs, (width, height), view, table))
         if table.name == "shapes":
@@ -325,15 +325,3 @@ def attention_correctness_for_results(
     out["objects_correct"] = float(np.mean(correct)) if correct else None
     logger.debug("attention correctness over %d images: %s", len(results), out)
     return out
-
-
-def _image_size(record: Any) -> tuple[int, int]:
-    if record.width and record.height:
-        return int(record.width), int(record.height)
-    from PIL import Image
-
-    try:
-        with Image.open(record.path) as im:
-            return im.size
-    except OSError as exc:
-        raise DataError(f"{record.path}: cannot read image size ({exc})") from None

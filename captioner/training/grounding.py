@@ -30,7 +30,6 @@ import torch
 
 from captioner.data.coco import load_instances
 from captioner.data.grounding import bind_mentions, box_coverage
-from captioner.data.images import probe_image
 from captioner.data.transforms import crop_box
 from captioner.evaluation.attention_metrics import detect_vocabulary
 from captioner.evaluation.object_words import WordTable, find_mentions, word_table
@@ -66,17 +65,12 @@ class GroundingTargets:
         self._rows: dict[tuple[int, tuple[int, ...]], int] = {}  # (image, box indices) -> bank row
         self._bank: list[np.ndarray] = []  # (N,) coverages
 
-    def _image_size(self, record: Any) -> tuple[int, int]:
-        if record.width and record.height:
-            return int(record.width), int(record.height)
-        return probe_image(record.path)
-
     def _row(self, image: int, boxes: tuple[int, ...]) -> int:
         key = (image, boxes)
         if key not in self._rows:
             record = self.images[image]
             objects = self.instances.get(record.image_id, [])
-            width, height = self._image_size(record)
+            width, height = record.size()
             self._bank.append(box_coverage([objects[i].bbox for i in boxes], self.view(width, height), self.grid))
             self._rows[key] = len(self._bank) - 1
         return self._rows[key]
