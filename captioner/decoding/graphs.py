@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from captioner.cuda_graphs import record_graph
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State
 
@@ -166,23 +167,14 @@ class GraphedSteps(CaptionDecoder):
         return log_probs, State(state.static, dict(dynamic)), attn
 
     def _capture(self, entry: _Entry) -> None:
-        device = entry.prev.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        try:
-            with torch.cuda.stream(side):  # one eager warm-up step on the buffers
-                self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
-        except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
-            torch.cuda.synchronize(device)
+        recorded = record_graph(lambda: self.decoder.step(entry.prev, State(entry.static, entry.dynamic)),
+                                entry.prev.device, warmup=1)
+        if recorded.graph is None:  # this shape runs eagerly, reported
             entry.eager = True
             self.stats.failed += 1
-            first = (str(exc).strip().splitlines() or [repr(exc)])[0]
             log.warning("graphed decoding: capturing a step of %d rows failed (%s); it runs eagerly",
-                        entry.prev.shape[0], first[:200])
+                        entry.prev.shape[0], recorded.failure[:200])
             return
+        graph, (log_probs, new, attn) = recorded.graph, recorded.out
         entry.graph, entry.out = graph, (log_probs, new.dynamic, attn)
         self.stats.captures += 1

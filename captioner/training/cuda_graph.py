@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from captioner.cuda_graphs import record_graph
 from captioner.errors import ConfigError
 from captioner.losses import LossResult
 from captioner.training.objective import Batch, TrainModel
@@ -215,46 +216,35 @@ class GraphedStep:
         result.total.backward()
         return stats, keys
 
-    def _eager(self, entry: _Entry) -> tuple[torch.Tensor, list[str]]:
+    def _clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def _eager(self, entry: _Entry) -> tuple[torch.Tensor, list[str]]:
+        self._clear_grads()
         self.stats.eager_steps += 1
         return self._forward_backward(entry)
 
     def _capture(self, key: tuple[int, ...], entry: _Entry) -> None:
         """Warm up on a side stream, then record the step; a failure leaves the shape eager (logged)."""
         saved = {k: v.detach().clone() for k, v in self.criterion.state_dict().items()}
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_STEPS):
-                    for p in self.params:
-                        p.grad = None
-                    self._forward_backward(entry)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            for p in self.params:
-                p.grad = None
-            graph = torch.cuda.CUDAGraph()
-            # the warm-up's stream (cuBLAS workspaces are per stream: none is created mid-capture);
-            # thread_local: a DataLoader's pin-memory thread may touch CUDA while this thread captures
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                stats, keys = self._forward_backward(entry)
-        except Exception as exc:  # noqa: BLE001 -- any capture failure: this shape runs eagerly, reported
-            torch.cuda.synchronize(self.device)
-            entry.eager, entry.graph = True, None
-            self.stats.failed += 1
-            first = (str(exc).strip().splitlines() or [repr(exc)])[0]
-            log.warning("train.cuda_graph: capturing shape %s failed (%s); it runs eagerly", key, first[:200])
-            for p in self.params:
-                p.grad = None
-            return
+            recorded = record_graph(lambda: self._forward_backward(entry), self.device, warmup=WARMUP_STEPS,
+                                    before=self._clear_grads)
         finally:
             # warm-up steps ran for real: give the loss its moving averages back (REINFORCE baseline)
             with torch.no_grad():
                 for k, v in self.criterion.state_dict().items():
                     if k in saved:
                         v.copy_(saved[k])
+        if recorded.graph is None:  # this shape runs eagerly, reported
+            entry.eager, entry.graph = True, None
+            self.stats.failed += 1
+            log.warning("train.cuda_graph: capturing shape %s failed (%s); it runs eagerly", key,
+                        recorded.failure[:200])
+            self._clear_grads()
+            return
+        graph, (stats, keys) = recorded.graph, recorded.out
         entry.graph, entry.stats, entry.keys = graph, stats, keys
         entry.grads = [p.grad for p in self.params]
         self.stats.captures += 1
