@@ -5,15 +5,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from captioner.config import get_preset
-from captioner.data.coco import load_caption_set
+from captioner.data.coco import load_caption_set, load_instances
+from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.word_detectors import image_word_scores, pretrain_word_detectors, word_targets
+from captioner.training.grounding import GroundingTargets
+from captioner.training.word_detectors import (RegionTargets, image_word_scores, pretrain_word_detectors,
+                                                region_loss, word_targets)
 
 
 def test_word_targets_mark_every_word_of_any_caption_of_the_image(tiny_shapes: Path) -> None:
@@ -60,3 +64,80 @@ def test_pretraining_needs_a_stopping_rule(tiny_shapes: Path, tmp_path: Path) ->
         pretrain_word_detectors(cfg, tmp_path / "w.safetensors")
     with pytest.raises(ConfigError, match="batch_size"):
         pretrain_word_detectors(cfg, tmp_path / "w.safetensors", max_steps=1, batch_size=0)
+
+
+def _region_targets(root: Path, grid: int = 4) -> tuple:
+    cfg = get_preset("sat_soft_tiny", **{"data.root": str(root), "model.encoder.grid": grid})
+    cs = load_caption_set(root, "train")
+    vocab = Vocabulary.build(cs.all_captions())
+    instances = load_instances(root, "train")
+    view = lambda w, h: crop_box(w, h, cfg.model.encoder)  # noqa: E731
+    return cs, vocab, instances, view, RegionTargets.build(cs, vocab, GroundingTargets(cs.images, instances, vocab,
+                                                                                      view, grid))
+
+
+def test_region_targets_put_each_colour_word_on_its_own_object(tiny_shapes: Path) -> None:
+    cs, vocab, instances, view, regions = _region_targets(tiny_shapes)
+    assert regions.grounded_images == len(cs.images)  # every scene has boxes and names its objects
+    checked = 0
+    for c, record in enumerate(cs.images):
+        objects = instances[record.image_id]
+        words = {w for caption in cs.captions[record.image_id] for w in tokenize(caption)}
+        assert {vocab.itos[w] for w in regions.per_image[c]} <= words  # only words the captions say
+        colours = [o.attributes.get("color") for o in objects]
+        for obj in objects:  # a colour no other object has: its word lies on this object only
+            colour = obj.attributes.get("color")
+            if colours.count(colour) != 1 or vocab.stoi.get(colour) not in regions.per_image[c]:
+                continue
+            coverage = regions.per_image[c][vocab.stoi[colour]].reshape(4, 4)
+            left, top, right, bottom = view(*record.size())
+            x, y, w, h = obj.bbox
+            cols = [int((v - left) / (right - left) * 4) for v in (x, x + w / 2, min(x + w, right - 1e-6))]
+            rows = [int((v - top) / (bottom - top) * 4) for v in (y, y + h / 2, min(y + h, bottom - 1e-6))]
+            assert coverage[rows[1], cols[1]] > 0  # the region of the object's centre
+            outside = np.ones((4, 4), dtype=bool)
+            outside[rows[0]: rows[2] + 1, cols[0]: cols[2] + 1] = False
+            assert coverage[outside].sum() == 0  # and nothing off the object's box
+            checked += 1
+    assert checked >= 20
+
+
+def test_region_targets_batch_and_loss() -> None:
+    per_image = [{5: np.array([1.0, 0.0, 0.0, 0.5], dtype=np.float32)}, {}]
+    regions = RegionTargets(per_image, vocab_size=8, regions=4)
+    target, mask = regions.batch(torch.tensor([1, 0, 0]))
+    assert target.shape == (3, 8, 4) and mask.tolist() == [[False] * 8, [i == 5 for i in range(8)],
+                                                           [i == 5 for i in range(8)]]
+    assert target[1, 5].tolist() == [1.0, 0.0, 0.0, 0.5] and target[0].sum() == 0
+    right = torch.full((3, 8, 4), -6.0)
+    right[:, 5, 0] = 6.0
+    wrong = -right
+    assert region_loss(right, target, mask) < region_loss(wrong, target, mask)
+    assert region_loss(wrong, target, torch.zeros_like(mask)).item() == 0.0  # nothing supervised: no term
+    scores = torch.zeros(3, 8, 4, requires_grad=True)
+    region_loss(scores, target, mask).backward()
+    assert scores.grad[0].abs().sum() == 0 and scores.grad[1, 5].abs().sum() > 0  # only supervised pairs
+
+
+def test_pretraining_with_boxes_trains_words_region_by_region(tiny_shapes: Path, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes)})
+    result = pretrain_word_detectors(cfg, tmp_path / "boxes.safetensors", max_steps=3, batch_size=8, progress=False,
+                                     boxes=True)
+    assert result.grounded_images == len(load_caption_set(tiny_shapes, "train").images)
+    plain = pretrain_word_detectors(cfg, tmp_path / "plain.safetensors", max_steps=3, batch_size=8, progress=False)
+    assert plain.grounded_images == 0 and result.first_loss > plain.first_loss  # the region term is added
+
+
+def test_pretraining_with_boxes_but_none_warns_and_uses_mil(tiny_shapes: Path, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "no_boxes"
+    root.mkdir()
+    for f in tiny_shapes.iterdir():
+        if not f.name.startswith("instances_"):
+            (root / f.name).symlink_to(f)
+    cfg = get_preset("sat_soft_tiny", **{"data.root": str(root)})
+    with caplog.at_level("WARNING"):
+        result = pretrain_word_detectors(cfg, tmp_path / "w.safetensors", max_steps=2, batch_size=8, progress=False,
+                                         boxes=True)
+    assert result.grounded_images == 0 and "no object boxes" in caplog.text

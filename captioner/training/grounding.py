@@ -89,6 +89,10 @@ class GroundingTargets:
             self._bindings[key] = found
         return found
 
+    def bound_words(self, image: int, ids: Sequence[int]) -> list[tuple[int, np.ndarray]]:
+        """``(word id, coverage (N,))`` for each word of one caption (target ids) that names a box."""
+        return [(int(ids[t]), self._bank[row]) for t, row in self.binding(image, ids)]
+
     def coverage(self, targets: torch.Tensor, image_index: torch.Tensor) -> torch.Tensor:
         """targets (B, T) word ids, image_index (B,) -> box coverage (B, T, N) float32 on the CPU."""
         rows = targets.tolist()

@@ -11,6 +11,14 @@ soft maximum over its regions, ``(1/r) logsumexp_i(r s_wi)``. Binary cross-entro
 fires for "red" or "circle" exactly when the image holds one: the evidence for a word has to sit
 in one region's feature, which is what attention can then find.
 
+With ``boxes=True`` and object boxes for the training split (``instances_<split>.json``), the
+words that name a box (the object words and their colour and size words, bound to boxes as
+attention supervision binds them: ``captioner.training.grounding``) are also trained **region by
+region**: each region's score for the word against its coverage by the word's box. The MIL loss
+lets a detector fire wherever the word's evidence correlates (a "purple" detector on stars, when
+most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
+each region's feature describes the object in it, one attribute at a time.
+
 ``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
 for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
 decoders (see ``captioner.demo.pipeline``).
@@ -24,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,13 +41,14 @@ from tqdm import tqdm
 
 from captioner.config import Config
 from captioner.data.checks import check_images
-from captioner.data.coco import load_caption_set
+from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
+from captioner.data.transforms import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
+from captioner.training.grounding import GroundingTargets
 from captioner.training.memory import pixels_in_memory
 
 log = logging.getLogger(__name__)
@@ -57,6 +67,7 @@ class PretrainResult:
         steps: optimizer steps taken.
         first_loss, last_loss: mean BCE of the first and the last 20 steps.
         seconds: wall time of the training loop.
+        grounded_images: training images whose words were also trained region by region (``boxes``).
     """
 
     weights: Path
@@ -64,6 +75,7 @@ class PretrainResult:
     first_loss: float
     last_loss: float
     seconds: float
+    grounded_images: int = 0
 
 
 def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001
@@ -77,6 +89,55 @@ def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001
     return targets
 
 
+class RegionTargets:
+    """The words of each training image that name a box, with their region coverage (``boxes=True``).
+
+    Args:
+        per_image: for training image c, ``{word id: coverage (N,)}`` (the union of the word's boxes
+            over the image's captions).
+        vocab_size: V.
+        regions: N.
+    """
+
+    def __init__(self, per_image: list[dict[int, np.ndarray]], vocab_size: int, regions: int) -> None:
+        self.per_image = per_image
+        self.vocab_size = vocab_size
+        self.regions = regions
+
+    @classmethod
+    def build(cls, caption_set, vocab: Vocabulary, grounding: GroundingTargets) -> "RegionTargets":  # noqa: ANN001
+        per_image: list[dict[int, np.ndarray]] = []
+        for c, record in enumerate(caption_set.images):
+            words: dict[int, np.ndarray] = {}
+            for caption in caption_set.captions[record.image_id]:
+                for word, coverage in grounding.bound_words(c, vocab.encode(caption)[1:]):
+                    words[word] = np.maximum(words[word], coverage) if word in words else coverage
+            per_image.append(words)
+        return cls(per_image, len(vocab), grounding.grid * grounding.grid)
+
+    @property
+    def grounded_images(self) -> int:
+        return sum(bool(words) for words in self.per_image)
+
+    def batch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """index (B,) -> coverage targets (B, V, N) and which (image, word) pairs they hold (B, V) bool."""
+        target = np.zeros((len(index), self.vocab_size, self.regions), dtype=np.float32)  # (B, V, N)
+        mask = np.zeros((len(index), self.vocab_size), dtype=bool)  # (B, V)
+        for b, c in enumerate(index.tolist()):
+            for word, coverage in self.per_image[c].items():
+                target[b, word] = coverage
+                mask[b, word] = True
+        return torch.from_numpy(target), torch.from_numpy(mask)
+
+
+def region_loss(region_scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean BCE of the region scores (B, V, N) against box coverage (B, V, N) over the pairs in mask (B, V)."""
+    if not mask.any():
+        return region_scores.sum() * 0.0
+    per_region = F.binary_cross_entropy_with_logits(region_scores, target, reduction="none")  # (B, V, N)
+    return per_region.mean(2)[mask].mean()
+
+
 def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS) -> torch.Tensor:
     """Soft maximum over regions: (B, V, N) -> (B, V), ``(1/r) logsumexp(r s)``."""
     return torch.logsumexp(region_scores * sharpness, dim=2) / sharpness
@@ -84,7 +145,7 @@ def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS)
 
 def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float | None = None,
                             max_steps: int | None = None, batch_size: int = 64, lr: float = 3e-3,
-                            progress: bool = True) -> PretrainResult:
+                            progress: bool = True, boxes: bool = False) -> PretrainResult:
     """Train ``cfg.model.encoder`` (from its initial weights) as word detectors on the training captions.
 
     Args:
@@ -95,6 +156,8 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         batch_size: images per step.
         lr: Adam learning rate of the trunk and the detector head.
         progress: show a tqdm bar.
+        boxes: also train the words that name a box region by region, where the training split has
+            object boxes (``instances_<split>.json``); without any, a warning and MIL alone.
 
     Raises:
         ConfigError: no stopping rule, or a bad batch size.
@@ -110,6 +173,7 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     targets = word_targets(cs, vocab)  # (C, V)
     if not targets.any():
         raise DataError(f"{d.root}: the {d.train_split!r} captions give no words to detect")
+    regions = _region_targets(cfg, cs, vocab) if boxes else None
     transform = ImageTransform(cfg.model.encoder)
     store = pixels_in_memory(cs, transform, d.in_memory_mb, "word-detector images", progress)
     if store is not None:
@@ -138,8 +202,10 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     while (max_steps is None or step < max_steps) and (seconds is None or time.monotonic() - start < seconds):
         index = torch.randint(0, len(cs.images), (min(batch_size, len(cs.images)),), generator=gen)  # (B,)
         fmap = encoder.pool(encoder.feature_map(gather(index)))  # (B, D, g, g)
-        scores = image_word_scores(head(fmap).flatten(2))  # (B, V)
-        loss = F.binary_cross_entropy_with_logits(scores, targets.index_select(0, index))
+        region_scores = head(fmap).flatten(2)  # (B, V, N)
+        loss = F.binary_cross_entropy_with_logits(image_word_scores(region_scores), targets.index_select(0, index))
+        if regions is not None:
+            loss = loss + region_loss(region_scores, *regions.batch(index))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -161,4 +227,19 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     first, last = sum(losses[:20]) / len(losses[:20]), sum(losses[-20:]) / len(losses[-20:])
     log.info("word-detector pretraining: %d steps in %.0f s, loss %.3f -> %.3f; encoder weights in %s",
              step, elapsed, first, last, out)
-    return PretrainResult(out, step, first, last, elapsed)
+    return PretrainResult(out, step, first, last, elapsed, regions.grounded_images if regions is not None else 0)
+
+
+def _region_targets(cfg: Config, caption_set, vocab: Vocabulary) -> RegionTargets | None:  # noqa: ANN001
+    d, encoder = cfg.data, cfg.model.encoder
+    instances = load_instances(d.root, d.train_split, d.images)
+    if not instances:
+        log.warning("word detectors: %s has no object boxes for %r (instances_%s.json); MIL from the captions "
+                    "alone", d.root, d.train_split, d.train_split)
+        return None
+    grounding = GroundingTargets(caption_set.images, instances, vocab, lambda w, h: crop_box(w, h, encoder),
+                                 encoder.grid)
+    regions = RegionTargets.build(caption_set, vocab, grounding)
+    log.info("word detectors: %d of %d training images also train their object words region by region "
+             "(words matched as %s)", regions.grounded_images, len(caption_set.images), grounding.table.name)
+    return regions if regions.grounded_images else None
