@@ -38,8 +38,7 @@ PARSE_LOG = "captioner.config.parse"
 SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 # train fields added after the snapshot was taken: every preset keeps their defaults
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
-                      "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
-                      "word_dropout": 0.0}
+                      "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy"}
 
 
 def _flat_scst(train: dict) -> dict:

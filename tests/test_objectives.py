@@ -10,12 +10,11 @@ import torch
 from captioner.config import get_preset
 from captioner.config.schema import OBJECTIVES
 from captioner.data.coco import load_caption_set
-from captioner.errors import ConfigError
 from captioner.losses import CaptionLoss
 from captioner.models.captioner import build_model
 from captioner.models.base import DecoderOutput
 from captioner.text import Vocabulary
-from captioner.training.objective import Batch, CrossEntropy, TrainModel, drop_words
+from captioner.training.objective import Batch, CrossEntropy, TrainModel
 from captioner.training.objectives import BUILDERS, build_objective
 from captioner.training.scst import SelfCritical
 
@@ -95,33 +94,3 @@ def test_cross_entropy_takes_extra_terms_and_logs_them() -> None:
     assert float(b.terms["mean_logit"]) == pytest.approx(float(term), rel=1e-6)
     assert float(b.terms["weighted_mean_logit"]) == pytest.approx(0.5 * float(term), rel=1e-6)
     assert "mean_logit" not in a.terms and b.captions == a.captions == 3
-
-
-def test_word_dropout_replaces_input_words_only_and_only_in_training() -> None:
-    tokens = torch.tensor([VOCAB.encode("a red circle", 8) + [VOCAB.pad_id] * 3] * 2000)  # (B, T)
-    torch.manual_seed(0)
-    dropped = drop_words(tokens, 0.3)
-    real = tokens > VOCAB.unk_id
-    assert torch.equal(dropped[~real], tokens[~real])  # <bos>, <eos> and padding stay
-    assert set(dropped[real].unique().tolist()) <= set(tokens[real].unique().tolist()) | {VOCAB.unk_id}
-    assert (dropped[real] == VOCAB.unk_id).float().mean().item() == pytest.approx(0.3, abs=0.02)
-    assert torch.equal(drop_words(tokens, 0.0), tokens)
-
-    _, train_model = _model("sat_soft_tiny", VOCAB)
-    cfg = get_preset("sat_soft_tiny", **{"train.word_dropout": 0.5})
-    objective = CrossEntropy.from_config(cfg.train, cfg.model.decoder, VOCAB.pad_id)
-    seen: list[torch.Tensor] = []
-    forward = train_model.forward
-    spy = TrainModel(lambda x, inputs: seen.append(inputs) or forward(x, inputs), train_model.decoder, None)
-    batch = _batch(VOCAB)
-    torch.manual_seed(3)
-    objective.loss(spy, batch)
-    assert (seen[-1] == VOCAB.unk_id).any() and torch.equal(seen[-1][:, 0], batch.tokens[:, 0])
-    objective.eval()  # validation's loss sees the references as they are
-    objective.loss(spy, batch)
-    assert torch.equal(seen[-1], batch.tokens[:, :-1])
-
-
-def test_word_dropout_is_checked() -> None:
-    with pytest.raises(ConfigError, match="word_dropout"):
-        get_preset("sat_soft_tiny", **{"train.word_dropout": 1.0})

@@ -186,9 +186,6 @@ class TrainConfig:
     schedule: str = "constant"
     warmup_steps: int = 4000
     label_smoothing: float = 0.0
-    # cross-entropy: share of the decoder's input words (not its targets) replaced by <unk> (word dropout):
-    # the next word must then come from the image, not from the word before it
-    word_dropout: float = 0.0
     alpha_c: float = 1.0  # weight of the doubly stochastic attention penalty (SAT)
     # that penalty's form: "excess" (only regions given more than one unit over the caption; never pulls
     # towards uniform attention), "mean" (the tutorial's mean over regions) or "sum" (Xu et al.)
@@ -249,8 +246,6 @@ class TrainConfig:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if not 0.0 <= self.word_dropout < 1.0:
-            raise ConfigError(f"train.word_dropout must be in [0, 1), got {self.word_dropout}")
         if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) \
                 or self.length_buckets < 0:
             raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")

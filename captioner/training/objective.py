@@ -30,7 +30,6 @@ from torch import nn
 from captioner.config import DecoderConfig, TrainConfig
 from captioner.losses import CaptionLoss, LossResult
 from captioner.models.base import CaptionDecoder, DecoderOutput
-from captioner.text import Vocabulary
 
 
 class Batch(NamedTuple):
@@ -88,13 +87,6 @@ class LossTerm(Protocol):
         ...
 
 
-def drop_words(inputs: torch.Tensor, rate: float) -> torch.Tensor:
-    """Word dropout (Bowman et al. 2016): each real word of the decoder's inputs (B, T) becomes ``<unk>``
-    with probability ``rate``; ``<pad>``, ``<bos>``, ``<eos>`` and the targets stay. Draws from torch's RNG."""
-    dropped = (torch.rand(inputs.shape, device=inputs.device) < rate) & (inputs > Vocabulary.unk_id)
-    return inputs.masked_fill(dropped, Vocabulary.unk_id)
-
-
 class CrossEntropy(Objective, CaptionLoss):
     """Teacher-forced cross-entropy of the references, with the attention regularisers of
     :class:`captioner.losses.CaptionLoss` (whose buffers and ``state_dict`` it has) and any extra
@@ -105,11 +97,9 @@ class CrossEntropy(Objective, CaptionLoss):
         **kwargs: ``CaptionLoss``'s arguments.
     """
 
-    def __init__(self, extra_terms: Sequence[LossTerm] = (), word_dropout: float = 0.0,
-                 **kwargs: float | int | str) -> None:
+    def __init__(self, extra_terms: Sequence[LossTerm] = (), **kwargs: float | int | str) -> None:
         super().__init__(**kwargs)
         self.extra_terms = list(extra_terms)
-        self.word_dropout = word_dropout
 
     @classmethod
     def from_config(cls, train_cfg: TrainConfig, decoder_cfg: DecoderConfig, pad_id: int,
@@ -117,16 +107,12 @@ class CrossEntropy(Objective, CaptionLoss):
         """The objective of ``train.objective = "xe"`` (weights as :meth:`CaptionLoss.from_config` sets them)."""
         objective = super().from_config(train_cfg, decoder_cfg, pad_id)
         objective.extra_terms = list(extra_terms)
-        objective.word_dropout = train_cfg.word_dropout
         return objective
 
     def loss(self, model: TrainModel, batch: Batch) -> LossResult:
         """``CaptionLoss`` of ``forward(x, tokens[:, :-1])`` (logits (B,T-1,V)) against ``tokens[:, 1:]``."""
         tokens = batch.tokens
-        inputs = tokens[:, :-1]  # (B, T-1)
-        if self.training and self.word_dropout > 0:
-            inputs = drop_words(inputs, self.word_dropout)
-        out = model.forward(batch.x, inputs)  # logits (B, T-1, V)
+        out = model.forward(batch.x, tokens[:, :-1])  # logits (B, T-1, V)
         result = self(out, tokens[:, 1:])
         total, objective, terms = result.total, result.objective, dict(result.terms)
         for term in self.extra_terms:
