@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                              "2-core machine; on a busy one its seconds give far fewer); 0: --encoder-budget seconds")
     parser.add_argument("--encoder-boxes", action="store_true",
                         help="pretrain the word detectors region by region on the scenes' boxes as well")
+    parser.add_argument("--recolour", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--images", type=int, default=3000, help="scenes to generate (the demo's 3000)")
     parser.add_argument("--threads", type=int, default=1,
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from captioner.training.word_detectors import pretrain_word_detectors
 
         result = pretrain_word_detectors(demo_config(decoders[0], options), weights_file,
-                                         max_steps=args.encoder_steps, progress=False, boxes=args.encoder_boxes)
+                                         max_steps=args.encoder_steps, progress=False, boxes=args.encoder_boxes,
+                                         recolour=args.recolour)
         logging.info("encoder: %d word-detector steps in %.0f s", result.steps, result.seconds)
     elif not weights_file.exists():
         pretrain_encoder(options)

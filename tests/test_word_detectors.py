@@ -16,8 +16,8 @@ from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.grounding import GroundingTargets
-from captioner.training.word_detectors import (RegionTargets, image_word_scores, pretrain_word_detectors,
-                                                region_loss, word_targets)
+from captioner.training.word_detectors import (PERMUTATIONS, RegionTargets, colour_words, image_word_scores,
+                                                pretrain_word_detectors, recolour_batch, region_loss, word_targets)
 
 
 def test_word_targets_mark_every_word_of_any_caption_of_the_image(tiny_shapes: Path) -> None:
@@ -141,3 +141,33 @@ def test_pretraining_with_boxes_but_none_warns_and_uses_mil(tiny_shapes: Path, t
         result = pretrain_word_detectors(cfg, tmp_path / "w.safetensors", max_steps=2, batch_size=8, progress=False,
                                          boxes=True)
     assert result.grounded_images == 0 and "no object boxes" in caplog.text
+
+
+def test_recolour_permutes_the_colour_channels_of_about_that_share() -> None:
+    pixels = torch.rand(400, 3, 4, 4)
+    original = pixels.clone()
+    flipped = recolour_batch(pixels, 0.5, torch.Generator().manual_seed(0))
+    assert 0.4 < flipped.float().mean() < 0.6
+    assert torch.equal(pixels[~flipped], original[~flipped])
+    for b in flipped.nonzero().flatten().tolist():  # some non-identity permutation of that image's channels
+        assert any(torch.equal(pixels[b], original[b, list(p)]) for p in PERMUTATIONS[1:])
+        assert not torch.equal(pixels[b], original[b])
+    none = torch.rand(8, 3, 2, 2)
+    assert not recolour_batch(none.clone(), 0.0, torch.Generator()).any()
+
+
+def test_colour_words_are_the_hues_of_the_vocabulary() -> None:
+    vocab = Vocabulary.build(["a red circle", "a white dog on green grass", "a cyan star"])
+    marked = {vocab.itos[i] for i in torch.nonzero(colour_words(vocab)).flatten().tolist()}
+    assert marked == {"red", "green", "cyan"}  # white keeps its truth under a channel permutation
+
+
+def test_pretraining_with_recolouring(tiny_shapes: Path, tmp_path: Path) -> None:
+    cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes)})
+    plain = pretrain_word_detectors(cfg, tmp_path / "plain.safetensors", max_steps=3, batch_size=8, progress=False,
+                                    boxes=True)
+    mixed = pretrain_word_detectors(cfg, tmp_path / "mixed.safetensors", max_steps=3, batch_size=8, progress=False,
+                                    boxes=True, recolour=0.5)
+    assert mixed.first_loss != plain.first_loss  # other pixels, fewer targets
+    with pytest.raises(ConfigError, match="recolour"):
+        pretrain_word_detectors(cfg, tmp_path / "w.safetensors", max_steps=1, recolour=1.5)

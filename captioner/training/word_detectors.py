@@ -19,6 +19,13 @@ lets a detector fire wherever the word's evidence correlates (a "purple" detecto
 most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
 each region's feature describes the object in it, one attribute at a time.
 
+``recolour`` breaks the other half of the correlation. When the training captions never show a
+yellow cross, a "cross" detector loses nothing by ignoring yellow things, and a decoder over those
+features then names a yellow cross "a yellow star". Showing a share of the images with their colour
+channels permuted (red things green, yellow things cyan...), with the hue words left out of those
+images' loss, makes every other detector hold for any colour: measured on the demo's compositional
+split (docs/grounding.md), the unseen colour-shape pairs named right went from about 36% to over 90%.
+
 ``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
 for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
 decoders (see ``captioner.demo.pipeline``).
@@ -26,11 +33,13 @@ decoders (see ``captioner.demo.pipeline``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +64,10 @@ log = logging.getLogger(__name__)
 
 POSTFIX_EVERY = 25  # steps between updates of the progress bar's loss
 
+PERMUTATIONS = tuple(itertools.permutations(range(3)))  # of the colour channels, the identity first
+# Words a permutation of the colour channels changes the truth of (white, black and grey it keeps).
+HUE_WORDS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "cyan", "magenta", "violet",
+             "teal", "turquoise", "maroon", "tan", "gold", "golden", "beige", "lime", "navy", "olive", "blonde")
 SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r -> 0: the mean)
 
 
@@ -99,8 +112,10 @@ class RegionTargets:
         regions: N.
     """
 
-    def __init__(self, per_image: list[dict[int, np.ndarray]], vocab_size: int, regions: int) -> None:
+    def __init__(self, per_image: list[dict[int, np.ndarray]], vocab_size: int, regions: int,
+                 table: Any = None) -> None:
         self.per_image = per_image
+        self.table = table
         self.vocab_size = vocab_size
         self.regions = regions
 
@@ -113,7 +128,7 @@ class RegionTargets:
                 for word, coverage in grounding.bound_words(c, vocab.encode(caption)[1:]):
                     words[word] = np.maximum(words[word], coverage) if word in words else coverage
             per_image.append(words)
-        return cls(per_image, len(vocab), grounding.grid * grounding.grid)
+        return cls(per_image, len(vocab), grounding.grid * grounding.grid, grounding.table)
 
     @property
     def grounded_images(self) -> int:
@@ -138,6 +153,25 @@ def region_loss(region_scores: torch.Tensor, target: torch.Tensor, mask: torch.T
     return per_region.mean(2)[mask].mean()
 
 
+def colour_words(vocab: Vocabulary, table: Any = None) -> torch.Tensor:
+    """(V,) bool: the vocabulary's hue words (:data:`HUE_WORDS`, and a word table's colour attributes)."""
+    words = set(HUE_WORDS) | {w for w, kind in (table.attributes.items() if table is not None else ()) if kind == "color"}
+    mask = torch.zeros(len(vocab), dtype=torch.bool)
+    for word in words & set(vocab.stoi):
+        mask[vocab.stoi[word]] = True
+    return mask
+
+
+def recolour_batch(pixels: torch.Tensor, share: float, gen: torch.Generator) -> torch.Tensor:
+    """Permute the colour channels of about ``share`` of the images (B, 3, H, W), in place, each by one of
+    the five non-identity permutations; returns which images were recoloured (B,) bool."""
+    flip = torch.rand(len(pixels), generator=gen) < share  # (B,)
+    perm = torch.randint(1, len(PERMUTATIONS), (len(pixels),), generator=gen)  # (B,) never the identity
+    for b in flip.nonzero().flatten().tolist():
+        pixels[b] = pixels[b, list(PERMUTATIONS[int(perm[b])])]
+    return flip
+
+
 def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS) -> torch.Tensor:
     """Soft maximum over regions: (B, V, N) -> (B, V), ``(1/r) logsumexp(r s)``."""
     return torch.logsumexp(region_scores * sharpness, dim=2) / sharpness
@@ -145,7 +179,7 @@ def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS)
 
 def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float | None = None,
                             max_steps: int | None = None, batch_size: int = 64, lr: float = 3e-3,
-                            progress: bool = True, boxes: bool = False) -> PretrainResult:
+                            progress: bool = True, boxes: bool = False, recolour: float = 0.0) -> PretrainResult:
     """Train ``cfg.model.encoder`` (from its initial weights) as word detectors on the training captions.
 
     Args:
@@ -158,6 +192,9 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         progress: show a tqdm bar.
         boxes: also train the words that name a box region by region, where the training split has
             object boxes (``instances_<split>.json``); without any, a warning and MIL alone.
+        recolour: share of each batch's images shown with their colour channels permuted, their hue
+            words (:func:`colour_words`) left out of the loss, so the other words' detectors, shapes
+            above all, learn not to lean on colour (see the module docstring).
 
     Raises:
         ConfigError: no stopping rule, or a bad batch size.
@@ -167,6 +204,8 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
         raise ConfigError("pretrain_word_detectors needs seconds or max_steps")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0.0 <= recolour <= 1.0:
+        raise ConfigError(f"recolour must be a share in [0, 1], got {recolour}")
     d = cfg.data
     cs = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
     vocab = Vocabulary.build(cs.all_captions(), min_freq=d.min_freq, max_len=d.max_caption_len)
@@ -174,6 +213,10 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     if not targets.any():
         raise DataError(f"{d.root}: the {d.train_split!r} captions give no words to detect")
     regions = _region_targets(cfg, cs, vocab) if boxes else None
+    colour = colour_words(vocab, regions.table if regions is not None else None)  # (V,) bool
+    if recolour > 0 and not colour.any():
+        log.warning("word detectors: recolour=%g but the vocabulary has no colour words; nothing to recolour",
+                    recolour)
     transform = ImageTransform(cfg.model.encoder)
     store = pixels_in_memory(cs, transform, d.in_memory_mb, "word-detector images", progress)
     if store is not None:
@@ -201,11 +244,17 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     step = 0
     while (max_steps is None or step < max_steps) and (seconds is None or time.monotonic() - start < seconds):
         index = torch.randint(0, len(cs.images), (min(batch_size, len(cs.images)),), generator=gen)  # (B,)
-        fmap = encoder.pool(encoder.feature_map(gather(index)))  # (B, D, g, g)
+        pixels = gather(index)  # (B, 3, H, W)
+        weight = torch.ones(len(index), len(vocab))  # (B, V)
+        if recolour > 0 and colour.any():  # the hue words of a recoloured image are not its own: no target
+            weight[recolour_batch(pixels, recolour, gen)[:, None] & colour[None, :]] = 0.0
+        fmap = encoder.pool(encoder.feature_map(pixels))  # (B, D, g, g)
         region_scores = head(fmap).flatten(2)  # (B, V, N)
-        loss = F.binary_cross_entropy_with_logits(image_word_scores(region_scores), targets.index_select(0, index))
+        loss = F.binary_cross_entropy_with_logits(image_word_scores(region_scores), targets.index_select(0, index),
+                                                  weight=weight)
         if regions is not None:
-            loss = loss + region_loss(region_scores, *regions.batch(index))
+            cover, pairs = regions.batch(index)
+            loss = loss + region_loss(region_scores, cover, pairs & (weight > 0))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
