@@ -221,3 +221,28 @@ def test_the_table_shows_seen_and_unseen_columns_only_for_a_compositional_split(
     assert "att. sup." in plain and "unseen ok" not in plain
     split = format_table([{"decoder": "sat_soft", "objects_correct_unseen": 0.5, "unseen_pairs_named": 0.25}])
     assert "seen ok" in split and "unseen ok" in split and "25.0%" in split
+
+
+def test_encoder_learns_from_boxes_and_recoloured_images_unless_told_not_to(tmp_path: Path, monkeypatch) -> None:
+    import argparse
+
+    from captioner.commands import demo as command
+    from captioner.demo.report import _encoder_note
+    from captioner.training.word_detectors import PretrainResult
+
+    calls = []
+
+    def fake(cfg, out, seconds=None, progress=True, boxes=False, recolour=0.0, **_):  # noqa: ANN001, ANN003
+        calls.append((boxes, recolour))
+        return PretrainResult(Path(out), 10, 1.0, 0.5, 1.0, grounded_images=7 if boxes else 0)
+
+    monkeypatch.setattr(demo, "pretrain_word_detectors", fake)
+    on = demo.pretrain_encoder(DemoOptions(out=tmp_path))
+    off = demo.pretrain_encoder(DemoOptions(out=tmp_path, encoder_boxes=False))
+    assert calls == [(True, demo.ENCODER_RECOLOUR), (False, 0.0)] and 0 < demo.ENCODER_RECOLOUR < 1
+    assert "region by region" in _encoder_note(on) and "recoloured" in _encoder_note(on)
+    assert "region by region" not in _encoder_note(off) and "recoloured" not in _encoder_note(off)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert parser.parse_args(["--encoder-from-captions"]).encoder_from_captions
+    assert not parser.parse_args([]).encoder_from_captions

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--no-attention-supervision", action="store_true",
                         help="train without attention supervised by the object boxes (for comparison)")
+    parser.add_argument("--encoder-from-captions", action="store_true",
+                        help="pretrain the CNN's word detectors from the captions alone (no boxes, no recoloured "
+                             "images), for comparison")
     parser.add_argument("--unseen-pairs", type=int, default=0, metavar="K",
                         help="compositional split: K colour-shape pairs only in test (scenes in "
                              "data/shapes_unseen<K> unless --data); the table adds objects right for seen and "
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out, overlays=args.overlays, beam_size=args.beam, device=args.device, quick=args.quick,
         encoder_budget=args.encoder_budget, jobs=args.jobs, scst=args.scst, scst_budget=args.scst_budget,
         attention_supervision=not args.no_attention_supervision, unseen_pairs=args.unseen_pairs,
+        encoder_boxes=not args.encoder_from_captions,
     )
     report = run_demo(options)
     print()

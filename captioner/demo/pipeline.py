@@ -64,6 +64,11 @@ SCST_XE_WEIGHT = 0.25
 # the demo's step counts with the same encoder: objects right SAT soft 72.0% -> 78.3%, Transformer 88.3% -> 90.7%,
 # attention 5.8x -> 8.1x and 3.0x -> 8.1x uniform; SAT hard 60.7% -> 77.0%, 6.0x -> 8.1x. --no-attention-supervision: 0
 ATTENTION_SUPERVISION = {"sat_soft": 1.0, "sat_hard": 1.0, "transformer": 1.0}
+# The word-detector CNN also learns from the scenes' boxes (each object's words region by region) and sees this
+# share of its images recoloured (colour channels permuted, hue words out of their loss): docs/grounding.md. At
+# the demo's step counts objects right rose to 93-99% (from 78/77/91%), and on the 4-unseen-pairs split the unseen
+# pairs named right from 11-25% to 93-95%. --encoder-from-captions: MIL from the captions alone, no recolouring.
+ENCODER_RECOLOUR = 0.5
 
 
 @dataclass
@@ -92,6 +97,8 @@ class DemoOptions:
             (``train.attention_supervision`` = ``ATTENTION_SUPERVISION[decoder]``); False trains without.
         unseen_pairs: generate a compositional split (``make_shapes(unseen_pairs=K)``): K colour-shape
             pairs only in test; the table then has objects right for seen and unseen pairs apart.
+        encoder_boxes: pretrain the CNN's word detectors on the object boxes too, and on recoloured
+            images (``ENCODER_RECOLOUR``); False: multiple-instance learning from the captions alone.
     """
 
     data: Path = Path("data/shapes")
@@ -113,6 +120,7 @@ class DemoOptions:
     scst_budgets: dict[str, float] = field(default_factory=dict)
     attention_supervision: bool = True
     unseen_pairs: int = 0
+    encoder_boxes: bool = True
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
@@ -264,8 +272,11 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
     """Step 2: word-detector pretraining of the demo CNN into ``out/encoder.safetensors``."""
     cfg = demo_config(options.decoders[0], options)
     result = pretrain_word_detectors(cfg, options.out / "encoder.safetensors", seconds=options.encoder_budget,
-                                     progress=options.progress)
+                                     progress=options.progress, boxes=options.encoder_boxes,
+                                     recolour=ENCODER_RECOLOUR if options.encoder_boxes else 0.0)
     return {"weights": str(result.weights), "steps": result.steps, "seconds": round(result.seconds, 1),
+            "grounded_images": result.grounded_images,
+            "recolour": ENCODER_RECOLOUR if options.encoder_boxes else 0.0,
             "first_loss": round(result.first_loss, 4), "last_loss": round(result.last_loss, 4),
             "encoder": {k: v for k, v in cfg.model.encoder.__dict__.items() if k in ("name", "width", "grid",
                                                                                      "image_size")}}

@@ -189,8 +189,19 @@ def _encoder_note(encoder: dict[str, Any] | None) -> str:
     return (f'<p class="note">Encoder, shared and frozen: a {enc.get("name", "")} CNN (width {enc.get("width")}, '
             f'{enc.get("image_size")} px in, {enc.get("grid")}x{enc.get("grid")} regions) trained from scratch for '
             f'{encoder.get("seconds", 0):.0f} s ({encoder.get("steps")} steps) as word detectors on the training '
-            f'captions (multiple-instance learning, Fang et al. 2015; loss {encoder.get("first_loss")} &rarr; '
-            f'{encoder.get("last_loss")}), then its features were cached once for all decoders.</p>')
+            f'captions (multiple-instance learning, Fang et al. 2015{_detector_extras(encoder)}; loss '
+            f'{encoder.get("first_loss")} &rarr; {encoder.get("last_loss")}), then its features were cached once '
+            f'for all decoders.</p>')
+
+
+def _detector_extras(encoder: dict[str, Any]) -> str:
+    parts = []
+    if encoder.get("grounded_images"):
+        parts.append(f'the object words of {encoder["grounded_images"]} images also region by region on their '
+                     f'boxes')
+    if encoder.get("recolour"):
+        parts.append(f'{encoder["recolour"]:.0%} of the images recoloured, their colour words left out')
+    return "".join(f"; {p}" for p in parts)
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
