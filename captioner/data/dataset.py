@@ -121,6 +121,38 @@ class CaptionTrainDataset(Dataset):
         return self.load(index), tokens, index
 
 
+class CaptionBatchDataset(Dataset):
+    """Whole training batches of a ``CaptionTrainDataset`` whose ``load`` gathers many rows at once.
+
+    ``batches[items]`` (``items``: the caption indices of one batch, e.g. from a ``BatchSampler``) is
+    ``collate_captions([dataset[i] for i in items])``, bit for bit: ``x (B, ...)`` from one
+    ``dataset.load.stack(image indices)`` call (a feature cache reads the rows from its memory map in
+    one copy, into shared memory inside a DataLoader worker: ``captioner.features.rows``), tokens
+    ``(B, T_max)`` right-padded with ``<pad>``, and ``image_index (B,)``. Use it in a ``DataLoader``
+    with ``batch_size=None``.
+
+    Args:
+        dataset: the caption dataset; ``dataset.load.stack(indices) -> (B, ...)`` must equal
+            ``torch.stack([dataset.load(i) for i in indices])``.
+    """
+
+    def __init__(self, dataset: CaptionTrainDataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, items: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ds = self.dataset
+        items = np.asarray(items, dtype=np.int64)  # (B,)
+        images = ds.image_index[items]  # (B,)
+        starts, ends = ds.offsets[items], ds.offsets[items + 1]
+        tokens = np.full((len(items), int((ends - starts).max())), PAD_ID, dtype=np.int64)  # (B, T_max)
+        for row, (start, end) in enumerate(zip(starts, ends)):
+            tokens[row, :end - start] = ds.tokens[start:end]
+        return ds.load.stack(images.tolist()), torch.from_numpy(tokens), torch.from_numpy(images)
+
+
 class CaptionEvalDataset(Dataset):
     """One item per image: ``(x, image_index)``; references come from ``cs``.
 

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode
                                       map_dtype, peak, stored_rows, version_of, widen_in_place)
 from captioner.features.keys import cache_key, cache_path
 from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
+from captioner.features.rows import StoredRows, gather_stored
 from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 
 __all__ = ["MAGIC", "FeatureCache", "get_feature_cache"]
@@ -115,13 +116,24 @@ class FeatureCache:
         """Row ``index`` as an (N, D) tensor of the stored dtype, float16 or bfloat16 (a copy)."""
         return stored_rows(self.features[self._check(index)], self.dtype)
 
-    def loader(self) -> Callable[[int], torch.Tensor]:
-        """A picklable ``load(index) -> (N, D)`` in the stored 2-byte dtype, for the caption datasets.
+    def stored_batch(self, indices: Sequence[int]) -> torch.Tensor:
+        """Rows ``indices`` as one (B, N, D) tensor of the stored dtype, read from the map in one copy
+        (into shared memory inside a DataLoader worker: ``captioner.features.rows.gather_stored``)."""
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        ok = (index >= 0) & (index < self.count)
+        ok[ok] = self.valid[index[ok]]
+        if not ok.all():
+            self._check(int(index[np.argmin(ok)]))  # raises for the first bad index, as ``stored`` would
+        return gather_stored(self.features, index, self.dtype)
+
+    def loader(self) -> StoredRows:
+        """A picklable ``load(index) -> (N, D)`` in the stored 2-byte dtype, for the caption datasets;
+        ``load.stack(indices)`` reads a whole batch in one copy (the training loader's path).
 
         Rows stay float16/bfloat16 through the DataLoader (workers, collate, pinned memory) and are
         widened to float32 on the training device (``captioner.features.dtype.model_input``).
         """
-        return self.stored
+        return StoredRows(self)
 
     def _check(self, index: int) -> int:
         index = int(index)

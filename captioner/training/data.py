@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from captioner.config import Config
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set
-from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions,
+from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
 from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError
@@ -95,13 +95,32 @@ def load_or_build_vocab(train_set: Any, min_freq: int, run_dir: Path, resume: bo
 
 
 class _Remap:
-    """``load(i) = base(index[i])``: skips images whose cached features are missing (picklable)."""
+    """``load(i) = base(index[i])``: skips images whose cached features are missing (picklable).
+
+    ``load.stack(items) = base.stack([index[i] for i in items])`` when ``base`` has ``stack``
+    (a ``FeatureCache.loader()``), so the training loader still fetches whole batches.
+    """
 
     def __init__(self, base: Callable[[int], torch.Tensor], index: list[int]) -> None:
         self.base, self.index = base, index
 
     def __call__(self, i: int) -> torch.Tensor:
         return self.base(self.index[i])
+
+    def stack(self, items: list[int]) -> torch.Tensor:
+        return self.base.stack([self.index[i] for i in items])  # type: ignore[attr-defined]
+
+
+def gathers_batches(load: Any) -> bool:
+    """Whether ``load`` reads a batch's rows in one call (``load.stack(indices)``): a feature cache's."""
+    if isinstance(load, _Remap):
+        return gathers_batches(load.base)
+    return callable(getattr(load, "stack", None))
+
+
+def _whole_batch(batch: Any) -> Any:
+    """The collate of a loader over ``CaptionBatchDataset``: its items are batches already."""
+    return batch
 
 
 def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, info: DistInfo,
@@ -218,6 +237,11 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
                  store: Any = None) -> Any:
     """The epoch's training batches, order fixed by ``train.seed + epoch``.
 
+    Over a feature cache (``dataset.load`` has ``stack``) the DataLoader fetches whole batches
+    (``CaptionBatchDataset`` under a ``BatchSampler`` of the same order): a batch's rows are read
+    from the memory map in one copy, in shared memory in a worker, instead of row by row, then
+    stacked, then moved to shared memory. The batches are the same, bit for bit, in the same order.
+
     Args:
         dataset: the training dataset.
         cfg: batch size, seed, workers.
@@ -238,8 +262,13 @@ def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip
         return MemoryBatches(dataset, store, sampler, batch)
     # The loader's own generator (worker seeds) is seeded too, so it never draws from the global RNG.
     gen = torch.Generator().manual_seed(cfg.train.seed + epoch)
+    pin = info.device.type == "cuda"
+    if gathers_batches(getattr(dataset, "load", None)):
+        return DataLoader(CaptionBatchDataset(dataset), batch_size=None,
+                          sampler=BatchSampler(sampler, batch, drop_last=False), collate_fn=_whole_batch,
+                          num_workers=cfg.data.num_workers, pin_memory=pin, generator=gen)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_captions,
-                      num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda", generator=gen)
+                      num_workers=cfg.data.num_workers, pin_memory=pin, generator=gen)
 
 
 def val_loader(dataset: Dataset, cfg: Config, info: DistInfo, store: Any = None,
