@@ -130,6 +130,26 @@ def test_time_budget_stops_mid_epoch_saves_and_resumes_exactly(tiny_shapes: Path
     assert_same_weights(tmp_path / "latest.safetensors", uninterrupted[preset] / "latest.safetensors")
 
 
+def test_mid_epoch_resume_reading_whole_batches_from_the_feature_cache_is_exact(
+        tiny_shapes: Path, tmp_path: Path, uninterrupted: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cache too large for ``data.in_memory_mb`` the loader gathers whole batches from the memory
+    map; stopped after one batch and resumed, the run still equals the uninterrupted in-memory one."""
+    from captioner.data.dataset import CaptionBatchDataset
+
+    gathered = []
+    original = CaptionBatchDataset.__getitem__
+    monkeypatch.setattr(CaptionBatchDataset, "__getitem__", lambda self, items: gathered.append(items) or
+                        original(self, items))
+    preset, streamed = "sat_hard_tiny", {"train.epochs": 2, "data.in_memory_mb": 0}
+    stopped = train(tiny_cfg(preset, tiny_shapes, **streamed, **{"train.time_budget": 1e-9}), tmp_path,
+                    progress=False)
+    assert [row["step"] for row in stopped.history] == [1] and len(gathered) == 1
+    train(tiny_cfg(preset, tiny_shapes, **streamed), tmp_path, resume=True, progress=False)
+    assert len(gathered) == 2 * STEPS_PER_EPOCH  # every batch came through the batch-level path
+    assert step_losses(tmp_path) == step_losses(uninterrupted[preset])
+    assert_same_weights(tmp_path / "latest.safetensors", uninterrupted[preset] / "latest.safetensors")
+
+
 def _nan_at(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
     """Make CaptionLoss return NaN on the given (1-based) calls."""
     from captioner.losses import CaptionLoss
