@@ -6,16 +6,21 @@ Writes a synthetic cache of C images (default 20,000, the paper's 14 x 14 x 2048
 15.3 GiB) in the feature-cache format (``captioner.features.cache``), five random captions of 9-20
 words per image over a vocabulary of about 10,000 words, and trains the paper-sized SAT soft decoder
 (``sat_soft`` preset, batch 32) on it for up to ``SCALE_SECONDS`` through ``train_loader`` (a
-``DataLoader`` over the memory-mapped cache, ``SCALE_WORKERS`` workers, pinned memory): the path a
-COCO cache too large for ``data.in_memory_mb`` takes. On CUDA the step is the captured one
+``DataLoader`` over the memory-mapped cache reading whole batches in one gather, ``SCALE_WORKERS``
+workers, pinned memory; ``loader_dataset`` names the path): the path a COCO cache too large for
+``data.in_memory_mb`` takes. On CUDA the step is the captured one
 (``train.cuda_graph``; eager with ``SCALE_EAGER=1``), on a CPU the same wrapper runs eagerly.
 
 ``loader_scale`` (CPU is enough) times the loader alone, no model: items/s through ``train_loader``
 (``LOADER_WORKERS`` workers, default 2) over a synthetic cache of ``LOADER_IMAGES`` images (default
 2,000 x 196 x 2048 float16, 1.5 GiB, in ``SCALE_DIR`` or /tmp, deleted afterwards), for rows decoded
-to float32 in the worker (``float32_in_worker``, what the loader did before #25) and for rows kept in
-their stored float16 (``stored_dtype``, which ``model_input`` widens on the device), alternating
+to float32 in the worker (``float32_in_worker``, what the loader did before #25), for rows kept in
+their stored float16 read one by one and stacked by the collate (``stored_dtype``, which
+``model_input`` widens on the device), and for whole batches gathered from the map in one copy into
+shared memory (``batch_gather``, what ``train_loader`` does over ``FeatureCache.loader()``), in turn
 ``LOADER_ROUNDS`` times, ``LOADER_SECONDS`` each, in the same process; the median of each is kept.
+``batch_speedup`` is ``batch_gather`` over ``stored_dtype``. No pinned copy on a CPU run (it costs
+both paths the same).
 
     python scripts/benchmark.py --only loader_scale --json
 
@@ -122,6 +127,7 @@ def coco_scale(quick: bool = False) -> dict:
             return total
 
         loader = train_loader(dataset, cfg, 0, DistInfo(0, 1, 0, device))
+        out["loader_dataset"] = type(loader.dataset).__name__  # CaptionBatchDataset: whole batches
         waits, kept, losses = [], [], []
         began = time.perf_counter()
         for x, tokens, _ in _timed(loader, waits):
@@ -181,6 +187,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _RowByRow:
+    """``load(index)``: a cache row in its stored dtype, with no ``stack``: the loader reads rows one by one,
+    then ``collate_captions`` stacks them (the loader before whole-batch reads; picklable)."""
+
+    def __init__(self, cache: FeatureCache) -> None:
+        self.cache = cache
+
+    def __call__(self, index: int) -> torch.Tensor:
+        return self.cache.stored(index)
+
+
 class _Float32Rows:
     """``load(index)``: a cache row decoded to float32 in the worker (the loader before #25; picklable)."""
 
@@ -192,7 +209,8 @@ class _Float32Rows:
 
 
 def loader_scale(quick: bool = False) -> dict:
-    """Items/s of the training loader alone over a memory-mapped cache: float32 rows against stored float16."""
+    """Items/s of the training loader alone over a memory-mapped cache: float32 rows, stored float16 rows read
+    one by one, and whole batches gathered in one copy."""
     count = int(os.environ.get("LOADER_IMAGES", 200 if quick else 2_000))
     workers = int(os.environ.get("LOADER_WORKERS", 2))
     seconds = float(os.environ.get("LOADER_SECONDS", 1 if quick else 8))
@@ -207,7 +225,8 @@ def loader_scale(quick: bool = False) -> dict:
         cs = caption_set(count, 500)
         cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": "cpu"})
         vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
-        variants = {"float32_in_worker": _Float32Rows(cache), "stored_dtype": cache.loader()}
+        variants = {"float32_in_worker": _Float32Rows(cache), "stored_dtype": _RowByRow(cache),
+                    "batch_gather": cache.loader()}
         datasets = {name: CaptionTrainDataset(cs, vocab, load, cfg.data.max_caption_len)
                     for name, load in variants.items()}
         speeds: dict[str, list[float]] = {name: [] for name in variants}
@@ -215,6 +234,7 @@ def loader_scale(quick: bool = False) -> dict:
             for name, dataset in datasets.items():
                 items, began = 0, None
                 loader = train_loader(dataset, cfg, r, DistInfo(0, 1, 0, device))
+                out.setdefault("loader_dataset", {})[name] = type(loader.dataset).__name__  # which path
                 for i, (x, _, _) in enumerate(loader):
                     out.setdefault("loader_dtype", {})[name] = str(x.dtype).removeprefix("torch.")
                     if i == 2:  # workers started and warm
@@ -230,6 +250,7 @@ def loader_scale(quick: bool = False) -> dict:
             out[f"{name}_items_per_s"] = round(float(np.median(values)), 1)
             out[f"{name}_rounds"] = [round(v, 1) for v in values]
         out["speedup"] = round(out["stored_dtype_items_per_s"] / out["float32_in_worker_items_per_s"], 2)
+        out["batch_speedup"] = round(out["batch_gather_items_per_s"] / out["stored_dtype_items_per_s"], 2)
     return out
 
 
