@@ -126,47 +126,65 @@ def coco_scale(quick: bool = False) -> dict:
             optimizer.step()
             return total
 
-        loader = train_loader(dataset, cfg, 0, DistInfo(0, 1, 0, device))
-        out["loader_dataset"] = type(loader.dataset).__name__  # CaptionBatchDataset: whole batches
-        waits, kept, losses = [], [], []
-        began = time.perf_counter()
-        for x, tokens, _ in _timed(loader, waits):
-            x, tokens = model_input(x, device), tokens.to(device, non_blocking=True)  # float16 -> float32 here
-            losses.append(train(x, tokens))
-            if len(kept) < 50:
-                kept.append((x.clone(), tokens.clone()))
-            if len(waits) == warm:
-                _sync(device)
-                warm_end = time.perf_counter()
-            if time.perf_counter() - began > seconds:
-                break
-        _sync(device)
-        total_s = time.perf_counter() - began
-        steps = len(waits)
-        batch = cfg.train.batch_size
-        out.update(steps=steps, seconds=round(total_s, 2), captions_per_s=round(steps * batch / total_s, 1),
-                   loader_wait_s=round(sum(waits), 2), loader_wait_fraction=round(sum(waits) / total_s, 3),
-                   mode="cuda_graph" if capture else "eager")
-        if steps > warm:
-            steady_s = total_s - (warm_end - began)
-            out["steady_captions_per_s"] = round((steps - warm) * batch / steady_s, 1)
-            out["steady_loader_wait_fraction"] = round(sum(waits[warm:]) / steady_s, 3)
+        kept: list = []
+        # The training loader as it is (whole batches from the map), then, on the same cache and model, the
+        # row-by-row loader it replaced: the two side by side in one run (SCALE_COMPARE=0 skips the second).
+        out.update(_through_loader(dataset, cfg, device, train, seconds, warm, kept))
+        out["mode"] = "cuda_graph" if capture else "eager"
+        if os.environ.get("SCALE_COMPARE", "1") == "1":
+            rows = CaptionTrainDataset(cs, vocab, _RowByRow(cache), cfg.data.max_caption_len)
+            out["row_by_row"] = _through_loader(rows, cfg, device, train, seconds, warm, [])
         speed = out.get("steady_captions_per_s", out["captions_per_s"])
         out["projected_epoch_s"] = round(len(dataset) / speed, 1)
-        out["loss_finite"] = bool(torch.isfinite(torch.stack(losses)).all())
         _sync(device)
         t0 = time.perf_counter()
-        n = min(max(steps - warm, len(kept)), 300)
+        n = min(max(out["steps"] - warm, len(kept)), 300)
         for i in range(n):
             train(*kept[i % len(kept)])
         _sync(device)
-        model = n * batch / (time.perf_counter() - t0)
+        model = n * cfg.train.batch_size / (time.perf_counter() - t0)
         out["model_captions_per_s"] = round(model, 1)
         out["efficiency"] = round(speed / model, 3)
+        if "row_by_row" in out:
+            row = out["row_by_row"]
+            row["efficiency"] = round(row.get("steady_captions_per_s", row["captions_per_s"]) / model, 3)
+            out["batch_over_row_by_row"] = round(speed / row.get("steady_captions_per_s", row["captions_per_s"]), 2)
         out["graph_stats"] = step.stats.as_dict()
         if device.type == "cuda":
             out["peak_gpu_memory_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
-        del loader
+    return out
+
+
+def _through_loader(dataset, cfg, device: torch.device, train, seconds: float, warm: int,  # noqa: ANN001
+                    kept: list) -> dict:
+    """Train from ``train_loader(dataset)`` for ``seconds``: captions/s, time blocked on the loader, steady
+    figures after ``warm`` steps; the first 50 batches go to ``kept`` (for the model-alone figure)."""
+    loader = train_loader(dataset, cfg, 0, DistInfo(0, 1, 0, device))
+    out: dict = {"loader_dataset": type(loader.dataset).__name__}  # CaptionBatchDataset: whole batches
+    waits, losses = [], []
+    began = time.perf_counter()
+    warm_end = began
+    for x, tokens, _ in _timed(loader, waits):
+        x, tokens = model_input(x, device), tokens.to(device, non_blocking=True)  # float16 -> float32 here
+        losses.append(train(x, tokens))
+        if len(kept) < 50:
+            kept.append((x.clone(), tokens.clone()))
+        if len(waits) == warm:
+            _sync(device)
+            warm_end = time.perf_counter()
+        if time.perf_counter() - began > seconds:
+            break
+    _sync(device)
+    total_s = time.perf_counter() - began
+    steps, batch = len(waits), cfg.train.batch_size
+    out.update(steps=steps, seconds=round(total_s, 2), captions_per_s=round(steps * batch / total_s, 1),
+               loader_wait_s=round(sum(waits), 2), loader_wait_fraction=round(sum(waits) / total_s, 3),
+               loss_finite=bool(torch.isfinite(torch.stack(losses)).all()))
+    if steps > warm:
+        steady_s = total_s - (warm_end - began)
+        out["steady_captions_per_s"] = round((steps - warm) * batch / steady_s, 1)
+        out["steady_loader_wait_fraction"] = round(sum(waits[warm:]) / steady_s, 3)
+    del loader
     return out
 
 

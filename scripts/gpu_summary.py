@@ -95,6 +95,11 @@ def main(argv: list[str]) -> int:
         f"  loader wait {_fmt(scale.get('loader_wait_fraction'))} of the time (steady "
         f"{_fmt(scale.get('steady_loader_wait_fraction'))}); projected epoch {_fmt(scale.get('projected_epoch_s'))} s "
         f"for {_fmt(scale.get('epoch_captions'))} captions; peak GPU memory {_fmt(scale.get('peak_gpu_memory_mib'))} MiB",
+        f"  the row-by-row loader it replaced, same run: captions/s "
+        f"{_fmt((scale.get('row_by_row') or {}).get('steady_captions_per_s'))}, efficiency "
+        f"{_fmt((scale.get('row_by_row') or {}).get('efficiency'))}, loader wait "
+        f"{_fmt((scale.get('row_by_row') or {}).get('steady_loader_wait_fraction'))}; whole batches / row by row "
+        f"{_fmt(scale.get('batch_over_row_by_row'))}",
         "-- Flickr8k recipe, 448 px (14 x 14), one epoch (time-budgeted) --",
         *(f"  {name}: captions/s {_fmt(r.get('captions_per_s'))}, projected epoch (training) "
           f"{_fmt(r.get('projected_epoch_train_s'))} s, partial {_fmt(r.get('partial'))}, dev BLEU-4 "
