@@ -292,8 +292,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     log.info("[1/5] synthetic scenes in %s", options.data)
     scenes = ensure_scenes(options)
-    log.info("[2/5] pretraining the CNN as word detectors on the training captions for %.0f s",
-             options.encoder_budget)
+    log.info("[2/5] pretraining the CNN as word detectors on the training captions%s for %.0f s",
+             " and boxes, half the images recoloured" if options.encoder_boxes else "", options.encoder_budget)
     encoder = pretrain_encoder(options)
     configs = {name: demo_config(name, options, Path(encoder["weights"])) for name in options.decoders}
     log.info("[3/5] encoding the scenes once with the frozen CNN")
