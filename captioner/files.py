@@ -9,25 +9,38 @@ in the one-line error (``photo.jpg: is a named pipe, not a regular file``).
 Every file written into a run folder or next to a checkpoint goes through :func:`atomic_write`: a
 temporary ``.<name>.*.tmp`` in the same folder, fsync'ed, renamed over the target with
 ``os.replace``, then the folder itself fsync'ed so the rename survives a power cut.
+
+Two processes that would write the same file (a feature cache, a downloaded checkpoint) take turns
+with :func:`hold_lock`, an ``flock`` on ``<path>.lock`` (:func:`lock_file`) that the kernel drops
+when its holder dies, so a crash never leaves a file locked. Where ``flock`` does not exist (not
+POSIX) nothing is locked and the atomic rename alone protects readers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from captioner.errors import CaptionerError, CheckpointError
 
-__all__ = ["MiB", "atomic_write", "check_regular", "file_kind", "read_bytes", "read_text", "safe_name",
-           "size_text", "writable_folder"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: hold_lock locks nothing
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["MiB", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file", "lock_is_free", "read_bytes",
+           "read_text", "safe_name", "size_text", "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
+_LOCK_POLL = 0.1  # seconds between tries of a lock another process holds
 
 
 def size_text(n: int) -> str:
@@ -241,5 +254,67 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
         pass
+    finally:
+        os.close(fd)
+
+
+def lock_file(path: str | os.PathLike) -> Path:
+    """``<path>.lock``, the file the writers of ``path`` lock."""
+    path = Path(path)
+    return path.with_name(path.name + ".lock")
+
+
+def _flock_within(fd: int, kind: int, timeout: float | None) -> bool:
+    """Take an flock of ``kind`` on ``fd``, trying every ``_LOCK_POLL`` s for ``timeout`` s (None: until it is free)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(_LOCK_POLL)
+
+
+@contextlib.contextmanager
+def hold_lock(lock: str | os.PathLike, timeout: float | None = None,
+              busy: Callable[[], Exception] | None = None) -> Iterator[int | None]:
+    """Hold an exclusive flock on the file ``lock`` (created when absent) for the ``with`` block.
+
+    Args:
+        lock: the lock file, usually :func:`lock_file` of what is written.
+        timeout: seconds to wait for another holder (None: as long as it takes).
+        busy: the error raised when ``timeout`` runs out (default: one naming the lock file).
+
+    Yields:
+        The lock file's descriptor (a holder may write its pid there), or None where there is no
+        ``flock`` (not POSIX) and nothing is locked.
+    """
+    if fcntl is None:
+        yield None
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _flock_within(fd, fcntl.LOCK_EX, timeout):
+            raise (busy() if busy is not None else CaptionerError(f"{lock}: held by another process"))
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def lock_is_free(lock: str | os.PathLike, timeout: float) -> bool:
+    """True when nobody holds ``lock`` exclusively (after waiting up to ``timeout`` s), or it does not exist."""
+    if fcntl is None or not Path(lock).exists():
+        return True
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        if not _flock_within(fd, fcntl.LOCK_SH, timeout):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
     finally:
         os.close(fd)

@@ -29,12 +29,12 @@ import os
 import re
 import sys
 import urllib.parse
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.download import DownloadError, download, file_digest
 from captioner.errors import CheckpointError, ConfigError, DataError
+from captioner.files import hold_lock, lock_file
 
 __all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec", "cache_root",
            "is_remote", "offline", "parse_hub", "resolve_checkpoint", "split_sha256", "url_cache_path"]
@@ -130,23 +130,6 @@ def parse_hub(spec: str) -> HubSpec:
     return HubSpec(f"{parts[0]}/{repo}", filename, revision or None)
 
 
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold ``<path>.lock`` while fetching, so two processes never write the same ``.part`` file."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, the atomic rename still protects readers
-        yield
-        return
-    lock = path.with_name(path.name + ".lock")
-    with open(lock, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
@@ -170,7 +153,7 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
     except OSError as exc:
         raise CheckpointError(f"{dest.parent}: cannot create the checkpoint cache ({exc.strerror or exc}); "
                               f"set {CACHE_ENV} to a writable folder") from None
-    with _exclusive(dest):
+    with hold_lock(lock_file(dest)):  # two processes never write the same .part file
         if dest.is_file():  # another process finished it while we waited for the lock
             return _fetch_url(url, sha256, progress)
         log.info("downloading %s -> %s", url, dest)

@@ -1,0 +1,48 @@
+"""``captioner.files.hold_lock`` / ``lock_is_free``: the one flock the feature cache and the download cache share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from captioner import files
+from captioner.errors import CaptionerError, DataError
+from captioner.files import hold_lock, lock_file, lock_is_free
+
+
+def test_lock_file_sits_beside_what_it_guards(tmp_path: Path) -> None:
+    assert lock_file(tmp_path / "model.safetensors") == tmp_path / "model.safetensors.lock"
+
+
+def test_a_held_lock_keeps_a_second_holder_out_until_it_is_released(tmp_path: Path) -> None:
+    lock = lock_file(tmp_path / "cache.feats")
+    assert lock_is_free(lock, 0.0)  # no lock file yet
+    with hold_lock(lock) as fd:
+        assert isinstance(fd, int) and lock.exists()
+        assert not lock_is_free(lock, 0.2)
+        with pytest.raises(CaptionerError, match="held by another process"):
+            with hold_lock(lock, timeout=0.2):
+                pass
+        with pytest.raises(DataError, match="busy"):
+            with hold_lock(lock, timeout=0.0, busy=lambda: DataError("busy")):
+                pass
+    assert lock_is_free(lock, 0.0)
+    with hold_lock(lock, timeout=0.0):  # free again: taken at once
+        pass
+
+
+def test_a_block_that_raises_still_releases_the_lock(tmp_path: Path) -> None:
+    lock = lock_file(tmp_path / "x")
+    with pytest.raises(ValueError):
+        with hold_lock(lock):
+            raise ValueError("inside")
+    assert lock_is_free(lock, 0.0)
+
+
+def test_without_flock_nothing_is_locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "fcntl", None)  # as on a system that is not POSIX
+    lock = lock_file(tmp_path / "x")
+    with hold_lock(lock) as fd, hold_lock(lock, timeout=0.0) as again:
+        assert fd is None and again is None and not lock.exists()
+    assert lock_is_free(lock, 0.0)
