@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                              "2-core machine; on a busy one its seconds give far fewer); 0: --encoder-budget seconds")
     parser.add_argument("--encoder-boxes", action="store_true",
                         help="pretrain the word detectors region by region on the scenes' boxes as well")
-    parser.add_argument("--recolour", type=float, default=0.0)
+    parser.add_argument("--recolour", type=float, default=0.0,
+                        help="share of the word-detector images shown recoloured (the demo's 0.5), their colour "
+                             "words left out of the loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--images", type=int, default=3000, help="scenes to generate (the demo's 3000)")
     parser.add_argument("--threads", type=int, default=1,
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from captioner.config.parse import parse_override
     from captioner.demo.jobs import _train_and_score, build_feature_caches
-    from captioner.demo.pipeline import DemoOptions, demo_config, ensure_scenes, parse_budgets, pretrain_encoder
+    from captioner.demo.pipeline import DemoOptions, demo_config, ensure_scenes, parse_budgets
 
     out = Path(args.out)
     decoders = tuple(d for d in args.decoders.split(",") if d)
@@ -68,15 +70,14 @@ def main(argv: list[str] | None = None) -> int:
                           encoder_budget=args.encoder_budget, unseen_pairs=args.unseen_pairs, progress=False)
     ensure_scenes(options)
     weights_file = out / "encoder.safetensors"
-    if not weights_file.exists() and args.encoder_steps:
+    if not weights_file.exists():  # --encoder-steps steps, or (0) --encoder-budget seconds, with the flags' signals
         from captioner.training.word_detectors import pretrain_word_detectors
 
         result = pretrain_word_detectors(demo_config(decoders[0], options), weights_file,
-                                         max_steps=args.encoder_steps, progress=False, boxes=args.encoder_boxes,
-                                         recolour=args.recolour)
+                                         max_steps=args.encoder_steps or None,
+                                         seconds=None if args.encoder_steps else args.encoder_budget,
+                                         progress=False, boxes=args.encoder_boxes, recolour=args.recolour)
         logging.info("encoder: %d word-detector steps in %.0f s", result.steps, result.seconds)
-    elif not weights_file.exists():
-        pretrain_encoder(options)
     extra = dict(parse_override(text) for text in args.set)
     rows = []
     for name in decoders:
