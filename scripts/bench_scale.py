@@ -35,10 +35,8 @@ freshly written cache sits in the page cache, so this measures the loader, not t
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import struct
 import sys
 import tempfile
 import time
@@ -52,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from captioner.config import get_preset  # noqa: E402
 from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402
 from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
-from captioner.features.cache import MAGIC, FeatureCache  # noqa: E402
-from captioner.features.dtype import model_input, version_of  # noqa: E402
+from captioner.features.cache import FeatureCache  # noqa: E402
+from captioner.features.dtype import model_input  # noqa: E402
+from captioner.features.layout import cache_header, write_cache_file  # noqa: E402
 from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
@@ -70,16 +69,9 @@ def write_cache(path: Path, count: int, grid: int, dim: int, seed: int = 0) -> f
     rows = max(1, min(count, (64 << 20) // (regions * dim * 2)))
     block = np.maximum(np.random.default_rng(seed).standard_normal((rows, regions, dim), dtype=np.float32), 0)
     block = block.astype(np.float16)
-    with open(path, "wb") as f:
-        for start in range(0, count, rows):
-            f.write(block[:min(rows, count - start)].tobytes())
-        header = {"format": "captioner-features", "version": version_of("float16"), "count": count,
-                  "num_regions": regions, "dim": dim, "grid": [grid, grid], "dtype": "float16",
-                  "max_abs": float(block.max()), "invalid": [], "key": ""}
-        blob = json.dumps(header).encode()
-        f.write(blob)
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(MAGIC)
+    blocks = (block[:min(rows, count - start)] for start in range(0, count, rows))
+    write_cache_file(path, blocks, cache_header(count, regions, dim, (grid, grid), "float16", float(block.max()),
+                                                key=""))
     return path.stat().st_size / 2**30
 
 

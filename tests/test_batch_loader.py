@@ -10,10 +10,8 @@ buckets, a mid-epoch skip, and invalid rows left out by ``_Remap``.
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
-import struct
 from pathlib import Path
 
 import pytest
@@ -24,8 +22,8 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionBatchDataset, CaptionTrainDataset
 from captioner.errors import ImageLoadError
-from captioner.features.cache import MAGIC, FeatureCache
-from captioner.features.dtype import version_of
+from captioner.features.cache import FeatureCache
+from captioner.features.layout import cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training.data import _Remap, train_loader
 from captioner.training.distributed import DistInfo
@@ -40,11 +38,8 @@ def _write_cache(path: Path, dtype: str, invalid: tuple[int, ...] = ()) -> Featu
     values[list(invalid)] = 0.0
     stored = values.to(torch.float16 if dtype == "float16" else torch.bfloat16)
     raw = stored.numpy() if dtype == "float16" else stored.view(torch.int16).numpy()
-    header = {"format": "captioner-features", "version": version_of(dtype), "count": COUNT, "num_regions": N,
-              "dim": D, "grid": [2, 2], "dtype": dtype, "max_abs": float(values.abs().max()),
-              "invalid": list(invalid), "key": "", "invalid_names": [f"{i}.jpg" for i in invalid]}
-    blob = json.dumps(header).encode()
-    path.write_bytes(raw.tobytes() + blob + struct.pack("<Q", len(blob)) + MAGIC)
+    write_cache_file(path, raw, cache_header(COUNT, N, D, (2, 2), dtype, float(values.abs().max()), invalid, key="",
+                                             invalid_names=[f"{i}.jpg" for i in invalid]))
     return FeatureCache.open(path)
 
 

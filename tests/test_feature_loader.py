@@ -9,9 +9,7 @@
 
 from __future__ import annotations
 
-import json
 import random
-import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,8 +20,9 @@ import torch
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset
-from captioner.features.cache import MAGIC, FeatureCache
-from captioner.features.dtype import model_input, version_of
+from captioner.features.cache import FeatureCache
+from captioner.features.dtype import model_input
+from captioner.features.layout import cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training import validation
 from captioner.training.data import train_loader, val_loader
@@ -40,11 +39,8 @@ def _write_cache(path: Path, dtype: str) -> torch.Tensor:
     values = torch.randn(COUNT, N, D, generator=torch.Generator().manual_seed(0)) * 3
     stored = values.to(torch.float16 if dtype == "float16" else torch.bfloat16)
     raw = stored.numpy() if dtype == "float16" else stored.view(torch.int16).numpy()
-    header = {"format": "captioner-features", "version": version_of(dtype), "count": COUNT, "num_regions": N,
-              "dim": D, "grid": [2, 2], "dtype": dtype, "max_abs": float(values.abs().max()), "invalid": [],
-              "key": "", "invalid_names": []}
-    blob = json.dumps(header).encode()
-    path.write_bytes(raw.tobytes() + blob + struct.pack("<Q", len(blob)) + MAGIC)
+    write_cache_file(path, raw, cache_header(COUNT, N, D, (2, 2), dtype, float(values.abs().max()), key="",
+                                             invalid_names=[]))
     return stored.float()
 
 

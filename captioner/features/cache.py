@@ -7,6 +7,7 @@ One cache file holds the features of every image of a caption set, row ``i`` bel
 
     [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
 
+(``captioner.features.layout`` writes and checks it.)
 The values are float16, or bfloat16 when an encoder's features exceed float16's range (its
 trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.features.dtype``). A
 build checks each batch before storing it and refuses NaN/inf features naming the encoder and
@@ -27,10 +28,8 @@ are read through ``captioner.features.safe_images``, so an unreadable one is rai
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,9 +43,10 @@ from tqdm import tqdm
 from captioner.config import ModelConfig
 from captioner.data.dataset import image_loader
 from captioner.errors import DataError, ImageLoadError
-from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows,
-                                      map_dtype, peak, stored_rows, version_of, widen_in_place)
+from captioner.features.dtype import (FLOAT16_MAX, check_range, decode_row, encode_rows, map_dtype, peak,
+                                      stored_rows, widen_in_place)
 from captioner.features.keys import cache_key, cache_path
+from captioner.features.layout import MAGIC, cache_header, read_trailer, write_trailer
 from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
 from captioner.features.rows import StoredRows, gather_stored
 from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
@@ -55,8 +55,6 @@ __all__ = ["MAGIC", "FeatureCache", "get_feature_cache"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"CAPFEAT1"
-_TAIL = struct.Struct("<Q")  # trailer length
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -171,7 +169,7 @@ class FeatureCache:
                     raise DataError(f"feature cache {path} is incomplete (an interrupted build left "
                                     f"{partial_path(path).name}); rebuild it")
                 raise DataError(f"feature cache {path} does not exist")
-        header = _read_trailer(path)
+        header = read_trailer(path)
         if key is not None and header.get("key") != key:
             raise DataError(f"feature cache {path} is stale: built for another encoder config or image list "
                             f"(key {str(header.get('key'))[:12]}, expected {key[:12]}); delete it or rebuild")
@@ -233,7 +231,7 @@ class FeatureCache:
                 header["key"] = key
                 header["invalid_names"] = [caption_set.images[i].file_name for i in header["invalid"]]
                 with open(partial, "ab") as f:
-                    _write_trailer(f, header)
+                    write_trailer(f, header)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(partial, path)
@@ -304,52 +302,7 @@ def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Pat
             encoder.to(old_device)
     if shape is None:
         raise DataError(f"feature cache {final}: none of the {len(images)} images could be loaded")
-    return {"format": "captioner-features", "version": version_of(dtype), "count": len(images),
-            "num_regions": shape[0], "dim": shape[1], "grid": [int(g) for g in grid], "dtype": dtype,
-            "max_abs": top, "invalid": invalid}
-
-
-def _write_trailer(f: Any, header: dict[str, Any]) -> None:
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    f.write(blob)
-    f.write(_TAIL.pack(len(blob)))
-    f.write(MAGIC)
-
-
-def _read_trailer(path: Path) -> dict[str, Any]:
-    """Parse and check the trailer; the data size must match exactly."""
-    size = path.stat().st_size
-    end = _TAIL.size + len(MAGIC)
-    bad = f"feature cache {path} is truncated or not a captioner feature cache"
-    if size < end:
-        raise DataError(bad)
-    with open(path, "rb") as f:
-        f.seek(size - end)
-        tail = f.read(end)
-        if tail[_TAIL.size:] != MAGIC:
-            raise DataError(bad)
-        (length,) = _TAIL.unpack(tail[:_TAIL.size])
-        if length > size - end:
-            raise DataError(bad)
-        f.seek(size - end - length)
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            raise DataError(bad) from None
-    if not isinstance(header, dict) or header.get("format") != "captioner-features":
-        raise DataError(bad)
-    version = header.get("version")
-    if version not in VERSIONS:
-        raise DataError(f"feature cache {path} has format version {version}, "
-                        f"this captioner reads {' and '.join(map(str, VERSIONS))}; rebuild it")
-    header.setdefault("dtype", "float16")
-    if header["dtype"] != VERSIONS[version]:
-        raise DataError(f"feature cache {path} says dtype {header['dtype']!r} with format version {version}, "
-                        f"which stores {VERSIONS[version]}; rebuild it")
-    expected = int(header["count"]) * int(header["num_regions"]) * int(header["dim"]) * 2  # 2-byte values
-    if size - end - length != expected:
-        raise DataError(f"feature cache {path} is truncated: {size - end - length} data bytes, expected {expected}")
-    return header
+    return cache_header(len(images), shape[0], shape[1], grid, dtype, top, invalid)
 
 
 def get_feature_cache(
