@@ -58,14 +58,13 @@ def teacher_forced_mass(checkpoint: Path, data: Path, split: str) -> dict[str, f
 
     from captioner.data.coco import load_caption_set, load_instances
     from captioner.data.images import load_image
-    from captioner.data.transforms import crop_box
     from captioner.inference import load
     from captioner.training.grounding import GroundingTargets
 
     engine = load(checkpoint, device="cpu")
     model, vocab, encoder = engine.model.eval(), engine.vocab, engine.config.encoder
     cs, instances = load_caption_set(data, split), load_instances(data, split)
-    targets = GroundingTargets(cs.images, instances, vocab, lambda w, h: crop_box(w, h, encoder), encoder.grid)
+    targets = GroundingTargets.for_encoder(cs.images, instances, vocab, encoder)
     mass = uniform = words = 0.0
     with torch.no_grad():
         for index, record in enumerate(cs.images):

@@ -271,12 +271,11 @@ def default_jobs(options: DemoOptions) -> int:
 def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
     """Step 2: word-detector pretraining of the demo CNN into ``out/encoder.safetensors``."""
     cfg = demo_config(options.decoders[0], options)
+    recolour = ENCODER_RECOLOUR if options.encoder_boxes else 0.0
     result = pretrain_word_detectors(cfg, options.out / "encoder.safetensors", seconds=options.encoder_budget,
-                                     progress=options.progress, boxes=options.encoder_boxes,
-                                     recolour=ENCODER_RECOLOUR if options.encoder_boxes else 0.0)
+                                     progress=options.progress, boxes=options.encoder_boxes, recolour=recolour)
     return {"weights": str(result.weights), "steps": result.steps, "seconds": round(result.seconds, 1),
-            "grounded_images": result.grounded_images,
-            "recolour": ENCODER_RECOLOUR if options.encoder_boxes else 0.0,
+            "grounded_images": result.grounded_images, "recolour": recolour,
             "first_loss": round(result.first_loss, 4), "last_loss": round(result.last_loss, 4),
             "encoder": {k: v for k, v in cfg.model.encoder.__dict__.items() if k in ("name", "width", "grid",
                                                                                      "image_size")}}

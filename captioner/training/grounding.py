@@ -65,6 +65,12 @@ class GroundingTargets:
         self._rows: dict[tuple[int, tuple[int, ...]], int] = {}  # (image, box indices) -> bank row
         self._bank: list[np.ndarray] = []  # (N,) coverages
 
+    @classmethod
+    def for_encoder(cls, images: Sequence[Any], instances: dict[int, list[Any]], vocab: Vocabulary,
+                    encoder: Any) -> "GroundingTargets":
+        """Targets on the grid of ``encoder`` (an ``EncoderConfig``: its ``grid``, and the crop it sees)."""
+        return cls(images, instances, vocab, lambda w, h: crop_box(w, h, encoder), encoder.grid)
+
     def _row(self, image: int, boxes: tuple[int, ...]) -> int:
         key = (image, boxes)
         if key not in self._rows:
@@ -169,8 +175,7 @@ def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> 
                     "instances_%s.json; training without it", t.attention_supervision, len(train_set.images),
                     cfg.data.root, split)
         return None
-    encoder = cfg.model.encoder
-    targets = GroundingTargets(train_set.images, instances, vocab, lambda w, h: crop_box(w, h, encoder), encoder.grid)
+    targets = GroundingTargets.for_encoder(train_set.images, instances, vocab, cfg.model.encoder)
     log.info("attention supervision (weight %g, form %s): %d of %d training images have boxes; words matched "
              "as %s", t.attention_supervision, t.attention_supervision_form, with_boxes, len(train_set.images),
              targets.table.name)

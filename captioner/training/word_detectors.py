@@ -52,7 +52,7 @@ from captioner.config import Config
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform, crop_box
+from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
@@ -280,14 +280,13 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
 
 
 def _region_targets(cfg: Config, caption_set, vocab: Vocabulary) -> RegionTargets | None:  # noqa: ANN001
-    d, encoder = cfg.data, cfg.model.encoder
+    d = cfg.data
     instances = load_instances(d.root, d.train_split, d.images)
     if not instances:
         log.warning("word detectors: %s has no object boxes for %r (instances_%s.json); MIL from the captions "
                     "alone", d.root, d.train_split, d.train_split)
         return None
-    grounding = GroundingTargets(caption_set.images, instances, vocab, lambda w, h: crop_box(w, h, encoder),
-                                 encoder.grid)
+    grounding = GroundingTargets.for_encoder(caption_set.images, instances, vocab, cfg.model.encoder)
     regions = RegionTargets.build(caption_set, vocab, grounding)
     log.info("word detectors: %d of %d training images also train their object words region by region "
              "(words matched as %s)", regions.grounded_images, len(caption_set.images), grounding.table.name)
