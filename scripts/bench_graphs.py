@@ -6,7 +6,7 @@ Shape legend: B batch, N regions, D feature width, V vocabulary, K beams.
 14x14x2048, V 10,000, width 512, captions of 11-21 words; ``bench_sat.py``), captions per second of:
 
 * ``tutorial``: the tutorial-style decoder (``bench_sat.TutorialSAT``), fp32;
-* ``fp32`` / ``fp32_graph``: our decoder eager / captured (``captioner.training.cuda_graph``);
+* ``fp32`` / ``fp32_graph``: our decoder eager / captured (``captioner.training.step``);
 * ``bf16`` / ``bf16_graph``: the same under bf16 autocast (fp32 weights, the optimizer's master copy);
 * ``hard`` / ``hard_graph``: the hard-attention decoder eager / captured (fp32).
 
@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sat import PAPER, QUICK, TutorialSAT, make_batch, tutorial_loss  # noqa: E402
 from timing import sync  # noqa: E402
 
-from captioner.decoding.graphs import GraphedSteps  # noqa: E402
+from captioner.decoding.graphs import GraphedSteps
 from captioner.decoding.search import DecodeOptions, decode  # noqa: E402
-from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.training.cuda_graph import GraphedStep  # noqa: E402
+from captioner.training.objective import CaptionLoss
+from captioner.training.step import GraphedStep
 
 
 def _rounds(fns: dict[str, Callable[[], None]], device: torch.device, steps: int, rounds: int = 3) -> dict[str, float]:

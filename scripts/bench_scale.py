@@ -53,12 +53,12 @@ from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
 from captioner.features.cache import FeatureCache  # noqa: E402
 from captioner.features.dtype import model_input  # noqa: E402
 from captioner.features.layout import cache_header, write_cache_file  # noqa: E402
-from captioner.losses import CaptionLoss  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
-from captioner.training.cuda_graph import GraphedStep  # noqa: E402
-from captioner.training.data import train_loader  # noqa: E402
+from captioner.training.data import train_loader
 from captioner.training.distributed import DistInfo  # noqa: E402
+from captioner.training.objective import CaptionLoss
+from captioner.training.step import GraphedStep
 
 WARM_STEPS = 20  # steps left out of the steady-state figures (captures happen here)
 

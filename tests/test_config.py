@@ -329,9 +329,8 @@ def test_old_flat_model_config_with_a_changed_foreign_key_warns(caplog: pytest.L
 
 
 def test_family_properties_replace_name_branches():
-    from captioner.config import DecoderConfig
-    from captioner.losses import CaptionLoss
-    from captioner.config import TrainConfig
+    from captioner.config import DecoderConfig, TrainConfig
+    from captioner.training.objective import CaptionLoss
 
     soft, hard = DecoderConfig(name="sat"), DecoderConfig(name="sat", attention="hard")
     transformer = DecoderConfig(name="transformer", d_model=64, num_heads=4)

@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from captioner.config import get_preset
 from captioner.errors import ConfigError
-from captioner.losses import CaptionLoss
 from captioner.models.lstm import SATDecoder
-from captioner.training.cuda_graph import GraphedStep, bucket_steps, check_cuda_graph
+from captioner.training.objective import CaptionLoss
+from captioner.training.step import GraphedStep, bucket_steps, check_cuda_graph
 
 V, D, N = 30, 12, 9
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.device import resolve_device
-from captioner.evaluation import evaluate as ev
 from captioner.config import get_preset
+from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError, ImageLoadError
+from captioner.evaluation import evaluate as ev
 from captioner.evaluation.metrics import caption_metrics
 from captioner.text import Vocabulary
 
@@ -238,7 +238,7 @@ def test_evaluate_validation_and_caption_decode_alike(checkpoint: Path, tiny_sha
     from captioner.data.coco import load_caption_set
     from captioner.data.dataset import CaptionEvalDataset, collate_images, image_loader
     from captioner.inference import load
-    from captioner.training.validation import validate
+    from captioner.training.loop import validate
 
     images = 6
     report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="val", max_images=images, out_dir=tmp_path,

@@ -24,10 +24,9 @@ from captioner.features.cache import FeatureCache
 from captioner.features.dtype import model_input
 from captioner.features.layout import cache_header, write_cache_file
 from captioner.text import Vocabulary
-from captioner.training import validation
-from captioner.training.data import train_loader, val_loader
+from captioner.training import loop as validation
+from captioner.training.data import features_in_memory, train_loader, val_loader
 from captioner.training.distributed import DistInfo
-from captioner.training.memory import features_in_memory
 from captioner.training.step import _batch_on_device
 
 COUNT, N, D = 12, 4, 8

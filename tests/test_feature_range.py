@@ -24,10 +24,10 @@ from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
 from captioner.errors import CaptionerError, DataError
-from captioner.features.dtype import FLOAT16_MAX
 from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache
+from captioner.features.dtype import FLOAT16_MAX
 from captioner.models.encoder import build_encoder
-from captioner.training.diagnosis import first_loss_cause
+from captioner.training.step import first_loss_cause
 
 COUNT = 10
 
@@ -195,9 +195,9 @@ def test_nonfinite_first_loss_names_the_cause_not_skipping(tiny_shapes: Path, tm
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose encoder produces features beyond float16's range: the cache keeps them (as
     bfloat16), and the NaN loss of step 1 is blamed on them, without suggesting to skip batches."""
-    from captioner.losses import CaptionLoss
     from captioner.models.encoder import Encoder
     from captioner.training.loop import train
+    from captioner.training.objective import CaptionLoss
 
     encode, loss = Encoder.forward, CaptionLoss.forward
 

@@ -233,11 +233,11 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
 
     The same weights and the same batches (the epoch order is seeded); the first 4 batches keep it fast.
     """
-    from captioner.losses import CaptionLoss
     from captioner.models.captioner import build_model
-    from captioner.training.run import TrainForward
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
     from captioner.training.distributed import DistInfo
+    from captioner.training.objective import CaptionLoss
+    from captioner.training.run import TrainForward
 
     info = DistInfo(0, 1, 0, torch.device("cpu"))
     losses = {}

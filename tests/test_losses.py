@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from captioner.errors import ConfigError
-from captioner.losses import CaptionLoss, doubly_stochastic_penalty
 from captioner.models.base import DecoderOutput
+from captioner.training.objective import CaptionLoss, doubly_stochastic_penalty
 
 V = 7
 

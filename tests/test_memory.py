@@ -20,13 +20,11 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import CaptionTrainDataset, collate_captions, image_loader
 from captioner.data.transforms import ImageTransform
-from captioner.losses import LossResult
 from captioner.text import Vocabulary
-from captioner.training.loop import train
+from captioner.training.data import MemoryStore, padded_tokens, pixels_in_memory, train_loader, val_loader
 from captioner.training.distributed import DistInfo
-from captioner.training.memory import MemoryStore, padded_tokens, pixels_in_memory
-from captioner.training.data import train_loader, val_loader
-from captioner.training.step_stats import DeviceStats, term_shares
+from captioner.training.loop import train
+from captioner.training.objective import DeviceStats, LossResult, term_shares
 
 
 def _dataset(root: Path, store_or_loader, vocab: Vocabulary) -> CaptionTrainDataset:

@@ -10,12 +10,11 @@ import torch
 from captioner.config import get_preset
 from captioner.config.schema import OBJECTIVES
 from captioner.data.coco import load_caption_set
-from captioner.losses import CaptionLoss
-from captioner.models.captioner import build_model
 from captioner.models.base import DecoderOutput
+from captioner.models.captioner import build_model
 from captioner.text import Vocabulary
-from captioner.training.objective import Batch, CrossEntropy, TrainModel
-from captioner.training.objectives import BUILDERS, build_objective
+from captioner.training.loop import BUILDERS, build_objective
+from captioner.training.objective import Batch, CaptionLoss, CrossEntropy, TrainModel
 from captioner.training.scst import SelfCritical
 
 PACKAGE = Path(__file__).resolve().parents[1] / "captioner"

@@ -45,7 +45,7 @@ def step_lrs_by_epoch(run: Path) -> dict[int, list[float]]:
 
 def script_validation(monkeypatch: pytest.MonkeyPatch, scores: list[tuple[float, float]], seen: list | None = None):
     """Validation returns (BLEU-4, CIDEr-D) from ``scores``, one pair per call."""
-    import captioner.training.epoch as train_mod
+    import captioner.training.loop as train_mod
 
     calls = iter(scores)
 
@@ -122,9 +122,9 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
 
 def test_real_validation_scores_cider_with_beam_search(tiny_shapes: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import captioner.training.epoch as train_mod
+    import captioner.training.loop as train_mod
     from captioner.evaluation.metrics import bleu, cider_d
-    from captioner.training.validation import score
+    from captioner.training.loop import score
 
     captured = {}
 
@@ -175,7 +175,7 @@ def test_resume_of_an_old_run_keeps_selecting_on_bleu4(tiny_shapes: Path, tmp_pa
     _make_old_run(tmp_path)
     from captioner.cli import main
 
-    with caplog.at_level("WARNING", logger="captioner.training.selection"):
+    with caplog.at_level("WARNING", logger="captioner.training.run"):
         assert main(["train", "--out", str(tmp_path), "--resume", "--epochs", "2", "--no-progress"]) == 0
     assert any("selects its best checkpoint on BLEU-4" in r.getMessage() for r in caplog.records)
     state = torch.load(tmp_path / "train_state.pt", weights_only=True)
@@ -188,7 +188,7 @@ def test_resume_of_an_old_run_keeps_selecting_on_bleu4(tiny_shapes: Path, tmp_pa
 
 
 def test_progress_state_migration() -> None:
-    from captioner.training.state import Progress
+    from captioner.training.run import Progress
 
     old = Progress().state_dict()
     for key in ("best_score", "select_metric", "skipped"):
@@ -257,7 +257,7 @@ def test_an_init_stage_with_the_first_stages_seed_is_warned_that_it_replays_its_
     import logging
     import shutil
 
-    from captioner.training.initialize import load_init_checkpoint, replay_warning
+    from captioner.training.loop import load_init_checkpoint, replay_warning
 
     meta = _metadata(stage1)
     assert meta["train_seed"] == 0 and meta["train_batch_size"] == 16  # written with every checkpoint
@@ -321,7 +321,7 @@ def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes
 def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary
-    from captioner.training.initialize import apply_init, load_init_checkpoint
+    from captioner.training.loop import apply_init, load_init_checkpoint
 
     cfg = get_preset("sat_soft_tiny").model
     init = load_init_checkpoint(stage1, cfg)
@@ -340,7 +340,7 @@ def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:
 def test_cosine_schedule_anneals_over_the_planned_epochs_with_length_buckets(
         tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Flickr8k presets' loop: batches of similar length, lr from the peak to the floor over train.epochs."""
-    from captioner.training.schedules import COSINE_FLOOR
+    from captioner.training.optim import COSINE_FLOOR
 
     script_validation(monkeypatch, DIVERGING[:2])
     lr = 1e-3

@@ -310,7 +310,7 @@ def sabotage(monkeypatch: pytest.MonkeyPatch, how: str, at_call: int) -> None:
 
 def nan_loss_once(monkeypatch: pytest.MonkeyPatch, at_call: int) -> None:
     """One batch (the ``at_call``-th loss of this session) gets a NaN loss; the weights stay fine."""
-    from captioner.losses import CaptionLoss
+    from captioner.training.objective import CaptionLoss
 
     real = CaptionLoss.forward
     calls = {"n": 0}

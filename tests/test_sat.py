@@ -7,11 +7,11 @@ import torch
 
 from captioner.config import get_preset
 from captioner.errors import ConfigError
-from captioner.losses import CaptionLoss
 from captioner.models.attention import AdditiveAttention
 from captioner.models.base import DecoderOutput
 from captioner.models.captioner import build_decoder, build_model
 from captioner.models.lstm import SATDecoder
+from captioner.training.objective import CaptionLoss
 
 V, D, N = 23, 12, 9
 

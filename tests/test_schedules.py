@@ -9,7 +9,7 @@ import torch
 
 from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.training.schedules import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, warmup_shape
+from captioner.training.optim import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, warmup_shape
 
 
 def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
@@ -102,7 +102,7 @@ def test_cosine_warms_up_then_anneals_to_the_floor_at_the_planned_last_step() ->
 
 def test_old_noam_configs_keep_their_decoder_curve(caplog: pytest.LogCaptureFixture) -> None:
     """lr=1.0 + warmup (the old Transformer presets) means a peak of (d * w)^-0.5, with a warning."""
-    with caplog.at_level("WARNING", logger="captioner.training.schedules"):
+    with caplog.at_level("WARNING", logger="captioner.training.optim"):
         peak = decoder_peak_lr(1.0, "warmup", 512, 4000)
     assert peak == pytest.approx((512 * 4000) ** -0.5) and peak == pytest.approx(6.99e-4, rel=1e-3)
     [record] = caplog.records

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from captioner.config import Config, get_preset
 from captioner.errors import ConfigError
 from captioner.evaluation.metrics import cider_d_scores, document_frequencies
-from captioner.training.scst_reward import CaptionReward
 from captioner.text import tokenize
 from captioner.training.loop import train
+from captioner.training.scst import CaptionReward
 
 PRESETS = ("sat_soft_tiny", "sat_hard_tiny", "transformer_tiny")
 STEPS_PER_EPOCH = 15

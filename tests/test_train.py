@@ -152,7 +152,7 @@ def test_mid_epoch_resume_reading_whole_batches_from_the_feature_cache_is_exact(
 
 def _nan_at(monkeypatch: pytest.MonkeyPatch, calls: set[int]) -> None:
     """Make CaptionLoss return NaN on the given (1-based) calls."""
-    from captioner.losses import CaptionLoss
+    from captioner.training.objective import CaptionLoss
 
     original = CaptionLoss.forward
     count = {"n": 0}
@@ -286,7 +286,7 @@ def test_cli_reports_user_errors_in_one_line(tiny_shapes: Path, tmp_path: Path, 
 def test_fine_tuning_trains_the_encoder_with_its_own_lr(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.models.captioner import build_model
     from captioner.text import Vocabulary
-    from captioner.training.state import seed_everything
+    from captioner.training.run import seed_everything
 
     cfg = tiny_cfg("sat_soft_tiny", tiny_shapes, **{"model.encoder.fine_tune": True, "train.encoder_lr": 1e-3,
                                                     "train.val_max_images": 1})

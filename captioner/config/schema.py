@@ -32,7 +32,7 @@ LITE_STD = (128.0 / 255.0,) * 3
 ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
-OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.objectives
+OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
@@ -204,7 +204,7 @@ class TrainConfig:
     skip_nonfinite: bool = False  # skip a batch whose loss is NaN/inf instead of stopping
     compile: bool = False  # torch.compile the SAT decoder's per-word training step (opt-in; pays off on a GPU)
     # replay the SAT step (forward, loss, backward) as one CUDA graph per batch shape (opt-in; CUDA, cached
-    # features, one process; captioner/training/cuda_graph.py, docs/gpu.md)
+    # features, one process; captioner/training/step.py, docs/gpu.md)
     cuda_graph: bool = False
     # with time_budget: scale every lr by a factor falling linearly from 1 to BUDGET_DECAY_FLOOR over the budget
     # (budgeted training, Li et al. 2020); the run then ends annealed rather than mid-stride

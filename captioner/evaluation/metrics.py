@@ -19,7 +19,7 @@ hypotheses are shorter than 4 words or empty.
 CIDEr-D follows Vedantam et al. (2015) exactly as coco-caption computes it (``cider_scorer.py``):
 TF-IDF vectors of 1- to 4-grams, document frequencies over the reference sets of the evaluated
 images (or, passed as ``doc_freq``, any other corpus's: the self-critical reward uses the training
-corpus's, :mod:`captioner.training.scst_reward`), candidate n-gram weights clipped by the reference
+corpus's, :mod:`captioner.training.scst`), candidate n-gram weights clipped by the reference
 weights, a Gaussian length penalty (sigma = 6), mean over n and over references, times 10.
 
 SPICE is never computed: it needs Stanford CoreNLP models that cannot be downloaded offline.

@@ -1,10 +1,13 @@
-"""Pieces of the training loop (``captioner.training.loop``): distributed setup, run state, data, logs.
+"""Training: ``captioner.training.loop.train(cfg, out_dir)`` and the parts it is made of, one idea per module.
 
-``distributed`` wraps torchrun/process-group handling, ``state`` captures and restores RNG state
-for exact resumption, ``data`` turns a ``Config`` into caption sets, vocabulary, feature caches and
-DataLoaders, ``optim`` builds optimizer, schedule and mixed precision (and guards steps against
-non-finite gradients), ``validation`` decodes and scores the validation set, and ``logging_utils``
-writes ``metrics.csv`` (and TensorBoard when it is installed). The loop itself is ``loop`` (build a
-run, run its epochs), ``run`` (what one run holds), ``step`` (one training step) and ``epoch`` (one
-epoch, validation, the end-of-epoch save).
+``loop`` builds a run and runs its epochs (validation, the end-of-epoch save, starting from a
+checkpoint's weights, the objective chosen by name); ``run`` is what one run holds and saves (its
+folder, progress, random-generator states, resume checks, ``metrics.csv``, the selection metric);
+``step`` is one training step (eager, or captured as a CUDA graph) and what to do with non-finite
+values; ``optim`` the optimiser, its learning-rate schedules and decays and mixed precision;
+``objective`` the objectives' interface, the cross-entropy with its regularisers and the attention
+supervision by object boxes; ``scst`` self-critical training (sampling and the CIDEr-D reward);
+``data`` caption sets, vocabulary, feature caches, DataLoaders and in-memory batches;
+``distributed`` torchrun and process-group handling; ``word_detectors`` the encoder's word
+detector pretraining.
 """

@@ -1,21 +1,43 @@
-"""The training loop: ``train(cfg, out_dir)`` with ``train_one_epoch`` and ``validate`` pieces.
+"""The training loop: ``train(cfg, out_dir)`` builds a run and runs its epochs, each followed by validation and a save.
 
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), N regions, D feature width.
 
 A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors`` (best validation
 ``train.select_metric``), ``latest.safetensors``, ``train_state.pt`` (everything needed to resume
 exactly), ``metrics.csv``, ``features/`` (cached encoder features, frozen encoder only) and
-``tensorboard/`` (if installed). Validation decodes captions for real, the way ``captioner
-evaluate`` does by default (beam ``train.val_beam`` = 3, ``train.val_max_len`` = 20 words, no
-``<unk>``), and scores corpus BLEU-1..4 and CIDEr-D against all references; the best checkpoint,
-early stopping and the plateau decay follow ``train.select_metric`` (CIDEr-D by default). A run
-keeps the metric it started with when resumed.
+``tensorboard/`` (if installed). A run keeps the selection metric it started with when resumed.
 
-``train.init`` (``--init``) starts a new run from a checkpoint's weights and vocabulary with a fresh
-optimizer (:mod:`captioner.training.initialize`), e.g. the fine-tuning stage of the SAT recipe.
-``train.objective = "scst"`` trains such a stage with self-critical sequence training instead of
-cross-entropy (:mod:`captioner.training.scst`): the objective is an object chosen once here
-(:mod:`captioner.training.objectives`); everything else in the loop stays the same.
+**Validation** decodes captions for real, the way ``captioner evaluate`` does by default (beam
+``train.val_beam`` = 3, ``train.val_max_len`` = 20 words, no ``<unk>``). :func:`validate` runs on
+one shard of the validation images (one per rank under torchrun) and returns hypotheses and
+references; :func:`score` merges the shards and computes BLEU-1..4 (0-1 scale), CIDEr-D
+(coco-caption's scale, document frequencies from the validation references, as ``captioner
+evaluate`` computes it on its split) and the mean attention entropy per generated word, identically
+on every rank. The end of an epoch (:func:`end_of_epoch`) updates the best score, early stopping and
+the plateau decay (``train.select_metric``, CIDEr-D by default), writes the epoch row of
+``metrics.csv`` and saves ``latest.safetensors`` (and ``best.safetensors``), then
+``train_state.pt`` last; non-finite weights are never saved.
+
+**The objective** is an object chosen once, when the run is built (:func:`build_objective`): the
+names are the config's (``captioner.config.schema.OBJECTIVES``, validated there); each maps to a
+builder ``fn(cfg, train_set, vocab) -> Objective`` in :data:`BUILDERS`. Adding an objective adds a
+class (an :class:`captioner.training.objective.Objective`), its name in the config and a row there;
+the training step does not change. ``train.objective = "scst"`` trains with self-critical sequence
+training (:mod:`captioner.training.scst`) instead of cross-entropy.
+
+**Starting from a checkpoint's weights** (``captioner train --init CKPT``, ``train.init``) is how a
+training recipe is split into stages that share weights but not optimizer state: the SAT fine-tune
+(stage 1 with a frozen encoder on cached features, stage 2 with ``encoder.fine_tune=true`` on
+pixels), and later stages such as self-critical training. Only the weights and the vocabulary are
+taken; the optimizer, schedule, early-stopping counters and random streams start fresh. The
+checkpoint's model config must equal the run's except for the settings in :data:`INIT_FREE`, which
+change how the same weights are trained or used, never their shapes or their inputs. The run uses
+the checkpoint's vocabulary (the output layer's rows are its words), whatever its own data would
+have built::
+
+    init = load_init_checkpoint(cfg.train.init, cfg.model)   # refuses a different architecture
+    model = build_model(cfg.model, len(init.vocab), load_pretrained=False)
+    apply_init(model, init, init.vocab)                       # refuses a different vocabulary
 
 Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
 ``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
@@ -28,44 +50,423 @@ non-finite weights are never saved. An unreadable image stops it with one line n
 unless ``data.skip_missing`` drops it from its batch. A resume removes the temporary files of an
 interrupted checkpoint write and refuses a ``vocab.json`` other than the checkpoint's.
 
-This module builds a run and runs its epochs; the pieces live beside it: what a run holds
-(:mod:`captioner.training.run`), one training step and the non-finite checks
-(:mod:`captioner.training.step`), one epoch, validation and the end-of-epoch save
-(:mod:`captioner.training.epoch`).
+What a run holds is :mod:`captioner.training.run`; one training step and the non-finite checks are
+:mod:`captioner.training.step`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
 
-from captioner.checkpoint.store import load_train_state
-from captioner.config import Config
-from captioner.errors import CheckpointError
-from captioner.models.captioner import build_model
+from captioner import inference
+from captioner.checkpoint.store import load_checkpoint, load_train_state, save_checkpoint, save_train_state
+from captioner.config import Config, ModelConfig
+from captioner.config.parse import MAX_CONFIG_BYTES
+from captioner.decoding.search import DecodeOptions
+from captioner.errors import CaptionerError, CheckpointError, ConfigError, ImageLoadError
+from captioner.evaluation.metrics import bleu, cider_d
+from captioner.features.dtype import model_input
+from captioner.files import read_text
+from captioner.models.base import attention_entropy
+from captioner.models.captioner import CaptionModel, build_model
+from captioner.text import Vocabulary
 from captioner.training import distributed as ddp
-from captioner.training.cuda_graph import GraphedStep, check_cuda_graph
-from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
-from captioner.training.epoch import end_of_epoch, train_one_epoch
-from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
-from captioner.training.logging_utils import MetricsLogger
-from captioner.training.objectives import build_objective
-from captioner.training.optim import build_optimizer, build_schedule, setup_precision
-from captioner.training.run import Clock, Learner, Run, RunFolder, TrainForward, restore_train_state
-from captioner.training.run_folder import check_run_folder, earlier_run_files, make_run_folder, move_aside
-from captioner.training.selection import keep_select_metric
-from captioner.training.state import (Progress, check_resume_config, check_resume_vocab, remove_stale_temp_files,
-                                      seed_everything)
-
-__all__ = ["TrainResult", "train"]
+from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
+                                     val_loader)
+from captioner.training.objective import Objective, build_cross_entropy, term_shares
+from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
+                                      setup_precision)
+from captioner.training.run import (Clock, Learner, MetricsLogger, Progress, Run, RunFolder, TrainForward, capture_rng,
+                                    check_resume_config, check_resume_vocab, check_run_folder, config_diff,
+                                    earlier_run_files, keep_select_metric, make_run_folder, move_aside,
+                                    remove_stale_temp_files, restore_rng, restore_train_state, seed_everything,
+                                    train_state)
+from captioner.training.scst import build_self_critical
+from captioner.training.step import GraphedStep, check_cuda_graph, name_list, read_stats, step_function
 
 log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
+             device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
+    """Decode captions for the loader's images and collect hypotheses and references.
+
+    Args:
+        model: the (unwrapped) captioner.
+        loader: yields (x, image_index) with x region features (B,N,D) or images (B,3,S,S).
+        val_set: the caption set ``image_index`` points into (references come from it).
+        vocab: vocabulary of the model.
+        beam_size, max_len: decoding options (beam 1 is greedy).
+        device: where to run.
+        on_features: ``x`` holds cached features rather than images.
+        options: the config's ``decoding`` section (a ``DecodeOptions``: length penalty, ``<unk>``);
+            ``beam_size`` and ``max_len`` replace its own. None: the defaults.
+
+    Returns:
+        ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
+    """
+    base = options if options is not None else DecodeOptions()
+    options = dataclasses.replace(base, beam_size=beam_size, max_len=max_len, n_best=1)
+    hyps: list[str] = []
+    refs: list[list[str]] = []
+    entropy_sum, words = 0.0, 0
+    for batch in loader:
+        if batch is None:  # no readable image in this batch (data.skip_missing)
+            continue
+        x, index = batch
+        x = model_input(x, device)  # cached features: float16/bfloat16 -> float32 on the device
+        if on_features:
+            results = inference.caption_features(model, x, vocab, options)
+        else:
+            results = inference.caption_images(model, x, vocab, options)
+        for res, i in zip(results, index.tolist()):
+            hyps.append(res.text)
+            refs.append(val_set.references(val_set.images[i].image_id))
+            if res.attention.numel():
+                entropy_sum += float(attention_entropy(res.attention.flatten(1).float()).sum())  # (L, N) -> (L,)
+                words += res.attention.size(0)
+    return {"hypotheses": hyps, "references": refs, "entropy_sum": entropy_sum, "words": words}
+
+
+def score(shards: list[dict[str, Any]]) -> dict[str, float]:
+    """Corpus BLEU-1..4 (0-1), CIDEr-D and mean attention entropy per generated word over merged shards."""
+    hyps = [h for s in shards for h in s["hypotheses"]]
+    refs = [r for s in shards for r in s["references"]]
+    words = sum(s["words"] for s in shards)
+    out = {k: float(v) for k, v in bleu(hyps, refs).items()}
+    out["CIDEr-D"] = float(cider_d(hyps, refs))
+    out["attention_entropy"] = sum(s["entropy_sum"] for s in shards) / words if words else float("nan")
+    out["val_images"] = len(hyps)
+    out["val_words"] = words / len(hyps) if hyps else 0.0  # mean caption length (0: only empty captions)
+    return out
+
+
+# Model settings a run may change from its --init checkpoint: training switches and test-time
+# behaviour. Everything else (sizes, names, the encoder's input geometry and normalisation) must match.
+INIT_FREE = frozenset({
+    "model.encoder.fine_tune", "model.encoder.fine_tune_stages", "model.encoder.pretrained",
+    "model.encoder.weights", "model.decoder.dropout", "model.decoder.hard_test_mode",
+    "model.decoder.hard_soft_prob",
+})
+
+
+@dataclass
+class InitWeights:
+    """What a run takes from its ``--init`` checkpoint.
+
+    Attributes:
+        path: the checkpoint file.
+        state: its model ``state_dict`` (CPU tensors).
+        vocab: its vocabulary (the run must use it).
+        config: its model config.
+        metadata: its training metadata (epoch, step, validation scores, ...).
+    """
+
+    path: Path
+    state: dict[str, torch.Tensor]
+    vocab: Vocabulary
+    config: ModelConfig
+    metadata: dict[str, Any]
+
+
+def _show(value: Any) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig) -> None:
+    """Refuse, in one line, a run whose model differs from the checkpoint's beyond :data:`INIT_FREE`."""
+    a = {"model": dataclasses.asdict(saved)}
+    b = {"model": dataclasses.asdict(wanted)}
+    diff = [k for k in config_diff(a, b) if k not in INIT_FREE]
+    if not diff:
+        return
+    diff.sort(key=lambda k: not k.endswith(".name"))  # a different encoder or decoder explains the rest
+    key = diff[0]
+    first = _lookup(a, key), _lookup(b, key)
+    more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+    raise ConfigError(f"--init {path}: {key} is {_show(first[0])} in the checkpoint but {_show(first[1])} in this "
+                      f"run{more}; the architecture must match (only {', '.join(sorted(k[6:] for k in INIT_FREE))} "
+                      "may change)")
+
+
+def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) -> None:
+    """Refuse, in one line, a vocabulary other than the checkpoint's (size, or the first differing token)."""
+    if saved == wanted:
+        return
+    if len(saved) != len(wanted):
+        raise ConfigError(f"--init {path}: the checkpoint's vocabulary has {len(saved)} tokens but this run's has "
+                          f"{len(wanted)}; an --init run uses the checkpoint's vocabulary")
+    index = next(i for i, (x, y) in enumerate(zip(saved.itos, wanted.itos)) if x != y)
+    raise ConfigError(f"--init {path}: vocabulary token {index} is {saved.itos[index]!r} in the checkpoint but "
+                      f"{wanted.itos[index]!r} in this run; an --init run uses the checkpoint's vocabulary")
+
+
+def replay_warning(init: InitWeights, train: Any) -> str | None:
+    """The warning for an ``--init`` run that would replay its checkpoint's batches and dropout masks, or None.
+
+    A run's caption order is fixed by ``train.seed + epoch`` and its dropout (and sampling) stream
+    by ``train.seed``; the batch size cuts both the same way. A second stage with the seed and batch
+    size of the run that wrote its checkpoint therefore sees every caption again under the very
+    dropout mask it was trained with: the model has fitted those pairs, so the training loss reads
+    low and then "jumps" when the replay runs out. Measured on the Flickr8k subset: continued
+    cross-entropy logged 1.13-1.2 nats for 9 epochs, then 1.72 from epoch 10; the same weights
+    scored 1.72 on those very batches with another dropout stream, or in another order.
+
+    ``train`` is the new run's ``TrainConfig`` (seed, batch size, objective). Self-critical training
+    runs with its dropout layers off, so only cross-entropy stages warn. The seed is read from the
+    checkpoint's metadata (``train_seed``, written since 2026-11-26) or
+    from the ``config.json`` beside it (a run folder's checkpoint); without either, None.
+    """
+    if train.objective != "xe":
+        return None
+    seed, batch_size = train.seed, train.batch_size
+    seed_then, batch_then = init.metadata.get("train_seed"), init.metadata.get("train_batch_size")
+    if seed_then is None:
+        config_file = init.path.parent / "config.json"
+        try:
+            then = json.loads(read_text(config_file, MAX_CONFIG_BYTES)).get("train", {})
+            seed_then, batch_then = then.get("seed"), then.get("batch_size")
+        except (CaptionerError, ValueError, AttributeError, RecursionError):
+            return None
+    if seed_then != seed or batch_then != batch_size:
+        return None
+    return (f"--init {init.path}: this run has the train.seed ({seed}) and batch size ({batch_size}) of the run "
+            "that wrote the checkpoint, so it replays that run's caption order and dropout masks: its training "
+            "loss will read low until the replay ends. Set train.seed to another value (e.g. --set "
+            f"train.seed={seed + 1}) for a fresh stream")
+
+
+def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWeights:
+    """Read a checkpoint to start a run from and check that its architecture is the run's.
+
+    Args:
+        path: a checkpoint written by training (``best.safetensors``, ``latest.safetensors``).
+        model_config: the new run's model config.
+
+    Returns:
+        Its weights, vocabulary, config and metadata.
+
+    Raises:
+        CheckpointError: the file is missing or not a readable checkpoint.
+        ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"--init {path}: checkpoint not found")
+    try:
+        loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init {exc}") from None
+    check_init_config(path, loaded.config, model_config)
+    state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
+    return InitWeights(path, state, loaded.vocab, loaded.config, dict(loaded.metadata))
+
+
+def apply_init(model: torch.nn.Module, init: InitWeights, vocab: Vocabulary) -> None:
+    """Copy the checkpoint's weights into ``model`` (built from the run's config with ``len(vocab)`` words).
+
+    Raises:
+        ConfigError: ``vocab`` is not the checkpoint's vocabulary.
+        CheckpointError: the weights do not fit the model (cannot happen after the config check,
+            unless the model was built from another config).
+    """
+    check_init_vocab(init.path, init.vocab, vocab)
+    own = model.state_dict()
+    wrong = [k for k in own if k not in init.state or own[k].shape != init.state[k].shape]
+    extra = [k for k in init.state if k not in own]
+    if wrong or extra:
+        name = (wrong or extra)[0]
+        raise CheckpointError(f"--init {init.path}: its weights do not fit this model ({len(wrong)} missing or "
+                              f"reshaped, {len(extra)} unexpected, e.g. {name})")
+    with torch.no_grad():
+        model.load_state_dict(init.state, strict=True)
+    log.info("initialised the model from %s (epoch %s, step %s)", init.path, init.metadata.get("epoch", "?"),
+             init.metadata.get("step", "?"))
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def image_error(run: Run, exc: ImageLoadError, where: str) -> ImageLoadError:
+    """One line naming the unreadable file (a DataLoader worker wraps the message in its traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = lines[-1] if lines else "unreadable image"
+    if len(lines) > 1:  # "...ImageLoadError: <path>: <reason>", the last line of the worker's traceback
+        message = re.sub(r"^[\w.]*(Error|Exception): ", "", message)
+    return ImageLoadError(f"{message} (found {where}; pass --skip-missing to train without unreadable images; "
+                          f"{run.folder.last_good()})")
+
+
+def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
+    """Train over ``loader`` (the rest of epoch ``epoch``), logging every ``train.log_every`` steps.
+
+    A batch that is skipped (non-finite with ``train.skip_nonfinite``, or without a readable
+    image with ``data.skip_missing``) still counts as a step of the epoch, so a resumed run
+    starts at the same batch.
+
+    Returns:
+        ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
+        the epoch's last batch was trained.
+
+    Raises:
+        ImageLoadError: an unreadable image without ``data.skip_missing`` (one line naming it).
+    """
+    cfg, info, prog, learner = run.cfg, run.info, run.progress, run.learner
+    params = learner.params()
+    train_step = step_function(run)
+    learner.forward.train()
+    learner.objective.train()
+    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="batch", leave=False,
+               initial=prog.batch_in_epoch, total=prog.batch_in_epoch + len(loader),
+               disable=True if not (run.show_progress and info.is_main) else None)
+    window_start = time.monotonic()
+    window_captions = 0.0
+    remaining = len(loader)
+    try:
+        for batch in bar:
+            remaining -= 1
+            prog.step += 1
+            prog.batch_in_epoch += 1
+            time_up, captions = train_step(run, batch, params, epoch)
+            window_captions += captions
+            if prog.step % cfg.train.log_every == 0:
+                read_stats(run, epoch)
+                speed = window_captions / max(time.monotonic() - window_start, 1e-9)
+                means = prog.window_meter.means()
+                if run.folder.logger is not None:
+                    run.folder.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **means,
+                                                     **term_shares(means), "lr": run.session.last_lr,
+                                                     "captions_per_s": speed, "seconds": run.clock.elapsed()})
+                loss = means.get("loss")
+                bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
+                prog.window_meter = type(prog.window_meter)()
+                window_start, window_captions = time.monotonic(), 0.0
+            if time_up:
+                read_stats(run, epoch)
+                return True, remaining == 0
+    except ImageLoadError as exc:
+        raise image_error(run, exc, f"in the training data at epoch {epoch + 1} step {prog.step + 1}") from None
+    finally:
+        bar.close()
+    read_stats(run, epoch)
+    return False, True
+
+
+def _validate_all(run: Run, data: TrainData) -> dict[str, float]:
+    """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere.
+
+    Decodes like ``captioner evaluate``: beam ``train.val_beam``, ``train.val_max_len`` words, and the
+    rest of the config's ``decoding`` section (length penalty 0 and no ``<unk>`` by default).
+    """
+    info, cfg = run.info, run.cfg
+    dataset = data.val_dataset
+    shard_indices = list(range(info.rank, len(dataset), info.world_size)) if info.distributed else None
+    loader = val_loader(dataset, cfg, info, store=data.val_store, indices=shard_indices)
+    shard = validate(run.learner.model, loader, data.val_set, data.vocab, cfg.train.val_beam, cfg.train.val_max_len,
+                     info.device, data.on_features, options=cfg.decoding)
+    return score(ddp.gather_objects(shard, info))
+
+
+def _save(run: Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]]) -> None:
+    """latest (and best) checkpoint, then ``train_state.pt`` last; rank 0 only, each write atomic."""
+    if not run.info.is_main:
+        return
+    prog, run_dir, model = run.progress, run.folder.path, run.learner.model
+    last = prog.history[-1]
+    meta = {"epoch": last["epoch"], "step": prog.step, "val_bleu4": last["BLEU-4"], "val_cider_d": last["CIDEr-D"],
+            "select_metric": prog.select_metric, "val_split": run.cfg.data.val_split,
+            # the random streams' identity: an --init run with the same ones replays them (initialize.replay_warning)
+            "train_seed": run.cfg.train.seed, "train_batch_size": run.cfg.train.batch_size}
+    save_checkpoint(run_dir / "latest.safetensors", model, data.vocab, metadata=meta)
+    if improved:
+        save_checkpoint(run_dir / "best.safetensors", model, data.vocab, metadata=meta)
+    save_train_state(run_dir / "train_state.pt", train_state(run, rngs))
+
+
+def end_of_epoch(run: Run, data: TrainData, epoch: int, complete: bool, captions_per_s: float) -> None:
+    """Validate, update early stopping, log the epoch row and save (every rank calls this).
+
+    Args:
+        run: the run after ``train_one_epoch``.
+        data: its validation set and vocabulary.
+        epoch: 0-based epoch just trained.
+        complete: its last batch was trained (False when the time budget cut it short).
+        captions_per_s: training speed of the epoch, for the epoch row.
+
+    Raises:
+        CaptionerError: non-finite weights (nothing is saved).
+        ImageLoadError: an unreadable validation image (one line naming it).
+    """
+    prog, info = run.progress, run.info
+    bad = nonfinite_tensors(run.learner.model)
+    if bad:  # never replace the last good checkpoint with NaN/inf weights
+        raise CaptionerError(f"non-finite weights ({name_list(bad)}) at epoch {epoch + 1} step {prog.step}; not "
+                             f"saving them; {run.folder.last_good()}")
+    rng = capture_rng(info.device)
+    try:
+        metrics = _validate_all(run, data)
+    except ImageLoadError as exc:
+        raise image_error(run, exc, f"in the validation data after epoch {epoch + 1} step {prog.step}") from None
+    restore_rng(rng, info.device)  # validation must not shift the training random stream
+    row = {"epoch": epoch + 1, "step": prog.step, **prog.epoch_meter.means(), **term_shares(prog.epoch_meter.means()),
+           "lr": run.session.last_lr, "captions_per_s": captions_per_s, **metrics,
+           "partial": int(not complete), "seconds": run.clock.elapsed()}
+    value = metrics[prog.select_metric]
+    improved = value > prog.best_score
+    if improved:
+        prog.best_score, prog.best_bleu4, prog.best_epoch, prog.bad_epochs = value, metrics["BLEU-4"], epoch + 1, 0
+    elif complete:
+        prog.bad_epochs += 1
+    if complete:
+        decay_after_epoch(run.cfg.train, prog, run.learner.scheduler, epoch, announce=info.is_main)
+        prog.epoch, prog.batch_in_epoch = epoch + 1, 0
+        prog.epoch_meter = type(prog.epoch_meter)()
+    prog.history.append(row)
+    prog.seconds = run.clock.elapsed()
+    if run.folder.logger is not None:
+        run.folder.logger.write("epoch", row)
+        log.info("epoch %d%s: loss %.4f, val %s %.4f (best %.4f, epoch %d), BLEU-4 %.4f, attention entropy %.3f, "
+                 "%.0f s", epoch + 1, "" if complete else " (partial)", row.get("loss", math.nan), prog.select_metric,
+                 value, prog.best_score, prog.best_epoch, metrics["BLEU-4"], metrics["attention_entropy"],
+                 row["seconds"])
+    _save(run, data, improved, ddp.gather_objects(rng, info))
+
+
+ObjectiveBuilder = Callable[[Config, Any, Vocabulary], Objective]
+
+
+BUILDERS: dict[str, ObjectiveBuilder] = {"xe": build_cross_entropy, "scst": build_self_critical}  # keys: OBJECTIVES
+
+
+def build_objective(cfg: Config, train_set: Any, vocab: Vocabulary, device: torch.device) -> Objective:
+    """The objective ``cfg.train.objective`` names, over the training set ``train_set``, on ``device``.
+
+    Args:
+        cfg: the run's config.
+        train_set: the training ``CaptionSet`` (self-critical rewards read its references).
+        vocab: the run's vocabulary.
+        device: where the objective's buffers live.
+    """
+    return BUILDERS[cfg.train.objective](cfg, train_set, vocab).to(device)
 
 
 @dataclass
@@ -91,8 +492,6 @@ class TrainResult:
     select_metric: str = "CIDEr-D"
     best_score: float = 0.0
     best_epoch: int = 0
-
-
 
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,

@@ -13,7 +13,7 @@ in one region's feature, which is what attention can then find.
 
 With ``boxes=True`` and object boxes for the training split (``instances_<split>.json``), the
 words that name a box (the object words and their colour and size words, bound to boxes as
-attention supervision binds them: ``captioner.training.grounding``) are also trained **region by
+attention supervision binds them: ``captioner.training.objective``) are also trained **region by
 region**: each region's score for the word against its coverage by the word's box. The MIL loss
 lets a detector fire wherever the word's evidence correlates (a "purple" detector on stars, when
 most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
@@ -57,8 +57,8 @@ from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.grounding import GroundingTargets
-from captioner.training.memory import pixels_in_memory
+from captioner.training.data import pixels_in_memory
+from captioner.training.objective import GroundingTargets
 
 log = logging.getLogger(__name__)
 
