@@ -49,10 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from captioner.config import get_preset  # noqa: E402
 from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402
-from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
-from captioner.features.cache import FeatureCache  # noqa: E402
+from captioner.data.dataset import CaptionTrainDataset
+from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.features.dtype import model_input  # noqa: E402
-from captioner.features.layout import cache_header, write_cache_file  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
 from captioner.training.data import train_loader

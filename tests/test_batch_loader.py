@@ -22,8 +22,7 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionBatchDataset, CaptionTrainDataset
 from captioner.errors import ImageLoadError
-from captioner.features.cache import FeatureCache
-from captioner.features.layout import cache_header, write_cache_file
+from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training.data import _Remap, train_loader
 from captioner.training.distributed import DistInfo

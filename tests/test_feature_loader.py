@@ -20,9 +20,8 @@ import torch
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset
-from captioner.features.cache import FeatureCache
+from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.features.dtype import model_input
-from captioner.features.layout import cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training import loop as validation
 from captioner.training.data import features_in_memory, train_loader, val_loader

@@ -19,8 +19,7 @@ from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
 from captioner.errors import CaptionerError, DataError, ImageLoadError
-from captioner.features.cache import FeatureCache, get_feature_cache
-from captioner.features.keys import cache_key, cache_path
+from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
 from captioner.models.encoder import build_encoder
 
 COUNT = 10

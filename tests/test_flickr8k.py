@@ -152,7 +152,7 @@ def test_other_ways_of_unzipping(tmp_path: Path) -> None:
 
 
 def test_feature_cache_file_name_reads_well(flickr: Path) -> None:
-    from captioner.features.keys import cache_path
+    from captioner.features.cache import cache_path
 
     assert cache_path("cache", load_caption_set(flickr, "dev"), "ab" * 32).name == "flickr8k_dev_abababababababab.feats"
 

@@ -471,8 +471,7 @@ print(cache.path)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set
     from captioner.data.transforms import ImageTransform
-    from captioner.features.cache import FeatureCache, get_feature_cache
-    from captioner.features.keys import cache_key, cache_path
+    from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
     from captioner.models.encoder import build_encoder
 
     cfg = get_preset("sat_soft_tiny").model

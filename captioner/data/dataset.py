@@ -3,6 +3,11 @@
 Items refer to images by their index into ``cs.images`` so that references and boxes can be
 looked up after batching. ``x`` is whatever ``load(index)`` returns: pixels (3, S, S) from
 :func:`image_loader` or cached region features (N, D); the datasets do not care.
+
+Image batches that survive unreadable files: the caller decides whether to raise or skip.
+
+Used to encode images for the feature cache (:mod:`captioner.features.cache`) and by
+``captioner evaluate``. Shape legend: B items in a batch, b of them readable, S image side.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from captioner.errors import ImageLoadError
 from captioner.text import Vocabulary
 
 log = logging.getLogger(__name__)
+
 
 PAD_ID = Vocabulary.pad_id
 
@@ -127,7 +133,7 @@ class CaptionBatchDataset(Dataset):
     ``batches[items]`` (``items``: the caption indices of one batch, e.g. from a ``BatchSampler``) is
     ``collate_captions([dataset[i] for i in items])``, bit for bit: ``x (B, ...)`` from one
     ``dataset.load.stack(image indices)`` call (a feature cache reads the rows from its memory map in
-    one copy, into shared memory inside a DataLoader worker: ``captioner.features.rows``), tokens
+    one copy, into shared memory inside a DataLoader worker: ``captioner.features.cache``), tokens
     ``(B, T_max)`` right-padded with ``<pad>``, and ``image_index (B,)``. Use it in a ``DataLoader``
     with ``batch_size=None``.
 
@@ -203,3 +209,39 @@ def collate_images(batch: Sequence[tuple[torch.Tensor | None, int]]) -> tuple[to
         return None
     xs, indices = zip(*batch)
     return torch.stack(xs), torch.tensor(indices, dtype=torch.long)  # (B, ...), (B,)
+
+
+class SafeImages(Dataset):
+    """Items ``(pixels or None, index, error or None)``: an unreadable image never kills a batch.
+
+    The caller decides what an error means (raise, or skip the image), also with DataLoader workers,
+    whose exceptions would otherwise reach the main process wrapped in a traceback.
+    """
+
+    def __init__(self, load: Callable[[int], torch.Tensor], count: int) -> None:
+        self.load, self.count = load, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, str | None]:
+        try:
+            return self.load(index), index, None
+        except ImageLoadError as exc:
+            return None, index, str(exc)
+
+
+def collate_safe(batch: list[tuple[torch.Tensor | None, int, str | None]]
+                 ) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
+    """-> (pixels of the readable images (b, ...) or None, indices (B), error per item or None)."""
+    pixels = [x for x, _, _ in batch if x is not None]
+    return (torch.stack(pixels) if pixels else None), [i for _, i, _ in batch], [e for _, _, e in batch]
+
+
+def check_batch_errors(errors: list[str | None], skip_bad: bool, what: str) -> None:
+    """Raise ``ImageLoadError`` for the first error unless ``skip_bad``; then log each skipped image."""
+    bad = [e for e in errors if e is not None]
+    if bad and not skip_bad:
+        raise ImageLoadError(bad[0])
+    for message in bad:
+        log.warning("%s: skipping unreadable image (%s)", what, message)

@@ -36,14 +36,13 @@ from tqdm import tqdm
 from captioner.checkpoint.remote import is_remote
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.dataset import image_loader
+from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
 from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
 from captioner.evaluation.coco_caption import COCO_KEYS, coco_caption_metrics
 from captioner.evaluation.compositional import compositional_scores
 from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
-from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
 from captioner.files import atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, decode_options, load
 

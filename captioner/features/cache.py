@@ -7,7 +7,7 @@ One cache file holds the features of every image of a caption set, row ``i`` bel
 
     [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
 
-(``captioner.features.layout`` writes and checks it.)
+(``captioner.features.cache`` writes and checks it.)
 The values are float16, or bfloat16 when an encoder's features exceed float16's range (its
 trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.features.dtype``). A
 build checks each batch before storing it and refuses NaN/inf features naming the encoder and
@@ -17,47 +17,291 @@ The features sit at offset 0 and are read through a read-only ``numpy.memmap``, 
 flat however large the dataset is; they are also written batch by batch, never held in RAM. The
 trailer (format version, C, N, D, grid, dtype, largest |value|, key, the indices of images that
 failed to load) is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.features.lock``); a killed build
+under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.features.cache``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
-configuration and the image list (``captioner.features.keys``); a cache whose key differs is stale
+configuration and the image list (``captioner.features.cache``); a cache whose key differs is stale
 and is refused by ``FeatureCache.open(path, key=...)`` or rebuilt by ``get_feature_cache``. Images
-are read through ``captioner.features.safe_images``, so an unreadable one is raised or skipped.
+are read through ``captioner.data.dataset``, so an unreadable one is raised or skipped.
+
+Feature-cache keys and file names: what decides a cache's content, hashed.
+
+A cache file is named ``<set name>_<split>_<key[:16]>.feats`` (:func:`cache_path`), where the key
+(:func:`cache_key`) hashes the encoder configuration, the ordered image list (plus size and mtime
+of a sample of the images) and, for randomly initialised encoders, the encoder's weights. A cache
+whose key differs from the one expected is stale (:mod:`captioner.features.cache`).
+
+The feature cache's file layout: the rows, then a JSON trailer, its length and a magic tag.
+
+Shape legend: C images, N regions, D feature width.
+
+    [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
+
+:func:`cache_header` is the trailer a build writes, :func:`write_trailer` / :func:`read_trailer`
+write and check it, and :func:`write_cache_file` writes a whole file from rows already in the
+map's dtype (float16, or bfloat16 as uint16/int16 bits), for tests and benchmarks that need a cache
+without an encoder. ``captioner.features.cache`` builds and opens caches through these.
+
+An exclusive write lock and the temporary name of a cache file that is being built.
+
+A build holds an ``fcntl.flock`` on ``<path>.lock`` (``captioner.files.hold_lock``; the file holds the writer's pid) and writes
+``<path>.partial``, renamed to ``<path>`` only when complete. The kernel drops the lock of a
+killed process, so a crash never leaves a cache locked, and a ``.partial`` file is never opened as
+a cache.
+
+Reading cache rows for training: one row per call, or a whole batch gathered in one copy.
+
+Shape legend: B rows in a batch, N regions, D feature width.
+
+Read row by row, a training batch of cached features is copied four times on the host: each row
+out of the memory map (in a DataLoader worker), ``torch.stack`` of the rows (the collate), the
+stacked batch into shared memory (to reach the main process), and into pinned memory (for the
+device copy). At COCO scale (196 x 2048 values a row, 800 KB in float16) those copies keep the
+training loop waiting. :func:`gather_stored` reads a batch's rows with one ``np.take`` straight
+into the batch tensor, which inside a worker is allocated in shared memory up front (as torch's
+default collate does), so the rows are copied once there and the batch crosses to the main
+process as it is; only the pinned copy remains.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import math
 import os
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 from tqdm import tqdm
 
 from captioner.config import ModelConfig
-from captioner.data.dataset import image_loader
-from captioner.errors import DataError, ImageLoadError
-from captioner.features.dtype import (FLOAT16_MAX, check_range, decode_row, encode_rows, map_dtype, peak,
-                                      stored_rows, widen_in_place)
-from captioner.features.keys import cache_key, cache_path
-from captioner.features.layout import MAGIC, cache_header, read_trailer, write_trailer
-from captioner.features.lock import busy_error, lock_path, partial_path, wait_unlocked, write_lock
-from captioner.features.rows import StoredRows, gather_stored
-from captioner.features.safe_images import SafeImages, check_batch_errors, collate_safe
-
-__all__ = ["MAGIC", "FeatureCache", "get_feature_cache"]
+from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
+from captioner.errors import CaptionerError, DataError, ImageLoadError
+from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
+                                      stored_rows, version_of, widen_in_place)
+from captioner.files import hold_lock, lock_file, lock_is_free, read_text
 
 log = logging.getLogger(__name__)
 
 
+_HELD = {"float16": torch.float16, "bfloat16": torch.int16}  # torch dtype the bits are gathered into
 
-# ----------------------------------------------------------------------------- the cache
+
+def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in shared memory when called inside a DataLoader worker.
+
+    ``tensor.share_memory_()`` would allocate a second buffer and copy into it; the storage is
+    created shared instead, so the worker's result is sent to the main process without a copy.
+    """
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def gather_stored(rows: np.ndarray, index: np.ndarray, dtype: str) -> torch.Tensor:
+    """Rows ``index`` (B,) of a cache's memory map as one (B, N, D) tensor of the stored dtype.
+
+    The same tensor as ``torch.stack([stored_rows(rows[i], dtype) for i in index])``, bit for bit:
+    float16, or bfloat16 from the map's raw uint16 bits. ``index`` must be in range (the caller
+    checks it; ``mode="clip"`` also lets numpy write into ``out`` directly, where ``"raise"``
+    would gather into a temporary buffer first).
+    """
+    index = np.asarray(index, dtype=np.intp)
+    out = empty_batch((len(index), *rows.shape[1:]), _HELD[dtype])  # (B, N, D)
+    np.take(rows, index, axis=0, out=out.numpy().view(rows.dtype), mode="clip")
+    return out if dtype == "float16" else out.view(torch.bfloat16)
+
+
+class StoredRows:
+    """What ``FeatureCache.loader()`` returns; picklable for DataLoader workers (the map is reopened there).
+
+    ``load(index)`` is one (N, D) row in the stored dtype (``FeatureCache.stored``);
+    ``load.stack(indices)`` is the (B, N, D) batch of those rows, equal to
+    ``torch.stack([load(i) for i in indices])`` but read in one copy (``FeatureCache.stored_batch``).
+    The training loader fetches whole batches from a ``load`` that has ``stack``.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, index: int) -> torch.Tensor:
+        return self.cache.stored(index)
+
+    def stack(self, indices: Sequence[int]) -> torch.Tensor:
+        return self.cache.stored_batch(indices)
+
+
+def lock_path(path: Path) -> Path:
+    """``<path>.lock``, the file a writer holds the lock on."""
+    return lock_file(path)
+
+
+def partial_path(path: Path) -> Path:
+    """``<path>.partial``, what a build writes before renaming it to ``path``."""
+    return path.with_name(path.name + ".partial")
+
+
+def busy_error(path: Path) -> CaptionerError:
+    """One line naming the lock and, when it says, the pid of the process writing ``path``."""
+    lock = lock_path(path)
+    try:
+        holder = read_text(lock, 4096).strip()
+    except CaptionerError:
+        holder = ""
+    who = f", pid {holder}" if holder.isdigit() else ""
+    return CaptionerError(f"feature cache {path} is being written by another process (lock {lock}{who})")
+
+
+@contextlib.contextmanager
+def write_lock(path: Path, timeout: float) -> Iterator[None]:
+    """Hold an exclusive flock on ``<path>.lock`` (holding this process's pid); wait up to ``timeout`` s, then raise."""
+    with hold_lock(lock_path(path), timeout, busy=lambda: busy_error(path)) as fd:
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.ftruncate(fd, 0)
+
+
+def wait_unlocked(path: Path, timeout: float) -> bool:
+    """True when nobody holds the write lock (after waiting up to ``timeout`` s)."""
+    return lock_is_free(lock_path(path), timeout)
+
+
+FORMAT_VERSION = 1  # of float16 caches, and part of every cache_key (bfloat16 caches are version 2)
+SUFFIX = ".feats"
+
+
+def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | None = None) -> str:
+    """Hash of everything that decides the cached features.
+
+    Args:
+        model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
+            resize, mean/std, interpolation); the decoder part does not.
+        caption_set: a ``CaptionSet``; its ordered image list (ids and paths) counts, plus size
+            and mtime of up to 64 evenly spaced images, so regenerated images invalidate the cache.
+        encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
+
+    Returns:
+        A hex SHA-256 digest.
+    """
+    enc = model_config.encoder
+    h = hashlib.sha256()
+    conf = {
+        "format": FORMAT_VERSION,
+        "encoder": {k: getattr(enc, k) for k in ("name", "weights", "pretrained", "grid", "width", "image_size",
+                                                   "resize", "interpolation")},
+        "mean": list(enc.mean),
+        "std": list(enc.std),
+    }
+    h.update(json.dumps(conf, sort_keys=True).encode())
+    images = caption_set.images
+    for rec in images:
+        h.update(f"{rec.image_id}\t{Path(rec.path).resolve()}\n".encode())
+    step = max(1, len(images) // 64)
+    for rec in images[::step]:
+        try:
+            st = os.stat(rec.path)
+            h.update(f"{st.st_size}:{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(b"missing\n")
+    if encoder is not None:
+        for name, tensor in sorted(encoder.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path:
+    """``<cache_dir>/<set name>_<split>_<key[:16]>.feats``."""
+    name = f"{caption_set.name}_{caption_set.split}".replace(os.sep, "_").replace(" ", "_")
+    return Path(cache_dir) / f"{name}_{key[:16]}{SUFFIX}"
+
+
+MAGIC = b"CAPFEAT1"
+_TAIL = struct.Struct("<Q")  # trailer length
+
+
+def cache_header(count: int, num_regions: int, dim: int, grid: Sequence[int], dtype: str, max_abs: float,
+                 invalid: Sequence[int] = (), **extra: Any) -> dict[str, Any]:
+    """The trailer of a cache of ``count`` rows of (num_regions, dim) ``dtype`` values; ``extra`` keys
+    (``key``, ``invalid_names``) follow the standard ones."""
+    return {"format": "captioner-features", "version": version_of(dtype), "count": count,
+            "num_regions": num_regions, "dim": dim, "grid": [int(g) for g in grid], "dtype": dtype,
+            "max_abs": max_abs, "invalid": list(invalid), **extra}
+
+
+def write_trailer(f: Any, header: dict[str, Any]) -> None:
+    """Append the trailer ``header``, its length and ``MAGIC`` to the open file ``f``."""
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    f.write(blob)
+    f.write(_TAIL.pack(len(blob)))
+    f.write(MAGIC)
+
+
+def write_cache_file(path: str | os.PathLike, blocks: np.ndarray | Iterable[np.ndarray],
+                     header: dict[str, Any]) -> Path:
+    """A cache file ``FeatureCache.open`` reads: ``blocks`` of rows (..., N, D) in the map's dtype, in
+    order, then the trailer ``header`` (:func:`cache_header`). Not atomic and not locked: builds of
+    real caches go through ``FeatureCache.build``."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        for block in [blocks] if isinstance(blocks, np.ndarray) else blocks:
+            f.write(np.ascontiguousarray(block).tobytes())
+        write_trailer(f, header)
+    return path
+
+
+def read_trailer(path: Path) -> dict[str, Any]:
+    """Parse and check the trailer; the data size must match exactly."""
+    size = path.stat().st_size
+    end = _TAIL.size + len(MAGIC)
+    bad = f"feature cache {path} is truncated or not a captioner feature cache"
+    if size < end:
+        raise DataError(bad)
+    with open(path, "rb") as f:
+        f.seek(size - end)
+        tail = f.read(end)
+        if tail[_TAIL.size:] != MAGIC:
+            raise DataError(bad)
+        (length,) = _TAIL.unpack(tail[:_TAIL.size])
+        if length > size - end:
+            raise DataError(bad)
+        f.seek(size - end - length)
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise DataError(bad) from None
+    if not isinstance(header, dict) or header.get("format") != "captioner-features":
+        raise DataError(bad)
+    version = header.get("version")
+    if version not in VERSIONS:
+        raise DataError(f"feature cache {path} has format version {version}, "
+                        f"this captioner reads {' and '.join(map(str, VERSIONS))}; rebuild it")
+    header.setdefault("dtype", "float16")
+    if header["dtype"] != VERSIONS[version]:
+        raise DataError(f"feature cache {path} says dtype {header['dtype']!r} with format version {version}, "
+                        f"which stores {VERSIONS[version]}; rebuild it")
+    expected = int(header["count"]) * int(header["num_regions"]) * int(header["dim"]) * 2  # 2-byte values
+    if size - end - length != expected:
+        raise DataError(f"feature cache {path} is truncated: {size - end - length} data bytes, expected {expected}")
+    return header
+
 
 class FeatureCache:
     """Read-only view of a complete cache file. Use ``build`` / ``open``, not the constructor.
@@ -116,7 +360,7 @@ class FeatureCache:
 
     def stored_batch(self, indices: Sequence[int]) -> torch.Tensor:
         """Rows ``indices`` as one (B, N, D) tensor of the stored dtype, read from the map in one copy
-        (into shared memory inside a DataLoader worker: ``captioner.features.rows.gather_stored``)."""
+        (into shared memory inside a DataLoader worker: ``captioner.features.cache.gather_stored``)."""
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         ok = (index >= 0) & (index < self.count)
         ok[ok] = self.valid[index[ok]]
