@@ -268,7 +268,7 @@ class Captioner:
                 NaN/inf; an image with no pixels or too many (:mod:`captioner.data.inputs`). It is a
                 ``DataError`` and a ``ValueError``.
             ConfigError: bad search options (an unknown one, or a search that could not fit in
-                memory, see :mod:`captioner.decoding.budget`), batch size or flags.
+                memory, see :mod:`captioner.decoding.search`), batch size or flags.
         """
         options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

@@ -42,7 +42,7 @@ from bench_sat import PAPER, QUICK, TutorialSAT, make_batch, tutorial_loss  # no
 from timing import sync  # noqa: E402
 
 from captioner.decoding.graphs import GraphedSteps
-from captioner.decoding.search import DecodeOptions, decode  # noqa: E402
+from captioner.decoding.search import DecodeOptions, decode
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.training.objective import CaptionLoss
 from captioner.training.step import GraphedStep

@@ -10,14 +10,8 @@ from torch import nn
 
 from captioner.config import get_preset
 from captioner.inference import caption_features
-from captioner.decoding.search import (
-    DecodeOptions,
-    beam_search,
-    decode,
-    greedy_search,
-    length_penalty,
-    never_emitted_ids,
-)
+from captioner.decoding.search import (DecodeOptions, beam_search, decode, greedy_search, length_penalty,
+                                       never_emitted_ids)
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State
 from captioner.models.captioner import build_model

@@ -316,7 +316,7 @@ class _EndsSoon(torch.nn.Module):
 
 @pytest.mark.timeout(60)
 def test_4_search_memory_grows_with_the_words_generated_not_max_len(monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.decoding import budget
+    from captioner.decoding import search as budget
     from captioner.decoding.search import DecodeOptions, decode
 
     features = torch.zeros(2, 4, 3)
@@ -345,7 +345,7 @@ def test_4_an_impossible_search_is_one_line_naming_the_options(ckpt: Path, photo
 
 
 def test_4_a_batch_over_the_limit_is_searched_in_chunks_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.decoding import budget
+    from captioner.decoding import search as budget
     from captioner.decoding.search import DecodeOptions, decode
 
     features = torch.randn(5, 4, 3)

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.decoding.filters import SuppressTokens
-from captioner.decoding.search import initial_state
+from captioner.decoding.search import SuppressTokens, initial_state
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 

@@ -1,4 +1,9 @@
-"""Greedy and batched beam search, written only against the ``CaptionDecoder`` interface.
+"""Decoding: drawing captions from any decoder through its ``init_state`` / ``step`` contract.
+
+Greedy and beam search with their hypotheses, the logit filters and the memory budget of a beam
+live here (sampling for self-critical training is :mod:`captioner.decoding.sampling`).
+
+Greedy and batched beam search, written only against the ``CaptionDecoder`` interface.
 
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
 N regions (g*g), D feature width, V vocabulary, L words of a caption.
@@ -22,33 +27,255 @@ sum. Larger alpha favours longer captions.
 
 Never emitted: ``<pad>`` and ``<bos>``, and ``<unk>`` unless ``DecodeOptions.allow_unk``
 (:func:`never_emitted_ids`; the inference layer passes them, ``decode`` itself suppresses exactly the
-``banned_ids`` it is given, through :class:`captioner.decoding.filters.SuppressTokens`).
+``banned_ids`` it is given, through :class:`captioner.decoding.search.SuppressTokens`).
 
 This module knows decoders and region features, nothing about images: the pipeline from an image
 to a :class:`captioner.inference.Caption` is :mod:`captioner.inference`.
+
+Scored captions and the bookkeeping of batched beam search (:func:`captioner.decoding.search.beam_search`).
+
+Shape legend: A images still searching, W beams per image, R = A * W rows of the decoder batch,
+T most words, N regions, V vocabulary, C candidates per image, H hypotheses read out, L their words.
+
+Memory grows with the words actually generated, never with ``max_len``: each step stores only what
+it chose (:class:`BeamHistory`), and a hypothesis is a :class:`Pending` record until the search
+ends and reads the kept ones back.
+
+Logit filters: what every search and the SCST sampler apply to a step's log-probabilities.
+
+A filter is a callable ``(..., V) log-probs -> (..., V) log-probs``, out of place. The one built in
+is :class:`SuppressTokens` (ids a caption never contains: ``<pad>``, ``<bos>``, ``<unk>`` unless
+allowed); greedy and beam search, the sampler and the SCST policy's rescoring all use it, so that
+the policy that is trained is the one that sampled.
+
+How much memory a search may take, checked before its first step.
+
+Search memory grows with the words generated (:mod:`captioner.decoding.search`), but a model
+that never gives ``<eos>`` generates ``max_len`` words on every beam, so the bound is worked out for
+that worst case: per row of the decoder batch and per word, the back-pointer, the word, the
+attention over the N regions and the growth of the decoder's state (the Transformer's key/value
+cache, counted twice because each step copies it); per row and step, the float64 scores of every
+candidate word. A request whose single image could need more than :data:`MEMORY_LIMIT` is refused
+in one line naming the beam size and ``max_len``; otherwise images are searched in chunks that fit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
-from captioner.decoding.budget import image_chunks
-from captioner.decoding.filters import SuppressTokens
-from captioner.decoding.hypotheses import (NEG_INF, BeamHistory, Hypothesis, LiveBeams, Pending, best_reachable,
-                                           keep_best, length_penalty, top_candidates)
+from captioner.config import DecodeOptions
 from captioner.errors import ConfigError
+from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
 from captioner.text import Vocabulary
 
-logger = logging.getLogger(__name__)
 
-# Hypothesis and length_penalty live in captioner.decoding.hypotheses and are part of this module's API too.
-__all__ = ["DecodeOptions", "Hypothesis", "beam_search", "decode", "greedy_search", "initial_state", "length_penalty",
-           "never_emitted_ids"]
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    """One decoded caption.
+
+    Attributes:
+        tokens: emitted word ids, without ``<bos>``/``<eos>``.
+        score: ``log_prob`` normalised by the length penalty (the ranking key).
+        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at
+            the step that emitted that word, for this beam.
+        log_prob: raw sum of log-probabilities (including ``<eos>`` when finished).
+        finished: False when ``<eos>`` never came within ``max_len`` words.
+    """
+
+    tokens: list[int]
+    score: float
+    attention: torch.Tensor
+    log_prob: float = 0.0
+    finished: bool = True
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (1.0 when alpha is 0)."""
+    return ((5.0 + length) / 6.0) ** alpha if alpha else 1.0
+
+
+@dataclass
+class Pending:
+    """A hypothesis still to be read out of a :class:`BeamHistory`: ``words`` words ending at ``row``
+    of the decoder batch of step ``words`` (ranked by ``score``; tokens and attention come later)."""
+
+    row: int
+    words: int
+    score: float
+    log_prob: float
+    finished: bool
+
+
+class BeamHistory:
+    """Back-pointers of a beam search: what each step kept, so memory grows with the words generated.
+
+    Step ``t`` appends, for every row of the next decoder batch, the row of batch ``t`` it continues
+    (``parents``), the word it chose (``words``) and the attention of the step that chose it (N,).
+    A hypothesis is read back by walking the pointers (:meth:`read`), so no step copies the whole
+    history of every beam: a step costs O(R * N) whatever ``max_len`` is.
+    """
+
+    def __init__(self) -> None:
+        self.parents: list[torch.Tensor] = []  # step t: (R_{t+1},) row of batch t
+        self.words: list[torch.Tensor] = []  # step t: (R_{t+1},) word emitted at step t
+        self.attention: list[torch.Tensor] = []  # step t: (R_{t+1}, N) float32
+
+    def append(self, parents: torch.Tensor, words: torch.Tensor, attention: torch.Tensor) -> None:
+        self.parents.append(parents)
+        self.words.append(words)
+        self.attention.append(attention)
+
+    def read(self, pending: list[Pending], n_regions: int) -> list[Hypothesis]:
+        """The hypotheses of ``pending`` with their tokens and attention, all walked back at once."""
+        if not pending:
+            return []
+        device = self.parents[0].device if self.parents else torch.device("cpu")
+        count, longest = len(pending), max(p.words for p in pending)
+        lengths = torch.tensor([p.words for p in pending], device=device)  # (H,)
+        rows = torch.tensor([p.row for p in pending], device=device)  # (H,) row in batch ``words``
+        tokens = torch.zeros(count, longest, dtype=torch.long, device=device)  # (H, L)
+        attention = torch.zeros(count, longest, n_regions, dtype=torch.float32, device=device)  # (H, L, N)
+        for t in range(longest - 1, -1, -1):
+            active = lengths > t  # (H,) hypotheses whose word t was chosen at step t
+            at = rows.clamp(max=self.parents[t].numel() - 1)  # inactive rows are masked out below
+            tokens[:, t] = torch.where(active, self.words[t][at], tokens[:, t])
+            attention[:, t] = torch.where(active[:, None], self.attention[t][at], attention[:, t])
+            rows = torch.where(active, self.parents[t][at], rows)
+        tokens_cpu, attention_cpu = tokens.cpu(), attention.cpu()
+        return [Hypothesis(tokens_cpu[i, :p.words].tolist(), p.score, attention_cpu[i, :p.words].clone(), p.log_prob,
+                           p.finished) for i, p in enumerate(pending)]
+
+
+@dataclass
+class LiveBeams:
+    """The live beams of the images still searching.
+
+    Group ``a`` holds the beams of image ``images[a]``: rows ``a * width .. (a + 1) * width - 1`` of
+    the decoder batch; their words and attention are in the search's :class:`BeamHistory`.
+    """
+
+    scores: torch.Tensor  # (A, width) float64 raw log-prob sums
+    images: list[int]  # (A,) image of each group
+
+    @property
+    def width(self) -> int:
+        return self.scores.size(1)
+
+    def pending(self, row: int, words: int, raw: float, alpha: float, finished: bool) -> Pending:
+        """The first ``words`` words of ``row``; scored over ``words`` tokens, plus ``<eos>`` if finished."""
+        return Pending(row, words, raw / length_penalty(words + int(finished), alpha), raw, finished)
+
+    def unfinished(self, a: int, words: int, alpha: float, count: int) -> list[Pending]:
+        """Group ``a``'s ``count`` best live beams (finite scores; at least one) as unfinished hypotheses."""
+        order = self.scores[a].argsort(descending=True).tolist()
+        beams = [i for i in order if math.isfinite(self.scores[a, i].item())] or order[:1]
+        return [self.pending(a * self.width + i, words, self.scores[a, i].item(), alpha, finished=False)
+                for i in beams[:count]]
+
+
+def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best (beam, word) extensions of each group's beams, best first.
+
+    Args:
+        scores: (A, W) raw log-prob sums of the live beams.
+        log_probs: (A * W, V) next-word log-probs of their rows.
+        count: candidates per group (at most W * V are returned).
+
+    Returns:
+        (raw sums, source rows, words), (A, C) each.
+    """
+    A, W = scores.shape
+    V = log_probs.size(1)
+    cand = (scores.view(-1, 1) + log_probs).view(A, W * V)  # (A, W*V)
+    top_s, top_i = cand.topk(min(count, W * V), dim=1)  # (A, C)
+    src = torch.arange(A, device=scores.device).view(-1, 1) * W + top_i // V  # (A, C)
+    return top_s, src, top_i % V
+
+
+def keep_best(hyps: list[Pending], hyp: Pending, n_best: int) -> None:
+    """Add ``hyp`` to ``hyps`` (best score first, ties in arrival order) and keep the ``n_best`` best."""
+    hyps.append(hyp)
+    hyps.sort(key=lambda h: h.score, reverse=True)
+    del hyps[n_best:]
+
+
+def best_reachable(raw: torch.Tensor, t: int, max_len: int, alpha: float) -> torch.Tensor:
+    """Best normalised score a live beam of raw sum ``raw`` (A,) after step ``t`` can still reach.
+
+    Log-probs are <= 0, so a raw sum only falls, and lp(L) is monotonic in L: the optimum sits at the
+    shortest (t + 2 scored tokens: one more word and ``<eos>``) or the longest (max_len + 1) length.
+    """
+    return torch.maximum(raw / length_penalty(t + 2, alpha), raw / length_penalty(max_len + 1, alpha))
+
+
+class SuppressTokens:
+    """Set the log-probabilities of ``ids`` to -inf; the others are not renormalised.
+
+    Args:
+        ids: vocabulary ids never emitted.
+        eos_id: the id that ends a caption; it is never suppressed, even when listed, so that a
+            caption can always finish.
+    """
+
+    def __init__(self, ids: Sequence[int], eos_id: int) -> None:
+        self.ids = tuple(sorted({int(i) for i in ids} - {int(eos_id)}))
+
+    def __repr__(self) -> str:
+        return f"SuppressTokens({list(self.ids)})"
+
+    def __call__(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """(..., V) -> (..., V), a new tensor unless nothing is suppressed."""
+        if not self.ids:
+            return log_probs
+        return log_probs.index_fill(-1, torch.tensor(self.ids, device=log_probs.device), NEG_INF)
+
+
+MEMORY_LIMIT = 2 * 1024**3  # bytes one decode() call may plan for (all chunks run one after another)
+
+
+def search_bytes(rows: int, max_len: int, n_regions: int, vocab_size: int, state_per_word: int = 0) -> int:
+    """Worst-case bytes of one image's search with ``rows`` beams (1 for greedy).
+
+    Args:
+        rows: decoder rows of the image (the beam size).
+        max_len: most words (plus the one ``<eos>``-only step).
+        n_regions: N, attention values per word.
+        vocab_size: V, candidate scores per row and step.
+        state_per_word: the decoder state's growth per row and word (``state_bytes_per_word``).
+    """
+    per_word = 8 + 8 + 4 * n_regions + 2 * state_per_word  # parent row, word, attention (fp32), state
+    per_step = 3 * 8 * vocab_size  # float64 log-probs, candidate sums and their top-k
+    return rows * ((max_len + 1) * per_word + per_step)
+
+
+def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: DecodeOptions) -> list[slice]:
+    """Slices of the batch ``features`` (B, N, D) to search one after another within :data:`MEMORY_LIMIT`.
+
+    Raises:
+        ConfigError: one image alone could need more (one line naming the beam size and max_len).
+    """
+    batch, n_regions = features.shape[:2]
+    grow = decoder.state_bytes_per_word() if hasattr(decoder, "state_bytes_per_word") else 0
+    one = search_bytes(options.beam_size, options.max_len, n_regions, int(getattr(decoder, "vocab_size", 0)), grow)
+    if one > MEMORY_LIMIT:
+        raise ConfigError(f"beam size {options.beam_size} with max_len {options.max_len} (--beam, --max-len) could "
+                          f"need {size_text(one)} for one image's search if no caption ended before max_len (limit "
+                          f"{size_text(MEMORY_LIMIT)}): lower --beam or --max-len")
+    per_chunk = max(1, MEMORY_LIMIT // max(one, 1))
+    return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
+
+
+logger = logging.getLogger(__name__)
 
 
 def decode(
@@ -76,7 +303,7 @@ def decode(
 
     Raises:
         ConfigError: features that are not (B, N, D), or a search that could need more memory than
-            :data:`captioner.decoding.budget.MEMORY_LIMIT` for one image (one line naming the beam
+            :data:`captioner.decoding.search.MEMORY_LIMIT` for one image (one line naming the beam
             size and ``max_len``). Images are searched in chunks that fit the limit.
     """
     options = options or DecodeOptions()

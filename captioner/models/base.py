@@ -126,7 +126,7 @@ class CaptionDecoder(nn.Module):
     def state_bytes_per_word(self) -> int:
         """Bytes one row's decoding state grows by per generated word (0: a state of fixed size, the LSTM).
 
-        Search uses it to bound its memory before it starts (``captioner.decoding.budget``).
+        Search uses it to bound its memory before it starts (``captioner.decoding.search``).
         """
         return 0
 

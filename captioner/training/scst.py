@@ -76,9 +76,8 @@ from torch import nn
 
 from captioner.config import ScstConfig, TrainConfig
 from captioner.config.schema import SCST_BASELINES
-from captioner.decoding.filters import SuppressTokens
 from captioner.decoding.sampling import sample_captions
-from captioner.decoding.search import DecodeOptions, never_emitted_ids
+from captioner.decoding.search import DecodeOptions, SuppressTokens, never_emitted_ids
 from captioner.errors import DataError
 from captioner.evaluation.metrics import (DocFrequencies, _ngram_counts, _tfidf, cider_d_similarity,
                                           ngram_document_frequencies)
