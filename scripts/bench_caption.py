@@ -56,7 +56,7 @@ def _make_checkpoint(folder: Path) -> Path:
 
     from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     torch.manual_seed(0)

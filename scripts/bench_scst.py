@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from captioner.config import get_preset  # noqa: E402
-from captioner.models.captioner import build_decoder  # noqa: E402
+from captioner.models.model import build_decoder
 from captioner.text import Vocabulary  # noqa: E402
 from captioner.training.objective import CaptionLoss
 from captioner.training.scst import CaptionReward, SelfCritical

@@ -54,7 +54,7 @@ def _loop_seconds(cfg, out: Path, epochs: int) -> float:
 def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device) -> float:
     """Bare steps of the same model on one real batch already on the device."""
     from captioner.features.dtype import model_input
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
     from captioner.training.data import load_caption_sets, prepare_data, train_loader
     from captioner.training.distributed import DistInfo

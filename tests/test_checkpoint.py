@@ -27,7 +27,7 @@ VOCAB = Vocabulary([f"w{i}" for i in range(16)])  # 20 tokens
 
 
 def _model(preset: str = "sat_soft_tiny", **overrides):
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
 
     torch.manual_seed(0)
     return build_model(get_preset(preset, **overrides).model, vocab_size=len(VOCAB)).eval()
@@ -80,7 +80,7 @@ def test_read_metadata_does_not_build_the_model(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("model built")
 
-    monkeypatch.setattr("captioner.models.captioner.build_model", boom)
+    monkeypatch.setattr("captioner.models.model.build_model", boom)
     info = read_checkpoint_metadata(path)
     assert info["config"]["decoder"]["name"] == "sat" and info["vocab_size"] == 20
     assert Vocabulary.from_dict(info["vocab"]) == VOCAB and info["metadata"]["step"] == 7

@@ -107,7 +107,7 @@ def test_evaluate_reports_seen_and_unseen(unseen: Path, tmp_path: Path, capsys: 
     from captioner.checkpoint.store import save_checkpoint
     from captioner.cli import main
     from captioner.config import get_preset
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     vocab = Vocabulary.build(load_caption_set(unseen, "train").all_captions())

@@ -262,7 +262,7 @@ def test_old_config_json_loads(name: str, tmp_path: Path, caplog: pytest.LogCapt
 @pytest.mark.parametrize("name,fmt", [("sat_soft_tiny", "safetensors"), ("transformer_tiny", "torch")])
 def test_old_checkpoint_with_the_flat_decoder_config_loads(name: str, fmt: str, tmp_path: Path) -> None:
     from captioner.checkpoint.store import load_checkpoint
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     vocab = Vocabulary([f"w{i}" for i in range(6)])

@@ -14,7 +14,7 @@ from captioner.decoding.search import (DecodeOptions, beam_search, decode, greed
                                        never_emitted_ids)
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State
-from captioner.models.captioner import build_model
+from captioner.models.model import build_model
 from captioner.text import Vocabulary
 
 BOS, EOS = 1, 2

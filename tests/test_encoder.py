@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from captioner.config import EncoderConfig, get_preset
 from captioner.errors import CheckpointError, ConfigError
 from captioner.models import encoder as enc_mod
-from captioner.models.encoder import build_encoder
-from captioner.models.lite0 import efficientnet_lite0_state_dict, lite0_wheel_file
-from captioner.models.weights import load_strict
+from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dict, lite0_wheel_file, load_strict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,7 +210,7 @@ def test_lite0_trunk_equals_timm_forward_features(size):
 
 def test_lite0_trunk_equals_timm_in_train_mode():
     """Fine-tuning path: batch statistics, running-stat updates and gradients match timm."""
-    from captioner.models.lite0 import EfficientNetLite0Features
+    from captioner.models.encoder import EfficientNetLite0Features
 
     ours = EfficientNetLite0Features()
     load_strict(ours, efficientnet_lite0_state_dict(with_classifier=False), "wheel")
@@ -325,7 +323,7 @@ def _top5_hits(model, pixels, labels) -> int:
 
 def _lite0_classifier() -> torch.nn.Sequential:
     """Our plain-torch trunk + global average pool + a 1000-way Linear (the wheel's ``_fc``)."""
-    from captioner.models.lite0 import EfficientNetLite0Features
+    from captioner.models.encoder import EfficientNetLite0Features
 
     return torch.nn.Sequential(EfficientNetLite0Features(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                torch.nn.Linear(1280, 1000))

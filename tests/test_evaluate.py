@@ -24,7 +24,7 @@ def checkpoint(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """An (untrained) tiny SAT checkpoint whose vocabulary covers the shapes captions."""
     from captioner.checkpoint.store import save_checkpoint
     from captioner.data.coco import load_caption_set
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
 
     vocab = Vocabulary.build(load_caption_set(tiny_shapes, "train").all_captions())
     torch.manual_seed(0)

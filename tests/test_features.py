@@ -232,7 +232,7 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
 
     The same weights and the same batches (the epoch order is seeded); the first 4 batches keep it fast.
     """
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
     from captioner.training.distributed import DistInfo
     from captioner.training.objective import CaptionLoss

@@ -339,7 +339,7 @@ def test_vocabulary_load_on_random_and_mutated_files(tmp_path: Path) -> None:
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
 
     out = tmp_path_factory.mktemp("ckpt")
     vocab = Vocabulary(["a", "red", "circle"])

@@ -144,7 +144,7 @@ def _in_box(decoder: torch.nn.Module, features: torch.Tensor, tokens: torch.Tens
 @pytest.mark.parametrize("form", ["cross_entropy", "mass"])
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "sat_hard_tiny", "transformer_tiny"])
 def test_the_gradient_raises_the_in_box_attention_of_one_step(preset: str, form: str) -> None:
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
 
     torch.manual_seed(0)
     cfg = get_preset(preset)

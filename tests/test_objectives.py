@@ -11,7 +11,7 @@ from captioner.config import get_preset
 from captioner.config.schema import OBJECTIVES
 from captioner.data.coco import load_caption_set
 from captioner.models.base import DecoderOutput
-from captioner.models.captioner import build_model
+from captioner.models.model import build_model
 from captioner.text import Vocabulary
 from captioner.training.loop import BUILDERS, build_objective
 from captioner.training.objective import Batch, CaptionLoss, CrossEntropy, TrainModel

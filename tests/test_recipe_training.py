@@ -219,7 +219,7 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_init_starts_a_fine_tuning_stage_from_the_checkpoint(stage1: Path, tiny_shapes: Path, tmp_path: Path) -> None:
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     out = tmp_path / "stage2"
@@ -319,7 +319,7 @@ def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes
 
 
 def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
     from captioner.training.loop import apply_init, load_init_checkpoint
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.config import ENCODERS, DECODER_FAMILIES, Config, DecoderConfig, EncoderConfig, SATConfig, get_preset
+from captioner.config import DECODER_FAMILIES, ENCODERS, Config, DecoderConfig, EncoderConfig, SATConfig, get_preset
 from captioner.errors import ConfigError
 from captioner.models import registry
-from captioner.models.captioner import build_model
 from captioner.models.encoder import build_encoder, tiny_trunk, trunk_map_size
 from captioner.models.lstm import build_sat_decoder
+from captioner.models.model import build_model
 from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_positions
 
 

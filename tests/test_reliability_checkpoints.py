@@ -32,7 +32,7 @@ from captioner.checkpoint.store import load_checkpoint, load_train_state, save_c
 from captioner.cli import main
 from captioner.config import get_preset
 from captioner.errors import CaptionerError, CheckpointError
-from captioner.models.captioner import build_model
+from captioner.models.model import build_model
 from captioner.text import Vocabulary
 
 REPO = Path(__file__).resolve().parents[1]

@@ -212,7 +212,7 @@ def test_unreadable_file_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     torch.manual_seed(0)

@@ -95,7 +95,7 @@ def test_reward_bleu_mix() -> None:
 
 
 def _model(preset: str, vocab_size: int = 30):
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
 
     torch.manual_seed(0)
     return build_model(get_preset(preset).model, vocab_size, load_pretrained=False)

@@ -284,7 +284,7 @@ def test_cli_reports_user_errors_in_one_line(tiny_shapes: Path, tmp_path: Path, 
 
 
 def test_fine_tuning_trains_the_encoder_with_its_own_lr(tiny_shapes: Path, tmp_path: Path) -> None:
-    from captioner.models.captioner import build_model
+    from captioner.models.model import build_model
     from captioner.text import Vocabulary
     from captioner.training.run import seed_everything
 

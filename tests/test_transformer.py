@@ -213,7 +213,7 @@ def test_builder_reads_the_config() -> None:
 
 def test_registered_builder() -> None:
     cfg = get_preset("transformer_tiny").model.decoder
-    from captioner.models.captioner import build_decoder
+    from captioner.models.model import build_decoder
 
     assert isinstance(build_decoder(cfg, feature_dim=D, vocab_size=V, grid=G), TransformerCaptionDecoder)
 

@@ -22,7 +22,7 @@ from captioner.checkpoint.format import describe
 from captioner.config import ModelConfig
 from captioner.errors import CheckpointError
 from captioner.models.base import CaptionDecoder
-from captioner.models.captioner import build_model
+from captioner.models.model import build_model
 
 __all__ = ["MAX_DERIVED_BYTES", "as_checkpoint_error", "build_model_from_state"]
 

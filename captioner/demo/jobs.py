@@ -25,7 +25,7 @@ from captioner.device import resolve_device
 from captioner.errors import DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint
 from captioner.inference import decode_options, load
-from captioner.models.captioner import build_model
+from captioner.models.model import build_model
 from captioner.text import Vocabulary
 from captioner.training.data import load_caption_sets, prepare_data
 from captioner.training.distributed import DistInfo

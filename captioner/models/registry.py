@@ -2,14 +2,14 @@
 
 Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...)``
 holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``, ``resnet50``,
-``resnet101``; ``captioner.models.lite0`` registers ``efficientnet_lite0``). Decoders:
+``resnet101``; ``captioner.models.encoder`` registers ``efficientnet_lite0``). Decoders:
 ``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) ->
 CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
 
 The config layer sits below this one and holds the names it validates against
 (``captioner.config.schema.ENCODERS``, ``captioner.config.decoders.DECODER_FAMILIES``); registering
 a new component adds its name there, so a config naming it parses. The components register when
-their modules are imported, which ``captioner.models.captioner`` (``build_model``) does.
+their modules are imported, which ``captioner.models.model`` (``build_model``) does.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError, DataError, ImageLoadError
 from captioner.features.cache import get_feature_cache
 from captioner.features.dtype import stored_rows
-from captioner.models.captioner import CaptionModel
+from captioner.models.model import CaptionModel
 from captioner.text import Vocabulary
 from captioner.training.distributed import DistInfo, barrier
 

@@ -82,7 +82,7 @@ from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text
 from captioner.models.base import attention_entropy
-from captioner.models.captioner import CaptionModel, build_model
+from captioner.models.model import CaptionModel, build_model
 from captioner.text import Vocabulary
 from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,

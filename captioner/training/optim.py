@@ -54,7 +54,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from captioner.config import TrainConfig
 from captioner.config.schema import SCHEDULES
 from captioner.errors import ConfigError
-from captioner.models.captioner import CaptionModel
+from captioner.models.model import CaptionModel
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ from captioner.config import SELECT_METRICS, Config
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, one_line
 from captioner.files import check_regular, read_text, writable_folder
-from captioner.models.captioner import CaptionModel
+from captioner.models.model import CaptionModel
 from captioner.text import Vocabulary
 from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
 from captioner.training.objective import DeviceStats, Objective, TrainModel
