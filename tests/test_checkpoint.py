@@ -12,13 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from captioner.checkpoint.store import (
-    load_checkpoint,
-    load_train_state,
-    read_checkpoint_metadata,
-    save_checkpoint,
-    save_train_state,
-)
+from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
+                                        save_train_state)
 from captioner.config import get_preset
 from captioner.errors import CheckpointError
 from captioner.text import Vocabulary

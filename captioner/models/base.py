@@ -117,7 +117,7 @@ class CaptionDecoder(nn.Module):
         """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.
 
         ``fn(t)`` gives the buffer's value from a tensor of its shape and dtype (a meta tensor when a
-        checkpoint is loaded: ``captioner.checkpoint.build`` allocates the model empty, fills the
+        checkpoint is loaded: ``captioner.checkpoint.store`` allocates the model empty, fills the
         stored weights and recomputes these). None here: a decoder that registers such a buffer
         says how to recompute it.
         """
