@@ -56,7 +56,7 @@ def _wrong_setting(rng: random.Random) -> str:
     import dataclasses
 
     from captioner.config import DataConfig, DecodeOptions, EncoderConfig, SATConfig, TrainConfig
-    from captioner.config.types import field_types
+    from captioner.config.parse import field_types
 
     sections = {"train": TrainConfig, "data": DataConfig, "encoder": EncoderConfig, "decoder": SATConfig,
                 "decoding": DecodeOptions}
