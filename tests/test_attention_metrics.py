@@ -9,18 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.evaluation.attention_metrics import (
-    attention_correctness,
-    attention_correctness_for_results,
-    attention_entropy_summary,
-    attention_mass,
-    caption_object_accuracy,
-    summarize,
-)
+from captioner.evaluation.attention_metrics import (attention_correctness, attention_correctness_for_results,
+                                                    attention_entropy_summary, attention_mass, caption_object_accuracy,
+                                                    summarize)
 from captioner.config import EncoderConfig
 from captioner.data.coco import ObjectBox
 from captioner.errors import DataError
-from captioner.evaluation.object_words import find_mentions
+from captioner.evaluation.attention_metrics import find_mentions
 from captioner.text import tokenize
 
 SQUARE = (64, 64)
@@ -227,7 +222,7 @@ FOREIGN = ["circle", "box", "Traffic_Cone"]  # plain words, one a shape, none a 
     ("a red square and a dog in traffic", []),  # neither a name of the file nor a full phrase
 ])
 def test_a_foreign_files_own_category_names_and_plurals_are_matched(caption: str, expected: list) -> None:
-    from captioner.evaluation.object_words import category_table
+    from captioner.evaluation.attention_metrics import category_table
 
     words = caption.split()
     table = category_table(FOREIGN)
@@ -236,7 +231,7 @@ def test_a_foreign_files_own_category_names_and_plurals_are_matched(caption: str
 
 
 def test_coco_names_in_a_foreign_file_keep_their_synonyms_but_the_files_names_win() -> None:
-    from captioner.evaluation.object_words import category_table
+    from captioner.evaluation.attention_metrics import category_table
 
     table = category_table(["Dog", "plant", "potted plant", "box"])
     words = "a puppy and two dogs by a plant and a potted plant".split()
@@ -245,8 +240,8 @@ def test_coco_names_in_a_foreign_file_keep_their_synonyms_but_the_files_names_wi
 
 
 def test_the_vocabulary_follows_the_declared_categories() -> None:
-    from captioner.evaluation.attention_metrics import detect_vocabulary
     from captioner.data.coco import InstanceBoxes
+    from captioner.evaluation.attention_metrics import detect_vocabulary
 
     boxes = {1: [ObjectBox("circle", (0, 0, 8, 8))]}
     assert detect_vocabulary(boxes) == "shapes"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from captioner.errors import DataError
-from captioner.evaluation import coco_caption as cc
+from captioner.evaluation import metrics as cc
 from captioner.evaluation.metrics import BLEU_KEYS, bleu, cider_d
 from captioner.text import tokenize
 

@@ -14,7 +14,7 @@ from captioner.commands import make_shapes as command
 from captioner.data.coco import ObjectBox, load_caption_set, load_instances
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, held_out_pairs, make_shapes
 from captioner.errors import ConfigError, DataError
-from captioner.evaluation.compositional import compositional_scores, pair_named
+from captioner.evaluation.attention_metrics import compositional_scores, pair_named
 from captioner.text import tokenize
 
 

@@ -169,7 +169,7 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
 def test_command_reports_coco_caption_beside_the_built_in_scores(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from captioner.cli import main
-    from captioner.evaluation import coco_caption as cc
+    from captioner.evaluation import metrics as cc
 
     if cc.unavailable_reason() is not None:
         pytest.skip(cc.unavailable_reason())
@@ -195,7 +195,7 @@ def test_without_java_the_built_in_scores_come_with_one_line(checkpoint: Path, t
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from captioner.cli import main
-    from captioner.evaluation import coco_caption as cc
+    from captioner.evaluation import metrics as cc
 
     monkeypatch.setattr(cc, "unavailable_reason", lambda: "needs Java on PATH for the PTB tokeniser")
     assert main(["evaluate", str(checkpoint), "--data", str(tiny_shapes), "--beam", "1", "--max-len", "6",

@@ -16,8 +16,7 @@ from captioner.data.coco import ObjectBox, load_caption_set, load_instances
 from captioner.data.grounding import bind_mentions, box_coverage
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError
-from captioner.evaluation.attention_metrics import attention_mass
-from captioner.evaluation.object_words import find_mentions
+from captioner.evaluation.attention_metrics import attention_mass, find_mentions
 from captioner.text import Vocabulary, tokenize
 from captioner.training.objective import GroundingTargets, grounding_loss
 

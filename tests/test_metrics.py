@@ -13,15 +13,8 @@ from collections import defaultdict
 import pytest
 
 from captioner.errors import DataError
-from captioner.evaluation.metrics import (
-    bleu,
-    caption_metrics,
-    cider_d,
-    cider_d_scores,
-    format_metrics,
-    read_coco_results,
-    write_coco_results,
-)
+from captioner.evaluation.metrics import (bleu, caption_metrics, cider_d, cider_d_scores, format_metrics,
+                                          read_coco_results, write_coco_results)
 from captioner.text import tokenize
 
 try:

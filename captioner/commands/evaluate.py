@@ -44,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_report(report: dict) -> str:
     """A readable table of the scores, the counts and the files written."""
-    from captioner.evaluation.coco_caption import COCO_KEYS, LABEL
-    from captioner.evaluation.metrics import METRIC_KEYS, format_metrics
+    from captioner.evaluation.metrics import COCO_KEYS, LABEL, METRIC_KEYS, format_metrics
 
     def num(value: object, digits: int = 4) -> str:
         return "unavailable" if value is None else f"{value:.{digits}f}"

@@ -12,7 +12,7 @@ The encoder's g x g grid covers the part of the original image it sees, ``view``
   region's pixels, ``captioner.evaluation.attention_metrics``). Several boxes: the union, as the
   per-region maximum of their coverages (the metric's mask takes the same maximum).
 * :func:`bind_mentions` is the phrase binding rule: every word of an object mention (the name and
-  the colour and size words before it, ``captioner.evaluation.object_words.find_mentions``) points
+  the colour and size words before it, ``captioner.evaluation.attention_metrics.find_mentions``) points
   at the boxes of the named category; when several boxes share it, the mention's attribute words
   keep only the boxes whose own attributes agree ("the purple star" when the image has a green
   star too); when more than one box is still left, the word points at their union (see

@@ -91,7 +91,7 @@ Shape legend: B batch, T caption steps, N regions.
 
 :class:`GroundingTargets` turns a training batch's target words and image indices into box
 coverages (B, T, N): the words are matched to objects as attention correctness matches them
-(``captioner.evaluation.object_words.find_mentions``: the scenes' shapes with their colour and size
+(``captioner.evaluation.attention_metrics.find_mentions``: the scenes' shapes with their colour and size
 words, COCO categories with synonyms and plurals, or the dataset's own category names), bound to
 boxes by ``captioner.data.grounding.bind_mentions``, and each box is laid on the region grid by
 ``box_coverage``. Images without boxes (no entry in ``instances_<split>.json``) give all-zero rows:
@@ -134,8 +134,7 @@ from captioner.data.coco import load_instances
 from captioner.data.grounding import bind_mentions, box_coverage
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError
-from captioner.evaluation.attention_metrics import detect_vocabulary
-from captioner.evaluation.object_words import WordTable, find_mentions, word_table
+from captioner.evaluation.attention_metrics import WordTable, detect_vocabulary, find_mentions, word_table
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.text import Vocabulary
 
