@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "captioner"
-MAX_LINES = 400
+MAX_LINES = 800
 
 
 def _modules(package: Path | None = None) -> dict[str, Path]:

@@ -37,12 +37,12 @@ import torch
 
 from captioner.config import DecodeOptions  # the config tree's decoding section; importable from here too
 from captioner.decoding.budget import image_chunks
-from captioner.decoding.filters import SuppressTokens
+from captioner.decoding.filters import BlockRepeats, SuppressTokens
 from captioner.decoding.hypotheses import (NEG_INF, BeamHistory, Hypothesis, LiveBeams, Pending, best_reachable,
                                            keep_best, length_penalty, top_candidates)
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State
-from captioner.text import Vocabulary
+from captioner.text import STOP_WORDS, Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def decode(
     eos_id: int,
     options: DecodeOptions | None = None,
     banned_ids: Sequence[int] = (),
+    content_ids: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """Caption a batch of images from region features.
 
@@ -70,6 +71,8 @@ def decode(
         banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
             :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
             renormalised.
+        content_ids: the ids that ``options.no_repeat_words`` lets a caption use once
+            (:func:`content_word_ids`).
 
     Returns:
         Per image, ``options.n_best`` hypotheses, best score first.
@@ -93,7 +96,7 @@ def decode(
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids)
+            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
     return out
 
 
@@ -106,10 +109,17 @@ def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
     return state
 
 
+def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: int) -> BlockRepeats:
+    """The :class:`BlockRepeats` filter ``options`` asks for (falsy when it asks for none)."""
+    return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
+
+
 def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                  options: DecodeOptions, banned_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                  options: DecodeOptions, banned_ids: Sequence[int] = (),
+                  content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
     suppress = SuppressTokens(banned_ids, eos_id)
+    repeats = repeat_filter(options, content_ids, eos_id)
     B, N = features.shape[:2]
     T, device = options.max_len, features.device
     state = initial_state(decoder, features)
@@ -127,7 +137,10 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
             log_prob = torch.where(ends, log_prob + eos_lp, log_prob)
             done |= ends
             break
-        best_lp, best = suppress(log_probs).max(dim=-1)  # (B,), (B,)
+        log_probs = suppress(log_probs)
+        if repeats and steps:
+            log_probs = repeats(log_probs, torch.stack(steps, 1))
+        best_lp, best = log_probs.max(dim=-1)  # (B,), (B,)
         live = ~done
         log_prob = torch.where(live, log_prob + best_lp.double(), log_prob)
         ends = live & (best == eos_id)
@@ -149,7 +162,8 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
 
 
 def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                options: DecodeOptions, banned_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                options: DecodeOptions, banned_ids: Sequence[int] = (),
+                content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
 
     The first step runs one copy per image and takes its K best distinct words, so beams never start
@@ -164,6 +178,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     expansion to K beams, images leaving the batch).
     """
     suppress = SuppressTokens(banned_ids, eos_id)
+    repeats = repeat_filter(options, content_ids, eos_id)
     B, N = features.shape[:2]
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
@@ -171,6 +186,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
     history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
+    words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
     finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
     results: list[list[Pending]] = [[] for _ in range(B)]
 
@@ -185,6 +201,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     for t in range(T + 1):
         log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
         log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
+        if repeats:
+            log_probs = repeats(log_probs, words)
         top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K)  # (A, C) each
         is_eos = tok == eos_id  # (A, C)
         ends = is_eos & torch.isfinite(top_s)
@@ -212,6 +230,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         same_groups = len(keep) == len(beams.images) and pos.size(1) == beams.width
         state = state.reorder(rows) if same_groups else state.select(rows)
         history.append(rows, toks, attn.index_select(0, rows).float())
+        if repeats:
+            words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
         beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
         prev = toks
     read = iter(history.read([h for per_image in results for h in per_image], N))
@@ -226,6 +246,11 @@ def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id:
     only_eos = torch.full_like(log_probs, NEG_INF)  # (R, V)
     only_eos[:, eos_id] = log_probs[:, eos_id]
     return only_eos
+
+
+def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
+    """Ids of the vocabulary's content words (not special, not in ``STOP_WORDS``): what ``no_repeat_words`` limits."""
+    return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
 
 
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:

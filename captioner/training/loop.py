@@ -51,6 +51,7 @@ from captioner.errors import CheckpointError
 from captioner.models.captioner import build_model
 from captioner.training import distributed as ddp
 from captioner.training.cuda_graph import GraphedStep, check_cuda_graph
+from captioner.training.detectors import install_concepts, read_concepts, with_concept_input
 from captioner.training.data import TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader
 from captioner.training.epoch import end_of_epoch, train_one_epoch
 from captioner.training.initialize import apply_init, load_init_checkpoint, replay_warning
@@ -157,6 +158,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
     if resume:
         check_resume_vocab(vocab, run_dir)
+    concepts = read_concepts(cfg, vocab)  # train.concepts: checked before the first write
+    cfg = with_concept_input(cfg, concepts)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
         if resume:
             remove_stale_temp_files(run_dir)
@@ -168,6 +171,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
+    install_concepts(model.decoder, concepts, vocab)
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None

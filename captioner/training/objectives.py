@@ -15,6 +15,7 @@ import torch
 
 from captioner.config import Config
 from captioner.text import Vocabulary
+from captioner.training.detectors import build_concept_guide
 from captioner.training.grounding import build_attention_supervision
 from captioner.training.objective import CrossEntropy, Objective
 from captioner.training.scst import build_self_critical
@@ -25,9 +26,9 @@ ObjectiveBuilder = Callable[[Config, Any, Vocabulary], Objective]
 def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> CrossEntropy:
     """``train.objective = "xe"``: teacher forcing with the decoder's regularisers, and the attention
     supervision by object boxes when ``train.attention_supervision`` asks for it (and boxes exist)."""
-    grounding = build_attention_supervision(cfg, train_set, vocab)
+    terms = [build_attention_supervision(cfg, train_set, vocab), build_concept_guide(cfg, vocab)]
     return CrossEntropy.from_config(cfg.train, cfg.model.decoder, vocab.pad_id,
-                                    extra_terms=[grounding] if grounding is not None else ())
+                                    extra_terms=[term for term in terms if term is not None])
 
 
 BUILDERS: dict[str, ObjectiveBuilder] = {"xe": build_cross_entropy, "scst": build_self_critical}  # keys: OBJECTIVES
