@@ -23,7 +23,7 @@ from typing import NoReturn
 from captioner.version import __version__
 from captioner.errors import CaptionerError, one_line
 
-COMMAND_MODULES = ("make_shapes", "train", "evaluate", "caption", "attend", "export", "serve", "demo")
+COMMAND_MODULES = ("make_shapes", "train", "concepts", "evaluate", "caption", "attend", "export", "serve", "demo")
 
 EPILOG = """examples:
   captioner demo                                   # generate shapes, train 3 decoders, write runs/demo/report.html

@@ -36,7 +36,7 @@ from captioner.checkpoint.store import load_checkpoint
 from captioner.data.images import load_image
 from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
-from captioner.decoding.search import DecodeOptions, Hypothesis, decode, never_emitted_ids
+from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.models.base import eval_mode
@@ -147,7 +147,8 @@ def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Voc
     """
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
-        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options))
+        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options),
+                      content_word_ids(vocab))
 
 
 def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,

@@ -20,6 +20,18 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 MAX_VOCAB_BYTES = 64 * MiB  # a 1M-word vocabulary is about 15 MB of JSON
 
+# Function words: never a concept (captioner.models.concepts), free to repeat in a caption
+# (DecodeOptions.no_repeat_words). Articles, pronouns, prepositions, conjunctions, auxiliaries,
+# and the commonest quantity words. Content words (nouns, verbs, adjectives, colours) remain.
+STOP_WORDS = frozenset("""
+a an the this that these those there here it its it's he him his she her hers they them their theirs we us our
+you your i me my mine one ones some any each other another both all either neither no not nor and or but so if
+then than as of in on at to into onto from by with without about above below under over near beside behind
+between through across along around against up down out off while during after before for toward towards
+is are was were be been being am has have had having do does did doing can could will would shall should may
+might must very too also just only while who whom whose which what where when why how s t
+""".split())
+
 _WORD = re.compile(r"[^\W_]+")
 _APOSTROPHES = re.compile(r"['\u2019`]")
 

@@ -1,4 +1,5 @@
-"""The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``).
+"""The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``, ``--no-repeat-ngram``,
+``--no-repeat-words``).
 
 A flag left out is not passed on, so the one default, ``DecodeOptions()`` (beam 3, 20 words,
 ``<unk>`` banned: :mod:`captioner.config.schema`), applies to every command as to the Python API
@@ -18,6 +19,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
     parser.add_argument("--beam", type=int, default=None, metavar="K", help=f"{beam_help} (default: 3)")
     parser.add_argument("--max-len", type=int, default=None, metavar="N", help="longest caption in words (default: 20)")
     parser.add_argument("--allow-unk", action="store_true", help="let captions contain <unk> (banned by default)")
+    parser.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                        help="never repeat an N-gram within a caption (3: no repeated trigram; default: off)")
+    parser.add_argument("--no-repeat-words", action="store_true",
+                        help="never use a content word (not 'a', 'the', 'in'...) twice in a caption")
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -32,4 +37,11 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out[field] = value
     if getattr(args, "allow_unk", False):
         out["allow_unk"] = True
+    ngram = getattr(args, "no_repeat_ngram", None)
+    if ngram is not None:
+        if ngram < 2 and ngram != 0:
+            raise ConfigError(f"--no-repeat-ngram must be 0 (off) or >= 2, got {ngram}")
+        out["no_repeat_ngram"] = ngram
+    if getattr(args, "no_repeat_words", False):
+        out["no_repeat_words"] = True
     return out

@@ -118,6 +118,10 @@ class DecodeOptions:
         allow_unk: let captions contain ``<unk>``; by default
             it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
             better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
+        no_repeat_ngram: n > 1: never write an n-gram a caption already holds (3: "a blue shirt and a
+            blue shirt" stops before the second "shirt"); 0 = off.
+        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in
+            one caption ("a baby baby in a bib").
     """
 
     beam_size: int = 3
@@ -125,6 +129,8 @@ class DecodeOptions:
     length_penalty: float = 0.0
     n_best: int = 1
     allow_unk: bool = False
+    no_repeat_ngram: int = 0
+    no_repeat_words: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -138,6 +144,11 @@ class DecodeOptions:
             raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
         if not isinstance(self.allow_unk, bool):
             raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
+        n = self.no_repeat_ngram
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
+            raise ConfigError(f"decoding no_repeat_ngram must be 0 (off) or an integer >= 2, got {n!r}")
+        if not isinstance(self.no_repeat_words, bool):
+            raise ConfigError(f"decoding no_repeat_words must be true or false, got {self.no_repeat_words!r}")
 
 
 @dataclass
@@ -229,6 +240,12 @@ class TrainConfig:
     # "cross_entropy" (to the box's normalised mask, Liu et al. 2017: the attention spread over the object) or
     # "mass" (-log of the attention inside the box, anywhere in it); measured in docs/grounding.md
     attention_supervision_form: str = "cross_entropy"
+    # --- concept detectors (``captioner concepts``; captioner.training.detectors) ---
+    concepts: str | None = None  # a concepts file: the decoder reads its probabilities (concept_input) and/or
+    concept_input: bool = True  # ... is guided by its maps (concept_guide); its words outside the vocabulary dropped
+    # weight of the concept guide: a target word that is a concept pulls its attention towards the concept's map
+    concept_guide: float = 0.0
+    concept_guide_min_prob: float = 0.1  # guide only where the head finds the concept with at least this probability
 
     # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
@@ -296,6 +313,13 @@ class TrainConfig:
         if self.attention_supervision_form not in ("mass", "cross_entropy"):
             raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
                               f"cross_entropy")
+        g = self.concept_guide
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < math.inf:
+            raise ConfigError(f"train.concept_guide must be a number >= 0 (0 = off), got {g!r}")
+        if g and not self.concepts:
+            raise ConfigError("train.concept_guide needs train.concepts, a concepts file (captioner concepts)")
+        if not 0.0 <= self.concept_guide_min_prob < 1.0:
+            raise ConfigError(f"train.concept_guide_min_prob must be in [0, 1), got {self.concept_guide_min_prob}")
 
 
 @dataclass

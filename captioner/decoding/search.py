@@ -72,7 +72,7 @@ from captioner.config import DecodeOptions
 from captioner.errors import ConfigError
 from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
-from captioner.text import Vocabulary
+from captioner.text import STOP_WORDS, Vocabulary
 
 
 NEG_INF = float("-inf")
@@ -240,6 +240,61 @@ class SuppressTokens:
         return log_probs.index_fill(-1, torch.tensor(self.ids, device=log_probs.device), NEG_INF)
 
 
+class BlockRepeats:
+    """Forbid what would repeat: an n-gram the caption already holds, and a listed word it already used.
+
+    Args:
+        ngram: n > 1: the word that would complete an n-gram already in the caption is set to -inf
+            ("a blue shirt and a blue shirt": the second "shirt"); 0 = off.
+        word_ids: ids used at most once per caption (the content words); empty = off.
+        eos_id: never blocked, so that a caption can always finish.
+    """
+
+    def __init__(self, ngram: int = 0, word_ids: Sequence[int] = (), eos_id: int = 2) -> None:
+        self.ngram = int(ngram)
+        self.word_ids = tuple(sorted({int(i) for i in word_ids} - {int(eos_id)}))
+        self.eos_id = int(eos_id)
+        self._mask: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.ngram > 1 or bool(self.word_ids)
+
+    def __repr__(self) -> str:
+        return f"BlockRepeats(ngram={self.ngram}, words={len(self.word_ids)})"
+
+    def _word_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        if self._mask is None or self._mask.numel() != vocab_size or self._mask.device != device:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [i for i in self.word_ids if i < vocab_size]
+            mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+            self._mask = mask
+        return self._mask
+
+    def __call__(self, log_probs: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """log_probs (R, V), words so far (R, t) -> (R, V), a new tensor unless nothing is blocked."""
+        R, V = log_probs.shape
+        t = words.shape[1]
+        if not self or t == 0:
+            return log_probs
+        blocked = torch.zeros(R, V, dtype=torch.bool, device=log_probs.device)  # (R, V)
+        if self.word_ids:
+            used = torch.zeros_like(blocked).scatter_(1, words, True)  # (R, V)
+            blocked |= used & self._word_mask(V, log_probs.device)
+        n = self.ngram
+        if n > 1 and t >= n - 1:
+            prefix = words[:, t - (n - 1):]  # (R, n-1): the last n-1 words
+            starts = t - (n - 1)  # earlier n-grams start at 0 .. starts-1 and end at a word already written
+            if starts > 0:
+                match = torch.ones(R, starts, dtype=torch.bool, device=words.device)  # (R, S)
+                for j in range(n - 1):
+                    match &= words[:, j:j + starts] == prefix[:, j:j + 1]
+                nxt = words[:, n - 1:n - 1 + starts]  # (R, S) the word that followed each match
+                rows = torch.arange(R, device=words.device).unsqueeze(1).expand_as(nxt)
+                blocked[rows[match], nxt[match]] = True
+        blocked[:, self.eos_id] = False
+        return log_probs.masked_fill(blocked, NEG_INF) if bool(blocked.any()) else log_probs
+
+
 MEMORY_LIMIT = 2 * 1024**3  # bytes one decode() call may plan for (all chunks run one after another)
 
 
@@ -285,6 +340,7 @@ def decode(
     eos_id: int,
     options: DecodeOptions | None = None,
     banned_ids: Sequence[int] = (),
+    content_ids: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """Caption a batch of images from region features.
 
@@ -297,6 +353,8 @@ def decode(
         banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
             :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
             renormalised.
+        content_ids: the ids that ``options.no_repeat_words`` lets a caption use once
+            (:func:`content_word_ids`).
 
     Returns:
         Per image, ``options.n_best`` hypotheses, best score first.
@@ -320,7 +378,7 @@ def decode(
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids)
+            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
     return out
 
 
@@ -333,10 +391,17 @@ def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
     return state
 
 
+def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: int) -> BlockRepeats:
+    """The :class:`BlockRepeats` filter ``options`` asks for (falsy when it asks for none)."""
+    return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
+
+
 def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                  options: DecodeOptions, banned_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                  options: DecodeOptions, banned_ids: Sequence[int] = (),
+                  content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
     suppress = SuppressTokens(banned_ids, eos_id)
+    repeats = repeat_filter(options, content_ids, eos_id)
     B, N = features.shape[:2]
     T, device = options.max_len, features.device
     state = initial_state(decoder, features)
@@ -354,7 +419,10 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
             log_prob = torch.where(ends, log_prob + eos_lp, log_prob)
             done |= ends
             break
-        best_lp, best = suppress(log_probs).max(dim=-1)  # (B,), (B,)
+        log_probs = suppress(log_probs)
+        if repeats and steps:
+            log_probs = repeats(log_probs, torch.stack(steps, 1))
+        best_lp, best = log_probs.max(dim=-1)  # (B,), (B,)
         live = ~done
         log_prob = torch.where(live, log_prob + best_lp.double(), log_prob)
         ends = live & (best == eos_id)
@@ -376,7 +444,8 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
 
 
 def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                options: DecodeOptions, banned_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                options: DecodeOptions, banned_ids: Sequence[int] = (),
+                content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
 
     The first step runs one copy per image and takes its K best distinct words, so beams never start
@@ -391,6 +460,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     expansion to K beams, images leaving the batch).
     """
     suppress = SuppressTokens(banned_ids, eos_id)
+    repeats = repeat_filter(options, content_ids, eos_id)
     B, N = features.shape[:2]
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
@@ -398,6 +468,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
     history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
+    words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
     finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
     results: list[list[Pending]] = [[] for _ in range(B)]
 
@@ -412,6 +483,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     for t in range(T + 1):
         log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
         log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
+        if repeats:
+            log_probs = repeats(log_probs, words)
         top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K)  # (A, C) each
         is_eos = tok == eos_id  # (A, C)
         ends = is_eos & torch.isfinite(top_s)
@@ -439,6 +512,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         same_groups = len(keep) == len(beams.images) and pos.size(1) == beams.width
         state = state.reorder(rows) if same_groups else state.select(rows)
         history.append(rows, toks, attn.index_select(0, rows).float())
+        if repeats:
+            words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
         beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
         prev = toks
     read = iter(history.read([h for per_image in results for h in per_image], N))
@@ -453,6 +528,11 @@ def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id:
     only_eos = torch.full_like(log_probs, NEG_INF)  # (R, V)
     only_eos[:, eos_id] = log_probs[:, eos_id]
     return only_eos
+
+
+def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
+    """Ids of the vocabulary's content words (not special, not in ``STOP_WORDS``): what ``no_repeat_words`` limits."""
+    return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
 
 
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, State
+from captioner.models.concepts import SHARPNESS, ConceptHead
 from captioner.models.registry import register_decoder
 
 
@@ -63,7 +64,8 @@ class SATDecoder(CaptionDecoder):
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
-                 region_positions: bool = False) -> None:
+                 region_positions: bool = False, concepts: int = 0, concept_hidden: int = 512,
+                 concept_pooling: str = "lse", concept_sharpness: float = SHARPNESS) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
@@ -94,6 +96,13 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
+        self.concepts = concepts
+        if concepts:  # a frozen concept head (its weights come from a concepts file, then the checkpoint)
+            self.concept_head = ConceptHead(feature_dim, [""] * concepts, concept_hidden, pooling=concept_pooling,
+                                            sharpness=concept_sharpness).requires_grad_(False).eval()
+            self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
+            self.init_concepts = nn.Linear(concepts, 2 * hidden_dim, bias=False)  # into h0 and c0
+            self.out_concepts = nn.Linear(concepts, embed_dim, bias=False)  # L_p: into the deep output
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -118,9 +127,27 @@ class SATDecoder(CaptionDecoder):
         idx = torch.arange(n, device=features.device)
         return features + (self.row(idx // self.grid) + self.col(idx % self.grid)).to(features.dtype)  # (B, N, D)
 
-    def _initial_hc(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def train(self, mode: bool = True) -> "SATDecoder":
+        super().train(mode)
+        if self.concepts:
+            self.concept_head.eval()  # frozen: no dropout in training either
+        return self
+
+    def concept_probs(self, features: torch.Tensor) -> torch.Tensor | None:
+        """P(concept in image) (B,K) from the raw region features (B,N,D), or None without concepts."""
+        if not self.concepts:
+            return None
+        with torch.no_grad():
+            return self.concept_head.probs(features)
+
+    def _initial_hc(self, features: torch.Tensor, concepts: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         mean = features.mean(dim=1)  # (B, D)
-        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))  # (B, H) each
+        h, c = self.init_h(mean), self.init_c(mean)  # (B, H) each
+        if concepts is not None:
+            ph, pc = self.init_concepts(concepts.to(h.dtype)).chunk(2, dim=-1)
+            h, c = h + ph, c + pc
+        return torch.tanh(h), torch.tanh(c)
 
     def _context(self, log_alpha: torch.Tensor, features: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -143,9 +170,15 @@ class SATDecoder(CaptionDecoder):
             index = index.masked_fill(use_soft, -1)
         return context, log_prob, index
 
-    def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor) -> torch.Tensor:
-        """L_o(dropout(E y + L_h dropout(h) + L_z beta z)): (..., M), (..., H), (..., D) -> (..., V)."""
+    def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
+                     concepts: torch.Tensor | None = None) -> torch.Tensor:
+        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ L_p p])): (..., M), (..., H), (..., D) -> (..., V).
+
+        ``concepts``: ``L_p p`` (B, M) or (B, 1, M), the projected concept probabilities, when the decoder reads them.
+        """
         deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
+        if concepts is not None:
+            deep = deep + concepts
         return self.out_word(self.dropout(deep))  # (..., V)
 
     # ------------------------------------------------------------------ teacher forcing
@@ -194,13 +227,14 @@ class SATDecoder(CaptionDecoder):
         """
         _, T = tokens.shape
         H = self.hidden_dim
+        concepts = self.concept_probs(features)  # (B, K) or None, from the regions as the encoder gave them
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if low is not None:  # autocast would cast the (B, N, D) features for every step's bmm: cast them once
             features = features.to(low)
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
-        h, c = self._initial_hc(features)  # (B, H)
+        h, c = self._initial_hc(features, concepts)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
         w_ih = self.lstm.weight_ih  # (4H, M + D)
         x_gates = F.linear(emb, w_ih[:, :self.embed_dim], self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
@@ -228,7 +262,8 @@ class SATDecoder(CaptionDecoder):
         context = torch.stack(contexts, dim=1)  # (B, T, D)
         log_alpha = torch.stack(log_alphas, dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
-        logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context)  # (B, T, V)
+        concept_out = self.out_concepts(concepts.to(emb.dtype)).unsqueeze(1) if concepts is not None else None
+        logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context, concept_out)  # (B,T,V)
         aux = {"beta": beta, "context": context}
         sample_log_probs = None
         if sample_lps:
@@ -246,10 +281,13 @@ class SATDecoder(CaptionDecoder):
 
     def init_state(self, features: torch.Tensor) -> State:
         """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A)}, dynamic {h, c (B,H)})."""
+        concepts = self.concept_probs(features)
         features = self._regions(features)
-        h, c = self._initial_hc(features)
-        return State(static={"features": features, "projected": self.attention.project(features)},
-                     dynamic={"h": h, "c": c})
+        h, c = self._initial_hc(features, concepts)
+        static = {"features": features, "projected": self.attention.project(features)}
+        if concepts is not None:
+            static["concepts"] = self.out_concepts(concepts.to(h.dtype))  # (B, M) L_p p
+        return State(static=static, dynamic={"h": h, "c": c})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N))."""
@@ -259,7 +297,7 @@ class SATDecoder(CaptionDecoder):
         context, _, _ = self._context(log_alpha, state.static["features"])  # (B, D)
         gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
         h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
-        log_probs = F.log_softmax(self._deep_output(emb, h, gated), dim=-1)  # (B, V)
+        log_probs = F.log_softmax(self._deep_output(emb, h, gated, state.static.get("concepts")), dim=-1)  # (B, V)
         return log_probs, State(state.static, {"h": h, "c": c}), log_alpha.exp()
 
 
@@ -278,4 +316,8 @@ def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: i
         hard_soft_prob=cfg.hard_soft_prob,
         grid=grid,
         region_positions=cfg.region_positions,
+        concepts=cfg.concepts,
+        concept_hidden=cfg.concept_hidden,
+        concept_pooling=cfg.concept_pooling,
+        concept_sharpness=cfg.concept_sharpness,
     )

@@ -85,6 +85,7 @@ from captioner.models.base import attention_entropy
 from captioner.models.model import CaptionModel, build_model
 from captioner.text import Vocabulary
 from captioner.training import distributed as ddp
+from captioner.training.detectors import install_concepts, read_run_concepts, with_concept_input
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
@@ -556,6 +557,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
     if resume:
         check_resume_vocab(vocab, run_dir)
+    concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write
+    cfg = with_concept_input(cfg, concepts)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
         if resume:
             remove_stale_temp_files(run_dir)
@@ -567,6 +570,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
+    install_concepts(model.decoder, concepts, vocab)
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None

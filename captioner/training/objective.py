@@ -133,9 +133,10 @@ from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.data.coco import load_instances
 from captioner.data.grounding import bind_mentions, box_coverage
 from captioner.data.transforms import crop_box
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import WordTable, detect_vocabulary, find_mentions, word_table
 from captioner.models.base import CaptionDecoder, DecoderOutput
+from captioner.models.concepts import ConceptHead, read_concepts
 from captioner.text import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -674,9 +675,77 @@ def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> 
     return AttentionSupervision(targets, t.attention_supervision, t.attention_supervision_form, vocab.pad_id)
 
 
+class ConceptGuide:
+    """The concept-guide term of cross-entropy training (a ``LossTerm``, ``train.concept_guide``).
+
+    For every target word that is a concept, the decoder's attention at the step that predicts it
+    is pulled towards that concept's map in the image (KL divergence to the map, as box
+    supervision's ``cross_entropy`` form; logged as ``concept_guide`` and ``concept_guided_words``).
+
+    Args:
+        head: the trained concept head (frozen here).
+        vocab: the decoder's vocabulary (concept words outside it are never targets).
+        weight: the term's weight.
+        min_prob: a step is guided only where the head finds the concept in the image with at least
+            this probability (a map of a concept it cannot see is noise).
+    """
+
+    name = "concept_guide"
+
+    def __init__(self, head: ConceptHead, vocab: Vocabulary, weight: float, min_prob: float = 0.1) -> None:
+        self.head = head.eval().requires_grad_(False)
+        self.weight = weight
+        self.min_prob = min_prob
+        table = torch.full((len(vocab),), -1, dtype=torch.long)  # vocab id -> concept index, -1: none
+        for k, word in enumerate(head.words):
+            if word in vocab.stoi:
+                table[vocab.stoi[word]] = k
+        self.table = table
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def targets(self, features: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D), target words (B,T) -> soft targets (B,T,N); all-zero rows are not guided."""
+        with torch.no_grad():
+            self.head.to(features.device)
+            logits = self.head(features)  # (B, N, K)
+            maps = self.head.maps_from_logits(logits)  # (B, K, N)
+            present = torch.sigmoid(self.head.pool(logits)) >= self.min_prob  # (B, K)
+            k = self.table.to(words.device)[words]  # (B, T)
+            guided = k >= 0
+            kk = k.clamp(min=0)
+            target = maps.gather(1, kk.unsqueeze(-1).expand(-1, -1, maps.shape[-1]))  # (B, T, N)
+            keep = guided & present.gather(1, kk)  # (B, T)
+            return target * keep.unsqueeze(-1).to(target.dtype)
+
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        if batch.x.dim() != 3:
+            raise DataError("train.concept_guide needs cached region features (a frozen encoder and "
+                            "data.feature_cache=true)")
+        words = batch.tokens[:, 1:]  # (B, T-1)
+        target = self.targets(batch.x, words)
+        term = grounding_loss(output.attention, target, "cross_entropy")
+        real = (words > 0).sum().clamp(min=1).to(term.words.dtype)
+        self.stats = {"concept_guided_words": term.words / real}
+        return term.loss
+
+
+def build_concept_guide(cfg: Any, vocab: Vocabulary) -> ConceptGuide | None:
+    """The ``train.concept_guide`` term of cross-entropy training, or None when it is off."""
+    t = cfg.train
+    if not t.concept_guide:
+        return None
+    if t.objective != "xe":
+        log.warning("train.concept_guide applies to cross-entropy training only; train.objective=%s trains "
+                    "without it", t.objective)
+        return None
+    head = read_concepts(t.concepts, cfg.model.encoder, vocab)
+    log.info("concept guide (weight %g): %d concepts of %s", t.concept_guide, head.size, t.concepts)
+    return ConceptGuide(head, vocab, t.concept_guide, t.concept_guide_min_prob)
+
+
 def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> CrossEntropy:
     """``train.objective = "xe"``: teacher forcing with the decoder's regularisers, and the attention
     supervision by object boxes when ``train.attention_supervision`` asks for it (and boxes exist)."""
-    grounding = build_attention_supervision(cfg, train_set, vocab)
+    terms = [build_attention_supervision(cfg, train_set, vocab), build_concept_guide(cfg, vocab)]
     return CrossEntropy.from_config(cfg.train, cfg.model.decoder, vocab.pad_id,
-                                    extra_terms=[grounding] if grounding is not None else ())
+                                    extra_terms=[term for term in terms if term is not None])

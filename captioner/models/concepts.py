@@ -1,0 +1,199 @@
+"""Concept detectors over a frozen encoder's regions (Fang et al. 2015, "From captions to visual concepts and back").
+
+Shape legend: B images, N regions (grid*grid), D feature width, K concepts, F hidden width.
+
+A :class:`ConceptHead` is a small two-layer network applied to every region feature: it scores
+each of K *concepts* (the most frequent content words of the training captions: "dog", "ball",
+"grass", "red", "jumping") at each region. An image's score for a concept pools its regions'
+scores, so the head trains from captions alone by multiple-instance learning: a word in the
+image's captions is a positive bag, and some region must carry its evidence
+(``captioner.training.detectors`` trains it on a feature cache in minutes).
+
+Two poolings (``pooling``):
+
+* ``"lse"``: a soft maximum, ``(1/r) logsumexp_i(r s_ki)``; its gradient goes to the regions in
+  proportion to ``softmax_i(r s_ki)``, which is also the concept's **map** (:meth:`ConceptHead.maps`);
+* ``"noisy_or"``: ``P(k) = 1 - prod_i (1 - sigmoid(s_ki))``, Fang et al.'s form; its map is the
+  regions' probabilities normalised to sum to one.
+
+The head is used three ways: its image-level probabilities are an extra input of a decoder
+(``decoder.concepts``), its maps are a target for the decoder's attention on the words that are
+concepts (``train.concept_guide``: grounding learnt from captions alone), and a photo's top
+concepts with their maps are listed beside its caption.
+
+A trained head is stored as one safetensors file (:func:`save_concepts` / :func:`load_concepts`)
+holding the weights and, in its metadata, the concept words and how the head was built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
+
+from captioner.errors import CheckpointError, ConfigError
+from captioner.files import atomic_write
+from captioner.text import STOP_WORDS, Vocabulary
+
+FORMAT = "captioner-concepts"
+POOLINGS = ("lse", "noisy_or")
+INITIAL_BIAS = -4.0  # of the region logits: sigmoid(-4) = 1.8%
+SHARPNESS = 5.0  # r of the "lse" pooling (r -> infinity: the max; r -> 0: the mean)
+
+
+
+def choose_concepts(captions: Iterable[Sequence[str]], k: int, min_images: int = 5) -> list[str]:
+    """The ``k`` content words that the most images mention, most frequent first.
+
+    Args:
+        captions: per image, its captions' tokens joined or as one list of words (each image once).
+        k: how many concepts.
+        min_images: a word mentioned for fewer images is never a concept.
+    """
+    if k < 1:
+        raise ConfigError(f"the number of concepts must be >= 1, got {k}")
+    counts: Counter[str] = Counter()
+    for words in captions:
+        counts.update(set(words) - STOP_WORDS)
+    ranked = [(n, w) for w, n in counts.items() if n >= min_images and w.isalpha() and len(w) > 1]
+    ranked.sort(key=lambda item: (-item[0], item[1]))
+    return [w for _, w in ranked[:k]]
+
+
+class ConceptHead(nn.Module):
+    """Per-region concept scores: features (B,N,D) -> logits (B,N,K).
+
+    Args:
+        feature_dim: D.
+        words: the K concept words, in output order.
+        hidden_dim: F, the hidden width (0: one linear layer).
+        dropout: on the hidden layer while training.
+        pooling: ``"lse"`` or ``"noisy_or"`` (module docstring).
+        sharpness: r of ``"lse"``.
+    """
+
+    def __init__(self, feature_dim: int, words: Sequence[str], hidden_dim: int = 512, dropout: float = 0.3,
+                 pooling: str = "lse", sharpness: float = SHARPNESS) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ConfigError(f"concept pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
+        if not words:
+            raise ConfigError("a concept head needs at least one concept word")
+        self.words = list(words)
+        self.feature_dim, self.hidden_dim = feature_dim, hidden_dim
+        self.pooling, self.sharpness, self.dropout_p = pooling, float(sharpness), dropout
+        if hidden_dim:
+            self.net = nn.Sequential(nn.LayerNorm(feature_dim), nn.Linear(feature_dim, hidden_dim), nn.ReLU(),
+                                     nn.Dropout(dropout), nn.Linear(hidden_dim, len(self.words)))
+        else:
+            self.net = nn.Sequential(nn.LayerNorm(feature_dim), nn.Linear(feature_dim, len(self.words)))
+        # most concepts are absent from most images: start every region at a low prior (noisy-OR over
+        # 49 regions at p = 0.5 would call every concept present)
+        nn.init.constant_(self.net[-1].bias, INITIAL_BIAS)
+
+    @property
+    def size(self) -> int:
+        """K."""
+        return len(self.words)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D) -> region logits (B,N,K), float32."""
+        return self.net(features.float())
+
+    def pool(self, region_logits: torch.Tensor) -> torch.Tensor:
+        """Region logits (B,N,K) -> image logits (B,K): ``sigmoid`` of them is P(concept in image)."""
+        if self.pooling == "lse":
+            return torch.logsumexp(region_logits * self.sharpness, dim=1) / self.sharpness
+        log_none = -F.softplus(region_logits).sum(dim=1)  # (B, K) log prod_i (1 - p_i) = log(1 - P)
+        log_any = torch.log(-torch.expm1(log_none.clamp(max=-1e-6)))  # log P
+        return log_any - log_none  # logit(P)
+
+    def probs(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D) -> P(concept in image) (B,K)."""
+        return torch.sigmoid(self.pool(self(features)))
+
+    def maps_from_logits(self, region_logits: torch.Tensor) -> torch.Tensor:
+        """Region logits (B,N,K) -> each concept's map over the regions (B,K,N), rows summing to 1."""
+        logits = region_logits.transpose(1, 2)  # (B, K, N)
+        if self.pooling == "lse":
+            return torch.softmax(logits * self.sharpness, dim=-1)
+        p = torch.sigmoid(logits)
+        return p / p.sum(-1, keepdim=True).clamp(min=1e-8)
+
+    def maps(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D) -> each concept's map over the regions (B,K,N)."""
+        return self.maps_from_logits(self(features))
+
+    def describe(self) -> dict[str, object]:
+        """What rebuilds the head: its metadata in a concepts file."""
+        return {"feature_dim": self.feature_dim, "hidden_dim": self.hidden_dim, "dropout": self.dropout_p,
+                "pooling": self.pooling, "sharpness": self.sharpness, "words": self.words}
+
+
+def save_concepts(head: ConceptHead, path: str | os.PathLike, extra: dict[str, object] | None = None) -> Path:
+    """Write ``head`` as a concepts file (safetensors; metadata: the words and the build, plus ``extra``)."""
+    meta = {"format": FORMAT, "head": json.dumps(head.describe()), "extra": json.dumps(extra or {})}
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    path = Path(path)
+    data = save(state, metadata=meta)
+    atomic_write(path, lambda f: f.write(data))
+    return path
+
+
+def load_concepts(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, object]]:
+    """Read a concepts file: the head (eval mode) and the ``extra`` metadata it was saved with."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"concepts file {path} does not exist (train one with `captioner concepts`)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a concepts file (format {meta.get('format')!r}, "
+                                  f"expected {FORMAT!r})")
+        spec = json.loads(meta["head"])
+        head = ConceptHead(int(spec["feature_dim"]), [str(w) for w in spec["words"]], int(spec["hidden_dim"]),
+                           float(spec["dropout"]), str(spec["pooling"]), float(spec["sharpness"]))
+        head.load_state_dict(load_file(str(path)))
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
+        raise CheckpointError(f"concepts file {path} cannot be read: {exc}") from exc
+    return head.eval(), json.loads(meta.get("extra", "{}"))
+
+
+def restrict_to_vocab(head: ConceptHead, vocab: Vocabulary) -> ConceptHead:
+    """The head's concepts that are words of ``vocab`` (a decoder can only name those), weights kept."""
+    keep = [k for k, w in enumerate(head.words) if w in vocab.stoi]
+    if not keep:
+        raise ConfigError("none of the concept words is in the training vocabulary")
+    out = ConceptHead(head.feature_dim, [head.words[k] for k in keep], head.hidden_dim, head.dropout_p,
+                      head.pooling, head.sharpness)
+    state = dict(head.state_dict())
+    last = f"net.{len(head.net) - 1}"
+    state[f"{last}.weight"] = state[f"{last}.weight"][keep]
+    state[f"{last}.bias"] = state[f"{last}.bias"][keep]
+    out.load_state_dict(state)
+    return out.eval()
+
+
+def read_concepts(path: str | os.PathLike, encoder_cfg: Any, vocab: Vocabulary) -> ConceptHead:
+    """A concepts file's head restricted to ``vocab``, refused when it was trained on another encoder's features."""
+    head, extra = load_concepts(path)
+    enc = encoder_cfg
+    made_for = (extra.get("encoder"), extra.get("grid"), extra.get("image_size"))
+    if made_for != (None, None, None) and made_for != (enc.name, enc.grid, enc.image_size):
+        raise ConfigError(f"concepts file {path} was trained on {made_for[0]} features "
+                          f"({made_for[1]}x{made_for[1]} at {made_for[2]} px); this model's encoder is {enc.name} "
+                          f"({enc.grid}x{enc.grid} at {enc.image_size} px)")
+    return restrict_to_vocab(head, vocab)

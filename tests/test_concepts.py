@@ -1,0 +1,352 @@
+"""Concept detectors learnt from captions (captioner.models.concepts, captioner.training.detectors), the
+decoder that reads them, the guide term, the ``captioner concepts`` command, and decoding that does not repeat."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from captioner.config import DecodeOptions, get_preset
+from captioner.data.caption_set import CaptionSet, ImageRecord
+from captioner.decoding.search import BlockRepeats, content_word_ids, decode
+from captioner.errors import CheckpointError, ConfigError
+from captioner.models.concepts import ConceptHead, choose_concepts, load_concepts, restrict_to_vocab, save_concepts
+from captioner.models.lstm import SATDecoder
+from captioner.text import Vocabulary
+from captioner.training.detectors import (average_precision, concept_targets, install_concepts, train_concepts,
+                                          with_concept_input)
+from captioner.training.objective import ConceptGuide
+
+REPO = Path(__file__).resolve().parents[1]
+D, N = 12, 9
+
+
+def _caption_set(captions: dict[int, list[str]]) -> CaptionSet:
+    images = [ImageRecord(i, f"{i}.jpg", Path(f"{i}.jpg")) for i in captions]
+    return CaptionSet("test", "train", images, captions, Path("."))
+
+
+# ----------------------------------------------------------------------------- choosing and scoring
+
+
+def test_choose_concepts_counts_images_not_mentions_and_leaves_out_function_words():
+    captions = [["a", "dog", "dog", "dog", "on", "grass"], ["the", "dog", "runs"], ["a", "cat", "on", "grass"]]
+    assert choose_concepts(captions, 10, min_images=1) == ["dog", "grass", "cat", "runs"]
+    assert choose_concepts(captions, 1, min_images=1) == ["dog"]
+    assert choose_concepts(captions, 10, min_images=2) == ["dog", "grass"]
+    with pytest.raises(ConfigError, match="number of concepts"):
+        choose_concepts(captions, 0)
+
+
+def test_concept_targets_are_the_share_of_captions_using_the_word():
+    cs = _caption_set({1: ["A dog runs.", "a brown dog", "grass", "a field", "dogs"], 2: ["a cat"]})
+    targets = concept_targets(cs, ["dog", "grass", "cat"])
+    torch.testing.assert_close(targets, torch.tensor([[0.4, 0.2, 0.0], [0.0, 0.0, 1.0]]))
+
+
+def test_average_precision_known_answers():
+    scores = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]])
+    positives = torch.tensor([[1, 0], [0, 0], [1, 0], [0, 0]], dtype=torch.bool)
+    ap = average_precision(scores, positives)
+    assert ap[0].item() == pytest.approx((1 / 1 + 2 / 3) / 2)
+    assert math.isnan(ap[1].item())  # no positive: not scored
+    perfect = average_precision(torch.tensor([[0.1], [0.9]]), torch.tensor([[False], [True]]))
+    assert perfect.item() == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+@pytest.mark.parametrize("pooling", ["lse", "noisy_or"])
+def test_head_shapes_maps_and_pooling(pooling):
+    torch.manual_seed(0)
+    head = ConceptHead(D, ["dog", "ball", "grass"], hidden_dim=8, pooling=pooling).eval()
+    x = torch.randn(4, N, D)
+    logits = head(x)
+    assert logits.shape == (4, N, 3)
+    maps = head.maps(x)
+    assert maps.shape == (4, 3, N)
+    torch.testing.assert_close(maps.sum(-1), torch.ones(4, 3))
+    probs = head.probs(x)
+    assert probs.shape == (4, 3) and bool(((probs > 0) & (probs < 1)).all())
+    p = torch.sigmoid(logits)
+    if pooling == "noisy_or":  # P = 1 - prod_i (1 - p_i)
+        torch.testing.assert_close(probs, 1 - (1 - p).prod(dim=1), atol=1e-5, rtol=1e-4)
+    else:  # a soft maximum: between the max region logit and max + log(N) / r
+        top = logits.max(dim=1).values
+        pooled = head.pool(logits)
+        assert bool((pooled >= top - 1e-6).all()) and bool((pooled <= top + math.log(N) / head.sharpness + 1e-6).all())
+
+
+def test_head_starts_with_most_concepts_absent():
+    head = ConceptHead(D, ["w"] * 5, hidden_dim=8, pooling="noisy_or").eval()
+    with torch.no_grad():
+        assert float(head.probs(torch.randn(2, 49, D) * 0.01).max()) < 0.7  # not 1 - 0.5**49
+
+
+def test_concepts_file_round_trip_and_one_line_errors(tmp_path):
+    torch.manual_seed(0)
+    head = ConceptHead(D, ["dog", "ball"], hidden_dim=6, pooling="noisy_or", sharpness=3.0).eval()
+    path = save_concepts(head, tmp_path / "c.safetensors", {"dev_map": 0.5})
+    back, extra = load_concepts(path)
+    x = torch.randn(2, N, D)
+    torch.testing.assert_close(back(x), head(x))
+    assert back.words == ["dog", "ball"] and back.pooling == "noisy_or" and back.sharpness == 3.0
+    assert extra == {"dev_map": 0.5}
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_concepts(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="junk.safetensors"):
+        load_concepts(tmp_path / "junk.safetensors")
+
+
+def test_restrict_to_vocab_keeps_each_kept_words_weights():
+    torch.manual_seed(0)
+    head = ConceptHead(D, ["dog", "zebra", "ball"], hidden_dim=6).eval()
+    small = restrict_to_vocab(head, Vocabulary(["a", "dog", "ball"]))
+    x = torch.randn(2, N, D)
+    assert small.words == ["dog", "ball"]
+    torch.testing.assert_close(small(x), head(x)[..., [0, 2]])
+    with pytest.raises(ConfigError, match="none of the concept words"):
+        restrict_to_vocab(head, Vocabulary(["cat"]))
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def _planted(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features where concept j, when present, shows as direction j in one random region; its index."""
+    gen = torch.Generator().manual_seed(seed)
+    feats = torch.randn(n, N, D, generator=gen) * 0.3
+    present = torch.rand(n, k, generator=gen) < 0.3
+    where = torch.randint(0, N, (n, k), generator=gen)
+    for i, j in present.nonzero().tolist():
+        feats[i, where[i, j], j] += 3.0
+    return feats, present.float(), where
+
+
+def test_mil_learns_planted_concepts_and_their_maps_point_at_them():
+    torch.manual_seed(0)
+    k = 4
+    train_x, train_y, _ = _planted(300, k, 0)
+    dev_x, dev_y, dev_where = _planted(100, k, 1)
+    head = ConceptHead(D, [f"w{j}" for j in range(k)], hidden_dim=32, dropout=0.0)
+    report = train_concepts(head, train_x, train_y, dev_x, dev_y, epochs=20, batch_size=32, lr=1e-2, progress=False)
+    assert report.dev_map > 0.85, report
+    assert len(report.dev_map_by_epoch) == 20 and report.last_loss < report.first_loss
+    maps = head.maps(dev_x)  # (C, K, N)
+    hits = [int(maps[i, j].argmax()) == int(dev_where[i, j]) for i, j in (dev_y > 0).nonzero().tolist()]
+    assert sum(hits) / len(hits) > 0.9
+
+
+def test_train_concepts_refuses_mismatched_targets():
+    head = ConceptHead(D, ["a1"], hidden_dim=4)
+    with pytest.raises(Exception, match="targets"):
+        train_concepts(head, torch.zeros(3, N, D), torch.zeros(2, 1), torch.zeros(1, N, D), torch.zeros(1, 1),
+                       epochs=1, progress=False)
+
+
+# ----------------------------------------------------------------------------- the guide term
+
+
+def test_guide_targets_the_concept_map_on_concept_words_only():
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "dog", "ball", "runs"])
+    head = ConceptHead(D, ["dog", "ball"], hidden_dim=6).eval()
+    guide = ConceptGuide(head, vocab, weight=1.0, min_prob=0.0)
+    x = torch.randn(2, N, D)
+    words = torch.tensor([[vocab.stoi["a"], vocab.stoi["dog"], vocab.stoi["ball"], 0]] * 2)
+    target = guide.targets(x, words)
+    assert target.shape == (2, 4, N)
+    maps = head.maps(x)
+    torch.testing.assert_close(target[:, 1], maps[:, 0])
+    torch.testing.assert_close(target[:, 2], maps[:, 1])
+    assert float(target[:, 0].abs().sum()) == 0 and float(target[:, 3].abs().sum()) == 0
+    unsure = ConceptGuide(head, vocab, weight=1.0, min_prob=0.999)  # nothing found that surely: nothing guided
+    assert float(unsure.targets(x, words).sum()) == 0
+
+
+def test_guide_loss_is_zero_when_attention_is_the_map_and_positive_otherwise():
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "dog"])
+    head = ConceptHead(D, ["dog"], hidden_dim=6).eval()
+    guide = ConceptGuide(head, vocab, weight=1.0, min_prob=0.0)
+    x = torch.randn(1, N, D)
+    tokens = torch.tensor([[vocab.bos_id, vocab.stoi["a"], vocab.stoi["dog"]]])
+    batch = SimpleNamespace(x=x, tokens=tokens)
+    on_map = torch.cat([torch.full((1, 1, N), 1.0 / N), head.maps(x)[:, :1]], dim=1)  # (1, 2, N)
+    assert float(guide(SimpleNamespace(attention=on_map), batch)) == pytest.approx(0.0, abs=1e-5)
+    uniform = torch.full((1, 2, N), 1.0 / N)
+    assert float(guide(SimpleNamespace(attention=uniform), batch)) > 0.01
+    assert float(guide.stats["concept_guided_words"]) == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- the decoder reads concepts
+
+
+def _sat_with_concepts(k: int = 3, **kw) -> SATDecoder:
+    return SATDecoder(vocab_size=15, feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.3,
+                      concepts=k, concept_hidden=6, **kw)
+
+
+def test_sat_with_concepts_steps_as_it_teacher_forces_and_keeps_the_head_frozen():
+    torch.manual_seed(0)
+    decoder = _sat_with_concepts().eval()
+    x = torch.randn(2, N, D)
+    tokens = torch.randint(1, 15, (2, 5))
+    with torch.no_grad():
+        out = decoder(x, tokens)
+        state = decoder.init_state(x)
+        steps = []
+        for t in range(tokens.shape[1]):
+            lp, state, _ = decoder.step(tokens[:, t], state)
+            steps.append(lp)
+    torch.testing.assert_close(out.logits.log_softmax(-1), torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
+    decoder.train()
+    assert not decoder.concept_head.training  # no dropout in the frozen head
+    decoder(x, tokens).logits.sum().backward()
+    assert all(p.grad is None for p in decoder.concept_head.parameters())
+    assert decoder.init_concepts.weight.grad is not None and decoder.out_concepts.weight.grad is not None
+
+
+def test_concepts_change_the_caption_distribution():
+    torch.manual_seed(0)
+    decoder = _sat_with_concepts().eval()
+    x = torch.randn(1, N, D)
+    tokens = torch.randint(1, 15, (1, 4))
+    with torch.no_grad():
+        before = decoder(x, tokens).logits
+        decoder.concept_head.net[-1].bias.fill_(5.0)  # every concept found
+        after = decoder(x, tokens).logits
+    assert not torch.allclose(before, after)
+
+
+def test_training_sizes_the_decoder_from_the_head_and_installs_it():
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "dog", "ball"])
+    head = restrict_to_vocab(ConceptHead(1280, ["dog", "zebra", "ball"], hidden_dim=6), vocab)
+    cfg = get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c.safetensors"})
+    sized = with_concept_input(cfg, head)
+    dec = sized.model.decoder
+    assert (dec.concepts, dec.concept_hidden, dec.concept_pooling) == (2, 6, "lse")
+    assert with_concept_input(cfg.override(**{"train.concept_input": False}), head) is not None
+    assert with_concept_input(cfg.override(**{"train.concept_input": False}), head).model.decoder.concepts == 0
+    decoder = SATDecoder(vocab_size=len(vocab), feature_dim=1280, concepts=2, concept_hidden=6)
+    install_concepts(decoder, head, vocab)
+    assert decoder.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
+    x = torch.randn(1, 4, 1280)
+    torch.testing.assert_close(decoder.concept_head(x), head(x))
+    transformer = get_preset("transformer_flickr8k").override(**{"train.concepts": "c.safetensors"})
+    with pytest.raises(ConfigError, match="concept_input=false"):
+        with_concept_input(transformer, head)
+
+
+def test_config_checks_the_concept_keys():
+    with pytest.raises(ConfigError, match="needs train.concepts"):
+        get_preset("sat_soft_flickr8k").override(**{"train.concept_guide": 1.0})
+    with pytest.raises(ConfigError, match="concept_guide must be"):
+        get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c", "train.concept_guide": -1.0})
+    with pytest.raises(ConfigError, match="does not read concept inputs"):
+        get_preset("transformer_flickr8k").override(**{"model.decoder.concepts": 4})
+
+
+# ----------------------------------------------------------------------------- the command, end to end
+
+
+@pytest.mark.slow
+def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tmp_path):
+    """``captioner concepts`` over the feature cache, then a SAT run with concept input and guide; the
+    checkpoint captions and carries the concepts' vocabulary ids."""
+    out = tmp_path / "concepts.safetensors"
+    common = ["--preset", "sat_soft_demo", "--data", str(tiny_shapes), "--set", "encoder.fine_tune=false",
+              "--set", f"data.feature_cache_dir={tmp_path / 'features'}"]
+    done = subprocess.run([sys.executable, "-m", "captioner", "concepts", *common, "--out", str(out),
+                           "--concepts", "12", "--epochs", "2", "--boxes", str(tiny_shapes), "--boxes-split", "test",
+                           "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dev mAP" in done.stdout and f"wrote {out}" in done.stdout
+    head, extra = load_concepts(out)
+    assert head.size == 12 and 0.0 <= extra["dev_map"] <= 1.0
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "captioner", "train", *common, "--out", str(run), "--epochs", "1",
+                           "--set", f"train.concepts={out}", "--set", "train.concept_guide=0.5",
+                           "--set", "train.time_budget=60", "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import captioner
+
+    model = captioner.load(run / "best.safetensors")
+    decoder = model.model.decoder
+    assert 0 < decoder.concepts <= 12
+    assert [model.vocab.itos[i] for i in decoder.concept_ids.tolist()] == [w for w in head.words
+                                                                         if w in model.vocab.stoi]
+    image = sorted((tiny_shapes / "images").glob("*.png"))[0]
+    assert model.caption([image])[0].words
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "concept_guide" in header and "share_concept_guide" in header
+
+
+def test_concepts_command_one_line_errors(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "captioner", "concepts", "--preset", "sat_soft_flickr8k",
+                           "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c.safetensors")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("captioner concepts: error:") and len(done.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in done.stderr
+
+
+# ----------------------------------------------------------------------------- decoding that does not repeat
+
+
+def test_block_repeats_known_answers():
+    block = BlockRepeats(ngram=3, word_ids=[5, 6], eos_id=2)
+    words = torch.tensor([[4, 5, 7, 4, 5], [5, 8, 9, 1, 1], [2, 2, 2, 2, 2]])
+    out = block(torch.zeros(3, 10), words)
+    blocked = [(row == float("-inf")).nonzero().flatten().tolist() for row in out]
+    assert blocked[0] == [5, 7]  # "4 5" was followed by 7 before; 5 is a content word already used
+    assert blocked[1] == [5]
+    assert blocked[2] == []  # <eos> is never blocked
+    assert not BlockRepeats(0, ()) and BlockRepeats(0, (), eos_id=2)(torch.zeros(1, 4), words[:1]).eq(0).all()
+
+
+def _repeating_decoder(vocab_size: int) -> SATDecoder:
+    """An untrained SAT decoder whose output always prefers word 5 then word 6 (a caption that loops)."""
+    torch.manual_seed(0)
+    decoder = SATDecoder(vocab_size=vocab_size, feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7,
+                         dropout=0.0).eval()
+    with torch.no_grad():
+        decoder.out_word.bias.zero_()
+        decoder.out_word.bias[5] = 8.0
+        decoder.out_word.bias[6] = 7.5
+        decoder.out_word.bias[2] = -30.0  # never end early
+    return decoder
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_search_with_no_repeat_never_repeats_a_trigram_or_a_content_word(beam):
+    vocab = Vocabulary(["a", "dog", "ball", "grass", "the", "in", "runs", "big", "red", "on"])
+    decoder = _repeating_decoder(len(vocab))
+    x = torch.randn(2, N, D)
+    plain = decode(decoder, x, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=beam, max_len=8), (0, 1, 3))
+    assert plain[0][0].tokens.count(5) > 1  # the loop it would write
+    opts = DecodeOptions(beam_size=beam, max_len=8, no_repeat_ngram=3, no_repeat_words=True)
+    for hyps in decode(decoder, x, vocab.bos_id, vocab.eos_id, opts, (0, 1, 3), content_word_ids(vocab)):
+        toks = hyps[0].tokens
+        grams = [tuple(toks[i:i + 3]) for i in range(len(toks) - 2)]
+        assert len(grams) == len(set(grams)), toks
+        content = [t for t in toks if t in set(content_word_ids(vocab))]
+        assert len(content) == len(set(content)), toks
+
+
+def test_decode_options_check_the_repeat_settings():
+    with pytest.raises(ConfigError, match="no_repeat_ngram"):
+        DecodeOptions(no_repeat_ngram=1)
+    with pytest.raises(ConfigError, match="no_repeat_words"):
+        DecodeOptions(no_repeat_words="yes")
+    assert content_word_ids(Vocabulary(["a", "dog", "the", "runs"])) == (5, 7)
