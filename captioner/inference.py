@@ -67,6 +67,10 @@ class Caption:
         box: ``(left, top, right, bottom)`` of the original image the encoder saw (right/bottom
             exclusive, original pixels); None for a tensor input (the whole tensor was seen).
         finished: False when the caption was cut at ``max_len`` without ``<eos>``.
+        concepts: for a model that reads concept detectors (``decoder.concepts``), the photo's top
+            concepts, most probable first, as ``(word, probability)``; else None.
+        concept_maps: (C, g, g) float32 CPU tensor, where each of ``concepts`` is in the photo (each
+            map sums to 1), or None.
     """
 
     text: str
@@ -79,6 +83,8 @@ class Caption:
     image_size: tuple[int, int] | None = None
     box: tuple[int, int, int, int] | None = None
     finished: bool = True
+    concepts: list[tuple[str, float]] | None = None
+    concept_maps: torch.Tensor | None = None
 
     def __repr__(self) -> str:  # shapes, not the tensors' values: a result prints on one line
         def shape(t: torch.Tensor | None) -> str:
@@ -134,7 +140,33 @@ def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Voca
         raise ConfigError(f"grid {grid} does not match {features.size(1)} regions")
     with eval_mode(model):
         hyps = search_features(model.decoder, features, vocab, options)
-    return _captions(hyps, vocab, grid)
+    captions = _captions(hyps, vocab, grid)
+    for caption, (words, maps) in zip(captions, top_concepts(model.decoder, features, vocab, grid)):
+        caption.concepts, caption.concept_maps = words, maps
+    return captions
+
+
+TOP_CONCEPTS = 8  # concepts listed per photo
+MIN_CONCEPT_PROB = 0.05  # ... found with at least this probability
+
+
+def top_concepts(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary, grid: tuple[int, int],
+                 k: int = TOP_CONCEPTS, min_prob: float = MIN_CONCEPT_PROB
+                 ) -> list[tuple[list[tuple[str, float]] | None, torch.Tensor | None]]:
+    """Per image, the decoder's top concepts ``[(word, probability)]`` and their maps (C, g, g), or
+    ``(None, None)`` for a decoder without concept detectors."""
+    if not getattr(decoder, "concepts", 0):
+        return [(None, None)] * features.size(0)
+    with torch.no_grad():
+        logits = decoder.concept_head(features)  # (B, N, K)
+        probs = torch.sigmoid(decoder.concept_head.pool(logits))  # (B, K)
+        maps = decoder.concept_head.maps_from_logits(logits)  # (B, K, N)
+    out = []
+    for b in range(features.size(0)):
+        top = [int(i) for i in probs[b].argsort(descending=True)[:k] if float(probs[b, i]) >= min_prob]
+        words = [(vocab.itos[int(decoder.concept_ids[i])], round(float(probs[b, i]), 4)) for i in top]
+        out.append((words, maps[b, top].reshape(len(top), *grid).float().cpu()))
+    return out
 
 
 def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,

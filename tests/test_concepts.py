@@ -350,3 +350,26 @@ def test_decode_options_check_the_repeat_settings():
     with pytest.raises(ConfigError, match="no_repeat_words"):
         DecodeOptions(no_repeat_words="yes")
     assert content_word_ids(Vocabulary(["a", "dog", "the", "runs"])) == (5, 7)
+
+
+def test_captions_list_the_photos_top_concepts_with_their_maps():
+    from captioner.inference import caption_features, top_concepts
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "dog", "ball", "grass"])
+    decoder = SATDecoder(vocab_size=len(vocab), feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7,
+                         dropout=0.0, concepts=3, concept_hidden=6).eval()
+    decoder.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in ("dog", "ball", "grass")]))
+    with torch.no_grad():
+        decoder.concept_head.net[-1].bias.copy_(torch.tensor([6.0, -12.0, 2.0]))  # dog surely, ball never
+    x = torch.randn(2, N, D)
+    found = top_concepts(decoder, x, vocab, (3, 3))
+    words = [w for w, _ in found[0][0]]
+    assert words == ["dog", "grass"] and found[0][1].shape == (2, 3, 3)
+    torch.testing.assert_close(found[0][1].sum((1, 2)), torch.ones(2))
+    assert found[0][0][0][1] > found[0][0][1][1]
+    model = torch.nn.ModuleDict({"decoder": decoder})
+    caption = caption_features(model, x, vocab, DecodeOptions(beam_size=1, max_len=3), grid=(3, 3))[0]
+    assert [w for w, _ in caption.concepts] == ["dog", "grass"] and caption.concept_maps.shape == (2, 3, 3)
+    plain = SATDecoder(vocab_size=len(vocab), feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7).eval()
+    assert top_concepts(plain, x, vocab, (3, 3)) == [(None, None), (None, None)]

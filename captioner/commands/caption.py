@@ -209,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
         for (path, image), result in zip(loaded, results):
             row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),
                                    "tokens": list(result.words), "seconds": round(seconds, 4)}
+            if result.concepts is not None:  # a model with concept detectors: the photo's tags
+                row["concepts"] = [{"word": w, "prob": p} for w, p in result.concepts]
             if args.overlay:
                 out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
                 write_overlays(image, result.words, result.attention, out_dir, box=result.box,
