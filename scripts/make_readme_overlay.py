@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load(args.checkpoint, device="cpu")
         image = load_image(args.image)
         result = model.caption(image, attention=True, beam=args.beam, max_len=args.max_len)[0]
-        grid = render_grid(image, result.text, result.words, result.attention.numpy(), result.box, args.cmap, args.alpha,
-                           panel_side=args.panel, columns=args.columns)
+        grid = render_grid(image, result, args.cmap, args.alpha, panel_side=args.panel, columns=args.columns)
     except CaptionerError as exc:
         print(f"make_readme_overlay: error: {exc}", file=sys.stderr)
         return 1

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captions import make_caption
+
 pytestmark = pytest.mark.slow  # starts a browser; needs chromium and chromedriver
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -81,7 +83,7 @@ def test_explorer_word_selection_changes_heat_map(driver, tmp_path, with_layers)
     if with_layers:  # (L, layers=2, heads=3, g, g): last-layer mean == att
         all_att = np.repeat(np.repeat(att[:, None, None], 2, axis=1), 3, axis=2)
     image = Image.fromarray(np.full((120, 240, 3), 140, dtype=np.uint8))
-    paths = write_overlays(image, words, att, tmp_path, box=(60, 0, 180, 120), all_attention=all_att)
+    paths = write_overlays(image, make_caption(words, att, (60, 0, 180, 120), all_att), tmp_path)
 
     driver.get_log("browser")  # drop entries from earlier pages
     driver.get(paths["html"].resolve().as_uri())

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captions import make_caption
 from captioner.errors import ConfigError, DataError
+from captioner.inference import Caption
 from captioner.viz.explorer import render_explorer, write_explorer
-from captioner.viz.overlays import BLUR_CELLS, AttentionRecord, colormap_lut
+from captioner.viz.overlays import BLUR_CELLS, colormap_lut
 
 
 class _Collect(HTMLParser):
@@ -36,10 +38,10 @@ class _Collect(HTMLParser):
         self._in_script = False
 
 
-def _record(words=("a", "dog", "runs"), g=3, all_attention=None, caption=None) -> AttentionRecord:
+def _record(words=("a", "dog", "runs"), g=3, all_attention=None, caption=None) -> Caption:
     rng = np.random.default_rng(1)
     att = rng.random((len(words), g, g)).astype(np.float32)
-    return AttentionRecord(caption or " ".join(words), list(words), att, (300, 200), (50, 0, 250, 200), all_attention)
+    return make_caption(words, att, (50, 0, 250, 200), all_attention, caption, image_size=(300, 200))
 
 
 def _payload(page: str) -> dict:
@@ -107,7 +109,7 @@ def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
     from captioner.viz.explorer import MIN_DISPLAY_SIDE, display_size
 
     def shown(size, **kw):
-        record = AttentionRecord("a", ["a"], np.ones((1, 2, 2)) / 4, size, (0, 0, *size))
+        record = make_caption(["a"], np.ones((1, 2, 2)) / 4, image_size=size)
         return _payload(render_explorer(Image.new("RGB", size), record, **kw))["display_size"]
 
     assert MIN_DISPLAY_SIDE >= 384
@@ -212,7 +214,7 @@ def test_the_explorer_script_upscales_the_canvas_and_shares_the_colour_scale(tmp
     peaked[0, 0] = 1.0
     spread = 1 + 0.05 * np.random.default_rng(0).uniform(-1, 1, (g, g))
     att = np.stack([peaked, spread / spread.sum()]).astype(np.float32)
-    record = AttentionRecord("dog the", ["dog", "the"], att, (128, 128), (0, 0, 128, 128))
+    record = make_caption(["dog", "the"], att)
     out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (128, 128)), record), [{"word": 0}, {"word": 1}])
     assert out["canvas"] == [384, 384]
     dog, the = (_lut_positions(s) for s in out["shots"])
@@ -227,7 +229,7 @@ def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
     all_att = np.zeros((2, 1, 2, g, g), dtype=np.float32)
     all_att[:, 0, 0] = 1 / g**2  # head 1: uniform for every word -> mid-scale, flat
     all_att[:, 0, 1, 1, 1] = 1.0  # head 2: every word points at the centre
-    record = AttentionRecord("a b", ["a", "b"], all_att[:, -1].mean(1), (200, 100), (0, 0, 200, 100), all_att)
+    record = make_caption(["a", "b"], all_att[:, -1].mean(1), all_attention=all_att)
     page = render_explorer(Image.new("RGB", (200, 100)), record)
     out = _run_in_node(tmp_path, page, [{"word": 0, "head": "0"}, {"word": 1, "head": "1"}])
     assert out["canvas"] == [384, 192]

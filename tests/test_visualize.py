@@ -10,16 +10,18 @@ from PIL import Image
 from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
+from captions import make_caption as caption
 from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
+from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.overlays import (
     BACKGROUND,
     DIM,
     GIF_BAND,
-    AttentionRecord,
     attention_to_image_map,
     color_scale,
     colormap_lut,
     grid_layout,
+    on_image,
     overlay_heatmap,
     read_attention_json,
     render_gif_frames,
@@ -111,7 +113,7 @@ def test_write_overlays_png_gif_json(tmp_path, resize):
     box = crop_box(200, 100, EncoderConfig(name="tiny", resize=resize))
     words = ["a", "red", "square", "a", "a", "on", "top"]
     att = np.stack([corner_attention(4, r, c) for r, c in [(0, 0), (3, 3), (1, 2), (2, 2), (2, 2), (0, 3), (3, 0)]])
-    paths = write_overlays(image, words, att, tmp_path / "out", box=box, cmap="jet", alpha=0.6)
+    paths = write_overlays(image, caption(words, att, box), tmp_path / "out", cmap="jet", alpha=0.6)
     assert set(paths) == {"png", "gif", "json", "html"} and all(p.is_file() for p in paths.values())
 
     # PNG: image + one panel per word, laid out as grid_layout says; pictures keep the 2:1 aspect
@@ -139,7 +141,7 @@ def test_write_overlays_png_gif_json(tmp_path, resize):
     assert gif.width / (gif.height - GIF_BAND) == pytest.approx(2.0, abs=0.02)
 
     record = read_attention_json(paths["json"])
-    assert record.words == words and record.caption == " ".join(words) and record.grid == 4
+    assert record.words == words and record.text == " ".join(words) and record.grid == (4, 4)
     assert record.image_size == (200, 100) and record.box == tuple(float(v) for v in box)
     np.testing.assert_allclose(record.attention, att, atol=1e-6)
     assert record.all_attention is None
@@ -149,18 +151,19 @@ def test_json_round_trip_with_layers_and_heads_and_tensor_inputs(tmp_path):
     gen = torch.Generator().manual_seed(0)
     all_att = torch.rand(3, 2, 4, 5, 5, generator=gen)  # (L, layers, heads, g, g)
     att = all_att[:, -1].mean(1)  # the overlay view: last layer, mean of heads
-    paths = write_overlays(photo(64, 48), ["one", "two", "three"], att, tmp_path, all_attention=all_att,
-                           stem="x", caption="One, two; three!")
+    paths = write_overlays(photo(64, 48), caption(["one", "two", "three"], att, all_attention=all_att,
+                                                  text="One, two; three!"), tmp_path, stem="x")
     assert paths["json"].name == "x.json"
     record = read_attention_json(paths["json"])
-    assert record.caption == "One, two; three!" and record.box == (0.0, 0.0, 64.0, 48.0)
+    assert record.text == "One, two; three!" and record.box == (0.0, 0.0, 64.0, 48.0)
     np.testing.assert_allclose(record.all_attention, all_att.numpy(), atol=1e-6)
     np.testing.assert_allclose(record.attention, att.numpy(), atol=1e-6)
-    assert record.to_dict()["layers"] == 2 and record.to_dict()["heads"] == 4
+    assert caption_to_dict(record)["layers"] == 2 and caption_to_dict(record)["heads"] == 4
+    assert record.tokens == [] and np.isnan(record.score)  # the file holds no ids or score
 
 
 def test_empty_caption_still_writes_every_file(tmp_path):
-    paths = write_overlays(photo(), [], np.zeros((0, 4, 4)), tmp_path)
+    paths = write_overlays(photo(), caption([], np.zeros((0, 4, 4))), tmp_path)
     assert Image.open(paths["gif"]).n_frames == 1
     layout = grid_layout(0, (200, 100))
     assert Image.open(paths["png"]).size == layout.canvas_size and layout.panels == 1
@@ -169,9 +172,12 @@ def test_empty_caption_still_writes_every_file(tmp_path):
 
 def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
     with pytest.raises(DataError, match="all_attention"):
-        AttentionRecord("a b", ["a", "b"], np.zeros((2, 3, 3)), (9, 9), (0, 0, 9, 9), np.zeros((2, 1, 1, 4, 4)))
-    with pytest.raises(DataError):
-        AttentionRecord("a b", ["a", "b"], np.zeros((3, 3, 3)), (9, 9), (0, 0, 9, 9))
+        write_overlays(photo(), caption(["a", "b"], np.zeros((2, 3, 3)), all_attention=np.zeros((2, 1, 1, 4, 4))),
+                       tmp_path)
+    with pytest.raises(DataError, match="L=2 words"):
+        write_overlays(photo(), caption(["a", "b"], np.zeros((3, 3, 3))), tmp_path)
+    with pytest.raises(DataError, match="no image size"):
+        on_image(caption(["a"], np.zeros((1, 3, 3))))
     bad = tmp_path / "broken.json"
     bad.write_text("{not json")
     with pytest.raises(DataError, match="broken.json"):
@@ -183,7 +189,7 @@ def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
     with pytest.raises(DataError, match="missing.json"):
         read_attention_json(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="not_a_cmap"):
-        write_overlays(photo(), ["a"], np.ones((1, 2, 2)), tmp_path, cmap="not_a_cmap")
+        write_overlays(photo(), caption(["a"], np.ones((1, 2, 2))), tmp_path, cmap="not_a_cmap")
 
 
 # ----------------------------------------------------------------------------- one colour scale per caption
@@ -223,7 +229,7 @@ def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
     image = Image.new("RGB", (128, 128), (128, 128, 128))
     words, att = ["dog", "the"], np.stack([corner_attention(4, 0, 0), near_uniform()])
     layout = grid_layout(2, image.size)
-    grid = np.asarray(render_grid(image, "the dog", words, att, alpha=1.0))
+    grid = np.asarray(render_grid(image, caption(words, att, text="the dog"), alpha=1.0))
     panels = []
     for i in (1, 2):
         left, top, right, bottom = layout.image_box(i)
@@ -232,7 +238,7 @@ def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
     assert dog.max() >= 250 and dog.min() <= 40  # the pointing word spans the colour map
     assert the.max() - the.min() <= 12 and the.max() <= 50  # the spread-out word: flat and cold
     # the GIF frames use the same scale
-    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, words, att, alpha=1.0, max_side=128)]
+    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, caption(words, att), alpha=1.0, max_side=128)]
     assert lut_index(frames[0]).max() >= 250
     assert np.ptp(lut_index(frames[1])) <= 12 and lut_index(frames[1]).max() <= 50
     # what a per-word min-max scale (scale=None) does to the same map: blown up to the full colour map
@@ -243,7 +249,7 @@ def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
 def test_a_caption_that_never_points_is_drawn_at_mid_scale_not_hot():
     image = Image.new("RGB", (64, 64), (128, 128, 128))
     att = np.stack([np.full((4, 4), 1 / 16), np.full((4, 4), 1 / 16)])
-    frames = render_gif_frames(image, ["a", "b"], att, alpha=1.0, max_side=64)
+    frames = render_gif_frames(image, caption(["a", "b"], att), alpha=1.0, max_side=64)
     index = lut_index(np.asarray(frames[0])[:-GIF_BAND])
     assert np.ptp(index) <= 1 and abs(int(index.mean()) - 255 / UNIFORM_FLOOR) <= 2
 
@@ -259,7 +265,7 @@ def test_each_panel_is_titled_with_the_words_peak_share_and_entropy():
     # the figures are drawn: two panels titled with the same word differ only in the second line
     image = Image.new("RGB", (128, 128), (128, 128, 128))
     layout = grid_layout(2, image.size)
-    grid = np.asarray(render_grid(image, "a a", ["a", "a"], att[:2]))
+    grid = np.asarray(render_grid(image, caption(["a", "a"], att[:2])))
     titles = []
     for i in (1, 2):
         left, top, right, bottom = layout.title_box(i)

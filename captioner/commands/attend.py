@@ -12,6 +12,7 @@ what the PNG and GIF show.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from captioner.commands.caption import add_common_arguments
 from captioner.commands.decoding_flags import decoding_overrides
@@ -78,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
                               "attention map per word")
         attention = select_view(all_att, args.layer, args.head)
     paths = write_overlays(
-        image, result.words, attention, args.out, box=result.box, all_attention=all_att, cmap=args.cmap,
-        alpha=args.alpha, stem=args.stem, caption=result.text,
-        layer=-1 if args.layer is None else args.layer - 1, head=None if args.head is None else args.head - 1,
+        image, dataclasses.replace(result, attention=attention), args.out, cmap=args.cmap, alpha=args.alpha,
+        stem=args.stem, layer=-1 if args.layer is None else args.layer - 1,
+        head=None if args.head is None else args.head - 1,
     )
     print(f"{args.image}\t{result.text}")
     for kind in ("png", "gif", "json", "html"):

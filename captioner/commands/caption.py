@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
                                    "tokens": list(result.words), "seconds": round(seconds, 4)}
             if args.overlay:
                 out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
-                write_overlays(image, result.words, result.attention, out_dir, box=result.box,
-                               cmap=args.cmap, alpha=args.alpha, caption=result.text)
+                write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha)
                 row["overlay"] = str(out_dir)
             line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
             print(line, flush=True)

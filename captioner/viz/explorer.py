@@ -28,7 +28,8 @@ import numpy as np
 from PIL import Image
 
 from captioner.errors import ConfigError, DataError
-from captioner.viz.attention_record import AttentionRecord
+from captioner.inference import Caption
+from captioner.viz.attention_json import on_image
 from captioner.viz.heatmaps import BLUR_CELLS, DIM, color_scale, colormap_lut
 
 _CSS = """
@@ -247,7 +248,7 @@ def _layer_head_scales(all_attention: np.ndarray) -> list[list[float]]:
 
 def render_explorer(
     image: Image.Image,
-    record: AttentionRecord,
+    caption: Caption,
     cmap: str = "jet",
     alpha: float = 0.5,
     layer: int = -1,
@@ -261,7 +262,8 @@ def render_explorer(
 
     Args:
         image: the original RGB image (embedded as JPEG, at most ``max_side`` pixels).
-        record: caption, words, (L, g, g) attention, image size, crop box, optional all_attention.
+        caption: the caption with its (L, g, g) attention (and optional all_attention); its image
+            size and crop box default to ``image``'s (:func:`~captioner.viz.attention_json.on_image`).
         cmap: matplotlib colour map name (embedded as a lookup table).
         alpha: initial heat-map opacity.
         layer: layer selected first when ``record.all_attention`` exists (negative counts from the end).
@@ -271,10 +273,11 @@ def render_explorer(
         start: index of the word selected first.
         min_side: smallest long side of the canvas (small images are upscaled to it).
     """
+    record = on_image(caption, image)
     data = {
-        "caption": record.caption, "words": record.words, "grid": [record.grid, record.grid],
+        "caption": record.text, "words": record.words, "grid": list(record.grid),
         "image_size": list(record.image_size), "box": list(record.box),
-        "attention": np.round(record.attention.astype(np.float64), 5).tolist(),
+        "attention": np.round(record.attention.numpy().astype(np.float64), 5).tolist(),
         "all_attention": None, "layers": 0, "heads": 0, "layer": 0, "head": None,
         "lut": colormap_lut(cmap).reshape(-1).tolist(), "alpha": float(alpha), "blur_cells": BLUR_CELLS,
         "dim": DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
@@ -287,9 +290,9 @@ def render_explorer(
             raise ConfigError(f"layer {layer} out of range: the decoder has {layers} layers")
         if head is not None and not 0 <= head < heads:
             raise ConfigError(f"head {head} out of range: the decoder has {heads} heads")
-        data.update(all_attention=np.round(record.all_attention.astype(np.float64), 5).tolist(),
+        data.update(all_attention=np.round(record.all_attention.numpy().astype(np.float64), 5).tolist(),
                     layers=int(layers), heads=int(heads), layer=layer % layers, head=head,
-                    scales=_layer_head_scales(record.all_attention))
+                    scales=_layer_head_scales(record.all_attention.numpy()))
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     heading = html.escape(title or "Attention explorer")
     return f"""<!DOCTYPE html>
@@ -297,7 +300,7 @@ def render_explorer(
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{heading}: {html.escape(record.caption)}</title>
+<title>{heading}: {html.escape(record.text)}</title>
 <link rel="icon" href="data:,">
 <style>{_CSS}</style>
 </head>
@@ -323,8 +326,8 @@ the words. Outside the region the encoder saw, the image is dimmed.</p>
 """
 
 
-def write_explorer(path: str | Path, image: Image.Image, record: AttentionRecord, **options: object) -> Path:
+def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **options: object) -> Path:
     """Write :func:`render_explorer`'s page to ``path`` (options as there)."""
     path = Path(path)
-    path.write_text(render_explorer(image, record, **options), encoding="utf-8")  # type: ignore[arg-type]
+    path.write_text(render_explorer(image, caption, **options), encoding="utf-8")  # type: ignore[arg-type]
     return path

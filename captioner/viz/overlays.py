@@ -13,6 +13,7 @@ figures under it), the raw attention as JSON, and the HTML explorer. Drawing use
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,10 +23,11 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from captioner.grids import as_array
-from captioner.viz.attention_record import AttentionRecord, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
 from captioner.files import safe_name
+from captioner.grids import as_array
+from captioner.inference import Caption
+from captioner.viz.attention_json import on_image, read_attention_json, write_attention_json
 from captioner.viz.explorer import write_explorer
 from captioner.viz.heatmaps import (
     BLUR_CELLS,
@@ -38,8 +40,8 @@ from captioner.viz.heatmaps import (
 )
 
 __all__ = [
-    "AttentionRecord", "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
-    "color_scale", "colormap_lut", "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames",
+    "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
+    "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap", "read_attention_json", "render_gif_frames",
     "render_grid", "word_overlays", "word_titles", "write_attention_json", "write_overlays",
 ]
 
@@ -183,24 +185,24 @@ def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 2
 
 def render_grid(
     image: Image.Image,
-    caption: str,
-    words: Sequence[str],
-    attention: np.ndarray,
-    box: Sequence[float] | None = None,
+    caption: Caption,
     cmap: str = "jet",
     alpha: float = 0.5,
     panel_side: int = 224,
     columns: int = 5,
 ) -> Image.Image:
     """The PNG grid: the image titled with the caption, then one overlay per word titled with the
-    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale."""
+    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale.
+    The maps lie on the caption's crop box (None = the whole image)."""
+    caption = on_image(caption, image)
+    words, attention, box = caption.words, caption.attention.numpy(), caption.box
     layout = grid_layout(len(words), image.size, panel_side, columns)
     small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha)
     canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     width = layout.image_size[0]
     canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
-    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption, _font(13), width, 2)], layout.title_box(0))
+    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption.text, _font(13), width, 2)], layout.title_box(0))
     for i, (picture, (word, figures)) in enumerate(zip(overlays, word_titles(words, attention)), start=1):
         canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
         lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
@@ -211,15 +213,15 @@ def render_grid(
 
 def render_gif_frames(
     image: Image.Image,
-    words: Sequence[str],
-    attention: np.ndarray,
-    box: Sequence[float] | None = None,
+    caption: Caption,
     cmap: str = "jet",
     alpha: float = 0.5,
     max_side: int = 360,
 ) -> list[Image.Image]:
     """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
     word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
+    caption = on_image(caption, image)
+    words, attention, box = caption.words, caption.attention.numpy(), caption.box
     small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha)
     frames = []
     # the counter comes first so that truncation never cuts it: PIL merges identical GIF frames
@@ -247,15 +249,11 @@ def check_stem(stem: str, option: str = "stem") -> None:
 
 def write_overlays(
     image: Image.Image,
-    words: Sequence[str],
-    attention: np.ndarray,
+    caption: Caption,
     out_dir: str | Path,
-    box: Sequence[float] | None = None,
-    all_attention: np.ndarray | None = None,
     cmap: str = "jet",
     alpha: float = 0.5,
     stem: str = "attention",
-    caption: str | None = None,
     layer: int = -1,
     head: int | None = None,
 ) -> dict[str, Path]:
@@ -263,15 +261,13 @@ def write_overlays(
 
     Args:
         image: the ORIGINAL RGB image (not the encoder input).
-        words: the caption's L words.
-        attention: (L, g, g) weights shown in the PNG and GIF.
+        caption: its caption: the words, the (L, g, g) ``attention`` shown in the PNG and GIF, the
+            optional (L, layers, heads, g, g) ``all_attention`` (Transformer) and the crop ``box``
+            (None = the whole image, stretched; :func:`~captioner.viz.attention_json.on_image`).
         out_dir: folder (created) for ``<stem>.png/.gif/.json/.html``.
-        box: ``crop_box(width, height, encoder_cfg)``; None = the whole image (stretch).
-        all_attention: (L, layers, heads, g, g) per-layer/per-head maps (Transformer) or None.
         cmap: matplotlib colour map name.
         alpha: heat-map opacity, 0..1.
         stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
-        caption: caption text (defaults to the words joined by spaces).
         layer: layer the explorer shows first (when ``all_attention`` is given).
         head: head the explorer shows first (None = mean of heads).
 
@@ -283,14 +279,12 @@ def write_overlays(
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
     check_stem(stem)
     image = image.convert("RGB")
-    box = tuple(float(v) for v in box) if box is not None else (0.0, 0.0, float(image.width), float(image.height))
-    record = AttentionRecord(caption if caption is not None else " ".join(words), list(words), attention,
-                             image.size, box, all_attention)
+    record = on_image(dataclasses.replace(caption, image_size=image.size), image)  # the picture drawn on
     out = Path(out_dir)
     paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
-    grid = render_grid(image, record.caption, record.words, record.attention, box, cmap, alpha)
+    grid = render_grid(image, record, cmap, alpha)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
-              for f in render_gif_frames(image, record.words, record.attention, box, cmap, alpha)]
+              for f in render_gif_frames(image, record, cmap, alpha)]
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
@@ -299,5 +293,5 @@ def write_overlays(
         write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head)
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
-    log.debug("overlays for %r written to %s", record.caption, out)
+    log.debug("overlays for %r written to %s", record.text, out)
     return paths
