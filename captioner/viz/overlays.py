@@ -3,8 +3,10 @@
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
 The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-coloured by :mod:`captioner.viz.heatmaps`, on one colour scale for the whole caption (``color_scale``),
-so spread-out attention looks flat next to a word that points.
+drawn by :mod:`captioner.viz.heatmaps` in one of its ``STYLES`` (``light``, the default: the photo
+itself where the word looked, darkened where it did not; ``heat``: a viridis map whose low end is
+transparent), on one scale for the whole caption (``color_scale``), so spread-out attention looks
+flat next to a word that points.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
 its figures, e.g. "peak 34% · H 2.1/2.8"), an animated GIF (one frame per word, the same
@@ -31,8 +33,12 @@ from captioner.viz.attention_json import on_image, read_attention_json, write_at
 from captioner.viz.explorer import write_explorer
 from captioner.viz.heatmaps import (
     BLUR_CELLS,
+    DEFAULT_ALPHA,
+    DEFAULT_CMAP,
     DIM,
+    STYLES,
     attention_to_image_map,
+    check_style,
     color_scale,
     colormap_lut,
     overlay_heatmap,
@@ -40,9 +46,10 @@ from captioner.viz.heatmaps import (
 )
 
 __all__ = [
-    "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
-    "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap", "read_attention_json", "render_gif_frames",
-    "render_grid", "word_overlays", "word_titles", "write_attention_json", "write_overlays",
+    "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
+    "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
+    "read_attention_json", "render_gif_frames", "render_grid", "word_overlays", "word_titles", "write_attention_json",
+    "write_overlays",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,9 +65,10 @@ def word_overlays(
     attention: np.ndarray,
     box: Sequence[float] | None,
     max_side: int,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     scale: tuple[float, float] | None = None,
+    style: str = "light",
 ) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
 
@@ -83,7 +91,7 @@ def word_overlays(
     sx, sy = size[0] / image.width, size[1] / image.height
     sbox = None if box is None else (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     overlays = [
-        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange)
+        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange, style)
         for a in attention
     ]
     return small, overlays
@@ -186,10 +194,11 @@ def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 2
 def render_grid(
     image: Image.Image,
     caption: Caption,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     panel_side: int = 224,
     columns: int = 5,
+    style: str = "light",
 ) -> Image.Image:
     """The PNG grid: the image titled with the caption, then one overlay per word titled with the
     word and its figures (``word_titles``); every word's overlay uses the caption's colour scale.
@@ -197,7 +206,7 @@ def render_grid(
     caption = on_image(caption, image)
     words, attention, box = caption.words, caption.attention.numpy(), caption.box
     layout = grid_layout(len(words), image.size, panel_side, columns)
-    small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha)
+    small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha, style=style)
     canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     width = layout.image_size[0]
@@ -214,15 +223,16 @@ def render_grid(
 def render_gif_frames(
     image: Image.Image,
     caption: Caption,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     max_side: int = 360,
+    style: str = "light",
 ) -> list[Image.Image]:
     """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
     word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
     caption = on_image(caption, image)
     words, attention, box = caption.words, caption.attention.numpy(), caption.box
-    small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha)
+    small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha, style=style)
     frames = []
     # the counter comes first so that truncation never cuts it: PIL merges identical GIF frames
     labels = [(f"{i + 1}/{len(words)}  {w}", figures) for i, (w, figures) in enumerate(word_titles(words, attention))]
@@ -251,11 +261,12 @@ def write_overlays(
     image: Image.Image,
     caption: Caption,
     out_dir: str | Path,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     stem: str = "attention",
     layer: int = -1,
     head: int | None = None,
+    style: str = "light",
 ) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
 
@@ -265,16 +276,18 @@ def write_overlays(
             optional (L, layers, heads, g, g) ``all_attention`` (Transformer) and the crop ``box``
             (None = the whole image, stretched; :func:`~captioner.viz.attention_json.on_image`).
         out_dir: folder (created) for ``<stem>.png/.gif/.json/.html``.
-        cmap: matplotlib colour map name.
-        alpha: heat-map opacity, 0..1.
+        cmap: matplotlib colour map name (the ``heat`` style).
+        alpha: strength of the drawing, 0..1 (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
         stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
         layer: layer the explorer shows first (when ``all_attention`` is given).
         head: head the explorer shows first (None = mean of heads).
+        style: ``light`` (attention as light) or ``heat`` (:data:`~captioner.viz.heatmaps.STYLES`).
 
     Returns:
         ``{"png", "gif", "json", "html"}`` -> written paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
+    check_style(style)
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
     check_stem(stem)
@@ -282,15 +295,15 @@ def write_overlays(
     record = on_image(dataclasses.replace(caption, image_size=image.size), image)  # the picture drawn on
     out = Path(out_dir)
     paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
-    grid = render_grid(image, record, cmap, alpha)
+    grid = render_grid(image, record, cmap, alpha, style=style)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
-              for f in render_gif_frames(image, record, cmap, alpha)]
+              for f in render_gif_frames(image, record, cmap, alpha, style=style)]
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
         frames[0].save(paths["gif"], save_all=True, append_images=frames[1:], duration=900, loop=0, disposal=1)
         write_attention_json(paths["json"], record)
-        write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head)
+        write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
     log.debug("overlays for %r written to %s", record.text, out)
