@@ -160,7 +160,7 @@ def render_explorer(
     <details><summary>figures</summary><span id="info"></span></details>
   </figure>
   <figure>
-    <figcaption>the photo</figcaption>
+    <figcaption class="big">the photo</figcaption>
     <img id="photo" alt="the photo as given" width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
   </figure>
 </div>

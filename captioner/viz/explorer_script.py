@@ -26,7 +26,9 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
 .views { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 .views figure { margin: 0; flex: 1 1 320px; min-width: 0; }
 .views figcaption { color: #555; font-size: .9em; margin: .2em 0; }
-#shown-word { font-size: 1.9em; font-weight: 600; margin: 0 0 .15em; line-height: 1.2; overflow-wrap: anywhere; }
+#shown-word, .views figcaption.big { font-size: 1.9em; font-weight: 600; margin: 0 0 .15em; line-height: 1.2;
+  overflow-wrap: anywhere; }
+.views figcaption.big { font-weight: 400; color: #555; }  /* level with the word, so both pictures line up */
 #summary { margin: .3em 0; }
 #info { color: #555; font-variant-numeric: tabular-nums; }
 /* the canvas is drawn at display_size and shrinks (never grows) on narrow screens */
@@ -34,6 +36,8 @@ canvas, #photo { display: block; max-width: 100%; height: auto; border-radius: 4
 .legend { display: flex; align-items: center; gap: .5em; font-size: .85em; color: #444; margin: .4em 0; }
 .legend .bar { flex: 0 1 220px; height: 12px; border-radius: 3px; border: 1px solid #bbb; }
 .help { color: #555; font-size: .85em; }
+body.embedded { margin: 0; padding: 0 4px; max-width: none; }  /* inside a page: it gives the heading */
+body.embedded h1 { display: none; }
 [hidden] { display: none !important; }
 """
 
@@ -260,6 +264,7 @@ EXPLORER_JS = r"""
     o.fillText(D.caption, 8, canvas.height + 44, out.width - 16);
     return out.toDataURL("image/png");
   };
+  if (window.parent !== window) document.body.classList.add("embedded");
   function start() { select(D.start); document.body.dataset.ready = "1"; }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);
 })();
