@@ -11,7 +11,7 @@ from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
 from captions import make_caption as caption
-from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
+from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks, spread_words
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.overlays import (
     BACKGROUND,
@@ -176,8 +176,9 @@ def test_each_panel_is_titled_with_the_words_peak_share_and_entropy():
     att = np.stack([corner_attention(4, 0, 0), np.full((4, 4), 1 / 16), 0.5 * corner_attention(4, 0, 0)
                     + 0.5 * corner_attention(4, 3, 3)])
     assert word_titles(["dog", "the", "two"], att) == [
-        ("dog", "peak 100% \u00b7 H 0.0/2.8"), ("the", "peak 6.2% \u00b7 H 2.8/2.8"),
-        ("two", "peak 50% \u00b7 H 0.7/2.8")]
+        ("dog", "one place \u00b7 top region 100%"), ("the", "all over \u00b7 top region 6.2%"),
+        ("two", "one place \u00b7 top region 50%")]
+    assert spread_words(2.0, 2.8) == "a few places" and spread_words(0.0, 0.0) == "one place"
     assert attention_stats(att[2]) == (pytest.approx(0.5), pytest.approx(np.log(2)), pytest.approx(np.log(16)))
     assert attention_stats(np.zeros((4, 4))) == (0.0, 0.0, pytest.approx(np.log(16)))
     # the figures are drawn: two panels titled with the same word differ only in the second line
@@ -200,3 +201,21 @@ def test_a_coarse_grid_on_a_small_picture_is_blurred_without_crashing():
     m = attention_to_image_map(corner_attention(2, 1, 0), 10, 10)
     assert m[7:, :3].mean() > 2 * m[:3, 7:].mean()  # still hottest in the bottom-left cell
     assert color_scale(np.full((3, 1, 1), 1.0)) == (0.0, pytest.approx(2.0))  # g = 1: the floor, 2 x uniform
+
+
+@pytest.mark.parametrize("style", ["light", "heat"])
+def test_the_png_grid_carries_a_legend_of_its_style(style):
+    image = Image.new("RGB", (64, 64), (128, 128, 128))
+    layout = grid_layout(1, image.size)
+    grid = np.asarray(render_grid(image, caption(["dot"], corner_attention()[None]), style=style)).astype(int)
+    left, top, right, bottom = layout.legend_box()
+    assert bottom == grid.shape[0] and bottom - top == layout.legend_height
+    band = grid[top:bottom, left:right]
+    row = band[(bottom - top) // 2]
+    drawn = np.flatnonzero((row != BACKGROUND).any(-1))
+    assert drawn.size > 100, "no legend drawn"
+    ramp = row[drawn[0] + 40: drawn[-1] - 100]  # inside the bar, clear of the words on either side
+    if style == "light":  # dark where the word did not look, the picture itself (grey 217) where it did
+        assert ramp[:5].mean() < 80 and abs(ramp[-30:].mean() - 217) < 30
+    else:  # transparent (grey) at the low end, the colour map at the top
+        assert ramp[:3].std(axis=-1).mean() < 3 and ramp[-30:].std(axis=-1).mean() > 20

@@ -20,8 +20,9 @@ All words of one caption share ONE colour scale (``color_scale``): 0 up to the h
 of its upsampled maps reaches, so a word whose attention is spread out looks flat and cold next to
 a word that points, instead of being stretched to the full colour map on its own. The top of the
 scale is at least ``UNIFORM_FLOOR`` times the uniform weight, so a caption that never points
-anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives the figures printed under
-each word: the peak share (largest region's share of the weight) and the entropy against log N.
+anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives a word's figures, the peak
+share (largest region's share of the weight) and the entropy against log N; ``stats_label`` says
+them in words under each panel.
 
 Everything here is numpy and PIL arrays (matplotlib only for the colour maps, imported lazily);
 no text or layout.
@@ -40,8 +41,9 @@ from PIL import Image
 from captioner.errors import ConfigError, DataError
 from captioner.grids import as_array, cell_weights
 
-__all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "STYLES", "UNIFORM_FLOOR", "attention_stats", "attention_to_image_map", "color_scale",
-           "check_style", "colormap_lut", "map_peaks", "overlay_heatmap", "stats_label", "style_layer"]
+__all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "STYLES", "UNIFORM_FLOOR", "attention_stats",
+           "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "map_peaks", "overlay_heatmap",
+           "spread_words", "stats_label", "style_layer"]
 
 BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
 DIM = 0.35  # brightness kept outside the encoder's crop box
@@ -190,11 +192,19 @@ def attention_stats(attention: object) -> tuple[float, float, float]:
     return float(p.max()), max(0.0, float(-(nz * np.log(nz)).sum())), uniform
 
 
+def spread_words(entropy: float, uniform: float) -> str:
+    """How spread out a map is, in words: its entropy against log N below 0.5 is ``"one place"``,
+    below 0.85 ``"a few places"``, else ``"all over"`` (the explorer's sentence uses the same cut-offs)."""
+    spread = entropy / uniform if uniform > 0 else 0.0
+    return "one place" if spread < 0.5 else "a few places" if spread < 0.85 else "all over"
+
+
 def stats_label(attention: object) -> str:
-    """The figures printed under a word, e.g. ``"peak 34% · H 2.1/2.8"`` (entropy of log N)."""
+    """The line printed under a word, e.g. ``"one place · top region 34%"``: how spread out its map
+    is (:func:`spread_words`) and the peak share, the largest region's share of its attention."""
     peak, entropy, uniform = attention_stats(attention)
     share = f"{100 * peak:.0f}" if peak >= 0.1 else f"{100 * peak:.1f}"
-    return f"peak {share}% \u00b7 H {entropy:.1f}/{uniform:.1f}"
+    return f"{spread_words(entropy, uniform)} \u00b7 top region {share}%"
 
 
 @lru_cache(maxsize=16)

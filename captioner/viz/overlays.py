@@ -9,8 +9,8 @@ transparent), on one scale for the whole caption (``color_scale``), so spread-ou
 flat next to a word that points.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
-its figures, e.g. "peak 34% · H 2.1/2.8"), an animated GIF (one frame per word, the same
-figures under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
+how it looked, e.g. "one place · top region 34%"), an animated GIF (one frame per word, the
+same line under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from captioner.viz.heatmaps import (
     colormap_lut,
     overlay_heatmap,
     stats_label,
+    style_layer,
 )
 
 __all__ = [
@@ -137,7 +138,7 @@ def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[tuple[str, int, tuple[
 
 
 def word_titles(words: Sequence[str], attention: np.ndarray) -> list[tuple[str, str]]:
-    """``(word, figures)`` for each word's panel, e.g. ``("dog", "peak 34% · H 2.1/2.8")``."""
+    """``(word, figures)`` for each word's panel, e.g. ``("dog", "one place · top region 34%")``."""
     return [(word, stats_label(a)) for word, a in zip(words, as_array(attention))]
 
 
@@ -151,6 +152,7 @@ class GridLayout:
         rows: number of rows.
         image_size: (w, h) of each panel's picture; same aspect ratio as the original image.
         title_height: height of the title band above each picture.
+        legend_height: height of the legend band under the panels (what the two ends of the scale look like).
         pad: margin around each panel.
     """
 
@@ -159,6 +161,7 @@ class GridLayout:
     rows: int
     image_size: tuple[int, int]
     title_height: int = 40
+    legend_height: int = 30
     pad: int = 6
 
     @property
@@ -168,7 +171,12 @@ class GridLayout:
     @property
     def canvas_size(self) -> tuple[int, int]:
         cw, ch = self.cell_size
-        return self.columns * cw, self.rows * ch
+        return self.columns * cw, self.rows * ch + self.legend_height
+
+    def legend_box(self) -> tuple[int, int, int, int]:
+        """(left, top, right, bottom) of the legend band, under the last row."""
+        width, height = self.canvas_size
+        return self.pad, height - self.legend_height, width - self.pad, height
 
     def image_box(self, index: int) -> tuple[int, int, int, int]:
         """(left, top, right, bottom) of panel ``index``'s picture on the canvas."""
@@ -189,6 +197,27 @@ def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 2
     panels = num_words + 1
     cols = max(1, min(columns, panels))
     return GridLayout(panels=panels, columns=cols, rows=-(-panels // cols), image_size=size)
+
+
+def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str, cmap: str, alpha: float) -> None:
+    """"little [the scale drawn over a light grey] most attention" in ``box``, as the explorer's legend."""
+    draw = ImageDraw.Draw(canvas)
+    font = _font(12)
+    left, top, right, bottom = box
+    words = ("little", "most attention")
+    bar_left = left + int(font.getlength(words[0])) + 8
+    bar_right = min(right - int(font.getlength(words[1])) - 8, bar_left + 220)
+    if bar_right <= bar_left + 8:
+        return
+    colours, opacity = style_layer(np.linspace(0.0, 1.0, bar_right - bar_left), style, cmap, alpha)
+    grey = np.full(colours.shape, 217.0, dtype=np.float32)
+    ramp = ((1.0 - opacity[:, None]) * grey + opacity[:, None] * colours).round().astype(np.uint8)
+    bar_top, bar_bottom = top + (bottom - top) // 2 - 6, top + (bottom - top) // 2 + 6
+    canvas.paste(Image.fromarray(np.repeat(ramp[None], bar_bottom - bar_top, axis=0)), (bar_left, bar_top))
+    draw.rectangle((bar_left - 1, bar_top - 1, bar_right, bar_bottom), outline=(170, 170, 170))
+    middle = (top + bottom) // 2 - 7
+    draw.text((left, middle), words[0], fill=FIGURES, font=font)
+    draw.text((bar_right + 8, middle), words[1], fill=FIGURES, font=font)
 
 
 def render_grid(
@@ -217,6 +246,7 @@ def render_grid(
         lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
                  (_fit_lines(figures, _font(12), width, 1)[0], 12, FIGURES)]
         _draw_centered(draw, lines, layout.title_box(i))
+    _draw_legend(canvas, layout.legend_box(), style, cmap, alpha)
     return canvas
 
 
