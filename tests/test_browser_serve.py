@@ -11,6 +11,7 @@ critical accessibility problem. Skips where selenium, chromium or chromedriver i
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -153,6 +154,12 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         # the hovered word is drawn as the pinned one is, and written large by the map
         assert driver.find_element(By.ID, f"word-{far}").get_attribute("class").split() == ["word", "active"]
         assert driver.find_element(By.ID, "shown-word").text == f"\u201c{expected[0].words[far]}\u201d"
+        # the PNG the page downloads: the map on show with a band naming the word and the caption under it
+        shot = driver.execute_script("return window.captionerSnapshot();")
+        png = np.asarray(Image.open(io.BytesIO(base64.b64decode(shot.split(",", 1)[1]))).convert("RGB"))
+        size = driver.execute_script("const c = document.getElementById('view'); return [c.width, c.height];")
+        assert png.shape[:2] == (size[1] + 56, size[0])
+        assert (png[size[1]:] < 100).all(-1).sum() > 200, "no words drawn under the map"
         driver.switch_to.default_content()
 
         before = _answers(driver)
