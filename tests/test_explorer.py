@@ -181,7 +181,8 @@ for (const args of JSON.parse(process.argv[3])) {
   spans[args.word].handlers.click();
   shot();
 }
-console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots }));
+console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots,
+                             info: elements.info.textContent, ready: document.body.dataset.ready }));
 """
 
 
@@ -248,3 +249,8 @@ def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
     uniform, pointing = (_scale_positions(s, "heat") for s in out["shots"])
     assert np.ptp(uniform) <= 1 and abs(uniform.mean() - 127.5) <= 2
     assert pointing.max() >= 250
+
+
+def test_the_explorer_script_draws_an_empty_caption(tmp_path):
+    out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (64, 64)), make_caption([], np.zeros((0, 3, 3)))), [])
+    assert out["ready"] == "1" and out["info"] == "empty caption"

@@ -265,7 +265,10 @@ EXPLORER_JS = r"""
     return out.toDataURL("image/png");
   };
   if (window.parent !== window) document.body.classList.add("embedded");
-  function start() { select(D.start); document.body.dataset.ready = "1"; }
+  function start() {
+    if (D.words.length) select(D.start); else draw(0);  // an empty caption: the photo, and a line saying so
+    document.body.dataset.ready = "1";
+  }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);
 })();
 """
