@@ -3,7 +3,7 @@
 Upload a scene, read the caption (the library's), hover a word and see the map change, pick
 another n-best caption, upload a non-image and read the error; every request the page made went
 to 127.0.0.1 (or never left the browser: data:, blob:, about:, chrome://). A changed setting
-captions the same photo again; the keyboard alone reaches, shows and pins a word; two models
+captions the same photo again; the keyboard alone, or taps alone, reach, show and pin a word; two models
 answer side by side with the same word shown in both; an error clears the old result and a new
 photo's result names it; 500 px wide, nothing scrolls sideways; axe-core finds no serious or
 critical accessibility problem. Skips where selenium, chromium or chromedriver is missing.
@@ -338,3 +338,29 @@ def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tmp_path: P
             assert results["passes"], "axe checked nothing"
     finally:
         driver.set_window_size(size["width"], size["height"])
+
+
+def test_taps_alone_show_and_pin_a_word(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.actions import interaction
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+    from selenium.webdriver.common.actions.pointer_input import PointerInput
+    from selenium.webdriver.common.by import By
+
+    def tap(element) -> None:
+        actions = ActionBuilder(driver, mouse=PointerInput(interaction.POINTER_TOUCH, "finger"))
+        actions.pointer_action.move_to(element).pointer_down().pause(0.05).pointer_up()
+        actions.perform()
+
+    image, photo = _scene(tmp_path, seed=3)
+    words = peaked_model.caption(image, beam=3)[0].words
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        driver.switch_to.frame(frame)
+        target = len(words) - 1
+        tap(driver.find_element(By.ID, f"word-{target}"))
+        _wait(driver, f"return document.body.dataset.word === '{target}';")
+        assert driver.execute_script("return document.body.dataset.shown;") == str(target)
+        assert driver.find_element(By.ID, "shown-word").text == f"\u201c{words[target]}\u201d"
+        driver.switch_to.default_content()
