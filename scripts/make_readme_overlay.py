@@ -5,7 +5,7 @@
         --image data/shapes/images/000123.png
 
 Captions the image with beam search and writes the PNG grid (the image with its caption, then one
-heat-map panel per word) exactly as ``captioner attend`` does, sized for a README.
+panel per word, in the default attention-as-light style or ``--style heat``) exactly as ``captioner attend`` does, sized for a README.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=12, help="longest caption in words (default: 12)")
     parser.add_argument("--columns", type=int, default=4, help="panels per row (default: 4)")
     parser.add_argument("--panel", type=int, default=200, help="longest side of a panel's picture (default: 200)")
-    parser.add_argument("--cmap", default="jet", help="colour map (default: jet)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity (default: 0.5)")
+    from captioner.commands.caption import add_style_arguments
+
+    add_style_arguments(parser)
     args = parser.parse_args(argv)
 
     from captioner.data.images import load_image
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load(args.checkpoint, device="cpu")
         image = load_image(args.image)
         result = model.caption(image, attention=True, beam=args.beam, max_len=args.max_len)[0]
-        grid = render_grid(image, result.text, result.words, result.attention.numpy(), result.box, args.cmap, args.alpha,
-                           panel_side=args.panel, columns=args.columns)
+        grid = render_grid(image, result, args.cmap, args.alpha, panel_side=args.panel, columns=args.columns,
+                           style=args.style)
     except CaptionerError as exc:
         print(f"make_readme_overlay: error: {exc}", file=sys.stderr)
         return 1

@@ -3,10 +3,13 @@
 
     python scripts/make_serve_screenshot.py -c runs/flickr8k/sat_soft/best.safetensors \\
         --image ../shared/data/flickr8k/images/251792066_b5233b3d86.jpg --word 1
+    python scripts/make_serve_screenshot.py -c soft=runs/demo/sat_soft/best.safetensors \\
+        -c tf=runs/demo/transformer/best.safetensors --image scene.png --out docs/images/serve_side_by_side.png
 
-Serves the checkpoint on 127.0.0.1 (in this process), opens the page in headless Chromium
+Serves the checkpoints on 127.0.0.1 (in this process), opens the page in headless Chromium
 (selenium + chromedriver, as the browser tests), uploads the image, selects word ``--word`` of the
-best caption (0-based) and saves a screenshot of the page.
+first model's best caption (0-based; with several models every column shows that word) and saves
+a screenshot of the page.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-c", "--checkpoint", required=True, help="checkpoint (any --checkpoint spec)")
+    parser.add_argument("-c", "--checkpoint", required=True, action="append", metavar="[NAME=]CKPT",
+                        help="checkpoint (any --checkpoint spec); repeat it for models side by side")
     parser.add_argument("--image", required=True, help="photo to upload")
     parser.add_argument("--word", type=int, default=1, help="word of the best caption to select (0-based)")
     parser.add_argument("--n-best", type=int, default=3, help="captions in the n-best list")
-    parser.add_argument("--size", default="1100,1250", help="browser window WIDTH,HEIGHT")
+    parser.add_argument("--size", default="1400,1000", help="browser window WIDTH,HEIGHT")
+    parser.add_argument("--style", choices=("light", "heat"), default="light", help="style of the maps")
     parser.add_argument("--out", default=str(REPO / "docs" / "images" / "serve_page.png"), help="PNG to write")
     args = parser.parse_args(argv)
 
@@ -44,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     from captioner.share.examples import example_scenes
     from captioner.share.server import ServedModel, create_app, running
 
-    name, spec = model_name(args.checkpoint, set())
-    app = create_app([ServedModel(name, captioner.load(spec, device="cpu"))], example_scenes())
+    served, used = [], set()
+    for value in args.checkpoint:
+        name, spec = model_name(value, used)
+        used.add(name)
+        served.append(ServedModel(name, captioner.load(spec, device="cpu")))
+    app = create_app(served, example_scenes())
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     for flag in (*FLAGS, f"--window-size={args.size}", f"--user-data-dir={tempfile.mkdtemp()}"):
@@ -58,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             wait.until(lambda d: d.execute_script("return document.body.dataset.state === 'idle';"))
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value(str(args.n_best))
             driver.find_element(By.ID, "file").send_keys(str(Path(args.image).resolve()))
-            wait.until(lambda d: d.execute_script("return document.body.dataset.answers === '1';"))
-            driver.switch_to.frame(driver.find_element(By.ID, "explorer"))
+            wait.until(lambda d: d.execute_script("return document.body.dataset.state === 'done';"))
+            frames = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
+            driver.switch_to.frame(frames[0])
             wait.until(lambda d: d.execute_script("return document.body.dataset.ready === '1';"))
+            if args.style != "light":
+                Select(driver.find_element(By.ID, "style")).select_by_value(args.style)
             driver.find_element(By.ID, f"word-{args.word}").click()
             driver.switch_to.default_content()
             time.sleep(0.3)

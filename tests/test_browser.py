@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captions import make_caption
+
 pytestmark = pytest.mark.slow  # starts a browser; needs chromium and chromedriver
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -81,7 +83,7 @@ def test_explorer_word_selection_changes_heat_map(driver, tmp_path, with_layers)
     if with_layers:  # (L, layers=2, heads=3, g, g): last-layer mean == att
         all_att = np.repeat(np.repeat(att[:, None, None], 2, axis=1), 3, axis=2)
     image = Image.fromarray(np.full((120, 240, 3), 140, dtype=np.uint8))
-    paths = write_overlays(image, words, att, tmp_path, box=(60, 0, 180, 120), all_attention=all_att)
+    paths = write_overlays(image, make_caption(words, att, (60, 0, 180, 120), all_att), tmp_path)
 
     driver.get_log("browser")  # drop entries from earlier pages
     driver.get(paths["html"].resolve().as_uri())
@@ -101,11 +103,11 @@ def test_explorer_word_selection_changes_heat_map(driver, tmp_path, with_layers)
     assert first.shape == second.shape
     changed = np.abs(first - second).sum(-1) > 30
     assert changed.mean() > 0.02, "selecting another word did not change the heat map"
-    # word 0 looks top-left of the box, word 1 bottom-right: the hot (red) region moves accordingly
+    # word 0 looks top-left of the box, word 1 bottom-right: the lit region (attention as light) moves accordingly
     h, w = first.shape[:2]
-    red = lambda px: px[..., 0] - px[..., 2]  # noqa: E731
-    assert red(first[: h // 2, w // 4: w // 2]).mean() > red(first[h // 2:, w // 2: 3 * w // 4]).mean()
-    assert red(second[h // 2:, w // 2: 3 * w // 4]).mean() > red(second[: h // 2, w // 4: w // 2]).mean()
+    lit = lambda px: px.sum(-1)  # noqa: E731
+    assert lit(first[: h // 2, w // 4: w // 2]).mean() > 1.5 * lit(first[h // 2:, w // 2: 3 * w // 4]).mean()
+    assert lit(second[h // 2:, w // 2: 3 * w // 4]).mean() > 1.5 * lit(second[: h // 2, w // 4: w // 2]).mean()
 
     driver.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_RIGHT)
     _wait_for(driver, "return document.body.dataset.word === '2';")

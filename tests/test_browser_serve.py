@@ -1,13 +1,17 @@
 """The ``captioner serve`` page in a real browser (headless Chromium via selenium + chromedriver).
 
-Upload a scene, read the caption (the library's), hover a word and see the heat map change, pick
+Upload a scene, read the caption (the library's), hover a word and see the map change, pick
 another n-best caption, upload a non-image and read the error; every request the page made went
-to 127.0.0.1 (or never left the browser: data:, blob:, about:, chrome://). Skips where selenium, chromium or
-chromedriver is missing.
+to 127.0.0.1 (or never left the browser: data:, blob:, about:, chrome://). A changed setting
+captions the same photo again; the keyboard alone, or taps alone, reach, show and pin a word; two models
+answer side by side with the same word shown in both; an error clears the old result and a new
+photo's result names it; 500 px wide, nothing scrolls sideways; axe-core finds no serious or
+critical accessibility problem. Skips where selenium, chromium or chromedriver is missing.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -64,36 +68,80 @@ def _pixels(element) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(element.screenshot_as_png)).convert("RGB"), dtype=np.int16)
 
 
+def _serve_page(driver, models: list, examples: int = 0):
+    """Serve ``models`` ((name, Captioner) pairs) and open the page; a context manager yielding the base URL."""
+    import contextlib
+
+    from captioner.share.examples import example_scenes
+    from captioner.share.server import ServedModel, create_app, running
+
+    @contextlib.contextmanager
+    def opened():
+        app = create_app([ServedModel(name, model) for name, model in models], example_scenes(examples))
+        with running(app) as base:
+            driver.get(base + "/")
+            _wait(driver, "return document.body.dataset.state === 'idle';")
+            yield base
+
+    return opened()
+
+
+def _answers(driver) -> int:
+    return int(driver.execute_script("return document.body.dataset.answers;"))
+
+
+def _upload(driver, path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    before = _answers(driver)
+    driver.find_element(By.ID, "file").send_keys(str(path))
+    _wait(driver, f"return +document.body.dataset.answers > {before};")
+
+
+def _scene(tmp_path: Path, seed: int = 3, side: int = 192, name: str = "scene.png") -> tuple[Image.Image, Path]:
+    from captioner.data.shapes import render_scene, sample_scene
+
+    rng = np.random.default_rng(seed)
+    image = render_scene(rng, sample_scene(rng, side), side)
+    image.save(tmp_path / name)
+    return image, tmp_path / name
+
+
+def _words_in(driver, frame) -> list[str]:
+    from selenium.webdriver.common.by import By
+
+    driver.switch_to.frame(frame)
+    _wait(driver, "return document.body.dataset.ready === '1';")
+    words = [w.text for w in driver.find_elements(By.CSS_SELECTOR, "#caption .word")]
+    driver.switch_to.default_content()
+    return words
+
+
 def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, tmp_path: Path) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    from captioner.data.shapes import render_scene, sample_scene
-    from captioner.share.examples import example_scenes
-    from captioner.share.server import ServedModel, create_app, running
-
-    rng = np.random.default_rng(3)
-    image = render_scene(rng, sample_scene(rng, 192), 192)
-    photo = tmp_path / "scene.png"
-    image.save(photo)
+    image, photo = _scene(tmp_path)
     notes = tmp_path / "notes.txt"
     notes.write_text("not a picture")
     expected = peaked_model.caption_nbest(image, n_best=3, beam=3)
 
-    app = create_app([ServedModel("peaked", peaked_model)], example_scenes(2))
-    with running(app) as base:
-        driver.get_log("performance")
-        driver.get(base + "/")
-        _wait(driver, "return document.body.dataset.state === 'idle';")
-        driver.find_element(By.ID, "file").send_keys(str(photo))
-        _wait(driver, "return document.body.dataset.answers === '1';")
-        assert driver.find_element(By.ID, "best").text == expected[0].text
-        items = driver.find_elements(By.CSS_SELECTOR, "#nbest li .text")
+    driver.get_log("performance")
+    with _serve_page(driver, [("peaked", peaked_model)], examples=2) as base:
+        Select = pytest.importorskip("selenium.webdriver.support.ui").Select
+        Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")  # no photo yet: nothing to run
+        assert _answers(driver) == 0
+        _upload(driver, photo)
+        items = driver.find_elements(By.CSS_SELECTOR, ".nbest .text")
         assert [li.text for li in items] == [c.text for c in expected]
+        scores = driver.find_elements(By.CSS_SELECTOR, ".nbest .score")
+        assert scores[0].text == f"log-probability per word {expected[0].score:.2f}"  # a labelled score
+        assert driver.find_element(By.ID, "result-file").text == "scene.png"
+        assert driver.find_element(By.ID, "result-thumb").get_attribute("src").startswith("blob:")
 
-        frame = driver.find_element(By.ID, "explorer")
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        assert _words_in(driver, frame) == expected[0].words
         driver.switch_to.frame(frame)
-        _wait(driver, "return document.body.dataset.ready === '1';")
         canvas = driver.find_element(By.ID, "view")
         before = _pixels(canvas)
         att = expected[0].attention  # (L, g, g): hover the word whose map differs most from the first word's
@@ -102,20 +150,35 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         ActionChains(driver).move_to_element(driver.find_element(By.ID, f"word-{far}")).perform()
         after = _pixels(canvas)
         changed = np.abs(before - after).sum(-1) > 30
-        assert changed.mean() > 0.02, "hovering another word did not change the heat map"
+        assert changed.mean() > 0.02, "hovering another word did not change the map"
+        # the hovered word is drawn as the pinned one is, and written large by the map
+        assert driver.find_element(By.ID, f"word-{far}").get_attribute("class").split() == ["word", "active"]
+        assert driver.find_element(By.ID, "shown-word").text == f"\u201c{expected[0].words[far]}\u201d"
+        # the PNG the page downloads: the map on show with a band naming the word and the caption under it
+        shot = driver.execute_script("return window.captionerSnapshot();")
+        png = np.asarray(Image.open(io.BytesIO(base64.b64decode(shot.split(",", 1)[1]))).convert("RGB"))
+        size = driver.execute_script("const c = document.getElementById('view'); return [c.width, c.height];")
+        assert png.shape[:2] == (size[1] + 56, size[0])
+        assert (png[size[1]:] < 100).all(-1).sum() > 200, "no words drawn under the map"
         driver.switch_to.default_content()
 
+        before = _answers(driver)
         driver.find_element(By.ID, "nbest-1").click()
-        _wait(driver, "return document.body.dataset.answers === '2';")
-        assert driver.find_element(By.ID, "best").text == expected[1].text
+        _wait(driver, f"return +document.body.dataset.answers > {before};")
+        assert driver.find_element(By.ID, "nbest-1").get_attribute("aria-pressed") == "true"
+        assert _words_in(driver, driver.find_element(By.CSS_SELECTOR, "#columns iframe")) == expected[1].words
 
-        driver.find_element(By.ID, "file").send_keys(str(notes))
-        _wait(driver, "return document.body.dataset.state === 'error';")
+        _upload(driver, notes)
+        assert driver.execute_script("return document.body.dataset.state;") == "error"
         assert driver.find_element(By.ID, "error").text == "notes.txt: not an image file"
+        # the stale-result rule: no caption of the previous photo is left under the error
+        assert not driver.find_element(By.ID, "result").is_displayed()
+        assert driver.find_elements(By.CSS_SELECTOR, "#columns iframe") == []
 
         driver.find_element(By.ID, "example-1").click()  # an example after an error: served again
         _wait(driver, "return document.body.dataset.state === 'done';")
         assert driver.find_element(By.ID, "error").is_displayed() is False
+        assert driver.find_element(By.ID, "result-file").text == "scene_2.png"  # the example's name
 
         urls = [json.loads(e["message"])["message"]["params"]["request"]["url"]
                 for e in driver.get_log("performance")
@@ -130,3 +193,174 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
     severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE" and expected_400 not in e["message"]]
     # (the 400 is the non-image's answer, which the browser logs; anything else, a script error included, fails)
     assert not severe, severe
+
+
+def test_a_changed_setting_captions_the_same_photo_again(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    image, photo = _scene(tmp_path, seed=5)
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, photo)
+        assert "beam 3" in driver.find_element(By.CSS_SELECTOR, ".column .meta").text
+        before = _answers(driver)
+        Select(driver.find_element(By.ID, "beam")).select_by_value("1")  # no new upload
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+        assert "beam 1" in driver.find_element(By.CSS_SELECTOR, ".column .meta").text
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        assert _words_in(driver, frame) == peaked_model.caption(image, beam=1)[0].words
+        before = _answers(driver)
+        Select(driver.find_element(By.ID, "beam")).select_by_value("3")
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+        Select(driver.find_element(By.ID, "nbest-count")).select_by_value("2")
+        _wait(driver, "return document.querySelectorAll('.nbest .text').length === 2 && "
+                      "document.body.dataset.state === 'done';")
+        before = _answers(driver)
+        driver.find_element(By.ID, "again").click()
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+        assert driver.find_element(By.ID, "result-file").text == "scene.png"
+
+
+def test_the_keyboard_alone_shows_and_pins_a_word(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    image, photo = _scene(tmp_path, seed=3)
+    expected = peaked_model.caption(image, beam=3, attention=True)[0]
+    att = expected.attention
+    far = int((att - att[0]).abs().flatten(1).sum(1).argmax())
+    assert far > 0
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        # every control of the page is reachable with Tab, the explorer's words included
+        reached = []
+        driver.execute_script("if (document.activeElement) document.activeElement.blur(); window.scrollTo(0, 0);")
+        for _ in range(40):
+            ActionChains(driver).send_keys(Keys.TAB).perform()
+            active = driver.switch_to.active_element
+            reached.append(active.get_attribute("id") or active.tag_name)
+            if active.tag_name == "iframe":
+                break
+        assert {"file", "beam", "nbest-count", "again"} <= set(reached), reached
+        driver.switch_to.frame(frame)
+        canvas = driver.find_element(By.ID, "view")
+        pinned = _pixels(canvas)
+        if "word" not in (driver.switch_to.active_element.get_attribute("class") or ""):
+            ActionChains(driver).send_keys(Keys.TAB).perform()  # into the caption: the first word
+        word = driver.switch_to.active_element
+        assert word.get_attribute("id") == "word-0", word.get_attribute("outerHTML")
+        outline = driver.execute_script("return getComputedStyle(arguments[0]).outlineWidth;", word)
+        assert outline == "3px"  # a focus ring one can see
+        for _ in range(far):
+            ActionChains(driver).send_keys(Keys.TAB).perform()  # focus alone shows each word's map
+        assert driver.switch_to.active_element.get_attribute("id") == f"word-{far}"
+        assert driver.execute_script("return document.body.dataset.shown;") == str(far)
+        assert np.abs(_pixels(canvas) - pinned).sum(-1).__gt__(30).mean() > 0.02, "focus did not show the map"
+        assert driver.execute_script("return document.body.dataset.word;") == "0"  # shown, not pinned yet
+        ActionChains(driver).send_keys(Keys.ENTER).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == str(far)
+        assert driver.find_element(By.ID, f"word-{far}").get_attribute("aria-pressed") == "true"
+        ActionChains(driver).send_keys(Keys.ARROW_LEFT).perform()  # arrows step and pin
+        assert driver.execute_script("return document.body.dataset.word;") == str(far - 1)
+        ActionChains(driver).send_keys(Keys.SPACE).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == str(far - 1)
+        driver.switch_to.default_content()
+
+
+def test_two_models_side_by_side_show_the_same_word(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    image, photo = _scene(tmp_path, seed=4)
+    with _serve_page(driver, [("one", peaked_model), ("two", peaked_model)]):
+        assert driver.execute_script("return document.getElementById('model').value;") == ""  # all models
+        _upload(driver, photo)
+        columns = driver.find_elements(By.CSS_SELECTOR, "#columns .column")
+        assert [c.get_attribute("data-model") for c in columns] == ["one", "two"]
+        frames = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
+        words = peaked_model.caption(image, beam=3)[0].words
+        assert [_words_in(driver, f) for f in frames] == [words, words]
+        assert frames[0].location["y"] == frames[1].location["y"]  # in columns, side by side
+        target = len(words) - 1
+        driver.switch_to.frame(frames[0])
+        ActionChains(driver).move_to_element(driver.find_element(By.ID, f"word-{target}")).perform()
+        driver.switch_to.default_content()
+        driver.switch_to.frame(frames[1])
+        _wait(driver, f"return document.body.dataset.shown === '{words.index(words[target])}';")
+        driver.switch_to.default_content()
+
+
+def test_a_new_photo_marks_the_old_result_until_its_own_arrives(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    _, first = _scene(tmp_path, seed=3, name="first.png")
+    _, second = _scene(tmp_path, seed=6, name="second.png")
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, first)
+        driver.execute_script("window.fetch = (function (real) { return function () { const a = arguments;"
+                              " return new Promise(function (ok) { setTimeout(function () { ok(real.apply(null, a)); },"
+                              " 1500); }); }; })(window.fetch);")  # a slow answer, to look at the page meanwhile
+        driver.find_element(By.ID, "file").send_keys(str(second))
+        _wait(driver, "return document.body.dataset.state === 'busy';")
+        assert "stale" in driver.find_element(By.ID, "result").get_attribute("class")
+        assert "first.png" in driver.find_element(By.ID, "stale-note").text
+        assert driver.find_element(By.ID, "file-name").text == "second.png"
+        _wait(driver, "return document.body.dataset.state === 'done';")
+        assert "stale" not in driver.find_element(By.ID, "result").get_attribute("class")
+        assert driver.find_element(By.ID, "result-file").text == "second.png"
+
+
+def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tmp_path: Path) -> None:
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+
+    _, photo = _scene(tmp_path, seed=3, side=500)
+    size = driver.get_window_size()
+    try:
+        with _serve_page(driver, [("one", peaked_model), ("two", peaked_model)]):
+            driver.set_window_size(500, 1000)
+            _upload(driver, photo)
+            assert driver.execute_script("return document.documentElement.scrollWidth <= "
+                                         "document.documentElement.clientWidth;"), "the page scrolls sideways"
+            auditor = axe.Axe()
+            for frame in driver.find_elements(By.CSS_SELECTOR, "#columns iframe"):  # axe audits frames it is in
+                driver.switch_to.frame(frame)
+                driver.execute_script(auditor.axe_script)
+                driver.switch_to.default_content()
+            driver.set_script_timeout(60)
+            results = auditor.run(driver)
+            bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in results["violations"]
+                   if v["impact"] in ("serious", "critical")]
+            assert bad == []
+            assert results["passes"], "axe checked nothing"
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def test_taps_alone_show_and_pin_a_word(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.actions import interaction
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+    from selenium.webdriver.common.actions.pointer_input import PointerInput
+    from selenium.webdriver.common.by import By
+
+    def tap(element) -> None:
+        actions = ActionBuilder(driver, mouse=PointerInput(interaction.POINTER_TOUCH, "finger"))
+        actions.pointer_action.move_to(element).pointer_down().pause(0.05).pointer_up()
+        actions.perform()
+
+    image, photo = _scene(tmp_path, seed=3)
+    words = peaked_model.caption(image, beam=3)[0].words
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        driver.switch_to.frame(frame)
+        target = len(words) - 1
+        tap(driver.find_element(By.ID, f"word-{target}"))
+        _wait(driver, f"return document.body.dataset.word === '{target}';")
+        assert driver.execute_script("return document.body.dataset.shown;") == str(target)
+        assert driver.find_element(By.ID, "shown-word").text == f"\u201c{words[target]}\u201d"
+        driver.switch_to.default_content()

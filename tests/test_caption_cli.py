@@ -123,7 +123,7 @@ def test_overlay_option_writes_every_file_per_image(capsys, checkpoints, photos,
         assert sorted(p.name for p in (out_dir / stem).iterdir()) == [
             "attention.gif", "attention.html", "attention.json", "attention.png"]
         record = read_attention_json(out_dir / stem / "attention.json")
-        assert record.words == row["tokens"] and record.image_size == size and record.grid == 4
+        assert record.words == row["tokens"] and record.image_size == size and record.grid == (4, 4)
         assert Image.open(out_dir / stem / "attention.gif").n_frames == 3
         np.testing.assert_allclose(record.attention.sum(axis=(1, 2)), 1.0, atol=1e-4)
 

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captions import make_caption
 from captioner.errors import ConfigError, DataError
+from captioner.inference import Caption
 from captioner.viz.explorer import render_explorer, write_explorer
-from captioner.viz.overlays import BLUR_CELLS, AttentionRecord, colormap_lut
+from captioner.viz.overlays import BLUR_CELLS, colormap_lut
 
 
 class _Collect(HTMLParser):
@@ -36,10 +38,10 @@ class _Collect(HTMLParser):
         self._in_script = False
 
 
-def _record(words=("a", "dog", "runs"), g=3, all_attention=None, caption=None) -> AttentionRecord:
+def _record(words=("a", "dog", "runs"), g=3, all_attention=None, caption=None) -> Caption:
     rng = np.random.default_rng(1)
     att = rng.random((len(words), g, g)).astype(np.float32)
-    return AttentionRecord(caption or " ".join(words), list(words), att, (300, 200), (50, 0, 250, 200), all_attention)
+    return make_caption(words, att, (50, 0, 250, 200), all_attention, caption, image_size=(300, 200))
 
 
 def _payload(page: str) -> dict:
@@ -107,7 +109,7 @@ def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
     from captioner.viz.explorer import MIN_DISPLAY_SIDE, display_size
 
     def shown(size, **kw):
-        record = AttentionRecord("a", ["a"], np.ones((1, 2, 2)) / 4, size, (0, 0, *size))
+        record = make_caption(["a"], np.ones((1, 2, 2)) / 4, image_size=size)
         return _payload(render_explorer(Image.new("RGB", size), record, **kw))["display_size"]
 
     assert MIN_DISPLAY_SIDE >= 384
@@ -149,14 +151,17 @@ const code = page.match(/<script>([\s\S]*?)<\/script>/)[1];
 const elements = {}, spans = [], shots = [];
 function element(tag) {
   const el = { tagName: tag.toUpperCase(), dataset: {}, hidden: true, value: "", handlers: {}, children: [],
-    complete: true, naturalWidth: 1, classList: { toggle() {} },
+    complete: true, naturalWidth: 1, style: {}, classList: { toggle() {}, contains() { return false; } },
     addEventListener(type, fn) { this.handlers[type] = fn; }, add(o) { this.children.push(o); },
-    appendChild(c) { if (c.tagName === "SPAN") spans.push(c); },
+    setAttribute() {}, focus() {},
+    appendChild(c) { if (c.tagName === "BUTTON") spans.push(c); },
     getContext() { return { drawImage(src) { if (src.image) el.last = src.image; }, fillRect() {},
       createImageData(w, h) { return { width: w, height: h, data: new Uint8ClampedArray(4 * w * h) }; },
       putImageData(img) { el.image = img; } }; } };
   return el;
 }
+global.window = {};
+window.parent = window;
 global.Option = function (text, value) { this.text = text; this.value = value; };
 global.document = { body: { dataset: {} }, addEventListener() {}, createTextNode() { return {}; },
   createElement: element,
@@ -166,16 +171,18 @@ global.document = { body: { dataset: {} }, addEventListener() {}, createTextNode
   } };
 function shot() {
   const img = elements.view.last;
-  shots.push({ info: elements.info.textContent, width: img.width, height: img.height,
+  shots.push({ info: elements.info.textContent, summary: elements.summary.textContent, width: img.width, height: img.height,
                rgba: Buffer.from(img.data).toString("base64") });
 }
 eval(code);
 for (const args of JSON.parse(process.argv[3])) {
+  if (args.style !== undefined) { elements.style.value = args.style; elements.style.handlers.change(); }
   if (args.head !== undefined) { elements.head.value = args.head; elements.head.handlers.input(); }
   spans[args.word].handlers.click();
   shot();
 }
-console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots }));
+console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots,
+                             info: elements.info.textContent, ready: document.body.dataset.ready }));
 """
 
 
@@ -194,15 +201,20 @@ def _run_in_node(tmp_path, page: str, steps: list[dict]) -> dict:
     return json.loads(done.stdout)
 
 
-def _lut_positions(shot: dict) -> np.ndarray:
-    """Colour-map position (0..255) of each pixel of the heat layer the script drew."""
+def _scale_positions(shot: dict, style: str = "light", cmap: str = "viridis", strength: float = 0.75) -> np.ndarray:
+    """Position on the scale (0..255) of each pixel of the layer the script drew over the photo: from its
+    opacity in the light style (black, opaque where the word did not look), from its colour in the heat style."""
     rgba = np.frombuffer(base64.b64decode(shot["rgba"]), dtype=np.uint8).reshape(shot["height"], shot["width"], 4)
+    if style == "light":
+        assert (rgba[..., :3] == 0).all(), "the light style darkens; it adds no colour"
+        return 255 - rgba[..., 3].astype(np.float64) / strength
     code = lambda rgb: (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # noqa: E731
-    codes = code(colormap_lut("jet").astype(np.int64))
+    codes = code(colormap_lut(cmap).astype(np.int64))
     order = np.argsort(codes, kind="stable")
     wanted = code(rgba[..., :3].astype(np.int64))
     pos = np.searchsorted(codes[order], wanted).clip(max=255)
     assert (codes[order][pos] == wanted).all(), "a pixel that is not a colour of the map"
+    np.testing.assert_allclose(rgba[..., 3], np.round(strength * order[pos]), atol=1)  # transparent low end
     return order[pos]
 
 
@@ -212,14 +224,17 @@ def test_the_explorer_script_upscales_the_canvas_and_shares_the_colour_scale(tmp
     peaked[0, 0] = 1.0
     spread = 1 + 0.05 * np.random.default_rng(0).uniform(-1, 1, (g, g))
     att = np.stack([peaked, spread / spread.sum()]).astype(np.float32)
-    record = AttentionRecord("dog the", ["dog", "the"], att, (128, 128), (0, 0, 128, 128))
+    record = make_caption(["dog", "the"], att)
     out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (128, 128)), record), [{"word": 0}, {"word": 1}])
     assert out["canvas"] == [384, 384]
-    dog, the = (_lut_positions(s) for s in out["shots"])
-    assert dog.max() >= 250 and dog.min() <= 40
-    assert the.max() - the.min() <= 12 and the.max() <= 50  # flat and cold, not stretched
+    dog, the = (_scale_positions(s) for s in out["shots"])
+    assert dog.max() >= 249 and dog.min() <= 40
+    assert the.max() - the.min() <= 12 and the.max() <= 50  # flat and dark, not stretched
     assert "peak 100% at row 1, column 1 \u00b7 H 0.0/2.8 nats" in out["shots"][0]["info"]
     assert "peak 6." in out["shots"][1]["info"] and "H 2.8/2.8" in out["shots"][1]["info"]
+    assert out["shots"][0]["summary"] == ("Word 1 of 2 looked mostly at one place; its strongest region holds 100% "
+                                          "of its attention.")
+    assert "looked all over the picture" in out["shots"][1]["summary"]
 
 
 def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
@@ -227,10 +242,15 @@ def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
     all_att = np.zeros((2, 1, 2, g, g), dtype=np.float32)
     all_att[:, 0, 0] = 1 / g**2  # head 1: uniform for every word -> mid-scale, flat
     all_att[:, 0, 1, 1, 1] = 1.0  # head 2: every word points at the centre
-    record = AttentionRecord("a b", ["a", "b"], all_att[:, -1].mean(1), (200, 100), (0, 0, 200, 100), all_att)
+    record = make_caption(["a", "b"], all_att[:, -1].mean(1), all_attention=all_att)
     page = render_explorer(Image.new("RGB", (200, 100)), record)
-    out = _run_in_node(tmp_path, page, [{"word": 0, "head": "0"}, {"word": 1, "head": "1"}])
+    out = _run_in_node(tmp_path, page, [{"word": 0, "head": "0", "style": "heat"}, {"word": 1, "head": "1"}])
     assert out["canvas"] == [384, 192]
-    uniform, pointing = (_lut_positions(s) for s in out["shots"])
+    uniform, pointing = (_scale_positions(s, "heat") for s in out["shots"])
     assert np.ptp(uniform) <= 1 and abs(uniform.mean() - 127.5) <= 2
     assert pointing.max() >= 250
+
+
+def test_the_explorer_script_draws_an_empty_caption(tmp_path):
+    out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (64, 64)), make_caption([], np.zeros((0, 3, 3)))), [])
+    assert out["ready"] == "1" and out["info"] == "empty caption"

@@ -10,16 +10,18 @@ from PIL import Image
 from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
-from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks
+from captions import make_caption as caption
+from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks, spread_words
+from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.overlays import (
     BACKGROUND,
     DIM,
     GIF_BAND,
-    AttentionRecord,
     attention_to_image_map,
     color_scale,
     colormap_lut,
     grid_layout,
+    on_image,
     overlay_heatmap,
     read_attention_json,
     render_gif_frames,
@@ -82,108 +84,36 @@ def test_bad_attention_shapes_and_boxes_are_rejected():
         attention_to_image_map(np.zeros((3, 3)), 10, 10, (0, 0, 20, 10))
 
 
-def test_overlay_blends_inside_the_box_and_dims_outside():
-    image = photo()
+def test_light_keeps_the_photos_colours_where_the_word_looked_and_darkens_the_rest():
+    image = Image.new("RGB", (200, 100), (250, 210, 20))  # a yellow picture: it must stay yellow
     box = (50, 0, 150, 100)
     heat = attention_to_image_map(corner_attention(), 200, 100, box)
     plain = np.asarray(image, dtype=np.float32)
-    out = np.asarray(overlay_heatmap(image, heat, "jet", 0.5, box), dtype=np.float32)
+    out = np.asarray(overlay_heatmap(image, heat, alpha=0.75, box=box), dtype=np.float32)  # style="light"
     np.testing.assert_allclose(out[:, :50], DIM * plain[:, :50], atol=1.0)
     np.testing.assert_allclose(out[:, 150:], DIM * plain[:, 150:], atol=1.0)
-    hot, cold = out[5, 55], out[95, 145]  # jet: red where attention peaks, blue where it is 0
-    assert hot[0] > hot[2] and cold[2] > cold[0]
-    invisible = np.asarray(overlay_heatmap(image, heat, "jet", 0.0, box), dtype=np.float32)
+    looked, elsewhere = out[3, 53], out[95, 145]  # the peak cell's corner | a cell the word never looked at
+    np.testing.assert_allclose(looked, plain[3, 53], atol=12)  # the photo itself, not a tint
+    np.testing.assert_allclose(elsewhere, 0.25 * plain[95, 145], atol=1.5)  # darkened by alpha, same hue
+    assert np.allclose(elsewhere / elsewhere.sum(), plain[0, 0] / plain[0, 0].sum(), atol=0.02)
+    invisible = np.asarray(overlay_heatmap(image, heat, alpha=0.0, box=box), dtype=np.float32)
     np.testing.assert_allclose(invisible[:, 50:150], plain[:, 50:150], atol=1.0)
     with pytest.raises(ConfigError, match="nope"):
-        overlay_heatmap(image, heat, "nope")
+        overlay_heatmap(image, heat, "nope", style="heat")
     with pytest.raises(ConfigError, match="alpha"):
-        overlay_heatmap(image, heat, "jet", 1.5)
+        overlay_heatmap(image, heat, alpha=1.5)
+    with pytest.raises(ConfigError, match="light, heat"):
+        overlay_heatmap(image, heat, style="jet")
 
 
-def _panel_is_blank(canvas: np.ndarray, box: tuple[int, int, int, int]) -> bool:
-    left, top, right, bottom = box
-    return bool((canvas[top:bottom, left:right] == BACKGROUND).all())
-
-
-@pytest.mark.parametrize("resize", ["stretch", "center_crop"])
-def test_write_overlays_png_gif_json(tmp_path, resize):
-    image = photo(200, 100)
-    box = crop_box(200, 100, EncoderConfig(name="tiny", resize=resize))
-    words = ["a", "red", "square", "a", "a", "on", "top"]
-    att = np.stack([corner_attention(4, r, c) for r, c in [(0, 0), (3, 3), (1, 2), (2, 2), (2, 2), (0, 3), (3, 0)]])
-    paths = write_overlays(image, words, att, tmp_path / "out", box=box, cmap="jet", alpha=0.6)
-    assert set(paths) == {"png", "gif", "json", "html"} and all(p.is_file() for p in paths.values())
-
-    # PNG: image + one panel per word, laid out as grid_layout says; pictures keep the 2:1 aspect
-    layout = grid_layout(len(words), image.size)
-    grid = np.asarray(Image.open(paths["png"]).convert("RGB"))
-    assert (grid.shape[1], grid.shape[0]) == layout.canvas_size
-    assert layout.panels == 8 and (layout.columns, layout.rows) == (5, 2)
-    w, h = layout.image_size
-    assert w / h == pytest.approx(2.0, abs=0.02)
-    for i in range(layout.columns * layout.rows):
-        assert _panel_is_blank(grid, layout.image_box(i)) == (i >= layout.panels), i
-    # panel 1 = "a" looking at the top-left cell: its reddest pixel is in the top-left of the box
-    left, top, _, _ = layout.image_box(1)
-    panel = grid[top:top + h, left:left + w].astype(int)
-    y, x = np.unravel_index(np.argmax(panel[..., 0] - panel[..., 2]), (h, w))
-    bl, bt, br, bb = (box[0] * w / 200, box[1] * h / 100, box[2] * w / 200, box[3] * h / 100)
-    assert bl <= x < bl + (br - bl) / 4 and bt <= y < bt + (bb - bt) / 4
-    if resize == "center_crop":  # outside the crop box the picture is dimmed relative to panel 0
-        original = grid[top:top + h, layout.image_box(0)[0]:layout.image_box(0)[0] + w].astype(int)
-        assert panel[:, : int(bl) - 2].mean() < 0.5 * original[:, : int(bl) - 2].mean()
-
-    # GIF: one frame per word, even for repeated words with identical maps ("a", "a")
-    gif = Image.open(paths["gif"])
-    assert gif.n_frames == len(words)
-    assert gif.width / (gif.height - GIF_BAND) == pytest.approx(2.0, abs=0.02)
-
-    record = read_attention_json(paths["json"])
-    assert record.words == words and record.caption == " ".join(words) and record.grid == 4
-    assert record.image_size == (200, 100) and record.box == tuple(float(v) for v in box)
-    np.testing.assert_allclose(record.attention, att, atol=1e-6)
-    assert record.all_attention is None
-
-
-def test_json_round_trip_with_layers_and_heads_and_tensor_inputs(tmp_path):
-    gen = torch.Generator().manual_seed(0)
-    all_att = torch.rand(3, 2, 4, 5, 5, generator=gen)  # (L, layers, heads, g, g)
-    att = all_att[:, -1].mean(1)  # the overlay view: last layer, mean of heads
-    paths = write_overlays(photo(64, 48), ["one", "two", "three"], att, tmp_path, all_attention=all_att,
-                           stem="x", caption="One, two; three!")
-    assert paths["json"].name == "x.json"
-    record = read_attention_json(paths["json"])
-    assert record.caption == "One, two; three!" and record.box == (0.0, 0.0, 64.0, 48.0)
-    np.testing.assert_allclose(record.all_attention, all_att.numpy(), atol=1e-6)
-    np.testing.assert_allclose(record.attention, att.numpy(), atol=1e-6)
-    assert record.to_dict()["layers"] == 2 and record.to_dict()["heads"] == 4
-
-
-def test_empty_caption_still_writes_every_file(tmp_path):
-    paths = write_overlays(photo(), [], np.zeros((0, 4, 4)), tmp_path)
-    assert Image.open(paths["gif"]).n_frames == 1
-    layout = grid_layout(0, (200, 100))
-    assert Image.open(paths["png"]).size == layout.canvas_size and layout.panels == 1
-    assert read_attention_json(paths["json"]).words == []
-
-
-def test_mismatched_inputs_and_bad_files_raise_one_line_errors(tmp_path):
-    with pytest.raises(DataError, match="all_attention"):
-        AttentionRecord("a b", ["a", "b"], np.zeros((2, 3, 3)), (9, 9), (0, 0, 9, 9), np.zeros((2, 1, 1, 4, 4)))
-    with pytest.raises(DataError):
-        AttentionRecord("a b", ["a", "b"], np.zeros((3, 3, 3)), (9, 9), (0, 0, 9, 9))
-    bad = tmp_path / "broken.json"
-    bad.write_text("{not json")
-    with pytest.raises(DataError, match="broken.json"):
-        read_attention_json(bad)
-    foreign = tmp_path / "foreign.json"
-    foreign.write_text('{"format": "something-else"}')
-    with pytest.raises(DataError, match="foreign.json"):
-        read_attention_json(foreign)
-    with pytest.raises(DataError, match="missing.json"):
-        read_attention_json(tmp_path / "missing.json")
-    with pytest.raises(ConfigError, match="not_a_cmap"):
-        write_overlays(photo(), ["a"], np.ones((1, 2, 2)), tmp_path, cmap="not_a_cmap")
+def test_heat_is_transparent_at_its_low_end_and_the_colour_map_at_its_top():
+    image = photo()
+    heat = attention_to_image_map(corner_attention(), 200, 100)
+    plain = np.asarray(image, dtype=np.float32)
+    out = np.asarray(overlay_heatmap(image, heat, "viridis", 1.0, style="heat"), dtype=np.float32)
+    np.testing.assert_allclose(out[95, 195], plain[95, 195], atol=1.0)  # weight 0: the photo shows through
+    top = np.unravel_index(np.argmax(heat), heat.shape)
+    np.testing.assert_allclose(out[top], colormap_lut("viridis")[255], atol=1.0)  # the peak: the map's top colour
 
 
 # ----------------------------------------------------------------------------- one colour scale per caption
@@ -195,15 +125,9 @@ def near_uniform(g: int = 4, wobble: float = 0.05, seed: int = 0) -> np.ndarray:
     return (att / att.sum()).astype(np.float32)
 
 
-def lut_index(pixels: np.ndarray, cmap: str = "jet") -> np.ndarray:
-    """Colour-map position (0..255) of each pixel of a fully opaque overlay (alpha = 1)."""
-    code = lambda rgb: (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # noqa: E731
-    codes = code(colormap_lut(cmap).astype(np.int64))
-    order = np.argsort(codes, kind="stable")
-    wanted = code(np.asarray(pixels, dtype=np.int64))
-    pos = np.searchsorted(codes[order], wanted).clip(max=255)
-    assert (codes[order][pos] == wanted).all(), "a pixel that is not a colour of the map"
-    return order[pos]
+def light_level(pixels: np.ndarray, grey: float = 128.0) -> np.ndarray:
+    """Position on the scale (0..255) of each pixel of a grey picture drawn in the light style at alpha = 1."""
+    return np.asarray(pixels, dtype=np.float64)[..., 0] / grey * 255
 
 
 def test_color_scale_is_the_captions_highest_upsampled_value_with_a_uniform_floor():
@@ -223,43 +147,44 @@ def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
     image = Image.new("RGB", (128, 128), (128, 128, 128))
     words, att = ["dog", "the"], np.stack([corner_attention(4, 0, 0), near_uniform()])
     layout = grid_layout(2, image.size)
-    grid = np.asarray(render_grid(image, "the dog", words, att, alpha=1.0))
+    grid = np.asarray(render_grid(image, caption(words, att, text="the dog"), alpha=1.0))
     panels = []
     for i in (1, 2):
         left, top, right, bottom = layout.image_box(i)
-        panels.append(lut_index(grid[top:bottom, left:right]))
+        panels.append(light_level(grid[top:bottom, left:right]))
     dog, the = panels
-    assert dog.max() >= 250 and dog.min() <= 40  # the pointing word spans the colour map
-    assert the.max() - the.min() <= 12 and the.max() <= 50  # the spread-out word: flat and cold
+    assert dog.max() >= 245 and dog.min() <= 40  # the pointing word spans the scale: lit where it looked
+    assert the.max() - the.min() <= 12 and the.max() <= 50  # the spread-out word: flat and dark
     # the GIF frames use the same scale
-    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, words, att, alpha=1.0, max_side=128)]
-    assert lut_index(frames[0]).max() >= 250
-    assert np.ptp(lut_index(frames[1])) <= 12 and lut_index(frames[1]).max() <= 50
-    # what a per-word min-max scale (scale=None) does to the same map: blown up to the full colour map
-    alone = lut_index(np.asarray(overlay_heatmap(image, attention_to_image_map(att[1], 128, 128), alpha=1.0)))
-    assert alone.min() <= 5 and alone.max() >= 250
+    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, caption(words, att), alpha=1.0, max_side=128)]
+    assert light_level(frames[0]).max() >= 245
+    assert np.ptp(light_level(frames[1])) <= 12 and light_level(frames[1]).max() <= 50
+    # what a per-word min-max scale (scale=None) does to the same map: blown up to the full scale
+    alone = light_level(np.asarray(overlay_heatmap(image, attention_to_image_map(att[1], 128, 128), alpha=1.0)))
+    assert alone.min() <= 5 and alone.max() >= 245
 
 
 def test_a_caption_that_never_points_is_drawn_at_mid_scale_not_hot():
     image = Image.new("RGB", (64, 64), (128, 128, 128))
     att = np.stack([np.full((4, 4), 1 / 16), np.full((4, 4), 1 / 16)])
-    frames = render_gif_frames(image, ["a", "b"], att, alpha=1.0, max_side=64)
-    index = lut_index(np.asarray(frames[0])[:-GIF_BAND])
-    assert np.ptp(index) <= 1 and abs(int(index.mean()) - 255 / UNIFORM_FLOOR) <= 2
+    frames = render_gif_frames(image, caption(["a", "b"], att), alpha=1.0, max_side=64)
+    index = light_level(np.asarray(frames[0])[:-GIF_BAND])
+    assert np.ptp(index) <= 2.5 and abs(index.mean() - 255 / UNIFORM_FLOOR) <= 3
 
 
 def test_each_panel_is_titled_with_the_words_peak_share_and_entropy():
     att = np.stack([corner_attention(4, 0, 0), np.full((4, 4), 1 / 16), 0.5 * corner_attention(4, 0, 0)
                     + 0.5 * corner_attention(4, 3, 3)])
     assert word_titles(["dog", "the", "two"], att) == [
-        ("dog", "peak 100% \u00b7 H 0.0/2.8"), ("the", "peak 6.2% \u00b7 H 2.8/2.8"),
-        ("two", "peak 50% \u00b7 H 0.7/2.8")]
+        ("dog", "one place \u00b7 top region 100%"), ("the", "all over \u00b7 top region 6.2%"),
+        ("two", "one place \u00b7 top region 50%")]
+    assert spread_words(2.0, 2.8) == "a few places" and spread_words(0.0, 0.0) == "one place"
     assert attention_stats(att[2]) == (pytest.approx(0.5), pytest.approx(np.log(2)), pytest.approx(np.log(16)))
     assert attention_stats(np.zeros((4, 4))) == (0.0, 0.0, pytest.approx(np.log(16)))
     # the figures are drawn: two panels titled with the same word differ only in the second line
     image = Image.new("RGB", (128, 128), (128, 128, 128))
     layout = grid_layout(2, image.size)
-    grid = np.asarray(render_grid(image, "a a", ["a", "a"], att[:2]))
+    grid = np.asarray(render_grid(image, caption(["a", "a"], att[:2])))
     titles = []
     for i in (1, 2):
         left, top, right, bottom = layout.title_box(i)
@@ -276,3 +201,21 @@ def test_a_coarse_grid_on_a_small_picture_is_blurred_without_crashing():
     m = attention_to_image_map(corner_attention(2, 1, 0), 10, 10)
     assert m[7:, :3].mean() > 2 * m[:3, 7:].mean()  # still hottest in the bottom-left cell
     assert color_scale(np.full((3, 1, 1), 1.0)) == (0.0, pytest.approx(2.0))  # g = 1: the floor, 2 x uniform
+
+
+@pytest.mark.parametrize("style", ["light", "heat"])
+def test_the_png_grid_carries_a_legend_of_its_style(style):
+    image = Image.new("RGB", (64, 64), (128, 128, 128))
+    layout = grid_layout(1, image.size)
+    grid = np.asarray(render_grid(image, caption(["dot"], corner_attention()[None]), style=style)).astype(int)
+    left, top, right, bottom = layout.legend_box()
+    assert bottom == grid.shape[0] and bottom - top == layout.legend_height
+    band = grid[top:bottom, left:right]
+    row = band[(bottom - top) // 2]
+    drawn = np.flatnonzero((row != BACKGROUND).any(-1))
+    assert drawn.size > 100, "no legend drawn"
+    ramp = row[drawn[0] + 40: drawn[-1] - 100]  # inside the bar, clear of the words on either side
+    if style == "light":  # dark where the word did not look, the picture itself (grey 217) where it did
+        assert ramp[:5].mean() < 80 and abs(ramp[-30:].mean() - 217) < 30
+    else:  # transparent (grey) at the low end, the colour map at the top
+        assert ramp[:3].std(axis=-1).mean() < 3 and ramp[-30:].std(axis=-1).mean() > 20

@@ -12,15 +12,16 @@ what the PNG and GIF show.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from captioner.commands.caption import add_common_arguments
+from captioner.commands.caption import add_common_arguments, add_style_arguments
 from captioner.commands.decoding_flags import decoding_overrides
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
 EXAMPLES = """
   captioner attend photo.jpg --checkpoint runs/sat/best.safetensors --out overlays/
-  captioner attend photo.jpg -c best.safetensors --out overlays/ --cmap viridis --alpha 0.6 --beam 5
+  captioner attend photo.jpg -c best.safetensors --out overlays/ --style heat --cmap magma --beam 5
   captioner attend photo.jpg -c runs/tf/best.safetensors --out overlays/ --layer 1 --head 3   # Transformer
 """
 
@@ -29,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("image", metavar="IMAGE", help="image file")
     add_common_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
-    parser.add_argument("--cmap", default="jet", help="colour map (matplotlib name, default: jet)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity 0..1 (default: 0.5)")
+    add_style_arguments(parser)
     parser.add_argument("--layer", type=int, default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
     parser.add_argument("--head", type=int, default=None,
@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
                               "attention map per word")
         attention = select_view(all_att, args.layer, args.head)
     paths = write_overlays(
-        image, result.words, attention, args.out, box=result.box, all_attention=all_att, cmap=args.cmap,
-        alpha=args.alpha, stem=args.stem, caption=result.text,
-        layer=-1 if args.layer is None else args.layer - 1, head=None if args.head is None else args.head - 1,
+        image, dataclasses.replace(result, attention=attention), args.out, cmap=args.cmap, alpha=args.alpha,
+        style=args.style, stem=args.stem, layer=-1 if args.layer is None else args.layer - 1,
+        head=None if args.head is None else args.head - 1,
     )
     print(f"{args.image}\t{result.text}")
     for kind in ("png", "gif", "json", "html"):

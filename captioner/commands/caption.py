@@ -62,8 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON lines: {"path", "caption", "score", "tokens", "seconds"}')
     parser.add_argument("--overlay", metavar="DIR", default=None,
                         help="also write attention overlays (PNG grid, GIF, JSON, HTML) to DIR/<image stem>/")
-    parser.add_argument("--cmap", default="jet", help="overlay colour map (matplotlib name, default: jet)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="overlay heat-map opacity 0..1 (default: 0.5)")
+    add_style_arguments(parser)
+
+
+def add_style_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--style``, ``--cmap`` and ``--alpha``: how the overlays draw attention (caption --overlay, attend)."""
+    parser.add_argument("--style", choices=("light", "heat"), default="light",
+                        help="light (default): the photo itself where a word looked, darkened where it did not; "
+                             "heat: a colour map over the photo, transparent where the word did not look")
+    parser.add_argument("--cmap", default="viridis",
+                        help="colour map of the heat style (matplotlib name, default: viridis)")
+    parser.add_argument("--alpha", type=float, default=0.75,
+                        help="strength 0..1: the darkest dimming (light) or the opacity at the top (heat) (default: 0.75)")
 
 
 def _why_not_a_file(path: Path) -> str | None:
@@ -213,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
                 row["concepts"] = [{"word": w, "prob": p} for w, p in result.concepts]
             if args.overlay:
                 out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
-                write_overlays(image, result.words, result.attention, out_dir, box=result.box,
-                               cmap=args.cmap, alpha=args.alpha, caption=result.text)
+                write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha, style=args.style)
                 row["overlay"] = str(out_dir)
             line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
             print(line, flush=True)

@@ -16,7 +16,7 @@ NAME = "serve"
 HELP = "serve a local web page: drop a photo, read the caption, hover each word to see its attention"
 EXAMPLES = """
   captioner serve -c runs/demo/sat_soft/best.safetensors            # then open http://127.0.0.1:8000
-  captioner serve -c soft=runs/sat/best.safetensors -c tf=runs/tf/best.safetensors --port 8080
+  captioner serve -c soft=runs/sat/best.safetensors -c tf=runs/tf/best.safetensors --port 8080   # side by side
   captioner serve -c 'https://example.org/model.safetensors#sha256=...' --examples photos/
   captioner serve -c hf://org/captioner-sat --host 0.0.0.0            # reachable from other machines
 """

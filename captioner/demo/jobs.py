@@ -9,6 +9,7 @@ before the workers open the shared cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -60,9 +61,8 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
         record, result = cs.images[i], results[i]
         image = load_image(record.path)
         all_att = model.teacher_forced(image, result.tokens)  # (L, layers, heads, g, g) or None
-        paths = write_overlays(image, result.words, result.attention.float().numpy(), out_dir,
-                               box=model.crop_box(image), all_attention=None if all_att is None else all_att.numpy(),
-                               stem=f"test_{record.image_id}", caption=result.text)
+        placed = dataclasses.replace(result, box=model.crop_box(image), all_attention=all_att)
+        paths = write_overlays(image, placed, out_dir, stem=f"test_{record.image_id}")
         shown.append({"image_id": record.image_id, "caption": result.text,
                       "references": cs.references(record.image_id), **{k: str(p) for k, p in paths.items()}})
     return shown

@@ -266,7 +266,7 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
     model = load(targets["checkpoint"], device="cpu")
     picture = image if image is not None else Image.open(io.BytesIO(example_scenes(1)[0].data))
     result = model.caption(picture.convert("RGB"), beam=beam, attention=True)[0]
-    grid = render_grid(picture.convert("RGB"), result.text, result.words, result.attention.numpy(), box=result.box)
+    grid = render_grid(picture.convert("RGB"), result)
     atomic_write(targets["overlay"], lambda f: grid.save(f, format="PNG"))
     text = render_card(repo_id, info, card, rows, digest, targets["checkpoint"].stat().st_size, result.text)
     atomic_write(targets["readme"], lambda f: f.write(text.encode("utf-8")))

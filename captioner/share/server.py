@@ -7,7 +7,7 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
 * ``GET /examples/{i}``: example picture ``i`` (:mod:`captioner.share.examples`);
 * ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
   captions of the picture, each with its attention record (the ``attention.json`` format of
-  :mod:`captioner.viz.attention_record`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
+  :mod:`captioner.viz.attention_json`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
   shown in an iframe, so hovering a word, the layer/head selectors of a Transformer, the colour
   scale and the crop box are the explorer's own).
 
@@ -37,7 +37,7 @@ from captioner.files import MiB, size_text
 from captioner.inference import Captioner
 from captioner.share.examples import Example
 from captioner.share.page import render_page
-from captioner.viz.attention_record import AttentionRecord
+from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
 __all__ = ["ServeLimits", "ServedModel", "caption_upload", "create_app", "running"]
@@ -111,11 +111,10 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
                                                   all_heads=True)
     out = []
     for rank, c in enumerate(captions, start=1):
-        record = AttentionRecord(c.text, c.words, c.attention, c.image_size, c.box, c.all_attention)
         title = f"{served.name}: caption {rank} of {len(captions)}"
         out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
-                    "record": record.to_dict(decimals=5),
-                    "explorer": render_explorer(image, record, title=title, max_side=limits.display_side)})
+                    "record": caption_to_dict(c, decimals=5),
+                    "explorer": render_explorer(image, c, title=title, max_side=limits.display_side)})
     return {"model": served.name, "file": filename, "beam": beam, "image_size": list(image.size),
             "seconds": round(time.perf_counter() - t0, 3), "captions": out}
 

@@ -9,12 +9,20 @@ stretched back to the box's aspect (the photo is never squashed) and pixels outs
 dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
 ``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
 
+Two styles draw a map over the photo (``STYLES``). ``light`` (the default, as the Show, Attend and
+Tell figures draw attention): the photo keeps its own colours where the word looked and is darkened
+where it did not, by up to ``alpha`` of its brightness. ``heat``: a perceptually uniform colour map
+(viridis by default) laid over the photo with an opacity that grows with the weight, so the low end
+is transparent and the photo shows through where the word did not look. Both are one RGBA layer
+(``style_layer``) composited over the photo, the rule the HTML explorer implements in JavaScript.
+
 All words of one caption share ONE colour scale (``color_scale``): 0 up to the highest value any
 of its upsampled maps reaches, so a word whose attention is spread out looks flat and cold next to
 a word that points, instead of being stretched to the full colour map on its own. The top of the
 scale is at least ``UNIFORM_FLOOR`` times the uniform weight, so a caption that never points
-anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives the figures printed under
-each word: the peak share (largest region's share of the weight) and the entropy against log N.
+anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives a word's figures, the peak
+share (largest region's share of the weight) and the entropy against log N; ``stats_label`` says
+them in words under each panel.
 
 Everything here is numpy and PIL arrays (matplotlib only for the colour maps, imported lazily);
 no text or layout.
@@ -33,12 +41,16 @@ from PIL import Image
 from captioner.errors import ConfigError, DataError
 from captioner.grids import as_array, cell_weights
 
-__all__ = ["BLUR_CELLS", "DIM", "UNIFORM_FLOOR", "attention_stats", "attention_to_image_map", "color_scale",
-           "colormap_lut", "map_peaks", "overlay_heatmap", "stats_label"]
+__all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "STYLES", "UNIFORM_FLOOR", "attention_stats",
+           "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "map_peaks", "overlay_heatmap",
+           "spread_words", "stats_label", "style_layer"]
 
 BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
 DIM = 0.35  # brightness kept outside the encoder's crop box
 UNIFORM_FLOOR = 2.0  # the colour scale's top is at least this many times the uniform weight 1/(g*g)
+STYLES = ("light", "heat")  # attention as light (the default) | a colour map with a transparent low end
+DEFAULT_CMAP = "viridis"  # perceptually uniform, readable in grey and by most colour-blind readers
+DEFAULT_ALPHA = 0.75  # light: darkening where the word did not look; heat: opacity at the scale's top
 _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsampled maps
 
 
@@ -180,15 +192,23 @@ def attention_stats(attention: object) -> tuple[float, float, float]:
     return float(p.max()), max(0.0, float(-(nz * np.log(nz)).sum())), uniform
 
 
+def spread_words(entropy: float, uniform: float) -> str:
+    """How spread out a map is, in words: its entropy against log N below 0.5 is ``"one place"``,
+    below 0.85 ``"a few places"``, else ``"all over"`` (the explorer's sentence uses the same cut-offs)."""
+    spread = entropy / uniform if uniform > 0 else 0.0
+    return "one place" if spread < 0.5 else "a few places" if spread < 0.85 else "all over"
+
+
 def stats_label(attention: object) -> str:
-    """The figures printed under a word, e.g. ``"peak 34% · H 2.1/2.8"`` (entropy of log N)."""
+    """The line printed under a word, e.g. ``"one place · top region 34%"``: how spread out its map
+    is (:func:`spread_words`) and the peak share, the largest region's share of its attention."""
     peak, entropy, uniform = attention_stats(attention)
     share = f"{100 * peak:.0f}" if peak >= 0.1 else f"{100 * peak:.1f}"
-    return f"peak {share}% \u00b7 H {entropy:.1f}/{uniform:.1f}"
+    return f"{spread_words(entropy, uniform)} \u00b7 top region {share}%"
 
 
 @lru_cache(maxsize=16)
-def colormap_lut(name: str = "jet") -> np.ndarray:
+def colormap_lut(name: str = DEFAULT_CMAP) -> np.ndarray:
     """A matplotlib colour map by name as a (256, 3) uint8 lookup table."""
     import matplotlib
 
@@ -209,24 +229,47 @@ def _box_mask(width: int, height: int, box: Sequence[float] | None) -> np.ndarra
     return ((ys >= box[1]) & (ys < box[3]))[:, None] & ((xs >= box[0]) & (xs < box[2]))[None, :]
 
 
+def check_style(style: str, option: str = "style") -> str:
+    """``style`` when it is one of :data:`STYLES`, else a one-line ``ConfigError``."""
+    if style not in STYLES:
+        raise ConfigError(f"{option} must be one of {', '.join(STYLES)}, got {style!r}")
+    return style
+
+
+def style_layer(norm: np.ndarray, style: str = "light", cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The layer drawn over the photo for a map already scaled to 0..1: ``(colours (..., 3), opacity (...))``.
+
+    ``light``: black at opacity ``alpha * (1 - norm)`` (the photo itself where the word looked);
+    ``heat``: the colour map at opacity ``alpha * norm`` (transparent where it did not).
+    """
+    norm = np.clip(norm, 0.0, 1.0)
+    if check_style(style) == "light":
+        return np.zeros(norm.shape + (3,), dtype=np.float32), (alpha * (1.0 - norm)).astype(np.float32)
+    colours = colormap_lut(cmap)[(norm * 255).round().astype(np.int64)].astype(np.float32)
+    return colours, (alpha * norm).astype(np.float32)
+
+
 def overlay_heatmap(
     image: Image.Image,
     heat_map: np.ndarray,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     box: Sequence[float] | None = None,
     scale: tuple[float, float] | None = None,
+    style: str = "light",
 ) -> Image.Image:
-    """Colour a map and blend it over the image; dim the image outside ``box``.
+    """Draw a map over the image in ``style`` (:func:`style_layer`); dim the image outside ``box``.
 
     Args:
         image: RGB image of the same size as ``heat_map``.
         heat_map: (H, W) map.
-        cmap: matplotlib colour map name.
-        alpha: opacity of the heat map, 0..1.
+        cmap: matplotlib colour map name (the ``heat`` style).
+        alpha: strength, 0..1: the darkest dimming (``light``) or the opacity at the top of the scale (``heat``).
         box: (left, top, right, bottom) in this image's pixels; None = the whole image.
-        scale: (vmin, vmax) mapped to the ends of the colour map (values outside are clipped),
+        scale: (vmin, vmax) mapped to the ends of the scale (values outside are clipped),
             e.g. the caption's ``color_scale``; None = min-max of this map inside the box.
+        style: one of :data:`STYLES`.
 
     Returns:
         A new RGB image.
@@ -239,6 +282,7 @@ def overlay_heatmap(
     inside = _box_mask(image.width, image.height, box)
     lo, hi = scale if scale is not None else (float(heat_map[inside].min()), float(heat_map[inside].max()))
     norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
-    colours = colormap_lut(cmap)[np.clip((norm * 255).round(), 0, 255).astype(np.int64)].astype(np.float32)
-    out = np.where(inside[..., None], (1.0 - alpha) * rgb + alpha * colours, DIM * rgb)
+    colours, opacity = style_layer(norm, style, cmap, alpha)
+    drawn = (1.0 - opacity[..., None]) * rgb + opacity[..., None] * colours
+    out = np.where(inside[..., None], drawn, DIM * rgb)
     return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))

@@ -3,16 +3,19 @@
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
 The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-coloured by :mod:`captioner.viz.heatmaps`, on one colour scale for the whole caption (``color_scale``),
-so spread-out attention looks flat next to a word that points.
+drawn by :mod:`captioner.viz.heatmaps` in one of its ``STYLES`` (``light``, the default: the photo
+itself where the word looked, darkened where it did not; ``heat``: a viridis map whose low end is
+transparent), on one scale for the whole caption (``color_scale``), so spread-out attention looks
+flat next to a word that points.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
-its figures, e.g. "peak 34% · H 2.1/2.8"), an animated GIF (one frame per word, the same
-figures under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
+how it looked, e.g. "one place · top region 34%"), an animated GIF (one frame per word, the
+same line under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,25 +25,32 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from captioner.grids import as_array
-from captioner.viz.attention_record import AttentionRecord, read_attention_json, write_attention_json
 from captioner.errors import ConfigError, DataError
 from captioner.files import safe_name
+from captioner.grids import as_array
+from captioner.inference import Caption
+from captioner.viz.attention_json import on_image, read_attention_json, write_attention_json
 from captioner.viz.explorer import write_explorer
 from captioner.viz.heatmaps import (
     BLUR_CELLS,
+    DEFAULT_ALPHA,
+    DEFAULT_CMAP,
     DIM,
+    STYLES,
     attention_to_image_map,
+    check_style,
     color_scale,
     colormap_lut,
     overlay_heatmap,
     stats_label,
+    style_layer,
 )
 
 __all__ = [
-    "AttentionRecord", "BLUR_CELLS", "DIM", "GIF_BAND", "GridLayout", "as_array", "attention_to_image_map",
-    "color_scale", "colormap_lut", "grid_layout", "overlay_heatmap", "read_attention_json", "render_gif_frames",
-    "render_grid", "word_overlays", "word_titles", "write_attention_json", "write_overlays",
+    "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
+    "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
+    "read_attention_json", "render_gif_frames", "render_grid", "word_overlays", "word_titles", "write_attention_json",
+    "write_overlays",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,9 +66,10 @@ def word_overlays(
     attention: np.ndarray,
     box: Sequence[float] | None,
     max_side: int,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     scale: tuple[float, float] | None = None,
+    style: str = "light",
 ) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
 
@@ -81,7 +92,7 @@ def word_overlays(
     sx, sy = size[0] / image.width, size[1] / image.height
     sbox = None if box is None else (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     overlays = [
-        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange)
+        overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange, style)
         for a in attention
     ]
     return small, overlays
@@ -127,7 +138,7 @@ def _draw_centered(draw: ImageDraw.ImageDraw, lines: list[tuple[str, int, tuple[
 
 
 def word_titles(words: Sequence[str], attention: np.ndarray) -> list[tuple[str, str]]:
-    """``(word, figures)`` for each word's panel, e.g. ``("dog", "peak 34% · H 2.1/2.8")``."""
+    """``(word, figures)`` for each word's panel, e.g. ``("dog", "one place · top region 34%")``."""
     return [(word, stats_label(a)) for word, a in zip(words, as_array(attention))]
 
 
@@ -141,6 +152,7 @@ class GridLayout:
         rows: number of rows.
         image_size: (w, h) of each panel's picture; same aspect ratio as the original image.
         title_height: height of the title band above each picture.
+        legend_height: height of the legend band under the panels (what the two ends of the scale look like).
         pad: margin around each panel.
     """
 
@@ -149,6 +161,7 @@ class GridLayout:
     rows: int
     image_size: tuple[int, int]
     title_height: int = 40
+    legend_height: int = 30
     pad: int = 6
 
     @property
@@ -158,7 +171,12 @@ class GridLayout:
     @property
     def canvas_size(self) -> tuple[int, int]:
         cw, ch = self.cell_size
-        return self.columns * cw, self.rows * ch
+        return self.columns * cw, self.rows * ch + self.legend_height
+
+    def legend_box(self) -> tuple[int, int, int, int]:
+        """(left, top, right, bottom) of the legend band, under the last row."""
+        width, height = self.canvas_size
+        return self.pad, height - self.legend_height, width - self.pad, height
 
     def image_box(self, index: int) -> tuple[int, int, int, int]:
         """(left, top, right, bottom) of panel ``index``'s picture on the canvas."""
@@ -181,46 +199,70 @@ def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 2
     return GridLayout(panels=panels, columns=cols, rows=-(-panels // cols), image_size=size)
 
 
+def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str, cmap: str, alpha: float) -> None:
+    """"little [the scale drawn over a light grey] most attention" in ``box``, as the explorer's legend."""
+    draw = ImageDraw.Draw(canvas)
+    font = _font(12)
+    left, top, right, bottom = box
+    words = ("little", "most attention")
+    bar_left = left + int(font.getlength(words[0])) + 8
+    bar_right = min(right - int(font.getlength(words[1])) - 8, bar_left + 220)
+    if bar_right <= bar_left + 8:
+        return
+    colours, opacity = style_layer(np.linspace(0.0, 1.0, bar_right - bar_left), style, cmap, alpha)
+    grey = np.full(colours.shape, 217.0, dtype=np.float32)
+    ramp = ((1.0 - opacity[:, None]) * grey + opacity[:, None] * colours).round().astype(np.uint8)
+    bar_top, bar_bottom = top + (bottom - top) // 2 - 6, top + (bottom - top) // 2 + 6
+    canvas.paste(Image.fromarray(np.repeat(ramp[None], bar_bottom - bar_top, axis=0)), (bar_left, bar_top))
+    draw.rectangle((bar_left - 1, bar_top - 1, bar_right, bar_bottom), outline=(170, 170, 170))
+    middle = (top + bottom) // 2 - 7
+    draw.text((left, middle), words[0], fill=FIGURES, font=font)
+    draw.text((bar_right + 8, middle), words[1], fill=FIGURES, font=font)
+
+
 def render_grid(
     image: Image.Image,
-    caption: str,
-    words: Sequence[str],
-    attention: np.ndarray,
-    box: Sequence[float] | None = None,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    caption: Caption,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     panel_side: int = 224,
     columns: int = 5,
+    style: str = "light",
 ) -> Image.Image:
     """The PNG grid: the image titled with the caption, then one overlay per word titled with the
-    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale."""
+    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale.
+    The maps lie on the caption's crop box (None = the whole image)."""
+    caption = on_image(caption, image)
+    words, attention, box = caption.words, caption.attention.numpy(), caption.box
     layout = grid_layout(len(words), image.size, panel_side, columns)
-    small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha)
+    small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha, style=style)
     canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     width = layout.image_size[0]
     canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
-    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption, _font(13), width, 2)], layout.title_box(0))
+    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption.text, _font(13), width, 2)], layout.title_box(0))
     for i, (picture, (word, figures)) in enumerate(zip(overlays, word_titles(words, attention)), start=1):
         canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
         lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
                  (_fit_lines(figures, _font(12), width, 1)[0], 12, FIGURES)]
         _draw_centered(draw, lines, layout.title_box(i))
+    _draw_legend(canvas, layout.legend_box(), style, cmap, alpha)
     return canvas
 
 
 def render_gif_frames(
     image: Image.Image,
-    words: Sequence[str],
-    attention: np.ndarray,
-    box: Sequence[float] | None = None,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    caption: Caption,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     max_side: int = 360,
+    style: str = "light",
 ) -> list[Image.Image]:
     """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
     word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
-    small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha)
+    caption = on_image(caption, image)
+    words, attention, box = caption.words, caption.attention.numpy(), caption.box
+    small, overlays = word_overlays(image, attention, box, max_side, cmap, alpha, style=style)
     frames = []
     # the counter comes first so that truncation never cuts it: PIL merges identical GIF frames
     labels = [(f"{i + 1}/{len(words)}  {w}", figures) for i, (w, figures) in enumerate(word_titles(words, attention))]
@@ -247,57 +289,52 @@ def check_stem(stem: str, option: str = "stem") -> None:
 
 def write_overlays(
     image: Image.Image,
-    words: Sequence[str],
-    attention: np.ndarray,
+    caption: Caption,
     out_dir: str | Path,
-    box: Sequence[float] | None = None,
-    all_attention: np.ndarray | None = None,
-    cmap: str = "jet",
-    alpha: float = 0.5,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
     stem: str = "attention",
-    caption: str | None = None,
     layer: int = -1,
     head: int | None = None,
+    style: str = "light",
 ) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
 
     Args:
         image: the ORIGINAL RGB image (not the encoder input).
-        words: the caption's L words.
-        attention: (L, g, g) weights shown in the PNG and GIF.
+        caption: its caption: the words, the (L, g, g) ``attention`` shown in the PNG and GIF, the
+            optional (L, layers, heads, g, g) ``all_attention`` (Transformer) and the crop ``box``
+            (None = the whole image, stretched; :func:`~captioner.viz.attention_json.on_image`).
         out_dir: folder (created) for ``<stem>.png/.gif/.json/.html``.
-        box: ``crop_box(width, height, encoder_cfg)``; None = the whole image (stretch).
-        all_attention: (L, layers, heads, g, g) per-layer/per-head maps (Transformer) or None.
-        cmap: matplotlib colour map name.
-        alpha: heat-map opacity, 0..1.
+        cmap: matplotlib colour map name (the ``heat`` style).
+        alpha: strength of the drawing, 0..1 (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
         stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
-        caption: caption text (defaults to the words joined by spaces).
         layer: layer the explorer shows first (when ``all_attention`` is given).
         head: head the explorer shows first (None = mean of heads).
+        style: ``light`` (attention as light) or ``heat`` (:data:`~captioner.viz.heatmaps.STYLES`).
 
     Returns:
         ``{"png", "gif", "json", "html"}`` -> written paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
+    check_style(style)
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
     check_stem(stem)
     image = image.convert("RGB")
-    box = tuple(float(v) for v in box) if box is not None else (0.0, 0.0, float(image.width), float(image.height))
-    record = AttentionRecord(caption if caption is not None else " ".join(words), list(words), attention,
-                             image.size, box, all_attention)
+    record = on_image(dataclasses.replace(caption, image_size=image.size), image)  # the picture drawn on
     out = Path(out_dir)
     paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
-    grid = render_grid(image, record.caption, record.words, record.attention, box, cmap, alpha)
+    grid = render_grid(image, record, cmap, alpha, style=style)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
-              for f in render_gif_frames(image, record.words, record.attention, box, cmap, alpha)]
+              for f in render_gif_frames(image, record, cmap, alpha, style=style)]
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
         frames[0].save(paths["gif"], save_all=True, append_images=frames[1:], duration=900, loop=0, disposal=1)
         write_attention_json(paths["json"], record)
-        write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head)
+        write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
-    log.debug("overlays for %r written to %s", record.caption, out)
+    log.debug("overlays for %r written to %s", record.text, out)
     return paths

@@ -1,0 +1,119 @@
+"""A :class:`~captioner.inference.Caption` as the JSON file every overlay is drawn from (``attention.json``).
+
+Shape legend: L words, g grid size.
+
+``{"format": "captioner-attention", "version": 1, "caption", "words", "grid": [g, g],
+"attention": L x g x g, "image_size": [w, h], "box": [left, top, right, bottom]}`` plus, for
+decoders with several layers/heads (the Transformer), ``"layers"``, ``"heads"`` and
+``"all_attention"`` (L x layers x heads x g x g). Floats are rounded to 6 decimals.
+
+The drawing functions take a ``Caption`` placed on its image (:func:`on_image`: the image's size,
+and the whole image as the box when the caption came from a tensor); the file holds the caption's
+text, words, maps, image size and box (not its token ids or score: a caption read back has
+``tokens == []`` and a NaN score).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from captioner.errors import DataError, one_line
+from captioner.files import MiB, read_text
+from captioner.grids import as_array
+from captioner.inference import Caption
+
+__all__ = ["caption_from_dict", "caption_to_dict", "on_image", "read_attention_json", "write_attention_json"]
+
+
+def _tensor(x: object) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(as_array(x)))
+
+
+def on_image(caption: Caption, image: Image.Image | None = None) -> Caption:
+    """``caption`` checked and ready to draw: float32 CPU maps, an image size and a crop box.
+
+    A caption without an image size (it came from a tensor) takes ``image``'s, and without a box
+    the whole image; the box's values become floats.
+
+    Raises:
+        DataError: no attention maps, maps that do not match the words, or no image size at all.
+    """
+    if caption.attention is None:
+        raise DataError("the caption has no attention maps (caption with attention=True)")
+    attention = _tensor(caption.attention)
+    words = len(caption.words)
+    if attention.ndim != 3 or attention.shape[0] != words or attention.shape[1] != attention.shape[2]:
+        raise DataError(f"attention must be (L, g, g) with L={words} words, got shape {tuple(attention.shape)}")
+    all_attention = None
+    if caption.all_attention is not None:
+        all_attention = _tensor(caption.all_attention)
+        if all_attention.ndim != 5 or all_attention.shape[0] != words or \
+                all_attention.shape[3:] != attention.shape[1:]:
+            raise DataError(f"all_attention must be (L, layers, heads, g, g) with L={words} and "
+                            f"g={attention.shape[-1]}, got {tuple(all_attention.shape)}")
+    size = caption.image_size if caption.image_size is not None else (image.size if image is not None else None)
+    if size is None:
+        raise DataError("the caption has no image size (it came from a tensor); pass the image")
+    size = (int(size[0]), int(size[1]))
+    box = caption.box if caption.box is not None else (0, 0, size[0], size[1])
+    return dataclasses.replace(caption, attention=attention, all_attention=all_attention, image_size=size,
+                               box=tuple(float(v) for v in box), grid=tuple(attention.shape[1:]))
+
+
+def caption_to_dict(caption: Caption, decimals: int = 6) -> dict:
+    """The JSON object of the file format above (``caption`` placed with :func:`on_image` first)."""
+    caption = on_image(caption)
+    data = {
+        "format": "captioner-attention", "version": 1, "caption": caption.text, "words": list(caption.words),
+        "grid": list(caption.grid), "image_size": list(caption.image_size), "box": list(caption.box),
+        "attention": np.round(caption.attention.numpy().astype(np.float64), decimals).tolist(),
+    }
+    if caption.all_attention is not None:
+        data["layers"], data["heads"] = int(caption.all_attention.shape[1]), int(caption.all_attention.shape[2])
+        data["all_attention"] = np.round(caption.all_attention.numpy().astype(np.float64), decimals).tolist()
+    return data
+
+
+def caption_from_dict(data: dict) -> Caption:
+    """The :class:`Caption` a JSON object of the format above holds (no token ids, a NaN score)."""
+    if not isinstance(data, dict) or data.get("format") != "captioner-attention":
+        raise DataError("not a captioner attention file (format != 'captioner-attention')")
+    try:
+        words = [str(w) for w in data["words"]]
+        attention = np.asarray(data["attention"], dtype=np.float32).reshape(len(words), *data["grid"])
+        all_att = data.get("all_attention")
+        caption = Caption(str(data["caption"]), words, [], float("nan"), tuple(int(g) for g in data["grid"]),
+                          attention=_tensor(attention),
+                          all_attention=None if all_att is None else _tensor(np.asarray(all_att, dtype=np.float32)),
+                          image_size=tuple(data["image_size"]), box=tuple(data["box"]))
+        return on_image(caption)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"malformed attention record ({type(exc).__name__}: {exc})") from None
+
+
+def write_attention_json(path: str | Path, caption: Caption) -> Path:
+    """Write ``caption`` as JSON (floats rounded to 6 decimals)."""
+    path = Path(path)
+    path.write_text(json.dumps(caption_to_dict(caption), separators=(",", ":")) + "\n")
+    return path
+
+
+def read_attention_json(path: str | Path) -> Caption:
+    """Read a file written by :func:`write_attention_json` / :func:`write_overlays`."""
+    if not os.path.lexists(path):
+        raise DataError(f"{path}: attention file not found")
+    try:
+        data = json.loads(read_text(path, 256 * MiB, DataError, "attention file"))
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: cannot read attention JSON ({one_line(str(exc))[:200]})") from None
+    try:
+        return caption_from_dict(data)
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from None
