@@ -35,4 +35,4 @@ class CheckpointError(CaptionerError):
 
 class ImageInputError(DataError, ValueError):
     """An image handed to the Python API that cannot be captioned: the wrong type, dtype or shape,
-    an empty or too large image, or NaN/inf values (see :mod:`captioner.data.inputs`)."""
+    an empty or too large image, or NaN/inf values (see :mod:`captioner.data.images`)."""

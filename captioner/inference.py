@@ -33,8 +33,7 @@ from PIL import Image
 
 from captioner.checkpoint.remote import resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
-from captioner.data.images import load_image
-from captioner.data.inputs import ImageSource, image_sources, pil_image, token_ids
+from captioner.data.images import ImageSource, image_sources, load_image, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
 from captioner.device import resolve_device
@@ -298,7 +297,7 @@ class Captioner:
                 such file).
             ImageInputError: an input that cannot be captioned, checked before any work: not a path,
                 an image or a tensor; a tensor that is not floating point, not (3, S, S) or holds
-                NaN/inf; an image with no pixels or too many (:mod:`captioner.data.inputs`). It is a
+                NaN/inf; an image with no pixels or too many (:mod:`captioner.data.images`). It is a
                 ``DataError`` and a ``ValueError``.
             ConfigError: bad search options (an unknown one, or a search that could not fit in
                 memory, see :mod:`captioner.decoding.search`), batch size or flags.
@@ -384,7 +383,7 @@ class Captioner:
         return found
 
     def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[ImageSource]:
-        """Inputs -> one checked source per image (the one place they are checked: :mod:`captioner.data.inputs`)."""
+        """Inputs -> one checked source per image (the one place they are checked: :mod:`captioner.data.images`)."""
         return image_sources(images, self.transform.size)
 
     def _prepare(self, source: ImageSource) -> tuple[torch.Tensor, tuple[int, int] | None]:

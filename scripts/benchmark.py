@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Speed benchmarks. Each ``scripts/bench_*.py`` module defines ``BENCHMARKS = {name: fn}`` where
-``fn(quick: bool) -> dict`` runs one benchmark (baseline and optimised side by side in the same
-process) and returns its figures.
+"""Speed benchmarks, the one entry point. Each ``scripts/benchmarks/bench_*.py`` module defines
+``BENCHMARKS = {name: fn}`` where ``fn(quick: bool) -> dict`` runs one benchmark (baseline and
+optimised side by side in the same process) and returns its figures.
 
     python scripts/benchmark.py                      # all benchmarks, human-readable
     python scripts/benchmark.py --only sat_train --json
@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))
 
 def discover() -> dict:
     found = {}
-    for path in sorted(HERE.glob("bench_*.py")):
+    for path in sorted((HERE / "benchmarks").glob("bench_*.py")):
         spec = importlib.util.spec_from_file_location(path.stem, path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from captioner.demo import pipeline as demo
 from captioner.cli import main
 from captioner.config import get_preset
+from captioner.demo import pipeline as demo
 from captioner.demo.pipeline import DEMO_DECODERS, DemoOptions, ensure_scenes, parse_budgets, run_demo
-from captioner.demo.table import COLUMNS, COMPOSITIONAL, format_table
+from captioner.demo.report import COLUMNS, COMPOSITIONAL, format_table
 from captioner.errors import ConfigError, DataError
 
 TINY = {name: f"{name}_tiny" for name in DEMO_DECODERS}

@@ -202,3 +202,66 @@ def test_no_module_is_longer_than_the_limit():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def _package_of(name: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to (a package's ``__init__`` belongs to the package itself)."""
+    return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(package: Path | None = None) -> list[str]:
+    """``module:line name`` of each use of another package's ``_private`` name.
+
+    Counts ``from captioner.x.y import _name`` and ``y._name`` on a module bound by an import. The
+    modules of one package may share private helpers; a module of another package reaches only what
+    a package makes public.
+    """
+    modules = _modules(package)
+    found = []
+    for name, path in modules.items():
+        home = _package_of(name, modules)
+        bound: dict[str, str] = {}  # local name -> captioner module it is bound to
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        bound[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = home.split(".")[: len(home.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in modules:
+                        bound[alias.asname or alias.name] = full
+                    elif base in modules and _private(alias.name) and _package_of(base, modules) != home:
+                        found.append(f"{name}:{node.lineno} {base}.{alias.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and _private(node.attr) and _package_of(bound[node.value.id], modules) != home):
+                found.append(f"{name}:{node.lineno} {bound[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_no_module_uses_another_packages_private_names():
+    assert private_imports() == []
+
+
+def test_private_name_check_sees_imports_and_attributes(tmp_path):
+    pkg = tmp_path / "captioner"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "one.py").write_text("_x = 1\n_y = 2\nz = 3\n")
+    (pkg / "a" / "three.py").write_text("from captioner.a.one import _x\nfrom .one import _y\n")  # same package
+    (pkg / "b" / "two.py").write_text("from captioner.a.one import _x, z\nfrom captioner.a import one\n"
+                                      "import captioner.a.one as first\n\nprint(one._y, first._x, one.__name__)\n")
+    assert private_imports(pkg) == ["captioner.b.two:1 captioner.a.one._x", "captioner.b.two:5 captioner.a.one._x",
+                                    "captioner.b.two:5 captioner.a.one._y"]

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.demo.pipeline import DemoOptions, run_demo
-    from captioner.demo.table import format_table
+    from captioner.demo.report import format_table
 
     data = args.data or ("data/shapes" if not args.unseen_pairs else f"data/shapes_unseen{args.unseen_pairs}")
     options = DemoOptions.from_args(

@@ -25,7 +25,7 @@ EXAMPLES = """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``captioner train`` (also used by ``scripts/train.py``)."""
+    """Options of ``captioner train``."""
     cfg = parser.add_argument_group("configuration (later wins: preset, --config, --set, flags)")
     cfg.add_argument("--preset", metavar="NAME", help=f"named preset: {', '.join(list_presets())}")
     cfg.add_argument("--config", metavar="FILE", help="JSON or YAML config file (nested model/data/train keys)")

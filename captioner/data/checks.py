@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from captioner.data.caption_set import CaptionSet
-from captioner.data.image_dirs import all_missing_message
+from captioner.data.caption_set import CaptionSet, all_missing_message
 from captioner.data.images import DEFAULT_MAX_PIXELS, probe_image
 from captioner.errors import DataError, ImageLoadError
 

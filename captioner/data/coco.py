@@ -34,8 +34,8 @@ from typing import Any
 
 from captioner.data import flickr8k, karpathy
 from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
-                                         build_caption_set)
-from captioner.data.image_dirs import pick_image_dir
+                                        build_caption_set)
+from captioner.data.caption_set import pick_image_dir
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_bytes, read_text
 

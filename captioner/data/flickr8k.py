@@ -26,8 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from captioner.data.caption_set import CaptionSet, ImageRecord, build_caption_set
-from captioner.data.image_dirs import pick_image_dir
+from captioner.data.caption_set import CaptionSet, ImageRecord, build_caption_set, pick_image_dir
 from captioner.errors import DataError
 
 log = logging.getLogger(__name__)

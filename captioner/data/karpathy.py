@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.data.caption_set import CaptionSet, ImageRecord, _is_int, _short, build_caption_set
-from captioner.data.image_dirs import SAMPLE, pick_image_dir
+from captioner.data.caption_set import SAMPLE, pick_image_dir
 from captioner.errors import DataError
 
 RESTVAL = "restval"

@@ -20,8 +20,7 @@ from typing import Any
 from captioner.checkpoint.store import load_checkpoint
 from captioner.data.coco import load_instances
 from captioner.data.images import load_image
-from captioner.demo.report import read_metrics_csv
-from captioner.demo.table import LABELS, format_value, table_row
+from captioner.demo.report import LABELS, format_value, read_metrics_csv, table_row
 from captioner.device import resolve_device
 from captioner.errors import DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint

@@ -38,8 +38,7 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
-from captioner.demo.report import write_report
-from captioner.demo.table import LABELS
+from captioner.demo.report import LABELS, write_report
 from captioner.errors import ConfigError, DataError
 from captioner.training.word_detectors import pretrain_word_detectors
 

@@ -3,6 +3,8 @@
 The HTML page holds the comparison table, the training curves (a matplotlib PNG embedded as a
 ``data:`` URI), a few test images per decoder with their attention overlays (embedded PNGs) and
 links to the interactive explorers written next to them. Nothing is fetched from the network.
+
+The demo's comparison table: its columns, one row per decoder, and plain-text formatting.
 """
 
 from __future__ import annotations
@@ -13,16 +15,94 @@ import html
 import io
 import json
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from captioner.demo.table import LABELS, format_value, shown_columns
 from captioner.errors import DataError
 from captioner.files import atomic_write
 
 log = logging.getLogger(__name__)
+
+
+LABELS = {"sat_soft": "SAT soft", "sat_hard": "SAT hard", "transformer": "Transformer"}
+LABELS.update({f"{name}+scst": f"{label} + SCST" for name, label in list(LABELS.items())})  # captioner demo --scst
+
+# (key, header, format) of the comparison table; values are None when not measured. "att. sup." is the
+# weight of train.attention_supervision (0: trained without); the seen/unseen columns are those of a
+# compositional split (captioner demo --unseen-pairs K) and are left out of tables without one.
+COMPOSITIONAL = ("objects_correct_seen", "objects_correct_unseen", "unseen_pairs_named")
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("decoder", "decoder", "{}"),
+    ("BLEU-1", "B-1", "{:.3f}"),
+    ("BLEU-2", "B-2", "{:.3f}"),
+    ("BLEU-3", "B-3", "{:.3f}"),
+    ("BLEU-4", "B-4", "{:.3f}"),
+    ("CIDEr-D", "CIDEr-D", "{:.3f}"),
+    ("attention_supervision", "att. sup.", "{:g}"),
+    ("objects_correct", "objects ok", "{:.1%}"),
+    ("objects_correct_seen", "seen ok", "{:.1%}"),
+    ("objects_correct_unseen", "unseen ok", "{:.1%}"),
+    ("unseen_pairs_named", "unseen named", "{:.1%}"),
+    ("attention_correctness", "att. corr.", "{:.3f}"),
+    ("uniform_baseline", "uniform", "{:.3f}"),
+    ("ratio", "ratio", "{:.1f}x"),
+    ("pointing_accuracy", "pointing", "{:.1%}"),
+    ("attention_entropy", "entropy", "{:.2f}"),
+    ("uniform_entropy", "log N", "{:.2f}"),
+    ("train_seconds", "train s", "{:.0f}"),
+    ("steps", "steps", "{:.0f}"),
+    ("steps_per_s", "steps/s", "{:.1f}"),
+    ("epochs", "epochs", "{:.1f}"),
+    ("parameters", "params", "{:,}"),
+)
+
+
+def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float,
+              params: dict[str, int], steps: int | None = None,
+              attention_supervision: float | None = None) -> dict[str, Any]:
+    """One row of the comparison table (see ``COLUMNS``); ``steps``: optimizer steps trained;
+    ``attention_supervision``: the run's ``train.attention_supervision`` weight."""
+    att = metrics.get("attention_correctness") or {}
+    ent = metrics.get("attention") or {}
+    row: dict[str, Any] = {"decoder": decoder}
+    for key in ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D"):
+        row[key] = metrics.get(key)
+    for key in ("objects_correct", "attention_correctness", "uniform_baseline", "ratio", "pointing_accuracy",
+                "words_scored", "objects_invented", *COMPOSITIONAL, "seen_pairs_named"):
+        row[key] = att.get(key)
+    row["attention_supervision"] = attention_supervision
+    row["attention_entropy"] = ent.get("attention_entropy")
+    row["uniform_entropy"] = ent.get("uniform_entropy")
+    row.update(train_seconds=round(train_seconds, 1), epochs=epochs, steps=steps,
+               steps_per_s=round(steps / train_seconds, 2) if steps and train_seconds > 0 else None, **params)
+    return row
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The comparison table as aligned plain text (``-`` where a value is missing)."""
+    columns = shown_columns(rows)
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([format_value(row.get(key), fmt) for key, _, fmt in columns])
+    widths = [max(len(r[j]) for r in cells) for j in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def shown_columns(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """``COLUMNS`` without the compositional-split ones when no row has them."""
+    return tuple(c for c in COLUMNS if c[0] not in COMPOSITIONAL or any(r.get(c[0]) is not None for r in rows))
+
+
+def format_value(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222;padding:0 1em}
@@ -94,7 +174,7 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def render_table(rows: Sequence[dict[str, Any]], labels: dict[str, str]) -> str:
-    """HTML comparison table (columns of ``captioner.demo.table.COLUMNS``)."""
+    """HTML comparison table (columns of ``captioner.demo.report.COLUMNS``)."""
     columns = shown_columns(rows)
     head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in columns)
     body = []

@@ -207,6 +207,30 @@ def cider_d_similarity(counts: Counter, ref_counts: Sequence[Counter], doc_freq:
     return 10.0 * (sum(total) / n) / len(ref_vectors)
 
 
+def cider_d_tokenized(captions: Sequence[Sequence[str]], images: Sequence[int],
+                      references: Sequence[Sequence[Sequence[str]]], doc_freq: DocFrequencies,
+                      sigma: float = 6.0, n: int = 4) -> list[float]:
+    """CIDEr-D (x10 scale) of each tokenized caption ``captions[j]`` against ``references[images[j]]``.
+
+    For a scorer with fixed references and document frequencies (the self-critical reward): each
+    image's reference vectors are built once per call, however many captions are scored against
+    it, and in first-seen order.
+
+    Args:
+        captions: token lists.
+        images: per caption, the index of its reference set.
+        references: per image, its tokenized reference captions.
+        doc_freq: the document frequencies to weigh n-grams with.
+        sigma, n: the length penalty's width and the longest n-gram.
+    """
+    ref_vectors: dict[int, list] = {}
+    for image in dict.fromkeys(images):
+        ref_vectors[image] = [_tfidf(_ngram_counts(list(r), n), doc_freq.df, doc_freq.log_images, n)
+                              for r in references[image]]
+    return [cider_d_similarity(_ngram_counts(list(c), n), (), doc_freq, sigma, n, ref_vectors=ref_vectors[i])
+            for c, i in zip(captions, images)]
+
+
 def cider_d_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]], sigma: float = 6.0,
                    n: int = 4, doc_freq: DocFrequencies | None = None) -> list[float]:
     """Per-image CIDEr-D (x10 scale).

@@ -236,7 +236,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         Args:
             features: (B, N, D) region features.
             use_cache: keep a self-attention key/value cache (default). False re-runs the whole
-                prefix at every step (same outputs; the baseline of ``scripts/bench_transformer.py``).
+                prefix at every step (same outputs; the baseline of ``scripts/benchmarks/bench_transformer.py``).
 
         Returns:
             State with static ``memory_k``/``memory_v`` (L x (B, H, N, dh)) and dynamic

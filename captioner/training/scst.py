@@ -79,8 +79,7 @@ from captioner.config.schema import SCST_BASELINES
 from captioner.decoding.sampling import sample_captions
 from captioner.decoding.search import DecodeOptions, SuppressTokens, never_emitted_ids
 from captioner.errors import DataError
-from captioner.evaluation.metrics import (DocFrequencies, _ngram_counts, _tfidf, cider_d_similarity,
-                                          ngram_document_frequencies)
+from captioner.evaluation.metrics import DocFrequencies, cider_d_tokenized, ngram_document_frequencies
 from captioner.inference import search_features
 from captioner.text import Vocabulary, tokenize
 from captioner.training.objective import Batch, LossResult, Objective, TrainModel
@@ -114,13 +113,7 @@ class CaptionReward:
         """CIDEr-D (x10 scale) of each tokenized caption against all references of its image."""
         if len(captions) != len(images):
             raise DataError(f"{len(captions)} captions but {len(images)} image indices")
-        df, n = self.doc_freq, self.n
-        ref_vectors: dict[int, list] = {}
-        for image in dict.fromkeys(images):  # each image's references once, in first-seen order
-            ref_vectors[image] = [_tfidf(_ngram_counts(r, n), df.df, df.log_images, n)
-                                  for r in self.references[image]]
-        return [cider_d_similarity(_ngram_counts(list(c), n), (), df, self.sigma, n, ref_vectors=ref_vectors[i])
-                for c, i in zip(captions, images)]
+        return cider_d_tokenized(captions, images, self.references, self.doc_freq, self.sigma, self.n)
 
     def bleu4(self, captions: Sequence[Sequence[str]], images: Sequence[int]) -> list[float]:
         """Sentence BLEU-4 (0-1, nltk, smoothing method1) of each caption against its image's references."""

@@ -26,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 PHOTOS = REPO.parent / "shared" / "data" / "coco2017-mini" / "train2017"
 VOCAB_SIZE = 10_000

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the ``bench_*.py`` benchmarks (not a benchmark itself)."""
+"""Timing helpers shared by the ``bench_*.py`` benchmarks beside it (not a benchmark itself)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 """With and without attention supervision (issue 24), on the demo's scenes and frozen encoder, at a
 fixed number of epochs: the comparison a time-budgeted ``captioner demo`` cannot give on a busy machine.
 
-    python scripts/grounding_ablation.py --out runs/grounding --decoders sat_soft,transformer --epochs 4 \\
+    python scripts/experiments/grounding_ablation.py --out runs/grounding --decoders sat_soft,transformer --epochs 4 \\
         --weights 0,1                                  # one run per decoder and weight, one at a time
-    python scripts/grounding_ablation.py --out runs/grounding_unseen4 --unseen-pairs 4 --decoders transformer
+    python scripts/experiments/grounding_ablation.py --out runs/grounding_unseen4 --unseen-pairs 4 --decoders transformer
 
 Writes the demo's scenes (``<out>/shapes``, ``--unseen-pairs K`` for the compositional split), its
 word-detector encoder (``<out>/encoder.safetensors``, ``--encoder-budget`` seconds: time-budgeted, but
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 KEYS = ("BLEU-4", "CIDEr-D", "objects_correct", "attention_correctness", "ratio", "attention_entropy",
         "objects_correct_seen", "objects_correct_unseen", "unseen_pairs_named", "seen_pairs_named")

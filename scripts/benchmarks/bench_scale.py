@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from captioner.config import get_preset  # noqa: E402
 from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402

@@ -2,7 +2,7 @@
 """Attention supervision on real COCO boxes (issue 24): fine-tune a checkpoint on half of coco2017-mini
 with and without ``train.attention_supervision``, and score the attention on the other half's boxes.
 
-    python scripts/grounding_coco.py runs/flickr8k/transformer/best.safetensors --out runs/grounding_coco \\
+    python scripts/experiments/grounding_coco.py runs/flickr8k/transformer/best.safetensors --out runs/grounding_coco \\
         --coco ../shared/data/coco2017-mini --epochs 10 --weights 0,1
 
 The 80 photos of ``coco2017-mini`` (``annotations/instances_train2017.json`` holds their boxes) are
@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def make_folds(coco: Path, out: Path) -> Path:

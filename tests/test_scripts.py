@@ -1,0 +1,72 @@
+"""Every script in ``scripts/`` still starts: ``--help`` (or a dry run) for the Python ones, a syntax
+check and the usage error for the shell ones, discovery for the benchmark modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "flickr8k_results.py",
+                "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py")
+# modules the scripts import (not run on their own), and the one script checked by a dry run below
+NOT_RUN = ("download_common.py", "gpu_summary.py", "benchmarks/timing.py")
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **env}
+    return subprocess.run(args, cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+
+
+def test_every_script_is_checked_here():
+    python = {str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.py")}
+    benchmarks = {p for p in python if p.startswith("benchmarks/bench_")}
+    assert python - benchmarks == set(HELP_SCRIPTS) | set(NOT_RUN)
+    shell = {p.name for p in SCRIPTS.glob("*.sh")}
+    assert shell == set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)
+
+
+@pytest.mark.parametrize("script", HELP_SCRIPTS)
+def test_python_script_help(script: str):
+    done = _run([sys.executable, str(SCRIPTS / script), "--help"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: ")
+
+
+def test_gpu_summary_reads_an_empty_folder(tmp_path: Path):
+    done = _run([sys.executable, str(SCRIPTS / "gpu_summary.py"), str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "missing" in done.stdout and (tmp_path / "summary.json").is_file()
+
+
+def test_benchmark_lists_every_benchmark_module():
+    done = _run([sys.executable, str(SCRIPTS / "benchmark.py"), "--list"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = set(done.stdout.split())
+    assert {"sat_train", "train_loop", "beam", "serve"} <= names
+    assert len(list((SCRIPTS / "benchmarks").glob("bench_*.py"))) <= len(names)
+
+
+SHELL_SYNTAX_ONLY = ("gpu_env.sh", "test.sh")  # sourced by the GPU scripts | installs the package
+USAGE_ERRORS = {"gpu_check.sh": "set OUT", "gpu_flickr8k.sh": "usage: ", "reproduce_flickr8k.sh": "usage: "}
+
+
+@pytest.mark.parametrize("script", sorted(set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)))
+def test_shell_script_syntax(script: str):
+    done = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("script", sorted(USAGE_ERRORS))
+def test_shell_script_without_its_arguments_says_how_to_call_it(script: str):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    done = subprocess.run(["bash", str(SCRIPTS / script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode != 0
+    assert USAGE_ERRORS[script] in done.stderr
