@@ -252,8 +252,10 @@ def test_config_checks_the_concept_keys():
         get_preset("sat_soft_flickr8k").override(**{"train.concept_guide": 1.0})
     with pytest.raises(ConfigError, match="concept_guide must be"):
         get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c", "train.concept_guide": -1.0})
-    with pytest.raises(ConfigError, match="does not read concept inputs"):
+    with pytest.raises(ConfigError, match="model.decoder.concepts"):  # a SAT key: the Transformer has none
         get_preset("transformer_flickr8k").override(**{"model.decoder.concepts": 4})
+    with pytest.raises(ConfigError, match="decoder.concept_pooling"):
+        get_preset("sat_soft_flickr8k").override(**{"model.decoder.concept_pooling": "max"})
 
 
 # ----------------------------------------------------------------------------- the command, end to end

@@ -38,7 +38,10 @@ PARSE_LOG = "captioner.config.parse"
 SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 # train fields added after the snapshot was taken: every preset keeps their defaults
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
-                      "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy"}
+                      "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
+                      "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1}
+# SAT fields added after the snapshot: no concept input by default
+ADDED_SAT_FIELDS = {"concepts": 0, "concept_hidden": 512, "concept_pooling": "lse", "concept_sharpness": 5.0}
 
 
 def _flat_scst(train: dict) -> dict:
@@ -76,6 +79,8 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert new.pop("decoding") == _as_json(dataclasses.asdict(DecodeOptions()))  # the new section: defaults
     dec, old_dec = new["model"].pop("decoder"), old["model"].pop("decoder")
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
+    if dec["name"] == "sat":
+        assert {k: dec.pop(k) for k in ADDED_SAT_FIELDS} == ADDED_SAT_FIELDS
     assert new == old  # encoder, data, train: identical
     # the decoder: the family's fields identical; the old flat dict held the other family's defaults besides
     family = SATConfig if old_dec["name"] == "sat" else TransformerConfig
@@ -84,7 +89,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert dec == {k: old_dec[k] for k in dec}
     rest = {k: v for k, v in old_dec.items() if k not in dec}
     assert rest == {k: v for k, v in dataclasses.asdict(other()).items() if k in rest}
-    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"}
+    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"} - set(ADDED_SAT_FIELDS)
 
 
 def test_gpu_presets_scale_their_base_preset() -> None:
@@ -234,7 +239,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
                                                  "decoding.n_best=2", "decoding.allow_unk=true"])
     assert cfg.decoding == DecodeOptions(beam_size=5, max_len=20, length_penalty=0.7, n_best=2, allow_unk=True)
     assert cfg.to_dict()["decoding"] == {"beam_size": 5, "max_len": 20, "length_penalty": 0.7, "n_best": 2,
-                                         "allow_unk": True}
+                                         "allow_unk": True, "no_repeat_ngram": 0, "no_repeat_words": False}
     cfg.save(tmp_path / "config.json")
     assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).decoding == cfg.decoding
     with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=3"):

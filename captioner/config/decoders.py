@@ -53,12 +53,6 @@ class DecoderConfig(metaclass=_FamilyByName):
     name: str = "sat"  # one of DECODERS; picks the family (its class); each family's default is its own name
     dropout: float = 0.5
     max_len: int = 50  # longest caption (words) the model can produce / position table size
-    # the decoder reads K concept probabilities from a frozen concept head over the regions (0: none); set by
-    # training from train.concepts' file (captioner.training.detectors), with the head's shape
-    concepts: int = 0
-    concept_hidden: int = 512
-    concept_pooling: str = "lse"
-    concept_sharpness: float = 5.0
 
     def __post_init__(self) -> None:
         family = decoder_family(self.name)
@@ -67,11 +61,6 @@ class DecoderConfig(metaclass=_FamilyByName):
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"decoder.dropout must be in [0, 1), got {self.dropout}")
         self._check_positive("max_len")
-        if self.concepts < 0 or self.concept_hidden < 0:
-            raise ConfigError(f"decoder.concepts and decoder.concept_hidden must be >= 0, got {self.concepts} "
-                              f"and {self.concept_hidden}")
-        if self.concept_pooling not in ("lse", "noisy_or"):
-            raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use 'lse' or 'noisy_or'")
 
     @property
     def width(self) -> int:
@@ -108,6 +97,12 @@ class SATConfig(DecoderConfig):
     # add learned row and column embeddings to the region features (what the Transformer's regions get):
     # without them an LSTM that attends by content cannot tell where the region it looked at lies
     region_positions: bool = False
+    # the decoder reads K concept probabilities from a frozen concept head over the regions (0: none); set by
+    # training from train.concepts' file (captioner.training.detectors), with the head's shape
+    concepts: int = 0
+    concept_hidden: int = 512
+    concept_pooling: str = "lse"
+    concept_sharpness: float = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,6 +112,11 @@ class SATConfig(DecoderConfig):
         if not 0.0 <= self.hard_soft_prob <= 1.0:
             raise ConfigError(f"decoder.hard_soft_prob must be in [0, 1], got {self.hard_soft_prob}")
         self._check_positive("embed_dim", "hidden_dim", "attention_dim")
+        if self.concepts < 0 or self.concept_hidden < 0:
+            raise ConfigError(f"decoder.concepts and decoder.concept_hidden must be >= 0, got {self.concepts} "
+                              f"and {self.concept_hidden}")
+        if self.concept_pooling not in ("lse", "noisy_or"):
+            raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use 'lse' or 'noisy_or'")
 
     @property
     def width(self) -> int:
@@ -147,9 +147,6 @@ class TransformerConfig(DecoderConfig):
         self._check_positive("d_model", "num_layers", "num_heads", "ff_dim")
         if self.d_model % self.num_heads:
             raise ConfigError(f"decoder.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
-        if self.concepts:
-            raise ConfigError("decoder.concepts: the Transformer decoder does not read concept inputs (SAT does); "
-                              "its attention can still be guided by them (train.concept_guide)")
 
     @property
     def width(self) -> int:
