@@ -124,7 +124,8 @@ def test_checksum_mismatch_names_file_and_removes_part(server: str, tmp_path: Pa
 
 
 def test_size_mismatch_and_http_error(server: str, tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"val2014\.zip: got \d+ bytes, expected 5"):
+    with pytest.raises(DataError, match=r"val2014\.zip: too large: \d+ bytes or more where the limit is 5 bytes; "
+                                        "nothing was kept"):
         dc.download(f"{server}/val2014.zip", tmp_path / "val2014.zip", 5, None, progress=False)
     with pytest.raises(DataError, match=r"nothing\.zip: download failed \(HTTP 404"):
         dc.download(f"{server}/nothing.zip", tmp_path / "nothing.zip", None, None, progress=False)

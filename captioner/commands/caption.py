@@ -47,9 +47,15 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", 
 _GLOB_CHARS = frozenset("*?[")
 
 
+def add_refresh_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--refresh", action="store_true",
+                        help="download a URL or hf:// checkpoint again even when it is cached (a bad cached copy)")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
     parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help=CHECKPOINT_HELP)
+    add_refresh_argument(parser)
     add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
 
@@ -186,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
     from captioner.inference import load
 
-    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))
+    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"), refresh=args.refresh)
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from captioner.commands.caption import CHECKPOINT_HELP
+from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"
 HELP = "serve a local web page: drop a photo, read the caption, hover each word to see its attention"
@@ -27,6 +27,7 @@ _NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="[NAME=]CKPT",
                         help=CHECKPOINT_HELP + "; repeat for several models, NAME= names one on the page")
+    add_refresh_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.checkpoint:
         name, spec = model_name(spec, taken)
         taken.add(name)
-        models.append(ServedModel(name, load(spec, device=device)))
+        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh)))
         log.info("loaded %s as %r", spec, name)
     limits = ServeLimits(max_bytes=int(args.max_upload_mb * MiB), max_beam=args.max_beam)
     app = create_app(models, examples, limits)
