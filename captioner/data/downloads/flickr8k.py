@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 
 from captioner.data.downloads.archives import Steps, open_zip, write_members
 from captioner.data.downloads.archives import prepare as prepare_archives
-from captioner.download import download, file_digest, verify
+from captioner.download import Bounds, download, file_digest, verify
 from captioner.errors import DataError
 
 __all__ = ["ARCHIVES", "BASE", "Archive", "extract", "is_present", "parse_sha256", "prepare",
@@ -47,6 +47,8 @@ log = logging.getLogger("captioner.download.flickr8k")
 BASE = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
 MARKER = ".extracted"
 RECORD = "Flickr8k.sha256"
+# the mirror states no sizes: bounds a few times over the real ones (1.1 GB and 2.3 MB)
+BOUNDS = {"images": Bounds(max_bytes=4 << 30), "text": Bounds(max_bytes=64 << 20)}
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ def _members(names: Sequence[str], archive: Archive) -> list[tuple[str, str]]:
 
 
 def extract(zip_path: Path, root: Path, archive: Archive) -> list[Path]:
-    """Extract the archive into ``root/<folder>/`` (flattened) and mark the folder complete."""
+    """Extract the archive into ``root/<folder>/`` (flattened), mark the folder complete and record
+    the zip's SHA-256 (only now: a zip that cannot be extracted is not recorded as good)."""
     with open_zip(zip_path) as zf:
         pairs = _members(zf.namelist(), archive)
         what = archive.needed or f"*{archive.suffix}"
@@ -131,6 +134,10 @@ def extract(zip_path: Path, root: Path, archive: Archive) -> list[Path]:
             raise DataError(f"{zip_path}: has no {what} (is it the right archive?)")
         written = write_members(zf, zip_path, root, pairs)
     (root / archive.folder / MARKER).write_text(f"extracted from {zip_path.name}\n")
+    digest = archive.sha256 or file_digest(zip_path, "sha256")
+    record_digest(root, zip_path.name, digest)
+    log.info("%s: %d bytes, SHA-256 %s%s", zip_path.name, zip_path.stat().st_size, digest,
+             " (checked)" if archive.sha256 else f" (recorded in {root / RECORD})")
     return written
 
 
@@ -143,15 +150,11 @@ def record_digest(root: Path, name: str, digest: str) -> None:
 
 
 def _fetch(zip_path: Path, root: Path, a: Archive, progress: bool) -> None:
-    """Download (unless kept from an earlier run), check or record the SHA-256."""
+    """Download (unless kept from an earlier run) and check the SHA-256 when one is known."""
     if not zip_path.exists():
-        download(a.url, zip_path, progress=progress)
+        download(a.url, zip_path, progress=progress, bounds=BOUNDS[a.key])
     if a.sha256:  # also a zip kept from an earlier run; a mismatch removes it
         verify(zip_path, None, a.sha256, label=a.name, algorithm="sha256")
-    digest = a.sha256 or file_digest(zip_path, "sha256")
-    record_digest(root, a.name, digest)
-    log.info("%s: %d bytes, SHA-256 %s%s", a.name, zip_path.stat().st_size, digest,
-             " (checked)" if a.sha256 else f" (recorded in {root / RECORD})")
 
 
 STEPS = Steps(is_present=is_present, where=lambda root, a: f"{root / a.folder}/",
