@@ -95,11 +95,13 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("captioner.serve")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_upload_mb <= 0 or args.max_beam < 1:
-        raise ConfigError("--max-upload-mb must be > 0 and --max-beam >= 1")
+    if not 0 < args.max_upload_mb < 1 << 20 or args.max_beam < 1:  # also refuses nan and inf
+        raise ConfigError(f"--max-upload-mb must be a finite number > 0 (MiB, below 1048576), got "
+                          f"{args.max_upload_mb}; --max-beam must be >= 1, got {args.max_beam}")
     try:
         import uvicorn
 
+        from captioner.share.guards import uvicorn_options
         from captioner.share.server import ServedModel, ServeLimits, create_app
     except ImportError as exc:
         raise ConfigError(f"captioner serve needs FastAPI and uvicorn ({exc.name} is missing): "
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         taken.add(name)
         models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh)))
         log.info("loaded %s as %r", spec, name)
-    limits = ServeLimits(max_bytes=int(args.max_upload_mb * MiB), max_beam=args.max_beam)
+    limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_beam=args.max_beam, host=args.host)
     app = create_app(models, examples, limits)
     if not is_loopback(args.host):
         log.warning("warning: serving on %s: anyone who can reach this machine on port %d can use this page "
@@ -126,5 +128,5 @@ def run(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {', '.join(m.name for m in models)} on http://{shown}:{args.port}  (Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **uvicorn_options())
     return 0
