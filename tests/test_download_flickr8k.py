@@ -157,3 +157,4 @@ def test_download_help_lists_both_datasets(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert "flickr8k" in out and "coco" in out
     assert captioner_main(["download"]) == 2
+

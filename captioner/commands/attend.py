@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.commands.arg_types import finite_float
 from captioner.commands.caption import add_common_arguments
 from captioner.commands.decoding_flags import decoding_overrides
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     parser.add_argument("--cmap", default="jet", help="colour map (matplotlib name, default: jet)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="heat-map opacity 0..1 (default: 0.5)")
+    parser.add_argument("--alpha", type=finite_float, default=0.5, help="heat-map opacity 0..1 (default: 0.5)")
     parser.add_argument("--layer", type=int, default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
     parser.add_argument("--head", type=int, default=None,

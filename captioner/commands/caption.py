@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from captioner.commands.arg_types import finite_float
 from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
 
 NAME = "caption"
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlay", metavar="DIR", default=None,
                         help="also write attention overlays (PNG grid, GIF, JSON, HTML) to DIR/<image stem>/")
     parser.add_argument("--cmap", default="jet", help="overlay colour map (matplotlib name, default: jet)")
-    parser.add_argument("--alpha", type=float, default=0.5, help="overlay heat-map opacity 0..1 (default: 0.5)")
+    parser.add_argument("--alpha", type=finite_float, default=0.5, help="overlay heat-map opacity 0..1 (default: 0.5)")
 
 
 def _why_not_a_file(path: Path) -> str | None:

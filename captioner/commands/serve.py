@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from captioner.commands.arg_types import finite_float
 from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
     parser.add_argument("--examples", metavar="DIR", default=None,
                         help="offer the images in DIR as examples (default: three built-in synthetic scenes)")
-    parser.add_argument("--max-upload-mb", type=float, default=20.0, help="largest upload in MiB (default: 20)")
+    parser.add_argument("--max-upload-mb", type=finite_float, default=20.0, help="largest upload in MiB (default: 20)")
     parser.add_argument("--max-beam", type=int, default=5, help="largest beam offered (default: 5)")
 
 
