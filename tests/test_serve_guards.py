@@ -161,7 +161,8 @@ def test_decoding_waits_for_a_slot(base: str, monkeypatch: pytest.MonkeyPatch) -
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(server_module, "decode_image", slow_decode)
-    threads = [threading.Thread(target=post, args=(base, png_bytes(scene(i, (48, 48)))), kwargs={"beam": 1}) for i in range(4)]
+    threads = [threading.Thread(target=post, args=(base, png_bytes(scene(i, (48, 48)))), kwargs={"beam": 1})
+               for i in range(4)]
     try:
         for t in threads:
             t.start()

@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(report["table"]))
     print()
+    for note in report.get("pace", []):
+        print(f"warning: {note}")
     print(f"report: {report['paths']['html']}")
     print(f"        {report['paths']['json']}")
     print(f"total time {report['seconds']:.0f} s")

@@ -34,6 +34,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("train_seconds", "train s", "{:.0f}"),
     ("steps", "steps", "{:.0f}"),
     ("steps_per_s", "steps/s", "{:.1f}"),
+    ("steps_of_reference", "of ref. steps", "{:.0%}"),
     ("epochs", "epochs", "{:.1f}"),
     ("parameters", "params", "{:,}"),
 )

@@ -1,0 +1,32 @@
+"""The demo says when a decoder trained far fewer steps than its reference figures (a busy machine)."""
+
+from __future__ import annotations
+
+from captioner.demo.pace import REFERENCE_STEPS, pace_notes, steps_of_reference
+from captioner.demo.report import render_html
+from captioner.demo.table import format_table
+
+
+def test_a_busy_machine_is_named_with_the_budget_that_would_reach_the_reference() -> None:
+    rows = [{"decoder": "sat_soft", "steps": 525}, {"decoder": "sat_hard", "steps": 1500},
+            {"decoder": "transformer", "steps": 166}, {"decoder": "sat_soft+scst", "steps": 10}]
+    notes = pace_notes(rows, {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0})
+    assert notes == [
+        "SAT soft trained 525 steps in 120 s, 28% of the 1876 of the reference figures (docs/demo.md): the machine "
+        "was busy or slower, and its scores are not comparable to them; --budget sat_soft=430 would reach them at "
+        "this pace",
+        "Transformer trained 166 steps in 45 s, 20% of the 832 of the reference figures (docs/demo.md): the machine "
+        "was busy or slower, and its scores are not comparable to them; --budget transformer=230 would reach them "
+        "at this pace"]
+    at_reference = [{"decoder": n, "steps": s} for n, s in REFERENCE_STEPS.items()]
+    assert pace_notes(at_reference, {n: 1 for n in REFERENCE_STEPS}) == []
+    assert steps_of_reference("sat_hard", 800) == 0.5 and steps_of_reference("sat_hard+scst", 800) is None
+
+
+def test_the_table_and_the_report_show_it(tmp_path) -> None:
+    row = {"decoder": "transformer", "steps": 166, "steps_of_reference": steps_of_reference("transformer", 166)}
+    table = format_table([row])
+    assert "of ref. steps" in table.splitlines()[0] and "20%" in table.splitlines()[-1]
+    notes = pace_notes([row], {"transformer": 45.0})
+    page = render_html({"table": [row], "runs": {}, "pace": notes}, tmp_path)
+    assert '<p class="warning"><b>Fewer steps than usual:</b> Transformer trained 166 steps' in page
