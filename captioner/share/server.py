@@ -37,7 +37,7 @@ from captioner.errors import CaptionerError, ConfigError, one_line
 from captioner.files import MiB, size_text
 from captioner.inference import Captioner
 from captioner.share.examples import Example
-from captioner.share.guards import DEFAULT_IDLE, decode_gate, install_guards, uvicorn_options
+from captioner.share.guards import DEFAULT_IDLE, decode_gate, error_response, install_guards, uvicorn_options
 from captioner.share.page import render_page
 from captioner.viz.attention_record import AttentionRecord
 from captioner.viz.explorer import render_explorer
@@ -127,8 +127,7 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
             "seconds": round(time.perf_counter() - t0, 3), "captions": out}
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": one_line(message)}, status_code=status)
+_error = error_response  # the one error shape, {"error": "<one line>"}
 
 
 def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
