@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from captioner.demo.pace import REFERENCE_STEPS, pace_notes, steps_of_reference
+from captioner.demo.pace import REFERENCE, pace_notes, steps_of_reference
 from captioner.demo.report import render_html
 from captioner.demo.table import format_table
 
@@ -12,15 +12,21 @@ def test_a_busy_machine_is_named_with_the_budget_that_would_reach_the_reference(
             {"decoder": "transformer", "steps": 166}, {"decoder": "sat_soft+scst", "steps": 10}]
     notes = pace_notes(rows, {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0})
     assert notes == [
-        "SAT soft trained 525 steps in 120 s, 28% of the 1876 of the reference figures (docs/demo.md): the machine "
-        "was busy or slower, and its scores are not comparable to them; --budget sat_soft=430 would reach them at "
-        "this pace",
-        "Transformer trained 166 steps in 45 s, 20% of the 832 of the reference figures (docs/demo.md): the machine "
-        "was busy or slower, and its scores are not comparable to them; --budget transformer=230 would reach them "
-        "at this pace"]
-    at_reference = [{"decoder": n, "steps": s} for n, s in REFERENCE_STEPS.items()]
-    assert pace_notes(at_reference, {n: 1 for n in REFERENCE_STEPS}) == []
+        "sat_soft trained 525 steps in 120 s, 28% of the 1876 of the reference figures (docs/demo.md), so its "
+        "scores are not comparable to them; it trained at 28% of the reference pace: the machine was busy or "
+        "slower; --budget sat_soft=430 would reach them at this pace",
+        "transformer trained 166 steps in 45 s, 20% of the 832 of the reference figures (docs/demo.md), so its "
+        "scores are not comparable to them; it trained at 20% of the reference pace: the machine was busy or "
+        "slower; --budget transformer=230 would reach them at this pace"]
+    at_reference = [{"decoder": n, "steps": s} for n, (s, _) in REFERENCE.items()]
+    assert pace_notes(at_reference, {n: b for n, (_, b) in REFERENCE.items()}) == []
     assert steps_of_reference("sat_hard", 800) == 0.5 and steps_of_reference("sat_hard+scst", 800) is None
+
+
+def test_a_short_budget_is_named_as_the_reason() -> None:
+    [note] = pace_notes([{"decoder": "sat_hard", "steps": 200}], {"sat_hard": 15.0})
+    assert "its budget was 15 s against 120 s; --budget sat_hard=120 would reach them" in note
+    assert pace_notes([{"decoder": "sat_hard", "steps": 200}], {}) == []  # another preset: not compared
 
 
 def test_the_table_and_the_report_show_it(tmp_path) -> None:
@@ -29,4 +35,4 @@ def test_the_table_and_the_report_show_it(tmp_path) -> None:
     assert "of ref. steps" in table.splitlines()[0] and "20%" in table.splitlines()[-1]
     notes = pace_notes([row], {"transformer": 45.0})
     page = render_html({"table": [row], "runs": {}, "pace": notes}, tmp_path)
-    assert '<p class="warning"><b>Fewer steps than usual:</b> Transformer trained 166 steps' in page
+    assert '<p class="warning"><b>Fewer steps than usual:</b> transformer trained 166 steps' in page
