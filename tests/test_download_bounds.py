@@ -206,3 +206,21 @@ def test_a_hub_answering_500_is_named_so_in_one_line(monkeypatch: pytest.MonkeyP
         httpd.shutdown()
         httpd.server_close()
     assert [r for r in caplog.records if r.name.startswith(("huggingface_hub", "httpx"))] == []
+
+
+def test_a_hub_file_over_the_limit_is_refused_before_it_is_fetched(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+    from range_server import serve_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(remote, "MAX_URL_BYTES", 100)
+    with serve_hub({"org/big": {"model.safetensors": bytes(1000)}}) as (endpoint, handler):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        with pytest.raises(CheckpointError, match=r"^hf://org/big/model\.safetensors: too large: 1000 bytes where "
+                                                  r"the limit is 100 bytes; nothing was fetched$"):
+            resolve_checkpoint("hf://org/big")
+        assert handler.sent == 0
+    assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []

@@ -276,20 +276,38 @@ def _quiet(*prefixes: str):  # noqa: ANN202
             lg.disabled = state
 
 
+def _check_hub_size(hub: HubSpec, endpoint: str | None, hf_hub_url, get_metadata) -> None:  # noqa: ANN001
+    """Refuse a hub file over :data:`MAX_URL_BYTES` from its stated size. When the size cannot be
+    asked (no network, an error), the download itself says what went wrong (or uses the cache)."""
+    try:
+        url = hf_hub_url(hub.repo_id, hub.filename, revision=hub.revision, endpoint=endpoint)
+        size = get_metadata(url, endpoint=endpoint, library_name="captioner").size
+    except Exception:  # noqa: BLE001 - reported by hf_hub_download, which also knows the cache
+        return
+    if size is not None and size > MAX_URL_BYTES:
+        raise CheckpointError(f"{hub}: too large: {size} bytes where the limit is {MAX_URL_BYTES} bytes; "
+                              "nothing was fetched")
+
+
 def _fetch_hub(spec: str, sha256: str | None, progress: bool | None, refresh: bool = False) -> Path:
     hub = parse_hub(spec)
     try:
-        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
         from huggingface_hub.utils import _http  # noqa: F401 - its logger exists before _quiet looks
     except ImportError:
         raise CheckpointError(f"{spec}: hub checkpoints need huggingface_hub: pip install 'captioner[hub]'") from None
     local_only = offline() or constants.is_offline_mode()
+    endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
         with _quiet("huggingface_hub", "httpx", "httpcore", "urllib3"):  # one line per retry otherwise
+            if not local_only:  # the size first: the Hub client has no bound of its own
+                _check_hub_size(hub, endpoint, hf_hub_url, get_hf_file_metadata)
             path = Path(hf_hub_download(
                 hub.repo_id, hub.filename, revision=hub.revision, local_files_only=local_only,
                 force_download=refresh and not local_only,
-                endpoint=os.environ.get("HF_ENDPOINT") or None, library_name="captioner"))
+                endpoint=endpoint, library_name="captioner"))
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the hub client's error classes, network errors, bad ids
         raise _hub_error(hub, exc) from None
     if sha256 is not None:
