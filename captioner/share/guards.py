@@ -48,9 +48,12 @@ _LOOPBACK_NAMES = {"localhost"}
 Scope = dict[str, Any]
 
 
-def error_response(status: int, message: str) -> JSONResponse:
+CLOSE = {"Connection": "close"}  # after a body cut short: the rest of it is not read
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The documented error shape: ``{"error": "<one line>"}`` with ``status``."""
-    return JSONResponse({"error": one_line(message)}, status_code=status)
+    return JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
 
 
 def _is_loopback(host: str) -> bool:
@@ -129,7 +132,7 @@ class BodyGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return error_response(413, f"upload too large ({size_text(int(length))}; the limit is "
-                                       f"{size_text(self.max_upload)})")
+                                       f"{size_text(self.max_upload)})", CLOSE)
         return None
 
     def _counted(self, receive: Any) -> Any:
@@ -142,12 +145,12 @@ class BodyGuard:
             try:
                 message = await asyncio.wait_for(receive(), self.idle)
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"the request body stalled (nothing for {self.idle:g} s)") from None
+                raise HTTPException(408, f"the request body stalled (nothing for {self.idle:g} s)", CLOSE) from None
             if message["type"] == "http.request":
                 total += len(message.get("body", b""))
                 if total > self.max_body:
                     done = True
-                    raise HTTPException(413, f"upload too large (more than {size_text(self.max_upload)})")
+                    raise HTTPException(413, f"upload too large (more than {size_text(self.max_upload)})", CLOSE)
                 done = not message.get("more_body", False)
             return message
 
@@ -156,7 +159,7 @@ class BodyGuard:
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    return error_response(exc.status_code, detail)
+    return error_response(exc.status_code, detail, exc.headers)
 
 
 def install_guards(app: FastAPI, max_upload: int, overhead: int = 0, bind: str = "127.0.0.1",
