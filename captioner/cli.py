@@ -23,7 +23,8 @@ from typing import NoReturn
 from captioner.version import __version__
 from captioner.errors import CaptionerError, one_line
 
-COMMAND_MODULES = ("make_shapes", "train", "concepts", "evaluate", "caption", "attend", "export", "serve", "demo")
+COMMAND_MODULES = ("make_shapes", "train", "concepts", "evaluate", "caption", "attend", "export", "serve", "demo",
+                   "download")
 
 EPILOG = """examples:
   captioner demo                                   # generate shapes, train 3 decoders, write runs/demo/report.html
@@ -35,6 +36,7 @@ EPILOG = """examples:
   captioner caption photo.jpg -c 'https://example.org/model.safetensors#sha256=...'   # or -c hf://org/repo
   captioner export runs/sat --out export/sat           # checkpoint + SHA-256 + model card, for the Hub
   captioner serve -c runs/sat/best.safetensors         # a local page: drop a photo, hover the words
+  captioner download flickr8k --root data/flickr8k     # a dataset's archives, resumable and checked
 
 run 'captioner COMMAND --help' for each command's options and examples."""
 
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _interrupted=getattr(mod, "INTERRUPTED", "interrupted"))
     return parser
 
 
@@ -87,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s" if not args.verbose else "%(levelname)s %(name)s: %(message)s",
     )
-    return run_reporting_errors(f"captioner {args.command}", lambda: int(args._run(args) or 0))
+    return run_reporting_errors(f"captioner {args.command}", lambda: int(args._run(args) or 0), args._interrupted)
 
 
 def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "interrupted") -> int:

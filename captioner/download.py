@@ -1,30 +1,76 @@
-"""Resumable downloads: one implementation for the dataset scripts and for checkpoints given by URL.
+"""Resumable, bounded downloads: one implementation for the dataset downloads and for checkpoints given by URL.
 
 ``download`` fetches a URL through ``<dest>.part`` with a tqdm bar, resumes a partial file with an
 HTTP Range request (also when the connection is cut in the middle: up to ``retries`` times in one
 call, and again on the next call, since the ``.part`` file is kept), checks size and checksum, and
 only then renames the file into place, so ``dest`` is either absent or complete and verified.
 ``verify`` checks size and checksum and removes a file that fails. Every failure is one line
-naming the URL or file, raised as ``error`` (``DataError`` by default).
+naming the URL (its user name and password never shown) or file, raised as ``error``
+(``DataError`` by default).
+
+Every transfer is bounded (:class:`Bounds`): in bytes (``max_bytes``: a larger ``Content-Length`` is
+refused before anything is read, a body that grows past it is cut off and its ``.part`` file
+removed), and in time (``timeout`` seconds per read, and a transfer that moves fewer than
+``min_rate`` bytes per second over ``window`` seconds is abandoned, whether the server sends
+nothing or a trickle; an attempt that stalled so is not retried). ``inspect`` looks at a file's
+first bytes while they arrive (a checkpoint's header), so that a stream of something else stops
+after the first read instead of filling the disk.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
 import hashlib
 import http.client
 import logging
 import os
+import re
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from captioner.errors import CaptionerError, DataError
+from captioner.errors import CaptionerError, ConfigError, DataError
 
-__all__ = ["CHUNK", "DownloadError", "download", "file_digest", "verify"]
+__all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "redact", "verify"]
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
+HEAD_LIMIT = 16 << 20  # bytes kept in memory for ``inspect`` at most
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@?#]*@")
+
+# ``inspect(first bytes) -> (done, expected total size or None)``; it raises :class:`Refused` for a
+# file that is not what was asked for, and is called again with more bytes while ``done`` is False.
+Inspect = Callable[[bytes], tuple[bool, "int | None"]]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How much one transfer may take.
+
+    Attributes:
+        max_bytes: the largest file accepted (None: no limit besides ``size``).
+        timeout: seconds one read may wait.
+        min_rate: bytes per second a transfer must average over ``window`` seconds.
+        window: seconds over which progress is measured.
+    """
+
+    max_bytes: int | None = None
+    timeout: float = 60.0
+    min_rate: float = 1024.0
+    window: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "min_rate", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (value > 0 and value < float("inf")):
+                raise ConfigError(f"download bound {name} must be a finite number > 0, got {value!r}")
+        if self.max_bytes is not None and self.max_bytes < 1:
+            raise ConfigError(f"download bound max_bytes must be >= 1, got {self.max_bytes}")
 
 
 class DownloadError(DataError):
@@ -39,53 +85,186 @@ class DownloadError(DataError):
         self.status = status
 
 
+class Refused(Exception):
+    """Raised by an ``inspect`` function: the file's first bytes are not what was asked for (the reason)."""
+
+
+class _Stalled(Exception):
+    """The transfer moved less than the bound over the window."""
+
+
+class _TooLarge(Exception):
+    """The body is larger than ``limit`` (``max_bytes``, or the size the file's header states)."""
+
+    def __init__(self, got: int, limit: int, what: str) -> None:
+        super().__init__(f"{got} bytes or more where {what} {limit} bytes")
+
+
+class _CannotWrite(Exception):
+    """Writing the ``.part`` file failed (a full disk, a read-only folder): not the network's fault."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(exc.strerror or str(exc))
+        self.errno = exc.errno
+
+
+def redact(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``, for messages."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
+def _request(url: str, have: int) -> urllib.request.Request:
+    """The GET for ``url`` from byte ``have``; ``user:password@`` in it becomes a Basic authorization
+    that is sent to that host only (not after a redirect)."""
+    match = _USERINFO.match(url)
+    request = urllib.request.Request(_USERINFO.sub(r"\1", url) if match else url,
+                                     headers={"Range": f"bytes={have}-"} if have else {})
+    if match:
+        userinfo = urllib.parse.unquote(url[len(match.group(1)):match.end() - 1])
+        request.add_unredirected_header("Authorization", "Basic " + base64.b64encode(userinfo.encode()).decode())
+    return request
+
+
 def _reason(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
     return str(reason)
 
 
+class _Progress:
+    """Bytes moved per window, across the attempts of one call."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self.start = time.monotonic()
+        self.moved = 0
+
+    def add(self, n: int) -> None:
+        self.moved += n
+        self.check()
+
+    def check(self) -> None:
+        elapsed = time.monotonic() - self.start
+        if elapsed < self.bounds.window:
+            return
+        if self.moved < self.bounds.min_rate * self.bounds.window:
+            raise _Stalled()
+        self.start, self.moved = time.monotonic(), 0
+
+    def stalled(self) -> bool:
+        """The window is over and too little moved in it (a read that timed out at its end)."""
+        return (time.monotonic() - self.start >= self.bounds.window
+                and self.moved < self.bounds.min_rate * self.bounds.window)
+
+    def read_timeout(self) -> float:
+        """The per-read timeout: never past the end of the current window (plus a little)."""
+        left = self.bounds.window - (time.monotonic() - self.start)
+        return max(0.05, min(self.bounds.timeout, left + 0.05))
+
+
+class _Head:
+    """The file's first bytes, handed to ``inspect`` until it has seen enough."""
+
+    def __init__(self, inspect: Inspect | None, part: Path, have: int) -> None:
+        self.inspect, self.data, self.size = inspect, bytearray(), None
+        if inspect is not None and have:
+            with open(part, "rb") as f:
+                self.feed(f.read(min(have, HEAD_LIMIT)))
+
+    def feed(self, chunk: bytes) -> None:
+        if self.inspect is None:
+            return
+        self.data += chunk[: HEAD_LIMIT - len(self.data)]
+        done, size = self.inspect(bytes(self.data))
+        if done or len(self.data) >= HEAD_LIMIT:
+            self.inspect, self.data, self.size = None, bytearray(), size
+
+    def finish(self) -> None:
+        """The file ended: a header still incomplete is a truncated file."""
+        if self.inspect is not None:
+            raise Refused(f"truncated: only {len(self.data)} bytes, its header is incomplete")
+
+
+def _read(response: object, n: int) -> bytes:
+    """What the server has sent so far, up to ``n`` bytes (not waiting for all ``n``: a trickle is seen)."""
+    read1 = getattr(response, "read1", None)
+    return read1(n) if read1 is not None else response.read(n)
+
+
 def _fetch_part(url: str, part: Path, size: int | None, progress: bool, opener: Callable[..., object],
-                timeout: float, label: str) -> None:
-    """One request: append what the server sends to ``part`` (from its current size, with Range)."""
+                bounds: Bounds, label: str, moved: _Progress, inspect: Inspect | None) -> int | None:
+    """One request: append what the server sends to ``part`` (from its current size, with Range).
+
+    Returns the size ``inspect`` found in the file's header (None when unknown)."""
     from tqdm import tqdm
 
     have = part.stat().st_size if part.exists() else 0
     if size is not None and have >= size:
-        return
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        return size
+    shown = redact(url)
     try:
-        response = opener(request, timeout=timeout)
+        response = opener(_request(url, have), timeout=moved.read_timeout())
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:  # nothing left to fetch: the part is complete
-            return
-        raise DownloadError(f"{url}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
+            return size
+        raise DownloadError(f"{shown}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
-        raise DownloadError(f"{url}: download failed ({_reason(exc)})") from None
+        raise DownloadError(f"{shown}: download failed ({_reason(exc)})") from None
     with response:
         status = getattr(response, "status", None) or response.getcode()
         resumed = have > 0 and status == 206
         if have and not resumed:
-            log.info("%s: server ignored the range request; downloading from the start", url)
+            log.info("%s: server ignored the range request; downloading from the start", shown)
             have = 0
         length = response.headers.get("Content-Length")
         total = have + int(length) if length and length.isdigit() else size
-        with open(part, "ab" if resumed else "wb") as f, tqdm(
-                total=total, initial=have, unit="B", unit_scale=True, desc=label, disable=not progress) as bar:
-            try:
-                while chunk := response.read(CHUNK):
+        if bounds.max_bytes is not None and total is not None and total > bounds.max_bytes:
+            raise _TooLarge(total, bounds.max_bytes, "the limit is")
+        head = _Head(inspect, part, have)
+        try:
+            f = open(part, "ab" if resumed else "wb")
+        except OSError as exc:
+            raise _CannotWrite(exc) from None
+        with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, desc=label, disable=not progress) as bar:
+            sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
+            got = have
+            while True:
+                if sock is not None:
+                    sock.settimeout(moved.read_timeout())
+                chunk = _read(response, CHUNK)
+                if not chunk:
+                    break
+                got += len(chunk)
+                if bounds.max_bytes is not None and got > bounds.max_bytes:
+                    raise _TooLarge(got, bounds.max_bytes, "the limit is")
+                try:
                     f.write(chunk)
-                    bar.update(len(chunk))
-            finally:
+                except OSError as exc:
+                    raise _CannotWrite(exc) from None
+                head.feed(chunk)
+                if head.size is not None and got > head.size:
+                    raise _TooLarge(got, head.size, "the file's header says")
+                bar.update(len(chunk))
+                moved.add(len(chunk))
+            try:
                 f.flush()
                 os.fsync(f.fileno())
+            except OSError as exc:
+                raise _CannotWrite(exc) from None
         got = part.stat().st_size
         if total is not None and got < total:  # a server that closed early without an error
             raise http.client.IncompleteRead(b"", total - got)
+        head.finish()
+        return head.size
+
+
+def _bound_text(bounds: Bounds) -> str:
+    return f"{bounds.min_rate / 1024:g} KiB/s over {bounds.window:g} s"
 
 
 def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None, progress: bool = True,
              opener: Callable[..., object] = urllib.request.urlopen, algorithm: str = "md5",
-             error: type[CaptionerError] = DataError, retries: int = 0, timeout: float = 60) -> Path:
+             error: type[CaptionerError] = DataError, retries: int = 0, timeout: float | None = None,
+             bounds: Bounds | None = None, inspect: Inspect | None = None) -> Path:
     """Fetch ``url`` to ``dest`` through ``dest.part``, resuming a partial file with HTTP Range.
 
     Args:
@@ -96,34 +275,70 @@ def download(url: str, dest: Path, size: int | None = None, checksum: str | None
         progress: show a tqdm bar.
         opener: ``urllib.request.urlopen`` or a stand-in.
         algorithm: a ``hashlib`` name for ``checksum``.
-        error: the exception type for a size or checksum mismatch and a cut connection.
+        error: the exception type for a size or checksum mismatch, a cut connection or a broken bound.
         retries: how many times a connection cut in the middle is resumed within this call.
-        timeout: seconds without an answer before giving up on a request.
+        timeout: seconds one read may wait (overrides ``bounds.timeout``).
+        bounds: limits in bytes and time (default :class:`Bounds`; ``max_bytes`` defaults to ``size``).
+        inspect: a check of the file's first bytes (see :data:`Inspect`); it may also name the size.
 
     Raises:
         DownloadError: the server could not be reached or answered with an HTTP error.
         error: the connection was cut ``retries + 1`` times (the ``.part`` file is kept: run again
-            to resume), or a size/checksum mismatch (the ``.part`` file is deleted).
+            to resume); the transfer stalled (kept, too); a size/checksum mismatch, a body over
+            ``max_bytes``, a header ``inspect`` refused, or a file that cannot be written (the
+            ``.part`` file is deleted).
     """
-    dest = Path(dest)
+    bounds = bounds or Bounds(max_bytes=size)
+    if timeout is not None:
+        bounds = Bounds(bounds.max_bytes, timeout, bounds.min_rate, bounds.window)
+    if bounds.max_bytes is None and size is not None:
+        bounds = Bounds(size, bounds.timeout, bounds.min_rate, bounds.window)
+    dest, shown = Path(dest), redact(url)
     part = dest.with_name(dest.name + ".part")
     if size is not None and part.exists() and part.stat().st_size > size:
         log.warning("%s is larger than expected; starting over", part)
         part.unlink()
+    moved = _Progress(bounds)
+    found = None
     for attempt in range(retries + 1):
         try:
-            _fetch_part(url, part, size, progress, opener, timeout, dest.name)
+            found = _fetch_part(url, part, size, progress, opener, bounds, dest.name, moved, inspect)
             break
-        except (http.client.HTTPException, OSError) as exc:  # cut connection, reset, timeout while reading
+        except _TooLarge as exc:
+            _remove(part)
+            raise error(f"{shown}: too large: {exc}; nothing was kept") from None
+        except _CannotWrite as exc:
+            _remove(part)
+            hint = "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise error(f"{part}: cannot write the download ({exc}); the partial file was removed{hint}") from None
+        except Refused as exc:
+            _remove(part)
+            raise error(f"{shown}: {exc}; nothing was kept") from None
+        except (http.client.HTTPException, OSError, _Stalled) as exc:  # cut connection, reset, a stall
             have = part.stat().st_size if part.exists() else 0
+            if isinstance(exc, _Stalled) or moved.stalled():
+                raise error(f"{shown}: the transfer stalled (less than {_bound_text(bounds)}) after {have} "
+                            f"bytes; the partial file {part} is kept: run again to resume") from None
             if attempt < retries:
-                log.warning("%s: connection lost after %d bytes (%s); resuming", url, have, _reason(exc))
+                log.warning("%s: connection lost after %d bytes (%s); resuming", shown, have, _reason(exc))
                 continue
-            raise error(f"{url}: connection lost after {have} bytes ({_reason(exc)}); the partial file "
+            raise error(f"{shown}: connection lost after {have} bytes ({_reason(exc)}); the partial file "
                         f"{part} is kept: run again to resume") from None
+    if found is not None and size is None and part.stat().st_size != found:
+        got = part.stat().st_size
+        _remove(part)
+        raise error(f"{shown}: got {got} bytes, the file's header says {found}; the partial file was removed, "
+                    "run again")
     verify(part, size, checksum, label=dest.name, algorithm=algorithm, error=error)
     part.replace(dest)
     return dest
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def file_digest(path: Path, algorithm: str = "sha256") -> str:

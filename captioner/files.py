@@ -211,13 +211,28 @@ def writable_folder(path: str | os.PathLike, error: type[CaptionerError] = Capti
     return probe
 
 
+def current_umask() -> int:
+    """The process's umask (from /proc where there is one: reading it elsewhere means setting it briefly)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
                  error: type[CaptionerError] = CheckpointError) -> Path:
     """Write a file so that readers see either the old or the complete new content.
 
     ``write(f)`` fills a temporary file in the same folder; it is flushed and fsync'ed, renamed over
     ``path`` with ``os.replace`` and the folder is fsync'ed. On any failure the temporary file is
-    removed and the previous ``path`` is left untouched.
+    removed and the previous ``path`` is left untouched. The file gets the mode a plain ``open``
+    would give it (0666 less the umask), not the 0600 of a temporary file.
 
     Raises:
         error: (default ``CheckpointError``) the folder is missing or the file cannot be written.
@@ -231,6 +246,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
     except OSError as exc:
         raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

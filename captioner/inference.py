@@ -31,7 +31,7 @@ from typing import Union
 import torch
 from PIL import Image
 
-from captioner.checkpoint.remote import resolve_checkpoint
+from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
 from captioner.data.images import ImageSource, image_sources, load_image, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
@@ -396,7 +396,7 @@ class Captioner:
 
 
 def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha256: str | None = None,
-         progress: bool | None = None) -> Captioner:
+         progress: bool | None = None, refresh: bool = False) -> Captioner:
     """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
@@ -407,6 +407,7 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha
         device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
         sha256: the file's expected SHA-256 (instead of the URL fragment).
         progress: show a download bar (default: when stderr is a terminal).
+        refresh: download a URL or hub checkpoint again even when it is cached.
 
     Returns:
         A :class:`Captioner` in eval mode on ``device``.
@@ -421,6 +422,9 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress)
-    loaded = load_checkpoint(path, device=str(dev))
+    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress, refresh=refresh)
+    try:
+        loaded = load_checkpoint(path, device=str(dev))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{cached_hint(checkpoint, path)}") from None
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)

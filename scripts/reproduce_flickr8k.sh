@@ -5,7 +5,7 @@
 #   bash scripts/reproduce_flickr8k.sh DATA [COCO_MINI]
 #
 # DATA: Flickr8k in any layout the loader reads (../shared/data/flickr8k, the official
-#   Flicker8k_Dataset/ + Flickr8k_text/ from scripts/download_flickr8k.py, or dataset_flickr8k.json).
+#   Flicker8k_Dataset/ + Flickr8k_text/ from captioner download flickr8k, or dataset_flickr8k.json).
 # COCO_MINI (optional): a COCO folder with instances_train2017.json (../shared/data/coco2017-mini);
 #   the models' captions of its photos are scored for attention correctness against its boxes.
 # SCST=1: add a self-critical stage from the SAT soft model (train.objective=scst, 25 minutes).

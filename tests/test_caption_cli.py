@@ -176,3 +176,13 @@ def test_package_and_cli_imports_stay_light():
             f"print(json.dumps([first, sorted(m for m in {heavy} if m in sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [[], []]
+
+
+@pytest.mark.parametrize("argv", [["serve", "-c", "m.safetensors", "--max-upload-mb", "nan"],
+                                  ["caption", "x.png", "-c", "m.safetensors", "--alpha", "inf"],
+                                  ["train", "--preset", "sat_soft_tiny", "--lr=-inf"],
+                                  ["demo", "--encoder-budget", "nan"]])
+def test_float_options_must_be_finite(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a finite number, got" in err

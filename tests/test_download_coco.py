@@ -1,26 +1,25 @@
-"""scripts/download_coco.py against tiny stand-in archives served on 127.0.0.1 (never a real host)."""
+"""``captioner download coco`` against tiny stand-in archives served on 127.0.0.1 (never a real host)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import io
 import json
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 from range_server import RangeHandler, serve
 
+from captioner.cli import main as captioner_main
+from captioner.data.downloads import coco as dc
 from captioner.errors import DataError
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "download_coco.py"
-spec = importlib.util.spec_from_file_location("download_coco", SCRIPT)
-dc = importlib.util.module_from_spec(spec)
-sys.modules["download_coco"] = dc  # dataclasses look their module up while the class is made
-spec.loader.exec_module(dc)
+
+def main(argv: list[str]) -> int:
+    """``captioner download coco ARGV``'s exit code."""
+    return captioner_main(["download", "coco", *argv])
 
 
 def _zip(files: dict[str, bytes]) -> bytes:
@@ -125,7 +124,8 @@ def test_checksum_mismatch_names_file_and_removes_part(server: str, tmp_path: Pa
 
 
 def test_size_mismatch_and_http_error(server: str, tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"val2014\.zip: got \d+ bytes, expected 5"):
+    with pytest.raises(DataError, match=r"val2014\.zip: too large: \d+ bytes or more where the limit is 5 bytes; "
+                                        "nothing was kept"):
         dc.download(f"{server}/val2014.zip", tmp_path / "val2014.zip", 5, None, progress=False)
     with pytest.raises(DataError, match=r"nothing\.zip: download failed \(HTTP 404"):
         dc.download(f"{server}/nothing.zip", tmp_path / "nothing.zip", None, None, progress=False)
@@ -155,11 +155,16 @@ def test_dry_run_lists_and_writes_nothing(tmp_path: Path, capsys: pytest.Capture
     root = tmp_path / "coco"
     (root / "downloads").mkdir(parents=True)
     (root / "downloads" / "val2014.zip.part").write_bytes(b"x" * 7)
-    assert dc.main(["--root", str(root), "--dry-run", "--mirror", "http://127.0.0.1:9/none"]) == 0
+    assert main(["--root", str(root), "--dry-run", "--mirror", "http://127.0.0.1:9/none"]) == 0
     out = capsys.readouterr().out
     assert "download http://127.0.0.1:9/none/train2014.zip" in out and "13.51 GB" in out
     assert "resuming at 7 bytes" in out
     assert "extract caption_datasets.zip" in out and "dataset_coco.json" in out
     assert sorted(p.name for p in root.rglob("*")) == ["downloads", "val2014.zip.part"]
-    with pytest.raises(SystemExit):
-        dc.main(["--only", "nope"])
+    assert main(["--only", "nope"]) == 2
+
+
+def test_the_command_knows_the_archive_keys() -> None:
+    from captioner.commands import download as command
+
+    assert command.COCO_KEYS == tuple(a.key for a in dc.ARCHIVES)

@@ -1,11 +1,9 @@
-"""scripts/download_flickr8k.py against small stand-in zips served on 127.0.0.1 (never a real host)."""
+"""``captioner download flickr8k`` against small stand-in zips served on 127.0.0.1 (never a real host)."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
-import sys
 import zipfile
 from pathlib import Path
 
@@ -13,15 +11,17 @@ import pytest
 from range_server import RangeHandler, serve
 from PIL import Image
 
+from captioner.cli import main as captioner_main
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set
+from captioner.data.downloads import flickr8k as df
 from captioner.errors import DataError
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "download_flickr8k.py"
-spec = importlib.util.spec_from_file_location("download_flickr8k", SCRIPT)
-df = importlib.util.module_from_spec(spec)
-sys.modules["download_flickr8k"] = df  # dataclasses look their module up while the class is made
-spec.loader.exec_module(df)
+
+def main(argv: list[str]) -> int:
+    """``captioner download flickr8k ARGV``'s exit code."""
+    return captioner_main(["download", "flickr8k", *argv])
+
 
 NAMES = {"train": ["101_a.jpg", "102_b.jpg", "103_c.jpg"], "dev": ["201_d.jpg"], "test": ["301_e.jpg"]}
 
@@ -69,7 +69,7 @@ def mirror():
 
 def test_download_unzips_into_the_layout_the_loader_reads(mirror: str, tmp_path: Path) -> None:
     root = tmp_path / "flickr8k"
-    assert df.main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
+    assert main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
     assert sorted(p.name for p in (root / "Flicker8k_Dataset").glob("*.jpg")) == sorted(
         n for v in NAMES.values() for n in v)  # no __MACOSX resource forks
     assert (root / "Flickr8k_text" / "readme.txt").exists() and not (root / "__MACOSX").exists()
@@ -81,7 +81,7 @@ def test_download_unzips_into_the_layout_the_loader_reads(mirror: str, tmp_path:
     assert len(load_caption_set(root, "dev")) == 1 and len(load_caption_set(root, "test")) == 1
 
     requests = len(_Handler.log)
-    assert df.main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
+    assert main(["--root", str(root), "--mirror", mirror, "--no-progress"]) == 0
     assert len(_Handler.log) == requests == 2  # the second run fetches nothing
 
 
@@ -91,7 +91,7 @@ def test_resume_after_a_partial_file_then_check(mirror: str, tmp_path: Path) -> 
     (root / "downloads" / f"{name}.part").write_bytes(FILES[name][:700])
     argv = ["--root", str(root), "--mirror", mirror, "--only", "images", "--sha256", f"images={SHA[name]}",
             "--no-progress", "--keep-archives"]
-    assert df.main(argv) == 0
+    assert main(argv) == 0
     assert _Handler.log == [(name, "bytes=700-")] and _Handler.sent == len(FILES[name]) - 700
     assert (root / "downloads" / name).read_bytes() == FILES[name]
     assert len(list((root / "Flicker8k_Dataset").glob("*.jpg"))) == 5
@@ -102,13 +102,13 @@ def test_checksum_mismatch_is_one_line_and_exit_1(mirror: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "f8k"
     wrong = "0" * 64
-    assert df.main(["--root", str(root), "--mirror", mirror, "--only", "text", "--sha256", f"text={wrong}",
+    assert main(["--root", str(root), "--mirror", mirror, "--only", "text", "--sha256", f"text={wrong}",
                     "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert err == (f"download_flickr8k: error: Flickr8k_text.zip: SHA256 {SHA['Flickr8k_text.zip']} does not "
+    assert err == (f"captioner download: error: Flickr8k_text.zip: SHA256 {SHA['Flickr8k_text.zip']} does not "
                    f"match {wrong}; the file was removed, run again\n")
     assert list((root / "downloads").iterdir()) == [] and not (root / "Flickr8k_text").exists()
-    assert df.main(["--sha256", "text=abc"]) == 1
+    assert main(["--sha256", "text=abc"]) == 1
     assert "expected KEY=HEX with KEY one of images, text" in capsys.readouterr().err
 
 
@@ -116,7 +116,7 @@ def test_dry_run_lists_and_writes_nothing(tmp_path: Path, capsys: pytest.Capture
     root = tmp_path / "f8k"
     (root / "downloads").mkdir(parents=True)
     (root / "downloads" / "Flickr8k_text.zip.part").write_bytes(b"x" * 9)
-    assert df.main(["--root", str(root), "--dry-run", "--sha256", "text=" + "a" * 64]) == 0
+    assert main(["--root", str(root), "--dry-run", "--sha256", "text=" + "a" * 64]) == 0
     out = capsys.readouterr().out
     assert (f"download {df.BASE}/Flickr8k_Dataset.zip -> {root}/downloads/Flickr8k_Dataset.zip "
             "(SHA-256 recorded, not checked)") in out
@@ -135,3 +135,26 @@ def test_the_wrong_zip_is_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"not a zip")
     with pytest.raises(DataError, match="not a valid zip"):
         df.extract(bad, tmp_path / "out", text)
+
+
+def test_the_old_script_and_the_command_are_one(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from captioner.commands import download as command
+
+    root = tmp_path / "f8k"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "download_flickr8k.py"
+    done = subprocess.run([sys.executable, str(script), "--root", str(root), "--dry-run"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and f"extract Flickr8k_text.zip -> {root}/Flickr8k_text/" in done.stdout
+    assert not root.exists()
+    assert command.FLICKR8K_KEYS == tuple(a.key for a in df.ARCHIVES)
+
+
+def test_download_help_lists_both_datasets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert captioner_main(["download", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "flickr8k" in out and "coco" in out
+    assert captioner_main(["download"]) == 2
+

@@ -115,3 +115,64 @@ def test_trained_exported_served_by_url_captions_like_the_local_file(tiny_shapes
         assert a.text == b.text and torch.equal(a.attention, b.attention)
     assert any(c.text for c in local.caption(images, beam=1))  # a trained model writes words (greedy: after one
     # epoch a beam still prefers the empty caption)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("BLEU-4", "high", 'BLEU-4 must be a number, got "high"'),
+    ("CIDEr-D", float("nan"), "CIDEr-D must be a number, got NaN"),
+    ("num_images", 2.5, "num_images must be a whole number, got 2.5"),
+    ("split", "<script>x</script>", 'split must be a short plain text, got "<script>x</script>"'),
+])
+def test_a_bad_metrics_file_is_one_line_and_writes_nothing(run_dir: Path, tmp_path: Path, capsys,
+                                                          key: str, value: object, message: str) -> None:
+    (run_dir / "metrics_dev.json").write_text(json.dumps({**METRICS, key: value}))
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"metrics_dev.json: {message}; fix or remove the file" in err
+    assert not out.exists() or list(out.iterdir()) == []
+    (run_dir / "metrics_dev.json").write_text(json.dumps(METRICS))
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0  # nothing half-written refuses the next run
+
+
+def test_a_failure_midway_removes_what_the_export_wrote(run_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from captioner.share import model_card
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise DataError("the card could not be rendered")
+
+    monkeypatch.setattr(model_card, "render_card", broken)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="could not be rendered"):
+        model_card.export_run(run_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_repo_ids_are_checked_and_the_default_is_made_safe(tmp_path: Path, run_dir: Path, capsys) -> None:
+    from captioner.share.model_card import check_repo_id, default_repo_id
+
+    for bad in ("../..", "me/..", "a/b/c", "me/-x", "me/a--b", "<b>/x", "me"):
+        assert main(["export", str(run_dir), "--out", str(tmp_path / "o"), "--repo-id", bad]) == 1
+        assert "--repo-id must look like ORG/NAME" in capsys.readouterr().err
+        with pytest.raises(DataError):
+            check_repo_id(bad)
+    assert check_repo_id("me/f8k-sat.v2") == "me/f8k-sat.v2"
+    hostile = tmp_path / "<img src=x onerror=alert(1)>"
+    hostile.mkdir()
+    assert default_repo_id(hostile) == "YOUR-NAME/img-src-x-onerror-alert-1"
+    assert default_repo_id(tmp_path / "...") == "YOUR-NAME/captioner-model"
+
+
+def test_exported_files_follow_the_umask(run_dir: Path, tmp_path: Path) -> None:
+    import os
+
+    from captioner.share.model_card import export_run
+
+    old = os.umask(0o022)
+    try:
+        paths = export_run(run_dir, tmp_path / "export")
+    finally:
+        os.umask(old)
+    assert {oct(p.stat().st_mode & 0o777) for p in paths.values()} == {"0o644"}

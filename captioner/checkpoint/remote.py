@@ -16,6 +16,15 @@ weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.for
   ``huggingface_hub`` (the ``hub`` extra), which keeps its own cache and honours ``HF_ENDPOINT``,
   ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE``.
 
+What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (plain HTTP can be
+changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
+SHA-256 is logged so that it can be pinned next time), and redirects, also to other hosts (as
+release downloads use them). A download is limited to :data:`MAX_URL_BYTES` and abandoned when it
+stalls (:class:`captioner.download.Bounds`); its first bytes must be a safetensors header (or
+``torch.save`` data), and its length the one that header states, before it is kept. A cached file
+that fails to load names itself: delete it, or load again with ``refresh=True`` (``--refresh``).
+User names and passwords in a URL are never shown in messages.
+
 Offline mode (``CAPTIONER_OFFLINE=1`` or ``HF_HUB_OFFLINE=1``): a cached file is used, nothing is
 fetched, and a missing one is a one-line error saying what to download and where to put it.
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -32,12 +42,14 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from captioner.download import DownloadError, download, file_digest
+from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC
+from captioner.download import Bounds, DownloadError, Refused, download, file_digest, redact
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file
 
-__all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec", "cache_root",
-           "is_remote", "offline", "parse_hub", "resolve_checkpoint", "split_sha256", "url_cache_path"]
+__all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "MAX_URL_BYTES", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec",
+           "cache_root", "cached_hint", "checkpoint_head", "is_remote", "offline", "parse_hub", "resolve_checkpoint",
+           "split_sha256", "url_cache_path"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +58,8 @@ OFFLINE_ENV = "CAPTIONER_OFFLINE"
 DEFAULT_HUB_FILE = "model.safetensors"
 RUN_FOLDER_FILES = ("best.safetensors", "latest.safetensors", DEFAULT_HUB_FILE)
 URL_RETRIES = 3  # a connection cut mid-file is resumed this many times before giving up
+MAX_URL_BYTES = MAX_CHECKPOINT_BYTES  # a larger file could not be loaded anyway
+URL_BOUNDS = Bounds(max_bytes=MAX_URL_BYTES)
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -98,8 +112,16 @@ def _checked_hash(spec: str, value: object) -> str:
 
 
 def url_cache_path(url: str) -> Path:
-    """Where a URL's file is cached: ``<cache>/urls/<first 16 hex of sha256(url)>/<file name>``."""
-    parsed = urllib.parse.urlsplit(url)
+    """Where a URL's file is cached: ``<cache>/urls/<first 16 hex of sha256(url)>/<file name>``.
+
+    Raises:
+        CheckpointError: ``url`` cannot be parsed (an unclosed ``[`` of an IPv6 address, a bad port).
+    """
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise CheckpointError(f"{redact(url)[:200]}: not a valid URL ({exc})") from None
     name = urllib.parse.unquote(parsed.path.rsplit("/", 1)[-1]) or "checkpoint.safetensors"
     name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "checkpoint.safetensors"
     key = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
@@ -130,12 +152,44 @@ def parse_hub(spec: str) -> HubSpec:
     return HubSpec(f"{parts[0]}/{repo}", filename, revision or None)
 
 
+def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
+    """The :data:`captioner.download.Inspect` of a checkpoint: its first bytes must be a safetensors
+    header (whose tensor offsets give the file's size) or ``torch.save`` data (a zip or a pickle)."""
+    if len(head) < 9:
+        return False, None
+    if head[:4] == ZIP_MAGIC or (head[0] == 0x80 and 2 <= head[1] <= 5):
+        return True, None
+    length = int.from_bytes(head[:8], "little")
+    if head[8:9] != b"{" or length > MAX_HEADER_BYTES:
+        raise Refused(f"not a checkpoint (its first bytes {head[:9].hex()} are neither a safetensors header "
+                      "nor torch.save data)")
+    if len(head) < 8 + length:
+        return False, None
+    try:
+        header = json.loads(head[8:8 + length])
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise Refused(f"not a checkpoint (a corrupt safetensors header: {type(exc).__name__})") from None
+    return True, 8 + length + max(ends, default=0)
+
+
+def cached_hint(spec: object, path: Path) -> str:
+    """For a message about a file that failed to load: how to fetch it again, when it came from a download."""
+    if not is_remote(spec):
+        return ""
+    return f"; it is a cached download of {redact(str(spec))[:200]}: load it again with --refresh (refresh=True) " \
+           f"or delete {path}"
+
+
 def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
-    dest = url_cache_path(url)
+def _fetch_url(url: str, sha256: str | None, progress: bool | None, refresh: bool = False) -> Path:
+    dest, shown = url_cache_path(url), redact(url)
+    if dest.is_file() and refresh and not offline():
+        dest.unlink()
+        log.info("%s: --refresh: the cached copy %s was removed, fetching again", shown, dest)
     if dest.is_file():
         if sha256 is None:
             return dest
@@ -143,10 +197,11 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
         if got == sha256:
             return dest
         dest.unlink()
-        log.warning("%s: cached copy %s has SHA-256 %s, not %s; it was removed, fetching again", url, dest, got, sha256)
+        log.warning("%s: cached copy %s has SHA-256 %s, not %s; it was removed, fetching again", shown, dest, got,
+                    sha256)
     if offline():
-        raise CheckpointError(f"{url}: not in the cache and offline mode is on ({OFFLINE_ENV}/HF_HUB_OFFLINE); "
-                              f"download it where there is a network to {dest} (curl -L -o '{dest}' '{url}') "
+        raise CheckpointError(f"{shown}: not in the cache and offline mode is on ({OFFLINE_ENV}/HF_HUB_OFFLINE); "
+                              f"download it where there is a network to {dest} (curl -L -o '{dest}' '{shown}') "
                               "and run again, or give a local path")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -156,10 +211,10 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
     with hold_lock(lock_file(dest)):  # two processes never write the same .part file
         if dest.is_file():  # another process finished it while we waited for the lock
             return _fetch_url(url, sha256, progress)
-        log.info("downloading %s -> %s", url, dest)
+        log.info("downloading %s -> %s", shown, dest)
         try:
             download(url, dest, checksum=sha256, algorithm="sha256", progress=_show_progress(progress),
-                     error=CheckpointError, retries=URL_RETRIES)
+                     error=CheckpointError, retries=URL_RETRIES, bounds=URL_BOUNDS, inspect=checkpoint_head)
         except DownloadError as exc:
             raise CheckpointError(f"{exc}; nothing is cached at {dest}: fetch the file there by hand "
                                   "(or anywhere, and give its path)") from None
@@ -167,13 +222,29 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None) -> Path:
             raise CheckpointError(str(exc)) from None
     if sha256 is None:
         digest = file_digest(dest)
-        log.info("%s: SHA-256 %s (add #sha256=%s to the URL to check it next time)", url, digest, digest)
+        log.info("%s: SHA-256 %s (add #sha256=%s to the URL to check it next time)", shown, digest, digest)
     return dest
+
+
+def _hub_status(exc: BaseException) -> int | None:
+    """The HTTP status behind a hub client error (it hides a server error behind "not in the cache")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _hub_error(hub: HubSpec, exc: Exception) -> CheckpointError:
     name = type(exc).__name__
     first = (str(exc).strip().splitlines() or [name])[0][:200]
+    status = _hub_status(exc)
+    if status is not None and status >= 500:
+        return CheckpointError(f"{hub}: the Hub answered HTTP {status} (a server error, not a missing network); "
+                               "try again later, or give a local path")
     if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
         rev = f" --revision {hub.revision}" if hub.revision else ""
         return CheckpointError(f"{hub}: not in the Hugging Face cache and the Hub cannot be reached (offline mode or "
@@ -189,18 +260,54 @@ def _hub_error(hub: HubSpec, exc: Exception) -> CheckpointError:
     return CheckpointError(f"{hub}: download from the Hub failed ({name}: {first})")
 
 
-def _fetch_hub(spec: str, sha256: str | None, progress: bool | None) -> Path:
+@contextlib.contextmanager
+def _quiet(*prefixes: str):  # noqa: ANN202
+    """No records from the loggers whose names start with ``prefixes`` while the block runs (the hub
+    client logs each retry; the failure is reported as one line)."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
+    loggers = [logging.getLogger(n) for n in {*names, *prefixes}]
+    states = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, state in zip(loggers, states):
+            lg.disabled = state
+
+
+def _check_hub_size(hub: HubSpec, endpoint: str | None, hf_hub_url, get_metadata) -> None:  # noqa: ANN001
+    """Refuse a hub file over :data:`MAX_URL_BYTES` from its stated size. When the size cannot be
+    asked (no network, an error), the download itself says what went wrong (or uses the cache)."""
+    try:
+        url = hf_hub_url(hub.repo_id, hub.filename, revision=hub.revision, endpoint=endpoint)
+        size = get_metadata(url, endpoint=endpoint, library_name="captioner").size
+    except Exception:  # noqa: BLE001 - reported by hf_hub_download, which also knows the cache
+        return
+    if size is not None and size > MAX_URL_BYTES:
+        raise CheckpointError(f"{hub}: too large: {size} bytes where the limit is {MAX_URL_BYTES} bytes; "
+                              "nothing was fetched")
+
+
+def _fetch_hub(spec: str, sha256: str | None, progress: bool | None, refresh: bool = False) -> Path:
     hub = parse_hub(spec)
     try:
-        import huggingface_hub
-        from huggingface_hub import constants
+        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+        from huggingface_hub.utils import _http  # noqa: F401 - its logger exists before _quiet looks
     except ImportError:
         raise CheckpointError(f"{spec}: hub checkpoints need huggingface_hub: pip install 'captioner[hub]'") from None
     local_only = offline() or constants.is_offline_mode()
+    endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
-        path = Path(huggingface_hub.hf_hub_download(
-            hub.repo_id, hub.filename, revision=hub.revision, local_files_only=local_only,
-            endpoint=os.environ.get("HF_ENDPOINT") or None, library_name="captioner"))
+        with _quiet("huggingface_hub", "httpx", "httpcore", "urllib3"):  # one line per retry otherwise
+            if not local_only:  # the size first: the Hub client has no bound of its own
+                _check_hub_size(hub, endpoint, hf_hub_url, get_hf_file_metadata)
+            path = Path(hf_hub_download(
+                hub.repo_id, hub.filename, revision=hub.revision, local_files_only=local_only,
+                force_download=refresh and not local_only,
+                endpoint=endpoint, library_name="captioner"))
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the hub client's error classes, network errors, bad ids
         raise _hub_error(hub, exc) from None
     if sha256 is not None:
@@ -219,7 +326,8 @@ def _run_folder(folder: Path) -> Path:
     raise CheckpointError(f"{folder}: a folder, and it holds no checkpoint ({', '.join(RUN_FOLDER_FILES)})")
 
 
-def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None) -> Path:
+def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
+                       refresh: bool = False) -> Path:
     """The local file behind a checkpoint spec, downloading it first when needed.
 
     Args:
@@ -228,6 +336,7 @@ def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progr
         sha256: the expected SHA-256 (for URLs and hub files; for a local file it is checked, and
             the file is left alone when it differs).
         progress: show a download bar; default when stderr is a terminal.
+        refresh: fetch a URL or hub file again even when it is cached (not in offline mode).
 
     Returns:
         A local path (not yet read: loading checks the content).
@@ -247,10 +356,10 @@ def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progr
         base, expected = split_sha256(text, sha256)
         kind = scheme.group(1).lower()
         if kind in ("https", "http"):
-            return _fetch_url(base, expected, progress)
+            return _fetch_url(base, expected, progress, refresh)
         if kind == "hf":
-            return _fetch_hub(base, expected, progress)
-        raise CheckpointError(f"{text[:200]}: unsupported scheme {kind}://; give a path, an https:// URL "
+            return _fetch_hub(base, expected, progress, refresh)
+        raise CheckpointError(f"{redact(text)[:200]}: unsupported scheme {kind}://; give a path, an https:// URL "
                               "or hf://ORG/REPO[/FILE]")
     path = Path(text)
     if path.is_dir():

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from captioner.commands.arg_types import finite_float
 from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
 
 NAME = "caption"
@@ -47,9 +48,15 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", 
 _GLOB_CHARS = frozenset("*?[")
 
 
+def add_refresh_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--refresh", action="store_true",
+                        help="download a URL or hf:// checkpoint again even when it is cached (a bad cached copy)")
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
     parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help=CHECKPOINT_HELP)
+    add_refresh_argument(parser)
     add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
 
@@ -72,7 +79,7 @@ def add_style_arguments(parser: argparse.ArgumentParser) -> None:
                              "heat: a colour map over the photo, transparent where the word did not look")
     parser.add_argument("--cmap", default="viridis",
                         help="colour map of the heat style (matplotlib name, default: viridis)")
-    parser.add_argument("--alpha", type=float, default=0.75,
+    parser.add_argument("--alpha", type=finite_float, default=0.75,
                         help="strength 0..1: the darkest dimming (light) or the opacity at the top (heat) (default: 0.75)")
 
 
@@ -196,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
     from captioner.inference import load
 
-    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"))
+    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"), refresh=args.refresh)
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.commands.arg_types import finite_float
+
 NAME = "demo"
 HELP = ("generate synthetic scenes, train SAT-soft, SAT-hard and the Transformer on a time budget, "
         "and write a comparison report with attention overlays")
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default=None,
                         help="training seconds: one number for every decoder, or decoder=seconds pairs "
                              "(default: sat_soft=120,sat_hard=120,transformer=45; --quick: 15 each)")
-    parser.add_argument("--encoder-budget", type=float, default=None,
+    parser.add_argument("--encoder-budget", type=finite_float, default=None,
                         help="seconds of word-detector pretraining of the shared CNN (default: 60; --quick: 10)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="decoders trained at the same time, one process each (default: one per core on "
@@ -75,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(report["table"]))
     print()
+    for note in report.get("pace", []):
+        print(f"warning: {note}")
     print(f"report: {report['paths']['html']}")
     print(f"        {report['paths']['json']}")
     print(f"total time {report['seconds']:.0f} s")

@@ -33,14 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import re
-
     from captioner.data.images import load_image
     from captioner.errors import ConfigError
-    from captioner.share.model_card import export_run
+    from captioner.share.model_card import check_repo_id, export_run
 
-    if args.repo_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", args.repo_id):
-        raise ConfigError(f"--repo-id must look like ORG/NAME, got {args.repo_id!r}")
+    if args.repo_id is not None:
+        check_repo_id(args.repo_id)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
     image = load_image(args.image) if args.image else None

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from captioner.commands.caption import CHECKPOINT_HELP
+from captioner.commands.arg_types import finite_float
+from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"
 HELP = "serve a local web page: drop a photo, read the caption, hover each word to see its attention"
@@ -27,13 +28,14 @@ _NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="[NAME=]CKPT",
                         help=CHECKPOINT_HELP + "; repeat for several models, NAME= names one on the page")
+    add_refresh_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
     parser.add_argument("--examples", metavar="DIR", default=None,
                         help="offer the images in DIR as examples (default: three built-in synthetic scenes)")
-    parser.add_argument("--max-upload-mb", type=float, default=20.0, help="largest upload in MiB (default: 20)")
+    parser.add_argument("--max-upload-mb", type=finite_float, default=20.0, help="largest upload in MiB (default: 20)")
     parser.add_argument("--max-beam", type=int, default=5, help="largest beam offered (default: 5)")
 
 
@@ -94,11 +96,13 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("captioner.serve")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_upload_mb <= 0 or args.max_beam < 1:
-        raise ConfigError("--max-upload-mb must be > 0 and --max-beam >= 1")
+    if not 0 < args.max_upload_mb < 1 << 20 or args.max_beam < 1:  # also refuses nan and inf
+        raise ConfigError(f"--max-upload-mb must be a finite number > 0 (MiB, below 1048576), got "
+                          f"{args.max_upload_mb}; --max-beam must be >= 1, got {args.max_beam}")
     try:
         import uvicorn
 
+        from captioner.share.guards import uvicorn_options
         from captioner.share.server import ServedModel, ServeLimits, create_app
     except ImportError as exc:
         raise ConfigError(f"captioner serve needs FastAPI and uvicorn ({exc.name} is missing): "
@@ -114,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.checkpoint:
         name, spec = model_name(spec, taken)
         taken.add(name)
-        models.append(ServedModel(name, load(spec, device=device)))
+        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh)))
         log.info("loaded %s as %r", spec, name)
-    limits = ServeLimits(max_bytes=int(args.max_upload_mb * MiB), max_beam=args.max_beam)
+    limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_beam=args.max_beam, host=args.host)
     app = create_app(models, examples, limits)
     if not is_loopback(args.host):
         log.warning("warning: serving on %s: anyone who can reach this machine on port %d can use this page "
@@ -125,5 +129,5 @@ def run(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving {', '.join(m.name for m in models)} on http://{shown}:{args.port}  (Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **uvicorn_options())
     return 0

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from captioner.commands.arg_types import finite_float
 from captioner.config.presets import list_presets
 
 NAME = "train"
@@ -36,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--out", metavar="DIR", help="run folder (default runs/<preset>)")
     run.add_argument("--epochs", type=int, help="train.epochs")
     run.add_argument("--batch-size", type=int, help="train.batch_size (global batch, split over torchrun processes)")
-    run.add_argument("--lr", type=float, help="train.lr (decoder learning rate)")
-    run.add_argument("--time-budget", type=float, metavar="SECONDS",
+    run.add_argument("--lr", type=finite_float, help="train.lr (decoder learning rate)")
+    run.add_argument("--time-budget", type=finite_float, metavar="SECONDS",
                      help="stop after this many seconds, validating and saving first (train.time_budget)")
     run.add_argument("--device", help="train.device: auto, cpu, cuda, cuda:1")
     run.add_argument("--skip-missing", action="store_true", help="skip missing/unreadable images (data.skip_missing)")

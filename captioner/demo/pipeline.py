@@ -38,6 +38,7 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
+from captioner.demo.pace import pace_notes, steps_of_reference
 from captioner.demo.report import LABELS, write_report
 from captioner.errors import ConfigError, DataError
 from captioner.training.word_detectors import pretrain_word_detectors
@@ -324,8 +325,15 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             scst["run"]["budget"] = options.scst_budgets[name]
             done[f"{name}+scst"] = scst
             names.append(f"{name}+scst")
+    for name in names:
+        done[name]["row"]["steps_of_reference"] = steps_of_reference(name, done[name]["row"].get("steps"))
+    pace = pace_notes([done[name]["row"] for name in names],  # only the presets the reference figures used
+                      {n: b for n, b in options.budgets.items() if options.presets.get(n) == f"{n}_demo"})
+    for note in pace:
+        log.warning("warning: %s", note)
     report = {
         "title": "captioner demo: three attention decoders on synthetic scenes",
+        "pace": pace,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()},
         "scenes": scenes,
         "encoder": encoder,

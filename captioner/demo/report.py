@@ -54,6 +54,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("uniform_entropy", "log N", "{:.2f}"),
     ("train_seconds", "train s", "{:.0f}"),
     ("steps", "steps", "{:.0f}"),
+    ("steps_of_reference", "of ref. steps", "{:.0%}"),
     ("steps_per_s", "steps/s", "{:.1f}"),
     ("epochs", "epochs", "{:.1f}"),
     ("parameters", "params", "{:,}"),
@@ -110,6 +111,7 @@ table{border-collapse:collapse;font-size:14px;margin:1em 0}th,td{padding:4px 8px
 th:first-child,td:first-child{text-align:left}th{background:#f4f4f4}
 .note{color:#555;font-size:13px;max-width:900px}figure{margin:1em 0}figcaption{font-size:14px;margin-top:4px}
 img.overlay{max-width:100%;border:1px solid #ccc}h2{margin-top:2em;border-bottom:2px solid #eee}
+.warning{background:#fff4e0;border-left:4px solid #e69500;padding:6px 10px;max-width:900px}
 """
 
 
@@ -248,6 +250,8 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
         f"{env.get('threads')} threads.</p>",
         _encoder_note(report.get("encoder")),
         render_table(report.get("table", []), LABELS),
+        "".join(f'<p class="warning"><b>Fewer steps than usual:</b> {html.escape(n)}.</p>'
+                for n in report.get("pace", [])),
         _NOTES,
     ]
     if curves:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,8 @@ from captioner.inference import load
 from captioner.share.examples import example_scenes
 from captioner.viz.overlays import render_grid
 
-__all__ = ["DATASETS", "DataCard", "export_run", "guess_dataset", "metrics_rows", "render_card"]
+__all__ = ["DATASETS", "DataCard", "check_repo_id", "default_repo_id", "export_run", "guess_dataset", "metrics_rows",
+           "render_card"]
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +96,59 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+_REPO_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?")
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9_.,:;'+=@ ()/-]{0,200}")
+
+
+def check_repo_id(repo_id: str, what: str = "--repo-id") -> str:
+    """``repo_id`` when it is a Hub id ``ORG/NAME`` (letters, digits, ``_.-``; no ``..`` or ``--``,
+    no leading or trailing ``.``/``-``); a one-line DataError otherwise."""
+    parts = repo_id.split("/") if isinstance(repo_id, str) else []
+    if len(parts) != 2 or not all(_REPO_PART.fullmatch(p) for p in parts) or ".." in repo_id or "--" in repo_id:
+        raise DataError(f"{what} must look like ORG/NAME (letters, digits, '_', '.', '-'; no '..'), "
+                        f"got {str(repo_id)[:100]!r}")
+    return repo_id
+
+
+def default_repo_id(run_dir: Path) -> str:
+    """``YOUR-NAME/<the run folder's name, made a valid Hub name>``."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", run_dir.resolve().name)
+    name = re.sub(r"[-.]{2,}", "-", name).strip("-._")[:96] or "captioner-model"
+    return f"YOUR-NAME/{name}"
+
+
+def _number(path: Path, key: str, value: object, kind: type = float) -> object:
+    """``value`` when it is None or a finite number (an int for ``kind=int``); DataError otherwise."""
+    ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                           and math.isfinite(value) and (kind is float or float(value).is_integer()))
+    if not ok:
+        raise DataError(f"{path}: {key} must be a {'number' if kind is float else 'whole number'}, got "
+                        f"{json.dumps(value)[:80]}; fix or remove the file and export again")
+    return value
+
+
+def _text(path: Path, key: str, value: object) -> str:
+    if not isinstance(value, str) or not _SAFE_TEXT.fullmatch(value):
+        raise DataError(f"{path}: {key} must be a short plain text, got {json.dumps(value)[:80]}; fix or remove "
+                        "the file and export again")
+    return value
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
-    """One row per ``metrics_<split>.json`` in the run folder: split, images, beam and the scores."""
+    """One row per ``metrics_<split>.json`` in the run folder: split, images, beam and the scores,
+    each checked (finite numbers, plain short texts) before anything is written from it.
+
+    Raises:
+        DataError: a file that is not JSON, or a value of the wrong kind (one line naming the file and key).
+    """
     rows = []
     for path in sorted(run_dir.glob("metrics_*.json")):
         m = _read_json(path)
-        rows.append({"file": path.name, "split": m.get("split", path.stem[len("metrics_"):]),
-                     "images": m.get("num_images"), "beam": m.get("beam_size"), "data": m.get("data", ""),
-                     "scale": m.get("scale", ""), **{k: m.get(k) for k, _ in METRIC_COLUMNS}})
+        rows.append({"file": path.name, "split": _text(path, "split", m.get("split", path.stem[len("metrics_"):])),
+                     "images": _number(path, "num_images", m.get("num_images"), int),
+                     "beam": _number(path, "beam_size", m.get("beam_size"), int),
+                     "data": str(m.get("data", "")), "scale": _text(path, "scale", m.get("scale", "")),
+                     **{k: _number(path, k, m.get(k)) for k, _ in METRIC_COLUMNS}})
     return rows
 
 
@@ -234,7 +282,8 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
 
     Raises:
         CheckpointError: no checkpoint in the run folder. DataError: ``out`` holds the files and
-        ``overwrite`` is off, or a bad metrics file.
+        ``overwrite`` is off, a bad metrics file or repository id. On any failure the files this
+        call wrote are removed again (files that were there before are left as they were).
     """
     run_dir = Path(run_dir)
     if run_dir.is_file():
@@ -244,6 +293,7 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
         if checkpoint is None:
             raise CheckpointError(f"{run_dir}: no checkpoint to export ({', '.join(RUN_FOLDER_FILES)})")
     out = Path(out)
+    repo_id = check_repo_id(repo_id) if repo_id is not None else default_repo_id(run_dir)
     targets = {"checkpoint": out / DEFAULT_HUB_FILE, "sha256": out / f"{DEFAULT_HUB_FILE}.sha256",
                "readme": out / "README.md", "overlay": out / "overlay.png"}
     rows = metrics_rows(run_dir)
@@ -256,8 +306,19 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
     run_config = _read_json(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
     data_root = str(run_config.get("data", {}).get("root", "")) if isinstance(run_config.get("data"), dict) else ""
     card = DATASETS.get(dataset or "") or guess_dataset(data_root, *(str(r["data"]) for r in rows))
-    repo_id = repo_id or f"YOUR-NAME/{run_dir.resolve().name}"
+    fresh = [p for p in targets.values() if not p.exists()]
+    try:
+        _write_export(checkpoint, targets, rows, run_dir, repo_id, info, card, image, beam)
+    except BaseException:
+        for path in fresh:
+            path.unlink(missing_ok=True)
+        raise
+    return targets
 
+
+def _write_export(checkpoint: Path, targets: dict[str, Path], rows: list[dict], run_dir: Path, repo_id: str,
+                  info: dict, card: DataCard, image: Image.Image | None, beam: int) -> None:
+    out = targets["readme"].parent
     _copy_into(checkpoint, targets["checkpoint"])
     digest = file_digest(targets["checkpoint"])
     atomic_write(targets["sha256"], lambda f: f.write(f"{digest}  {DEFAULT_HUB_FILE}\n".encode()))
@@ -271,4 +332,3 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
     text = render_card(repo_id, info, card, rows, digest, targets["checkpoint"].stat().st_size, result.text)
     atomic_write(targets["readme"], lambda f: f.write(text.encode("utf-8")))
     log.info("exported %s to %s (SHA-256 %s)", checkpoint, out, digest)
-    return targets

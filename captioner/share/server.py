@@ -12,8 +12,9 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
   scale and the crop box are the explorer's own).
 
 Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are answered with
-``{"error": "<file>: <reason>"}`` and status 400 or 413; the process keeps serving. A request
-bigger than the limit is refused from its ``Content-Length`` before its body is read. Each model
+``{"error": "<file>: <reason>"}`` and status 400 or 413; the process keeps serving. Bodies are
+counted as they stream, Host and Origin are checked, idle connections closed and decoding runs
+under a semaphore sized to memory (:mod:`captioner.share.guards`). Each model
 has a lock: requests for it are captioned one at a time (each with its own image and its own
 answer), which on a CPU is as fast as running them side by side.
 """
@@ -36,6 +37,7 @@ from captioner.errors import CaptionerError, ConfigError, one_line
 from captioner.files import MiB, size_text
 from captioner.inference import Captioner
 from captioner.share.examples import Example
+from captioner.share.guards import DEFAULT_IDLE, decode_gate, error_response, install_guards, uvicorn_options
 from captioner.share.page import render_page
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
@@ -60,6 +62,8 @@ class ServeLimits:
         max_beam: largest beam size (the n-best list is at most the beam).
         max_len: longest caption in words.
         display_side: largest side of the picture in the explorer.
+        host: the address served (the Host and Origin checks of :mod:`captioner.share.guards`).
+        idle_seconds: how long a connection or a request body may send nothing.
     """
 
     max_bytes: int = 20 * MiB
@@ -67,11 +71,13 @@ class ServeLimits:
     max_beam: int = 5
     max_len: int = 20
     display_side: int = 720
+    host: str = "127.0.0.1"
+    idle_seconds: float = DEFAULT_IDLE
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side", "idle_seconds"):
+            if not getattr(self, name) >= 1 or getattr(self, name) == float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -105,7 +111,8 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
     beam = _check_choice("beam", beam, 1, limits.max_beam)
     n_best = _check_choice("n_best", n_best, 1, beam)
     t0 = time.perf_counter()
-    image = decode_image(data, filename, limits.max_pixels)
+    with decode_gate(limits.max_pixels):  # concurrent uploads cannot add up past the memory
+        image = decode_image(data, filename, limits.max_pixels)
     with served.lock:
         captions = served.captioner.caption_nbest(image, n_best=n_best, beam=beam, max_len=limits.max_len,
                                                   all_heads=True)
@@ -119,8 +126,7 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
             "seconds": round(time.perf_counter() - t0, 3), "captions": out}
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": one_line(message)}, status_code=status)
+_error = error_response  # the one error shape, {"error": "<one line>"}
 
 
 def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
@@ -133,13 +139,10 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
     page = render_page([m.info() for m in models], [e.name for e in examples], limits.max_beam, limits.max_bytes)
+    install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.idle_seconds)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):  # noqa: ANN202
-        length = request.headers.get("content-length", "")
-        if request.method == "POST" and length.isdigit() and int(length) > limits.max_bytes + FORM_OVERHEAD:
-            return _error(413, f"upload too large ({size_text(int(length))}; the limit is "
-                               f"{size_text(limits.max_bytes)})")
         response = await call_next(request)
         response.headers["Content-Security-Policy"] = CSP
         response.headers["X-Content-Type-Options"] = "nosniff"
@@ -195,7 +198,8 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float
     """Serve ``app`` with uvicorn in a background thread (tests, benchmarks); yields its base URL."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           **uvicorn_options()))
     thread = threading.Thread(target=server.run, name="captioner-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,0 +1,226 @@
+"""Every network read is bounded in bytes and in time, and every failure is one line that leaves nothing behind.
+
+Against the misbehaving 127.0.0.1 server of ``tests/hostile_server.py`` (and a fake Hub answering
+500), with small bounds so that each test takes well under a few seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import http.server
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import captioner
+from captioner import download as dl
+from captioner.checkpoint import remote
+from captioner.checkpoint.remote import resolve_checkpoint, url_cache_path
+from captioner.cli import main
+from captioner.download import Bounds, download
+from captioner.errors import CheckpointError, ConfigError, DataError
+from hostile_server import hostile
+
+FAST = Bounds(max_bytes=1 << 20, timeout=5, min_rate=1024, window=0.5)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint) -> bytes:
+    return untrained_checkpoint(tmp_path_factory.mktemp("ckpt"), "sat_soft_tiny").read_bytes()
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
+    for name in ("CAPTIONER_OFFLINE", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(remote, "URL_BOUNDS", Bounds(max_bytes=remote.MAX_URL_BYTES, timeout=5, window=0.5))
+    return tmp_path / "cache"
+
+
+def _files(root: Path) -> list[str]:
+    """Files left under ``root`` (lock files aside: they hold no data)."""
+    return sorted(p.name for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+
+
+def test_a_stream_of_zeros_stops_after_its_first_bytes(isolated: Path) -> None:
+    with hostile(limit=256 << 20) as (url, handler):
+        start = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"/zeros/model\.safetensors: not a checkpoint \(its first bytes "
+                                                  r"000000000000000000 are neither a safetensors header"):
+            resolve_checkpoint(f"{url}/zeros/model.safetensors")
+        assert time.monotonic() - start < 3
+    assert handler.sent < 32 << 20 and _files(isolated) == []
+
+
+def test_a_body_past_max_bytes_is_cut_off_and_removed(tmp_path: Path) -> None:
+    dest = tmp_path / "x.bin"
+    with hostile(limit=8 << 20) as (url, handler):
+        with pytest.raises(DataError, match=r"/zeros: too large: \d+ bytes or more where the limit is 200000 "
+                                            "bytes; nothing was kept"):
+            download(f"{url}/zeros", dest, progress=False, bounds=Bounds(max_bytes=200_000))
+        assert handler.sent < 4 << 20
+    with hostile(limit=10 << 30) as (url, handler):  # announced: refused before the body is read
+        with pytest.raises(DataError, match=r"too large: 10737418240 bytes or more where the limit is 200000"):
+            download(f"{url}/huge", dest, progress=False, checksum="0" * 32, bounds=Bounds(max_bytes=200_000))
+    assert _files(tmp_path) == []
+
+
+def test_a_trickle_is_abandoned_naming_the_bound(tmp_path: Path) -> None:
+    with hostile(limit=400, gap=0.02) as (url, handler):
+        start = time.monotonic()
+        with pytest.raises(DataError, match=r"/trickle: the transfer stalled \(less than 1 KiB/s over 0\.5 s\) "
+                                            r"after \d+ bytes; the partial file .* is kept: run again to resume"):
+            download(f"{url}/trickle", tmp_path / "t.bin", progress=False, retries=3, bounds=FAST)
+        assert time.monotonic() - start < 2.5 and handler.requests == 1
+
+
+def test_a_stall_costs_one_window_not_one_per_retry(tmp_path: Path) -> None:
+    with hostile(hold=5.0) as (url, handler):
+        start = time.monotonic()
+        with pytest.raises(DataError, match=r"/stall: the transfer stalled .* after 9 bytes"):
+            download(f"{url}/stall", tmp_path / "s.bin", progress=False, retries=3, bounds=FAST)
+        assert time.monotonic() - start < 2.5 and handler.requests == 1
+
+
+def test_a_stalled_checkpoint_url_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with hostile(hold=3.0) as (url, _):
+        code = main(["caption", str(tmp_path / "none.png"), "-c", f"{url}/stall/model.safetensors"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "the transfer stalled (less than 1 KiB/s over 0.5 s)" in err
+
+
+def test_bounds_must_be_finite() -> None:
+    for bad in (float("nan"), float("inf"), 0, -1):
+        with pytest.raises(ConfigError, match="must be a finite number > 0"):
+            Bounds(window=bad)
+
+
+def test_a_malformed_url_is_a_checkpoint_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"http://\[::1/model\.safetensors: not a valid URL"):
+        captioner.load("http://[::1/model.safetensors")
+    with pytest.raises(CheckpointError, match="not a valid URL"):
+        url_cache_path("http://127.0.0.1:port/model.safetensors")
+    assert main(["caption", str(tmp_path / "x.png"), "-c", "http://[::1/model.safetensors"]) == 1
+    assert capsys.readouterr().err.startswith("captioner caption: error: http://[::1/model.safetensors: not a valid")
+
+
+def test_credentials_in_a_url_are_never_shown(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with hostile() as (url, handler):
+        spec = url.replace("http://", "http://me:s3cret@") + "/missing/model.safetensors"
+        with pytest.raises(CheckpointError) as info:
+            resolve_checkpoint(spec)
+        assert handler.auth == "Basic bWU6czNjcmV0"  # sent as HTTP Basic authorization, not shown
+    assert "HTTP 404" in str(info.value) and "s3cret" not in str(info.value) and "***@127.0.0.1" in str(info.value)
+    assert "s3cret" not in caplog.text
+
+
+def test_a_full_disk_is_not_called_a_lost_connection(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Full:
+        def __init__(self, path: Path, mode: str) -> None:
+            self.path = path
+            Path(path).write_bytes(b"")
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self) -> "Full":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    monkeypatch.setattr(dl, "open", Full, raising=False)
+    with hostile(limit=1 << 20) as (url, handler):
+        with pytest.raises(DataError, match=r"x\.bin\.part: cannot write the download \(No space left on device\); "
+                                            "the partial file was removed; free some space and run again"):
+            download(f"{url}/zeros", tmp_path / "x.bin", progress=False, retries=3)
+        assert handler.requests == 1
+    assert _files(tmp_path) == []
+
+
+def test_a_short_hashless_download_is_not_kept(ckpt: bytes, isolated: Path) -> None:
+    with hostile(body=ckpt, cut=len(ckpt) // 2) as (url, _):
+        with pytest.raises(CheckpointError, match=rf"/short/model\.safetensors: got {len(ckpt) // 2} bytes, the "
+                                                  rf"file's header says {len(ckpt)}; the partial file was removed"):
+            resolve_checkpoint(f"{url}/short/model.safetensors")
+    assert _files(isolated) == []
+    with hostile(body=ckpt, cut=5) as (url, _):
+        with pytest.raises(CheckpointError, match=r"truncated: only 5 bytes, its header is incomplete; nothing"):
+            resolve_checkpoint(f"{url}/short/model.safetensors")
+    assert _files(isolated) == []
+
+
+def test_a_bad_cached_file_names_itself_and_refresh_fetches_again(ckpt: bytes, isolated: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with hostile(body=ckpt) as (url, handler):
+        spec = f"{url}/file/model.safetensors"
+        cached = url_cache_path(spec)
+        cached.parent.mkdir(parents=True)
+        cached.write_bytes(b"\x00" * 100)  # damaged after it was kept
+        with pytest.raises(CheckpointError, match=rf"it is a cached download of {spec}: load it again with "
+                                                  rf"--refresh \(refresh=True\) or delete {cached}"):
+            captioner.load(spec, device="cpu")
+        assert main(["caption", str(isolated / "none.png"), "-c", spec]) == 1
+        assert "--refresh" in capsys.readouterr().err and handler.requests == 0
+        assert captioner.load(spec, device="cpu", refresh=True).vocab is not None
+        assert handler.requests == 1 and cached.read_bytes() == ckpt
+        assert hashlib.sha256(cached.read_bytes()).hexdigest() == hashlib.sha256(ckpt).hexdigest()
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    def _fail(self) -> None:
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD = _fail
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_hub_answering_500_is_named_so_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(_http.time, "sleep", lambda seconds: None)  # its retries' back-off
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    caplog.set_level(logging.DEBUG)
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{httpd.server_address[1]}")
+        with pytest.raises(CheckpointError, match=r"^hf://org/x/model\.safetensors: the Hub answered HTTP 500 "
+                                                  r"\(a server error, not a missing network\)"):
+            resolve_checkpoint("hf://org/x")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [r for r in caplog.records if r.name.startswith(("huggingface_hub", "httpx"))] == []
+
+
+def test_a_hub_file_over_the_limit_is_refused_before_it_is_fetched(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+    from range_server import serve_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(remote, "MAX_URL_BYTES", 100)
+    with serve_hub({"org/big": {"model.safetensors": bytes(1000)}}) as (endpoint, handler):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        with pytest.raises(CheckpointError, match=r"^hf://org/big/model\.safetensors: too large: 1000 bytes where "
+                                                  r"the limit is 100 bytes; nothing was fetched$"):
+            resolve_checkpoint("hf://org/big")
+        assert handler.sent == 0
+    assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []
