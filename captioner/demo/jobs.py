@@ -25,8 +25,7 @@ from captioner.errors import DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint
 from captioner.inference import decode_options, load
 from captioner.models.model import build_model
-from captioner.text import Vocabulary
-from captioner.training.data import load_caption_sets, prepare_data
+from captioner.training.data import load_caption_sets, prepare_data, training_vocabulary
 from captioner.training.distributed import DistInfo
 from captioner.training.loop import train
 from captioner.viz.overlays import write_overlays
@@ -216,7 +215,7 @@ def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any)
 def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     """Build a frozen-encoder config's train/val feature caches once, before parallel runs open them."""
     train_set, val_set = load_caption_sets(cfg)
-    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+    vocab = training_vocabulary(train_set, cfg.data.min_freq, cfg.data.max_caption_len)
     model = build_model(cfg.model, len(vocab))
     info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0, option="train.device"))
     # only the files are wanted here: not holding the features in memory (each run does that itself)

@@ -53,8 +53,7 @@ from captioner.data.dataset import CaptionTrainDataset
 from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.features.dtype import model_input  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.text import Vocabulary  # noqa: E402
-from captioner.training.data import train_loader
+from captioner.training.data import train_loader, training_vocabulary  # noqa: E402
 from captioner.training.distributed import DistInfo  # noqa: E402
 from captioner.training.objective import CaptionLoss
 from captioner.training.step import GraphedStep
@@ -99,7 +98,7 @@ def coco_scale(quick: bool = False) -> dict:
         t0 = time.perf_counter()
         cs = caption_set(count, words)
         cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": device.type})
-        vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+        vocab = training_vocabulary(cs, cfg.data.min_freq, cfg.data.max_caption_len)
         dataset = CaptionTrainDataset(cs, vocab, cache.loader(), cfg.data.max_caption_len)
         out["dataset_build_s"] = round(time.perf_counter() - t0, 1)
         out["epoch_captions"] = len(dataset)
@@ -233,7 +232,7 @@ def loader_scale(quick: bool = False) -> dict:
         cache = FeatureCache.open(Path(tmp) / "train.feats")
         cs = caption_set(count, 500)
         cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": "cpu"})
-        vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+        vocab = training_vocabulary(cs, cfg.data.min_freq, cfg.data.max_caption_len)
         variants = {"float32_in_worker": _Float32Rows(cache), "stored_dtype": _RowByRow(cache),
                     "batch_gather": cache.loader()}
         datasets = {name: CaptionTrainDataset(cs, vocab, load, cfg.data.max_caption_len)
