@@ -63,7 +63,7 @@ import numpy as np
 from captioner.data.shapes import COLORS, SHAPES, SIZES
 from captioner.data.transforms import crop_box
 from captioner.errors import DataError
-from captioner.grids import as_array, cell_centre, cell_weights
+from captioner.grids import as_array, attention_entropy, cell_centre, cell_weights
 from captioner.text import tokenize
 
 
@@ -518,7 +518,7 @@ def attention_entropy_summary(results: Sequence[Any]) -> dict[str, float | None]
             continue
         flat = att.reshape(att.shape[0], -1)
         n_regions = flat.shape[1]
-        entropies += list(-(flat * np.log(flat + 1e-12)).sum(1))
+        entropies += list(attention_entropy(flat))
     return {
         "attention_entropy": float(np.mean(entropies)) if entropies else None,
         "uniform_entropy": math.log(n_regions) if n_regions else None,
