@@ -12,11 +12,36 @@ Shape legend: g grid side, n pixels along one axis.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["as_array", "attention_entropy", "cell_centre", "cell_weights"]
+__all__ = ["Box", "as_array", "attention_entropy", "cell_centre", "cell_weights", "interval_overlap"]
+
+
+class Box(NamedTuple):
+    """A box in original image pixels as ``(left, top, right, bottom)``: the part of an image an
+    encoder sees (``crop_box``), or an object box read from COCO's ``(x, y, w, h)`` by :meth:`from_xywh`."""
+
+    left: float
+    top: float
+    right: float
+    bottom: float
+
+    @classmethod
+    def from_xywh(cls, box: Sequence[float]) -> "Box":
+        """The box of a COCO ``(x, y, w, h)``."""
+        x, y, w, h = box
+        return cls(x, y, x + w, y + h)
+
+
+def interval_overlap(lo: Any, hi: Any, box_lo: float, box_hi: float) -> np.ndarray:
+    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet).
+
+    The one overlap of boxes and grid cells (or pixels), one axis at a time: the box targets divide it
+    by the cell's length, the attention-correctness canvas by the pixel's.
+    """
+    return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None)
 
 
 def as_array(x: object, dtype: type = np.float32) -> np.ndarray:

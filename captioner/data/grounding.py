@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 
 from captioner.errors import DataError
+from captioner.grids import interval_overlap
 
-Box = tuple[float, float, float, float]  # (x, y, w, h) in original pixels, COCO order
 BINDING_ATTRIBUTES = ("color", "size")  # attribute kinds that pick one box among boxes of the same category
 
 
 def _overlap(lo: np.ndarray, hi: np.ndarray, box_lo: float, box_hi: float) -> np.ndarray:
     """Share of each interval ``[lo, hi)`` inside ``[box_lo, box_hi)``: (g,) -> (g,)."""
-    return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None) / np.maximum(hi - lo, 1e-9)
+    return interval_overlap(lo, hi, box_lo, box_hi) / np.maximum(hi - lo, 1e-9)
 
 
 def box_coverage(boxes: Sequence[Sequence[float]], view: Sequence[float], grid: int) -> np.ndarray:

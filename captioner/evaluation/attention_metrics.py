@@ -63,7 +63,7 @@ import numpy as np
 from captioner.data.shapes import COLORS, SHAPES, SIZES
 from captioner.data.transforms import crop_box
 from captioner.errors import DataError
-from captioner.grids import as_array, attention_entropy, cell_centre, cell_weights
+from captioner.grids import Box, as_array, attention_entropy, cell_centre, cell_weights, interval_overlap
 from captioner.text import tokenize
 
 
@@ -292,7 +292,6 @@ def _adjectival(words: Sequence[str], i: int, n: int) -> bool:
 
 logger = logging.getLogger(__name__)
 
-Box = tuple[float, float, float, float]  # (left, top, right, bottom) in original pixels
 MAX_CANVAS_SIDE = 256  # the image is rasterised at most this large (scale-invariant shares)
 
 
@@ -337,7 +336,7 @@ class WordScores:
 def _box_coverage(n_out: int, lo: float, hi: float, scale: float) -> np.ndarray:
     """(n_out,) fraction of each canvas pixel covered by the interval [lo, hi) (original px)."""
     edges = np.arange(n_out + 1) / scale
-    return np.clip(np.minimum(edges[1:], hi) - np.maximum(edges[:-1], lo), 0, None) * scale
+    return interval_overlap(edges[:-1], edges[1:], lo, hi) * scale
 
 
 @dataclass
@@ -370,9 +369,9 @@ class _Canvas:
     def mask(self, boxes: Iterable[Sequence[float]]) -> np.ndarray:
         """(H', W') coverage of the union of ``(x, y, w, h)`` boxes, 0..1 per pixel."""
         out = np.zeros((self.rows.shape[0], self.cols.shape[0]))
-        for x, y, bw, bh in boxes:
-            cov = np.outer(_box_coverage(out.shape[0], y, y + bh, self.scale),
-                           _box_coverage(out.shape[1], x, x + bw, self.scale))
+        for box in map(Box.from_xywh, boxes):
+            cov = np.outer(_box_coverage(out.shape[0], box.top, box.bottom, self.scale),
+                           _box_coverage(out.shape[1], box.left, box.right, self.scale))
             np.maximum(out, cov, out=out)
         return out
 
