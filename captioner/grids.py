@@ -1,4 +1,5 @@
-"""Region grids in the base layer: arrays from tensors, and where each grid cell lies on an image.
+"""Region grids in the base layer: arrays from tensors, where each grid cell lies on an image, and
+the entropy of an attention map over the cells.
 
 The heat maps (:mod:`captioner.viz.heatmaps`), the attention metrics
 (:mod:`captioner.evaluation.attention_metrics`) and the box targets all place a g x g grid on the
@@ -11,10 +12,36 @@ Shape legend: g grid side, n pixels along one axis.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["as_array", "cell_centre", "cell_weights"]
+__all__ = ["Box", "as_array", "attention_entropy", "cell_centre", "cell_weights", "interval_overlap"]
+
+
+class Box(NamedTuple):
+    """A box in original image pixels as ``(left, top, right, bottom)``: the part of an image an
+    encoder sees (``crop_box``), or an object box read from COCO's ``(x, y, w, h)`` by :meth:`from_xywh`."""
+
+    left: float
+    top: float
+    right: float
+    bottom: float
+
+    @classmethod
+    def from_xywh(cls, box: Sequence[float]) -> "Box":
+        """The box of a COCO ``(x, y, w, h)``."""
+        x, y, w, h = box
+        return cls(x, y, x + w, y + h)
+
+
+def interval_overlap(lo: Any, hi: Any, box_lo: float, box_hi: float) -> np.ndarray:
+    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet).
+
+    The one overlap of boxes and grid cells (or pixels), one axis at a time: the box targets divide it
+    by the cell's length, the attention-correctness canvas by the pixel's.
+    """
+    return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None)
 
 
 def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
@@ -22,6 +49,17 @@ def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().float().cpu().numpy()  # type: ignore[union-attr]
     return np.asarray(x, dtype=dtype)
+
+
+def attention_entropy(weights: Any, eps: float = 1e-12) -> Any:
+    """Entropy (nats) of attention distributions over the last axis: (..., N) -> (...).
+
+    The one definition, ``-sum_n w_n log(w_n + eps)``, for a torch tensor (the decoders' outputs,
+    training's validation) or a numpy array (the attention metrics), returned as the same kind.
+    """
+    if isinstance(weights, np.ndarray):
+        return -(weights * np.log(weights + eps)).sum(-1)
+    return -(weights * (weights + eps).log()).sum(-1)  # type: ignore[operator]
 
 
 def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) -> np.ndarray:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate the README's screenshot of the ``captioner serve`` page (docs/images/serve_page.png).
+"""Regenerate the screenshot of the ``captioner serve`` page (docs/images/serve_page.png).
 
     python scripts/make_serve_screenshot.py -c runs/flickr8k/sat_soft/best.safetensors \\
         --image ../shared/data/flickr8k/images/251792066_b5233b3d86.jpg --word 1

@@ -17,17 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from captioner.checkpoint.store import load_checkpoint
 from captioner.data.coco import load_instances
 from captioner.data.images import load_image
 from captioner.demo.report import LABELS, format_value, read_metrics_csv, table_row
 from captioner.device import resolve_device
 from captioner.errors import DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint
-from captioner.inference import decode_options, load
+from captioner.inference import Captioner, decode_options, load
 from captioner.models.model import build_model
-from captioner.text import Vocabulary
-from captioner.training.data import load_caption_sets, prepare_data
+from captioner.training.data import load_caption_sets, prepare_data, training_vocabulary
 from captioner.training.distributed import DistInfo
 from captioner.training.loop import train
 from captioner.viz.overlays import write_overlays
@@ -46,15 +44,14 @@ def pick_images(caption_set: Any, instances: dict[int, list[Any]] | None, count:
     return sorted(order[:count])
 
 
-def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, out_dir: Path, count: int,
-                        device: str = "cpu") -> list[dict[str, Any]]:
-    """Overlays (PNG, GIF) and HTML explorers for ``count`` test images of an evaluated checkpoint.
+def write_demo_overlays(metrics: dict[str, Any], model: Captioner, data: Path, out_dir: Path,
+                        count: int) -> list[dict[str, Any]]:
+    """Overlays (PNG, GIF) and HTML explorers for ``count`` test images of an evaluated model (loaded once).
 
     Returns:
         One ``{"image_id", "caption", "references", "png", "gif", "json", "html"}`` dict per image.
     """
     cs, results = metrics["caption_set"], metrics["results"]
-    model = load(checkpoint, device=device)
     shown = []
     for i in pick_images(cs, load_instances(data, cs.split), count):
         record, result = cs.images[i], results[i]
@@ -67,9 +64,8 @@ def write_demo_overlays(metrics: dict[str, Any], checkpoint: Path, data: Path, o
     return shown
 
 
-def parameter_counts(checkpoint: Path) -> dict[str, int]:
-    """Total, decoder and trained parameter counts of a checkpoint's model."""
-    loaded = load_checkpoint(checkpoint)
+def parameter_counts(loaded: Captioner) -> dict[str, int]:
+    """Total, decoder and trained parameter counts of a loaded model."""
     model, fine_tune = loaded.model, loaded.config.encoder.fine_tune
     decoder = sum(p.numel() for p in model.decoder.parameters())
     encoder = sum(p.numel() for p in model.encoder.parameters())
@@ -125,15 +121,15 @@ def _train_and_score(name: str, cfg: Any, run_dir: Path, beam_size: int | None, 
         raise DataError(f"{name}: training wrote no checkpoint (is --budget too small?)")
     options = decode_options(**({} if beam_size is None else {"beam_size": beam_size}))
     log.info("evaluating %s on the test split (beam %d)", LABELS.get(name, name), options.beam_size)
+    model = load(result.best_checkpoint, device=device)  # once: scores, overlays and parameter counts
     metrics = evaluate_checkpoint(result.best_checkpoint, cfg.data.root, "test", options, out_dir=run_dir,
                                   device=device, progress=progress, meteor=False,
-                                  coco_caption=False)  # synthetic scenes: no paper to compare with
-    shown = write_demo_overlays(metrics, result.best_checkpoint, Path(cfg.data.root), run_dir / "overlays",
-                                overlays, device=device)
+                                  coco_caption=False, model=model)  # synthetic scenes: no paper to compare with
+    shown = write_demo_overlays(metrics, model, Path(cfg.data.root), run_dir / "overlays", overlays)
     steps = int(result.history[-1]["step"]) if result.history else None
     row = table_row(name, metrics, result.seconds, epochs_trained(result.history, train_captions,
                                                                   cfg.train.batch_size),
-                    parameter_counts(result.best_checkpoint), steps=steps,
+                    parameter_counts(model), steps=steps,
                     attention_supervision=cfg.train.attention_supervision)
     log.info("%s: BLEU-4 %s, objects correct %s, attention correctness %s (uniform %s)", LABELS.get(name, name),
              format_value(row["BLEU-4"], "{:.3f}"), format_value(row["objects_correct"], "{:.1%}"),
@@ -216,7 +212,7 @@ def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any)
 def build_feature_caches(cfg: Any, progress: bool = True) -> None:
     """Build a frozen-encoder config's train/val feature caches once, before parallel runs open them."""
     train_set, val_set = load_caption_sets(cfg)
-    vocab = Vocabulary.build(train_set.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+    vocab = training_vocabulary(train_set, cfg.data.min_freq, cfg.data.max_caption_len)
     model = build_model(cfg.model, len(vocab))
     info = DistInfo(0, 1, 0, resolve_device(cfg.train.device, 0, option="train.device"))
     # only the files are wanted here: not holding the features in memory (each run does that itself)

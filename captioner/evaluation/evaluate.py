@@ -127,6 +127,7 @@ def evaluate_checkpoint(
     num_workers: int = 0,
     meteor: bool = True,
     coco_caption: bool = True,
+    model: Captioner | None = None,
     **decoding: Any,
 ) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
@@ -148,6 +149,8 @@ def evaluate_checkpoint(
         meteor: compute METEOR (starts a Java process; None when unavailable or off).
         coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
             PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
+        model: ``checkpoint`` already loaded on ``device`` (:func:`captioner.inference.load`), so that
+            a caller that goes on using it loads it once; None: loaded here.
         **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``,
             ``max_len``, ``allow_unk``, ...).
 
@@ -173,7 +176,7 @@ def evaluate_checkpoint(
         home = checkpoint if checkpoint.is_dir() else checkpoint.parent  # a run folder, or the file's folder
         out_dir = home if out_dir is None else out_dir
     writable_folder(Path(out_dir), DataError)  # before hours of work
-    loaded = load(checkpoint, device=device)
+    loaded = model if model is not None else load(checkpoint, device=device)
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=skip_missing)

@@ -131,11 +131,6 @@ class CaptionDecoder(nn.Module):
         return 0
 
 
-def attention_entropy(weights: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """Entropy (nats) of attention distributions over the last dim: (..., N) -> (...)."""
-    return -(weights * (weights + eps).log()).sum(-1)
-
-
 @contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
     """Run a block with ``module`` in eval mode, then give it back the mode it had (even on an error)."""

@@ -30,7 +30,8 @@ from torch import nn
 
 from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder, DecoderOutput, State, attention_entropy
+from captioner.grids import attention_entropy
+from captioner.models.base import CaptionDecoder, DecoderOutput, State
 from captioner.models.mha import MultiHeadAttention
 from captioner.models.registry import register_decoder
 

@@ -229,17 +229,20 @@ def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
     return train_set, val_set
 
 
+def training_vocabulary(train_set: Any, min_freq: int, max_caption_len: int | None = None) -> Vocabulary:
+    """The vocabulary of a training caption set: the words seen at least ``min_freq`` times, counting
+    only the first ``max_caption_len`` words of each caption (the words training keeps,
+    ``data.max_caption_len``), so a caption far longer than that cannot grow it."""
+    return Vocabulary.build(train_set.all_captions(), min_freq=min_freq, max_len=max_caption_len)
+
+
 def load_or_build_vocab(train_set: Any, min_freq: int, run_dir: Path, resume: bool,
                         max_caption_len: int | None = None) -> Vocabulary:
-    """The run's vocabulary: reused from ``run_dir/vocab.json`` on resume, else built from captions.
-
-    Only the first ``max_caption_len`` words of each caption are counted: the words training keeps
-    (``data.max_caption_len``), so a caption far longer than that cannot grow the vocabulary.
-    """
+    """The run's vocabulary: reused from ``run_dir/vocab.json`` on resume, else :func:`training_vocabulary`."""
     path = run_dir / "vocab.json"
     if resume and path.exists():
         return Vocabulary.load(path)
-    vocab = Vocabulary.build(train_set.all_captions(), min_freq=min_freq, max_len=max_caption_len)
+    vocab = training_vocabulary(train_set, min_freq, max_caption_len)
     if len(vocab) < 5:
         raise DataError(f"the training captions give a vocabulary of {len(vocab) - 4} words (min_freq={min_freq})")
     return vocab

@@ -81,7 +81,7 @@ from captioner.errors import CaptionerError, CheckpointError, ConfigError, Image
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text
-from captioner.models.base import attention_entropy
+from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model
 from captioner.text import Vocabulary
 from captioner.training import distributed as ddp

@@ -66,7 +66,7 @@ Captioning"): the term that pulls a word's attention onto the box of the object 
 Shape legend: B batch, T caption steps, N regions.
 
 ``coverage`` (B, T, N) holds, for each target word that names an object, each region's share of
-area inside that object's box (``captioner.data.grounding.box_coverage``), and zeros for every
+area inside that object's box (``captioner.evaluation.attention_metrics.box_coverage``), and zeros for every
 other word: a word with an all-zero row is not supervised and contributes nothing. Two forms:
 
 * ``"mass"``: ``-log sum_n alpha_n coverage_n``, minus the log of the attention mass
@@ -93,7 +93,7 @@ Shape legend: B batch, T caption steps, N regions.
 coverages (B, T, N): the words are matched to objects as attention correctness matches them
 (``captioner.evaluation.attention_metrics.find_mentions``: the scenes' shapes with their colour and size
 words, COCO categories with synonyms and plurals, or the dataset's own category names), bound to
-boxes by ``captioner.data.grounding.bind_mentions``, and each box is laid on the region grid by
+boxes by ``captioner.evaluation.attention_metrics.bind_mentions``, and each box is laid on the region grid by
 ``box_coverage``. Images without boxes (no entry in ``instances_<split>.json``) give all-zero rows:
 their captions train without the term. A caption's binding is computed once and remembered.
 
@@ -131,7 +131,7 @@ from torch import nn
 
 from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.data.coco import load_instances
-from captioner.data.grounding import bind_mentions, box_coverage
+from captioner.evaluation.attention_metrics import bind_mentions, box_coverage
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import WordTable, detect_vocabulary, find_mentions, word_table

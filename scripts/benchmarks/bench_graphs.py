@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sat import PAPER, QUICK, TutorialSAT, make_batch, tutorial_loss  # noqa: E402
 from timing import sync  # noqa: E402
 
-from captioner.decoding.graphs import GraphedSteps
-from captioner.decoding.search import DecodeOptions, decode
+from captioner.decoding.graphs import GraphedSteps  # noqa: E402
+from captioner.decoding.search import DecodeOptions, decode  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.training.objective import CaptionLoss
-from captioner.training.step import GraphedStep
+from captioner.training.objective import CaptionLoss  # noqa: E402
+from captioner.training.step import GraphedStep  # noqa: E402
 
 
 def _rounds(fns: dict[str, Callable[[], None]], device: torch.device, steps: int, rounds: int = 3) -> dict[str, float]:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.training.objective import CaptionLoss
+from captioner.training.objective import CaptionLoss  # noqa: E402
 from timing import best_times  # noqa: E402
 
 PAPER = {"batch": 32, "grid": 14, "feature_dim": 2048, "vocab": 10_000, "width": 512, "min_len": 11, "max_len": 21}

@@ -49,15 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from captioner.config import get_preset  # noqa: E402
 from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402
-from captioner.data.dataset import CaptionTrainDataset
-from captioner.features.cache import FeatureCache, cache_header, write_cache_file
+from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
+from captioner.features.cache import FeatureCache, cache_header, write_cache_file  # noqa: E402
 from captioner.features.dtype import model_input  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.text import Vocabulary  # noqa: E402
-from captioner.training.data import train_loader
+from captioner.training.data import train_loader, training_vocabulary  # noqa: E402
 from captioner.training.distributed import DistInfo  # noqa: E402
-from captioner.training.objective import CaptionLoss
-from captioner.training.step import GraphedStep
+from captioner.training.objective import CaptionLoss  # noqa: E402
+from captioner.training.step import GraphedStep  # noqa: E402
 
 WARM_STEPS = 20  # steps left out of the steady-state figures (captures happen here)
 
@@ -99,7 +98,7 @@ def coco_scale(quick: bool = False) -> dict:
         t0 = time.perf_counter()
         cs = caption_set(count, words)
         cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": device.type})
-        vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+        vocab = training_vocabulary(cs, cfg.data.min_freq, cfg.data.max_caption_len)
         dataset = CaptionTrainDataset(cs, vocab, cache.loader(), cfg.data.max_caption_len)
         out["dataset_build_s"] = round(time.perf_counter() - t0, 1)
         out["epoch_captions"] = len(dataset)
@@ -233,7 +232,7 @@ def loader_scale(quick: bool = False) -> dict:
         cache = FeatureCache.open(Path(tmp) / "train.feats")
         cs = caption_set(count, 500)
         cfg = get_preset("sat_soft", **{"data.num_workers": workers, "train.device": "cpu"})
-        vocab = Vocabulary.build(cs.all_captions(), min_freq=cfg.data.min_freq, max_len=cfg.data.max_caption_len)
+        vocab = training_vocabulary(cs, cfg.data.min_freq, cfg.data.max_caption_len)
         variants = {"float32_in_worker": _Float32Rows(cache), "stored_dtype": _RowByRow(cache),
                     "batch_gather": cache.loader()}
         datasets = {name: CaptionTrainDataset(cs, vocab, load, cfg.data.max_caption_len)

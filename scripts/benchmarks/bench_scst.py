@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from captioner.config import get_preset  # noqa: E402
-from captioner.models.model import build_decoder
+from captioner.models.model import build_decoder  # noqa: E402
 from captioner.text import Vocabulary  # noqa: E402
-from captioner.training.objective import CaptionLoss
-from captioner.training.scst import CaptionReward, SelfCritical
+from captioner.training.objective import CaptionLoss  # noqa: E402
+from captioner.training.scst import CaptionReward, SelfCritical  # noqa: E402
 
 FULL = {"presets": ("sat_soft_lite", "sat_hard_lite", "transformer_lite"), "batch": 16, "grid": 7,
         "feature_dim": 1280, "words": 1000, "images": 2000, "steps": 10}
