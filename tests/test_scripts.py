@@ -3,6 +3,7 @@ check and the usage error for the shell ones, discovery for the benchmark module
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "flickr8k_results.py",
-                "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py")
+                "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
+                "experiments/caption_stats.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("download_common.py", "gpu_summary.py", "benchmarks/timing.py")
 
@@ -28,7 +30,7 @@ def test_every_script_is_checked_here():
     python = {str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.py")}
     benchmarks = {p for p in python if p.startswith("benchmarks/bench_")}
     assert python - benchmarks == set(HELP_SCRIPTS) | set(NOT_RUN)
-    shell = {p.name for p in SCRIPTS.glob("*.sh")}
+    shell = {str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.sh")}
     assert shell == set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)
 
 
@@ -54,7 +56,8 @@ def test_benchmark_lists_every_benchmark_module():
 
 
 SHELL_SYNTAX_ONLY = ("gpu_env.sh", "test.sh")  # sourced by the GPU scripts | installs the package
-USAGE_ERRORS = {"gpu_check.sh": "set OUT", "gpu_flickr8k.sh": "usage: ", "reproduce_flickr8k.sh": "usage: "}
+USAGE_ERRORS = {"gpu_check.sh": "set OUT", "gpu_flickr8k.sh": "usage: ", "reproduce_flickr8k.sh": "usage: ",
+                "experiments/real_photo_ablation.sh": "usage: "}
 
 
 @pytest.mark.parametrize("script", sorted(set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)))
@@ -70,3 +73,16 @@ def test_shell_script_without_its_arguments_says_how_to_call_it(script: str):
                           timeout=30)
     assert done.returncode != 0
     assert USAGE_ERRORS[script] in done.stderr
+
+
+def test_caption_stats_counts_repeats(tmp_path: Path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps([{"image_id": 1, "caption": "a dog in a blue shirt and a blue shirt"},
+                                   {"image_id": 2, "caption": "a baby baby in a bib"},
+                                   {"image_id": 3, "caption": "a man rides a bike"}]))
+    done = _run([sys.executable, str(SCRIPTS / "experiments/caption_stats.py"), str(results)])
+    assert done.returncode == 0, done.stderr
+    assert "3 captions" in done.stdout and "33.3% repeat a trigram" in done.stdout
+    assert "66.7% repeat a content word" in done.stdout
+    bad = _run([sys.executable, str(SCRIPTS / "experiments/caption_stats.py"), str(tmp_path / "none.json")])
+    assert bad.returncode == 1 and "none.json" in bad.stderr and "Traceback" not in bad.stderr
