@@ -38,8 +38,7 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
-from captioner.demo.pace import pace_notes, steps_of_reference
-from captioner.demo.report import LABELS, write_report
+from captioner.demo.report import LABELS, pace_notes, steps_of_reference, write_report
 from captioner.errors import ConfigError, DataError
 from captioner.training.detectors import pretrain_word_detectors
 
