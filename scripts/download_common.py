@@ -1,7 +1,7 @@
 """Kept for old imports: the download helpers now live in the package.
 
 ``download``, ``verify`` and ``file_digest`` are :mod:`captioner.download`; ``open_zip``,
-``write_members``, ``prepare`` and ``Steps`` are :mod:`captioner.data.downloads.archives`
+``write_members``, ``prepare`` and ``Steps`` are :mod:`captioner.data.downloads`
 (``captioner download flickr8k|coco`` uses both).
 """
 
@@ -11,5 +11,5 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from captioner.data.downloads.archives import Steps, open_zip, prepare, write_members  # noqa: E402,F401
+from captioner.data.downloads import Steps, open_zip, prepare, write_members  # noqa: E402,F401
 from captioner.download import CHUNK, download, file_digest, verify  # noqa: E402,F401

@@ -18,7 +18,7 @@ from captioner.config import get_preset
 from captioner.data.shapes import make_shapes
 from captioner.evaluation.evaluate import evaluate_checkpoint
 from captioner.training.loop import train
-from captioner.training.word_detectors import pretrain_word_detectors
+from captioner.training.detectors import pretrain_word_detectors
 
 ENCODER_SECONDS, DECODER_SECONDS = 20.0, 40.0
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.decoding.sampling import sample_captions
-from captioner.decoding.search import DecodeOptions, decode
+from captioner.decoding.search import DecodeOptions, decode, sample_captions
 from captioner.models.base import CaptionDecoder
 from captioner.models.lstm import SATDecoder
 from captioner.models.transformer import TransformerCaptionDecoder

@@ -228,7 +228,7 @@ def test_encoder_learns_from_boxes_and_recoloured_images_unless_told_not_to(tmp_
 
     from captioner.commands import demo as command
     from captioner.demo.report import _encoder_note
-    from captioner.training.word_detectors import PretrainResult
+    from captioner.training.detectors import PretrainResult
 
     calls = []
 

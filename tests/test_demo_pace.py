@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from captioner.demo.pace import REFERENCE, pace_notes, steps_of_reference
-from captioner.demo.report import render_html
-from captioner.demo.report import format_table
+from captioner.demo.report import REFERENCE, format_table, pace_notes, render_html, steps_of_reference
 
 
 def test_a_busy_machine_is_named_with_the_budget_that_would_reach_the_reference() -> None:

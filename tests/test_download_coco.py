@@ -14,6 +14,7 @@ from range_server import RangeHandler, serve
 
 from captioner.cli import main as captioner_main
 from captioner.data.downloads import coco as dc
+from captioner.download import download
 from captioner.errors import DataError
 
 
@@ -91,7 +92,7 @@ def test_resume_partial_download_with_range(server: str, tmp_path: Path) -> None
     data = ARCHIVE_FILES["train2014.zip"]
     dest = tmp_path / "train2014.zip"
     dest.with_name("train2014.zip.part").write_bytes(data[:1000])
-    dc.download(f"{server}/train2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
+    download(f"{server}/train2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
     assert dest.read_bytes() == data
     assert _Handler.log == [("train2014.zip", "bytes=1000-")]
     assert _Handler.sent == len(data) - 1000
@@ -103,7 +104,7 @@ def test_resume_when_server_ignores_range_restarts(server: str, tmp_path: Path) 
     data = ARCHIVE_FILES["val2014.zip"]
     dest = tmp_path / "val2014.zip"
     dest.with_name("val2014.zip.part").write_bytes(b"garbage")
-    dc.download(f"{server}/val2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
+    download(f"{server}/val2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
     assert dest.read_bytes() == data
 
 
@@ -111,7 +112,7 @@ def test_complete_part_is_verified_without_refetching(server: str, tmp_path: Pat
     data = ARCHIVE_FILES["val2014.zip"]
     dest = tmp_path / "val2014.zip"
     dest.with_name("val2014.zip.part").write_bytes(data)
-    dc.download(f"{server}/val2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
+    download(f"{server}/val2014.zip", dest, len(data), hashlib.md5(data).hexdigest(), progress=False)
     assert dest.read_bytes() == data and _Handler.log == []
 
 
@@ -119,16 +120,16 @@ def test_checksum_mismatch_names_file_and_removes_part(server: str, tmp_path: Pa
     data = ARCHIVE_FILES["val2014.zip"]
     dest = tmp_path / "val2014.zip"
     with pytest.raises(DataError, match=r"val2014\.zip: MD5 .* does not match 0{32}"):
-        dc.download(f"{server}/val2014.zip", dest, len(data), "0" * 32, progress=False)
+        download(f"{server}/val2014.zip", dest, len(data), "0" * 32, progress=False)
     assert not dest.exists() and not dest.with_name("val2014.zip.part").exists()
 
 
 def test_size_mismatch_and_http_error(server: str, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"val2014\.zip: too large: \d+ bytes or more where the limit is 5 bytes; "
                                         "nothing was kept"):
-        dc.download(f"{server}/val2014.zip", tmp_path / "val2014.zip", 5, None, progress=False)
+        download(f"{server}/val2014.zip", tmp_path / "val2014.zip", 5, None, progress=False)
     with pytest.raises(DataError, match=r"nothing\.zip: download failed \(HTTP 404"):
-        dc.download(f"{server}/nothing.zip", tmp_path / "nothing.zip", None, None, progress=False)
+        download(f"{server}/nothing.zip", tmp_path / "nothing.zip", None, None, progress=False)
 
 
 def test_instances_option_and_only(server: str, tmp_path: Path) -> None:

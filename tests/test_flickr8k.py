@@ -1,4 +1,4 @@
-"""The official Flickr8k layout (``captioner.data.flickr8k``) on a small fixture built here, dirt included."""
+"""The official Flickr8k layout (``captioner.data.coco.load_flickr8k``) on a small fixture built here, dirt included."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_validation_decodes_like_evaluate_by_default(tiny_shapes: Path, tmp_path
     import inspect
 
     from captioner.commands import evaluate as evaluate_cmd
-    from captioner.commands.decoding_flags import decoding_overrides
+    from captioner.commands.options import decoding_overrides
     from captioner.config import DecodeOptions
     from captioner.evaluation.evaluate import evaluate_checkpoint
 

@@ -104,7 +104,7 @@ def _model(preset: str, vocab_size: int = 30):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_sampling_all_decoders_never_emits_banned_tokens(preset: str, mode: str) -> None:
-    from captioner.decoding.sampling import sample_captions
+    from captioner.decoding.search import sample_captions
 
     model = _model(preset)
     decoder = model.decoder.train(mode == "train")
@@ -152,7 +152,7 @@ def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
     assert result.captions == 2 * K and result.parts["scst_reward"] == pytest.approx(0.25)
     assert result.parts["scst_better"] == pytest.approx(0.25)  # the first sample of each image beats its baseline
     # the sampled sequences, recovered by re-sampling with the same seed
-    from captioner.decoding.sampling import sample_captions
+    from captioner.decoding.search import sample_captions
     torch.manual_seed(0)
     s = sample_captions(decoder, features, vocab.bos_id, vocab.eos_id, vocab.pad_id, K, 6, 1.0, loss.banned)
     inputs = torch.cat([torch.full_like(s.tokens[:, :1], vocab.bos_id), s.tokens[:, :-1]], dim=1)
@@ -176,7 +176,7 @@ def test_advantage_sign_raises_the_better_sample(preset: str) -> None:
 @pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
 def test_rescoring_gives_the_log_probs_the_sampler_drew_with(preset: str) -> None:
     """The gradient is of the policy that sampled: banned ids removed, temperature applied."""
-    from captioner.decoding.sampling import sample_captions
+    from captioner.decoding.search import sample_captions
     from captioner.training.scst import policy_log_probs
 
     model = _model(preset).eval()

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from captioner.config import get_preset
 from captioner.errors import ConfigError
 from captioner.models.base import State
-from captioner.models.mha import MultiHeadAttention
-from captioner.models.transformer import TransformerCaptionDecoder, build_transformer_decoder
+from captioner.models.transformer import MultiHeadAttention, TransformerCaptionDecoder, build_transformer_decoder
 
 V, D, G = 13, 12, 3  # vocabulary, feature width, grid (N = 9)
 N = G * G

@@ -1,4 +1,4 @@
-"""Encoder pretraining as multiple-instance word detectors (``captioner.training.word_detectors``)."""
+"""Encoder pretraining as multiple-instance word detectors (``captioner.training.detectors``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.objective import GroundingTargets
-from captioner.training.word_detectors import (PERMUTATIONS, RegionTargets, colour_words, image_word_scores,
+from captioner.training.detectors import (PERMUTATIONS, RegionTargets, colour_words, image_word_scores,
                                                 pretrain_word_detectors, recolour_batch, region_loss, word_targets)
 
 

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 
 from captioner.commands.caption import add_common_arguments, add_style_arguments
-from captioner.commands.decoding_flags import decoding_overrides
+from captioner.commands.options import decoding_overrides
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"

@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from captioner.commands.arg_types import finite_float
-from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
+from captioner.commands.options import add_decoding_arguments, decoding_overrides, finite_float
 
 NAME = "caption"
 HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from captioner.commands.arg_types import finite_float
+from captioner.commands.options import finite_float
 
 NAME = "demo"
 HELP = ("generate synthetic scenes, train SAT-soft, SAT-hard and the Transformer on a time budget, "

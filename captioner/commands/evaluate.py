@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from captioner.commands.decoding_flags import add_decoding_arguments, decoding_overrides
+from captioner.commands.options import add_decoding_arguments, decoding_overrides
 from captioner.config.schema import MAX_WORKERS
 
 NAME = "evaluate"

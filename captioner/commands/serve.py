@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from captioner.commands.arg_types import finite_float
+from captioner.commands.options import finite_float
 from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"

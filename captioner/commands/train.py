@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from captioner.commands.arg_types import finite_float
+from captioner.commands.options import finite_float
 from captioner.config.presets import list_presets
 
 NAME = "train"

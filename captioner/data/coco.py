@@ -7,10 +7,10 @@
 * the official COCO layout, ``annotations/captions_<split>.json`` with images in ``<split>/``
   (e.g. ``train2017``, ``val2014``);
 * the Flickr8k-subset layout, ``captions_coco_format.json`` + ``splits.tsv`` + ``images/``;
-* a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``; see ``karpathy.py``),
+* a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``; see below),
   given directly or as the only ``dataset_*.json`` in the folder;
 * the official Flickr8k distribution, ``Flickr8k_text/Flickr8k.token.txt`` + split lists and
-  ``Flicker8k_Dataset/`` (see ``flickr8k.py``);
+  ``Flicker8k_Dataset/`` (see below);
 * a COCO captions JSON file given directly (``images_dir`` says where its images are).
 
 The folder layouts are the entries of :data:`LAYOUTS`, tried in order; when none matches, the
@@ -20,6 +20,45 @@ are taken from the first one that holds the first files the annotations name
 JSON names the file and line,
 a malformed entry names its index and the missing key. COCO-format files are indexed with
 ``pycocotools.coco.COCO``.
+
+Karpathy split files
+--------------------
+
+Karpathy split files (``dataset_coco.json``, ``dataset_flickr8k.json``, ``dataset_flickr30k.json``).
+
+Format: ``{"images": [{"filepath"?, "filename", "split", "cocoid" | "imgid",
+"sentences": [{"raw", "tokens"}, ...]}, ...]}``. Splits are ``train``, ``val``, ``test`` and (COCO)
+``restval``; by default ``train`` includes ``restval``, the usual 113k-image training set.
+Images are found at ``images_dir/filepath/filename`` (``filepath`` is optional). ``images_dir``
+defaults to the first of the JSON file's folder and its ``Flicker8k_Dataset/``, ``Flickr8k_Dataset/``,
+``images/`` and ``Images/`` subfolders (:data:`KARPATHY_IMAGE_DIRS`) that holds the first images (the
+JSON's folder when none does),
+so ``dataset_flickr8k.json`` placed beside the official Flickr8k folders finds its images.
+``dev`` is an alias of ``val`` (the Flickr8k distribution calls it dev), so the same commands work
+on both.
+
+The official Flickr8k distribution
+----------------------------------
+
+The official Flickr8k distribution (Hodosh et al. 2013), as users download and unzip it.
+
+Layout of ``--data DIR``::
+
+    DIR/Flicker8k_Dataset/*.jpg                              (sic: "Flicker")
+    DIR/Flickr8k_text/Flickr8k.token.txt                     NAME.jpg#0<TAB>caption, suffixes #0..#4
+    DIR/Flickr8k_text/Flickr_8k.{train,dev,test}Images.txt   one image name per line
+
+People unzip differently, so the text files are also taken from ``DIR/Flickr8k_text/Flickr8k_text/``
+or from ``DIR`` itself, and the images from the first folder of :data:`FLICKR8K_IMAGE_DIRS` that holds the
+split's first files (``pick_image_dir``). Each search order is fixed, so the result is deterministic.
+
+Splits: ``train``, ``dev`` (``val`` is an alias), ``test`` and ``all`` (the lists that exist,
+merged). The token file's known dirt is handled: blank lines, CRLF line ends and exact duplicate
+captions are dropped quietly; malformed lines (no tab, no ``#n`` suffix, empty caption) are skipped
+with one warning that counts them and shows the first; names that no split list holds (the
+``2258277193_586949ec62.jpg.1`` entry) are ignored; an image may have more or fewer than 5
+captions. Image ids are the 1-based order in which names first appear in the token file, the same
+for every split; the set is named ``flickr8k``.
 """
 
 from __future__ import annotations
@@ -27,21 +66,23 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioner.data import flickr8k, karpathy
 from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
                                         build_caption_set)
-from captioner.data.caption_set import pick_image_dir
+from captioner.data.caption_set import SAMPLE, pick_image_dir
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_bytes, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
-           "Layout", "ObjectBox", "available_splits", "caption_set_from_coco", "coco_index",
-           "load_caption_set", "load_instances", "read_json", "validate_coco"]
+           "Layout", "ObjectBox", "TokenFile", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
+           "coco_index", "is_flickr8k", "is_karpathy", "karpathy_splits", "load_caption_set", "load_flickr8k",
+           "load_instances", "parse_token_lines", "read_json", "read_split_list", "read_token_file", "validate_coco"]
 
 # the largest annotation file read (COCO's instances_train2014.json is 0.45 GB; Karpathy's dataset_coco.json 0.15 GB)
 MAX_ANNOTATION_BYTES = 1024 * MiB
@@ -133,8 +174,8 @@ LAYOUTS = (
                                                    root.name)),
     Layout("Karpathy split file", lambda s: "dataset_*.json",
            lambda root, s: any(root.glob("dataset_*.json")), _load_karpathy_folder),
-    Layout("Flickr8k official", lambda s: f"Flickr8k_text/{flickr8k.TOKEN_FILE} + Flickr_8k.<split>Images.txt",
-           lambda root, s: flickr8k.detect(root), lambda root, s, images, _: flickr8k.load(root, s, images)),
+    Layout("Flickr8k official", lambda s: f"Flickr8k_text/{FLICKR8K_TOKEN_FILE} + Flickr_8k.<split>Images.txt",
+           lambda root, s: is_flickr8k(root), lambda root, s, images, _: load_flickr8k(root, s, images)),
 )
 
 
@@ -162,8 +203,8 @@ def available_splits(root: str | Path) -> list[str]:
 
 def _load_file(path: Path, split: str, images_dir: Path | None, include_restval: bool) -> CaptionSet:
     data = read_json(path)
-    if karpathy.is_karpathy(data):
-        return karpathy.caption_set_from_karpathy(path, data, split, images_dir, include_restval)
+    if is_karpathy(data):
+        return caption_set_from_karpathy(path, data, split, images_dir, include_restval)
     if not (isinstance(data, dict) and "images" in data and "annotations" in data):
         raise DataError(f"{path}: not a COCO captions file (no 'images' and 'annotations') "
                         "nor a Karpathy split file (no 'images' with 'sentences')")
@@ -218,6 +259,246 @@ def read_json(path: Path) -> Any:
         raise DataError(f"{path}: invalid JSON ({str(exc)[:120]})") from None
     except RecursionError:  # e.g. "[[[[..." nested deeper than the parser's recursion limit
         raise DataError(f"{path}: invalid JSON (nested too deeply)") from None
+
+
+# ----------------------------------------------------------------------------- Karpathy split files
+
+RESTVAL = "restval"
+KARPATHY_ALIASES = {"dev": "val"}
+KARPATHY_IMAGE_DIRS = ("Flicker8k_Dataset", "Flickr8k_Dataset", "images", "Images")
+
+
+def is_karpathy(data: Any) -> bool:
+    """True for a parsed Karpathy split file (``images`` entries carry ``sentences``, no ``annotations``)."""
+    if not isinstance(data, dict) or "annotations" in data or not isinstance(data.get("images"), list):
+        return False
+    first = data["images"][0] if data["images"] else None
+    return isinstance(first, dict) and "sentences" in first
+
+
+def karpathy_splits(data: dict) -> list[str]:
+    """Split names present in a Karpathy file, in first-seen order."""
+    return list(dict.fromkeys(str(img.get("split")) for img in data["images"] if isinstance(img, dict)))
+
+
+def caption_set_from_karpathy(
+    path: Path, data: dict, split: str, images_dir: Path | None = None, include_restval: bool = True
+) -> CaptionSet:
+    """Validate a parsed Karpathy file and build the caption set of one split.
+
+    Args:
+        path: the JSON file (for messages and the default image folder).
+        data: its parsed content.
+        split: ``train``, ``val`` (or ``dev``), ``test``, ``restval`` or ``all``.
+        images_dir: image folder; ``filepath`` entries are joined below it (default: see the module).
+        include_restval: ``train`` also takes the ``restval`` images.
+    """
+    available = karpathy_splits(data)
+    if split in KARPATHY_ALIASES and split not in available and KARPATHY_ALIASES[split] in available:
+        split = KARPATHY_ALIASES[split]
+    if split not in available + ["all"]:
+        raise DataError(f"{path}: unknown split {split!r}; available: {', '.join(available + ['all'])}")
+    wanted = {split}
+    if split == "train" and include_restval:
+        wanted.add(RESTVAL)
+    if images_dir is None:
+        images_dir = _karpathy_image_dir(path, data)
+
+    entries: list[tuple[ImageRecord, list[str]]] = []
+    seen: set[int] = set()
+    for i, img in enumerate(data["images"]):
+        record, captions = _parse_karpathy_image(path, i, img, images_dir)
+        if record.image_id in seen:
+            raise DataError(f"{path}: images[{i}] repeats image id {record.image_id}")
+        seen.add(record.image_id)
+        if split == "all" or img["split"] in wanted:
+            entries.append((record, captions))
+    return build_caption_set(path, path.stem, split, entries, images_dir)
+
+
+def _karpathy_image_dir(path: Path, data: dict) -> Path:
+    """The folder of the first images among the JSON's folder and :data:`KARPATHY_IMAGE_DIRS` below it."""
+    first = [img for img in data["images"][:SAMPLE] if isinstance(img, dict) and isinstance(img.get("filename"), str)]
+    probe = {"images": [{"file_name": str(Path(img.get("filepath") or "") / img["filename"])} for img in first
+                        if isinstance(img.get("filepath") or "", str)]}
+    return pick_image_dir(probe, path.parent, *(path.parent / d for d in KARPATHY_IMAGE_DIRS))
+
+
+def _parse_karpathy_image(path: Path, i: int, img: Any, images_dir: Path) -> tuple[ImageRecord, list[str]]:
+    if not isinstance(img, dict):
+        raise DataError(f"{path}: images[{i}] is not an object")
+    for key in ("filename", "split", "sentences"):
+        if key not in img:
+            raise DataError(f"{path}: images[{i}] has no '{key}'")
+    image_id = img.get("cocoid", img.get("imgid"))
+    if image_id is None:
+        raise DataError(f"{path}: images[{i}] has no 'cocoid' or 'imgid'")
+    if not _is_int(image_id):
+        raise DataError(f"{path}: images[{i}] has a non-integer id {_short(image_id)}")
+    if not isinstance(img["filename"], str) or not img["filename"]:
+        raise DataError(f"{path}: images[{i}] has an invalid filename {_short(img['filename'])}")
+    if not isinstance(img["split"], str):
+        raise DataError(f"{path}: images[{i}] has a split that is not a string: {_short(img['split'])}")
+    filepath = img.get("filepath")
+    if filepath is not None and not isinstance(filepath, str):
+        raise DataError(f"{path}: images[{i}] has a filepath that is not a string: {_short(filepath)}")
+    if not isinstance(img["sentences"], list):
+        raise DataError(f"{path}: images[{i}] has 'sentences' that is not a list")
+    captions = []
+    for j, sentence in enumerate(img["sentences"]):
+        raw = sentence.get("raw") if isinstance(sentence, dict) else None
+        tokens = sentence.get("tokens") if isinstance(sentence, dict) else None
+        if isinstance(raw, str):
+            captions.append(raw)
+        elif isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+            captions.append(" ".join(tokens))
+        else:
+            raise DataError(f"{path}: images[{i}] sentence {j} has no 'raw' text or 'tokens' list")
+    folder = images_dir / filepath if filepath else images_dir
+    record = ImageRecord(image_id=image_id, file_name=img["filename"], path=folder / img["filename"])
+    return record, captions
+
+
+# ----------------------------------------------------------------------------- the official Flickr8k distribution
+
+_flickr8k_log = logging.getLogger("captioner.data.flickr8k")  # its name before the fold, kept for log filters
+
+FLICKR8K_NAME = "flickr8k"
+FLICKR8K_TOKEN_FILE = "Flickr8k.token.txt"
+FLICKR8K_SPLIT_FILES = {"train": "Flickr_8k.trainImages.txt", "dev": "Flickr_8k.devImages.txt",
+               "test": "Flickr_8k.testImages.txt"}
+FLICKR8K_ALIASES = {"val": "dev"}
+FLICKR8K_TEXT_DIRS = ("Flickr8k_text", "Flickr8k_text/Flickr8k_text", ".")
+FLICKR8K_IMAGE_DIRS = ("Flicker8k_Dataset", "Flickr8k_Dataset", "Flickr8k_Dataset/Flicker8k_Dataset",
+              "Flicker8k_Dataset/Flicker8k_Dataset", "Images", "images", ".")
+_FLICKR8K_KEY = re.compile(r"^(?P<name>.+)#(?P<n>\d+)$")
+
+
+@dataclass
+class TokenFile:
+    """The parsed caption file.
+
+    Attributes:
+        captions: ``{image name: [caption, ...]}``, names in first-seen order, captions in file order.
+        malformed: lines skipped as malformed.  first_malformed: ``(line number, text)`` of the first.
+        duplicates: captions dropped because the same image already had that exact caption.
+    """
+
+    captions: dict[str, list[str]] = field(default_factory=dict)
+    malformed: int = 0
+    first_malformed: tuple[int, str] | None = None
+    duplicates: int = 0
+
+
+def _text_lines(path: Path, what: str) -> list[str]:
+    """The lines of a text file (any line ends, BOM dropped); a missing file is a one-line DataError."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found ({what})") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+
+
+def parse_token_lines(lines: list[str]) -> TokenFile:
+    """Parse ``NAME#n<TAB>caption`` lines (see the module docstring for what is skipped)."""
+    out = TokenFile()
+    seen: dict[str, set[str]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        key, tab, caption = line.partition("\t")
+        match = _FLICKR8K_KEY.match(key.strip())
+        caption = " ".join(caption.split())
+        if not tab or match is None or not caption:
+            out.malformed += 1
+            if out.first_malformed is None:
+                out.first_malformed = (number, line)
+            continue
+        name = match["name"].strip()
+        if caption in seen.setdefault(name, set()):
+            out.duplicates += 1
+            continue
+        seen[name].add(caption)
+        out.captions.setdefault(name, []).append(caption)
+    return out
+
+
+def read_token_file(path: Path) -> TokenFile:
+    """Parse ``Flickr8k.token.txt``, warning once about malformed lines."""
+    parsed = parse_token_lines(_text_lines(path, "the Flickr8k caption file"))
+    if parsed.first_malformed is not None:
+        number, text = parsed.first_malformed
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        _flickr8k_log.warning("%s: skipped %d malformed line(s) (no tab, no #n suffix or empty caption); "
+                              "first: line %d: %r", path, parsed.malformed, number, shown)
+    if parsed.duplicates:
+        _flickr8k_log.info("%s: dropped %d duplicate caption line(s)", path, parsed.duplicates)
+    if not parsed.captions:
+        raise DataError(f"{path}: no 'NAME.jpg#n<TAB>caption' line")
+    return parsed
+
+
+def read_split_list(path: Path, split: str) -> list[str]:
+    """Image names of one split list (blank lines and repeats dropped, order kept)."""
+    names = [line.strip() for line in _text_lines(path, f"the Flickr8k {split!r} split list")]
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def flickr8k_text_dir(root: Path) -> Path | None:
+    """The first of :data:`FLICKR8K_TEXT_DIRS` under ``root`` holding the token file or a split list."""
+    for rel in FLICKR8K_TEXT_DIRS:
+        folder = root / rel if rel != "." else root
+        if (folder / FLICKR8K_TOKEN_FILE).is_file() \
+                or any((folder / f).is_file() for f in FLICKR8K_SPLIT_FILES.values()):
+            return folder
+    return None
+
+
+def is_flickr8k(root: Path) -> bool:
+    """True when ``root`` is a folder with the official Flickr8k text files or image folder."""
+    if not root.is_dir():
+        return False
+    return flickr8k_text_dir(root) is not None or any((root / d).is_dir() for d in FLICKR8K_IMAGE_DIRS[:2])
+
+
+def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> CaptionSet:
+    """One split of the official layout as a caption set named ``flickr8k``.
+
+    Args:
+        root: the dataset folder (``is_flickr8k(root)`` is true).
+        split: ``train``, ``dev`` (or ``val``), ``test`` or ``all``.
+        images_dir: the image folder, when it is none of :data:`FLICKR8K_IMAGE_DIRS`.
+
+    Raises:
+        DataError: unknown split, or a missing or unreadable file (one line naming it).
+    """
+    split = FLICKR8K_ALIASES.get(split, split)
+    if split not in (*FLICKR8K_SPLIT_FILES, ALL_SPLIT):
+        raise DataError(f"{root}: unknown split {split!r}; available: {', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} "
+                        f"(val = dev)")
+    folder = flickr8k_text_dir(root) or root / FLICKR8K_TEXT_DIRS[0]
+    if split == ALL_SPLIT:
+        present = [s for s in FLICKR8K_SPLIT_FILES if (folder / FLICKR8K_SPLIT_FILES[s]).is_file()] or ["train"]
+        names = list(dict.fromkeys(n for s in present for n in read_split_list(folder / FLICKR8K_SPLIT_FILES[s], s)))
+    else:
+        names = read_split_list(folder / FLICKR8K_SPLIT_FILES[split], split)
+    if not names:
+        raise DataError(f"{folder / FLICKR8K_SPLIT_FILES.get(split, FLICKR8K_SPLIT_FILES['train'])}: lists no image")
+    token_path = folder / FLICKR8K_TOKEN_FILE
+    parsed = read_token_file(token_path)
+    ids = {name: i for i, name in enumerate(parsed.captions, start=1)}
+    for name in names:  # listed but never captioned: build_caption_set skips them with a warning
+        ids.setdefault(name, len(ids) + 1)
+    if images_dir is None:
+        probe = {"images": [{"file_name": n} for n in names[:8]]}
+        images_dir = pick_image_dir(probe, *[root / d if d != "." else root for d in FLICKR8K_IMAGE_DIRS])
+    entries = [(ImageRecord(image_id=ids[name], file_name=name, path=images_dir / name),
+                parsed.captions.get(name, [])) for name in names]
+    return build_caption_set(token_path, FLICKR8K_NAME, split, entries, images_dir)
 
 
 # ----------------------------------------------------------------------------- COCO format

@@ -1,1 +1,1 @@
-"""Turning a model's per-step state into captions: beam search and greedy decoding (``search``), sampling for self-critical training (``sampling``)."""
+"""Turning a model's per-step state into captions: beam search and greedy decoding, and sampling for self-critical training (``search``)."""

@@ -4,7 +4,7 @@
 
 1. generates the synthetic scenes (``make_shapes``) unless ``data`` already holds them;
 2. pretrains the demo's small CNN from the training captions as multiple-instance word detectors
-   (``captioner.training.word_detectors``, ``encoder_budget`` seconds): the from-scratch stand-in
+   (``captioner.training.detectors``, ``encoder_budget`` seconds): the from-scratch stand-in
    for an ImageNet encoder, whose regions then say what is where;
 3. freezes it and encodes the scenes once (one feature cache, held in memory by each run);
 4. trains SAT-soft, SAT-hard and the Transformer (presets ``<decoder>_demo``) on those features,
@@ -38,10 +38,9 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.jobs import build_feature_caches, run_decoder, run_parallel
-from captioner.demo.pace import pace_notes, steps_of_reference
-from captioner.demo.report import LABELS, write_report
+from captioner.demo.report import LABELS, pace_notes, steps_of_reference, write_report
 from captioner.errors import ConfigError, DataError
-from captioner.training.word_detectors import pretrain_word_detectors
+from captioner.training.detectors import pretrain_word_detectors
 
 log = logging.getLogger(__name__)
 

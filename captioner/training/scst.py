@@ -8,7 +8,7 @@ training reads them; the references are not the batch's captions but all of each
 
 1. the batch's **distinct images** (first occurrence of each ``image_index``, in batch order);
 2. **K samples** per image (``train.scst.samples``), drawn without gradients through the decoder
-   contract (:func:`captioner.decoding.sampling.sample_captions`), temperature ``train.scst.temperature``,
+   contract (:func:`captioner.decoding.search.sample_captions`), temperature ``train.scst.temperature``,
    at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
    decoder's training mode with its dropout layers off (hard attention samples its regions): the
    policy trained, the same one step 5 re-scores (:func:`dropout_off`);
@@ -76,8 +76,7 @@ from torch import nn
 
 from captioner.config import ScstConfig, TrainConfig
 from captioner.config.schema import SCST_BASELINES
-from captioner.decoding.sampling import sample_captions
-from captioner.decoding.search import DecodeOptions, SuppressTokens, never_emitted_ids
+from captioner.decoding.search import DecodeOptions, SuppressTokens, never_emitted_ids, sample_captions
 from captioner.errors import DataError
 from captioner.evaluation.metrics import DocFrequencies, cider_d_tokenized, ngram_document_frequencies
 from captioner.inference import search_features
@@ -179,7 +178,7 @@ def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
                      eos_id: int = -1, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target) at each step under the **sampling policy**: (R, L, V), (R, L), (R, L) -> (R, L) float32.
 
-    pi is the distribution :func:`captioner.decoding.sampling.sample_captions` draws from:
+    pi is the distribution :func:`captioner.decoding.search.sample_captions` draws from:
     ``softmax(logits / temperature)`` over the vocabulary **without** ``banned_ids`` (``<eos>`` is
     never banned), not the model's full softmax. The difference matters: a model trained with
     cross-entropy on a vocabulary cut at ``min_freq`` gives ``<unk>`` real mass (up to 0.4 at a step
@@ -189,7 +188,7 @@ def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
     (greedy training CIDEr-D 1.55 -> 0.26). Under pi the banned ids get no gradient at all.
     Positions where ``mask`` is False (padding) are 0.
     """
-    scores = SuppressTokens(banned_ids, eos_id)(logits.float())  # the sampler's filter (captioner.decoding.sampling)
+    scores = SuppressTokens(banned_ids, eos_id)(logits.float())  # the sampler's filter (captioner.decoding.search)
     if temperature != 1.0:
         scores = scores / temperature
     chosen = F.log_softmax(scores, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (R, L), -inf at pad

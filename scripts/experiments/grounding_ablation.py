@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_scenes(options)
     weights_file = out / "encoder.safetensors"
     if not weights_file.exists():  # --encoder-steps steps, or (0) --encoder-budget seconds, with the flags' signals
-        from captioner.training.word_detectors import pretrain_word_detectors
+        from captioner.training.detectors import pretrain_word_detectors
 
         result = pretrain_word_detectors(demo_config(decoders[0], options), weights_file,
                                          max_steps=args.encoder_steps or None,

@@ -1,16 +1,33 @@
-"""The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``, ``--no-repeat-ngram``,
-``--no-repeat-words``).
+"""Command-line option helpers the commands share: finite floats and the decoding flags.
 
-A flag left out is not passed on, so the one default, ``DecodeOptions()`` (beam 3, 20 words,
-``<unk>`` banned: :mod:`captioner.config.schema`), applies to every command as to the Python API
-and to training's validation. Imports only argparse (the CLI's ``--help`` stays fast).
+Imports only argparse, math and :mod:`captioner.errors` (the CLI's ``--help`` stays fast).
+
+Option value types (argparse ``type=`` callables): a value argparse cannot take is reported by the
+parser as one usage line and exit code 2.
+
+The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``,
+``--no-repeat-ngram``, ``--no-repeat-words``): a flag left out is not passed on, so the one
+default, ``DecodeOptions()`` (beam 3, 20 words, ``<unk>`` banned: :mod:`captioner.config.schema`),
+applies to every command as to the Python API and to training's validation.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from captioner.errors import ConfigError
+
+def finite_float(text: str) -> float:
+    """``float(text)``, refusing ``nan``, ``inf`` and ``-inf`` (they pass every ``<`` and ``>`` test wrongly)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
 
 FLAGS = {"beam": "beam_size", "max_len": "max_len"}  # option dest -> DecodeOptions field
 

@@ -1,0 +1,491 @@
+"""Dataset downloads behind ``captioner download flickr8k|coco``: the shared archive loop and zip
+extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum) is
+:mod:`captioner.download`.
+
+Each dataset's names are also grouped under its name, as the command uses them:
+``flickr8k.select_archives``, ``flickr8k.prepare``, ``coco.ARCHIVES``... (:data:`flickr8k`, :data:`coco`).
+
+Archives
+--------
+
+What the dataset downloads share: the archive loop and zip extraction.
+
+``prepare`` downloads, checks and extracts each archive not yet present (``root/downloads/``
+holds the zips); ``write_members`` extracts chosen zip members, atomically, never outside the
+destination folder and within :class:`ArchiveBounds` (size per member and in all, expansion ratio:
+zip bombs stop at the bound). Errors are ``DataError`` with one line naming the file; an archive
+that cannot be extracted is removed, with the files it had written, so that the next run fetches
+it again.
+
+COCO 2014
+---------
+
+Download and lay out COCO 2014 captions with the Karpathy split (needs internet).
+
+    captioner download coco --root data/coco            # everything (~20 GB of zips)
+    captioner download coco --root data/coco --dry-run  # list what it would do
+    captioner download coco --only annotations karpathy # just the JSON files
+
+Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
+
+    train2014/COCO_train2014_*.jpg          82,783 images  (from train2014.zip)
+    val2014/COCO_val2014_*.jpg              40,504 images  (from val2014.zip)
+    annotations/captions_train2014.json     (from annotations_trainval2014.zip)
+    annotations/captions_val2014.json
+    annotations/instances_{train,val}2014.json   only with --instances
+    dataset_coco.json                       Karpathy split (from caption_datasets.zip)
+    downloads/*.zip                         the archives (deleted after extraction unless --keep-archives)
+
+Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
+with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
+mismatch deletes the ``.part`` file and fails with the file's name. The download, resume, checksum
+and extraction code is shared with the Flickr8k download
+(the archives section above). Anything already present
+(an extracted folder with its ``.extracted`` marker, or the JSON files) is skipped.
+``--mirror URL`` fetches every archive as ``URL/<archive name>`` (a local mirror, or file:// URLs).
+
+Flickr8k
+--------
+
+Download Flickr8k from the widely used public mirror and unzip it into the official layout.
+
+    captioner download flickr8k --root data/flickr8k             # both zips (about 1 GB)
+    captioner download flickr8k --root data/flickr8k --dry-run   # list what it would do
+    captioner download flickr8k --root data/flickr8k --sha256 images=HEX --sha256 text=HEX
+    captioner train --preset sat_soft_lite --data data/flickr8k --set data.val_split=dev
+
+The mirror is the "Flickr8k" release of github.com/jbrownlee/Datasets (the official form-based
+download of Hodosh et al. is gone): ``Flickr8k_Dataset.zip`` (about 1 GB) and
+``Flickr8k_text.zip`` (about 2 MB). Files it writes under ``--root`` (the layout
+``load_caption_set`` reads as ``--data``, splits ``train``, ``dev``, ``test``)::
+
+    Flicker8k_Dataset/*.jpg                  the 8,091 photos (sic: "Flicker", as in the original)
+    Flickr8k_text/Flickr8k.token.txt         the captions, NAME.jpg#0..#4<TAB>caption
+    Flickr8k_text/Flickr_8k.{train,dev,test}Images.txt   the standard split lists (6,000 / 1,000 / 1,000)
+    Flickr8k_text/...                        the zip's other files (lemma tokens, expert judgements, readme)
+    Flickr8k.sha256                          the SHA-256 of each zip as downloaded (``sha256sum`` format)
+    downloads/*.zip                          the archives (deleted after extraction unless --keep-archives)
+
+Checksums: the mirror publishes none and the package does not know them, so by default nothing is
+compared: each zip's size and SHA-256 are printed and recorded in ``Flickr8k.sha256``. Pass them
+back with ``--sha256 images=HEX --sha256 text=HEX`` (from an earlier download, a colleague, or a
+copy you trust) to have a new download checked; a mismatch removes the file, prints one line and
+exits 1. Downloads are resumable (``downloads/<name>.part``, HTTP Range; just run it again), and
+what is already extracted is skipped. Members are flattened into the two folders, so the zip's
+inner folder names and ``__MACOSX`` entries do not matter. ``--mirror URL`` fetches each zip as
+``URL/<zip name>``. The download code is shared with the COCO download
+(the archives section above).
+"""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
+from typing import Any
+
+from captioner.download import CHUNK, Bounds, download, file_digest, verify
+from captioner.errors import DataError
+
+__all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
+           "CocoArchive", "Flickr8kArchive", "Steps", "coco", "coco_is_present", "extract_coco", "extract_flickr8k",
+           "flickr8k", "flickr8k_is_present", "open_zip", "parse_sha256", "prepare", "prepare_coco",
+           "prepare_flickr8k", "record_digest", "select_coco_archives", "select_flickr8k_archives", "write_members"]
+
+log = logging.getLogger("captioner.download")
+MARKER = ".extracted"  # in an extracted folder: its archive was extracted completely
+
+
+# --- archives: what both datasets share ---
+
+@dataclass(frozen=True)
+class ArchiveBounds:
+    """What extracting one archive may write (a zip bomb stops at the first bound it crosses).
+
+    Attributes:
+        member_bytes: the largest member, counted as it is written (its stated size is checked first).
+        ratio: the largest expansion of a member (bytes written per compressed byte), once it is
+            past ``ratio_floor`` bytes (small files of repeated text compress well).
+        total_bytes: everything extracted from one archive.
+    """
+
+    member_bytes: int = 4 << 30
+    ratio: float = 200.0
+    ratio_floor: int = 1 << 20
+    total_bytes: int = 64 << 30
+
+
+BOUNDS = ArchiveBounds()
+_CORRUPT = (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError, ValueError)
+
+
+def open_zip(zip_path: Path) -> zipfile.ZipFile:
+    """``ZipFile(zip_path)``; a file that is not a zip (or a truncated one) is a one-line ``DataError``."""
+    try:
+        return zipfile.ZipFile(zip_path)
+    except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+        raise DataError(f"{zip_path}: not a valid zip archive ({_why(exc)})") from None
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+
+
+def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, tmp: Path, zip_path: Path, bounds: ArchiveBounds,
+                 budget: int) -> int:
+    """Stream one member into ``tmp`` with a running total; returns the bytes written."""
+    limit = min(bounds.member_bytes, budget)
+    where = f"{zip_path}: member {info.filename!r}"
+    if info.flag_bits & 0x1:
+        raise DataError(f"{where} cannot be extracted (it is encrypted: a password would be needed)")
+    if info.file_size > limit:
+        raise DataError(f"{where} states {info.file_size} bytes, over the limit of {limit} bytes (a zip bomb?)")
+    written = 0
+    with zf.open(info) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(CHUNK):
+            written += len(chunk)
+            if written > limit:
+                raise DataError(f"{where} expands past {limit} bytes (a zip bomb?)")
+            if written > bounds.ratio_floor and written > bounds.ratio * max(info.compress_size, 1):
+                raise DataError(f"{where} expands more than {bounds.ratio:g} times its {info.compress_size} "
+                                "compressed bytes (a zip bomb?)")
+            dst.write(chunk)
+    return written
+
+
+def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterable[tuple[str, str]],
+                  bounds: ArchiveBounds | None = None) -> list[Path]:
+    """Extract ``(member name, destination relative to root)`` pairs, each through a ``.tmp`` file.
+
+    Each member is streamed with a running total against ``bounds`` (default :data:`BOUNDS`). On
+    any failure the ``.tmp`` file and the members this call wrote are removed.
+
+    Raises:
+        DataError: a destination would lie outside ``root`` (a ``../`` member name); a member over a
+            bound; a corrupt, encrypted or unsupported member (one line naming it).
+    """
+    bounds = bounds or BOUNDS
+    written: list[Path] = []
+    base = root.resolve()
+    total, tmp = 0, None
+    try:
+        for name, rel in pairs:
+            out = (root / rel).resolve()
+            if base not in out.parents:
+                raise DataError(f"{zip_path}: member {name!r} would escape {root}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            try:
+                total += _copy_member(zf, zf.getinfo(name), tmp, zip_path, bounds, bounds.total_bytes - total)
+            except _CORRUPT as exc:
+                raise DataError(f"{zip_path}: member {name!r} cannot be extracted ({_why(exc)})") from None
+            tmp.replace(out)
+            tmp = None
+            written.append(out)
+    except BaseException:
+        for path in ([tmp] if tmp is not None else []) + written:
+            path.unlink(missing_ok=True)
+        raise
+    return written
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What one dataset's script does with one of its archives (an object with ``key``, ``name``, ``url``).
+
+    Attributes:
+        is_present: ``(root, archive) -> bool``: its content is already extracted.
+        where: ``(root, archive) -> str``: what it fills, for the messages.
+        describe: ``archive -> str``: what the download knows or checks (size, checksum).
+        fetch: ``(zip_path, root, archive, progress) -> None``: download and check it.
+        extract: ``(zip_path, root, archive) -> Any``: take its files out.
+    """
+
+    is_present: Callable[[Path, Any], bool]
+    where: Callable[[Path, Any], str]
+    describe: Callable[[Any], str]
+    fetch: Callable[[Path, Path, Any, bool], None]
+    extract: Callable[[Path, Path, Any], Any]
+
+
+def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = False, keep_archives: bool = False,
+            progress: bool = True) -> list[str]:
+    """Download, check and extract each archive not yet present (``root/downloads/`` holds the zips).
+
+    Returns:
+        The actions, done or (``dry_run``) planned, one line each.
+    """
+    actions = []
+    downloads = root / "downloads"
+    for a in archives:
+        zip_path = downloads / a.name
+        if steps.is_present(root, a):
+            actions.append(f"skip {a.key}: {steps.where(root, a)} is present")
+            continue
+        if zip_path.exists():
+            actions.append(f"use {zip_path} (already downloaded)")
+        else:
+            part = zip_path.with_name(zip_path.name + ".part")
+            resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
+            actions.append(f"download {a.url} -> {zip_path} ({steps.describe(a)}{resume})")
+        actions.append(f"extract {a.name} -> {steps.where(root, a)}")
+        if not keep_archives:
+            actions.append(f"delete {zip_path}")
+        if dry_run:
+            continue
+        downloads.mkdir(parents=True, exist_ok=True)
+        steps.fetch(zip_path, root, a, progress)
+        log.info("extracting %s", zip_path)
+        try:
+            steps.extract(zip_path, root, a)
+        except DataError as exc:  # kept, it would fail the same way on every run
+            zip_path.unlink(missing_ok=True)
+            raise DataError(f"{exc}; {zip_path} was removed: run again to download it again") from None
+        if not keep_archives:
+            zip_path.unlink()
+    return actions
+
+
+# --- COCO 2014 ---
+
+@dataclass(frozen=True)
+class CocoArchive:
+    """One file to fetch and what to take out of it.
+
+    Attributes:
+        key: short name for ``--only``.
+        url: where it lives.
+        size: expected bytes (None = unknown).  md5: expected MD5 hex (None = unknown).
+        members: ``(prefix inside the zip, destination relative to root)`` pairs to extract.
+        target: a path under root whose presence means "done" (a folder gets a marker file).
+    """
+
+    key: str
+    url: str
+    size: int | None
+    md5: str | None
+    members: tuple[tuple[str, str], ...]
+    target: str
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+COCO_ARCHIVES = (
+    CocoArchive("train", "http://images.cocodataset.org/zips/train2014.zip", 13510573713,
+            "0da8c0bd3d6becc4dcb32757491aca88", (("train2014/", "train2014/"),), "train2014"),
+    CocoArchive("val", "http://images.cocodataset.org/zips/val2014.zip", 6645013297,
+            "a3d79f5ed8d289b7a7554ce06a5782b3", (("val2014/", "val2014/"),), "val2014"),
+    CocoArchive("annotations", "http://images.cocodataset.org/annotations/annotations_trainval2014.zip", 252872794,
+            "0a379cfc70b0e71301e0f377548639bd",
+            (("annotations/captions_train2014.json", "annotations/captions_train2014.json"),
+             ("annotations/captions_val2014.json", "annotations/captions_val2014.json")),
+            "annotations/captions_val2014.json"),
+    # Karpathy & Fei-Fei 2015 splits; no published checksum.
+    CocoArchive("karpathy", "https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip", None, None,
+            (("dataset_coco.json", "dataset_coco.json"),), "dataset_coco.json"),
+)
+INSTANCE_MEMBERS = (("annotations/instances_train2014.json", "annotations/instances_train2014.json"),
+                    ("annotations/instances_val2014.json", "annotations/instances_val2014.json"))
+
+
+def select_coco_archives(only: Sequence[str] | None = None, mirror: str | None = None,
+                         instances: bool = False) -> list[CocoArchive]:
+    """The archives to process, with ``--only``, ``--mirror`` and ``--instances`` applied."""
+    keys = [a.key for a in COCO_ARCHIVES]
+    bad = sorted(set(only or ()) - set(keys))
+    if bad:
+        raise DataError(f"unknown archive(s) {', '.join(bad)}; choose from {', '.join(keys)}")
+    out = []
+    for a in COCO_ARCHIVES:
+        if only and a.key not in only:
+            continue
+        url = f"{mirror.rstrip('/')}/{a.name}" if mirror else a.url
+        members = a.members + INSTANCE_MEMBERS if instances and a.key == "annotations" else a.members
+        out.append(CocoArchive(a.key, url, a.size, a.md5, members, a.target))
+    return out
+
+
+def coco_is_present(root: Path, archive: CocoArchive) -> bool:
+    """True when the archive's extracted content is already in place."""
+    target = root / archive.target
+    if target.is_dir():
+        return (target / MARKER).exists()
+    return all((root / dest).exists() for _, dest in archive.members)
+
+
+def extract_coco(zip_path: Path, root: Path, archive: CocoArchive) -> list[Path]:
+    """Extract the archive's members under ``root``; folders get a completion marker."""
+    with open_zip(zip_path) as zf:
+        names = zf.namelist()
+        pairs = []
+        for prefix, dest in archive.members:
+            matched = [n for n in names if n == prefix or (prefix.endswith("/") and n.startswith(prefix))]
+            if not matched:
+                raise DataError(f"{zip_path}: has no {prefix!r} (is it the right archive?)")
+            pairs += [(name, dest + name[len(prefix):] if prefix.endswith("/") else dest)
+                      for name in matched if not name.endswith("/")]
+        written = write_members(zf, zip_path, root, pairs)
+    target = root / archive.target
+    if target.is_dir():
+        (target / MARKER).write_text(f"extracted from {zip_path.name}\n")
+    return written
+
+
+def _fetch_coco(zip_path: Path, root: Path, a: CocoArchive, progress: bool) -> None:
+    if not zip_path.exists():
+        download(a.url, zip_path, a.size, a.md5, progress=progress)
+
+
+COCO_STEPS = Steps(is_present=coco_is_present, where=lambda root, a: f"{root}/{{{', '.join(d for _, d in a.members)}}}",
+                   describe=lambda a: f"{a.size / 1e9:.2f} GB" if a.size else "size unknown",
+                   fetch=_fetch_coco, extract=extract_coco)
+
+
+def prepare_coco(root: Path, archives: Sequence[CocoArchive], dry_run: bool = False, keep_archives: bool = False,
+                 progress: bool = True) -> list[str]:
+    """Download, verify and extract each archive not yet present; returns the actions (done or planned)."""
+    return prepare(root, archives, COCO_STEPS, dry_run, keep_archives, progress)
+
+
+# --- Flickr8k ---
+
+_flickr8k_log = logging.getLogger("captioner.download.flickr8k")
+FLICKR8K_BASE = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
+FLICKR8K_RECORD = "Flickr8k.sha256"
+# the mirror states no sizes: bounds a few times over the real ones (1.1 GB and 2.3 MB)
+FLICKR8K_BOUNDS = {"images": Bounds(max_bytes=4 << 30), "text": Bounds(max_bytes=64 << 20)}
+
+
+@dataclass(frozen=True)
+class Flickr8kArchive:
+    """One zip of the mirror.
+
+    Attributes:
+        key: short name for ``--only`` and ``--sha256 KEY=HEX``.
+        url: where it lives.  sha256: expected digest (None = not checked).
+        folder: where its files go, relative to the root.
+        suffix: only members whose name ends with it (lowercase) are taken ("" = every file).
+        needed: a file that must come out of it (else it is the wrong archive).
+    """
+
+    key: str
+    url: str
+    sha256: str | None
+    folder: str
+    suffix: str
+    needed: str | None
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+FLICKR8K_ARCHIVES = (
+    Flickr8kArchive("images", f"{FLICKR8K_BASE}/Flickr8k_Dataset.zip", None, "Flicker8k_Dataset", ".jpg", None),
+    Flickr8kArchive("text", f"{FLICKR8K_BASE}/Flickr8k_text.zip", None, "Flickr8k_text", "", "Flickr8k.token.txt"),
+)
+
+
+def parse_sha256(items: Sequence[str] | None) -> dict[str, str]:
+    """``["images=HEX", ...]`` -> ``{"images": "hex"}``; DataError for a bad key or digest."""
+    keys = [a.key for a in FLICKR8K_ARCHIVES]
+    out = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        value = value.strip().lower()
+        if key not in keys or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+            raise DataError(f"--sha256 {item!r}: expected KEY=HEX with KEY one of {', '.join(keys)} "
+                            "and a 64-digit SHA-256")
+        out[key] = value
+    return out
+
+
+def select_flickr8k_archives(only: Sequence[str] | None = None, mirror: str | None = None,
+                             sha256: dict[str, str] | None = None) -> list[Flickr8kArchive]:
+    """The archives to process, with ``--only``, ``--mirror`` and ``--sha256`` applied."""
+    out = []
+    for a in FLICKR8K_ARCHIVES:
+        if only and a.key not in only:
+            continue
+        url = f"{mirror.rstrip('/')}/{a.name}" if mirror else a.url
+        out.append(replace(a, url=url, sha256=(sha256 or {}).get(a.key, a.sha256)))
+    return out
+
+
+def flickr8k_is_present(root: Path, archive: Flickr8kArchive) -> bool:
+    """True when the archive was extracted completely (its folder has the marker)."""
+    return (root / archive.folder / MARKER).exists()
+
+
+def _flickr8k_members(names: Sequence[str], archive: Flickr8kArchive) -> list[tuple[str, str]]:
+    """``(member, destination)`` pairs: the files to take, flattened into the archive's folder."""
+    pairs: dict[str, str] = {}
+    for name in names:
+        path = PurePosixPath(name)
+        if name.endswith("/") or "__MACOSX" in path.parts or path.name.startswith(".") \
+                or not path.name.lower().endswith(archive.suffix):
+            continue
+        pairs.setdefault(path.name, name)  # the first of two same-named files wins
+    return [(member, f"{archive.folder}/{base}") for base, member in sorted(pairs.items())]
+
+
+def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive) -> list[Path]:
+    """Extract the archive into ``root/<folder>/`` (flattened), mark the folder complete and record
+    the zip's SHA-256 (only now: a zip that cannot be extracted is not recorded as good)."""
+    with open_zip(zip_path) as zf:
+        pairs = _flickr8k_members(zf.namelist(), archive)
+        what = archive.needed or f"*{archive.suffix}"
+        if not pairs or (archive.needed and archive.needed not in {PurePosixPath(d).name for _, d in pairs}):
+            raise DataError(f"{zip_path}: has no {what} (is it the right archive?)")
+        written = write_members(zf, zip_path, root, pairs)
+    (root / archive.folder / MARKER).write_text(f"extracted from {zip_path.name}\n")
+    digest = archive.sha256 or file_digest(zip_path, "sha256")
+    record_digest(root, zip_path.name, digest)
+    _flickr8k_log.info("%s: %d bytes, SHA-256 %s%s", zip_path.name, zip_path.stat().st_size, digest,
+                       " (checked)" if archive.sha256 else f" (recorded in {root / FLICKR8K_RECORD})")
+    return written
+
+
+def record_digest(root: Path, name: str, digest: str) -> None:
+    """Add or replace ``name``'s line in ``root/Flickr8k.sha256``."""
+    path = root / FLICKR8K_RECORD
+    lines = path.read_text().splitlines() if path.exists() else []
+    lines = [line for line in lines if not line.endswith(f"  {name}")] + [f"{digest}  {name}"]
+    path.write_text("\n".join(sorted(lines, key=lambda line: line.split("  ", 1)[-1])) + "\n")
+
+
+def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bool) -> None:
+    """Download (unless kept from an earlier run) and check the SHA-256 when one is known."""
+    if not zip_path.exists():
+        download(a.url, zip_path, progress=progress, bounds=FLICKR8K_BOUNDS[a.key])
+    if a.sha256:  # also a zip kept from an earlier run; a mismatch removes it
+        verify(zip_path, None, a.sha256, label=a.name, algorithm="sha256")
+
+
+FLICKR8K_STEPS = Steps(is_present=flickr8k_is_present, where=lambda root, a: f"{root / a.folder}/",
+                       describe=lambda a: "SHA-256 checked" if a.sha256 else "SHA-256 recorded, not checked",
+                       fetch=_fetch_flickr8k, extract=extract_flickr8k)
+
+
+def prepare_flickr8k(root: Path, archives: Sequence[Flickr8kArchive], dry_run: bool = False,
+                     keep_archives: bool = False, progress: bool = True) -> list[str]:
+    """Download, check and extract each archive not yet present; returns the actions (done or planned)."""
+    return prepare(root, archives, FLICKR8K_STEPS, dry_run, keep_archives, progress)
+
+
+# --- each dataset's names under the names the command and the tests use (``flickr8k.prepare``...) ---
+
+coco = SimpleNamespace(Archive=CocoArchive, ARCHIVES=COCO_ARCHIVES, INSTANCE_MEMBERS=INSTANCE_MEMBERS,
+                       select_archives=select_coco_archives, is_present=coco_is_present, extract=extract_coco,
+                       prepare=prepare_coco)
+flickr8k = SimpleNamespace(Archive=Flickr8kArchive, ARCHIVES=FLICKR8K_ARCHIVES, BASE=FLICKR8K_BASE,
+                           parse_sha256=parse_sha256, select_archives=select_flickr8k_archives,
+                           is_present=flickr8k_is_present, extract=extract_flickr8k, record_digest=record_digest,
+                           prepare=prepare_flickr8k)
