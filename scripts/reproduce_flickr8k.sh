@@ -9,6 +9,8 @@
 # COCO_MINI (optional): a COCO folder with instances_train2017.json (../shared/data/coco2017-mini);
 #   the models' captions of its photos are scored for attention correctness against its boxes.
 # SCST=1: add a self-critical stage from the SAT soft model (train.objective=scst, 25 minutes).
+# CONCEPTS=1: learn concept detectors from the captions (captioner concepts, on the shared feature cache)
+#   and add SAT soft reading them, guided by their maps, without the doubly stochastic penalty.
 #
 # On a 2-core CPU: about 6 minutes of feature cache (once, shared by the three decoders in
 # runs/flickr8k/features), then at most 45 minutes per decoder, and a minute or two of scoring each.
@@ -34,6 +36,18 @@ for decoder in sat_soft sat_hard transformer; do
     captioner train --preset "${decoder}_flickr8k" --data "$DATA" --out "$run" --overwrite --no-progress
     score "$run"
 done
+
+if [ "${CONCEPTS:-0}" = 1 ]; then
+    concepts="$ROOT/concepts.safetensors"
+    echo "== concept detectors ($(date +%H:%M))"
+    captioner concepts --preset sat_soft_flickr8k --data "$DATA" --out "$concepts" --no-progress \
+        ${COCO_MINI:+--boxes "$COCO_MINI"}
+    run="$ROOT/sat_soft_concepts"
+    echo "== sat_soft + concepts ($(date +%H:%M))"
+    captioner train --preset sat_soft_flickr8k --data "$DATA" --out "$run" --overwrite --no-progress \
+        --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=1
+    score "$run"
+fi
 
 if [ "${SCST:-0}" = 1 ]; then
     run="$ROOT/sat_soft_scst"
