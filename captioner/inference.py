@@ -157,9 +157,7 @@ def top_concepts(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabu
     if not getattr(decoder, "concepts", 0):
         return [(None, None)] * features.size(0)
     with torch.no_grad():
-        logits = decoder.concept_head(features)  # (B, N, K)
-        probs = torch.sigmoid(decoder.concept_head.pool(logits))  # (B, K)
-        maps = decoder.concept_head.maps_from_logits(logits)  # (B, K, N)
+        probs, maps = decoder.concept_head.read(features)  # (B, K), (B, K, N)
     out = []
     for b in range(features.size(0)):
         top = [int(i) for i in probs[b].argsort(descending=True)[:k] if float(probs[b, i]) >= min_prob]

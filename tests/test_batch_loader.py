@@ -5,7 +5,7 @@ from the memory map in one gather (``CaptionBatchDataset``), into shared memory 
 Against the row-by-row path (the same cache read through ``FeatureCache.stored``, one row per item,
 then ``collate_captions``) every batch must be identical: x's bytes and dtype, padded tokens,
 image indices, order and structure; with workers or without, float16 and bfloat16 caches, length
-buckets, a mid-epoch skip, and invalid rows left out by ``_Remap``.
+buckets, a mid-epoch skip, and invalid rows left out by ``Remap``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from captioner.data.dataset import CaptionBatchDataset, CaptionTrainDataset
 from captioner.errors import ImageLoadError
 from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.text import Vocabulary
-from captioner.training.data import _Remap, train_loader
+from captioner.training.data import Remap, train_loader
 from captioner.training.distributed import DistInfo
 
 COUNT, N, D = 14, 4, 8
@@ -91,14 +91,14 @@ def test_batch_loader_gives_the_row_loaders_batches(tmp_path: Path, dtype: str, 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_batch_loader_over_a_cache_with_invalid_rows(tmp_path: Path, workers: int, dtype: str) -> None:
-    """Training without the images that failed to load (``_Remap``) reads whole batches too."""
+    """Training without the images that failed to load (``Remap``) reads whole batches too."""
     cache = _write_cache(tmp_path / "c.feats", dtype, invalid=(2, 7, 13))
     valid = cache.valid_indices()
     cs = _caption_set().subset(valid)
     vocab = Vocabulary.build(cs.all_captions(), min_freq=1)
     cfg = get_preset("sat_soft_tiny", **{"train.batch_size": 4, "data.num_workers": workers})
-    by_row = CaptionTrainDataset(cs, vocab, _Remap(cache.stored, valid), max_len=30)
-    by_batch = CaptionTrainDataset(cs, vocab, _Remap(cache.loader(), valid), max_len=30)
+    by_row = CaptionTrainDataset(cs, vocab, Remap(cache.stored, valid), max_len=30)
+    by_batch = CaptionTrainDataset(cs, vocab, Remap(cache.loader(), valid), max_len=30)
     for epoch, skip in ((0, 0), (1, 3)):
         expected = _batches(by_row, cfg, epoch, skip, batched=False)
         got = _batches(by_batch, cfg, epoch, skip, batched=True)

@@ -134,6 +134,11 @@ class ConceptHead(nn.Module):
         """features (B,N,D) -> each concept's map over the regions (B,K,N)."""
         return self.maps_from_logits(self(features))
 
+    def read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features (B,N,D) -> P(concept in image) (B,K) and each concept's map (B,K,N), from one pass."""
+        logits = self(features)  # (B, N, K)
+        return torch.sigmoid(self.pool(logits)), self.maps_from_logits(logits)
+
     def describe(self) -> dict[str, object]:
         """What rebuilds the head: its metadata in a concepts file."""
         return {"feature_dim": self.feature_dim, "hidden_dim": self.hidden_dim, "dropout": self.dropout_p,

@@ -248,15 +248,19 @@ def load_or_build_vocab(train_set: Any, min_freq: int, run_dir: Path, resume: bo
     return vocab
 
 
-class _Remap:
+class Remap:
     """``load(i) = base(index[i])``: skips images whose cached features are missing (picklable).
 
     ``load.stack(items) = base.stack([index[i] for i in items])`` when ``base`` has ``stack``
-    (a ``FeatureCache.loader()``), so the training loader still fetches whole batches.
+    (a ``FeatureCache.loader()``), so the training loader still fetches whole batches; ``len(load)``
+    is the number of rows kept (the concept detectors read a cache's valid rows through it too).
     """
 
     def __init__(self, base: Callable[[int], torch.Tensor], index: list[int]) -> None:
         self.base, self.index = base, index
+
+    def __len__(self) -> int:
+        return len(self.index)
 
     def __call__(self, i: int) -> torch.Tensor:
         return self.base(self.index[i])
@@ -267,7 +271,7 @@ class _Remap:
 
 def gathers_batches(load: Any) -> bool:
     """Whether ``load`` reads a batch's rows in one call (``load.stack(indices)``): a feature cache's."""
-    if isinstance(load, _Remap):
+    if isinstance(load, Remap):
         return gathers_batches(load.base)
     return callable(getattr(load, "stack", None))
 
@@ -297,7 +301,12 @@ def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, i
     if not valid:
         raise DataError(f"{cs.split}: no image could be loaded")
     log.warning("%s: training without %d unreadable images", cs.split, cache.count - len(valid))
-    return _Remap(cache.loader(), valid), cs.subset(valid), None
+    return Remap(cache.loader(), valid), cs.subset(valid), None
+
+
+def feature_cache_dir(cfg: Config, default: Path) -> Path:
+    """Where feature caches live: ``data.feature_cache_dir``, else ``$CAPTIONER_FEATURE_CACHE``, else ``default``."""
+    return Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE") or default)
 
 
 def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set: Any, val_set: Any,
@@ -311,8 +320,7 @@ def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set:
     """
     on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
     if on_features:
-        cache_dir = Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE")
-                         or run_dir / "features")
+        cache_dir = feature_cache_dir(cfg, run_dir / "features")
         train_load, train_set, train_store = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
         val_load, val_set, val_store = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
     else:

@@ -90,7 +90,7 @@ from captioner.files import atomic_write
 from captioner.models.concepts import ConceptHead, choose_concepts, read_concepts, save_concepts
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.data import pixels_in_memory
+from captioner.training.data import Remap, feature_cache_dir, pixels_in_memory
 from captioner.training.objective import GroundingTargets
 
 log = logging.getLogger(__name__)
@@ -374,8 +374,10 @@ class ConceptReport:
 
 
 def _rows(features: Any, index: Sequence[int]) -> torch.Tensor:
-    """Rows of a (C,N,D) tensor, array or :class:`_Rows` as a float32 tensor (B,N,D), in ascending order."""
-    rows = features[sorted(int(i) for i in index)]
+    """Rows of a (C,N,D) tensor, array or row loader (``stack``: a cache's :class:`Remap`) as a float32
+    tensor (B,N,D), in ascending order."""
+    index = sorted(int(i) for i in index)
+    rows = features.stack(index) if callable(getattr(features, "stack", None)) else features[index]
     return rows.float() if torch.is_tensor(rows) else torch.from_numpy(np.asarray(rows, dtype=np.float32))
 
 
@@ -452,23 +454,10 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
-    cache_dir = Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE") or "runs/features")
+    cache_dir = feature_cache_dir(cfg, Path("runs/features"))
     return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(cfg.model.encoder), cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,
                              num_workers=cfg.data.num_workers)
-
-
-class _Rows:
-    """A cache's valid rows as a (C,N,D) sequence of float tensors (``len``, ``[index list]``)."""
-
-    def __init__(self, cache: Any, valid: Sequence[int]) -> None:
-        self.load, self.valid = cache.loader(), list(valid)
-
-    def __len__(self) -> int:
-        return len(self.valid)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return self.load.stack([self.valid[int(i)] for i in index]).float()
 
 
 def concept_pointing(head: ConceptHead, features: Any, caption_set: Any, instances: dict[int, list[Any]],
@@ -490,7 +479,7 @@ def concept_pointing(head: ConceptHead, features: Any, caption_set: Any, instanc
             hits = [(k, w) for k, w, category in wanted if category in present]
             if not hits:
                 continue
-            maps = head.maps(features[[c]])[0]  # (K, N)
+            maps = head.maps(_rows(features, [c]))[0]  # (K, N)
             width, height = record.size()
             view = crop_box(width, height, encoder_cfg)
             for k, word in hits:
@@ -531,7 +520,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     dev_targets = concept_targets(dev_set.subset(dev_valid), words)
     log.info("concept detectors: %d words (%s ...) over %d training and %d dev images", len(words),
              ", ".join(words[:8]), len(train_valid), len(dev_valid))
-    report = train_concepts(head, _Rows(train_cache, train_valid), train_targets, _Rows(dev_cache, dev_valid),
+    report = train_concepts(head, Remap(train_cache.loader(), train_valid), train_targets, Remap(dev_cache.loader(), dev_valid),
                             dev_targets, epochs=epochs, seed=cfg.train.seed, progress=progress)
     lines = [f"{len(words)} concepts, {pooling} pooling: dev mAP {report.dev_map:.3f} "
              f"(by epoch: {', '.join(f'{m:.3f}' for m in report.dev_map_by_epoch)}); "
@@ -548,7 +537,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
             raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
         box_cache = _cache(cfg, encoder, box_set, progress)
         valid = box_cache.valid_indices()
-        pointing = concept_pointing(head, _Rows(box_cache, valid), box_set.subset(valid), instances,
+        pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,
                                     cfg.model.encoder)
         extra["boxes"] = {key: pointing[key] for key in ("ratio", "pointing_accuracy", "words_scored")}
         if pointing["ratio"] is not None:

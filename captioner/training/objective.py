@@ -640,6 +640,14 @@ class AttentionSupervision:
         return term.loss
 
 
+def _cross_entropy_only(key: str, objective: str) -> bool:
+    """Whether a term of cross-entropy training applies under ``train.objective``; warns when it does not."""
+    if objective != "xe":
+        log.warning("%s applies to cross-entropy training only; train.objective=%s trains without it", key, objective)
+        return False
+    return True
+
+
 def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> AttentionSupervision | None:
     """The hook for a run, or None when ``train.attention_supervision`` is 0 or nothing can be supervised.
 
@@ -652,9 +660,7 @@ def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> 
     t = cfg.train
     if not t.attention_supervision:
         return None
-    if t.objective != "xe":
-        log.warning("train.attention_supervision applies to cross-entropy training only; train.objective=%s "
-                    "trains without it", t.objective)
+    if not _cross_entropy_only("train.attention_supervision", t.objective):
         return None
     split = cfg.data.train_split
     instances = load_instances(cfg.data.root, split, cfg.data.images)
@@ -696,6 +702,7 @@ class ConceptGuide:
         self.head = head.eval().requires_grad_(False)
         self.weight = weight
         self.min_prob = min_prob
+        self.pad_id = vocab.pad_id
         table = torch.full((len(vocab),), -1, dtype=torch.long)  # vocab id -> concept index, -1: none
         for k, word in enumerate(head.words):
             if word in vocab.stoi:
@@ -707,9 +714,8 @@ class ConceptGuide:
         """features (B,N,D), target words (B,T) -> soft targets (B,T,N); all-zero rows are not guided."""
         with torch.no_grad():
             self.head.to(features.device)
-            logits = self.head(features)  # (B, N, K)
-            maps = self.head.maps_from_logits(logits)  # (B, K, N)
-            present = torch.sigmoid(self.head.pool(logits)) >= self.min_prob  # (B, K)
+            probs, maps = self.head.read(features)  # (B, K), (B, K, N)
+            present = probs >= self.min_prob  # (B, K)
             k = self.table.to(words.device)[words]  # (B, T)
             guided = k >= 0
             kk = k.clamp(min=0)
@@ -724,7 +730,7 @@ class ConceptGuide:
         words = batch.tokens[:, 1:]  # (B, T-1)
         target = self.targets(batch.x, words)
         term = grounding_loss(output.attention, target, "cross_entropy")
-        real = (words > 0).sum().clamp(min=1).to(term.words.dtype)
+        real = (words != self.pad_id).sum().clamp(min=1).to(term.words.dtype)
         self.stats = {"concept_guided_words": term.words / real}
         return term.loss
 
@@ -734,9 +740,7 @@ def build_concept_guide(cfg: Any, vocab: Vocabulary) -> ConceptGuide | None:
     t = cfg.train
     if not t.concept_guide:
         return None
-    if t.objective != "xe":
-        log.warning("train.concept_guide applies to cross-entropy training only; train.objective=%s trains "
-                    "without it", t.objective)
+    if not _cross_entropy_only("train.concept_guide", t.objective):
         return None
     head = read_concepts(t.concepts, cfg.model.encoder, vocab)
     log.info("concept guide (weight %g): %d concepts of %s", t.concept_guide, head.size, t.concepts)
