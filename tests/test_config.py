@@ -41,6 +41,8 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
                       "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1}
 # SAT fields added after the snapshot: no concept input by default
+# encoder fields added after the snapshot: no dilated trunk by default
+ADDED_ENCODER_FIELDS = {"dilate": False}
 ADDED_SAT_FIELDS = {"concepts": 0, "concept_hidden": 512, "concept_pooling": "lse", "concept_sharpness": 5.0}
 
 
@@ -81,6 +83,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
     if dec["name"] == "sat":
         assert {k: dec.pop(k) for k in ADDED_SAT_FIELDS} == ADDED_SAT_FIELDS
+    assert {k: new["model"]["encoder"].pop(k) for k in ADDED_ENCODER_FIELDS} == ADDED_ENCODER_FIELDS
     assert new == old  # encoder, data, train: identical
     # the decoder: the family's fields identical; the old flat dict held the other family's defaults besides
     family = SATConfig if old_dec["name"] == "sat" else TransformerConfig

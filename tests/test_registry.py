@@ -19,9 +19,13 @@ from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_p
 
 def test_the_config_names_exactly_the_registered_components() -> None:
     assert sorted(registry._ENCODERS) == sorted(ENCODERS) == sorted(["tiny", "resnet50", "resnet101",
-                                                                      "efficientnet_lite0"])
+                                                                      "efficientnet_lite0", "efficientnet_lite1",
+                                                                      "efficientnet_lite2"])
     assert {name: e.stride for name, e in registry._ENCODERS.items()} == {
-        "tiny": 8, "resnet50": 32, "resnet101": 32, "efficientnet_lite0": 32}
+        "tiny": 8, "resnet50": 32, "resnet101": 32, "efficientnet_lite0": 32, "efficientnet_lite1": 32,
+        "efficientnet_lite2": 32}
+    assert sorted(name for name, e in registry._ENCODERS.items() if e.dilatable) == [
+        "efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2", "resnet101", "resnet50"]
     assert {name: e.config for name, e in registry._DECODERS.items()} == DECODER_FAMILIES
     with pytest.raises(ConfigError, match=r"encoder.name='vgg' is not a known encoder; registered: "):
         trunk_map_size("vgg", 224)

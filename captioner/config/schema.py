@@ -43,6 +43,7 @@ class EncoderConfig:
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
+    dilate: bool = False  # last stage at stride 1, dilated: a map twice as fine (14 x 14 at 224 px), same weights
     fine_tune: bool = False  # train the upper stages; otherwise the encoder is frozen
     fine_tune_stages: int = 2  # how many top stages are trainable when fine_tune is set
     width: int = 64  # channel width of the tiny CNN (ignored by the pretrained backbones)

@@ -192,7 +192,7 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
 
     Args:
         model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
-            resize, mean/std, interpolation); the decoder part does not.
+            resize, mean/std, interpolation, dilate); the decoder part does not.
         caption_set: a ``CaptionSet``; its ordered image list (ids and paths) counts, plus size
             and mtime of up to 64 evenly spaced images, so regenerated images invalidate the cache.
         encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
@@ -209,6 +209,8 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
         "mean": list(enc.mean),
         "std": list(enc.std),
     }
+    if enc.dilate:  # only when set, so the caches built before the option keep their keys
+        conf["encoder"]["dilate"] = True
     h.update(json.dumps(conf, sort_keys=True).encode())
     images = caption_set.images
     for rec in images:

