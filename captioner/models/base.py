@@ -21,6 +21,12 @@ state: ``select(index)`` when rows change image (an image's row repeated for its
 finished images dropped) and ``reorder(index)`` when beams only move among the rows of their own
 image, which leaves ``static`` alone: every row of an image holds the same constants, so there is
 nothing to copy.
+
+A decoder may also read a photo's concepts (``captioner.models.concepts``): :meth:`CaptionDecoder.add_concept_head`
+gives it a frozen concept head (``concept_head``, always in eval mode, no gradient) and the vocabulary id
+of each concept (``concept_ids``, a buffer); :meth:`CaptionDecoder.concept_probs` reads P(concept in image)
+(B,K) from the regions. Training fills both from a concepts file (``captioner.training.detectors``), the
+checkpoint carries them, and ``Caption.concepts`` lists a photo's top concepts from them.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from captioner.models.concepts import SHARPNESS, ConceptHead
 
 
 @dataclass
@@ -103,6 +111,7 @@ class CaptionDecoder(nn.Module):
     """Base class: subclasses implement ``forward``, ``init_state`` and ``step``."""
 
     vocab_size: int
+    concepts: int = 0  # K, the concepts the decoder reads (add_concept_head); 0: none
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         raise NotImplementedError
@@ -112,6 +121,35 @@ class CaptionDecoder(nn.Module):
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         raise NotImplementedError
+
+    def add_concept_head(self, feature_dim: int, concepts: int, hidden_dim: int = 512, pooling: str = "lse",
+                         sharpness: float = SHARPNESS) -> None:
+        """Hold a frozen concept head over the raw regions and the vocabulary id of each of its K concepts.
+
+        ``concept_head`` (a :class:`ConceptHead` of ``concepts`` outputs) never trains and is in eval mode
+        whatever the decoder's mode; ``concept_ids`` (K,) is a buffer. Both start blank: their values come
+        from a concepts file (``captioner.training.detectors.install_concepts``), then from the checkpoint.
+        ``concepts=0``: nothing is added and :meth:`concept_probs` gives None.
+        """
+        self.concepts = concepts
+        if not concepts:
+            return
+        self.concept_head = ConceptHead(feature_dim, [""] * concepts, hidden_dim, pooling=pooling,
+                                        sharpness=sharpness).requires_grad_(False).eval()
+        self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
+
+    def train(self, mode: bool = True) -> "CaptionDecoder":
+        super().train(mode)
+        if self.concepts:
+            self.concept_head.eval()  # frozen: no dropout in training either
+        return self
+
+    def concept_probs(self, features: torch.Tensor) -> torch.Tensor | None:
+        """P(concept in image) (B,K) from the raw region features (B,N,D), no gradient; None without concepts."""
+        if not self.concepts:
+            return None
+        with torch.no_grad():
+            return self.concept_head.probs(features)
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.

@@ -30,7 +30,7 @@ from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, State
-from captioner.models.concepts import SHARPNESS, ConceptHead
+from captioner.models.concepts import SHARPNESS
 from captioner.models.registry import register_decoder
 
 
@@ -57,6 +57,9 @@ class SATDecoder(CaptionDecoder):
             (the feature of the most attended region).
         hard_soft_prob: hard attention in training: the probability, drawn independently for every
             caption and step, of using the expected (soft) context instead of a sampled region.
+        concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
+            head (``CaptionDecoder.add_concept_head``); K > 0 feeds the photo's K concept probabilities into
+            h0, c0 and the deep output. 0: no concepts.
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -96,11 +99,8 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
-        self.concepts = concepts
-        if concepts:  # a frozen concept head (its weights come from a concepts file, then the checkpoint)
-            self.concept_head = ConceptHead(feature_dim, [""] * concepts, concept_hidden, pooling=concept_pooling,
-                                            sharpness=concept_sharpness).requires_grad_(False).eval()
-            self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
+        self.add_concept_head(feature_dim, concepts, concept_hidden, concept_pooling, concept_sharpness)
+        if concepts:  # the photo's concept probabilities (B, K) go into h0, c0 and the deep output
             self.init_concepts = nn.Linear(concepts, 2 * hidden_dim, bias=False)  # into h0 and c0
             self.out_concepts = nn.Linear(concepts, embed_dim, bias=False)  # L_p: into the deep output
         self._compiled_recurrence = None  # set by compile_recurrence()
@@ -126,19 +126,6 @@ class SATDecoder(CaptionDecoder):
             raise ConfigError(f"features have {n} regions, this decoder was built for a {self.grid}x{self.grid} grid")
         idx = torch.arange(n, device=features.device)
         return features + (self.row(idx // self.grid) + self.col(idx % self.grid)).to(features.dtype)  # (B, N, D)
-
-    def train(self, mode: bool = True) -> "SATDecoder":
-        super().train(mode)
-        if self.concepts:
-            self.concept_head.eval()  # frozen: no dropout in training either
-        return self
-
-    def concept_probs(self, features: torch.Tensor) -> torch.Tensor | None:
-        """P(concept in image) (B,K) from the raw region features (B,N,D), or None without concepts."""
-        if not self.concepts:
-            return None
-        with torch.no_grad():
-            return self.concept_head.probs(features)
 
     def _initial_hc(self, features: torch.Tensor, concepts: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
