@@ -18,6 +18,7 @@ from captioner.decoding.search import BlockRepeats, content_word_ids, decode
 from captioner.errors import CheckpointError, ConfigError
 from captioner.models.concepts import ConceptHead, choose_concepts, load_concepts, restrict_to_vocab, save_concepts
 from captioner.models.lstm import SATDecoder
+from captioner.models.transformer import CONCEPT_TOKENS, TransformerCaptionDecoder
 from captioner.text import Vocabulary
 from captioner.training.detectors import (average_precision, concept_targets, install_concepts, train_concepts,
                                           with_concept_input)
@@ -242,9 +243,14 @@ def test_training_sizes_the_decoder_from_the_head_and_installs_it():
     assert decoder.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
     x = torch.randn(1, 4, 1280)
     torch.testing.assert_close(decoder.concept_head(x), head(x))
-    transformer = get_preset("transformer_flickr8k").override(**{"train.concepts": "c.safetensors"})
-    with pytest.raises(ConfigError, match="concept_input=false"):
-        with_concept_input(transformer, head)
+    transformer = with_concept_input(get_preset("transformer_flickr8k").override(**{"train.concepts": "c.safetensors"}),
+                                     head).model.decoder
+    assert (transformer.name, transformer.concepts, transformer.concept_hidden) == ("transformer", 2, 6)
+    decoder = TransformerCaptionDecoder(vocab_size=len(vocab), feature_dim=1280, grid=2, d_model=16, num_heads=4,
+                                        concepts=2, concept_hidden=6)
+    install_concepts(decoder, head, vocab)
+    assert decoder.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
+    torch.testing.assert_close(decoder.concept_head(x), head(x))
 
 
 def test_config_checks_the_concept_keys():
@@ -252,10 +258,121 @@ def test_config_checks_the_concept_keys():
         get_preset("sat_soft_flickr8k").override(**{"train.concept_guide": 1.0})
     with pytest.raises(ConfigError, match="concept_guide must be"):
         get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c", "train.concept_guide": -1.0})
-    with pytest.raises(ConfigError, match="model.decoder.concepts"):  # a SAT key: the Transformer has none
-        get_preset("transformer_flickr8k").override(**{"model.decoder.concepts": 4})
-    with pytest.raises(ConfigError, match="decoder.concept_pooling"):
-        get_preset("sat_soft_flickr8k").override(**{"model.decoder.concept_pooling": "max"})
+    for preset in ("sat_soft_flickr8k", "transformer_flickr8k"):  # both families read concepts
+        assert get_preset(preset).model.decoder.concepts == 0  # by default they do not
+        assert get_preset(preset).override(**{"model.decoder.concepts": 4}).model.decoder.concepts == 4
+        with pytest.raises(ConfigError, match="decoder.concept_pooling"):
+            get_preset(preset).override(**{"model.decoder.concept_pooling": "max"})
+        with pytest.raises(ConfigError, match="decoder.concepts"):
+            get_preset(preset).override(**{"model.decoder.concepts": -1})
+
+
+# ----------------------------------------------------------------------------- the Transformer reads concepts
+
+
+def _transformer_with_concepts(k: int = 12, seed: int = 0, **kw) -> TransformerCaptionDecoder:
+    """A small Transformer reading K concepts (vocabulary ids 3..3+K-1), head weights random."""
+    torch.manual_seed(seed)
+    args = dict(vocab_size=15, feature_dim=D, grid=3, d_model=16, num_layers=2, num_heads=4, ff_dim=32,
+                dropout=0.1, max_len=8, concepts=k, concept_hidden=6)
+    decoder = TransformerCaptionDecoder(**{**args, **kw})
+    decoder.concept_ids.copy_(torch.arange(3, 3 + k))
+    with torch.no_grad():
+        decoder.concept_head.net[-1].bias.normal_(0.0, 2.0)  # concepts of clearly different probabilities
+    return decoder
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_transformer_with_concepts_steps_as_it_teacher_forces(use_cache):
+    decoder = _transformer_with_concepts().eval()
+    x = torch.randn(2, N, D)
+    tokens = torch.randint(1, 15, (2, 6))
+    with torch.no_grad():
+        out = decoder(x, tokens)
+        state = decoder.init_state(x, use_cache=use_cache)
+        assert state.static["memory_k"][0].shape[2] == N + CONCEPT_TOKENS  # the cache holds the concept tokens
+        steps, attention = [], []
+        for t in range(tokens.shape[1]):
+            lp, state, att = decoder.step(tokens[:, t], state)
+            steps.append(lp)
+            attention.append(att)
+    torch.testing.assert_close(out.logits.log_softmax(-1), torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention, torch.stack(attention, 1), atol=1e-6, rtol=1e-5)
+
+
+def test_transformer_reports_attention_over_the_regions_only():
+    decoder = _transformer_with_concepts().eval()
+    x = torch.randn(3, N, D)
+    tokens = torch.randint(1, 15, (3, 5))
+    with torch.no_grad():
+        out = decoder(x, tokens, need_all_attention=True)
+        _, _, att = decoder.step(tokens[:, 0], decoder.init_state(x))
+    assert out.attention.shape == (3, 5, N) and out.all_attention.shape == (3, 5, 2, 4, N) and att.shape == (3, N)
+    torch.testing.assert_close(out.attention.sum(-1), torch.ones(3, 5))
+    torch.testing.assert_close(out.all_attention.sum(-1), torch.ones(3, 5, 2, 4))
+    torch.testing.assert_close(att.sum(-1), torch.ones(3))
+    torch.testing.assert_close(out.attention, out.all_attention[:, :, -1].mean(2))  # still the overlay view
+    assert bool((out.attention_entropy <= math.log(N) + 1e-5).all())
+    # the concept-token columns dropped, the region columns renormalised
+    scores = torch.randn(2, 4, N + CONCEPT_TOKENS)
+    torch.testing.assert_close(decoder.region_weights(scores.softmax(-1)), scores[..., :N].softmax(-1))
+    plain = torch.softmax(torch.randn(2, N), -1)
+    assert decoder.region_weights(plain) is plain  # no concept tokens: nothing to drop
+
+
+def test_transformer_reads_the_concept_probabilities_and_keeps_the_head_frozen():
+    decoder = _transformer_with_concepts(k=3, dropout=0.0).eval()  # K < CONCEPT_TOKENS: every concept read
+    x = torch.randn(2, N, D)
+    tokens = torch.randint(1, 15, (2, 5))
+    with torch.no_grad():
+        before = decoder(x, tokens).logits
+        decoder.concept_head.net[-1].bias += 1.0  # the same three concepts, each found more surely
+        after = decoder(x, tokens).logits
+        assert decoder.init_state(x).static["memory_k"][0].shape[2] == N + 3
+    assert not torch.allclose(before, after, atol=1e-4)  # the tokens carry p_t
+    many = _transformer_with_concepts(k=12, dropout=0.0).eval()
+    with torch.no_grad():
+        first = many(x, tokens).logits
+        many.concept_ids.copy_(many.concept_ids.flip(0))  # other words behind the same probabilities
+        assert not torch.allclose(first, many(x, tokens).logits, atol=1e-4)  # the tokens carry the words
+    decoder.train()
+    assert decoder.training and not decoder.concept_head.training  # no dropout in the frozen head
+    decoder(x, tokens).logits.sum().backward()
+    assert all(not p.requires_grad and p.grad is None for p in decoder.concept_head.parameters())
+    tokens_module = decoder.concept_tokens
+    assert tokens_module.word.weight.grad is not None and float(tokens_module.prob.grad.abs().sum()) > 0
+    assert float(decoder.embed.weight.grad[decoder.concept_ids].abs().sum()) > 0  # E is read for the concepts
+
+
+def test_transformer_with_concepts_checkpoint_round_trip_gives_the_same_captions(tmp_path):
+    from captioner.checkpoint.store import load_checkpoint, save_checkpoint
+    from captioner.inference import caption_features
+    from captioner.models.model import build_model
+
+    torch.manual_seed(0)
+    vocab = Vocabulary([f"w{i}" for i in range(16)])
+    cfg = get_preset("transformer_tiny", **{"model.decoder.concepts": 12, "model.decoder.concept_hidden": 6})
+    model = build_model(cfg.model, len(vocab), load_pretrained=False).eval()
+    head = ConceptHead(model.encoder.out_dim, [f"w{i}" for i in range(12)], hidden_dim=6)
+    with torch.no_grad():
+        head.net[-1].bias.normal_(0.0, 2.0)
+    install_concepts(model.decoder, head, vocab)
+    model.train()  # saving must not depend on the mode
+    path = save_checkpoint(tmp_path / "m.safetensors", model, vocab)
+    loaded = load_checkpoint(path)
+    decoder = loaded.model.decoder
+    assert decoder.concepts == 12 and decoder.concept_ids.tolist() == [vocab.stoi[f"w{i}"] for i in range(12)]
+    assert not decoder.concept_head.training
+    features, grid = model.eval().encode(torch.randn(2, 3, 64, 64))
+    options = DecodeOptions(beam_size=2, max_len=6)
+    with torch.no_grad():
+        ours = caption_features(model, features, vocab, options, grid)
+        theirs = caption_features(loaded.model, features, vocab, options, grid)
+    assert [c.tokens for c in ours] == [c.tokens for c in theirs]
+    assert [c.score for c in ours] == [c.score for c in theirs]
+    assert ours[0].concepts and ours[0].concepts == theirs[0].concepts  # Caption.concepts works for it as for SAT
+    assert all(w.startswith("w") for w, _ in ours[0].concepts)
+    torch.testing.assert_close(ours[0].concept_maps, theirs[0].concept_maps)
 
 
 # ----------------------------------------------------------------------------- the command, end to end
@@ -292,6 +409,48 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     assert model.caption([image])[0].words
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "concept_guide" in header and "share_concept_guide" in header
+
+
+@pytest.mark.slow
+def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny_shapes, tmp_path):
+    """``captioner train --preset transformer_demo`` with a concepts file, concept input on (the default) and
+    the guide: the checkpoint holds a Transformer with concept tokens that captions and lists the concepts."""
+    from captioner.data.shapes import COLORS, SHAPES
+    from captioner.models.encoder import build_encoder
+
+    cfg = get_preset("transformer_demo")
+    words = [*SHAPES, *COLORS]  # more concepts than CONCEPT_TOKENS: the top ones become tokens
+    assert len(words) > CONCEPT_TOKENS
+    torch.manual_seed(0)
+    head = ConceptHead(build_encoder(cfg.model.encoder, load_pretrained=False).out_dim, words, hidden_dim=16)
+    concepts = save_concepts(head.eval(), tmp_path / "concepts.safetensors")
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "captioner", "train", "--preset", "transformer_demo",
+                           "--data", str(tiny_shapes), "--out", str(run), "--epochs", "8",
+                           "--set", "encoder.fine_tune=false",
+                           "--set", f"data.feature_cache_dir={tmp_path / 'features'}",
+                           "--set", f"train.concepts={concepts}", "--set", "train.concept_guide=0.5",
+                           "--set", "train.time_budget=30", "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import captioner
+
+    model = captioner.load(run / "best.safetensors")
+    decoder = model.model.decoder
+    assert isinstance(decoder, TransformerCaptionDecoder)
+    kept = [w for w in words if w in model.vocab.stoi]
+    assert decoder.concepts == len(kept) > CONCEPT_TOKENS
+    assert [model.vocab.itos[i] for i in decoder.concept_ids.tolist()] == kept
+    assert decoder.concept_tokens.count == CONCEPT_TOKENS
+    image = sorted((tiny_shapes / "images").glob("*.png"))[0]
+    result = model.caption([image], all_heads=True)[0]  # every layer's and head's maps: over the regions only
+    g = cfg.model.encoder.grid
+    assert result.words and result.attention.shape == (len(result.words), g, g)
+    assert result.all_attention.shape[3:] == (g, g)
+    torch.testing.assert_close(result.all_attention.sum((3, 4)), torch.ones(result.all_attention.shape[:3]))
+    assert result.concepts is not None and all(w in kept for w, _ in result.concepts)
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "concept_guide" in header
 
 
 def test_concepts_command_one_line_errors(tmp_path):

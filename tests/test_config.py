@@ -40,10 +40,11 @@ SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
                       "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1}
-# SAT fields added after the snapshot: no concept input by default
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"dilate": False}
-ADDED_SAT_FIELDS = {"concepts": 0, "concept_hidden": 512, "concept_pooling": "lse", "concept_sharpness": 5.0}
+# decoder fields added after the snapshot, to both families (ConceptReaderConfig, after the shared fields):
+# no concept input by default
+ADDED_DECODER_FIELDS = {"concepts": 0, "concept_hidden": 512, "concept_pooling": "lse", "concept_sharpness": 5.0}
 
 
 def _flat_scst(train: dict) -> dict:
@@ -52,6 +53,11 @@ def _flat_scst(train: dict) -> dict:
 SAT_KEYS = ["name", "dropout", "max_len", "embed_dim", "attention", "hidden_dim", "attention_dim",
             "hard_test_mode", "hard_soft_prob", "region_positions"]
 TRANSFORMER_KEYS = ["name", "dropout", "max_len", "d_model", "num_layers", "num_heads", "ff_dim", "tie_embeddings"]
+
+
+def _listed(keys: list[str]) -> str:
+    """A family's keys as an error lists them: the shared ones, the concept fields, then the family's own."""
+    return ", ".join([*keys[:3], *ADDED_DECODER_FIELDS, *keys[3:]])
 
 
 def _old_config(name: str) -> dict:
@@ -81,8 +87,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert new.pop("decoding") == _as_json(dataclasses.asdict(DecodeOptions()))  # the new section: defaults
     dec, old_dec = new["model"].pop("decoder"), old["model"].pop("decoder")
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
-    if dec["name"] == "sat":
-        assert {k: dec.pop(k) for k in ADDED_SAT_FIELDS} == ADDED_SAT_FIELDS
+    assert {k: dec.pop(k) for k in ADDED_DECODER_FIELDS} == ADDED_DECODER_FIELDS
     assert {k: new["model"]["encoder"].pop(k) for k in ADDED_ENCODER_FIELDS} == ADDED_ENCODER_FIELDS
     assert new == old  # encoder, data, train: identical
     # the decoder: the family's fields identical; the old flat dict held the other family's defaults besides
@@ -92,7 +97,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert dec == {k: old_dec[k] for k in dec}
     rest = {k: v for k, v in old_dec.items() if k not in dec}
     assert rest == {k: v for k, v in dataclasses.asdict(other()).items() if k in rest}
-    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"} - set(ADDED_SAT_FIELDS)
+    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"} - set(ADDED_DECODER_FIELDS)
 
 
 def test_gpu_presets_scale_their_base_preset() -> None:
@@ -161,11 +166,11 @@ def test_the_other_familys_key_is_refused_in_one_line() -> None:
         resolve_config("sat_soft_tiny", None, ["model.decoder.d_model=256"])
     message = str(err.value)
     assert message.startswith("unknown config key: model.decoder.d_model (")
-    assert f"the sat decoder's keys are {', '.join(SAT_KEYS)}" in message
+    assert f"the sat decoder's keys are {_listed(SAT_KEYS)}" in message
     assert "d_model belongs to the transformer decoder: set model.decoder.name=transformer first" in message
     assert "\n" not in message
     with pytest.raises(ConfigError, match=rf"decoder.hidden_dim \(the transformer decoder's keys are "
-                                          rf"{', '.join(TRANSFORMER_KEYS)}; hidden_dim belongs to the sat"):
+                                          rf"{_listed(TRANSFORMER_KEYS)}; hidden_dim belongs to the sat"):
         get_preset("transformer_tiny", **{"model.decoder.hidden_dim": 8})
     with pytest.raises(ConfigError, match=r"unknown config key: model.decoder.widht \(the sat decoder's keys"):
         resolve_config("sat_soft_tiny", None, ["decoder.widht=3"])

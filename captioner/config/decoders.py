@@ -1,7 +1,8 @@
 """Decoder configs, one dataclass per family, chosen by ``name``.
 
-``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``SATConfig``
-(Show, Attend and Tell LSTM) and ``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
+``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``ConceptReaderConfig``
+adds the concept input both built-in families share; ``SATConfig`` (Show, Attend and Tell LSTM) and
+``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
 holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
 picks (``SATConfig`` when no name is given), so code written before the split keeps working.
 
@@ -26,6 +27,7 @@ from captioner.errors import ConfigError
 
 SAT_ATTENTIONS = ("soft", "hard")  # decoder.attention
 HARD_TEST_MODES = ("expectation", "argmax")  # decoder.hard_test_mode
+CONCEPT_POOLINGS = ("lse", "noisy_or")  # decoder.concept_pooling: how a concept head pools its regions
 
 
 def check_hard_test_mode(mode: Any) -> str:
@@ -84,8 +86,35 @@ class DecoderConfig(metaclass=_FamilyByName):
 
 
 @dataclass
-class SATConfig(DecoderConfig):
-    """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions."""
+class ConceptReaderConfig(DecoderConfig):
+    """The fields of a decoder family that can read a photo's concepts (SAT and the Transformer).
+
+    The decoder holds a frozen concept head over the regions (``CaptionDecoder.add_concept_head``);
+    training sets these fields from ``train.concepts``' file (``captioner.training.detectors.with_concept_input``),
+    with the head's shape. ``concepts=0``: the decoder reads no concepts.
+    """
+
+    concepts: int = 0  # K, the concepts read (0: none)
+    concept_hidden: int = 512  # the head's hidden width
+    concept_pooling: str = "lse"  # the head's pooling over regions: "lse" or "noisy_or"
+    concept_sharpness: float = 5.0  # r of the "lse" pooling
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.concepts < 0 or self.concept_hidden < 0:
+            raise ConfigError(f"decoder.concepts and decoder.concept_hidden must be >= 0, got {self.concepts} "
+                              f"and {self.concept_hidden}")
+        if self.concept_pooling not in CONCEPT_POOLINGS:
+            raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use {' or '.join(CONCEPT_POOLINGS)}")
+
+
+@dataclass
+class SATConfig(ConceptReaderConfig):
+    """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions.
+
+    With concepts (``ConceptReaderConfig``) their K probabilities go into the LSTM's initial state and
+    its deep output.
+    """
 
     name: str = "sat"
     embed_dim: int = 512  # word embedding size
@@ -97,12 +126,6 @@ class SATConfig(DecoderConfig):
     # add learned row and column embeddings to the region features (what the Transformer's regions get):
     # without them an LSTM that attends by content cannot tell where the region it looked at lies
     region_positions: bool = False
-    # the decoder reads K concept probabilities from a frozen concept head over the regions (0: none); set by
-    # training from train.concepts' file (captioner.training.detectors), with the head's shape
-    concepts: int = 0
-    concept_hidden: int = 512
-    concept_pooling: str = "lse"
-    concept_sharpness: float = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -112,11 +135,6 @@ class SATConfig(DecoderConfig):
         if not 0.0 <= self.hard_soft_prob <= 1.0:
             raise ConfigError(f"decoder.hard_soft_prob must be in [0, 1], got {self.hard_soft_prob}")
         self._check_positive("embed_dim", "hidden_dim", "attention_dim")
-        if self.concepts < 0 or self.concept_hidden < 0:
-            raise ConfigError(f"decoder.concepts and decoder.concept_hidden must be >= 0, got {self.concepts} "
-                              f"and {self.concept_hidden}")
-        if self.concept_pooling not in ("lse", "noisy_or"):
-            raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use 'lse' or 'noisy_or'")
 
     @property
     def width(self) -> int:
@@ -132,8 +150,12 @@ class SATConfig(DecoderConfig):
 
 
 @dataclass
-class TransformerConfig(DecoderConfig):
-    """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward."""
+class TransformerConfig(ConceptReaderConfig):
+    """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward.
+
+    With concepts (``ConceptReaderConfig``) the photo's top concepts become memory tokens beside the
+    regions (``captioner.models.transformer``).
+    """
 
     name: str = "transformer"
     d_model: int = 512  # token and region width

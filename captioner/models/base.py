@@ -49,7 +49,9 @@ class DecoderOutput:
     Attributes:
         logits: (B, T, V) unnormalised next-token scores.
         attention: (B, T, N) attention over regions for each step (the overlay view; for the
-            Transformer the last layer's cross-attention averaged over heads).
+            Transformer the last layer's cross-attention averaged over heads). Always a distribution
+            over the N regions: a decoder that also attends to other memory (the Transformer's concept
+            tokens) drops those columns and renormalises.
         all_attention: (B, T, L, H, N) per-layer, per-head cross-attention (Transformer, when
             ``need_all_attention=True``), else None.
         sample_log_probs: (B, T) log-probability of the sampled region at each step (hard

@@ -41,12 +41,13 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
+from captioner.config.decoders import CONCEPT_POOLINGS
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write
 from captioner.text import STOP_WORDS, Vocabulary
 
 FORMAT = "captioner-concepts"
-POOLINGS = ("lse", "noisy_or")
+POOLINGS = CONCEPT_POOLINGS  # the config layer checks decoder.concept_pooling against the same names
 INITIAL_BIAS = -4.0  # of the region logits: sigmoid(-4) = 1.8%
 SHARPNESS = 5.0  # r of the "lse" pooling (r -> infinity: the max; r -> 0: the mean)
 

@@ -8,18 +8,31 @@ weights)::
 
     x = x + Drop(SelfAttn(LN(x)))          causal, fused kernel
     x = x + Drop(CrossAttn(LN(x), memory)) memory = LN(Linear(features)) + row/col embedding
+                                           [then the concept tokens, when the decoder reads concepts]
     x = x + Drop(FFN(LN(x)))
 
 The overlay view ``attention`` is the last layer's cross-attention averaged over heads; only that
 layer takes the manual (weight-returning) attention path unless ``need_all_attention=True``.
+
 ``init_state`` projects the regions to keys/values once per image (``State.static``); ``step``
 keeps a key/value cache of the self-attention (``State.dynamic``), so one step costs O(t) instead
 of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
 causal attention never lets a real token see a later one.
 
+Concepts (``concepts=K``, You et al. 2016, semantic attention over detected attribute words): the
+decoder holds a frozen concept head (``CaptionDecoder.add_concept_head``) and appends the photo's
+T = min(:data:`CONCEPT_TOKENS`, K) most probable concepts to the memory, after the N regions, as
+tokens ``LN(W_w E[id_t] + p_t u)`` (:class:`ConceptTokens`; E the decoder's own word embedding,
+p_t the concept's probability, W_w a d x d linear map, u a learned d-vector). Every layer's
+cross-attention reads N + T keys, and the key/value cache of ``init_state`` holds them too. The
+attention the decoder *reports* (``attention``, ``all_attention``, ``step``'s) stays a distribution
+over the N regions: the concept-token columns are dropped and the rest renormalised
+(:meth:`TransformerCaptionDecoder.region_weights`), so overlays, entropy, attention correctness and
+the guide terms read regions only.
+
 Multi-head attention (:class:`MultiHeadAttention`) can return its weights (for overlays) or take
 the fused fast path. Shape legend there: Tq query steps, Tk key steps (tokens for self-attention,
-N regions for cross-attention). Two paths compute the same thing, softmax(Q K^T / sqrt(dh)) V:
+N regions, plus any concept tokens, for cross-attention). Two paths compute the same thing, softmax(Q K^T / sqrt(dh)) V:
 
 * fused: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels
   where available); it cannot return the weights;
@@ -43,9 +56,11 @@ from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.grids import attention_entropy
 from captioner.models.base import CaptionDecoder, DecoderOutput, State
+from captioner.models.concepts import SHARPNESS
 from captioner.models.registry import register_decoder
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
+CONCEPT_TOKENS = 10  # memory tokens of a photo's most probable concepts (fewer when the decoder reads fewer)
 
 
 class MultiHeadAttention(nn.Module):
@@ -171,6 +186,29 @@ class RegionEmbedding(nn.Module):
         return self.norm(self.proj(features)) + pos  # (B, N, d)
 
 
+class ConceptTokens(nn.Module):
+    """A photo's most probable concepts as memory tokens: probabilities (B, K) -> tokens (B, T, d).
+
+    ``token_t = LN(W_w E[id_t] + p_t u)`` for the T = min(:data:`CONCEPT_TOKENS`, K) concepts of highest
+    probability p_t, most probable first; ``id_t`` is the concept's vocabulary id and E the decoder's word
+    embedding (shared, so a concept token starts out as the word it names). ``u`` tells the decoder how
+    surely the photo shows the concept.
+    """
+
+    def __init__(self, d_model: int, concepts: int) -> None:
+        super().__init__()
+        self.count = min(CONCEPT_TOKENS, concepts)  # T
+        self.word = nn.Linear(d_model, d_model, bias=False)  # W_w
+        self.prob = nn.Parameter(torch.randn(d_model) * d_model**-0.5)  # u
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, probs: torch.Tensor, concept_ids: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """probs (B, K), concept_ids (K,) vocabulary ids, embed: E -> tokens (B, T, d)."""
+        p, index = probs.topk(self.count, dim=-1)  # (B, T) each
+        words = embed(concept_ids[index])  # (B, T, d)
+        return self.norm(self.word(words) + p.unsqueeze(-1).to(words.dtype) * self.prob)  # (B, T, d)
+
+
 class DecoderBlock(nn.Module):
     """One pre-norm block: causal self-attention, cross-attention over regions, feed-forward."""
 
@@ -191,12 +229,13 @@ class DecoderBlock(nn.Module):
 
         Args:
             x: (B, T, d) token states; T must be 1 when ``past`` is given.
-            memory: this layer's projected region keys/values, (B, H, N, dh) each.
+            memory: this layer's projected memory keys/values, (B, H, S, dh) each (S = N regions,
+                plus the concept tokens when the decoder reads concepts).
             past: cached self-attention keys/values of earlier steps, (B, H, t, dh) each.
             need_weights: return the cross-attention weights.
 
         Returns:
-            (x (B, T, d), cross weights (B, H, T, N) or None, self keys/values incl. this step).
+            (x (B, T, d), cross weights (B, H, T, S) or None, self keys/values incl. this step).
         """
         h = self.ln_self(x)  # (B, T, d)
         q = self.self_attn.project_q(h)  # (B, H, T, dh)
@@ -228,6 +267,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
         max_len: longest caption in words; sets the precomputed position table (longer inputs
             still work, the sinusoids are extended on the fly).
         tie_embeddings: share the token embedding with the output projection.
+        concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
+            head (``CaptionDecoder.add_concept_head``); K > 0 appends the photo's top concepts to the memory
+            as :class:`ConceptTokens` (module docstring). 0: no concepts.
     """
 
     def __init__(
@@ -242,6 +284,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
         dropout: float = 0.1,
         max_len: int = 50,
         tie_embeddings: bool = False,
+        concepts: int = 0,
+        concept_hidden: int = 512,
+        concept_pooling: str = "lse",
+        concept_sharpness: float = SHARPNESS,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -263,6 +309,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
         self.out = nn.Linear(d_model, vocab_size)
         if tie_embeddings:
             self.out.weight = self.embed.weight
+        self.add_concept_head(feature_dim, concepts, concept_hidden, concept_pooling, concept_sharpness)
+        if concepts:
+            self.concept_tokens = ConceptTokens(d_model, concepts)
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """``positions`` is not stored in checkpoints: the sinusoidal table of its shape."""
@@ -280,22 +329,43 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return self.drop(x)
 
     def _memory(self, features: torch.Tensor) -> list[KV]:
-        """Project the regions once: per layer (keys, values), (B, H, N, dh) each."""
-        memory = self.drop(self.regions(features))  # (B, N, d)
+        """Project the memory once: per layer (keys, values), (B, H, S, dh) each.
+
+        S = N regions, then the T concept tokens when the decoder reads concepts (S = N + T).
+        """
+        memory = self.regions(features)  # (B, N, d)
+        probs = self.concept_probs(features)  # (B, K) from the regions as the encoder gave them, or None
+        if probs is not None:
+            tokens = self.concept_tokens(probs, self.concept_ids, self.embed)  # (B, T, d)
+            memory = torch.cat([memory, tokens.to(memory.dtype)], dim=1)  # (B, N + T, d)
+        memory = self.drop(memory)
         # contiguous once here, so the per-step matmuls do not copy them at every step
         return [tuple(t.contiguous() for t in block.cross_attn.project_kv(memory)) for block in self.blocks]
+
+    def region_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """Cross-attention weights (..., S) -> the attention reported over the N regions (..., N).
+
+        Without concepts S = N and the weights pass as they are. With them the concept-token columns
+        (the last T) are dropped and the region columns renormalised to sum to one: the share of
+        attention each region gets among the regions (the softmax of the region scores alone).
+        """
+        n = self.regions.grid**2
+        if weights.shape[-1] == n:
+            return weights
+        regions = weights[..., :n]
+        return regions / regions.sum(-1, keepdim=True).clamp_min(torch.finfo(regions.dtype).tiny)
 
     def _run(
         self, x: torch.Tensor, memory: list[KV], pasts: list[KV] | None, need_all: bool
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV]]:
-        """Blocks + final norm. Returns (h (B, T, d), cross weights per layer that returned them
-        (B, H, T, N), new self-attention keys/values per layer)."""
+        """Blocks + final norm. Returns (h (B, T, d), cross weights over the regions per layer that
+        returned them (B, H, T, N), new self-attention keys/values per layer)."""
         weights, presents = [], []
         for i, block in enumerate(self.blocks):
             need = need_all or i == self.num_layers - 1
             x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need)
             if w is not None:
-                weights.append(w)
+                weights.append(self.region_weights(w))
             presents.append(kv)
         return self.ln_final(x), weights, presents
 
@@ -311,9 +381,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
         Returns:
             ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T)
-            and all_attention (B, T, L, H, N) when asked.
+            and all_attention (B, T, L, H, N) when asked; with concepts, attention over the regions
+            only (:meth:`region_weights`).
         """
-        memory = self._memory(features)  # L x (B, H, N, dh)
+        memory = self._memory(features)  # L x (B, H, S, dh)
         h, weights, _ = self._run(self._embed(tokens, 0), memory, None, need_all_attention)  # (B, T, d)
         logits = self.out(h)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
@@ -332,7 +403,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
                 prefix at every step (same outputs; the baseline of ``scripts/benchmarks/bench_transformer.py``).
 
         Returns:
-            State with static ``memory_k``/``memory_v`` (L x (B, H, N, dh)) and dynamic
+            State with static ``memory_k``/``memory_v`` (L x (B, H, S, dh); S = N regions, + T concept
+            tokens when the decoder reads concepts) and dynamic
             ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
             tokens consumed).
         """
@@ -360,7 +432,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
             state: from ``init_state`` / the previous ``step`` (not modified).
 
         Returns:
-            (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads).
+            (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads, over
+            the regions only).
         """
         memory = list(zip(state.static["memory_k"], state.static["memory_v"]))
         past = state.dynamic
@@ -396,4 +469,8 @@ def build_transformer_decoder(
         dropout=cfg.dropout,
         max_len=cfg.max_len,
         tie_embeddings=cfg.tie_embeddings,
+        concepts=cfg.concepts,
+        concept_hidden=cfg.concept_hidden,
+        concept_pooling=cfg.concept_pooling,
+        concept_sharpness=cfg.concept_sharpness,
     )

@@ -54,8 +54,8 @@ trains in minutes on a CPU and never touches pixels. :func:`average_precision` s
 held-out images; :func:`concept_pointing` asks whether a concept's map peaks inside the box of
 the object it names (COCO boxes: the concept word must be a category word).
 
-A run reads a concepts file (``train.concepts``): :func:`with_concept_input` sizes its decoder to
-read the concepts and :func:`install_concepts` copies the head in; the guide term is
+A run reads a concepts file (``train.concepts``): :func:`with_concept_input` sizes its decoder (SAT
+or the Transformer) to read the concepts and :func:`install_concepts` copies the head in; the guide term is
 ``captioner.training.objective.ConceptGuide``.
 """
 
@@ -79,6 +79,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from captioner.config import Config
+from captioner.config.decoders import ConceptReaderConfig
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
@@ -563,7 +564,7 @@ def with_concept_input(cfg: Any, head: ConceptHead | None) -> Any:
     """``cfg`` with the decoder sized to read ``head`` (``train.concept_input``), else ``cfg`` unchanged."""
     if head is None or not cfg.train.concept_input:
         return cfg
-    if cfg.model.decoder.name != "sat":
+    if not isinstance(cfg.model.decoder, ConceptReaderConfig):  # a registered family without the concept fields
         raise ConfigError(f"train.concept_input: the {cfg.model.decoder.name} decoder does not read concepts; "
                           "set train.concept_input=false (train.concept_guide still applies)")
     return cfg.override(**{"model.decoder.concepts": head.size, "model.decoder.concept_hidden": head.hidden_dim,
