@@ -219,3 +219,39 @@ def test_the_png_grid_carries_a_legend_of_its_style(style):
         assert ramp[:5].mean() < 80 and abs(ramp[-30:].mean() - 217) < 30
     else:  # transparent (grey) at the low end, the colour map at the top
         assert ramp[:3].std(axis=-1).mean() < 3 and ramp[-30:].std(axis=-1).mean() > 20
+
+
+# ----------------------------------------------------------------------------- the photo's concepts in attention.json
+
+
+def test_attention_json_round_trips_concepts_and_their_maps_and_reads_files_without_them(tmp_path):
+    import dataclasses
+    import json
+
+    rng = np.random.default_rng(0)
+    maps = rng.random((2, 4, 4)).astype(np.float32)
+    maps /= maps.sum((1, 2), keepdims=True)
+    plain = caption(["a", "dog"], np.stack([corner_attention(), corner_attention(4, 3, 3)]), image_size=(200, 100))
+    tagged = dataclasses.replace(plain, concepts=[("dog", 0.9134567), ("grass", 0.25)],
+                                 concept_maps=torch.from_numpy(maps))
+    paths = write_overlays(photo(), tagged, tmp_path / "tagged")
+    back = read_attention_json(paths["json"])
+    assert back.concepts == [("dog", 0.913457), ("grass", 0.25)]
+    np.testing.assert_allclose(back.concept_maps.numpy(), maps, atol=1e-6)
+    assert back.concept_maps.dtype == torch.float32 and back.words == ["a", "dog"]
+    assert 'id="tag-1"' in paths["html"].read_text(encoding="utf-8")  # the explorer written beside it has the chips
+    # a file without concepts (a model without them, or one written before they existed) still reads
+    old = caption_to_dict(plain)
+    assert "concepts" not in old and "concept_maps" not in old
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    record = read_attention_json(tmp_path / "old.json")
+    assert record.concepts is None and record.concept_maps is None and record.words == ["a", "dog"]
+    # maps that do not match the concepts are refused in one line
+    with pytest.raises(DataError, match="concept_maps must be"):
+        on_image(dataclasses.replace(tagged, concept_maps=torch.from_numpy(maps[:1])))
+    with pytest.raises(DataError, match="concepts but no concept maps"):
+        on_image(dataclasses.replace(tagged, concept_maps=None))
+    broken = {**caption_to_dict(tagged), "concept_maps": [[1.0]]}
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(DataError, match="broken.json: malformed attention record"):
+        read_attention_json(tmp_path / "broken.json")
