@@ -240,6 +240,9 @@ def test_attention_json_round_trips_concepts_and_their_maps_and_reads_files_with
     np.testing.assert_allclose(back.concept_maps.numpy(), maps, atol=1e-6)
     assert back.concept_maps.dtype == torch.float32 and back.words == ["a", "dog"]
     assert 'id="tag-1"' in paths["html"].read_text(encoding="utf-8")  # the explorer written beside it has the chips
+    with Image.open(paths["tags"]) as tags:  # and a PNG of the tags, as the grid of the words
+        assert paths["tags"].name == "attention_tags.png" and tags.size == grid_layout(2, (200, 100)).canvas_size
+    assert set(write_overlays(photo(), plain, tmp_path / "plain")) == {"png", "gif", "json", "html"}
     # a file without concepts (a model without them, or one written before they existed) still reads
     old = caption_to_dict(plain)
     assert "concepts" not in old and "concept_maps" not in old

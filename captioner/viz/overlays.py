@@ -49,7 +49,7 @@ from captioner.viz.heatmaps import (
 __all__ = [
     "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
     "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
-    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "word_overlays", "word_titles", "write_attention_json",
+    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "render_tags", "word_overlays", "word_titles", "write_attention_json",
     "write_overlays",
 ]
 
@@ -311,6 +311,27 @@ def render_grid(
                          alpha, style, panel_side=panel_side, columns=columns)
 
 
+def render_tags(
+    image: Image.Image,
+    caption: Caption,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
+    panel_side: int = 224,
+    columns: int = 5,
+    style: str = "light",
+) -> Image.Image | None:
+    """The photo's tags as the PNG grid draws words: the image titled with the caption, then one panel per
+    concept titled ``tag: dog 0.91`` and its figures, on one scale shared by the tags; None for a caption
+    without concepts (a model without concept detectors)."""
+    caption = on_image(caption, image)
+    if not caption.concepts:
+        return None
+    maps = caption.concept_maps.numpy()
+    titles = [(f"tag: {word} {prob:.2f}", stats_label(m)) for (word, prob), m in zip(caption.concepts, maps)]
+    return render_panels(image, maps, titles, caption.text, caption.box, cmap, alpha, style, panel_side=panel_side,
+                         columns=columns)
+
+
 def render_gif_frames(
     image: Image.Image,
     caption: Caption,
@@ -359,7 +380,8 @@ def write_overlays(
     head: int | None = None,
     style: str = "light",
 ) -> dict[str, Path]:
-    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
+    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image, and
+    for a caption with concepts (a model with concept detectors) the PNG of the photo's tags.
 
     Args:
         image: the ORIGINAL RGB image (not the encoder input).
@@ -375,7 +397,8 @@ def write_overlays(
         style: ``light`` (attention as light) or ``heat`` (:data:`~captioner.viz.heatmaps.STYLES`).
 
     Returns:
-        ``{"png", "gif", "json", "html"}`` -> written paths.
+        ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``<stem>_tags.png``, for a caption with
+        concepts) -> written paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
@@ -389,12 +412,17 @@ def write_overlays(
     grid = render_grid(image, record, cmap, alpha, style=style)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
               for f in render_gif_frames(image, record, cmap, alpha, style=style)]
+    tags = render_tags(image, record, cmap, alpha, style=style)
+    if tags is not None:
+        paths["tags"] = out / f"{stem}_tags.png"
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
         frames[0].save(paths["gif"], save_all=True, append_images=frames[1:], duration=900, loop=0, disposal=1)
         write_attention_json(paths["json"], record)
         write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
+        if tags is not None:
+            tags.save(paths["tags"])
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
     log.debug("overlays for %r written to %s", record.text, out)
