@@ -158,6 +158,7 @@ def render_explorer(
     heading = html.escape(title or "Attention explorer")
     chips = _concept_chips(data["concepts"])
     tag_help = " (from a tag, through the tags)" if data["concepts"] else ""
+    tag_where = ", or to a tag to see where the model finds it" if data["concepts"] else ""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -192,7 +193,7 @@ def render_explorer(
     <img id="photo" alt="the photo as given" width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
   </figure>
 </div>
-<p class="help">Hover, tap or Tab to a word to see where the model looked; Enter, Space or a click keeps it;
+<p class="help">Hover, tap or Tab to a word to see where the model looked{tag_where}; Enter, Space or a click keeps it;
 the arrow keys step through the words{tag_help}.
 Outside the region the encoder saw, the image is dimmed.</p>
 <script type="application/json" id="explorer-data">{payload}</script>
@@ -374,7 +375,7 @@ EXPLORER_JS = r"""
     return layer;
   }
 
-  function legend(range) {  // what the two ends of the scale look like, and what the top stands for
+  function legend(range, tag) {  // what the two ends of the scale look like, and what the top stands for
     const bar = document.getElementById("legend-bar"), strength = +alphaIn.value, stops = [];
     for (let k = 0; k <= 8; k++) {
       const v = Math.round(255 * k / 8);
@@ -383,7 +384,7 @@ EXPLORER_JS = r"""
         : "rgba(" + D.lut[3 * v] + "," + D.lut[3 * v + 1] + "," + D.lut[3 * v + 2] + "," + (strength * v / 255).toFixed(3) + ")");
     }
     bar.style.background = "linear-gradient(to right, " + stops.join(", ") + "), #d9d9d9";
-    document.getElementById("legend-top").textContent = "most attention (" +
+    document.getElementById("legend-top").textContent = (tag ? "most of the tag (" : "most attention (") +
       (100 * range[1]).toFixed(0) + "% per region)";
   }
 
@@ -424,7 +425,7 @@ EXPLORER_JS = r"""
     ctx.fillRect(0, box[1], box[0], box[3] - box[1]);
     ctx.fillRect(box[2], box[1], canvas.width - box[2], box[3] - box[1]);
     const range = vrange(i);
-    legend(range);
+    legend(range, isTag(i));
     if (i < 0 || i >= L + C) { info.textContent = "empty caption"; return; }
     const m = weights(i);
     ctx.imageSmoothingEnabled = true;
