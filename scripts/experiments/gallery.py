@@ -7,15 +7,16 @@ Captions the split's photos in batches through the public API (``captioner.load(
 attention=True)``). The nouns of a caption are chosen without a part-of-speech tagger: the words that
 are concept words of the model when it has concept detectors (``decoder.concepts``), else the words
 of a built-in list of common Flickr8k nouns (``--nouns`` gives another list), never a stop word,
-colour, number, common adjective, ``-ing`` form or common verb. A photo whose caption names at
-least two distinct nouns is kept (up to ``--max-nouns`` of them, in caption order, each with the map
-of its first mention), and scored by how far apart its nouns' maps lie: over the pairs of nouns, the
+colour, number, common adjective, ``-ing`` form or common verb; a noun counts only where the model
+looked somewhere in particular for it (its map is not spread "all over", ``heatmaps.spread_words``).
+A photo whose caption names at least two distinct such nouns is kept (up to ``--max-nouns`` of them,
+in caption order, each with the map of its first mention), and scored by how far apart its nouns' maps lie: over the pairs of nouns, the
 mean of (distance between the peak cells / the grid's diagonal) and (1 - the maps' histogram
 intersection), averaged. The best ``--count`` are picked, with distinct first nouns where possible.
 
 Writes to ``--out``, for each photo, ``NN_<image stem>.jpg`` (JPEG quality 88): the photo, then one
-panel per noun (the noun in large type over its map, in the package's ``light`` style, all on the
-caption's colour scale) and the caption under them, drawn by ``captioner.viz.overlays.render_panels``;
+panel per noun (the noun in large type over its map, in the package's ``light`` style, each on its
+own scale: the noun's strongest place is drawn as the photo itself) and the caption under them, drawn by ``captioner.viz.overlays.render_panels``;
 and ``gallery.json``: per photo the file, the caption, the nouns with their peak cell (row, col, from
 the top left, 0-based) and peak share, and the pairwise map overlap. Prints one line per photo.
 """
@@ -79,12 +80,12 @@ def separation(peaks: list[tuple[int, int]], maps, g: int) -> tuple[float, list[
 
 def describe(caption, nouns: frozenset[str], max_nouns: int) -> dict | None:
     """The photo's nouns, their peaks, pairs and score; None when its caption names fewer than two."""
-    from captioner.viz.heatmaps import peak_cell
+    from captioner.viz.heatmaps import attention_stats, peak_cell, spread_words
 
     first: dict[str, int] = {}
     for i, w in enumerate(caption.words):
-        if w in nouns and w not in first:
-            first[w] = i
+        if w in nouns and w not in first and spread_words(*attention_stats(caption.attention[i])[1:]) != "all over":
+            first[w] = i  # its first mention, when the model looked somewhere in particular for it
     if len(first) < 2:
         return None
     chosen = list(first.items())[:max_nouns]
@@ -99,14 +100,21 @@ def describe(caption, nouns: frozenset[str], max_nouns: int) -> dict | None:
     return {"caption": caption.text, "nouns": found, "pairs": pairs, "score": round(score, 4)}
 
 
+def singular(word: str) -> str:
+    """``dogs`` -> ``dog`` (not ``grass``): so that ``dog`` and ``dogs`` are one first noun."""
+    return word[:-1] if word.endswith("s") and not word.endswith("ss") else word
+
+
 def pick(kept: list[tuple[dict, object]], count: int) -> list[tuple[dict, object]]:
-    """The best ``count`` by score, with distinct first nouns where there are enough, in score order."""
+    """The best ``count`` by score, with distinct first nouns (``dog`` = ``dogs``) where there are enough,
+    in score order."""
     ranked = sorted(kept, key=lambda item: -item[0]["score"])
     chosen, firsts = [], set()
     for k, item in enumerate(ranked):
-        if len(chosen) < count and item[0]["nouns"][0]["word"] not in firsts:
+        first = singular(item[0]["nouns"][0]["word"])
+        if len(chosen) < count and first not in firsts:
             chosen.append(k)
-            firsts.add(item[0]["nouns"][0]["word"])
+            firsts.add(first)
     chosen += [k for k in range(len(ranked)) if k not in chosen][: count - len(chosen)]  # too few distinct: the next best
     return [ranked[k] for k in sorted(chosen)]
 
@@ -116,16 +124,16 @@ def draw(path: Path, record, caption, entry: dict, panel_side: int) -> None:
     from PIL import Image
 
     from captioner.viz.attention_json import on_image
-    from captioner.viz.heatmaps import color_scale, stats_label
+    from captioner.viz.heatmaps import map_peaks, stats_label
     from captioner.viz.overlays import render_panels
 
     with Image.open(record.path) as img:
         image = img.convert("RGB")
     placed = on_image(caption, image)
-    attention = placed.attention.numpy()
-    maps = attention[[n["index"] for n in entry["nouns"]]]
+    maps = placed.attention.numpy()[[n["index"] for n in entry["nouns"]]]
     titles = [(n["word"], stats_label(m)) for n, m in zip(entry["nouns"], maps)]
-    picture = render_panels(image, maps, titles, caption.text, placed.box, scale=color_scale(attention),
+    lit = maps / map_peaks(maps)[:, None, None]  # each noun on its own scale: its strongest place drawn as the photo
+    picture = render_panels(image, lit, titles, caption.text, placed.box, scale=(0.0, 1.0),
                             panel_side=panel_side, columns=len(maps) + 1, sizes=(30, 15, 20), text_below=True,
                             photo_title="the photo")
     picture.save(path, format="JPEG", quality=88)
