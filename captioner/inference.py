@@ -339,7 +339,8 @@ class Captioner:
             all_heads: also every layer's and head's map of each caption (Transformer).
 
         Returns:
-            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box``.
+            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box`` (and the
+            photo's ``concepts`` and ``concept_maps`` for a model with concept detectors, the same for each).
         """
         options = decode_options(options, **decoding, n_best=n_best)
         sources = self._flatten(image)
@@ -351,10 +352,12 @@ class Captioner:
             with torch.no_grad():
                 features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
             grid = (int(grid[0]), int(grid[1]))
+            concepts, concept_maps = top_concepts(self.model.decoder, features, self.vocab, grid)[0]  # the photo's
             out = []
             for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
                 c = _caption(h, self.vocab, grid)
                 c.image_size, c.box = size, box
+                c.concepts, c.concept_maps = concepts, concept_maps
                 if all_heads:
                     c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
                 out.append(c)

@@ -58,6 +58,23 @@ def peaked_model(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint)
     return captioner.load(path, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tagged_model(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
+    """An untrained SAT model with a concept head over three words (each found in every photo), its first
+    layer scaled up so that each tag's map peaks somewhere of its own."""
+    import captioner
+    from captioner.checkpoint.store import save_checkpoint
+
+    root = tmp_path_factory.mktemp("tagged")
+    model = captioner.load(untrained_checkpoint(root, "sat_soft_tiny", concepts=("circle", "square", "triangle")),
+                           device="cpu")
+    with torch.no_grad():
+        model.model.decoder.concept_head.net[0].weight.mul_(8.0)
+    path = root / "tagged.safetensors"
+    save_checkpoint(path, model.model, model.vocab)
+    return captioner.load(path, device="cpu")
+
+
 def _wait(drv, script: str, timeout: float = 30.0):
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -313,14 +330,14 @@ def test_a_new_photo_marks_the_old_result_until_its_own_arrives(driver, peaked_m
         assert driver.find_element(By.ID, "result-file").text == "second.png"
 
 
-def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tmp_path: Path) -> None:
+def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tagged_model, tmp_path: Path) -> None:
     axe = pytest.importorskip("axe_core_python.selenium")
     from selenium.webdriver.common.by import By
 
     _, photo = _scene(tmp_path, seed=3, side=500)
     size = driver.get_window_size()
     try:
-        with _serve_page(driver, [("one", peaked_model), ("two", peaked_model)]):
+        with _serve_page(driver, [("one", peaked_model), ("two", tagged_model)]):  # the tag chips audited too
             driver.set_window_size(500, 1000)
             _upload(driver, photo)
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
@@ -363,4 +380,60 @@ def test_taps_alone_show_and_pin_a_word(driver, peaked_model, tmp_path: Path) ->
         _wait(driver, f"return document.body.dataset.word === '{target}';")
         assert driver.execute_script("return document.body.dataset.shown;") == str(target)
         assert driver.find_element(By.ID, "shown-word").text == f"\u201c{words[target]}\u201d"
+        driver.switch_to.default_content()
+
+
+def test_the_photos_tags_show_their_maps_by_hover_keyboard_and_tap(driver, tagged_model, peaked_model,
+                                                                    tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions import interaction
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+    from selenium.webdriver.common.actions.pointer_input import PointerInput
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    image, photo = _scene(tmp_path, seed=3)
+    expected = tagged_model.caption(image, beam=3, attention=True)[0]
+    tags = [f"{w} {p:.2f}" for w, p in expected.concepts]
+    with _serve_page(driver, [("tagged", tagged_model), ("plain", peaked_model)]):
+        _upload(driver, photo)
+        tagged, plain = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, plain)
+        driver.switch_to.frame(plain)  # a model without concepts: no row of tags
+        assert driver.find_elements(By.CSS_SELECTOR, "#concepts, .chip") == []
+        driver.switch_to.default_content()
+        words = _words_in(driver, tagged)
+        driver.switch_to.frame(tagged)
+        assert driver.find_element(By.CSS_SELECTOR, "#concepts-label").text == "Tags the model sees in this photo"
+        chips = driver.find_elements(By.CSS_SELECTOR, "#concepts .chip")
+        assert [c.text for c in chips] == tags
+        canvas = driver.find_element(By.ID, "view")
+        word_map = _pixels(canvas)  # the first word, pinned
+        ActionChains(driver).move_to_element(chips[0]).perform()  # hover a tag: its map, its name written large
+        assert np.abs(_pixels(canvas) - word_map).sum(-1).__gt__(30).mean() > 0.02, "hovering a tag left the map"
+        assert driver.find_element(By.ID, "shown-word").text == "tag: " + tags[0]
+        assert chips[0].get_attribute("class").split() == ["chip", "active"]
+        # the keyboard: Tab from the last word reaches the first tag, focus shows it, Enter pins, arrows step
+        driver.execute_script(f"document.getElementById('word-{len(words) - 1}').focus();")
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+        assert driver.switch_to.active_element.get_attribute("id") == "tag-0"
+        assert driver.execute_script("return getComputedStyle(arguments[0]).outlineWidth;", chips[0]) == "3px"
+        assert driver.execute_script("return [document.body.dataset.shown, document.body.dataset.word];") == \
+            ["tag-0", "0"]
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+        tag1 = _pixels(canvas)
+        assert np.abs(tag1 - word_map).sum(-1).__gt__(30).mean() > 0.02, "focusing a tag did not show its map"
+        ActionChains(driver).send_keys(Keys.ENTER).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == "tag-1"
+        assert chips[1].get_attribute("aria-pressed") == "true"
+        ActionChains(driver).send_keys(Keys.ARROW_RIGHT).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == "tag-2"
+        assert driver.switch_to.active_element.get_attribute("id") == "tag-2"
+        ActionChains(driver).send_keys(Keys.SPACE).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == "tag-2"
+        actions = ActionBuilder(driver, mouse=PointerInput(interaction.POINTER_TOUCH, "finger"))  # a tap pins
+        actions.pointer_action.move_to(chips[0]).pointer_down().pause(0.05).pointer_up()
+        actions.perform()
+        _wait(driver, "return document.body.dataset.word === 'tag-0';")
+        assert driver.find_element(By.ID, "shown-word").text == "tag: " + tags[0]
         driver.switch_to.default_content()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import re
@@ -10,13 +11,14 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from captions import make_caption
 from captioner.errors import ConfigError, DataError
 from captioner.inference import Caption
-from captioner.viz.explorer import render_explorer, write_explorer
-from captioner.viz.overlays import BLUR_CELLS, colormap_lut
+from captioner.viz.explorer import CONCEPTS_LABEL, MAX_CONCEPTS, render_explorer, write_explorer
+from captioner.viz.overlays import BLUR_CELLS, color_scale, colormap_lut
 
 
 class _Collect(HTMLParser):
@@ -172,13 +174,15 @@ global.document = { body: { dataset: {} }, addEventListener() {}, createTextNode
 function shot() {
   const img = elements.view.last;
   shots.push({ info: elements.info.textContent, summary: elements.summary.textContent, width: img.width, height: img.height,
-               rgba: Buffer.from(img.data).toString("base64") });
+               rgba: Buffer.from(img.data).toString("base64"), big: elements["shown-word"].textContent,
+               shown: document.body.dataset.shown, pinned: document.body.dataset.word });
 }
 eval(code);
 for (const args of JSON.parse(process.argv[3])) {
   if (args.style !== undefined) { elements.style.value = args.style; elements.style.handlers.change(); }
   if (args.head !== undefined) { elements.head.value = args.head; elements.head.handlers.input(); }
-  spans[args.word].handlers.click();
+  if (args.tag !== undefined) elements["tag-" + args.tag].handlers[args.event || "click"]();
+  else spans[args.word].handlers[args.event || "click"]();
   shot();
 }
 console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots,
@@ -254,3 +258,64 @@ def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
 def test_the_explorer_script_draws_an_empty_caption(tmp_path):
     out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (64, 64)), make_caption([], np.zeros((0, 3, 3)))), [])
     assert out["ready"] == "1" and out["info"] == "empty caption"
+
+
+# ----------------------------------------------------------------------------- the photo's tags (concept detectors)
+
+
+def _with_concepts(record: Caption, concepts, maps) -> Caption:
+    return dataclasses.replace(record, concepts=list(concepts), concept_maps=torch.as_tensor(np.asarray(maps, np.float32)))
+
+
+def _chips(page: str) -> list[tuple[str, str, str]]:
+    """(id, word, probability) of each concept chip in the page."""
+    return re.findall(r'<button type="button" class="chip" id="(tag-\d+)"[^>]*>([^<]*) <span class="prob">([^<]*)</span>',
+                      page)
+
+
+def test_concept_chips_list_the_photos_tags_under_the_caption_and_only_for_a_model_with_concepts():
+    rng = np.random.default_rng(2)
+    words = [f"w{k}" for k in range(12)] + ["<b>&co"]
+    maps = rng.random((13, 3, 3))
+    maps /= maps.sum((1, 2), keepdims=True)
+    record = _with_concepts(_record(), [(w, 0.95 - 0.05 * k) for k, w in enumerate(words)], maps)
+    page = render_explorer(Image.new("RGB", (30, 20)), record)
+    chips = _chips(page)
+    assert len(chips) == MAX_CONCEPTS == 10  # at most ten, most probable first
+    assert chips[:2] == [("tag-0", "w0", "0.95"), ("tag-1", "w1", "0.90")]
+    assert CONCEPTS_LABEL in page and page.index('id="caption"') < page.index('id="concepts"') < page.index("<canvas")
+    data = _payload(page)
+    assert [c["word"] for c in data["concepts"]] == words[:10]
+    np.testing.assert_allclose(data["concept_maps"], maps[:10], atol=1e-5)
+    assert data["concept_scale"] == pytest.approx(list(color_scale(maps[:10])))
+    assert data["scale"] == pytest.approx(list(color_scale(record.attention)))  # the words keep their own scale
+    few = render_explorer(Image.new("RGB", (30, 20)), _with_concepts(_record(), [(words[-1], 0.5)], maps[:1]))
+    assert _chips(few) == [("tag-0", "&lt;b&gt;&amp;co", "0.50")]  # escaped
+    for plain in (_record(), _with_concepts(_record(), [], np.zeros((0, 3, 3)))):  # no concepts: no row
+        page = render_explorer(Image.new("RGB", (30, 20)), plain)
+        assert _chips(page) == [] and 'id="concepts"' not in page and CONCEPTS_LABEL not in page
+        assert _payload(page)["concepts"] is None
+
+
+def test_the_explorer_script_draws_a_tags_map_as_it_draws_a_words(tmp_path):
+    g = 4
+    top_left, bottom_right = np.zeros((g, g), np.float32), np.zeros((g, g), np.float32)
+    top_left[0, 0] = bottom_right[g - 1, g - 1] = 1.0
+    record = _with_concepts(make_caption(["a", "dog"], np.stack([top_left, top_left])),
+                            [("dog", 0.913), ("grass", 0.2)], np.stack([bottom_right, top_left]))
+    page = render_explorer(Image.new("RGB", (128, 128)), record)
+    steps = [{"word": 1}, {"tag": 0, "event": "mouseenter"}, {"tag": 0, "event": "mouseleave"}, {"tag": 0},
+             {"tag": 1, "event": "focus"}, {"word": 0, "style": "heat"}, {"tag": 0}]
+    out = _run_in_node(tmp_path, page, steps)
+    word, hovered, left, pinned, focused, heat_word, heat_tag = out["shots"]
+    w, t = _scale_positions(word), _scale_positions(hovered)
+    assert w[:40, :40].mean() > 200 and w[-40:, -40:].mean() < 60  # the word looked top left
+    assert t[-40:, -40:].mean() > 200 and t[:40, :40].mean() < 60  # the tag lies bottom right
+    assert hovered["big"] == "tag: dog 0.91" and hovered["shown"] == "tag-0" and hovered["pinned"] == "1"
+    assert hovered["summary"].startswith("The tag \u201cdog\u201d (probability 0.91) lies mostly in one place")
+    assert hovered["info"].startswith("tag 1/2 \u201cdog\u201d: peak 100% at row 4, column 4")
+    assert left["big"] == "\u201cdog\u201d" and left["shown"] == "1"  # hover left: back to the pinned word
+    assert pinned["pinned"] == "tag-0" and pinned["big"] == "tag: dog 0.91"
+    assert focused["shown"] == "tag-1" and focused["pinned"] == "tag-0" and focused["big"] == "tag: grass 0.20"
+    assert _scale_positions(heat_tag, "heat")[-40:, -40:].mean() > 200  # the heat style holds for tags
+    assert heat_word["big"] == "\u201ca\u201d"

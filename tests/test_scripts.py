@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "flickr8k_results.py",
                 "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
-                "experiments/caption_stats.py")
+                "experiments/caption_stats.py", "experiments/gallery.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("download_common.py", "gpu_summary.py", "benchmarks/timing.py")
 
@@ -86,3 +86,61 @@ def test_caption_stats_counts_repeats(tmp_path: Path):
     assert "66.7% repeat a content word" in done.stdout
     bad = _run([sys.executable, str(SCRIPTS / "experiments/caption_stats.py"), str(tmp_path / "none.json")])
     assert bad.returncode == 1 and "none.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_gallery_draws_photos_whose_caption_names_two_nouns(tmp_path: Path, tiny_shapes: Path, untrained_checkpoint):
+    import torch
+    from PIL import Image
+
+    import captioner
+    from captioner.checkpoint.store import save_checkpoint
+    from captioner.models.attention import AdditiveAttention
+
+    def pointing(path: Path) -> Path:  # an untrained model made to look somewhere in particular for each word
+        model = captioner.load(path, device="cpu")
+        with torch.no_grad():
+            for module in model.model.modules():
+                if isinstance(module, torch.nn.Embedding):
+                    module.weight.mul_(10.0)
+                if isinstance(module, AdditiveAttention):
+                    for layer in (module.feature_proj, module.hidden_proj, module.score):
+                        layer.weight.mul_(60.0)
+        save_checkpoint(path, model.model, model.vocab)
+        return path
+
+    tagged = pointing(untrained_checkpoint(tmp_path, "sat_soft_tiny", concepts=("circle", "square", "triangle")))
+    out = tmp_path / "gallery"
+    args = [sys.executable, str(SCRIPTS / "experiments/gallery.py"), str(tagged), str(tiny_shapes), "--split", "test",
+            "--out", str(out), "--count", "2", "--images", "5", "--max-len", "8", "--no-repeat-words"]
+    done = _run(args, OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "gallery.json").read_text())
+    assert summary["nouns_from"] == "concept words of the model" and summary["photos_captioned"] == 5
+    photos = summary["photos"]
+    assert len(photos) == 2 and [p["score"] for p in photos] == sorted((p["score"] for p in photos), reverse=True)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2
+    for photo, line in zip(photos, lines):
+        assert line.startswith(photo["file"] + ": ") and photo["caption"] in line
+        nouns = [n["word"] for n in photo["nouns"]]
+        assert len(set(nouns)) == len(nouns) >= 2 and set(nouns) <= {"circle", "square", "triangle"}
+        assert all(n in photo["caption"].split() for n in nouns)
+        for n in photo["nouns"]:
+            assert all(0 <= v < 4 for v in n["peak"]) and 0 < n["peak_share"] <= 1
+        assert len(photo["pairs"]) == len(nouns) * (len(nouns) - 1) // 2
+        assert all(0 <= p["overlap"] <= 1 for p in photo["pairs"])
+        with Image.open(out / photo["file"]) as picture:
+            assert picture.format == "JPEG" and picture.width > picture.height
+    # a model without concepts: the built-in nouns (none in this vocabulary), or the ones given
+    plain = pointing(untrained_checkpoint(tmp_path, "sat_soft_tiny"))
+    args[2], args[7] = str(plain), str(tmp_path / "none")
+    done = _run(args, OMP_NUM_THREADS="1")
+    assert done.returncode == 0 and "no caption of the 5 photos names two nouns" in done.stderr
+    assert json.loads((tmp_path / "none" / "gallery.json").read_text())["photos"] == []
+    args[7] = str(tmp_path / "given")
+    done = _run([*args, "--nouns", "circle,triangle,red"], OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    given = json.loads((tmp_path / "given" / "gallery.json").read_text())
+    assert given["nouns_from"] == "--nouns" and given["photos"]
+    bad = _run([*args[:3], str(tmp_path / "nowhere"), *args[4:]], OMP_NUM_THREADS="1")
+    assert bad.returncode == 1 and bad.stderr.startswith("gallery: error:") and "Traceback" not in bad.stderr

@@ -207,3 +207,33 @@ def test_cli_errors_and_the_host_warning(tmp_path: Path, untrained_checkpoint, c
     with caplog.at_level("WARNING"):
         assert main(["serve", "-c", str(ckpt), "--port", "0"]) == 0
     assert calls[-1]["host"] == "127.0.0.1" and not caplog.records
+
+
+def test_a_model_with_concepts_answers_with_the_photos_tags_and_their_chips(tmp_path: Path, untrained_checkpoint) -> None:
+    import re
+
+    import captioner
+    from captioner.share.server import ServedModel, create_app, running
+    from captioner.viz.explorer import CONCEPTS_LABEL
+
+    tagged = captioner.load(untrained_checkpoint(tmp_path, "sat_soft_tiny", concepts=("circle", "square", "triangle")),
+                            device="cpu")
+    plain = captioner.load(untrained_checkpoint(tmp_path, "sat_soft_tiny"), device="cpu")
+    image = scene(7, (96, 80))
+    expected = tagged.caption(image, attention=True)[0].concepts
+    assert [w for w, _ in expected] == ["circle", "square", "triangle"]
+    app = create_app([ServedModel("tagged", tagged), ServedModel("plain", plain)])
+    with running(app) as base:
+        status, answer = post(base, png_bytes(image), model="tagged", beam=2, n_best=2)
+        assert status == 200, answer
+        for c in answer["captions"]:  # the photo's tags, the same under every caption of the n-best list
+            assert c["concepts"] == [{"word": w, "prob": p} for w, p in expected]
+            assert [t["word"] for t in c["record"]["concepts"]] == ["circle", "square", "triangle"]
+            assert np.shape(c["record"]["concept_maps"]) == (3, 4, 4)
+            chips = re.findall(r'class="chip" id="tag-\d+"[^>]*>([^<]*) <span class="prob">([^<]*)<', c["explorer"])
+            assert chips == [(w, f"{p:.2f}") for w, p in expected] and CONCEPTS_LABEL in c["explorer"]
+        status, answer = post(base, png_bytes(image), model="plain")
+        assert status == 200 and answer["captions"][0]["concepts"] is None
+        assert "concepts" not in answer["captions"][0]["record"]
+        assert 'class="chip"' not in answer["captions"][0]["explorer"]
+        assert CONCEPTS_LABEL not in answer["captions"][0]["explorer"]

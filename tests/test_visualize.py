@@ -219,3 +219,79 @@ def test_the_png_grid_carries_a_legend_of_its_style(style):
         assert ramp[:5].mean() < 80 and abs(ramp[-30:].mean() - 217) < 30
     else:  # transparent (grey) at the low end, the colour map at the top
         assert ramp[:3].std(axis=-1).mean() < 3 and ramp[-30:].std(axis=-1).mean() > 20
+
+
+# ----------------------------------------------------------------------------- the photo's concepts in attention.json
+
+
+def test_attention_json_round_trips_concepts_and_their_maps_and_reads_files_without_them(tmp_path):
+    import dataclasses
+    import json
+
+    rng = np.random.default_rng(0)
+    maps = rng.random((2, 4, 4)).astype(np.float32)
+    maps /= maps.sum((1, 2), keepdims=True)
+    plain = caption(["a", "dog"], np.stack([corner_attention(), corner_attention(4, 3, 3)]), image_size=(200, 100))
+    tagged = dataclasses.replace(plain, concepts=[("dog", 0.9134567), ("grass", 0.25)],
+                                 concept_maps=torch.from_numpy(maps))
+    paths = write_overlays(photo(), tagged, tmp_path / "tagged")
+    back = read_attention_json(paths["json"])
+    assert back.concepts == [("dog", 0.913457), ("grass", 0.25)]
+    np.testing.assert_allclose(back.concept_maps.numpy(), maps, atol=1e-6)
+    assert back.concept_maps.dtype == torch.float32 and back.words == ["a", "dog"]
+    assert 'id="tag-1"' in paths["html"].read_text(encoding="utf-8")  # the explorer written beside it has the chips
+    with Image.open(paths["tags"]) as tags:  # and a PNG of the tags, as the grid of the words
+        assert paths["tags"].name == "attention_tags.png" and tags.size == grid_layout(2, (200, 100)).canvas_size
+    assert set(write_overlays(photo(), plain, tmp_path / "plain")) == {"png", "gif", "json", "html"}
+    # a file without concepts (a model without them, or one written before they existed) still reads
+    old = caption_to_dict(plain)
+    assert "concepts" not in old and "concept_maps" not in old
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    record = read_attention_json(tmp_path / "old.json")
+    assert record.concepts is None and record.concept_maps is None and record.words == ["a", "dog"]
+    # maps that do not match the concepts are refused in one line
+    with pytest.raises(DataError, match="concept_maps must be"):
+        on_image(dataclasses.replace(tagged, concept_maps=torch.from_numpy(maps[:1])))
+    with pytest.raises(DataError, match="concepts but no concept maps"):
+        on_image(dataclasses.replace(tagged, concept_maps=None))
+    broken = {**caption_to_dict(tagged), "concept_maps": [[1.0]]}
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(DataError, match="broken.json: malformed attention record"):
+        read_attention_json(tmp_path / "broken.json")
+
+
+def test_peak_cell_and_map_overlap_known_answers():
+    from captioner.viz.heatmaps import map_overlap, peak_cell
+
+    a, b = corner_attention(4, 1, 2), corner_attention(4, 3, 0)
+    assert peak_cell(2 * a) == (1, 2, 1.0)
+    assert peak_cell(np.full((4, 4), 1 / 16)) == (0, 0, pytest.approx(1 / 16))
+    assert map_overlap(a, 3 * a) == pytest.approx(1.0) and map_overlap(a, b) == 0.0
+    assert map_overlap(0.5 * a + 0.5 * b, a) == pytest.approx(0.5)
+    assert map_overlap(np.zeros((4, 4)), a) == 0.0
+    with pytest.raises(DataError):
+        map_overlap(a, np.zeros((3, 3)))
+    with pytest.raises(DataError):
+        peak_cell(np.zeros((2, 3)))
+
+
+def test_render_panels_draws_chosen_maps_with_large_titles_and_the_caption_under_them():
+    from captioner.viz.overlays import render_panels
+
+    image = Image.new("RGB", (128, 128), (128, 128, 128))
+    maps = np.stack([corner_attention(4, 0, 0), corner_attention(4, 3, 3)])
+    out = render_panels(image, maps, [("dog", "one place"), ("ball", "one place")], "a dog and a ball", alpha=1.0,
+                        panel_side=100, columns=3, sizes=(30, 15, 20), text_below=True, photo_title="the photo")
+    layout = grid_layout(2, image.size, 100, 3, title_height=57)
+    assert out.size[0] == layout.canvas_size[0] and out.size[1] > layout.canvas_size[1]  # + the caption band
+    pixels = np.asarray(out)
+    lit = []
+    for i in (1, 2):
+        left, top, right, bottom = layout.image_box(i)
+        lit.append(light_level(pixels[top:bottom, left:right]))
+    assert lit[0][:20, :20].mean() > 200 and lit[0][-20:, -20:].mean() < 60  # each panel its own map
+    assert lit[1][-20:, -20:].mean() > 200 and lit[1][:20, :20].mean() < 60
+    band = pixels[layout.canvas_size[1] - layout.legend_height: out.size[1] - layout.legend_height]
+    assert (band < 100).all(-1).sum() > 100, "no caption drawn under the panels"
+    with pytest.raises(DataError, match="2 maps need as many titles"):
+        render_panels(image, maps, [("dog", "")], "a dog")

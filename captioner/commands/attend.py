@@ -83,6 +83,6 @@ def run(args: argparse.Namespace) -> int:
         head=None if args.head is None else args.head - 1,
     )
     print(f"{args.image}\t{result.text}")
-    for kind in ("png", "gif", "json", "html"):
-        print(f"wrote {paths[kind]}")
+    for path in paths.values():  # png, gif, json, html (and the tags' png for a model with concepts)
+        print(f"wrote {path}")
     return 0

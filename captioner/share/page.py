@@ -3,8 +3,8 @@
 Drop a photo on the page, choose one, or click an example; the page posts it to ``/api/caption``
 and shows, under the photo's name and thumbnail, the captions (best first, each with its labelled
 score; click one to see its attention) and, in an iframe, the explorer page the server rendered for
-it (:mod:`captioner.viz.explorer`: hover, focus or tap a word; attention as light or a heat map;
-layer and head selectors for a Transformer). Changing the model, the beam or the number of
+it (:mod:`captioner.viz.explorer`: hover, focus or tap a word, or one of the photo's tags for a model
+with concept detectors; attention as light or a heat map; layer and head selectors for a Transformer). Changing the model, the beam or the number of
 captions, or pressing "Run again", captions the same photo again. With several models, "all
 models" (the default) shows them side by side, the same word lit in each. Buttons download the
 map on show with the caption and the word under it (PNG) and the attention record (JSON). An
@@ -83,7 +83,7 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 # The script keeps the last photo (its bytes, name and a thumbnail) and captions it again whenever a
 # setting changes or "Run again" is pressed; a new photo marks the shown result as the old one's until
 # its own answer arrives, and an error clears it. With "all models" chosen it asks every model at once
-# and shows one column each; a word hovered, focused or pinned in one column is shown in the others,
+# and shows one column each; a word (or tag) hovered, focused or pinned in one column is shown in the others,
 # and one style holds for all. Each answer's explorers are brought into view when they are not.
 
 PAGE_CSS = """
@@ -201,8 +201,9 @@ PAGE_JS = r"""
     png.addEventListener("click", function () {
       const w = frame.contentWindow;
       if (!w || !w.captionerSnapshot) return;
-      const word = +(frame.contentDocument.body.dataset.shown || 0);
-      save(w.captionerSnapshot(), stem() + "_" + data.model + "_caption" + (shown + 1) + "_word" + (word + 1) + ".png");
+      const item = frame.contentDocument.body.dataset.shown || "0", tag = /^tag-(\d+)$/.exec(item);
+      const what = tag ? "_tag" + (+tag[1] + 1) : "_word" + (+item + 1);  // a word of the caption or a tag of the photo
+      save(w.captionerSnapshot(), stem() + "_" + data.model + "_caption" + (shown + 1) + what + ".png");
     });
     json.addEventListener("click", function () {
       const c = data.captions[shown];
@@ -312,7 +313,7 @@ PAGE_JS = r"""
     frames().forEach(function (f) {
       const w = f.contentWindow;
       if (!w || w === e.source) return;
-      if (msg.captioner === "word" && w.captionerShowWord) w.captionerShowWord(msg.word);
+      if (msg.captioner === "word" && w.captionerShowWord) w.captionerShowWord(msg.word, msg.kind);
       if (msg.captioner === "style" && w.captionerSetStyle) w.captionerSetStyle(msg.style);
     });
     if (msg.captioner === "style") style = msg.style;

@@ -6,7 +6,8 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
 * ``GET /api/models``: the models served, ``[{"name", "decoder", "encoder", "vocab"}]``;
 * ``GET /examples/{i}``: example picture ``i`` (:mod:`captioner.share.examples`);
 * ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
-  captions of the picture, each with its attention record (the ``attention.json`` format of
+  captions of the picture, each with the photo's concepts (``[{"word", "prob"}]``, or null for a model
+  without concept detectors) and its attention record (the ``attention.json`` format of
   :mod:`captioner.viz.attention_json`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
   shown in an iframe, so hovering a word, the layer/head selectors of a Transformer, the colour
   scale and the crop box are the explorer's own).
@@ -120,6 +121,7 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
         out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
+                    "concepts": None if c.concepts is None else [{"word": w, "prob": p} for w, p in c.concepts],
                     "record": caption_to_dict(c, decimals=5),
                     "explorer": render_explorer(image, c, title=title, max_side=limits.display_side)})
     return {"model": served.name, "file": filename, "beam": beam, "image_size": list(image.size),

@@ -5,7 +5,10 @@ Shape legend: L words, g grid size.
 ``{"format": "captioner-attention", "version": 1, "caption", "words", "grid": [g, g],
 "attention": L x g x g, "image_size": [w, h], "box": [left, top, right, bottom]}`` plus, for
 decoders with several layers/heads (the Transformer), ``"layers"``, ``"heads"`` and
-``"all_attention"`` (L x layers x heads x g x g). Floats are rounded to 6 decimals.
+``"all_attention"`` (L x layers x heads x g x g), and for a model with concept detectors
+``"concepts"`` (the photo's top concepts, ``[{"word", "prob"}]``, most probable first) and
+``"concept_maps"`` (C x g x g, where each concept is). Floats are rounded to 6 decimals; a file
+without the optional keys (an older one included) reads back with them None.
 
 The drawing functions take a ``Caption`` placed on its image (:func:`on_image`: the image's size,
 and the whole image as the box when the caption came from a tensor); the file holds the caption's
@@ -58,13 +61,32 @@ def on_image(caption: Caption, image: Image.Image | None = None) -> Caption:
                 all_attention.shape[3:] != attention.shape[1:]:
             raise DataError(f"all_attention must be (L, layers, heads, g, g) with L={words} and "
                             f"g={attention.shape[-1]}, got {tuple(all_attention.shape)}")
+    concepts, concept_maps = _checked_concepts(caption, attention.shape[1:])
     size = caption.image_size if caption.image_size is not None else (image.size if image is not None else None)
     if size is None:
         raise DataError("the caption has no image size (it came from a tensor); pass the image")
     size = (int(size[0]), int(size[1]))
     box = caption.box if caption.box is not None else (0, 0, size[0], size[1])
     return dataclasses.replace(caption, attention=attention, all_attention=all_attention, image_size=size,
-                               box=tuple(float(v) for v in box), grid=tuple(attention.shape[1:]))
+                               box=tuple(float(v) for v in box), grid=tuple(attention.shape[1:]), concepts=concepts,
+                               concept_maps=concept_maps)
+
+
+def _checked_concepts(caption: Caption, grid: tuple[int, int]
+                      ) -> tuple[list[tuple[str, float]] | None, torch.Tensor | None]:
+    """The caption's concepts as ``[(word, probability)]`` and their maps as a float32 (C, g, g) tensor."""
+    if caption.concepts is None:
+        if caption.concept_maps is not None:
+            raise DataError("the caption has concept maps but no concepts")
+        return None, None
+    concepts = [(str(w), float(p)) for w, p in caption.concepts]
+    if caption.concept_maps is None:
+        raise DataError("the caption has concepts but no concept maps")
+    maps = _tensor(caption.concept_maps)
+    if maps.ndim != 3 or maps.shape[0] != len(concepts) or tuple(maps.shape[1:]) != tuple(grid):
+        raise DataError(f"concept_maps must be (C, g, g) with C={len(concepts)} concepts and g={grid[-1]}, "
+                        f"got shape {tuple(maps.shape)}")
+    return concepts, maps
 
 
 def caption_to_dict(caption: Caption, decimals: int = 6) -> dict:
@@ -78,6 +100,9 @@ def caption_to_dict(caption: Caption, decimals: int = 6) -> dict:
     if caption.all_attention is not None:
         data["layers"], data["heads"] = int(caption.all_attention.shape[1]), int(caption.all_attention.shape[2])
         data["all_attention"] = np.round(caption.all_attention.numpy().astype(np.float64), decimals).tolist()
+    if caption.concepts is not None:
+        data["concepts"] = [{"word": w, "prob": round(p, decimals)} for w, p in caption.concepts]
+        data["concept_maps"] = np.round(caption.concept_maps.numpy().astype(np.float64), decimals).tolist()
     return data
 
 
@@ -89,10 +114,15 @@ def caption_from_dict(data: dict) -> Caption:
         words = [str(w) for w in data["words"]]
         attention = np.asarray(data["attention"], dtype=np.float32).reshape(len(words), *data["grid"])
         all_att = data.get("all_attention")
+        concepts = data.get("concepts")
+        if concepts is not None:
+            concepts = [(str(c["word"]), float(c["prob"])) for c in concepts]
+            maps = _tensor(np.asarray(data["concept_maps"], dtype=np.float32).reshape(len(concepts), *data["grid"]))
         caption = Caption(str(data["caption"]), words, [], float("nan"), tuple(int(g) for g in data["grid"]),
                           attention=_tensor(attention),
                           all_attention=None if all_att is None else _tensor(np.asarray(all_att, dtype=np.float32)),
-                          image_size=tuple(data["image_size"]), box=tuple(data["box"]))
+                          image_size=tuple(data["image_size"]), box=tuple(data["box"]), concepts=concepts,
+                          concept_maps=None if concepts is None else maps)
         return on_image(caption)
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"malformed attention record ({type(exc).__name__}: {exc})") from None

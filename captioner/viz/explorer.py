@@ -14,8 +14,14 @@ style's layer: ``light`` darkens where the word did not look, ``heat`` lays the 
 word with spread-out attention looks flat next to one that points. A plain sentence says how
 focused the word was; its figures (peak share, grid cell, entropy against log N) are one click away.
 
+For a model with concept detectors (``Caption.concepts``) the photo's top concepts (at most
+``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
+sees in this photo": a chip is hovered, focused, tapped and kept as a word is, and shows where its
+concept is (``Caption.concept_maps``) in the same view and style, on one scale shared by the tags
+(``color_scale`` of their maps), written large as ``tag: dog 0.91``. Without concepts there is no row.
+
 Inside a page (``captioner serve``) the explorer tells its parent which word it shows and which
-style is chosen (``postMessage``), and offers ``captionerShowWord(word)``, ``captionerSetStyle``
+style is chosen (``postMessage``), and offers ``captionerShowWord(word, kind)`` (``kind`` ``"tag"`` for a concept), ``captionerSetStyle``
 and ``captionerSnapshot()`` (the map with the caption and the word under it, as a PNG data URL).
 
 Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
@@ -41,6 +47,8 @@ from captioner.viz.attention_json import on_image
 from captioner.viz.heatmaps import BLUR_CELLS, DEFAULT_ALPHA, DEFAULT_CMAP, DIM, check_style, color_scale, colormap_lut
 
 MIN_DISPLAY_SIDE = 384  # the canvas's long side is at least this many pixels
+MAX_CONCEPTS = 10  # concept chips shown at most
+CONCEPTS_LABEL = "Tags the model sees in this photo"
 
 
 def display_size(image_size: tuple[int, int], min_side: int = MIN_DISPLAY_SIDE, max_side: int = 960
@@ -77,6 +85,18 @@ def _layer_head_scales(all_attention: np.ndarray) -> list[list[float]]:
     return [[color_scale(maps[:, i, j])[1] for j in range(maps.shape[2])] for i in range(maps.shape[1])]
 
 
+def _concept_chips(concepts: list[dict] | None) -> str:
+    """The row of concept chips under the caption (buttons the script brings to life), or nothing."""
+    if not concepts:
+        return ""
+    chips = "".join(
+        f'<button type="button" class="chip" id="tag-{k}" aria-pressed="false" '
+        f'title="tag {html.escape(c["word"])}: probability {c["prob"]:.2f}">{html.escape(c["word"])} '
+        f'<span class="prob">{c["prob"]:.2f}</span></button>' for k, c in enumerate(concepts))
+    return (f'<div class="concepts" id="concepts"><span class="concepts-label" id="concepts-label">{CONCEPTS_LABEL}'
+            f'</span><span class="chips" role="group" aria-labelledby="concepts-label">{chips}</span></div>\n')
+
+
 def render_explorer(
     image: Image.Image,
     caption: Caption,
@@ -94,8 +114,9 @@ def render_explorer(
 
     Args:
         image: the original RGB image (embedded as JPEG, at most ``max_side`` pixels).
-        caption: the caption with its (L, g, g) attention (and optional all_attention); its image
-            size and crop box default to ``image``'s (:func:`~captioner.viz.attention_json.on_image`).
+        caption: the caption with its (L, g, g) attention (and optional all_attention, and for a model
+            with concept detectors its concepts and their maps: the chips); its image size and crop box
+            default to ``image``'s (:func:`~captioner.viz.attention_json.on_image`).
         cmap: matplotlib colour map name of the ``heat`` style (embedded as a lookup table).
         alpha: initial strength (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
         layer: layer selected first when ``caption.all_attention`` exists (negative counts from the end).
@@ -116,7 +137,13 @@ def render_explorer(
         "dim": DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
         "scale": list(color_scale(record.attention)), "scales": None,
         "start": max(0, min(start, len(record.words) - 1)), "style": check_style(style),
+        "concepts": None, "concept_maps": None, "concept_scale": None,
     }
+    if record.concepts:
+        maps = record.concept_maps[:MAX_CONCEPTS]
+        data.update(concepts=[{"word": w, "prob": round(p, 4)} for w, p in record.concepts[:MAX_CONCEPTS]],
+                    concept_maps=np.round(maps.numpy().astype(np.float64), 5).tolist(),
+                    concept_scale=list(color_scale(maps)))
     if record.all_attention is not None:
         layers, heads = record.all_attention.shape[1:3]
         if not -layers <= layer < layers:
@@ -129,6 +156,9 @@ def render_explorer(
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     size = data["display_size"]
     heading = html.escape(title or "Attention explorer")
+    chips = _concept_chips(data["concepts"])
+    tag_help = " (from a tag, through the tags)" if data["concepts"] else ""
+    tag_where = ", or to a tag to see where the model finds it" if data["concepts"] else ""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -141,7 +171,7 @@ def render_explorer(
 <body>
 <h1>{heading}</h1>
 <p class="caption" id="caption" aria-label="caption: choose a word to see where the model looked"></p>
-<div class="controls">
+{chips}<div class="controls">
   <label>style<select id="style"><option value="light">attention as light</option>
     <option value="heat">heat map</option></select></label>
   <span id="selectors" hidden>
@@ -163,8 +193,9 @@ def render_explorer(
     <img id="photo" alt="the photo as given" width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
   </figure>
 </div>
-<p class="help">Hover, tap or Tab to a word to see where the model looked; Enter, Space or a click keeps it;
-the arrow keys step through the words. Outside the region the encoder saw, the image is dimmed.</p>
+<p class="help">Hover, tap or Tab to a word to see where the model looked{tag_where}; Enter, Space or a click keeps it;
+the arrow keys step through the words{tag_help}.
+Outside the region the encoder saw, the image is dimmed.</p>
 <script type="application/json" id="explorer-data">{payload}</script>
 <script>{EXPLORER_JS}</script>
 </body>
@@ -195,8 +226,17 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
         cursor: pointer; }
 .word:hover { background: #e3e8f4; }
 .word.active { background: #1f47b8; color: #fff; }
-.word.pinned { text-decoration: underline; text-decoration-thickness: .12em; text-underline-offset: .2em; }
-.word:focus-visible, select:focus-visible, input:focus-visible, summary:focus-visible {
+.word.pinned, .chip.pinned { text-decoration: underline; text-decoration-thickness: .12em; text-underline-offset: .2em; }
+.concepts { display: flex; flex-wrap: wrap; align-items: center; gap: .35em .45em; margin: -.2em 0 .8em; }
+.concepts-label { color: #444; font-size: .9em; margin-right: .2em; }
+.chips { display: contents; }
+.chip { font: inherit; font-size: .95em; color: #1d1d1f; background: #eef1f7; border: 1px solid #b8c0cf;
+        border-radius: 999px; padding: .05em .7em; cursor: pointer; }
+.chip .prob { color: #4a4a4a; font-size: .85em; margin-left: .1em; font-variant-numeric: tabular-nums; }
+.chip:hover { background: #dde3f1; }
+.chip.active { background: #1f47b8; border-color: #1f47b8; color: #fff; }
+.chip.active .prob { color: #e4e9f7; }
+.word:focus-visible, .chip:focus-visible, select:focus-visible, input:focus-visible, summary:focus-visible {
   outline: 3px solid #e0a800; outline-offset: 2px; }
 .controls { display: flex; flex-wrap: wrap; gap: 1.2em; align-items: center; margin-bottom: .7em; font-size: .92em; }
 .controls select, .controls input { margin-left: .35em; }
@@ -235,8 +275,9 @@ EXPLORER_JS = r"""
   canvas.height = D.display_size[1];
   const sx = canvas.width / D.image_size[0], sy = canvas.height / D.image_size[1];
   const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
-  const spans = [];
-  let current = 0, shown = 0;  // the pinned word | the word drawn now (hovered, focused or pinned)
+  // what can be shown: the caption's words (0 .. L-1), then the photo's tags (L .. L+C-1); buttons[i] is item i
+  const L = D.words.length, C = D.concepts ? D.concepts.length : 0, spans = [], buttons = [];
+  let current = 0, shown = 0;  // the pinned item | the item drawn now (hovered, focused or pinned); -1: none
 
   if (D.all_attention) {
     for (let l = 0; l < D.layers; l++) layerSel.add(new Option(String(l + 1), String(l)));
@@ -249,7 +290,14 @@ EXPLORER_JS = r"""
   alphaIn.value = String(D.alpha);
   styleSel.value = D.style;
 
-  function weights(i) {  // the g x g map shown for word i
+  function isTag(i) { return i >= L; }
+  function label(i) {  // what the item is called, large above the map and under a saved picture
+    if (!isTag(i)) return "\u201c" + D.words[i] + "\u201d";
+    return "tag: " + D.concepts[i - L].word + " " + D.concepts[i - L].prob.toFixed(2);
+  }
+
+  function weights(i) {  // the g x g map shown for item i
+    if (isTag(i)) return D.concept_maps[i - L];
     if (!D.all_attention) return D.attention[i];
     const heads = D.all_attention[i][+layerSel.value];
     if (headSel.value !== "mean") return heads[+headSel.value];
@@ -262,7 +310,8 @@ EXPLORER_JS = r"""
     });
   }
 
-  function vrange() {  // the caption's shared scale for what is shown now
+  function vrange(i) {  // the shared scale of item i: the caption's (this layer and head), or the tags'
+    if (isTag(i)) return D.concept_scale;
     if (!D.all_attention) return D.scale;
     return [0, D.scales[+layerSel.value][headSel.value === "mean" ? D.heads : +headSel.value]];
   }
@@ -294,7 +343,7 @@ EXPLORER_JS = r"""
     return out;
   }
 
-  function layerCanvas(m) {  // the style's RGBA layer at a working resolution of the box (heatmaps.style_layer)
+  function layerCanvas(m, range) {  // the style's RGBA layer at a working resolution of the box (heatmaps.style_layer)
     const bw = box[2] - box[0], bh = box[3] - box[1];
     const f = Math.min(1, 240 / Math.max(bw, bh));
     const w = Math.max(1, Math.round(bw * f)), h = Math.max(1, Math.round(bh * f));
@@ -309,7 +358,7 @@ EXPLORER_JS = r"""
       }
     }
     a = blur(blur(a, w, h, D.blur_cells * w / g, true), w, h, D.blur_cells * h / g, false);
-    const range = vrange(), lo = range[0], hi = range[1], strength = +alphaIn.value, light = styleSel.value === "light";
+    const lo = range[0], hi = range[1], strength = +alphaIn.value, light = styleSel.value === "light";
     const layer = document.createElement("canvas");
     layer.width = w; layer.height = h;
     const lctx = layer.getContext("2d"), img = lctx.createImageData(w, h);
@@ -326,7 +375,7 @@ EXPLORER_JS = r"""
     return layer;
   }
 
-  function legend() {  // what the two ends of the scale look like, and what the top stands for
+  function legend(range, tag) {  // what the two ends of the scale look like, and what the top stands for
     const bar = document.getElementById("legend-bar"), strength = +alphaIn.value, stops = [];
     for (let k = 0; k <= 8; k++) {
       const v = Math.round(255 * k / 8);
@@ -335,8 +384,8 @@ EXPLORER_JS = r"""
         : "rgba(" + D.lut[3 * v] + "," + D.lut[3 * v + 1] + "," + D.lut[3 * v + 2] + "," + (strength * v / 255).toFixed(3) + ")");
     }
     bar.style.background = "linear-gradient(to right, " + stops.join(", ") + "), #d9d9d9";
-    document.getElementById("legend-top").textContent = "most attention (" +
-      (100 * vrange()[1]).toFixed(0) + "% per region)";
+    document.getElementById("legend-top").textContent = (tag ? "most of the tag (" : "most attention (") +
+      (100 * range[1]).toFixed(0) + "% per region)";
   }
 
   function describe(i, m) {  // plain words first; the figures behind them on demand
@@ -348,14 +397,23 @@ EXPLORER_JS = r"""
       if (v > 0) entropy -= (v / total) * Math.log(v / total);
     }); });
     const share = total > 0 ? best / total : 0, spread = entropy / Math.log(g * g);
+    const pct = (100 * share).toFixed(share >= 0.1 ? 0 : 1);
+    const figures = ": peak " + pct + "% at row " + (br + 1) + ", column " + (bc + 1) +
+      " \u00b7 H " + entropy.toFixed(1) + "/" + Math.log(g * g).toFixed(1) + " nats";
+    document.getElementById("shown-word").textContent = label(i);
+    if (isTag(i)) {
+      const t = D.concepts[i - L], where = spread < 0.5 ? "lies mostly in one place" : spread < 0.85
+        ? "lies in a few places" : "is spread all over the picture";
+      document.getElementById("summary").textContent = "The tag \u201c" + t.word + "\u201d (probability " +
+        t.prob.toFixed(2) + ") " + where + "; its strongest region holds " + pct + "% of its map.";
+      info.textContent = "tag " + (i - L + 1) + "/" + C + " \u201c" + t.word + "\u201d" + figures;
+      return;
+    }
     const how = spread < 0.5 ? "looked mostly at one place" : spread < 0.85 ? "looked at a few places"
       : "looked all over the picture";
-    document.getElementById("shown-word").textContent = "\u201c" + D.words[i] + "\u201d";
-    document.getElementById("summary").textContent = "Word " + (i + 1) + " of " + D.words.length + " " + how +
-      "; its strongest region holds " + (100 * share).toFixed(share >= 0.1 ? 0 : 1) + "% of its attention.";
-    info.textContent = "word " + (i + 1) + "/" + D.words.length + " \u201c" + D.words[i] + "\u201d: peak " +
-      (100 * share).toFixed(share >= 0.1 ? 0 : 1) + "% at row " + (br + 1) + ", column " + (bc + 1) +
-      " \u00b7 H " + entropy.toFixed(1) + "/" + Math.log(g * g).toFixed(1) + " nats";
+    document.getElementById("summary").textContent = "Word " + (i + 1) + " of " + L + " " + how +
+      "; its strongest region holds " + pct + "% of its attention.";
+    info.textContent = "word " + (i + 1) + "/" + L + " \u201c" + D.words[i] + "\u201d" + figures;
   }
 
   function draw(i) {
@@ -366,53 +424,67 @@ EXPLORER_JS = r"""
     ctx.fillRect(0, box[3], canvas.width, canvas.height - box[3]);
     ctx.fillRect(0, box[1], box[0], box[3] - box[1]);
     ctx.fillRect(box[2], box[1], canvas.width - box[2], box[3] - box[1]);
-    legend();
-    if (!D.words.length) { info.textContent = "empty caption"; return; }
+    const range = vrange(i);
+    legend(range, isTag(i));
+    if (i < 0 || i >= L + C) { info.textContent = "empty caption"; return; }
     const m = weights(i);
     ctx.imageSmoothingEnabled = true;
     ctx.imageSmoothingQuality = "high";
-    ctx.drawImage(layerCanvas(m), box[0], box[1], box[2] - box[0], box[3] - box[1]);
+    ctx.drawImage(layerCanvas(m, range), box[0], box[1], box[2] - box[0], box[3] - box[1]);
     describe(i, m);
   }
 
-  function show(i, quiet) {  // draw word i and mark it: hovered, focused and pinned words look the same
-    if (!D.words.length) return;
+  function id(i) { return isTag(i) ? "tag-" + (i - L) : String(i); }  // data-shown, data-word: "3" or "tag-0"
+
+  function show(i, quiet) {  // draw item i and mark it: hovered, focused and pinned items look the same
     shown = i;
-    spans.forEach(function (s, k) { s.classList.toggle("active", k === i); });
-    document.body.dataset.shown = String(i);
+    buttons.forEach(function (s, k) { s.classList.toggle("active", k === i); });
+    document.body.dataset.shown = i < 0 ? "" : id(i);
     draw(i);
-    if (!quiet && window.parent !== window) window.parent.postMessage({ captioner: "word", word: D.words[i] }, "*");
+    if (!quiet && i >= 0 && window.parent !== window) {
+      window.parent.postMessage({ captioner: "word", kind: isTag(i) ? "tag" : "word",
+                                  word: isTag(i) ? D.concepts[i - L].word : D.words[i] }, "*");
+    }
   }
 
-  function select(i) {  // pin word i (click, tap, Enter, Space, arrows)
-    if (!D.words.length) return;
-    current = (i + D.words.length) % D.words.length;
-    spans.forEach(function (s, k) {
+  function select(i) {  // pin item i (click, tap, Enter, Space, arrows)
+    current = i;
+    buttons.forEach(function (s, k) {
       s.classList.toggle("pinned", k === current); s.setAttribute("aria-pressed", String(k === current));
     });
-    document.body.dataset.word = String(current);
+    document.body.dataset.word = id(current);
     show(current);
+  }
+
+  function bind(s, i) {  // hover, focus, tap and keys: the same for a word and a tag
+    s.addEventListener("click", function () { select(i); });
+    s.addEventListener("mouseenter", function () { show(i); });
+    s.addEventListener("mouseleave", function () { show(current); });
+    s.addEventListener("focus", function () { show(i); });
+    s.addEventListener("blur", function () { show(current); });
+    buttons.push(s);
   }
 
   const cap = document.getElementById("caption");
   D.words.forEach(function (word, i) {
     const s = document.createElement("button");
     s.type = "button"; s.className = "word"; s.textContent = word; s.id = "word-" + i;
-    s.addEventListener("click", function () { select(i); });
-    s.addEventListener("mouseenter", function () { show(i); });
-    s.addEventListener("mouseleave", function () { show(current); });
-    s.addEventListener("focus", function () { show(i); });
-    s.addEventListener("blur", function () { show(current); });
+    bind(s, i);
     cap.appendChild(s);
     spans.push(s);
   });
+  for (let k = 0; k < C; k++) bind(document.getElementById("tag-" + k), L + k);  // the chips are in the page
   document.addEventListener("keydown", function (e) {
     if (e.target && (e.target.tagName === "SELECT" || e.target.tagName === "INPUT")) return;  // their own arrows
     const step = e.key === "ArrowRight" || e.key === "ArrowDown" ? 1 : e.key === "ArrowLeft" || e.key === "ArrowUp" ? -1 : 0;
     if (!step) return;
-    const onWord = e.target && e.target.classList && e.target.classList.contains("word");
-    select((onWord ? shown : current) + step);
-    if (onWord) spans[current].focus();
+    const list = e.target && e.target.classList;
+    const onItem = list && (list.contains("word") || list.contains("chip"));
+    const from = onItem ? shown : current;  // step through the words, or through the tags from a tag
+    if (from < 0) return;
+    const lo = isTag(from) ? L : 0, n = isTag(from) ? C : L;
+    select(lo + ((from - lo + step) % n + n) % n);
+    if (onItem) buttons[current].focus();
     e.preventDefault();
   });
   [layerSel, headSel, alphaIn].forEach(function (el) { el.addEventListener("input", function () { draw(shown); }); });
@@ -422,9 +494,10 @@ EXPLORER_JS = r"""
   });
 
   // for a page that holds several explorers: the same word in each, one style, a picture to save
-  window.captionerShowWord = function (word) {
-    const k = D.words.indexOf(word);
-    show(k >= 0 ? k : current, true);
+  window.captionerShowWord = function (word, kind) {  // kind "tag": a tag of the photo, else a word
+    const k = kind === "tag" ? (D.concepts || []).map(function (t) { return t.word; }).indexOf(word)
+      : D.words.indexOf(word);
+    show(k >= 0 ? (kind === "tag" ? L + k : k) : current, true);
   };
   window.captionerSetStyle = function (style) {
     if (styleSel.value !== style) { styleSel.value = style; draw(shown); }
@@ -436,14 +509,14 @@ EXPLORER_JS = r"""
     o.fillStyle = "#fff"; o.fillRect(0, 0, out.width, out.height);
     o.drawImage(canvas, 0, 0);
     o.fillStyle = "#111"; o.font = "600 20px system-ui, sans-serif";
-    o.fillText(D.words.length ? "\u201c" + D.words[shown] + "\u201d" : "(empty caption)", 8, canvas.height + 22, out.width - 16);
+    o.fillText(shown >= 0 && shown < L + C ? label(shown) : "(empty caption)", 8, canvas.height + 22, out.width - 16);
     o.font = "15px system-ui, sans-serif"; o.fillStyle = "#333";
     o.fillText(D.caption, 8, canvas.height + 44, out.width - 16);
     return out.toDataURL("image/png");
   };
   if (window.parent !== window) document.body.classList.add("embedded");
   function start() {
-    if (D.words.length) select(D.start); else draw(0);  // an empty caption: the photo, and a line saying so
+    if (L) select(D.start); else { current = -1; show(-1, true); }  // an empty caption: the photo, and a line saying so
     document.body.dataset.ready = "1";
   }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);

@@ -42,8 +42,8 @@ from captioner.errors import ConfigError, DataError
 from captioner.grids import as_array, cell_weights
 
 __all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "STYLES", "UNIFORM_FLOOR", "attention_stats",
-           "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "map_peaks", "overlay_heatmap",
-           "spread_words", "stats_label", "style_layer"]
+           "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "map_overlap", "map_peaks",
+           "overlay_heatmap", "peak_cell", "spread_words", "stats_label", "style_layer"]
 
 BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
 DIM = 0.35  # brightness kept outside the encoder's crop box
@@ -190,6 +190,28 @@ def attention_stats(attention: object) -> tuple[float, float, float]:
     p = att / total
     nz = p[p > 0]
     return float(p.max()), max(0.0, float(-(nz * np.log(nz)).sum())), uniform
+
+
+def peak_cell(attention: object) -> tuple[int, int, float]:
+    """``(row, col, share)`` of one (g, g) map's strongest region (row 0 = top) and its share of the map."""
+    att = as_array(attention, np.float64)
+    if att.ndim != 2 or att.shape[0] != att.shape[1] or att.size == 0:
+        raise DataError(f"attention must be (g, g), got shape {att.shape}")
+    row, col = np.unravel_index(int(np.argmax(att)), att.shape)
+    total = float(att.sum())
+    return int(row), int(col), float(att[row, col]) / total if total > 0 else 0.0
+
+
+def map_overlap(a: object, b: object) -> float:
+    """How much two (g, g) maps overlap: the histogram intersection of the two, each normalised to sum 1
+    (1 = the same map, 0 = no region in common); 0 when either map is all zero."""
+    a, b = as_array(a, np.float64), as_array(b, np.float64)
+    if a.shape != b.shape or a.ndim != 2:
+        raise DataError(f"maps must be two (g, g) arrays of one shape, got {a.shape} and {b.shape}")
+    sa, sb = float(a.sum()), float(b.sum())
+    if sa <= 0 or sb <= 0:
+        return 0.0
+    return float(np.minimum(a / sa, b / sb).sum())
 
 
 def spread_words(entropy: float, uniform: float) -> str:

@@ -49,7 +49,7 @@ from captioner.viz.heatmaps import (
 __all__ = [
     "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
     "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
-    "read_attention_json", "render_gif_frames", "render_grid", "word_overlays", "word_titles", "write_attention_json",
+    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "render_tags", "word_overlays", "word_titles", "write_attention_json",
     "write_overlays",
 ]
 
@@ -154,6 +154,8 @@ class GridLayout:
         title_height: height of the title band above each picture.
         legend_height: height of the legend band under the panels (what the two ends of the scale look like).
         pad: margin around each panel.
+        text_height: height of a band for the caption under the panels, above the legend (0: none;
+            the caption then titles the picture, panel 0).
     """
 
     panels: int
@@ -163,6 +165,7 @@ class GridLayout:
     title_height: int = 40
     legend_height: int = 30
     pad: int = 6
+    text_height: int = 0
 
     @property
     def cell_size(self) -> tuple[int, int]:
@@ -171,12 +174,18 @@ class GridLayout:
     @property
     def canvas_size(self) -> tuple[int, int]:
         cw, ch = self.cell_size
-        return self.columns * cw, self.rows * ch + self.legend_height
+        return self.columns * cw, self.rows * ch + self.text_height + self.legend_height
 
     def legend_box(self) -> tuple[int, int, int, int]:
         """(left, top, right, bottom) of the legend band, under the last row."""
         width, height = self.canvas_size
         return self.pad, height - self.legend_height, width - self.pad, height
+
+    def text_box(self) -> tuple[int, int, int, int]:
+        """(left, top, right, bottom) of the caption band under the panels (empty when ``text_height`` is 0)."""
+        width, height = self.canvas_size
+        top = height - self.legend_height - self.text_height
+        return 2 * self.pad, top, width - 2 * self.pad, top + self.text_height
 
     def image_box(self, index: int) -> tuple[int, int, int, int]:
         """(left, top, right, bottom) of panel ``index``'s picture on the canvas."""
@@ -190,13 +199,15 @@ class GridLayout:
         return left, top - self.title_height, right, top
 
 
-def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 224, columns: int = 5) -> GridLayout:
+def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 224, columns: int = 5,
+                title_height: int = 40, text_height: int = 0) -> GridLayout:
     """Layout for ``num_words`` word panels plus the image panel; pictures keep the image's aspect."""
     scale = panel_side / max(image_size)
     size = (max(1, round(image_size[0] * scale)), max(1, round(image_size[1] * scale)))
     panels = num_words + 1
     cols = max(1, min(columns, panels))
-    return GridLayout(panels=panels, columns=cols, rows=-(-panels // cols), image_size=size)
+    return GridLayout(panels=panels, columns=cols, rows=-(-panels // cols), image_size=size,
+                      title_height=title_height, text_height=text_height)
 
 
 def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str, cmap: str, alpha: float) -> None:
@@ -220,6 +231,68 @@ def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str
     draw.text((bar_right + 8, middle), words[1], fill=FIGURES, font=font)
 
 
+def render_panels(
+    image: Image.Image,
+    maps: np.ndarray,
+    titles: Sequence[tuple[str, str]],
+    text: str,
+    box: Sequence[float] | None = None,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
+    style: str = "light",
+    scale: tuple[float, float] | None = None,
+    panel_side: int = 224,
+    columns: int = 5,
+    sizes: tuple[int, int, int] = (16, 12, 13),
+    text_below: bool = False,
+    photo_title: str = "",
+) -> Image.Image:
+    """The picture, then one panel per map, each titled with a large line over a small one, and a legend.
+
+    Args:
+        image: the original RGB image.
+        maps: (P, g, g) weights, one panel each, all drawn on one colour scale.
+        titles: ``(large, small)`` lines over each map (e.g. a word and its figures, :func:`word_titles`).
+        text: the caption: over the picture (two lines at most), or with ``text_below`` in a band
+            under all the panels (three lines at most).
+        box: the crop box in original pixels (None = the whole image).
+        scale: (vmin, vmax) of every panel; None = ``color_scale(maps)``.
+        panel_side: the long side of each panel's picture.
+        columns: panels per row (the picture counts as one).
+        sizes: font sizes of the large title line, the small one and the caption.
+        photo_title: the picture's title when the caption is below it.
+    """
+    maps = as_array(maps)
+    if len(titles) != len(maps):
+        raise DataError(f"{len(maps)} maps need as many titles, got {len(titles)}")
+    big, small_size, text_size = sizes
+    title_height = max(40, big + small_size + 12)
+    layout = grid_layout(len(maps), image.size, panel_side, columns, title_height)
+    if text_below:  # a band as high as the caption's lines (at most three) across the whole width
+        left, _, right, _ = layout.text_box()
+        text_lines = _fit_lines(text, _font(text_size), right - left, 3)
+        layout = dataclasses.replace(layout, text_height=len(text_lines) * (text_size + 3) + 14)
+    small, overlays = word_overlays(image, maps, box, max(layout.image_size), cmap, alpha, scale, style)
+    canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    width = layout.image_size[0]
+    canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
+    if text_below:
+        _draw_centered(draw, [(line, text_size, TEXT) for line in text_lines], layout.text_box())
+        _draw_centered(draw, [(_fit_lines(photo_title, _font(small_size), width, 1)[0], small_size, FIGURES)],
+                       layout.title_box(0))
+    else:
+        _draw_centered(draw, [(line, text_size, TEXT) for line in _fit_lines(text, _font(text_size), width, 2)],
+                       layout.title_box(0))
+    for i, (picture, (word, figures)) in enumerate(zip(overlays, titles), start=1):
+        canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
+        lines = [(_fit_lines(word, _font(big), width, 1)[0], big, TEXT),
+                 (_fit_lines(figures, _font(small_size), width, 1)[0], small_size, FIGURES)]
+        _draw_centered(draw, lines, layout.title_box(i))
+    _draw_legend(canvas, layout.legend_box(), style, cmap, alpha)
+    return canvas
+
+
 def render_grid(
     image: Image.Image,
     caption: Caption,
@@ -233,21 +306,30 @@ def render_grid(
     word and its figures (``word_titles``); every word's overlay uses the caption's colour scale.
     The maps lie on the caption's crop box (None = the whole image)."""
     caption = on_image(caption, image)
-    words, attention, box = caption.words, caption.attention.numpy(), caption.box
-    layout = grid_layout(len(words), image.size, panel_side, columns)
-    small, overlays = word_overlays(image, attention, box, max(layout.image_size), cmap, alpha, style=style)
-    canvas = Image.new("RGB", layout.canvas_size, BACKGROUND)
-    draw = ImageDraw.Draw(canvas)
-    width = layout.image_size[0]
-    canvas.paste(small.resize(layout.image_size), layout.image_box(0)[:2])
-    _draw_centered(draw, [(line, 13, TEXT) for line in _fit_lines(caption.text, _font(13), width, 2)], layout.title_box(0))
-    for i, (picture, (word, figures)) in enumerate(zip(overlays, word_titles(words, attention)), start=1):
-        canvas.paste(picture.resize(layout.image_size), layout.image_box(i)[:2])
-        lines = [(_fit_lines(word, _font(16), width, 1)[0], 16, TEXT),
-                 (_fit_lines(figures, _font(12), width, 1)[0], 12, FIGURES)]
-        _draw_centered(draw, lines, layout.title_box(i))
-    _draw_legend(canvas, layout.legend_box(), style, cmap, alpha)
-    return canvas
+    attention = caption.attention.numpy()
+    return render_panels(image, attention, word_titles(caption.words, attention), caption.text, caption.box, cmap,
+                         alpha, style, panel_side=panel_side, columns=columns)
+
+
+def render_tags(
+    image: Image.Image,
+    caption: Caption,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
+    panel_side: int = 224,
+    columns: int = 5,
+    style: str = "light",
+) -> Image.Image | None:
+    """The photo's tags as the PNG grid draws words: the image titled with the caption, then one panel per
+    concept titled ``tag: dog 0.91`` and its figures, on one scale shared by the tags; None for a caption
+    without concepts (a model without concept detectors)."""
+    caption = on_image(caption, image)
+    if not caption.concepts:
+        return None
+    maps = caption.concept_maps.numpy()
+    titles = [(f"tag: {word} {prob:.2f}", stats_label(m)) for (word, prob), m in zip(caption.concepts, maps)]
+    return render_panels(image, maps, titles, caption.text, caption.box, cmap, alpha, style, panel_side=panel_side,
+                         columns=columns)
 
 
 def render_gif_frames(
@@ -298,7 +380,8 @@ def write_overlays(
     head: int | None = None,
     style: str = "light",
 ) -> dict[str, Path]:
-    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
+    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image, and
+    for a caption with concepts (a model with concept detectors) the PNG of the photo's tags.
 
     Args:
         image: the ORIGINAL RGB image (not the encoder input).
@@ -314,7 +397,8 @@ def write_overlays(
         style: ``light`` (attention as light) or ``heat`` (:data:`~captioner.viz.heatmaps.STYLES`).
 
     Returns:
-        ``{"png", "gif", "json", "html"}`` -> written paths.
+        ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``<stem>_tags.png``, for a caption with
+        concepts) -> written paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
@@ -328,12 +412,17 @@ def write_overlays(
     grid = render_grid(image, record, cmap, alpha, style=style)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
               for f in render_gif_frames(image, record, cmap, alpha, style=style)]
+    tags = render_tags(image, record, cmap, alpha, style=style)
+    if tags is not None:
+        paths["tags"] = out / f"{stem}_tags.png"
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
         frames[0].save(paths["gif"], save_all=True, append_images=frames[1:], duration=900, loop=0, disposal=1)
         write_attention_json(paths["json"], record)
         write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
+        if tags is not None:
+            tags.save(paths["tags"])
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
     log.debug("overlays for %r written to %s", record.text, out)
