@@ -45,7 +45,7 @@ if [ "${CONCEPTS:-0}" = 1 ]; then
     run="$ROOT/sat_soft_concepts"
     echo "== sat_soft + concepts ($(date +%H:%M))"
     captioner train --preset sat_soft_flickr8k --data "$DATA" --out "$run" --overwrite --no-progress \
-        --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=1
+        --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=0.5
     score "$run"
 fi
 
