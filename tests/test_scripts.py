@@ -88,6 +88,7 @@ def test_caption_stats_counts_repeats(tmp_path: Path):
     assert bad.returncode == 1 and "none.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # trains nothing but captions a dataset end to end (8 s)
 def test_gallery_draws_photos_whose_caption_names_two_nouns(tmp_path: Path, tiny_shapes: Path, untrained_checkpoint):
     import torch
     from PIL import Image
