@@ -78,6 +78,26 @@ class UntrainedCheckpoints:
         save_checkpoint(path, model, vocab)
         return path
 
+    @staticmethod
+    def point(path: Path) -> Path:
+        """Make the untrained SAT checkpoint at ``path`` point, in place: word embeddings and the attention's
+        layers scaled up, so the previous word moves the hidden state and each word's map peaks somewhere
+        else (max weight 0.3-0.7)."""
+        import captioner
+        from captioner.checkpoint.store import save_checkpoint
+        from captioner.models.attention import AdditiveAttention
+
+        model = captioner.load(path, device="cpu")
+        with torch.no_grad():
+            for module in model.model.modules():
+                if isinstance(module, torch.nn.Embedding):
+                    module.weight.mul_(10.0)
+                if isinstance(module, AdditiveAttention):
+                    for layer in (module.feature_proj, module.hidden_proj, module.score):
+                        layer.weight.mul_(60.0)
+        save_checkpoint(path, model.model, model.vocab)
+        return path
+
 
 @pytest.fixture(scope="session")
 def untrained_checkpoint() -> UntrainedCheckpoints:

@@ -39,22 +39,10 @@ def driver():
 
 @pytest.fixture(scope="module")
 def peaked_model(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
-    """An untrained SAT model made to point: word embeddings and the attention's layers scaled up, so the
-    previous word moves the hidden state and each word's map peaks somewhere else (max weight 0.3-0.7)."""
+    """An untrained SAT model made to point (``untrained_checkpoint.point``): each word's map peaks somewhere else."""
     import captioner
-    from captioner.checkpoint.store import save_checkpoint
-    from captioner.models.attention import AdditiveAttention
 
-    model = captioner.load(untrained_checkpoint(tmp_path_factory.mktemp("ckpt"), "sat_soft_tiny"), device="cpu")
-    with torch.no_grad():
-        for module in model.model.modules():
-            if isinstance(module, torch.nn.Embedding):
-                module.weight.mul_(10.0)
-            if isinstance(module, AdditiveAttention):
-                for layer in (module.feature_proj, module.hidden_proj, module.score):
-                    layer.weight.mul_(60.0)
-    path = tmp_path_factory.mktemp("peaked") / "peaked.safetensors"
-    save_checkpoint(path, model.model, model.vocab)
+    path = untrained_checkpoint.point(untrained_checkpoint(tmp_path_factory.mktemp("ckpt"), "sat_soft_tiny"))
     return captioner.load(path, device="cpu")
 
 

@@ -90,26 +90,10 @@ def test_caption_stats_counts_repeats(tmp_path: Path):
 
 @pytest.mark.slow  # trains nothing but captions a dataset end to end (8 s)
 def test_gallery_draws_photos_whose_caption_names_two_nouns(tmp_path: Path, tiny_shapes: Path, untrained_checkpoint):
-    import torch
     from PIL import Image
 
-    import captioner
-    from captioner.checkpoint.store import save_checkpoint
-    from captioner.models.attention import AdditiveAttention
-
-    def pointing(path: Path) -> Path:  # an untrained model made to look somewhere in particular for each word
-        model = captioner.load(path, device="cpu")
-        with torch.no_grad():
-            for module in model.model.modules():
-                if isinstance(module, torch.nn.Embedding):
-                    module.weight.mul_(10.0)
-                if isinstance(module, AdditiveAttention):
-                    for layer in (module.feature_proj, module.hidden_proj, module.score):
-                        layer.weight.mul_(60.0)
-        save_checkpoint(path, model.model, model.vocab)
-        return path
-
-    tagged = pointing(untrained_checkpoint(tmp_path, "sat_soft_tiny", concepts=("circle", "square", "triangle")))
+    tagged = untrained_checkpoint.point(
+        untrained_checkpoint(tmp_path, "sat_soft_tiny", concepts=("circle", "square", "triangle")))
     out = tmp_path / "gallery"
     args = [sys.executable, str(SCRIPTS / "experiments/gallery.py"), str(tagged), str(tiny_shapes), "--split", "test",
             "--out", str(out), "--count", "2", "--images", "5", "--max-len", "8", "--no-repeat-words"]
@@ -133,7 +117,7 @@ def test_gallery_draws_photos_whose_caption_names_two_nouns(tmp_path: Path, tiny
         with Image.open(out / photo["file"]) as picture:
             assert picture.format == "JPEG" and picture.width > picture.height
     # a model without concepts: the built-in nouns (none in this vocabulary), or the ones given
-    plain = pointing(untrained_checkpoint(tmp_path, "sat_soft_tiny"))
+    plain = untrained_checkpoint.point(untrained_checkpoint(tmp_path, "sat_soft_tiny"))
     args[2], args[7] = str(plain), str(tmp_path / "none")
     done = _run(args, OMP_NUM_THREADS="1")
     assert done.returncode == 0 and "no caption of the 5 photos names two nouns" in done.stderr
