@@ -396,8 +396,8 @@ class Captioner:
         return source, None
 
 
-def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha256: str | None = None,
-         progress: bool | None = None, refresh: bool = False) -> Captioner:
+def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: str | torch.device = "auto",
+         sha256: str | None = None, progress: bool | None = None, refresh: bool = False) -> Captioner:
     """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
@@ -405,6 +405,9 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha
             (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
             ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
             (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
+            A list or tuple of several: an **ensemble** that decodes with the mean of their
+            next-word probabilities (:mod:`captioner.models.ensemble`); they must share one
+            vocabulary, image size and grid (``sha256`` is then not accepted: use ``#sha256=``).
         device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
         sha256: the file's expected SHA-256 (instead of the URL fragment).
         progress: show a download bar (default: when stderr is a terminal).
@@ -418,8 +421,10 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha
             failed, a hash that does not match, offline mode with nothing cached.
         ConfigError: ``device`` is not a device, or CUDA is asked for and absent; a malformed hash.
     """
+    if isinstance(checkpoint, (list, tuple)):
+        return _load_ensemble(list(checkpoint), device, sha256, progress, refresh)
     if not isinstance(checkpoint, (str, os.PathLike)):
-        raise CheckpointError(f"checkpoint must be a path, got {type(checkpoint).__name__}")
+        raise CheckpointError(f"checkpoint must be a path or a list of paths, got {type(checkpoint).__name__}")
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
@@ -429,3 +434,25 @@ def load(checkpoint: str | os.PathLike, device: str | torch.device = "auto", sha
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{cached_hint(checkpoint, path)}") from None
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
+
+
+def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,
+                   refresh: bool) -> Captioner:
+    """:func:`load` of several checkpoints: one :class:`Captioner` decoding them as an ensemble."""
+    from captioner.models.ensemble import build_ensemble
+
+    if not checkpoints:
+        raise CheckpointError("an ensemble needs at least one checkpoint, got an empty list")
+    if len(checkpoints) == 1:
+        return load(checkpoints[0], device, sha256, progress, refresh)
+    if sha256 is not None:
+        raise ConfigError("sha256= checks one file; for an ensemble put #sha256=HEX on each URL")
+    members = [load(c, device, None, progress, refresh) for c in checkpoints]
+    names = [str(c) for c in checkpoints]
+    for member, name in zip(members[1:], names[1:]):
+        if member.vocab.itos != members[0].vocab.itos:
+            raise ConfigError(f"{name}: its vocabulary ({len(member.vocab)} words) differs from that of {names[0]} "
+                              f"({len(members[0].vocab)} words); the models of an ensemble must be trained "
+                              "with one vocabulary (the same data and data.min_freq)")
+    model = build_ensemble([m.model for m in members], names)
+    return Captioner(model, members[0].vocab, members[0].device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from captioner.commands.caption import add_common_arguments, add_style_arguments
+from captioner.commands.caption import add_common_arguments, add_style_arguments, checkpoints
 from captioner.commands.options import decoding_overrides
 
 NAME = "attend"
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     check_stem(args.stem, "--stem")  # the files must stay inside --out
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
-    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
     image = load_image(args.image)
     result = model.caption(image, all_heads=True, **decoding)[0]
     all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)

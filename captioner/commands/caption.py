@@ -52,9 +52,15 @@ def add_refresh_argument(parser: argparse.ArgumentParser) -> None:
                         help="download a URL or hf:// checkpoint again even when it is cached (a bad cached copy)")
 
 
+def checkpoints(args: argparse.Namespace) -> str | list[str]:
+    """``--checkpoint`` as :func:`captioner.load` takes it: one path, or the list of an ensemble's."""
+    return args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
-    parser.add_argument("--checkpoint", "-c", required=True, metavar="CKPT", help=CHECKPOINT_HELP)
+    parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="CKPT",
+                        help=CHECKPOINT_HELP + "; repeat it for an ensemble (the mean of the models' word probabilities)")
     add_refresh_argument(parser)
     add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
     from captioner.inference import load
 
-    model = load(args.checkpoint, device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)

@@ -19,12 +19,16 @@ EXAMPLES = """
   captioner evaluate runs/sat/best.safetensors --data data/shapes --split test --beam 3
   captioner evaluate runs/coco_sat_soft/best.safetensors --data data/coco --split test --beam 3   # Karpathy test
   captioner evaluate runs/tf/best.safetensors --data data/shapes --max-images 100 --json
+  captioner evaluate runs/sat/best.safetensors runs/tf/best.safetensors --data data/shapes --out runs/ensemble
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint written by training: a .safetensors file, a run folder, an https:// "
-                        "URL (#sha256=HEX checks it) or hf://ORG/REPO[/FILE]; a remote one needs --out")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", nargs="+",
+                        help="checkpoint written by training: a .safetensors file, a run folder, an https:// "
+                        "URL (#sha256=HEX checks it) or hf://ORG/REPO[/FILE]; a remote one needs --out. Several: "
+                        "an ensemble (the mean of their word probabilities; one vocabulary, image size and grid; "
+                        "needs --out)")
     parser.add_argument("--data", required=True, metavar="PATH", help="dataset folder, COCO captions JSON or Karpathy split JSON")
     parser.add_argument("--images", default=None, metavar="DIR", help="image folder when it is not where the layout puts it")
     parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")
@@ -49,7 +53,10 @@ def format_report(report: dict) -> str:
     def num(value: object, digits: int = 4) -> str:
         return "unavailable" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"{report['checkpoint']} on {report['data']} [{report['split']}]: {report['num_images']} images, "
+    checkpoint = report["checkpoint"]
+    if isinstance(checkpoint, list):
+        checkpoint = f"ensemble of {' + '.join(checkpoint)}"
+    lines = [f"{checkpoint} on {report['data']} [{report['split']}]: {report['num_images']} images, "
              f"{report['num_references']} references, beam {report['beam_size']}"]
     lines.append("built-in scores (captioner's tokeniser):")
     lines += ["  " + line for line in format_metrics({k: report.get(k) for k in METRIC_KEYS}).splitlines()]

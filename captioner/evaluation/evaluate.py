@@ -133,7 +133,8 @@ def evaluate_checkpoint(
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
     Args:
-        checkpoint: a ``.safetensors`` checkpoint written by training.
+        checkpoint: a ``.safetensors`` checkpoint written by training, or a list of several, decoded
+            as an ensemble (:func:`captioner.inference.load`; ``out_dir`` is then required).
         data_root: dataset folder or annotation file (as for ``load_caption_set``).
         split: split to score, e.g. ``"test"`` (Karpathy test for COCO).
         options: search options (default ``DecodeOptions()``: beam 3, 20 words, ``<unk>`` banned,
@@ -167,7 +168,13 @@ def evaluate_checkpoint(
         raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
     options = decode_options(options, **decoding)
     start = time.perf_counter()
-    if is_remote(checkpoint):
+    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == 1:
+        checkpoint = checkpoint[0]
+    if isinstance(checkpoint, (list, tuple)):  # an ensemble: its scores are not any one member's
+        if out_dir is None:
+            raise ConfigError(f"an ensemble of {len(checkpoint)} checkpoints writes its scores to a folder of its "
+                              "own: give one (--out)")
+    elif is_remote(checkpoint):
         if out_dir is None:
             raise ConfigError(f"{checkpoint}: give an output folder (--out) for a checkpoint loaded from a URL "
                               "or the Hub (its own folder is the download cache)")
@@ -218,7 +225,7 @@ def evaluate_checkpoint(
         "coco_caption_note": coco_note,
         "scale": SCALE_NOTE,
         "note": PAPER_NOTE,
-        "checkpoint": str(checkpoint),
+        "checkpoint": [str(c) for c in checkpoint] if isinstance(checkpoint, (list, tuple)) else str(checkpoint),
         "data": str(data_root),
         "split": split,
         "beam_size": options.beam_size,

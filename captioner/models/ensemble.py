@@ -1,0 +1,171 @@
+"""Several trained models decoded as one: the mean of their next-word probabilities.
+
+Shape legend: B batch (decoder rows), M members, N regions, D feature width (all members' regions
+side by side), V vocabulary, T caption steps.
+
+An ensemble is built at load time (``captioner.load([a, b, ...])``) and never trained or saved. It
+is an ordinary :class:`~captioner.models.model.CaptionModel`, so every search, the overlays and the
+scorers take it unchanged:
+
+* :class:`EnsembleEncoder` runs each **distinct** encoder of the members once and lays their regions
+  side by side along the feature axis, (B, N, D_1 + D_2 + ...): members that share an encoder (the
+  usual case) share its pass, and a Lite0 model can sit beside a Lite2 model. The encoders must see
+  the same pixels and give the same grid (:func:`check_compatible`).
+* :class:`EnsembleDecoder` keeps the decoding contract (``init_state`` / ``step``): each member reads
+  its own slice of the regions and keeps its own state, and a step returns
+  ``log(mean_m p_m(w | ...))``, the average of the members' probabilities (not of their
+  log-probabilities, which would let one confident member veto a word). The attention it reports,
+  the map the overlays show, is the members' mean: a distribution over the same N regions.
+* A photo's concepts (``Caption.concepts``) come from the first member that has concept detectors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from captioner.config import ModelConfig
+from captioner.errors import ConfigError
+from captioner.models.base import CaptionDecoder, DecoderOutput, State
+from captioner.models.model import CaptionModel
+
+# what must agree for the members' encoders to see the same pixels and give the same regions
+SHARED_ENCODER_FIELDS = ("image_size", "resize", "interpolation", "mean", "std", "grid")
+
+
+def check_compatible(configs: Sequence[ModelConfig], names: Sequence[str]) -> None:
+    """Raise ``ConfigError`` naming the member and the field when two members' images or grids differ."""
+    first = configs[0].encoder
+    for config, name in zip(configs[1:], names[1:]):
+        for key in SHARED_ENCODER_FIELDS:
+            mine, theirs = getattr(config.encoder, key), getattr(first, key)
+            if mine != theirs:
+                raise ConfigError(f"{name}: encoder.{key} is {mine!r} but {names[0]} has {theirs!r}; the models of "
+                                  "an ensemble must see the same pixels and give the same grid of regions")
+
+
+class EnsembleEncoder(nn.Module):
+    """Distinct encoders run once each; their regions concatenated along the feature axis.
+
+    Args:
+        encoders: the distinct encoder modules, each mapping images (B,3,H,W) to ((B,N,D_e), (g,g)).
+    """
+
+    def __init__(self, encoders: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.encoders = nn.ModuleList(encoders)
+        self.out_dim = sum(int(e.out_dim) for e in encoders)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        outputs = [encoder(images) for encoder in self.encoders]
+        grids = {tuple(int(g) for g in grid) for _, grid in outputs}
+        if len(grids) != 1:
+            raise ConfigError(f"the ensemble's encoders gave different grids {sorted(grids)}")
+        return torch.cat([features for features, _ in outputs], dim=-1), outputs[0][1]
+
+
+class _SlicedConcepts(nn.Module):
+    """A member's concept head reading that member's slice of the ensemble's regions."""
+
+    def __init__(self, head: nn.Module, start: int, end: int) -> None:
+        super().__init__()
+        self.head, self.start, self.end = head, start, end
+
+    def probs(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head.probs(features[..., self.start:self.end])
+
+    def read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head.read(features[..., self.start:self.end])
+
+
+class EnsembleDecoder(CaptionDecoder):
+    """The members' mean next-word distribution, through the decoder contract.
+
+    Args:
+        members: trained decoders with one vocabulary.
+        slices: ``(start, end)`` of each member's regions in the ensemble's feature axis.
+    """
+
+    def __init__(self, members: Sequence[CaptionDecoder], slices: Sequence[tuple[int, int]]) -> None:
+        super().__init__()
+        if len(members) != len(slices) or not members:
+            raise ConfigError("an ensemble needs one feature slice per member, and at least one member")
+        self.members = nn.ModuleList(members)
+        self.slices = [(int(a), int(b)) for a, b in slices]
+        self.vocab_size = members[0].vocab_size
+        self.log_count = math.log(len(members))
+        for member, (start, end) in zip(members, self.slices):
+            if member.concepts:  # the photo's tags: the first member that can name them
+                self.concepts = member.concepts
+                self.concept_head = _SlicedConcepts(member.concept_head, start, end)
+                self.concept_ids = member.concept_ids
+                break
+
+    def _features(self, features: torch.Tensor) -> list[torch.Tensor]:
+        return [features[..., a:b] for a, b in self.slices]
+
+    def _mean(self, log_probs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.logsumexp(torch.stack(log_probs), dim=0) - self.log_count
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
+        """Teacher forcing: logits (B,T,V) are the log of the members' mean probabilities."""
+        outs = [m(f, tokens) for m, f in zip(self.members, self._features(features))]
+        log_probs = self._mean([torch.log_softmax(o.logits.float(), dim=-1) for o in outs])
+        maps = [o.attention for o in outs]
+        attention = torch.stack(maps).mean(0) if all(a is not None for a in maps) else None
+        return DecoderOutput(log_probs, attention)
+
+    def init_state(self, features: torch.Tensor) -> State:
+        states = [m.init_state(f) for m, f in zip(self.members, self._features(features))]
+        return State({"members": [s.static for s in states]}, {"members": [s.dynamic for s in states]})
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        log_probs, dynamic, maps = [], [], []
+        for member, static, dyn in zip(self.members, state.static["members"], state.dynamic["members"]):
+            lp, new, attention = member.step(prev_tokens, State(static, dyn))
+            log_probs.append(lp.float())
+            dynamic.append(new.dynamic)
+            maps.append(attention.float())
+        return self._mean(log_probs), State(state.static, {"members": dynamic}), torch.stack(maps).mean(0)
+
+    def state_bytes_per_word(self) -> int:
+        return sum(m.state_bytes_per_word() for m in self.members)
+
+
+def _same_encoder(a: CaptionModel, b: CaptionModel) -> bool:
+    """Equal encoder configs and equal encoder weights: one pass serves both."""
+    if a.config.encoder != b.config.encoder or type(a.encoder) is not type(b.encoder):
+        return False
+    a, b = a.encoder, b.encoder
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def build_ensemble(models: Sequence[CaptionModel], names: Sequence[str]) -> CaptionModel:
+    """One :class:`CaptionModel` decoding ``models`` together (eval mode); the first one's config.
+
+    Members whose encoders are the same (equal configs and equal weights: a frozen ImageNet trunk)
+    share one pass; an encoder that was fine-tuned is its member's own.
+
+    Raises:
+        ConfigError: the members' encoders do not see the same pixels or give the same grid.
+    """
+    configs = [m.config for m in models]
+    check_compatible(configs, names)
+    owners: list[CaptionModel] = []  # the member whose encoder each pass uses
+    offsets: list[int] = []
+    slices: list[tuple[int, int]] = []
+    width = 0
+    for model in models:
+        e = next((i for i, owner in enumerate(owners) if _same_encoder(owner, model)), None)
+        if e is None:
+            e = len(owners)
+            owners.append(model)
+            offsets.append(width)
+            width += int(model.encoder.out_dim)
+        slices.append((offsets[e], offsets[e] + int(owners[e].encoder.out_dim)))
+    decoder = EnsembleDecoder([m.decoder for m in models], slices)
+    return CaptionModel(EnsembleEncoder([o.encoder for o in owners]), decoder, configs[0], models[0].vocab_size).eval()
