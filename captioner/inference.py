@@ -39,6 +39,7 @@ from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_id
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.models.base import eval_mode
+from captioner.models.ensemble import build_ensemble
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
@@ -439,8 +440,6 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,
                    refresh: bool) -> Captioner:
     """:func:`load` of several checkpoints: one :class:`Captioner` decoding them as an ensemble."""
-    from captioner.models.ensemble import build_ensemble
-
     if not checkpoints:
         raise CheckpointError("an ensemble needs at least one checkpoint, got an empty list")
     if len(checkpoints) == 1:
