@@ -5,6 +5,8 @@
 
 Each run folder (``runs/flickr8k/<name>/``) is read for:
 
+* ``config.json`` (training): the encoder; an ensemble's folder (``captioner evaluate A B --out``)
+  names its members' runs instead;
 * ``metrics.csv`` (training): the wall time of training, from its last epoch row;
 * ``metrics_dev.json`` (``captioner evaluate ... --split dev``): the coco-caption scores (PTB
   tokenisation, as the papers report them) when they were computed, else the built-in ones, and the
@@ -74,6 +76,28 @@ def _correctness(run: Path) -> str:
     return f"{ratio:.2f}x ({words} words)" if words is not None else f"{ratio:.2f}x"
 
 
+ENCODER_NAMES = {"efficientnet_lite0": "EfficientNet-Lite0", "efficientnet_lite1": "EfficientNet-Lite1",
+                 "efficientnet_lite2": "EfficientNet-Lite2"}
+
+
+def _encoder_of(run: Path) -> str:
+    """The encoder a run trained on, from its ``config.json`` (EfficientNet-Lite0, the recipe's, without one)."""
+    try:
+        name = json.loads((run / "config.json").read_text())["model"]["encoder"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ENCODER_NAMES["efficientnet_lite0"]
+    return ENCODER_NAMES.get(name, name)
+
+
+def _encoder(run: Path, report: dict) -> str:
+    """The row's encoder column; for an ensemble (``captioner evaluate A B``), its members' runs and encoders."""
+    checkpoint = report.get("checkpoint")
+    if isinstance(checkpoint, list):
+        members = [Path(c) if Path(c).is_dir() else Path(c).parent for c in checkpoint]
+        return "ensemble of " + " + ".join(f"{m.name} ({_encoder_of(m)})" for m in members)
+    return f"{_encoder_of(run)} frozen"
+
+
 def row(run: Path) -> str | None:
     """One table row for a run folder with ``metrics_dev.json``; None without it."""
     path = run / "metrics_dev.json"
@@ -85,7 +109,7 @@ def row(run: Path) -> str | None:
     seconds = _training_seconds(run)
     minutes = "-" if seconds is None else f"{seconds / 60:.0f} min"
     scoring = "coco-caption" if report.get("coco/BLEU-4") is not None else "built-in"
-    return (f"| **{run.name}** (dev, {scoring}) | EfficientNet-Lite0 frozen, beam {report.get('beam_size', 3)} | {bleu} "
+    return (f"| **{run.name}** (dev, {scoring}) | {_encoder(run, report)}, beam {report.get('beam_size', 3)} | {bleu} "
             f"| {_x100(_score(report, 'METEOR'), 2)} | {_x100(_score(report, 'ROUGE-L'))} "
             f"| {_x100(cider) if cider is not None and not math.isnan(cider) else '-'} | {_entropy(report)} "
             f"| {_correctness(run)} | {minutes} |")

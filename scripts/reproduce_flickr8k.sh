@@ -8,6 +8,8 @@
 #   Flicker8k_Dataset/ + Flickr8k_text/ from captioner download flickr8k, or dataset_flickr8k.json).
 # COCO_MINI (optional): a COCO folder with instances_train2017.json (../shared/data/coco2017-mini);
 #   the models' captions of its photos are scored for attention correctness against its boxes.
+# ENSEMBLE=1: also score the SAT soft and Transformer models decoded together (captioner evaluate A B,
+#   the mean of their word probabilities; a minute or two more of scoring, no training).
 # SCST=1: add a self-critical stage from the SAT soft model (train.objective=scst, 25 minutes).
 # CONCEPTS=1: learn concept detectors from the captions (captioner concepts, on the shared feature cache)
 #   and add SAT soft reading them, guided by their maps, without the doubly stochastic penalty.
@@ -47,6 +49,17 @@ if [ "${CONCEPTS:-0}" = 1 ]; then
     captioner train --preset sat_soft_flickr8k --data "$DATA" --out "$run" --overwrite --no-progress \
         --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=0.5
     score "$run"
+fi
+
+if [ "${ENSEMBLE:-0}" = 1 ]; then
+    run="$ROOT/ensemble"
+    echo "== ensemble of sat_soft and transformer ($(date +%H:%M))"
+    captioner evaluate "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors" --data "$DATA" \
+        --split dev --beam 3 --no-progress --out "$run" >/dev/null
+    if [ -n "$COCO_MINI" ]; then
+        captioner evaluate "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors" --data "$COCO_MINI" \
+            --split train2017 --beam 3 --no-progress --no-coco-caption --out "$run/coco2017-mini" >/dev/null
+    fi
 fi
 
 if [ "${SCST:-0}" = 1 ]; then

@@ -59,3 +59,21 @@ def test_rows_prefer_coco_caption_scores_and_read_time_and_attention(results, tm
 def test_no_scored_run_is_an_error(results, tmp_path: Path) -> None:
     assert results.main([str(tmp_path)]) == 1  # a table of the papers alone is no result
     assert results.main([str(tmp_path / "missing")]) == 1
+
+
+def test_rows_name_the_encoder_and_an_ensembles_members(results, tmp_path: Path) -> None:
+    lite2 = make_run(tmp_path, "sat_soft_lite2", coco=True, seconds=2400.0, correctness=None)
+    (lite2 / "config.json").write_text(json.dumps({"model": {"encoder": {"name": "efficientnet_lite2"}}}))
+    plain = make_run(tmp_path, "transformer", coco=True, seconds=2400.0, correctness=None)
+    ensemble = tmp_path / "ensemble"
+    ensemble.mkdir()
+    report = json.loads((lite2 / "metrics_dev.json").read_text())
+    report["checkpoint"] = [str(lite2 / "best.safetensors"), str(plain)]
+    (ensemble / "metrics_dev.json").write_text(json.dumps(report))
+    assert results.main([str(tmp_path)]) == 0
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    assert "| EfficientNet-Lite2 frozen, beam 3 |" in next(line for line in lines if "**sat_soft_lite2**" in line)
+    assert "| EfficientNet-Lite0 frozen, beam 3 |" in next(line for line in lines if "**transformer**" in line)
+    row = next(line for line in lines if "**ensemble**" in line)
+    assert ("| ensemble of sat_soft_lite2 (EfficientNet-Lite2) + transformer (EfficientNet-Lite0), beam 3 |" in row
+            and row.endswith("| - |"))  # no training of its own
