@@ -73,6 +73,7 @@ def test_an_ensemble_of_one_model_twice_captions_as_the_model(members, tmp_path)
     assert math.isclose(a.score, b.score, rel_tol=1e-5)
     torch.testing.assert_close(a.attention, b.attention)
     assert captioner.load([path], device="cpu").model.decoder.__class__ is one.model.decoder.__class__
+    assert repr(twice).startswith("Captioner(ensemble='transformer + transformer', encoder='tiny'")
 
 
 def test_the_teacher_forced_pass_averages_probabilities_too(members):

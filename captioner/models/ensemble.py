@@ -168,4 +168,5 @@ def build_ensemble(models: Sequence[CaptionModel], names: Sequence[str]) -> Capt
             width += int(model.encoder.out_dim)
         slices.append((offsets[e], offsets[e] + int(owners[e].encoder.out_dim)))
     decoder = EnsembleDecoder([m.decoder for m in models], slices)
+    decoder.member_names = [c.decoder.name for c in configs]  # what ``Captioner`` prints
     return CaptionModel(EnsembleEncoder([o.encoder for o in owners]), decoder, configs[0], models[0].vocab_size).eval()
