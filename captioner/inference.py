@@ -257,12 +257,9 @@ class Captioner:
         self.transform = ImageTransform(self.config.encoder)
 
     def __repr__(self) -> str:
-        names = getattr(self.model.decoder, "member_names", None)
-        if names is not None:  # an ensemble (load([a, b])): its members' decoders
-            names = " + ".join(names)
-            return (f"Captioner(ensemble={names!r}, encoder={self.config.encoder.name!r}, "
-                    f"vocab={len(self.vocab)}, device={str(self.device)!r})")
-        return (f"Captioner(decoder={self.config.decoder.name!r}, encoder={self.config.encoder.name!r}, "
+        names = getattr(self.model.decoder, "member_names", None)  # an ensemble (load([a, b])): its members'
+        decoder = f"ensemble={' + '.join(names)!r}" if names else f"decoder={self.config.decoder.name!r}"
+        return (f"Captioner({decoder}, encoder={self.config.encoder.name!r}, "
                 f"vocab={len(self.vocab)}, device={str(self.device)!r})")
 
     def crop_box(self, image: Image.Image) -> tuple[int, int, int, int]:

@@ -23,11 +23,13 @@ COCO_MINI=${2:-}
 ROOT=${ROOT:-runs/flickr8k}
 mkdir -p "$ROOT"
 
-score() {  # run folder: dev scores (coco-caption when Java and pycocoevalcap are there), COCO boxes
-    local run=$1
-    captioner evaluate "$run/best.safetensors" --data "$DATA" --split dev --beam 3 --no-progress --out "$run" >/dev/null
+score() {  # run folder [checkpoints]: dev scores (coco-caption when Java and pycocoevalcap are there), COCO boxes
+    local run=$1; shift  # the checkpoints: the run's own best, or an ensemble's members
+    local checkpoints=("$@")
+    [ ${#checkpoints[@]} -eq 0 ] && checkpoints=("$run/best.safetensors")
+    captioner evaluate "${checkpoints[@]}" --data "$DATA" --split dev --beam 3 --no-progress --out "$run" >/dev/null
     if [ -n "$COCO_MINI" ]; then
-        captioner evaluate "$run/best.safetensors" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress \
+        captioner evaluate "${checkpoints[@]}" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress \
             --no-coco-caption --out "$run/coco2017-mini" >/dev/null
     fi
 }
@@ -52,14 +54,8 @@ if [ "${CONCEPTS:-0}" = 1 ]; then
 fi
 
 if [ "${ENSEMBLE:-0}" = 1 ]; then
-    run="$ROOT/ensemble"
     echo "== ensemble of sat_soft and transformer ($(date +%H:%M))"
-    captioner evaluate "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors" --data "$DATA" \
-        --split dev --beam 3 --no-progress --out "$run" >/dev/null
-    if [ -n "$COCO_MINI" ]; then
-        captioner evaluate "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors" --data "$COCO_MINI" \
-            --split train2017 --beam 3 --no-progress --no-coco-caption --out "$run/coco2017-mini" >/dev/null
-    fi
+    score "$ROOT/ensemble" "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors"
 fi
 
 if [ "${SCST:-0}" = 1 ]; then

@@ -170,7 +170,8 @@ def evaluate_checkpoint(
     start = time.perf_counter()
     if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == 1:
         checkpoint = checkpoint[0]
-    if isinstance(checkpoint, (list, tuple)):  # an ensemble: its scores are not any one member's
+    ensemble = isinstance(checkpoint, (list, tuple))
+    if ensemble:  # its scores are not any one member's
         if out_dir is None:
             raise ConfigError(f"an ensemble of {len(checkpoint)} checkpoints writes its scores to a folder of its "
                               "own: give one (--out)")
@@ -225,7 +226,7 @@ def evaluate_checkpoint(
         "coco_caption_note": coco_note,
         "scale": SCALE_NOTE,
         "note": PAPER_NOTE,
-        "checkpoint": [str(c) for c in checkpoint] if isinstance(checkpoint, (list, tuple)) else str(checkpoint),
+        "checkpoint": [str(c) for c in checkpoint] if ensemble else str(checkpoint),
         "data": str(data_root),
         "split": split,
         "beam_size": options.beam_size,

@@ -87,13 +87,16 @@ class EnsembleDecoder(CaptionDecoder):
     Args:
         members: trained decoders with one vocabulary.
         slices: ``(start, end)`` of each member's regions in the ensemble's feature axis.
+        names: each member's decoder family (``"sat"``, ``"transformer"``), what ``Captioner`` prints.
     """
 
-    def __init__(self, members: Sequence[CaptionDecoder], slices: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, members: Sequence[CaptionDecoder], slices: Sequence[tuple[int, int]],
+                 names: Sequence[str]) -> None:
         super().__init__()
-        if len(members) != len(slices) or not members:
-            raise ConfigError("an ensemble needs one feature slice per member, and at least one member")
+        if not members or not len(members) == len(slices) == len(names):
+            raise ConfigError("an ensemble needs one feature slice and one name per member, and at least one member")
         self.members = nn.ModuleList(members)
+        self.member_names = list(names)
         self.slices = [(int(a), int(b)) for a, b in slices]
         self.vocab_size = members[0].vocab_size
         self.log_count = math.log(len(members))
@@ -167,6 +170,5 @@ def build_ensemble(models: Sequence[CaptionModel], names: Sequence[str]) -> Capt
             offsets.append(width)
             width += int(model.encoder.out_dim)
         slices.append((offsets[e], offsets[e] + int(owners[e].encoder.out_dim)))
-    decoder = EnsembleDecoder([m.decoder for m in models], slices)
-    decoder.member_names = [c.decoder.name for c in configs]  # what ``Captioner`` prints
+    decoder = EnsembleDecoder([m.decoder for m in models], slices, [c.decoder.name for c in configs])
     return CaptionModel(EnsembleEncoder([o.encoder for o in owners]), decoder, configs[0], models[0].vocab_size).eval()
