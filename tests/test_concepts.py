@@ -451,6 +451,21 @@ def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny
     assert result.concepts is not None and all(w in kept for w, _ in result.concepts)
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "concept_guide" in header
+    # a later stage from this checkpoint (here self-critical) names the same concepts file; without it the
+    # run is refused in one line that says so
+    stage = ["--preset", "transformer_demo", "--data", str(tiny_shapes), "--epochs", "1", "--init",
+             str(run / "best.safetensors"), "--set", "encoder.fine_tune=false",
+             "--set", f"data.feature_cache_dir={tmp_path / 'features'}", "--set", "train.objective=scst",
+             "--set", "train.time_budget=5", "--no-progress"]
+    done = subprocess.run([sys.executable, "-m", "captioner", "train", *stage, "--out", str(tmp_path / "bare")],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 1 and "--set train.concepts=FILE" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "captioner", "train", *stage, "--out", str(tmp_path / "scst"),
+                           "--set", f"train.concepts={concepts}"], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    again = captioner.load(tmp_path / "scst" / "best.safetensors").model.decoder
+    assert again.concepts == decoder.concepts and again.concept_ids.tolist() == decoder.concept_ids.tolist()
 
 
 def test_concepts_command_one_line_errors(tmp_path):

@@ -33,7 +33,8 @@ taken; the optimizer, schedule, early-stopping counters and random streams start
 checkpoint's model config must equal the run's except for the settings in :data:`INIT_FREE`, which
 change how the same weights are trained or used, never their shapes or their inputs. The run uses
 the checkpoint's vocabulary (the output layer's rows are its words), whatever its own data would
-have built::
+have built. A run reading concepts (``train.concepts``) restricts them to that vocabulary and sizes its
+decoder by them before the check, so a stage after a concept model names the same concepts file::
 
     init = load_init_checkpoint(cfg.train.init, cfg.model)   # refuses a different architecture
     model = build_model(cfg.model, len(init.vocab), load_pretrained=False)
@@ -200,9 +201,11 @@ def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig)
     key = diff[0]
     first = _lookup(a, key), _lookup(b, key)
     more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+    hint = (" (a decoder that reads concepts takes the concepts file it was trained with: --set train.concepts=FILE)"
+            if "model.decoder.concepts" in diff and not getattr(wanted.decoder, "concepts", 0) else "")
     raise ConfigError(f"--init {path}: {key} is {_show(first[0])} in the checkpoint but {_show(first[1])} in this "
                       f"run{more}; the architecture must match (only {', '.join(sorted(k[6:] for k in INIT_FREE))} "
-                      "may change)")
+                      f"may change){hint}")
 
 
 def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) -> None:
@@ -266,6 +269,19 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
         CheckpointError: the file is missing or not a readable checkpoint.
         ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
     """
+    init = read_init_checkpoint(path)
+    check_init_config(init.path, init.config, model_config)
+    return init
+
+
+def read_init_checkpoint(path: str | Path) -> InitWeights:
+    """Read a checkpoint to start a run from, unchecked: :func:`load_init_checkpoint` with the check left to
+    the caller, for a run whose model config depends on the checkpoint's vocabulary (a concepts file is
+    restricted to it, and sizes the decoder's concept input).
+
+    Raises:
+        CheckpointError: the file is missing or not a readable checkpoint.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--init {path}: checkpoint not found")
@@ -273,7 +289,6 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
         loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
     except CheckpointError as exc:
         raise CheckpointError(f"--init {exc}") from None
-    check_init_config(path, loaded.config, model_config)
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
     return InitWeights(path, state, loaded.vocab, loaded.config, dict(loaded.metadata))
 
@@ -546,7 +561,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         cfg = keep_select_metric(cfg, saved, announce=info.is_main)
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
-            init = load_init_checkpoint(cfg.train.init, cfg.model)
+            init = read_init_checkpoint(cfg.train.init)
+            concepts = read_run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
+            cfg = with_concept_input(cfg, concepts)
+            check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
             if replay and info.is_main:
                 log.warning("%s", replay)
@@ -555,10 +573,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         vocab = init.vocab  # the output layer's rows are the checkpoint's words
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
+        concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write
+        cfg = with_concept_input(cfg, concepts)
     if resume:
         check_resume_vocab(vocab, run_dir)
-    concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write
-    cfg = with_concept_input(cfg, concepts)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
         if resume:
             remove_stale_temp_files(run_dir)
