@@ -171,6 +171,14 @@ def test_guide_targets_the_concept_map_on_concept_words_only():
     assert float(target[:, 0].abs().sum()) == 0 and float(target[:, 3].abs().sum()) == 0
     unsure = ConceptGuide(head, vocab, weight=1.0, min_prob=0.999)  # nothing found that surely: nothing guided
     assert float(unsure.targets(x, words).sum()) == 0
+    # sharpness s: the map to the power s, renormalised; the same peak, more of the mass on it
+    sharp = ConceptGuide(head, vocab, weight=1.0, min_prob=0.0, sharpness=3.0).targets(x, words)
+    expected = maps[:, 0] ** 3 / (maps[:, 0] ** 3).sum(-1, keepdim=True)
+    torch.testing.assert_close(sharp[:, 1], expected)
+    torch.testing.assert_close(sharp[:, 1:3].sum(-1), torch.ones(2, 2))
+    assert torch.equal(sharp[:, 1].argmax(-1), maps[:, 0].argmax(-1))
+    assert bool((sharp[:, 1].amax(-1) > maps[:, 0].amax(-1)).all())
+    assert float(sharp[:, 0].abs().sum()) == 0 and float(sharp[:, 3].abs().sum()) == 0
 
 
 def test_guide_loss_is_zero_when_attention_is_the_map_and_positive_otherwise():
@@ -258,6 +266,9 @@ def test_config_checks_the_concept_keys():
         get_preset("sat_soft_flickr8k").override(**{"train.concept_guide": 1.0})
     with pytest.raises(ConfigError, match="concept_guide must be"):
         get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c", "train.concept_guide": -1.0})
+    for bad in (0.0, -2.0, 1000.0):
+        with pytest.raises(ConfigError, match="concept_guide_sharpness must be"):
+            get_preset("sat_soft_flickr8k").override(**{"train.concept_guide_sharpness": bad})
     for preset in ("sat_soft_flickr8k", "transformer_flickr8k"):  # both families read concepts
         assert get_preset(preset).model.decoder.concepts == 0  # by default they do not
         assert get_preset(preset).override(**{"model.decoder.concepts": 4}).model.decoder.concepts == 4

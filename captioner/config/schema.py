@@ -247,6 +247,9 @@ class TrainConfig:
     # weight of the concept guide: a target word that is a concept pulls its attention towards the concept's map
     concept_guide: float = 0.0
     concept_guide_min_prob: float = 0.1  # guide only where the head finds the concept with at least this probability
+    # the guide's target is the concept's map raised to this power and renormalised (1: the map as it is;
+    # 2: its peak twice as sharp, as if the head's sharpness were doubled)
+    concept_guide_sharpness: float = 1.0
 
     # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
@@ -321,6 +324,9 @@ class TrainConfig:
             raise ConfigError("train.concept_guide needs train.concepts, a concepts file (captioner concepts)")
         if not 0.0 <= self.concept_guide_min_prob < 1.0:
             raise ConfigError(f"train.concept_guide_min_prob must be in [0, 1), got {self.concept_guide_min_prob}")
+        s = self.concept_guide_sharpness
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 100.0:
+            raise ConfigError(f"train.concept_guide_sharpness must be a number in (0, 100], got {s!r}")
 
 
 @dataclass

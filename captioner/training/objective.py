@@ -694,14 +694,17 @@ class ConceptGuide:
         weight: the term's weight.
         min_prob: a step is guided only where the head finds the concept in the image with at least
             this probability (a map of a concept it cannot see is noise).
+        sharpness: the target is the map raised to this power, renormalised (1: the map itself).
     """
 
     name = "concept_guide"
 
-    def __init__(self, head: ConceptHead, vocab: Vocabulary, weight: float, min_prob: float = 0.1) -> None:
+    def __init__(self, head: ConceptHead, vocab: Vocabulary, weight: float, min_prob: float = 0.1,
+                 sharpness: float = 1.0) -> None:
         self.head = head.eval().requires_grad_(False)
         self.weight = weight
         self.min_prob = min_prob
+        self.sharpness = sharpness
         self.pad_id = vocab.pad_id
         table = torch.full((len(vocab),), -1, dtype=torch.long)  # vocab id -> concept index, -1: none
         for k, word in enumerate(head.words):
@@ -720,6 +723,8 @@ class ConceptGuide:
             guided = k >= 0
             kk = k.clamp(min=0)
             target = maps.gather(1, kk.unsqueeze(-1).expand(-1, -1, maps.shape[-1]))  # (B, T, N)
+            if self.sharpness != 1.0:  # in log space: a sharp power of small values underflows
+                target = torch.softmax(self.sharpness * target.clamp(min=1e-30).log(), dim=-1)
             keep = guided & present.gather(1, kk)  # (B, T)
             return target * keep.unsqueeze(-1).to(target.dtype)
 
@@ -743,8 +748,9 @@ def build_concept_guide(cfg: Any, vocab: Vocabulary) -> ConceptGuide | None:
     if not _cross_entropy_only("train.concept_guide", t.objective):
         return None
     head = read_concepts(t.concepts, cfg.model.encoder, vocab)
-    log.info("concept guide (weight %g): %d concepts of %s", t.concept_guide, head.size, t.concepts)
-    return ConceptGuide(head, vocab, t.concept_guide, t.concept_guide_min_prob)
+    log.info("concept guide (weight %g, sharpness %g): %d concepts of %s", t.concept_guide,
+             t.concept_guide_sharpness, head.size, t.concepts)
+    return ConceptGuide(head, vocab, t.concept_guide, t.concept_guide_min_prob, t.concept_guide_sharpness)
 
 
 def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> CrossEntropy:
