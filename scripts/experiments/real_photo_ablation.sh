@@ -10,7 +10,8 @@
 # encoder. NAMEs pick configurations (default: all of them). EPOCHS (default 1), ROOT (runs/ablation).
 # The finer grid (a0_fine*: encoder.dilate, 14 x 14 regions at 224 px) builds its own feature cache (four
 # times larger), a0_lite2 the Lite2 one; a0_fine_input_guide reads CONCEPTS_FINE, a concepts file learnt
-# over the 14 x 14 cache (captioner concepts ... --set encoder.dilate=true --set encoder.grid=14).
+# over the 14 x 14 cache (captioner concepts ... --set encoder.dilate=true --set encoder.grid=14). The
+# *_sharp configurations guide attention towards the concept maps raised to the power SHARPNESS (default 3).
 set -euo pipefail
 DATA=${1:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
 COCO_MINI=${2:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
@@ -26,12 +27,14 @@ declare -A SETTINGS=(
     [a0_input]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS"
     [a0_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [a0_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
+    [a0_input_guide_sharp]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
     [a0_fine]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14"
     [a0_fine_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14 --set train.concepts=${CONCEPTS_FINE:-CONCEPTS_FINE-is-not-set} --set train.concept_guide=0.5"
     [a0_lite2]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.name=efficientnet_lite2"
     [tf]="--preset transformer_flickr8k"
     [tf_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [tf_input_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3"
+    [tf_input_guide_sharp]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -eq 0 ] && NAMES=(base a0 a0_input a0_guide a0_input_guide tf tf_guide tf_input_guide a0_fine a0_lite2)
