@@ -14,9 +14,12 @@
 # CONCEPTS=1: learn concept detectors from the captions (captioner concepts, on the shared feature cache)
 #   and add SAT soft reading them, guided by their maps, without the doubly stochastic penalty.
 #
+# RESUME=1: go on from where an earlier call stopped: a run already scored is kept as it is, a run with
+#   a train_state.pt resumes its training (captioner train --resume), and the rest start afresh.
+#
 # On a 2-core CPU: about 6 minutes of feature cache (once, shared by the three decoders in
 # runs/flickr8k/features), then at most 45 minutes per decoder, and a minute or two of scoring each.
-# Existing run folders are moved aside (--overwrite), never deleted.
+# Existing run folders are moved aside (--overwrite), never deleted, unless RESUME=1 keeps them.
 set -euo pipefail
 DATA=${1:?usage: bash scripts/reproduce_flickr8k.sh DATA [COCO_MINI]}
 COCO_MINI=${2:-}
@@ -34,37 +37,54 @@ score() {  # run folder [checkpoints]: dev scores (coco-caption when Java and py
     fi
 }
 
-for decoder in sat_soft sat_hard transformer; do
-    run="$ROOT/$decoder"
-    echo "== $decoder: training ($(date +%H:%M))"
-    captioner train --preset "${decoder}_flickr8k" --data "$DATA" --out "$run" --overwrite --no-progress
+scored() {  # run folder: true when RESUME=1 and the run was trained and scored by an earlier call
+    [ "${RESUME:-0}" = 1 ] && [ -f "$1/metrics_dev.json" ] &&
+        { [ -z "$COCO_MINI" ] || [ -f "$1/coco2017-mini/metrics_train2017.json" ]; }
+}
+
+stage() {  # name, run folder, captioner train arguments: train (or resume) and score, unless scored already
+    local name=$1 run=$2; shift 2
+    if scored "$run"; then
+        echo "== $name: trained and scored already, kept"
+        return
+    fi
+    local start=--overwrite how=""
+    if [ "${RESUME:-0}" = 1 ] && [ -f "$run/train_state.pt" ]; then start=--resume how=", resumed"; fi
+    echo "== $name: training ($(date +%H:%M)$how)"
+    captioner train "$@" --data "$DATA" --out "$run" "$start" --no-progress
     score "$run"
+}
+
+for decoder in sat_soft sat_hard transformer; do
+    stage "$decoder" "$ROOT/$decoder" --preset "${decoder}_flickr8k"
 done
 
 if [ "${CONCEPTS:-0}" = 1 ]; then
     concepts="$ROOT/concepts.safetensors"
-    echo "== concept detectors ($(date +%H:%M))"
-    captioner concepts --preset sat_soft_flickr8k --data "$DATA" --out "$concepts" --no-progress \
-        ${COCO_MINI:+--boxes "$COCO_MINI"}
-    run="$ROOT/sat_soft_concepts"
-    echo "== sat_soft + concepts ($(date +%H:%M))"
-    captioner train --preset sat_soft_flickr8k --data "$DATA" --out "$run" --overwrite --no-progress \
+    if [ "${RESUME:-0}" = 1 ] && [ -f "$concepts" ]; then
+        echo "== concept detectors: $concepts already, kept"
+    else
+        echo "== concept detectors ($(date +%H:%M))"
+        captioner concepts --preset sat_soft_flickr8k --data "$DATA" --out "$concepts" --no-progress \
+            ${COCO_MINI:+--boxes "$COCO_MINI"}
+    fi
+    stage "sat_soft + concepts" "$ROOT/sat_soft_concepts" --preset sat_soft_flickr8k \
         --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=0.5
-    score "$run"
 fi
 
 if [ "${ENSEMBLE:-0}" = 1 ]; then
-    echo "== ensemble of sat_soft and transformer ($(date +%H:%M))"
-    score "$ROOT/ensemble" "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors"
+    if scored "$ROOT/ensemble"; then
+        echo "== ensemble of sat_soft and transformer: scored already, kept"
+    else
+        echo "== ensemble of sat_soft and transformer ($(date +%H:%M))"
+        score "$ROOT/ensemble" "$ROOT/sat_soft/best.safetensors" "$ROOT/transformer/best.safetensors"
+    fi
 fi
 
 if [ "${SCST:-0}" = 1 ]; then
-    run="$ROOT/sat_soft_scst"
-    echo "== sat_soft + SCST ($(date +%H:%M))"
-    captioner train --preset sat_soft_flickr8k --data "$DATA" --out "$run" --overwrite --no-progress \
+    stage "sat_soft + SCST" "$ROOT/sat_soft_scst" --preset sat_soft_flickr8k \
         --init "$ROOT/sat_soft/best.safetensors" --set train.objective=scst --set train.lr=1e-4 \
         --set train.schedule=constant --set train.seed=1 --time-budget 1500
-    score "$run"
 fi
 
 python scripts/flickr8k_results.py "$ROOT"

@@ -129,3 +129,61 @@ def test_gallery_draws_photos_whose_caption_names_two_nouns(tmp_path: Path, tiny
     assert given["nouns_from"] == "--nouns" and given["photos"]
     bad = _run([*args[:3], str(tmp_path / "nowhere"), *args[4:]], OMP_NUM_THREADS="1")
     assert bad.returncode == 1 and bad.stderr.startswith("gallery: error:") and "Traceback" not in bad.stderr
+
+
+STUB = """#!/usr/bin/env bash
+# a stand-in for captioner: logs its call, and writes what the real command would leave behind
+echo "$(basename "$0") $*" >> "$STUB_LOG"
+out=""; prev=""
+for arg in "$@"; do [ "$prev" = --out ] && out=$arg; prev=$arg; done
+case "$1" in
+    train) mkdir -p "$out"; touch "$out/best.safetensors" "$out/train_state.pt" ;;
+    evaluate) mkdir -p "$out"; touch "$out/metrics_dev.json" "$out/metrics_train2017.json" ;;
+    concepts) touch "$out" ;;
+esac
+"""
+
+
+def test_reproduce_flickr8k_resumes_where_it_stopped(tmp_path: Path):
+    """RESUME=1 keeps the runs an earlier call scored, resumes a run with a training state and starts the
+    rest afresh; without it every run starts afresh (--overwrite). The commands are stand-ins on PATH."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("captioner", "python"):
+        (stubs / name).write_text(STUB)
+        (stubs / name).chmod(0o755)
+    root, log = tmp_path / "runs", tmp_path / "calls.log"
+    (root / "sat_soft" / "coco2017-mini").mkdir(parents=True)  # trained and scored by an earlier call
+    for done in ("best.safetensors", "train_state.pt", "metrics_dev.json", "coco2017-mini/metrics_train2017.json"):
+        (root / "sat_soft" / done).touch()
+    (root / "sat_hard").mkdir()
+    (root / "sat_hard" / "train_state.pt").touch()  # stopped during training
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log),
+           "ROOT": str(root), "RESUME": "1", "SCST": "1"}
+    done = subprocess.run(["bash", str(SCRIPTS / "reproduce_flickr8k.sh"), "DATA", "COCO"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "== sat_soft: trained and scored already, kept" in done.stdout
+    assert "== sat_hard: training (" in done.stdout and ", resumed)" in done.stdout
+    calls = log.read_text().splitlines()
+    trains = [c for c in calls if c.startswith("captioner train")]
+    assert len(trains) == 3  # sat_hard, transformer, SCST: not sat_soft
+    assert "--preset sat_hard_flickr8k" in trains[0] and "--resume" in trains[0]
+    assert "--preset transformer_flickr8k" in trains[1] and "--overwrite" in trains[1]
+    assert "--init" in trains[2] and "--overwrite" in trains[2]
+    assert not any(f"--out {root}/sat_soft " in c for c in calls)
+    assert sum(c.startswith("captioner evaluate") for c in calls) == 6  # dev and COCO boxes, three runs
+    assert calls[-1] == f"python scripts/flickr8k_results.py {root}"
+    # a second call finds everything scored and trains nothing
+    log.unlink()
+    again = subprocess.run(["bash", str(SCRIPTS / "reproduce_flickr8k.sh"), "DATA", "COCO"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert log.read_text().splitlines() == [f"python scripts/flickr8k_results.py {root}"]
+    # without RESUME every run starts afresh
+    log.unlink()
+    fresh = subprocess.run(["bash", str(SCRIPTS / "reproduce_flickr8k.sh"), "DATA"], cwd=ROOT,
+                           env={**env, "RESUME": "0", "SCST": "0"}, capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 0, fresh.stderr
+    trains = [c for c in log.read_text().splitlines() if c.startswith("captioner train")]
+    assert len(trains) == 3 and all("--overwrite" in c for c in trains)
