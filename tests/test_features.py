@@ -5,8 +5,10 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +157,29 @@ def test_cache_key_covers_encoder_config_images_and_weights(setup, tmp_path: Pat
     time.sleep(0.01)
     Image.new("RGB", (64, 64)).save(cs.images[0].path)  # a regenerated image
     assert cache_key(cfg, cs) != key
+
+
+def test_cache_key_survives_a_moved_or_copied_dataset_but_not_other_pixels(setup, tmp_path: Path) -> None:
+    cfg, _, cs, _ = setup
+    key = cache_key(cfg, cs)
+    copy = tmp_path / "elsewhere" / "images"
+    copy.mkdir(parents=True)
+    for rec in cs.images:  # a plain copy: new paths and new modification times, the same bytes
+        shutil.copyfile(rec.path, copy / Path(rec.path).name)
+        os.utime(copy / Path(rec.path).name, ns=(1, 1))
+    moved = CaptionSet(cs.name, cs.split, [replace(r, path=copy / Path(r.path).name) for r in cs.images],
+                       cs.captions, copy)
+    assert cache_key(cfg, moved) == key
+    os.utime(cs.images[0].path, ns=(2, 2))  # touched in place
+    assert cache_key(cfg, cs) == key
+    renamed = CaptionSet(cs.name, cs.split, [replace(cs.images[0], path=copy / "other.png"), *moved.images[1:]],
+                         cs.captions, copy)
+    shutil.copyfile(cs.images[0].path, copy / "other.png")
+    assert cache_key(cfg, renamed) != key  # another file name is another image list
+    pixels = np.asarray(Image.open(copy / Path(cs.images[0].path).name)).copy()
+    pixels[0, 0] ^= 1
+    Image.fromarray(pixels).save(copy / Path(cs.images[0].path).name)
+    assert cache_key(cfg, moved) != key  # one pixel redrawn
 
 
 def test_skip_bad_marks_invalid_rows(setup, tmp_path: Path) -> None:

@@ -27,8 +27,8 @@ are read through ``captioner.data.dataset``, so an unreadable one is raised or s
 Feature-cache keys and file names: what decides a cache's content, hashed.
 
 A cache file is named ``<set name>_<split>_<key[:16]>.feats`` (:func:`cache_path`), where the key
-(:func:`cache_key`) hashes the encoder configuration, the ordered image list (plus size and mtime
-of a sample of the images) and, for randomly initialised encoders, the encoder's weights. A cache
+(:func:`cache_key`) hashes the encoder configuration, the ordered image list (paths relative to
+their common folder, plus the size and content hash of a sample of the images) and, for randomly initialised encoders, the encoder's weights. A cache
 whose key differs from the one expected is stale (:mod:`captioner.features.cache`).
 
 The feature cache's file layout: the rows, then a JSON trailer, its length and a magic tag.
@@ -193,8 +193,10 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
     Args:
         model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
             resize, mean/std, interpolation, dilate); the decoder part does not.
-        caption_set: a ``CaptionSet``; its ordered image list (ids and paths) counts, plus size
-            and mtime of up to 64 evenly spaced images, so regenerated images invalidate the cache.
+        caption_set: a ``CaptionSet``; its ordered image list counts (ids, and paths relative to the
+            folder that holds them all, so a dataset moved or copied elsewhere keeps its caches), plus
+            the size and content hash of up to 64 evenly spaced images, so regenerated images
+            invalidate the cache (modification times do not count: a copy changes them, not the pixels).
         encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
 
     Returns:
@@ -213,20 +215,29 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
         conf["encoder"]["dilate"] = True
     h.update(json.dumps(conf, sort_keys=True).encode())
     images = caption_set.images
-    for rec in images:
-        h.update(f"{rec.image_id}\t{Path(rec.path).resolve()}\n".encode())
+    paths = [Path(rec.path).resolve() for rec in images]
+    root = paths[0].parent if len(paths) == 1 else Path(os.path.commonpath(paths)) if paths else Path()
+    for rec, path in zip(images, paths):
+        h.update(f"{rec.image_id}\t{path.relative_to(root).as_posix()}\n".encode())
     step = max(1, len(images) // 64)
-    for rec in images[::step]:
-        try:
-            st = os.stat(rec.path)
-            h.update(f"{st.st_size}:{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(b"missing\n")
+    for path in paths[::step]:
+        h.update(_sample_digest(path))
     if encoder is not None:
         for name, tensor in sorted(encoder.state_dict().items()):
             h.update(name.encode())
             h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _sample_digest(path: Path, limit: int = 1 << 20) -> bytes:
+    """One sampled image's part of a cache key: its size and the hash of its first ``limit`` bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(limit)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return b"missing\n"
+    return f"{size}:{hashlib.sha256(head).hexdigest()}\n".encode()
 
 
 def cache_path(cache_dir: str | os.PathLike, caption_set: Any, key: str) -> Path:
