@@ -28,8 +28,9 @@ Feature-cache keys and file names: what decides a cache's content, hashed.
 
 A cache file is named ``<set name>_<split>_<key[:16]>.feats`` (:func:`cache_path`), where the key
 (:func:`cache_key`) hashes the encoder configuration, the ordered image list (paths relative to
-their common folder, plus the size and content hash of a sample of the images) and, for randomly initialised encoders, the encoder's weights. A cache
-whose key differs from the one expected is stale (:mod:`captioner.features.cache`).
+their common folder, plus the size and content hash of a sample of the images) and the encoder's
+weights (which :func:`get_feature_cache` passes unless told not to). A cache whose key differs from
+the one expected is stale (:mod:`captioner.features.cache`).
 
 The feature cache's file layout: the rows, then a JSON trailer, its length and a magic tag.
 
@@ -216,7 +217,7 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
     h.update(json.dumps(conf, sort_keys=True).encode())
     images = caption_set.images
     paths = [Path(rec.path).resolve() for rec in images]
-    root = paths[0].parent if len(paths) == 1 else Path(os.path.commonpath(paths)) if paths else Path()
+    root = _common_folder(paths)
     for rec, path in zip(images, paths):
         h.update(f"{rec.image_id}\t{path.relative_to(root).as_posix()}\n".encode())
     step = max(1, len(images) // 64)
@@ -227,6 +228,15 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
             h.update(name.encode())
             h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _common_folder(paths: Sequence[Path]) -> Path:
+    """The deepest folder holding every one of ``paths`` (absolute): the part of a path a move changes."""
+    if not paths:
+        return Path()
+    if len(paths) == 1:
+        return paths[0].parent
+    return Path(os.path.commonpath(paths))
 
 
 def _sample_digest(path: Path, limit: int = 1 << 20) -> bytes:
