@@ -70,10 +70,11 @@ def _correctness(run: Path) -> str:
     if not path.exists():
         return "-"
     corr = json.loads(path.read_text()).get("attention_correctness") or {}
-    ratio, words = corr.get("ratio"), corr.get("words_scored")
+    ratio, words, spread = corr.get("ratio"), corr.get("words_scored"), corr.get("ratio_interval")
     if ratio is None:
         return "-"
-    return f"{ratio:.2f}x ({words} words)" if words is not None else f"{ratio:.2f}x"
+    shown = f"{ratio:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
+    return f"{shown} ({words} words)" if words is not None else shown
 
 
 ENCODER_NAMES = {"efficientnet_lite0": "EfficientNet-Lite0", "efficientnet_lite1": "EfficientNet-Lite1",

@@ -11,7 +11,7 @@ import torch
 
 from captioner.evaluation.attention_metrics import (attention_correctness, attention_correctness_for_results,
                                                     attention_entropy_summary, attention_mass, caption_object_accuracy,
-                                                    summarize)
+                                                    summarize, WordScore, WordScores)
 from captioner.config import EncoderConfig
 from captioner.data.coco import ObjectBox
 from captioner.errors import DataError
@@ -87,6 +87,34 @@ def test_word_scores_pointing_and_uniform_baseline() -> None:
     assert summary["ratio"] == pytest.approx(0.5 / ((1 / 16 + 0.25) / 2))
     assert summary["pointing_accuracy"] == pytest.approx(0.5)
     assert (summary["words_scored"], summary["images_scored"], summary["objects_invented"]) == (2, 1, 0)
+    assert summary["ratio_interval"] is None and summary["pointing_interval"] is None  # one image: no spread
+
+
+def _image(masses: list[float], uniforms: list[float], hits: list[bool]) -> WordScores:
+    return WordScores(scored=[WordScore(i, "dog", "dog", m, u, h)
+                              for i, (m, u, h) in enumerate(zip(masses, uniforms, hits))], mentions=len(masses))
+
+
+def test_intervals_resample_images_hold_the_estimate_and_narrow_with_more_images() -> None:
+    rng = np.random.default_rng(1)
+    def images(n: int) -> list[WordScores]:
+        return [_image(list(rng.uniform(0.2, 0.8, 2)), [0.25, 0.25], list(rng.random(2) < 0.6)) for _ in range(n)]
+    few, many = summarize(images(20)), summarize(images(500))
+    for summary in (few, many):
+        lo, hi = summary["ratio_interval"]
+        assert lo < summary["ratio"] < hi
+        lo, hi = summary["pointing_interval"]
+        assert 0.0 <= lo < summary["pointing_accuracy"] < hi <= 1.0
+    for key in ("ratio_interval", "pointing_interval"):  # 25 times the images: about 5 times narrower
+        assert many[key][1] - many[key][0] < (few[key][1] - few[key][0]) / 2.5
+    same = images(30)  # a seeded bootstrap: the same scores, the same interval
+    assert summarize(same)["ratio_interval"] == summarize(same)["ratio_interval"]
+
+
+def test_identical_images_give_an_interval_of_one_point() -> None:
+    summary = summarize([_image([0.5, 0.3], [0.25, 0.25], [True, False]) for _ in range(5)])
+    assert summary["ratio_interval"] == pytest.approx([1.6, 1.6])
+    assert summary["pointing_interval"] == pytest.approx([0.5, 0.5])
 
 
 def test_boxes_sharing_a_category_are_united_and_absent_objects_are_invented() -> None:

@@ -224,6 +224,12 @@ def test_format_report_shows_attention_and_skips() -> None:
     assert "attention correctness: 0.4100 (uniform baseline 0.1000, 12 words)" in text
     assert "pointing accuracy: 0.7500" in text and "objects correct: 0.5000" in text
     assert "skipped: 1 missing, 1 unreadable images" in text
+    report["attention_correctness"] |= {"ratio": 4.1, "ratio_interval": [3.2, 5.05], "images_scored": 9,
+                                        "pointing_interval": [0.5, 0.917]}
+    text = format_report(report)
+    assert ("attention correctness: 0.4100 (uniform baseline 0.1000, 12 words): 4.10x uniform, 95% interval "
+            "3.20x-5.05x over the 9 images") in text
+    assert "pointing accuracy: 0.7500 (95% interval 0.50-0.92)" in text
     report["attention_correctness"] = {"words_scored": 0, "objects_correct": None, "vocabulary": "categories"}
     assert "no object word was generated (matched against the instances file's category names)" in \
         format_report(report)

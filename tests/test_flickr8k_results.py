@@ -19,7 +19,8 @@ def results():
     return module
 
 
-def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: float | None) -> Path:
+def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: float | None,
+             interval: list[float] | None = None) -> Path:
     run = root / name
     run.mkdir(parents=True)
     report = {f"BLEU-{n}": 0.1 * n for n in range(1, 5)} | {"CIDEr-D": 0.5, "METEOR": 0.19, "ROUGE-L": 0.45,
@@ -35,7 +36,8 @@ def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: flo
     if correctness is not None:
         (run / "coco2017-mini").mkdir()
         (run / "coco2017-mini" / "metrics_train2017.json").write_text(
-            json.dumps({"attention_correctness": {"ratio": correctness, "words_scored": 50}}))
+            json.dumps({"attention_correctness": {"ratio": correctness, "words_scored": 50,
+                                                  **({"ratio_interval": interval} if interval else {})}}))
     return run
 
 
@@ -54,6 +56,13 @@ def test_rows_prefer_coco_caption_scores_and_read_time_and_attention(results, tm
     assert "| 19.60 | 46.0 | 52.6 | 3.36 (3.89) | 1.38x (50 words) | 36 min |" in soft
     tf = next(line for line in lines if "**transformer**" in line)
     assert "(dev, built-in)" in tf and "10.0 / 20.0 / 30.0 / 40.0" in tf and "| 50.0 |" in tf and "| 25 min |" in tf
+
+
+def test_a_ratio_with_its_interval_shows_both(results, tmp_path: Path, capsys) -> None:
+    make_run(tmp_path, "sat_soft", coco=True, seconds=2188.0, correctness=1.378, interval=[1.214, 1.551])
+    assert results.main([str(tmp_path)]) == 0
+    soft = next(line for line in capsys.readouterr().out.splitlines() if "**sat_soft**" in line)
+    assert "| 1.38x [1.21-1.55] (50 words) |" in soft
 
 
 def test_no_scored_run_is_an_error(results, tmp_path: Path) -> None:

@@ -82,9 +82,15 @@ def format_report(report: dict) -> str:
         lines.append(f"  attention correctness: no object word was generated (matched against {names}), "
                      "nothing to score")
     elif corr:
+        ratio, spread = corr.get("ratio"), corr.get("ratio_interval")
         lines.append(f"  attention correctness: {num(corr.get('attention_correctness'))} "
-                     f"(uniform baseline {num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)")
-        lines.append(f"  pointing accuracy: {num(corr.get('pointing_accuracy'))}")
+                     f"(uniform baseline {num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)"
+                     + (f": {ratio:.2f}x uniform" if ratio is not None else "")
+                     + (f", 95% interval {spread[0]:.2f}x-{spread[1]:.2f}x over the "
+                        f"{corr.get('images_scored')} images" if spread else ""))
+        spread = corr.get("pointing_interval")
+        lines.append(f"  pointing accuracy: {num(corr.get('pointing_accuracy'))}"
+                     + (f" (95% interval {spread[0]:.2f}-{spread[1]:.2f})" if spread else ""))
     if corr.get("objects_correct") is not None:
         lines.append(f"  objects correct: {num(corr['objects_correct'])} (captions naming every object right)")
     if corr.get("unseen_pairs"):
