@@ -12,7 +12,8 @@ Each run folder (``runs/flickr8k/<name>/``) is read for:
   tokenisation, as the papers report them) when they were computed, else the built-in ones, and the
   attention entropy per word against uniform;
 * ``coco2017-mini/metrics_train2017.json`` (``captioner evaluate ... --data coco2017-mini``), when
-  present: attention correctness on the real COCO boxes, as a ratio to uniform attention.
+  present: attention correctness on the real COCO boxes, as a ratio to uniform attention with its
+  95% interval, of the words the model wrote and of the reference captions' words (teacher-forced).
 
 Writes the table to ``<root>/results.md`` and prints it.
 """
@@ -69,12 +70,18 @@ def _correctness(run: Path) -> str:
     path = run / "coco2017-mini" / "metrics_train2017.json"
     if not path.exists():
         return "-"
-    corr = json.loads(path.read_text()).get("attention_correctness") or {}
+    report = json.loads(path.read_text())
+    corr = report.get("attention_correctness") or {}
     ratio, words, spread = corr.get("ratio"), corr.get("words_scored"), corr.get("ratio_interval")
     if ratio is None:
         return "-"
     shown = f"{ratio:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
-    return f"{shown} ({words} words)" if words is not None else shown
+    shown = f"{shown} ({words} words)" if words is not None else shown
+    forced = report.get("reference_attention_correctness") or {}
+    if forced.get("ratio") is not None:  # the same words for every model: the references, teacher-forced
+        spread = forced.get("ratio_interval")
+        shown += (f"; references {forced['ratio']:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else ""))
+    return shown
 
 
 ENCODER_NAMES = {"efficientnet_lite0": "EfficientNet-Lite0", "efficientnet_lite1": "EfficientNet-Lite1",

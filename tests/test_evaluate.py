@@ -64,11 +64,61 @@ def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_s
     assert entropy is None or 0.0 <= entropy <= math.log(16) + 1e-6
     assert isinstance(saved["attention_correctness"], dict)  # the shapes have boxes
     assert "words_scored" in saved["attention_correctness"]
+    forced = saved["reference_attention_correctness"]  # every reference caption's shape words, teacher-forced
+    assert forced["captions_scored"] == saved["num_references"] and forced["words_scored"] > 0
+    assert 0.0 <= forced["attention_correctness"] <= 1.0 and forced["vocabulary"] == "shapes"
     # the returned extras: per-image results aligned with the images
     assert [r.text for r in report["results"]] == [row["caption"] for row in rows]
     assert [rec.image_id for rec in report["caption_set"].images] == [row["image_id"] for row in rows]
     assert all(r.attention.shape == (len(r.words), 4, 4) for r in report["results"])
     assert {k: v for k, v in report.items() if k not in ("results", "caption_set")} == saved
+
+
+def test_reference_attention_is_the_decoders_teacher_forced_attention(checkpoint: Path, tiny_shapes: Path) -> None:
+    """Each reference, fed after <bos>, gives one map per word: the decoder's own forward on that caption
+    alone, whatever else shares the batch; words outside the vocabulary keep their written form."""
+    import captioner
+    from captioner.data.coco import load_caption_set
+
+    engine = captioner.load(checkpoint, device="cpu")
+    cs = load_caption_set(tiny_shapes, "test").subset(range(3))
+    cs.captions[cs.images[0].image_id] = ["a zorblax circle", "a big red square"]
+    forced = ev.reference_attention(engine, cs, batch_size=2, progress=False)
+    assert [len(refs) for refs in forced] == [len(cs.references(r.image_id)) for r in cs.images]
+    first = forced[0][0]
+    assert first.words == ["a", "zorblax", "circle"] and first.attention.shape == (3, 4, 4)
+    torch.testing.assert_close(first.attention.sum((1, 2)), torch.ones(3))
+    vocab = engine.vocab
+    from PIL import Image
+
+    pixels = engine.transform(Image.open(cs.images[0].path).convert("RGB")).unsqueeze(0)
+    with torch.no_grad():
+        features, _ = engine.model.encode(pixels)
+        alone = engine.model.decoder(features, torch.tensor([[vocab.bos_id, vocab.stoi["a"], vocab.unk_id]])).attention
+    torch.testing.assert_close(first.attention, alone[0].reshape(3, 4, 4), atol=1e-5, rtol=1e-4)
+
+
+def test_reference_correctness_counts_an_images_captions_as_one_unit() -> None:
+    from types import SimpleNamespace
+
+    from captioner.data.coco import ObjectBox
+    from captioner.evaluation.attention_metrics import reference_correctness
+
+    peak = torch.zeros(4, 4)
+    peak[0, 0] = 1.0  # all attention in the top-left cell, where the circle is
+    spread = torch.full((4, 4), 1 / 16)
+    record = SimpleNamespace(image_id=1, size=lambda: (64, 64))
+    refs = [SimpleNamespace(words=["a", "circle"], attention=torch.stack([spread, peak])),
+            SimpleNamespace(words=["one", "circle"], attention=torch.stack([spread, spread]))]
+    boxes = {1: [ObjectBox("circle", (0, 0, 16, 16))]}
+    summary = reference_correctness([refs], SimpleNamespace(images=[record]), boxes,
+                                    get_preset("sat_soft_tiny").model.encoder, vocabulary="shapes")
+    assert summary["captions_scored"] == 2 and summary["words_scored"] == 2 and summary["images_scored"] == 1
+    assert summary["attention_correctness"] == pytest.approx((1.0 + 1 / 16) / 2)
+    assert summary["pointing_accuracy"] == pytest.approx(1.0)  # a uniform map's first cell is its argmax
+    with pytest.raises(DataError, match="reference captions of 1 images for 2 images"):
+        reference_correctness([refs], SimpleNamespace(images=[record, record]), boxes,
+                              get_preset("sat_soft_tiny").model.encoder)
 
 
 def test_scores_use_the_right_references(checkpoint: Path, tiny_shapes: Path, tmp_path: Path,

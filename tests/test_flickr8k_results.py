@@ -37,7 +37,9 @@ def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: flo
         (run / "coco2017-mini").mkdir()
         (run / "coco2017-mini" / "metrics_train2017.json").write_text(
             json.dumps({"attention_correctness": {"ratio": correctness, "words_scored": 50,
-                                                  **({"ratio_interval": interval} if interval else {})}}))
+                                                  **({"ratio_interval": interval} if interval else {})},
+                        **({"reference_attention_correctness": {"ratio": 1.5, "ratio_interval": [1.4, 1.6]}}
+                           if interval else {})}))
     return run
 
 
@@ -62,7 +64,7 @@ def test_a_ratio_with_its_interval_shows_both(results, tmp_path: Path, capsys) -
     make_run(tmp_path, "sat_soft", coco=True, seconds=2188.0, correctness=1.378, interval=[1.214, 1.551])
     assert results.main([str(tmp_path)]) == 0
     soft = next(line for line in capsys.readouterr().out.splitlines() if "**sat_soft**" in line)
-    assert "| 1.38x [1.21-1.55] (50 words) |" in soft
+    assert "| 1.38x [1.21-1.55] (50 words); references 1.50x [1.40-1.60] |" in soft
 
 
 def test_no_scored_run_is_an_error(results, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from captioner.commands.options import add_decoding_arguments, decoding_overrides
 from captioner.config.schema import MAX_WORKERS
@@ -46,12 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
 
 
+def _num(value: object, digits: int = 4) -> str:
+    return "unavailable" if value is None else f"{value:.{digits}f}"
+
+
+def _correctness_lines(title: str, pointing: str, corr: dict[str, Any]) -> list[str]:
+    """Mass in the box against uniform, the ratio with its 95% interval, and pointing accuracy."""
+    ratio, spread = corr.get("ratio"), corr.get("ratio_interval")
+    first = (f"  {title}: {_num(corr.get('attention_correctness'))} (uniform baseline "
+             f"{_num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)"
+             + (f": {ratio:.2f}x uniform" if ratio is not None else "")
+             + (f", 95% interval {spread[0]:.2f}x-{spread[1]:.2f}x over the {corr.get('images_scored')} images"
+                if spread else ""))
+    spread = corr.get("pointing_interval")
+    return [first, f"  {pointing}: {_num(corr.get('pointing_accuracy'))}"
+            + (f" (95% interval {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")]
+
+
 def format_report(report: dict) -> str:
     """A readable table of the scores, the counts and the files written."""
     from captioner.evaluation.metrics import COCO_KEYS, LABEL, METRIC_KEYS, format_metrics
-
-    def num(value: object, digits: int = 4) -> str:
-        return "unavailable" if value is None else f"{value:.{digits}f}"
 
     checkpoint = report["checkpoint"]
     if isinstance(checkpoint, list):
@@ -73,8 +88,8 @@ def format_report(report: dict) -> str:
                      f"{100 * report[key]:.1f} in a paper's table)")
     att = report.get("attention") or {}
     if att.get("attention_entropy") is not None:
-        lines.append(f"  attention entropy: {num(att['attention_entropy'], 3)} nats "
-                     f"(uniform {num(att.get('uniform_entropy'), 3)})")
+        lines.append(f"  attention entropy: {_num(att['attention_entropy'], 3)} nats "
+                     f"(uniform {_num(att.get('uniform_entropy'), 3)})")
     corr = report.get("attention_correctness") or {}
     if corr and not corr.get("words_scored"):
         names = {"shapes": "shape nouns", "coco": "COCO category names and synonyms",
@@ -82,23 +97,19 @@ def format_report(report: dict) -> str:
         lines.append(f"  attention correctness: no object word was generated (matched against {names}), "
                      "nothing to score")
     elif corr:
-        ratio, spread = corr.get("ratio"), corr.get("ratio_interval")
-        lines.append(f"  attention correctness: {num(corr.get('attention_correctness'))} "
-                     f"(uniform baseline {num(corr.get('uniform_baseline'))}, {corr['words_scored']} words)"
-                     + (f": {ratio:.2f}x uniform" if ratio is not None else "")
-                     + (f", 95% interval {spread[0]:.2f}x-{spread[1]:.2f}x over the "
-                        f"{corr.get('images_scored')} images" if spread else ""))
-        spread = corr.get("pointing_interval")
-        lines.append(f"  pointing accuracy: {num(corr.get('pointing_accuracy'))}"
-                     + (f" (95% interval {spread[0]:.2f}-{spread[1]:.2f})" if spread else ""))
+        lines += _correctness_lines("attention correctness", "pointing accuracy", corr)
+    forced = report.get("reference_attention_correctness") or {}
+    if forced.get("words_scored"):
+        lines += _correctness_lines(f"on the {forced.get('captions_scored')} reference captions, teacher-forced",
+                                    "their pointing accuracy", forced)
     if corr.get("objects_correct") is not None:
-        lines.append(f"  objects correct: {num(corr['objects_correct'])} (captions naming every object right)")
+        lines.append(f"  objects correct: {_num(corr['objects_correct'])} (captions naming every object right)")
     if corr.get("unseen_pairs"):
-        lines.append(f"  objects correct, scenes with seen pairs only: {num(corr['objects_correct_seen'])} "
-                     f"({corr['scenes_seen']} scenes); with an unseen pair: {num(corr['objects_correct_unseen'])} "
+        lines.append(f"  objects correct, scenes with seen pairs only: {_num(corr['objects_correct_seen'])} "
+                     f"({corr['scenes_seen']} scenes); with an unseen pair: {_num(corr['objects_correct_unseen'])} "
                      f"({corr['scenes_unseen']} scenes)")
-        lines.append(f"  pairs named right: unseen {num(corr['unseen_pairs_named'])} ({corr['objects_unseen']} objects; "
-                     f"{', '.join(corr['unseen_pairs'])}), seen {num(corr['seen_pairs_named'])}")
+        lines.append(f"  pairs named right: unseen {_num(corr['unseen_pairs_named'])} ({corr['objects_unseen']} objects; "
+                     f"{', '.join(corr['unseen_pairs'])}), seen {_num(corr['seen_pairs_named'])}")
     if report.get("missing_images") or report.get("unreadable_images"):
         lines.append(f"skipped: {report.get('missing_images', 0)} missing, "
                      f"{len(report.get('unreadable_images') or [])} unreadable images")

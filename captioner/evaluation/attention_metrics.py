@@ -634,9 +634,7 @@ def attention_correctness_for_results(
     scores, correct = [], []
     for result, record in zip(results, caption_set.images):
         objs = instances.get(record.image_id, [])
-        width, height = record.size()
-        view = crop_box(width, height, encoder_cfg)
-        scores.append(attention_correctness(result.words, result.attention, objs, (width, height), view, table))
+        scores.append(_image_scores(record, [result], objs, encoder_cfg, table))
         if table.name == "shapes":
             correct.append(caption_object_accuracy(result.words, objs))
     out: dict[str, float | int | str | None] = dict(summarize(scores))
@@ -644,6 +642,54 @@ def attention_correctness_for_results(
     out["objects_correct"] = float(np.mean(correct)) if correct else None
     logger.debug("attention correctness over %d images: %s", len(results), out)
     return out
+
+
+def reference_correctness(
+    captions: Sequence[Sequence[Any]],
+    caption_set: Any,
+    instances: dict[int, list[Any]],
+    encoder_cfg: Any,
+    vocabulary: str | WordTable | None = None,
+) -> dict[str, float | int | str | None]:
+    """Attention correctness of the model on the **reference** captions (``evaluate.py``).
+
+    Each image's human captions are fed to the decoder word by word (teacher forcing) and the
+    attention at the step that predicts each word is scored as for a generated word. Every model is
+    then judged on the same words, the ones people used, and on five captions an image instead of
+    one: about five times the words, so narrower intervals. An image's words from all its captions
+    form one unit of the bootstrap.
+
+    Args:
+        captions: per image of ``caption_set``, its references, each with ``words`` and
+            ``attention`` (L, g, g).
+        caption_set, instances, encoder_cfg, vocabulary: as for :func:`attention_correctness_for_results`.
+
+    Returns:
+        ``summarize`` keys, ``vocabulary`` and ``captions_scored``.
+    """
+    if len(captions) != len(caption_set.images):
+        raise DataError(f"reference captions of {len(captions)} images for {len(caption_set.images)} images")
+    table = word_table(vocabulary if vocabulary is not None else detect_vocabulary(instances))
+    scores = [_image_scores(record, refs, instances.get(record.image_id, []), encoder_cfg, table)
+              for refs, record in zip(captions, caption_set.images)]
+    out: dict[str, float | int | str | None] = dict(summarize(scores))
+    out["vocabulary"] = table.name
+    out["captions_scored"] = sum(len(refs) for refs in captions)
+    return out
+
+
+def _image_scores(record: Any, captions: Sequence[Any], objs: Sequence[Any], encoder_cfg: Any,
+                  table: WordTable) -> WordScores:
+    """The scores of one image's captions (each with ``words`` and ``attention``), as one unit."""
+    width, height = record.size()
+    view = crop_box(width, height, encoder_cfg)
+    merged = WordScores()
+    for caption in captions:
+        one = attention_correctness(caption.words, caption.attention, objs, (width, height), view, table)
+        merged.scored += one.scored
+        merged.invented += one.invented
+        merged.mentions += one.mentions
+    return merged
 
 
 def _pair(obj: Any) -> tuple[str, str]:

@@ -10,7 +10,9 @@ search, and scores the captions against **all** raw references of each image:
   ``coco/CIDEr-D``: PTB tokenisation and pycocoevalcap's scorers, :mod:`.coco_caption`) when
   pycocoevalcap and Java are present, else None with a one-line ``coco_caption_note``;
 * the mean attention entropy per generated word (nats; log N is uniform attention);
-* attention correctness when the dataset has object boxes (``instances_<split>.json``), and on a
+* attention correctness when the dataset has object boxes (``instances_<split>.json``): of the
+  generated words, and of the reference captions' words fed to the decoder (teacher forcing,
+  :func:`reference_attention`: every model judged on the same words, five captions an image); and on a
   compositional split of the scenes (``make-shapes --unseen-pairs``) objects right for scenes with
   seen and with unseen colour-shape pairs apart (:mod:`.compositional`).
 
@@ -39,12 +41,15 @@ from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
 from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
-from captioner.evaluation.attention_metrics import attention_correctness_for_results, attention_entropy_summary
+from captioner.evaluation.attention_metrics import (attention_correctness_for_results, attention_entropy_summary,
+                                                    reference_correctness)
 from captioner.evaluation.metrics import COCO_KEYS, coco_caption_metrics
 from captioner.evaluation.attention_metrics import compositional_scores
 from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 from captioner.files import atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, decode_options, load
+from captioner.models.base import eval_mode
+from captioner.text import tokenize
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,71 @@ def caption_split(
     if len(kept) != len(caption_set.images):
         caption_set = caption_set.subset(kept)
     return SplitCaptions(caption_set, results, skipped)
+
+
+@dataclass
+class ForcedCaption:
+    """One reference caption fed to the decoder: its words and the attention at the step predicting each.
+
+    Attributes:
+        words: the caption's L words, tokenized (words outside the vocabulary kept as written).
+        attention: (L, g, g) attention over the regions.
+    """
+
+    words: list[str]
+    attention: torch.Tensor
+
+
+def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 32, progress: bool = True,
+                        num_workers: int = 0) -> list[list[ForcedCaption]]:
+    """Where the model looks along each image's reference captions (teacher forcing).
+
+    Each reference is tokenized and fed to the decoder after ``<bos>``; the attention of the step
+    that predicts a word is that word's. Words outside the vocabulary enter as ``<unk>`` and keep
+    their written form for matching object names. A caption is cut to the decoder's ``max_len``.
+
+    Args:
+        engine: a loaded model (:func:`captioner.inference.load`).
+        caption_set: the images and their references (files already checked).
+        batch_size: images per encoder batch.
+        progress: show a tqdm bar.
+        num_workers: DataLoader workers for image decoding.
+
+    Returns:
+        Per image of ``caption_set``, one :class:`ForcedCaption` per reference (unreadable images:
+        none).
+    """
+    vocab, model = engine.vocab, engine.model
+    limit = max(1, int(getattr(engine.config.decoder, "max_len", 50)) - 1)
+    data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
+    batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+    out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
+    with eval_mode(model), torch.inference_mode(), tqdm(total=len(data), desc="attention on the references",
+                                                       unit="img", disable=not progress) as bar:
+        for pixels, indices, errors in batches:
+            if pixels is not None:
+                kept = [i for i, error in zip(indices, errors) if error is None]
+                features, grid = model.encode(pixels.to(engine.device))  # (B, N, D)
+                rows, captions = [], []
+                for b, i in enumerate(kept):
+                    for text in caption_set.references(caption_set.images[i].image_id):
+                        words = tokenize(text)[:limit]
+                        if words:
+                            rows.append(b)
+                            captions.append((i, words))
+                if captions:
+                    longest = max(len(w) for _, w in captions)
+                    inputs = torch.full((len(captions), longest), vocab.pad_id, dtype=torch.long)
+                    for r, (_, words) in enumerate(captions):
+                        ids = vocab.encode(words)[:len(words)]  # <bos> w1 .. w(L-1): step t predicts word t
+                        inputs[r, :len(ids)] = torch.tensor(ids)
+                    att = model.decoder(features[torch.tensor(rows, device=features.device)],
+                                        inputs.to(engine.device)).attention  # (R, L, N)
+                    att = att.float().cpu().reshape(len(captions), longest, int(grid[0]), int(grid[1]))
+                    for r, (i, words) in enumerate(captions):
+                        out[i].append(ForcedCaption(words, att[r, :len(words)]))
+            bar.update(len(indices))
+    return out
 
 
 def evaluate_checkpoint(
@@ -206,10 +276,13 @@ def evaluate_checkpoint(
         log.info("%s; the built-in scores only", coco_note)
 
     instances = load_instances(data_root, split, images_dir)
-    correctness = None
+    correctness = on_references = None
     if instances is not None:
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
         correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
+        references_attention = reference_attention(loaded, cs, batch_size=batch_size, progress=progress,
+                                                   num_workers=num_workers)
+        on_references = reference_correctness(references_attention, cs, instances, loaded.config.encoder)
 
     out = Path(out_dir)
     try:
@@ -240,6 +313,7 @@ def evaluate_checkpoint(
         "unfinished_captions": sum(not getattr(r, "finished", True) for r in results),
         "attention": attention_entropy_summary(results),
         "attention_correctness": correctness,
+        "reference_attention_correctness": on_references,
         "decoder": loaded.config.decoder.name,
         "attention_type": loaded.config.decoder.attention_kind,
         "seconds": round(time.perf_counter() - start, 3),
