@@ -98,6 +98,12 @@ def test_reference_attention_is_the_decoders_teacher_forced_attention(checkpoint
     torch.testing.assert_close(first.attention, alone[0].reshape(3, 4, 4), atol=1e-5, rtol=1e-4)
 
 
+def test_reference_attention_can_be_left_out(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    report = ev.evaluate_checkpoint(checkpoint, tiny_shapes, split="test", beam_size=1, max_len=6, out_dir=tmp_path,
+                                    progress=False, meteor=False, coco_caption=False, references_attention=False)
+    assert report["reference_attention_correctness"] is None and report["attention_correctness"] is not None
+
+
 def test_reference_correctness_counts_an_images_captions_as_one_unit() -> None:
     from types import SimpleNamespace
 

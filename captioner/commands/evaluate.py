@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-meteor", action="store_true", help="skip METEOR (saves starting Java)")
     parser.add_argument("--no-coco-caption", action="store_true",
                         help="skip the coco-caption scores (PTB tokenisation; saves starting Java)")
+    parser.add_argument("--no-reference-attention", action="store_true",
+                        help="on a dataset with boxes, skip scoring attention along the reference captions "
+                        "(saves encoding the images a second time)")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
 
 
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
-        coco_caption=not args.no_coco_caption, **decoding,
+        coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention, **decoding,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:

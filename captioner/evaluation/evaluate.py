@@ -197,6 +197,7 @@ def evaluate_checkpoint(
     num_workers: int = 0,
     meteor: bool = True,
     coco_caption: bool = True,
+    references_attention: bool = True,
     model: Captioner | None = None,
     **decoding: Any,
 ) -> dict[str, Any]:
@@ -220,6 +221,8 @@ def evaluate_checkpoint(
         meteor: compute METEOR (starts a Java process; None when unavailable or off).
         coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
             PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
+        references_attention: on a dataset with boxes, also score attention along the reference
+            captions (:func:`reference_attention`; the images are encoded a second time).
         model: ``checkpoint`` already loaded on ``device`` (:func:`captioner.inference.load`), so that
             a caller that goes on using it loads it once; None: loaded here.
         **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``,
@@ -280,9 +283,10 @@ def evaluate_checkpoint(
     if instances is not None:
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
         correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
-        references_attention = reference_attention(loaded, cs, batch_size=batch_size, progress=progress,
-                                                   num_workers=num_workers)
-        on_references = reference_correctness(references_attention, cs, instances, loaded.config.encoder)
+        if references_attention:
+            forced = reference_attention(loaded, cs, batch_size=batch_size, progress=progress,
+                                         num_workers=num_workers)
+            on_references = reference_correctness(forced, cs, instances, loaded.config.encoder)
 
     out = Path(out_dir)
     try:
