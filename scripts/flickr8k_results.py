@@ -75,13 +75,17 @@ def _correctness(run: Path) -> str:
     ratio, words, spread = corr.get("ratio"), corr.get("words_scored"), corr.get("ratio_interval")
     if ratio is None:
         return "-"
-    shown = f"{ratio:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
+    shown = _ratio(ratio, spread)
     shown = f"{shown} ({words} words)" if words is not None else shown
     forced = report.get("reference_attention_correctness") or {}
     if forced.get("ratio") is not None:  # the same words for every model: the references, teacher-forced
-        spread = forced.get("ratio_interval")
-        shown += (f"; references {forced['ratio']:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else ""))
+        shown += f"; references {_ratio(forced['ratio'], forced.get('ratio_interval'))}"
     return shown
+
+
+def _ratio(ratio: float, spread: list[float] | None) -> str:
+    """``1.38x``, with its 95% interval when there is one: ``1.38x [1.21-1.55]``."""
+    return f"{ratio:.2f}x" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
 
 
 ENCODER_NAMES = {"efficientnet_lite0": "EfficientNet-Lite0", "efficientnet_lite1": "EfficientNet-Lite1",

@@ -502,30 +502,26 @@ def summarize(scores: Iterable[WordScores]) -> dict[str, Any]:
         are None when no word was scored. ``ratio_interval`` and ``pointing_interval``: the 95%
         bootstrap intervals ``[low, high]`` of those two over the scored images (None below two).
     """
-    masses, uniforms, hits, images, invented, named = [], [], [], 0, 0, 0
-    per_image = []  # (mass, uniform, hits, words) summed over one image's scored words
+    per_image, invented, named = [], 0, 0  # per_image: (mass, uniform, hits, words) summed over its scored words
     for s in scores:
-        masses += [w.mass for w in s.scored]
-        uniforms += [w.uniform for w in s.scored]
-        hits += [w.hit for w in s.scored]
-        images += bool(s.scored)
         invented += len(s.invented)
         named += s.mentions
         if s.scored:
             per_image.append((sum(w.mass for w in s.scored), sum(w.uniform for w in s.scored),
                               sum(w.hit for w in s.scored), len(s.scored)))
-    ac = float(np.mean(masses)) if masses else None
-    base = float(np.mean(uniforms)) if uniforms else None
+    mass, uniform, hits, words = (float(v) for v in np.asarray(per_image, dtype=np.float64).reshape(-1, 4).sum(0))
+    ac = mass / words if words else None
+    base = uniform / words if words else None
     ratio_interval, pointing_interval = bootstrap_intervals(per_image)
     return {
         "attention_correctness": ac,
         "uniform_baseline": base,
         "ratio": ac / base if ac is not None and base else None,
         "ratio_interval": ratio_interval,
-        "pointing_accuracy": float(np.mean(hits)) if hits else None,
+        "pointing_accuracy": hits / words if words else None,
         "pointing_interval": pointing_interval,
-        "words_scored": len(masses),
-        "images_scored": images,
+        "words_scored": int(words),
+        "images_scored": len(per_image),
         "objects_invented": invented,
         "invented_rate": invented / named if named else None,
     }

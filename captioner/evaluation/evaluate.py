@@ -150,7 +150,7 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
         none).
     """
     vocab, model = engine.vocab, engine.model
-    limit = max(1, int(getattr(engine.config.decoder, "max_len", 50)) - 1)
+    limit = max(1, engine.config.decoder.max_len - 1)  # every decoder family has max_len (DecoderConfig)
     data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
