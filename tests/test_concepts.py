@@ -22,7 +22,7 @@ from captioner.models.transformer import CONCEPT_TOKENS, TransformerCaptionDecod
 from captioner.text import Vocabulary
 from captioner.training.detectors import (average_precision, concept_targets, install_concepts, train_concepts,
                                           with_concept_input)
-from captioner.training.objective import ConceptGuide
+from captioner.training.attention_terms import ConceptGuide
 
 REPO = Path(__file__).resolve().parents[1]
 D, N = 12, 9
@@ -199,6 +199,19 @@ def test_guide_loss_is_zero_when_attention_is_the_map_and_positive_otherwise():
 # ----------------------------------------------------------------------------- the decoder reads concepts
 
 
+def _stepped(decoder, x: torch.Tensor, tokens: torch.Tensor, **state_options) -> tuple:  # noqa: ANN001
+    """The teacher-forced output, and the log-probs (B,T,V) and attention (B,T,N) of stepping the same tokens."""
+    with torch.no_grad():
+        out = decoder(x, tokens)
+        state = decoder.init_state(x, **state_options)
+        steps, maps = [], []
+        for t in range(tokens.shape[1]):
+            lp, state, alpha = decoder.step(tokens[:, t], state)
+            steps.append(lp)
+            maps.append(alpha)
+    return out, torch.stack(steps, 1), torch.stack(maps, 1), state
+
+
 def _sat_with_concepts(k: int = 3, **kw) -> SATDecoder:
     return SATDecoder(vocab_size=15, feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.3,
                       concepts=k, concept_hidden=6, **kw)
@@ -209,14 +222,8 @@ def test_sat_with_concepts_steps_as_it_teacher_forces_and_keeps_the_head_frozen(
     decoder = _sat_with_concepts().eval()
     x = torch.randn(2, N, D)
     tokens = torch.randint(1, 15, (2, 5))
-    with torch.no_grad():
-        out = decoder(x, tokens)
-        state = decoder.init_state(x)
-        steps = []
-        for t in range(tokens.shape[1]):
-            lp, state, _ = decoder.step(tokens[:, t], state)
-            steps.append(lp)
-    torch.testing.assert_close(out.logits.log_softmax(-1), torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
+    out, steps, _, _ = _stepped(decoder, x, tokens)
+    torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
     decoder.train()
     assert not decoder.concept_head.training  # no dropout in the frozen head
     decoder(x, tokens).logits.sum().backward()
@@ -234,6 +241,82 @@ def test_concepts_change_the_caption_distribution():
         decoder.concept_head.net[-1].bias.fill_(5.0)  # every concept found
         after = decoder(x, tokens).logits
     assert not torch.allclose(before, after)
+
+
+# ----------------------------------------------------------------------------- the concept prior
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_concept_prior_steps_as_it_teacher_forces_and_its_pointer_trains(attention):
+    torch.manual_seed(0)
+    decoder = _sat_with_concepts(attention=attention, concept_prior=True).eval()
+    x = torch.randn(2, N, D)
+    tokens = torch.randint(1, 15, (2, 5))
+    out, steps, maps, _ = _stepped(decoder, x, tokens)
+    torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention, maps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention.sum(-1), torch.ones(2, 5))
+    log_q = out.aux["concept_pointer"]
+    assert log_q.shape == (2, 5, 3 + 1)
+    torch.testing.assert_close(log_q.exp().sum(-1), torch.ones(2, 5))
+    decoder.train()
+    decoder(x, tokens).aux["concept_pointer"][..., 0].sum().backward()
+    assert decoder.concept_query.weight.grad is not None and decoder.concept_query.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in decoder.concept_head.parameters())
+
+
+def test_concept_prior_multiplies_attention_by_the_map_the_pointer_names():
+    torch.manual_seed(0)
+    decoder = _sat_with_concepts(concept_prior=True).eval()
+    x = torch.randn(1, N, D)
+    maps = decoder.concept_head.maps(x)  # (1, K, N)
+    tokens = torch.randint(1, 15, (1, 3))
+    with torch.no_grad():
+        decoder.concept_query.bias.zero_()
+        decoder.concept_query.weight.zero_()
+        decoder.concept_query.bias[3] = 50.0  # "none": the prior is uniform, attention as without it
+        plain = decoder(x, tokens).attention
+        decoder.concept_query.bias[3] = -50.0
+        decoder.concept_query.bias[1] = 50.0  # always concept 1: attention = own x its map, renormalised
+        pointed = decoder(x, tokens).attention
+        decoder.prior_scale.fill_(0.0)  # lambda = 0: the prior is off
+        off = decoder(x, tokens).attention
+    torch.testing.assert_close(off, plain)
+    assert not torch.allclose(pointed, plain)
+    # at the first step (the same h either way) the ratio pointed / plain is the map of concept 1 up to a constant
+    ratio = pointed[:, 0] / plain[:, 0]
+    torch.testing.assert_close(ratio / ratio.sum(-1, keepdim=True), maps[:, 1])
+
+
+def test_concept_pointer_targets_and_loss():
+    from captioner.training.attention_terms import ConceptPointer
+
+    vocab = Vocabulary(["a", "dog", "ball", "runs"])
+    pointer = ConceptPointer(["dog", "ball"], vocab, weight=1.0, min_prob=0.5)
+    words = torch.tensor([[vocab.stoi["a"], vocab.stoi["dog"], vocab.stoi["ball"], vocab.pad_id]])
+    probs = torch.tensor([[0.9, 0.2]])  # the ball is not found in this photo: its target is "none"
+    assert pointer.targets(words, probs).tolist() == [[2, 0, 2, 2]]
+    right = torch.full((1, 4, 3), -30.0)
+    for t, k in enumerate([2, 0, 2, 2]):
+        right[0, t, k] = 0.0
+    batch = SimpleNamespace(tokens=torch.cat([torch.tensor([[vocab.bos_id]]), words], dim=1))
+    out = SimpleNamespace(aux={"concept_pointer": right.log_softmax(-1), "concept_probs": probs})
+    assert float(pointer(out, batch)) == pytest.approx(0.0, abs=1e-6)
+    assert float(pointer.stats["concept_pointer_words"]) == pytest.approx(1 / 3)
+    uniform = SimpleNamespace(aux={"concept_pointer": torch.full((1, 4, 3), -math.log(3)), "concept_probs": probs})
+    assert float(pointer(uniform, batch)) == pytest.approx(math.log(3))  # padding left out of the mean
+    with pytest.raises(ConfigError, match="concept_prior"):
+        pointer(SimpleNamespace(aux={}), batch)
+
+
+def test_concept_prior_needs_concepts():
+    with pytest.raises(ConfigError, match="concept_prior"):
+        SATDecoder(vocab_size=15, feature_dim=D, concept_prior=True)
+    cfg = get_preset("sat_soft_flickr8k").override(**{"model.decoder.concept_prior": True})
+    with pytest.raises(ConfigError, match="train.concepts"):
+        with_concept_input(cfg, None)
+    with pytest.raises(ConfigError, match="concept_pointer"):
+        get_preset("sat_soft_flickr8k").override(**{"train.concept_pointer": -1.0})
 
 
 def test_training_sizes_the_decoder_from_the_head_and_installs_it():
@@ -298,17 +381,41 @@ def test_transformer_with_concepts_steps_as_it_teacher_forces(use_cache):
     decoder = _transformer_with_concepts().eval()
     x = torch.randn(2, N, D)
     tokens = torch.randint(1, 15, (2, 6))
-    with torch.no_grad():
-        out = decoder(x, tokens)
-        state = decoder.init_state(x, use_cache=use_cache)
-        assert state.static["memory_k"][0].shape[2] == N + CONCEPT_TOKENS  # the cache holds the concept tokens
-        steps, attention = [], []
-        for t in range(tokens.shape[1]):
-            lp, state, att = decoder.step(tokens[:, t], state)
-            steps.append(lp)
-            attention.append(att)
-    torch.testing.assert_close(out.logits.log_softmax(-1), torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.attention, torch.stack(attention, 1), atol=1e-6, rtol=1e-5)
+    out, steps, attention, state = _stepped(decoder, x, tokens, use_cache=use_cache)
+    assert state.static["memory_k"][0].shape[2] == N + CONCEPT_TOKENS  # the cache holds the concept tokens
+    torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention, attention, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_transformer_concept_prior_steps_as_it_teacher_forces_and_follows_the_pointer(use_cache):
+    torch.manual_seed(0)
+    decoder = _transformer_with_concepts(concept_prior=True).eval()
+    x = torch.randn(2, N, D)
+    tokens = torch.randint(1, 15, (2, 6))
+    out, steps, attention, _ = _stepped(decoder, x, tokens, use_cache=use_cache)
+    torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.attention, attention, atol=1e-5, rtol=1e-5)
+    k = decoder.concepts
+    assert out.aux["concept_pointer"].shape == (2, 6, k + 1) and out.aux["concept_probs"].shape == (2, k)
+    with torch.no_grad():  # the pointer sure of "none": the prior adds nothing, as with lambda = 0
+        decoder.concept_query.weight.zero_()
+        decoder.concept_query.bias.fill_(-50.0)
+        decoder.concept_query.bias[k] = 50.0
+        none = decoder(x, tokens).attention
+        decoder.prior_scale.fill_(0.0)
+        off = decoder(x, tokens).attention
+        decoder.prior_scale.fill_(1.0)
+        decoder.concept_query.bias[k] = -50.0
+        decoder.concept_query.bias[0] = 50.0  # always concept 0: the first step's heads lean to its map
+        pointed = decoder(x, tokens).attention
+    torch.testing.assert_close(none, off, atol=1e-6, rtol=1e-5)
+    maps = decoder.concept_head.maps(x)[:, 0]  # (B, N)
+    assert bool(((pointed[:, 0] * maps).sum(-1) > (off[:, 0] * maps).sum(-1)).all())
+    decoder.train()
+    decoder(x, tokens).aux["concept_pointer"][..., 0].sum().backward()
+    assert decoder.concept_query.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in decoder.concept_head.parameters())
 
 
 def test_transformer_reports_attention_over_the_regions_only():
@@ -391,7 +498,7 @@ def test_transformer_with_concepts_checkpoint_round_trip_gives_the_same_captions
 
 @pytest.mark.slow
 def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tmp_path):
-    """``captioner concepts`` over the feature cache, then a SAT run with concept input and guide; the
+    """``captioner concepts`` over the feature cache, then a SAT run with concept input, guide and prior; the
     checkpoint captions and carries the concepts' vocabulary ids."""
     out = tmp_path / "concepts.safetensors"
     common = ["--preset", "sat_soft_demo", "--data", str(tiny_shapes), "--set", "encoder.fine_tune=false",
@@ -406,6 +513,7 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "captioner", "train", *common, "--out", str(run), "--epochs", "1",
                            "--set", f"train.concepts={out}", "--set", "train.concept_guide=0.5",
+                           "--set", "decoder.concept_prior=true",
                            "--set", "train.time_budget=60", "--no-progress"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -420,6 +528,9 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     assert model.caption([image])[0].words
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "concept_guide" in header and "share_concept_guide" in header
+    assert decoder.concept_prior  # the concept prior and its pointer term, kept by the checkpoint
+    rows = [dict(zip(header, line.split(","))) for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert any(row["concept_pointer"] and float(row["concept_pointer"]) > 0 for row in rows)
 
 
 @pytest.mark.slow

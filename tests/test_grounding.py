@@ -17,7 +17,7 @@ from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError
 from captioner.evaluation.attention_metrics import attention_mass, bind_mentions, box_coverage, find_mentions
 from captioner.text import Vocabulary, tokenize
-from captioner.training.objective import GroundingTargets, grounding_loss
+from captioner.training.attention_terms import GroundingTargets, grounding_loss
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -221,7 +221,7 @@ def test_training_logs_the_supervised_share_and_the_terms_share(preset: str, tin
 
 def test_a_dataset_without_boxes_trains_without_the_term(tiny_shapes: Path, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    from captioner.training.objective import build_attention_supervision
+    from captioner.training.attention_terms import build_attention_supervision
 
     data = tmp_path / "data"
     data.mkdir()

@@ -15,7 +15,7 @@ from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.objective import GroundingTargets
+from captioner.training.attention_terms import GroundingTargets
 from captioner.training.detectors import (PERMUTATIONS, RegionTargets, colour_words, image_word_scores,
                                                 pretrain_word_detectors, recolour_batch, region_loss, word_targets)
 

@@ -98,6 +98,9 @@ class ConceptReaderConfig(DecoderConfig):
     concept_hidden: int = 512  # the head's hidden width
     concept_pooling: str = "lse"  # the head's pooling over regions: "lse" or "noisy_or"
     concept_sharpness: float = 5.0  # r of the "lse" pooling
+    # the concept prior: the attention at each step is multiplied by the maps of the concepts the decoder
+    # expects to name next (a pointer over the photo's concepts, read from its state); needs concepts
+    concept_prior: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,7 +116,8 @@ class SATConfig(ConceptReaderConfig):
     """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions.
 
     With concepts (``ConceptReaderConfig``) their K probabilities go into the LSTM's initial state and
-    its deep output.
+    its deep output, and ``concept_prior`` lets the concepts' maps shape the attention
+    (``captioner.models.lstm``).
     """
 
     name: str = "sat"
@@ -154,7 +158,8 @@ class TransformerConfig(ConceptReaderConfig):
     """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward.
 
     With concepts (``ConceptReaderConfig``) the photo's top concepts become memory tokens beside the
-    regions (``captioner.models.transformer``).
+    regions, and ``concept_prior`` lets the concepts' maps shape the last layer's cross-attention
+    (``captioner.models.transformer``).
     """
 
     name: str = "transformer"

@@ -250,6 +250,9 @@ class TrainConfig:
     # the guide's target is the concept's map raised to this power and renormalised (1: the map as it is;
     # 2: its peak twice as sharp, as if the head's sharpness were doubled)
     concept_guide_sharpness: float = 1.0
+    # weight of the concept prior's pointer term (decoder.concept_prior): the pointer learns to name the
+    # concept of the word each step predicts ("none" for other words)
+    concept_pointer: float = 1.0
 
     # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
@@ -327,6 +330,10 @@ class TrainConfig:
         s = self.concept_guide_sharpness
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 100.0:
             raise ConfigError(f"train.concept_guide_sharpness must be a number in (0, 100], got {s!r}")
+        p = self.concept_pointer
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < math.inf:
+            raise ConfigError(f"train.concept_pointer must be a number >= 0 (0 = the pointer learns from the "
+                              f"captions' loss alone), got {p!r}")
 
 
 @dataclass

@@ -76,7 +76,7 @@ The encoder's g x g grid covers the part of the original image it sees, ``view``
   nothing: the word contributes nothing.
 
 Mentions are duck-typed (``start``, ``end``, ``category``, ``attributes``): :func:`find_mentions`
-finds them, the training targets (``captioner.training.objective.GroundingTargets``) bind them.
+finds them, the training targets (``captioner.training.attention_terms.GroundingTargets``) bind them.
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from captioner.errors import ConfigError
 from captioner.models.concepts import SHARPNESS, ConceptHead
 
 
@@ -140,6 +142,17 @@ class CaptionDecoder(nn.Module):
                                         sharpness=sharpness).requires_grad_(False).eval()
         self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
 
+    def add_concept_prior(self, width: int, concept_prior: bool) -> None:
+        """The concept prior's pointer over the K concepts and "none", read from a state of ``width``
+        (``concept_query``, W_q), and its learned weight lambda (``prior_scale``, from 1); needs the concepts."""
+        if concept_prior and not self.concepts:
+            raise ConfigError("decoder.concept_prior needs a decoder that reads concepts (train.concepts=FILE, "
+                              "train.concept_input=true)")
+        self.concept_prior = concept_prior
+        if concept_prior:
+            self.concept_query = nn.Linear(width, self.concepts + 1)  # W_q: K concepts, then "none"
+            self.prior_scale = nn.Parameter(torch.ones(()))  # lambda
+
     def train(self, mode: bool = True) -> "CaptionDecoder":
         super().train(mode)
         if self.concepts:
@@ -152,6 +165,41 @@ class CaptionDecoder(nn.Module):
             return None
         with torch.no_grad():
             return self.concept_head.probs(features)
+
+    def concept_read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """P(concept in image) (B,K) and each concept's map over the regions (B,K,N), from one pass of the
+        frozen head over the raw regions (B,N,D), no gradient. Only for a decoder that reads concepts."""
+        with torch.no_grad():
+            return self.concept_head.read(features)
+
+    def concept_prior_static(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The concept prior's per-image constants from the raw regions (B,N,D): log P(concept in image)
+        ``concept_logp`` (B,K) and the concepts' maps ``concept_maps`` (B,K,N), in the features' dtype."""
+        probs, maps = self.concept_read(features)
+        return {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype), "concept_maps": maps.to(features.dtype)}
+
+    @staticmethod
+    def concept_prior_map(pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The concept prior over the regions from a pointer over the photo's concepts and "none".
+
+        Args:
+            pointer: the pointer's logits (B,K+1) or (B,T,K+1): K concepts, then "none".
+            logp: log P(concept in image) (B,K), added to the concepts' logits (a concept the photo
+                lacks is hardly pointed at).
+            maps: the concepts' maps (B,K,N).
+
+        Returns:
+            ``sum_k q_k maps_k + q_none / N`` (B,N) or (B,T,N), summing to one, and log q (B[,T],K+1).
+        """
+        single = pointer.dim() == 2
+        if single:
+            pointer = pointer.unsqueeze(1)  # (B, 1, K+1)
+        k = logp.shape[-1]
+        log_q = F.log_softmax(torch.cat([pointer[..., :k] + logp.unsqueeze(1), pointer[..., k:]], dim=-1), dim=-1)
+        q = log_q.exp()  # (B, T, K+1)
+        prior = q[..., :k] @ maps + q[..., k:] / maps.shape[-1]  # (B, T, N)
+        return (prior.squeeze(1), log_q.squeeze(1)) if single else (prior, log_q)
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.

@@ -12,6 +12,20 @@ At step t, with h, c the LSTM state after step t-1 and y the previous word:
     h, c   = LSTMCell([E y; beta z], (h, c))
     p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
 
+The concept prior (``concept_prior``, with K concepts read): the map a word gets is chosen before the
+word is written, so a decoder that knows which concept it is about to name can look there first. A
+pointer over the photo's concepts, read from the same h and from the previous word y (which h has
+not yet read: the attention of step t sees the LSTM state of step t-1), gives
+
+    u      = W_q h + U_q E y                                   # (K+1): K concepts, then "none"
+    q      = softmax(u_{1..K} + log P(concept k in image) ; u_{K+1})
+    prior  = sum_k q_k m_k + q_none / N                        # m_k: concept k's map (B,K,N)
+    alpha  = softmax_i(w . tanh(W_f f_i + W_h h) + lambda log prior_i)
+
+with lambda learned (starting at 1): a product of the decoder's own attention and the maps of what it
+expects to say; "none" leaves the attention as it was. The pointer's log q is ``aux["concept_pointer"]``
+(B,T,K+1), trained by ``train.concept_pointer`` to name the concept of the word that follows.
+
 ``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
 with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
 embedding half of the LSTM input projection for all steps in one matmul, one fused matmul of
@@ -60,6 +74,8 @@ class SATDecoder(CaptionDecoder):
         concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
             head (``CaptionDecoder.add_concept_head``); K > 0 feeds the photo's K concept probabilities into
             h0, c0 and the deep output. 0: no concepts.
+        concept_prior: multiply the attention by the maps of the concepts a pointer expects next
+            (module docstring); needs ``concepts``.
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -68,7 +84,8 @@ class SATDecoder(CaptionDecoder):
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
                  region_positions: bool = False, concepts: int = 0, concept_hidden: int = 512,
-                 concept_pooling: str = "lse", concept_sharpness: float = SHARPNESS) -> None:
+                 concept_pooling: str = "lse", concept_sharpness: float = SHARPNESS,
+                 concept_prior: bool = False) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
@@ -103,6 +120,9 @@ class SATDecoder(CaptionDecoder):
         if concepts:  # the photo's concept probabilities (B, K) go into h0, c0 and the deep output
             self.init_concepts = nn.Linear(concepts, 2 * hidden_dim, bias=False)  # into h0 and c0
             self.out_concepts = nn.Linear(concepts, embed_dim, bias=False)  # L_p: into the deep output
+        self.add_concept_prior(hidden_dim, concept_prior)  # W_q reads h
+        if concept_prior:
+            self.concept_query_word = nn.Linear(embed_dim, concepts + 1, bias=False)  # U_q: ... and the previous word
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -157,6 +177,13 @@ class SATDecoder(CaptionDecoder):
             index = index.masked_fill(use_soft, -1)
         return context, log_prob, index
 
+    def _apply_prior(self, log_alpha: torch.Tensor, pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention (B,N) reshaped by the concept prior: pointer logits W_q h + U_q E y (B,K+1), log P(concept)
+        (B,K), maps (B,K,N) -> (log alpha (B,N), the pointer's log q (B,K+1))."""
+        prior, log_q = self.concept_prior_map(pointer, logp, maps)  # (B, N), (B, K+1)
+        return F.log_softmax(log_alpha + self.prior_scale * prior.clamp(min=1e-12).log(), dim=-1), log_q
+
     def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
                      concepts: torch.Tensor | None = None) -> torch.Tensor:
         """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ L_p p])): (..., M), (..., H), (..., D) -> (..., V).
@@ -171,21 +198,29 @@ class SATDecoder(CaptionDecoder):
     # ------------------------------------------------------------------ teacher forcing
 
     def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
-                    features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor):
+                    features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
+                    prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """One teacher-forced time step: everything that depends on ``h_{t-1}``.
 
-        Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N) and, for hard attention in
-        training, the sampled log-prob and region (B,) (else None).
+        ``prior``: the concept prior's log P(concept) (B,K), maps (B,K,N) and this step's U_q E y (B,K+1),
+        when the decoder has one (then ``w_query`` ends with the pointer's K+1 rows, W_q).
+
+        Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
+        training the sampled log-prob and region (B,) (else None), and the pointer's log q (B,K+1) (else None).
         """
         H, A = self.hidden_dim, self.attention_dim
-        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1)
-        h_gates, att_query, gate_logit = query.split([4 * H, A, 1], dim=-1)
+        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+K+1])
+        h_gates, att_query, gate_logit, pointer = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
         log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
+        log_q = None
+        if prior is not None:
+            logp, maps, from_word = prior
+            log_alpha, log_q = self._apply_prior(log_alpha, pointer + from_word, logp, maps)
         context, log_prob, region = self._context(log_alpha, features)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
         gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
         h, c = lstm_update(gates, c)  # (B, H)
-        return h, c, context, beta, log_alpha, log_prob, region
+        return h, c, context, beta, log_alpha, log_prob, region, log_q
 
     def compile_recurrence(self, backend: str = "inductor", **options) -> None:  # noqa: ANN003
         """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``).
@@ -210,11 +245,16 @@ class SATDecoder(CaptionDecoder):
         Returns:
             DecoderOutput with logits (B,T,V), attention alpha (B,T,N), attention_entropy (B,T),
             sample_log_probs (B,T) (hard attention in training mode), aux["beta"] (B,T),
-            aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training).
+            aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training),
+            aux["concept_pointer"] (B,T,K+1) the pointer's log q and aux["concept_probs"] (B,K) (concept prior).
         """
         _, T = tokens.shape
         H = self.hidden_dim
         concepts = self.concept_probs(features)  # (B, K) or None, from the regions as the encoder gave them
+        prior = None
+        if self.concept_prior:
+            static = self.concept_prior_static(features)
+            prior = (static["concept_logp"], static["concept_maps"])
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -227,16 +267,26 @@ class SATDecoder(CaptionDecoder):
         x_gates = F.linear(emb, w_ih[:, :self.embed_dim], self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
         w_ctx = w_ih[:, self.embed_dim:]  # (4H, D)
         # Everything that reads h_{t-1}: LSTM recurrence, attention query, gate -- one matmul per step.
-        w_query = torch.cat([self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight])  # (4H+A+1, H)
-        b_query = torch.cat([self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias])
+        w_query = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
+        b_query = [self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias]
+        if prior is not None:  # and the pointer's K+1 rows
+            w_query.append(self.concept_query.weight)
+            b_query.append(self.concept_query.bias)
+        w_query, b_query = torch.cat(w_query), torch.cat(b_query)
         if low is not None:  # the per-step weights cast once too (what autocast's weight cache does in eager mode)
             w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
+            if prior is not None:
+                prior = (prior[0].to(low), prior[1].to(low))
+        pointer_words = self.concept_query_word(emb) if prior is not None else None  # (B, T, K+1) U_q E y
 
-        hs, contexts, betas, log_alphas, sample_lps, regions = [], [], [], [], [], []
+        hs, contexts, betas, log_alphas, sample_lps, regions, pointers = [], [], [], [], [], [], []
         recurrence = self._compiled_recurrence or self._recurrence
         for t in range(T):
-            h, c, context, beta, log_alpha, log_prob, region = recurrence(
-                x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx)
+            h, c, context, beta, log_alpha, log_prob, region, log_q = recurrence(
+                x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
+                None if prior is None else (*prior, pointer_words[:, t]))
+            if log_q is not None:
+                pointers.append(log_q)
             hs.append(h)
             contexts.append(context)
             betas.append(beta)
@@ -252,6 +302,9 @@ class SATDecoder(CaptionDecoder):
         concept_out = self.out_concepts(concepts.to(emb.dtype)).unsqueeze(1) if concepts is not None else None
         logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context, concept_out)  # (B,T,V)
         aux = {"beta": beta, "context": context}
+        if pointers:
+            aux["concept_pointer"] = torch.stack(pointers, dim=1)  # (B, T, K+1)
+            aux["concept_probs"] = concepts  # (B, K)
         sample_log_probs = None
         if sample_lps:
             sample_log_probs = torch.stack(sample_lps, dim=1)  # (B, T)
@@ -269,11 +322,13 @@ class SATDecoder(CaptionDecoder):
     def init_state(self, features: torch.Tensor) -> State:
         """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A)}, dynamic {h, c (B,H)})."""
         concepts = self.concept_probs(features)
-        features = self._regions(features)
+        raw, features = features, self._regions(features)
         h, c = self._initial_hc(features, concepts)
         static = {"features": features, "projected": self.attention.project(features)}
         if concepts is not None:
             static["concepts"] = self.out_concepts(concepts.to(h.dtype))  # (B, M) L_p p
+        if self.concept_prior:
+            static.update(self.concept_prior_static(raw))
         return State(static=static, dynamic={"h": h, "c": c})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
@@ -281,6 +336,10 @@ class SATDecoder(CaptionDecoder):
         emb = self.embedding(prev_tokens)  # (B, M)
         h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
         log_alpha = self.attention(state.static["projected"], h)  # (B, N)
+        if self.concept_prior:
+            pointer = self.concept_query(h) + self.concept_query_word(emb)  # (B, K+1)
+            log_alpha, _ = self._apply_prior(log_alpha, pointer, state.static["concept_logp"],
+                                             state.static["concept_maps"])
         context, _, _ = self._context(log_alpha, state.static["features"])  # (B, D)
         gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
         h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
@@ -307,4 +366,5 @@ def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: i
         concept_hidden=cfg.concept_hidden,
         concept_pooling=cfg.concept_pooling,
         concept_sharpness=cfg.concept_sharpness,
+        concept_prior=cfg.concept_prior,
     )

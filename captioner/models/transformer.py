@@ -30,6 +30,13 @@ over the N regions: the concept-token columns are dropped and the rest renormali
 (:meth:`TransformerCaptionDecoder.region_weights`), so overlays, entropy, attention correctness and
 the guide terms read regions only.
 
+The concept prior (``concept_prior``, with concepts read; as SAT's in ``captioner.models.lstm``): the
+last layer's cross-attention, the one the overlays show, gets a pointer over the photo's K concepts and
+"none", read from the same normed token state as its queries, q = softmax([W_q x]_{1..K} + log P(k in
+image); [W_q x]_{K+1}); its region scores of every head get ``lambda log(N prior)`` added, with
+prior = sum_k q_k m_k + q_none / N (m_k the concepts' maps, lambda learned from 1; 0 on the concept
+tokens, and on the regions when q says "none"). The pointer's log q is ``aux["concept_pointer"]``.
+
 Multi-head attention (:class:`MultiHeadAttention`) can return its weights (for overlays) or take
 the fused fast path. Shape legend there: Tq query steps, Tk key steps (tokens for self-attention,
 N regions, plus any concept tokens, for cross-attention). Two paths compute the same thing, softmax(Q K^T / sqrt(dh)) V:
@@ -103,6 +110,7 @@ class MultiHeadAttention(nn.Module):
         v: torch.Tensor,
         causal: bool = False,
         need_weights: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend projected queries to projected keys/values.
 
@@ -112,6 +120,7 @@ class MultiHeadAttention(nn.Module):
             v: (B, H, Tk, dh) values.
             causal: query i sees keys 0..i only (requires Tq == Tk).
             need_weights: take the manual path and return the weights.
+            bias: added to the scores before the softmax, (B, 1, Tq, Tk) (not with ``causal``).
 
         Returns:
             (output (B, Tq, d), weights (B, H, Tq, Tk) or None).
@@ -125,10 +134,12 @@ class MultiHeadAttention(nn.Module):
                 t = q.shape[2]
                 future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # (Tq, Tk)
                 scores = scores.masked_fill(future, float("-inf"))
+            if bias is not None:
+                scores = scores + bias
             weights = scores.softmax(dim=-1)  # (B, H, Tq, Tk)
             out = weights @ v  # (B, H, Tq, dh)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # (B, H, Tq, dh)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal)  # (B, H, Tq, dh)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.d_model)  # (B, Tq, d)
         return self.out_proj(out), weights
@@ -223,7 +234,8 @@ class DecoderBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(
-        self, x: torch.Tensor, memory: KV, past: KV | None = None, need_weights: bool = False
+        self, x: torch.Tensor, memory: KV, past: KV | None = None, need_weights: bool = False,
+        cross_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, KV]:
         """Run the block.
 
@@ -233,6 +245,7 @@ class DecoderBlock(nn.Module):
                 plus the concept tokens when the decoder reads concepts).
             past: cached self-attention keys/values of earlier steps, (B, H, t, dh) each.
             need_weights: return the cross-attention weights.
+            cross_bias: normed token states (B, T, d) -> a bias (B, 1, T, S) of the cross-attention scores.
 
         Returns:
             (x (B, T, d), cross weights (B, H, T, S) or None, self keys/values incl. this step).
@@ -246,7 +259,9 @@ class DecoderBlock(nn.Module):
         a, _ = self.self_attn.attend(q, k, v, causal=past is None)  # (B, T, d)
         x = x + self.drop(a)
         h = self.ln_cross(x)  # (B, T, d)
-        c, weights = self.cross_attn.attend(self.cross_attn.project_q(h), *memory, need_weights=need_weights)
+        bias = cross_bias(h) if cross_bias is not None else None
+        c, weights = self.cross_attn.attend(self.cross_attn.project_q(h), *memory, need_weights=need_weights,
+                                            bias=bias)
         x = x + self.drop(c)  # (B, T, d)
         x = x + self.drop(self.ff(self.ln_ff(x)))  # (B, T, d)
         return x, weights, (k, v)
@@ -270,6 +285,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
         concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
             head (``CaptionDecoder.add_concept_head``); K > 0 appends the photo's top concepts to the memory
             as :class:`ConceptTokens` (module docstring). 0: no concepts.
+        concept_prior: the last layer's cross-attention follows the maps of the concepts a pointer expects
+            next (module docstring); needs ``concepts``.
     """
 
     def __init__(
@@ -288,6 +305,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         concept_hidden: int = 512,
         concept_pooling: str = "lse",
         concept_sharpness: float = SHARPNESS,
+        concept_prior: bool = False,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -312,6 +330,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         self.add_concept_head(feature_dim, concepts, concept_hidden, concept_pooling, concept_sharpness)
         if concepts:
             self.concept_tokens = ConceptTokens(d_model, concepts)
+        self.add_concept_prior(d_model, concept_prior)  # W_q reads the last layer's normed token state
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """``positions`` is not stored in checkpoints: the sinusoidal table of its shape."""
@@ -355,19 +374,40 @@ class TransformerCaptionDecoder(CaptionDecoder):
         regions = weights[..., :n]
         return regions / regions.sum(-1, keepdim=True).clamp_min(torch.finfo(regions.dtype).tiny)
 
+    def _prior_bias(self, prior_static: dict[str, torch.Tensor], memory_size: int, pointers: list[torch.Tensor]
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The last layer's cross-attention bias of the concept prior: normed token states (B, T, d) ->
+        (B, 1, T, S), ``lambda log(N prior)`` on the N region columns, 0 on the concept tokens; the
+        pointer's log q (B, T, K+1) is appended to ``pointers``."""
+
+        def bias(h: torch.Tensor) -> torch.Tensor:
+            maps = prior_static["concept_maps"]  # (B, K, N)
+            prior, log_q = self.concept_prior_map(self.concept_query(h), prior_static["concept_logp"], maps)
+            pointers.append(log_q)
+            n = maps.shape[-1]
+            regions = self.prior_scale * (prior * n).clamp(min=1e-12).log()  # (B, T, N), 0 where uniform
+            return F.pad(regions, (0, memory_size - n)).unsqueeze(1).to(h.dtype)  # (B, 1, T, S)
+
+        return bias
+
     def _run(
-        self, x: torch.Tensor, memory: list[KV], pasts: list[KV] | None, need_all: bool
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV]]:
+        self, x: torch.Tensor, memory: list[KV], pasts: list[KV] | None, need_all: bool,
+        prior_static: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV], torch.Tensor | None]:
         """Blocks + final norm. Returns (h (B, T, d), cross weights over the regions per layer that
-        returned them (B, H, T, N), new self-attention keys/values per layer)."""
-        weights, presents = [], []
+        returned them (B, H, T, N), new self-attention keys/values per layer, the concept prior's
+        pointer log q (B, T, K+1) or None)."""
+        weights, presents, pointers = [], [], []
         for i, block in enumerate(self.blocks):
-            need = need_all or i == self.num_layers - 1
-            x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need)
+            last = i == self.num_layers - 1
+            bias = (self._prior_bias(prior_static, memory[i][0].shape[2], pointers)
+                    if last and prior_static is not None else None)
+            x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need_all or last,
+                             cross_bias=bias)
             if w is not None:
                 weights.append(self.region_weights(w))
             presents.append(kv)
-        return self.ln_final(x), weights, presents
+        return self.ln_final(x), weights, presents, (pointers[0] if pointers else None)
 
     # ------------------------------------------------------------------ CaptionDecoder API
 
@@ -382,17 +422,22 @@ class TransformerCaptionDecoder(CaptionDecoder):
         Returns:
             ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T)
             and all_attention (B, T, L, H, N) when asked; with concepts, attention over the regions
-            only (:meth:`region_weights`).
+            only (:meth:`region_weights`); with the concept prior, aux["concept_pointer"] (B, T, K+1)
+            and aux["concept_probs"] (B, K).
         """
         memory = self._memory(features)  # L x (B, H, S, dh)
-        h, weights, _ = self._run(self._embed(tokens, 0), memory, None, need_all_attention)  # (B, T, d)
+        prior = self.concept_prior_static(features) if self.concept_prior else None
+        h, weights, _, log_q = self._run(self._embed(tokens, 0), memory, None, need_all_attention, prior)  # (B, T, d)
         logits = self.out(h)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
         all_attention = None
         if need_all_attention:
             all_attention = torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, T, L, H, N)
+        aux = {}
+        if log_q is not None:
+            aux = {"concept_pointer": log_q, "concept_probs": prior["concept_logp"].exp()}
         return DecoderOutput(logits=logits, attention=attention, all_attention=all_attention,
-                             attention_entropy=attention_entropy(attention))
+                             attention_entropy=attention_entropy(attention), aux=aux)
 
     def init_state(self, features: torch.Tensor, use_cache: bool = True) -> State:
         """Project the regions once and start empty caches.
@@ -411,6 +456,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
         memory = self._memory(features)
         b = features.shape[0]
         static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory]}
+        if self.concept_prior:
+            static.update(self.concept_prior_static(features))
         dynamic: dict[str, Any] = {"step": 0}
         if use_cache:
             empty = memory[0][0].new_zeros(b, self.num_heads, 0, self.d_model // self.num_heads)  # (B, H, 0, dh)
@@ -436,16 +483,17 @@ class TransformerCaptionDecoder(CaptionDecoder):
             the regions only).
         """
         memory = list(zip(state.static["memory_k"], state.static["memory_v"]))
+        prior = state.static if self.concept_prior else None
         past = state.dynamic
         dynamic: dict[str, Any] = {"step": past["step"] + 1}
         if "prefix" in past:  # uncached: re-run every earlier token
             prefix = torch.cat([past["prefix"], prev_tokens[:, None]], dim=1)  # (B, t+1)
-            h, weights, _ = self._run(self._embed(prefix, 0), memory, None, need_all=False)  # (B, t+1, d)
+            h, weights, _, _ = self._run(self._embed(prefix, 0), memory, None, False, prior)  # (B, t+1, d)
             dynamic["prefix"] = prefix
         else:
             x = self._embed(prev_tokens[:, None], past["step"])  # (B, 1, d)
             pasts = list(zip(past["self_k"], past["self_v"]))
-            h, weights, presents = self._run(x, memory, pasts, need_all=False)  # (B, 1, d)
+            h, weights, presents, _ = self._run(x, memory, pasts, False, prior)  # (B, 1, d)
             dynamic["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
             dynamic["self_v"] = [v for _, v in presents]
         log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
@@ -473,4 +521,5 @@ def build_transformer_decoder(
         concept_hidden=cfg.concept_hidden,
         concept_pooling=cfg.concept_pooling,
         concept_sharpness=cfg.concept_sharpness,
+        concept_prior=cfg.concept_prior,
     )

@@ -22,7 +22,7 @@ in one region's feature, which is what attention can then find.
 
 With ``boxes=True`` and object boxes for the training split (``instances_<split>.json``), the
 words that name a box (the object words and their colour and size words, bound to boxes as
-attention supervision binds them: ``captioner.training.objective``) are also trained **region by
+attention supervision binds them: ``captioner.training.attention_terms``) are also trained **region by
 region**: each region's score for the word against its coverage by the word's box. The MIL loss
 lets a detector fire wherever the word's evidence correlates (a "purple" detector on stars, when
 most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
@@ -56,7 +56,7 @@ the object it names (COCO boxes: the concept word must be a category word).
 
 A run reads a concepts file (``train.concepts``): :func:`with_concept_input` sizes its decoder (SAT
 or the Transformer) to read the concepts and :func:`install_concepts` copies the head in; the guide term is
-``captioner.training.objective.ConceptGuide``.
+``captioner.training.attention_terms.ConceptGuide``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ from captioner.models.concepts import ConceptHead, choose_concepts, read_concept
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.data import Remap, feature_cache_dir, pixels_in_memory
-from captioner.training.objective import GroundingTargets
+from captioner.training.attention_terms import GroundingTargets
 
 log = logging.getLogger(__name__)
 
@@ -562,6 +562,9 @@ def read_run_concepts(cfg: Any, vocab: Vocabulary) -> ConceptHead | None:
 
 def with_concept_input(cfg: Any, head: ConceptHead | None) -> Any:
     """``cfg`` with the decoder sized to read ``head`` (``train.concept_input``), else ``cfg`` unchanged."""
+    if getattr(cfg.model.decoder, "concept_prior", False) and (head is None or not cfg.train.concept_input):
+        raise ConfigError("decoder.concept_prior reshapes attention by the concepts' maps: it needs "
+                          "train.concepts=FILE and train.concept_input=true")
     if head is None or not cfg.train.concept_input:
         return cfg
     if not isinstance(cfg.model.decoder, ConceptReaderConfig):  # a registered family without the concept fields

@@ -59,7 +59,7 @@ def teacher_forced_mass(checkpoint: Path, data: Path, split: str) -> dict[str, f
     from captioner.data.coco import load_caption_set, load_instances
     from captioner.data.images import load_image
     from captioner.inference import load
-    from captioner.training.objective import GroundingTargets
+    from captioner.training.attention_terms import GroundingTargets
 
     engine = load(checkpoint, device="cpu")
     model, vocab, encoder = engine.model.eval(), engine.vocab, engine.config.encoder

@@ -12,6 +12,8 @@
 # times larger), a0_lite2 the Lite2 one; a0_fine_input_guide reads CONCEPTS_FINE, a concepts file learnt
 # over the 14 x 14 cache (captioner concepts ... --set encoder.dilate=true --set encoder.grid=14). The
 # *_sharp configurations guide attention towards the concept maps raised to the power SHARPNESS (default 3).
+# The *_prior configurations multiply the attention by the maps of the concepts the decoder expects to name
+# next (decoder.concept_prior).
 set -euo pipefail
 DATA=${1:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
 COCO_MINI=${2:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
@@ -28,12 +30,15 @@ declare -A SETTINGS=(
     [a0_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [a0_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
     [a0_input_guide_sharp]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
+    [a0_input_guide_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set decoder.concept_prior=true"
+    [a0_input_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set decoder.concept_prior=true"
     [a0_fine]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14"
     [a0_fine_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14 --set train.concepts=${CONCEPTS_FINE:-CONCEPTS_FINE-is-not-set} --set train.concept_guide=0.5"
     [a0_lite2]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.name=efficientnet_lite2"
     [tf]="--preset transformer_flickr8k"
     [tf_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [tf_input_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3"
+    [tf_input_guide_prior]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set decoder.concept_prior=true"
     [tf_input_guide_sharp]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
 )
 NAMES=("$@")

@@ -1,0 +1,418 @@
+"""The attention terms of cross-entropy training: boxes, and concept detectors.
+
+Each is a ``LossTerm`` of :class:`captioner.training.objective.CrossEntropy` (its ``name``, ``weight``,
+``stats`` and a call giving the unweighted term), built for a run by its ``build_*`` function, which
+returns None when the run does not ask for it; ``captioner.training.objective.build_cross_entropy`` asks
+them all.
+
+* :class:`AttentionSupervision` (``train.attention_supervision``): attention pulled onto the box of the
+  object a word names (below).
+* :class:`ConceptGuide` (``train.concept_guide``): attention pulled towards the map of the concept a
+  word names, from a concept head learnt from captions alone (``captioner.models.concepts``).
+* :class:`ConceptPointer` (``train.concept_pointer``): the pointer of a decoder with
+  ``decoder.concept_prior`` learns which concept the next word names.
+
+Attention supervision from object boxes (Liu et al. 2017, "Attention Correctness in Neural Image
+Captioning"): the term that pulls a word's attention onto the box of the object it names.
+
+Shape legend: B batch, T caption steps, N regions.
+
+``coverage`` (B, T, N) holds, for each target word that names an object, each region's share of
+area inside that object's box (``captioner.evaluation.attention_metrics.box_coverage``), and zeros for every
+other word: a word with an all-zero row is not supervised and contributes nothing. Two forms:
+
+* ``"mass"``: ``-log sum_n alpha_n coverage_n``, minus the log of the attention mass
+  inside the box: exactly the quantity attention correctness measures. It is 0 once all the
+  attention is in the box, wherever in the box it sits, so the decoder may stay as sharp as it
+  likes; and for an ambiguous word whose target is the union of several boxes it asks for "one of
+  them", never for all of them.
+* ``"cross_entropy"`` (Liu et al.; default): ``-sum_n p_n log alpha_n`` with ``p = coverage / sum(coverage)``,
+  the cross-entropy to the box's normalised mask; it also asks the attention to spread over the box
+  as its area is (its minimum is ``alpha = p``). The value returned is that cross-entropy minus the
+  target's own entropy ``-sum_n p_n log p_n``, a constant per word: the KL divergence
+  ``KL(p || alpha)``, with the same gradient, 0 at the optimum. So, like the other terms, its
+  logged value and its share of the loss say how far the attention is from the target (the raw
+  cross-entropy never falls below the entropy of the box, log 4 for a box over four regions).
+
+Either is averaged over the supervised words of the batch and weighted by ``weight``
+(``train.attention_supervision``). docs/grounding.md says which was chosen and why.
+
+``train.attention_supervision``: the training step's hook for attention supervised by object boxes.
+
+Shape legend: B batch, T caption steps, N regions.
+
+:class:`GroundingTargets` turns a training batch's target words and image indices into box
+coverages (B, T, N): the words are matched to objects as attention correctness matches them
+(``captioner.evaluation.attention_metrics.find_mentions``: the scenes' shapes with their colour and size
+words, COCO categories with synonyms and plurals, or the dataset's own category names), bound to
+boxes by ``captioner.evaluation.attention_metrics.bind_mentions``, and each box is laid on the region grid by
+``box_coverage``. Images without boxes (no entry in ``instances_<split>.json``) give all-zero rows:
+their captions train without the term. A caption's binding is computed once and remembered.
+
+:class:`AttentionSupervision` is the term :func:`grounding_loss` as
+one of the cross-entropy objective's extra terms (``captioner.training.objective.LossTerm``): the
+objective adds ``weight *`` it to the loss and logs ``grounding`` (unweighted, per supervised word)
+and ``weighted_grounding`` (so ``share_grounding`` and the regulariser warning see it), and the
+term's ``stats``: ``grounded_words`` (share of target words supervised) and ``grounding_in_box``
+(their attention mass inside the box). :func:`build_attention_supervision` makes it for a run
+(``captioner.training.objective.build_cross_entropy`` asks), or returns None.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from captioner.data.coco import load_instances
+from captioner.data.transforms import crop_box
+from captioner.errors import ConfigError, DataError
+from captioner.evaluation.attention_metrics import (WordTable, bind_mentions, box_coverage, detect_vocabulary,
+                                                    find_mentions, word_table)
+from captioner.models.base import DecoderOutput
+from captioner.models.concepts import ConceptHead, read_concepts
+from captioner.text import Vocabulary
+
+log = logging.getLogger(__name__)
+
+
+FORMS = ("mass", "cross_entropy")
+_EPS = 1e-6  # floor of the in-box mass (a box outside the grid's view has coverage 0 and is not supervised)
+
+
+@dataclass
+class GroundingTerm:
+    """What :func:`grounding_loss` returns.
+
+    Attributes:
+        loss: the unweighted term, mean over supervised words (0 when none; keeps the graph).
+        words: supervised words in the batch (0-d tensor).
+        in_box: mean attention mass inside the box over the supervised words (detached).
+    """
+
+    loss: torch.Tensor
+    words: torch.Tensor
+    in_box: torch.Tensor
+
+
+def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "cross_entropy") -> GroundingTerm:
+    """The supervision term for attention maps and box coverages.
+
+    Args:
+        attention: (B, T, N) attention over regions per step, rows summing to 1 (SAT's alpha, the
+            Transformer's head-averaged cross-attention of its last layer).
+        coverage: (B, T, N) each region's area share inside the target box(es) of the word that step
+            T predicts; all-zero rows are not supervised.
+        form: ``"mass"`` or ``"cross_entropy"`` (module docstring).
+
+    Returns:
+        ``GroundingTerm`` (no host sync).
+    """
+    if form not in FORMS:
+        raise ConfigError(f"attention supervision form {form!r}: use one of {', '.join(FORMS)}")
+    if attention.shape != coverage.shape:
+        raise ValueError(f"attention {tuple(attention.shape)} and box coverage {tuple(coverage.shape)} differ")
+    attention = attention.float()
+    coverage = coverage.to(attention.dtype)
+    area = coverage.sum(dim=-1)  # (B, T)
+    supervised = (area > 0).to(attention.dtype)  # (B, T)
+    words = supervised.sum()
+    mass = (attention * coverage).sum(dim=-1)  # (B, T) attention inside the box
+    if form == "mass":
+        per_word = -mass.clamp(min=_EPS).log()  # (B, T)
+    else:
+        target = coverage / area.clamp(min=_EPS).unsqueeze(-1)  # (B, T, N), rows sum to 1 where supervised
+        log_ratio = target.clamp(min=_EPS).log() - attention.clamp(min=_EPS).log()  # (B, T, N)
+        per_word = (target * log_ratio).sum(dim=-1)  # (B, T) KL(p || alpha) = cross-entropy - H(p)
+    loss = (per_word * supervised).sum() / words.clamp(min=1.0)
+    in_box = (mass.detach() * supervised).sum() / words.clamp(min=1.0)
+    return GroundingTerm(loss, words.detach(), in_box)
+
+
+
+class GroundingTargets:
+    """Box coverages for the target words of training batches.
+
+    Args:
+        images: the training ``ImageRecord`` list (batch image indices index it).
+        instances: ``{image_id: [ObjectBox]}`` (``load_instances``); images absent or with no boxes
+            are not supervised.
+        vocab: the training vocabulary (target ids -> words).
+        view: ``(width, height) -> (left, top, right, bottom)``, the part of the image the grid covers.
+        grid: g, regions per side.
+        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable`` (None: from the instances' categories).
+    """
+
+    def __init__(self, images: Sequence[Any], instances: dict[int, list[Any]], vocab: Vocabulary, view: Any,
+                 grid: int, vocabulary: str | WordTable | None = None) -> None:
+        self.images = list(images)
+        self.instances = instances
+        self.vocab = vocab
+        self.view = view
+        self.grid = grid
+        self.table = word_table(vocabulary if vocabulary is not None else detect_vocabulary(instances))
+        self._bindings: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}  # caption -> (t, bank row)
+        self._rows: dict[tuple[int, tuple[int, ...]], int] = {}  # (image, box indices) -> bank row
+        self._bank: list[np.ndarray] = []  # (N,) coverages
+
+    @classmethod
+    def for_encoder(cls, images: Sequence[Any], instances: dict[int, list[Any]], vocab: Vocabulary,
+                    encoder: Any) -> "GroundingTargets":
+        """Targets on the grid of ``encoder`` (an ``EncoderConfig``: its ``grid``, and the crop it sees)."""
+        return cls(images, instances, vocab, lambda w, h: crop_box(w, h, encoder), encoder.grid)
+
+    def _row(self, image: int, boxes: tuple[int, ...]) -> int:
+        key = (image, boxes)
+        if key not in self._rows:
+            record = self.images[image]
+            objects = self.instances.get(record.image_id, [])
+            width, height = record.size()
+            self._bank.append(box_coverage([objects[i].bbox for i in boxes], self.view(width, height), self.grid))
+            self._rows[key] = len(self._bank) - 1
+        return self._rows[key]
+
+    def binding(self, image: int, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """``(target step, bank row)`` for one caption: target ids (``tokens[1:]``) of training image ``image``."""
+        key = (image, tuple(ids))
+        found = self._bindings.get(key)
+        if found is None:
+            objects = self.instances.get(self.images[image].image_id) or []
+            found = []
+            if objects:
+                words = self.vocab.decode_tokens(ids)
+                found = [(t, self._row(image, boxes))
+                         for t, boxes in bind_mentions(find_mentions(words, self.table), objects)]
+            self._bindings[key] = found
+        return found
+
+    def bound_words(self, image: int, ids: Sequence[int]) -> list[tuple[int, np.ndarray]]:
+        """``(word id, coverage (N,))`` for each word of one caption (target ids) that names a box."""
+        return [(int(ids[t]), self._bank[row]) for t, row in self.binding(image, ids)]
+
+    def coverage(self, targets: torch.Tensor, image_index: torch.Tensor) -> torch.Tensor:
+        """targets (B, T) word ids, image_index (B,) -> box coverage (B, T, N) float32 on the CPU."""
+        rows = targets.tolist()
+        images = image_index.tolist()
+        out = np.zeros((len(rows), targets.shape[1], self.grid * self.grid), dtype=np.float32)  # (B, T, N)
+        for b, (ids, image) in enumerate(zip(rows, images)):
+            for t, row in self.binding(int(image), ids):
+                out[b, t] = self._bank[row]
+        return torch.from_numpy(out)
+
+
+class AttentionSupervision:
+    """The box-supervision term of :class:`captioner.training.objective.CrossEntropy` (a ``LossTerm``).
+
+    ``CrossEntropy`` adds ``weight * term(output, batch)`` to the loss and logs it as ``grounding``
+    and ``weighted_grounding``; ``stats`` (the last batch's ``grounded_words`` and
+    ``grounding_in_box``) is logged beside them.
+
+    Args:
+        targets: the batch targets' box coverages.
+        weight: lambda, the term's weight (``train.attention_supervision``).
+        form: ``"cross_entropy"`` or ``"mass"`` (``train.attention_supervision_form``).
+        pad_id: id of padding in the targets.
+    """
+
+    name = "grounding"
+
+    def __init__(self, targets: GroundingTargets, weight: float, form: str = "cross_entropy", pad_id: int = 0) -> None:
+        self.targets = targets
+        self.weight = weight
+        self.form = form
+        self.pad_id = pad_id
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        """The unweighted term for a teacher-forced ``output`` of ``batch`` (``tokens``, ``image_index``).
+
+        ``output.attention`` (B, T-1, N) is supervised for the targets ``batch.tokens[:, 1:]``.
+        """
+        targets = batch.tokens[:, 1:]  # (B, T-1)
+        coverage = self.targets.coverage(targets.cpu(), batch.image_index.cpu()).to(output.attention.device,
+                                                                                     non_blocking=True)
+        term = grounding_loss(output.attention, coverage, self.form)
+        words = (targets != self.pad_id).sum().clamp(min=1).to(term.words.dtype)
+        self.stats = {"grounded_words": term.words / words, "grounding_in_box": term.in_box}
+        return term.loss
+
+
+def _cross_entropy_only(key: str, objective: str) -> bool:
+    """Whether a term of cross-entropy training applies under ``train.objective``; warns when it does not."""
+    if objective != "xe":
+        log.warning("%s applies to cross-entropy training only; train.objective=%s trains without it", key, objective)
+        return False
+    return True
+
+
+def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> AttentionSupervision | None:
+    """The hook for a run, or None when ``train.attention_supervision`` is 0 or nothing can be supervised.
+
+    Args:
+        cfg: the run's ``Config`` (``train.attention_supervision``, ``train.attention_supervision_form``,
+            ``train.objective``, ``data``, ``model.encoder`` for the grid and the crop).
+        train_set: the training ``CaptionSet`` (batch image indices index its images).
+        vocab: the training vocabulary.
+    """
+    t = cfg.train
+    if not t.attention_supervision:
+        return None
+    if not _cross_entropy_only("train.attention_supervision", t.objective):
+        return None
+    split = cfg.data.train_split
+    instances = load_instances(cfg.data.root, split, cfg.data.images)
+    if instances is None:
+        log.warning("train.attention_supervision=%g: %s has no instances_%s.json with object boxes; training "
+                    "without it", t.attention_supervision, cfg.data.root, split)
+        return None
+    with_boxes = sum(bool(instances.get(r.image_id)) for r in train_set.images)
+    if not with_boxes:
+        log.warning("train.attention_supervision=%g: none of the %d training images has a box in %s's "
+                    "instances_%s.json; training without it", t.attention_supervision, len(train_set.images),
+                    cfg.data.root, split)
+        return None
+    targets = GroundingTargets.for_encoder(train_set.images, instances, vocab, cfg.model.encoder)
+    log.info("attention supervision (weight %g, form %s): %d of %d training images have boxes; words matched "
+             "as %s", t.attention_supervision, t.attention_supervision_form, with_boxes, len(train_set.images),
+             targets.table.name)
+    return AttentionSupervision(targets, t.attention_supervision, t.attention_supervision_form, vocab.pad_id)
+
+
+def concept_table(words: Sequence[str], vocab: Vocabulary) -> torch.Tensor:
+    """vocabulary id -> index of its concept in ``words``, -1 for a word that is no concept: (V,) long."""
+    table = torch.full((len(vocab),), -1, dtype=torch.long)
+    for k, word in enumerate(words):
+        if word in vocab.stoi:
+            table[vocab.stoi[word]] = k
+    return table
+
+
+class ConceptGuide:
+    """The concept-guide term of cross-entropy training (a ``LossTerm``, ``train.concept_guide``).
+
+    For every target word that is a concept, the decoder's attention at the step that predicts it
+    is pulled towards that concept's map in the image (KL divergence to the map, as box
+    supervision's ``cross_entropy`` form; logged as ``concept_guide`` and ``concept_guided_words``).
+
+    Args:
+        head: the trained concept head (frozen here).
+        vocab: the decoder's vocabulary (concept words outside it are never targets).
+        weight: the term's weight.
+        min_prob: a step is guided only where the head finds the concept in the image with at least
+            this probability (a map of a concept it cannot see is noise).
+        sharpness: the target is the map raised to this power, renormalised (1: the map itself).
+    """
+
+    name = "concept_guide"
+
+    def __init__(self, head: ConceptHead, vocab: Vocabulary, weight: float, min_prob: float = 0.1,
+                 sharpness: float = 1.0) -> None:
+        self.head = head.eval().requires_grad_(False)
+        self.weight = weight
+        self.min_prob = min_prob
+        self.sharpness = sharpness
+        self.pad_id = vocab.pad_id
+        self.table = concept_table(head.words, vocab)
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def targets(self, features: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D), target words (B,T) -> soft targets (B,T,N); all-zero rows are not guided."""
+        with torch.no_grad():
+            self.head.to(features.device)
+            probs, maps = self.head.read(features)  # (B, K), (B, K, N)
+            present = probs >= self.min_prob  # (B, K)
+            k = self.table.to(words.device)[words]  # (B, T)
+            guided = k >= 0
+            kk = k.clamp(min=0)
+            target = maps.gather(1, kk.unsqueeze(-1).expand(-1, -1, maps.shape[-1]))  # (B, T, N)
+            if self.sharpness != 1.0:  # in log space: a sharp power of small values underflows
+                target = torch.softmax(self.sharpness * target.clamp(min=1e-30).log(), dim=-1)
+            keep = guided & present.gather(1, kk)  # (B, T)
+            return target * keep.unsqueeze(-1).to(target.dtype)
+
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        if batch.x.dim() != 3:
+            raise DataError("train.concept_guide needs cached region features (a frozen encoder and "
+                            "data.feature_cache=true)")
+        words = batch.tokens[:, 1:]  # (B, T-1)
+        target = self.targets(batch.x, words)
+        term = grounding_loss(output.attention, target, "cross_entropy")
+        real = (words != self.pad_id).sum().clamp(min=1).to(term.words.dtype)
+        self.stats = {"concept_guided_words": term.words / real}
+        return term.loss
+
+
+class ConceptPointer:
+    """The concept prior's pointer term of cross-entropy training (a ``LossTerm``, ``train.concept_pointer``).
+
+    A SAT decoder with ``decoder.concept_prior`` reads, at every step, a pointer q over the photo's K
+    concepts and "none" (``aux["concept_pointer"]``, log q (B,T,K+1)); its attention is multiplied by
+    the maps of the concepts q points at (``captioner.models.lstm``). This term teaches q to name the
+    concept of the word the step predicts: the cross-entropy of q against that concept where the word is
+    one and the head finds it in the photo (P >= ``min_prob``, as the guide), against "none" elsewhere.
+    Logged as ``concept_pointer`` and ``concept_pointer_words`` (the share of words pointed at a concept).
+
+    Args:
+        words: the decoder's K concept words, in its order.
+        vocab: the decoder's vocabulary.
+        weight: the term's weight.
+        min_prob: below this P(concept in image) a concept word's target is "none".
+    """
+
+    name = "concept_pointer"
+
+    def __init__(self, words: Sequence[str], vocab: Vocabulary, weight: float, min_prob: float = 0.1) -> None:
+        self.table = concept_table(words, vocab)
+        self.weight = weight
+        self.min_prob = min_prob
+        self.pad_id = vocab.pad_id
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def targets(self, words: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Target words (B,T), P(concept in image) (B,K) -> the pointer's targets (B,T): a concept index, K ("none")."""
+        none = probs.shape[1]
+        k = self.table.to(words.device)[words]  # (B, T), -1: no concept
+        kk = k.clamp(min=0)
+        found = (k >= 0) & (probs.gather(1, kk) >= self.min_prob)
+        return torch.where(found, kk, torch.full_like(kk, none))
+
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        log_q = output.aux.get("concept_pointer")
+        if log_q is None:
+            raise ConfigError("train.concept_pointer trains the pointer of decoder.concept_prior; this decoder has none")
+        words = batch.tokens[:, 1:]  # (B, T-1)
+        target = self.targets(words, output.aux["concept_probs"])
+        real = words != self.pad_id
+        nll = -log_q.float().gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+        count = real.sum().clamp(min=1)
+        self.stats = {"concept_pointer_words": ((target < log_q.shape[-1] - 1) & real).sum() / count}
+        return (nll * real).sum() / count
+
+
+def build_concept_pointer(cfg: Any, vocab: Vocabulary) -> ConceptPointer | None:
+    """The ``train.concept_pointer`` term, for a decoder with ``decoder.concept_prior`` trained by cross-entropy."""
+    t = cfg.train
+    if not getattr(cfg.model.decoder, "concept_prior", False) or not t.concept_pointer:
+        return None
+    if not _cross_entropy_only("train.concept_pointer", t.objective):
+        return None
+    head = read_concepts(t.concepts, cfg.model.encoder, vocab)
+    log.info("concept prior: pointer over %d concepts (weight %g)", head.size, t.concept_pointer)
+    return ConceptPointer(head.words, vocab, t.concept_pointer, t.concept_guide_min_prob)
+
+
+def build_concept_guide(cfg: Any, vocab: Vocabulary) -> ConceptGuide | None:
+    """The ``train.concept_guide`` term of cross-entropy training, or None when it is off."""
+    t = cfg.train
+    if not t.concept_guide:
+        return None
+    if not _cross_entropy_only("train.concept_guide", t.objective):
+        return None
+    head = read_concepts(t.concepts, cfg.model.encoder, vocab)
+    log.info("concept guide (weight %g, sharpness %g): %d concepts of %s", t.concept_guide,
+             t.concept_guide_sharpness, head.size, t.concepts)
+    return ConceptGuide(head, vocab, t.concept_guide, t.concept_guide_min_prob, t.concept_guide_sharpness)
