@@ -32,6 +32,8 @@ declare -A SETTINGS=(
     [a0_input_guide_sharp]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
     [a0_input_guide_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set decoder.concept_prior=true"
     [a0_input_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set decoder.concept_prior=true"
+    [hard_a0]="--preset sat_hard_flickr8k --set train.alpha_c=0"
+    [hard_a0_input_guide]="--preset sat_hard_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
     [a0_fine]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14"
     [a0_fine_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14 --set train.concepts=${CONCEPTS_FINE:-CONCEPTS_FINE-is-not-set} --set train.concept_guide=0.5"
     [a0_lite2]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.name=efficientnet_lite2"
