@@ -166,17 +166,17 @@ class CaptionDecoder(nn.Module):
         with torch.no_grad():
             return self.concept_head.probs(features)
 
-    def concept_read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """P(concept in image) (B,K) and each concept's map over the regions (B,K,N), from one pass of the
-        frozen head over the raw regions (B,N,D), no gradient. Only for a decoder that reads concepts."""
+    def read_concepts(self, features: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
+        """What the decoder reads of the photo's concepts, from one pass of the frozen head over the raw
+        regions (B,N,D), no gradient: P(concept in image) (B,K) (None without concepts) and, with the
+        concept prior, its per-image constants (else None): log P(concept in image) ``concept_logp`` (B,K)
+        and the concepts' maps ``concept_maps`` (B,K,N), in the features' dtype."""
+        if not getattr(self, "concept_prior", False):
+            return self.concept_probs(features), None
         with torch.no_grad():
-            return self.concept_head.read(features)
-
-    def concept_prior_static(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The concept prior's per-image constants from the raw regions (B,N,D): log P(concept in image)
-        ``concept_logp`` (B,K) and the concepts' maps ``concept_maps`` (B,K,N), in the features' dtype."""
-        probs, maps = self.concept_read(features)
-        return {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype), "concept_maps": maps.to(features.dtype)}
+            probs, maps = self.concept_head.read(features)
+        return probs, {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype),
+                       "concept_maps": maps.to(features.dtype)}
 
     @staticmethod
     def concept_prior_map(pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor

@@ -250,11 +250,8 @@ class SATDecoder(CaptionDecoder):
         """
         _, T = tokens.shape
         H = self.hidden_dim
-        concepts = self.concept_probs(features)  # (B, K) or None, from the regions as the encoder gave them
-        prior = None
-        if self.concept_prior:
-            static = self.concept_prior_static(features)
-            prior = (static["concept_logp"], static["concept_maps"])
+        concepts, static = self.read_concepts(features)  # (B, K) or None, from the regions as the encoder gave them
+        prior = None if static is None else (static["concept_logp"], static["concept_maps"])
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -321,14 +318,14 @@ class SATDecoder(CaptionDecoder):
 
     def init_state(self, features: torch.Tensor) -> State:
         """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A)}, dynamic {h, c (B,H)})."""
-        concepts = self.concept_probs(features)
-        raw, features = features, self._regions(features)
+        concepts, prior = self.read_concepts(features)
+        features = self._regions(features)
         h, c = self._initial_hc(features, concepts)
         static = {"features": features, "projected": self.attention.project(features)}
         if concepts is not None:
             static["concepts"] = self.out_concepts(concepts.to(h.dtype))  # (B, M) L_p p
-        if self.concept_prior:
-            static.update(self.concept_prior_static(raw))
+        if prior is not None:
+            static.update(prior)
         return State(static=static, dynamic={"h": h, "c": c})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:

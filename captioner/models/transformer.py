@@ -347,13 +347,13 @@ class TransformerCaptionDecoder(CaptionDecoder):
         x = self.embed(tokens) * self.embed_scale + table[start:end].to(self.embed.weight.dtype)  # (B, T, d)
         return self.drop(x)
 
-    def _memory(self, features: torch.Tensor) -> list[KV]:
+    def _memory(self, features: torch.Tensor, probs: torch.Tensor | None) -> list[KV]:
         """Project the memory once: per layer (keys, values), (B, H, S, dh) each.
 
-        S = N regions, then the T concept tokens when the decoder reads concepts (S = N + T).
+        S = N regions, then the T concept tokens when the decoder reads concepts (S = N + T; ``probs``
+        (B, K), P(concept in image) from :meth:`read_concepts`, else None).
         """
         memory = self.regions(features)  # (B, N, d)
-        probs = self.concept_probs(features)  # (B, K) from the regions as the encoder gave them, or None
         if probs is not None:
             tokens = self.concept_tokens(probs, self.concept_ids, self.embed)  # (B, T, d)
             memory = torch.cat([memory, tokens.to(memory.dtype)], dim=1)  # (B, N + T, d)
@@ -425,8 +425,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
             only (:meth:`region_weights`); with the concept prior, aux["concept_pointer"] (B, T, K+1)
             and aux["concept_probs"] (B, K).
         """
-        memory = self._memory(features)  # L x (B, H, S, dh)
-        prior = self.concept_prior_static(features) if self.concept_prior else None
+        probs, prior = self.read_concepts(features)  # from the regions as the encoder gave them
+        memory = self._memory(features, probs)  # L x (B, H, S, dh)
         h, weights, _, log_q = self._run(self._embed(tokens, 0), memory, None, need_all_attention, prior)  # (B, T, d)
         logits = self.out(h)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
@@ -435,7 +435,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
             all_attention = torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, T, L, H, N)
         aux = {}
         if log_q is not None:
-            aux = {"concept_pointer": log_q, "concept_probs": prior["concept_logp"].exp()}
+            aux = {"concept_pointer": log_q, "concept_probs": probs}
         return DecoderOutput(logits=logits, attention=attention, all_attention=all_attention,
                              attention_entropy=attention_entropy(attention), aux=aux)
 
@@ -453,11 +453,12 @@ class TransformerCaptionDecoder(CaptionDecoder):
             ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
             tokens consumed).
         """
-        memory = self._memory(features)
+        probs, prior = self.read_concepts(features)
+        memory = self._memory(features, probs)
         b = features.shape[0]
         static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory]}
-        if self.concept_prior:
-            static.update(self.concept_prior_static(features))
+        if prior is not None:
+            static.update(prior)
         dynamic: dict[str, Any] = {"step": 0}
         if use_cache:
             empty = memory[0][0].new_zeros(b, self.num_heads, 0, self.d_model // self.num_heads)  # (B, H, 0, dh)
