@@ -10,9 +10,11 @@
 #   the models' captions of its photos are scored for attention correctness against its boxes.
 # ENSEMBLE=1: also score the SAT soft and Transformer models decoded together (captioner evaluate A B,
 #   the mean of their word probabilities; a minute or two more of scoring, no training).
-# SCST=1: add a self-critical stage from the SAT soft model (train.objective=scst, 25 minutes).
+# SCST=1: add a self-critical stage (train.objective=scst, 25 minutes) from the SAT soft model with the
+#   higher dev CIDEr-D: the recipe's, or with CONCEPTS=1 the one reading concepts.
 # CONCEPTS=1: learn concept detectors from the captions (captioner concepts, on the shared feature cache)
-#   and add SAT soft reading them, guided by their maps, without the doubly stochastic penalty.
+#   and add SAT soft reading them, guided by their maps and attending through the concept prior, without
+#   the doubly stochastic penalty.
 #
 # RESUME=1: go on from where an earlier call stopped: a run already scored is kept as it is, a run with
 #   a train_state.pt resumes its training (captioner train --resume), and the rest start afresh.
@@ -68,8 +70,9 @@ if [ "${CONCEPTS:-0}" = 1 ]; then
         captioner concepts --preset sat_soft_flickr8k --data "$DATA" --out "$concepts" --no-progress \
             ${COCO_MINI:+--boxes "$COCO_MINI"}
     fi
+    with_concepts=(--set train.concepts="$concepts" --set decoder.concept_prior=true)
     stage "sat_soft + concepts" "$ROOT/sat_soft_concepts" --preset sat_soft_flickr8k \
-        --set train.alpha_c=0 --set train.concepts="$concepts" --set train.concept_guide=0.5
+        --set train.alpha_c=0 --set train.concept_guide=1 "${with_concepts[@]}"
 fi
 
 if [ "${ENSEMBLE:-0}" = 1 ]; then
@@ -81,10 +84,25 @@ if [ "${ENSEMBLE:-0}" = 1 ]; then
     fi
 fi
 
+cider() {  # run folder: its dev CIDEr-D (coco-caption's when scored with it), 0 when not scored
+    local file=$1/metrics_dev.json value=""
+    if [ -s "$file" ]; then
+        value=$(grep -oE '"coco/CIDEr-D": *[0-9.eE+-]+' "$file" | grep -oE '[0-9.eE+-]+$' || true)
+        [ -n "$value" ] || value=$(grep -oE '"CIDEr-D": *[0-9.eE+-]+' "$file" | grep -oE '[0-9.eE+-]+$' || true)
+    fi
+    echo "${value:-0}"
+}
+
 if [ "${SCST:-0}" = 1 ]; then
-    stage "sat_soft + SCST" "$ROOT/sat_soft_scst" --preset sat_soft_flickr8k \
-        --init "$ROOT/sat_soft/best.safetensors" --set train.objective=scst --set train.lr=1e-4 \
-        --set train.schedule=constant --set train.seed=1 --time-budget 1500
+    from=sat_soft from_settings=()
+    if [ "${CONCEPTS:-0}" = 1 ] &&
+        awk -v a="$(cider "$ROOT/sat_soft_concepts")" -v b="$(cider "$ROOT/sat_soft")" 'BEGIN { exit !(a > b) }'; then
+        from=sat_soft_concepts from_settings=("${with_concepts[@]}")
+    fi
+    echo "== self-critical stage from $from (dev CIDEr-D $(cider "$ROOT/$from"))"
+    stage "$from + SCST" "$ROOT/${from}_scst" --preset sat_soft_flickr8k \
+        --init "$ROOT/$from/best.safetensors" "${from_settings[@]}" --set train.objective=scst \
+        --set train.lr=1e-4 --set train.schedule=constant --set train.seed=1 --time-budget 1500
 fi
 
 python scripts/flickr8k_results.py "$ROOT"

@@ -187,3 +187,37 @@ def test_reproduce_flickr8k_resumes_where_it_stopped(tmp_path: Path):
     assert fresh.returncode == 0, fresh.stderr
     trains = [c for c in log.read_text().splitlines() if c.startswith("captioner train")]
     assert len(trains) == 3 and all("--overwrite" in c for c in trains)
+
+
+@pytest.mark.parametrize(("concepts_cider", "expected"), [(0.55, "sat_soft_concepts"), (0.45, "sat_soft")])
+def test_reproduce_flickr8k_self_critical_stage_starts_from_the_better_sat(tmp_path: Path, concepts_cider: float,
+                                                                           expected: str):
+    """With CONCEPTS=1 and SCST=1 the self-critical stage starts from whichever SAT soft model has the higher dev
+    CIDEr-D (coco-caption's), carrying the concept model's settings when it is that one."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("captioner", "python"):
+        (stubs / name).write_text(STUB)
+        (stubs / name).chmod(0o755)
+    root, log = tmp_path / "runs", tmp_path / "calls.log"
+    scores = {"sat_soft": 0.50, "sat_hard": 0.47, "transformer": 0.49, "sat_soft_concepts": concepts_cider,
+              "ensemble": 0.52}
+    for run, cider in scores.items():
+        (root / run / "coco2017-mini").mkdir(parents=True)
+        (root / run / "best.safetensors").touch()
+        (root / run / "coco2017-mini" / "metrics_train2017.json").touch()
+        metrics = {"CIDEr-D": cider + 0.01, "coco/CIDEr-D": cider}  # coco-caption's is the one compared
+        (root / run / "metrics_dev.json").write_text(json.dumps(metrics, indent=2))
+    (root / "concepts.safetensors").touch()
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log),
+           "ROOT": str(root), "RESUME": "1", "SCST": "1", "CONCEPTS": "1", "ENSEMBLE": "1"}
+    done = subprocess.run(["bash", str(SCRIPTS / "reproduce_flickr8k.sh"), "DATA", "COCO"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"== self-critical stage from {expected} (dev CIDEr-D {scores[expected]})" in done.stdout
+    trains = [c for c in log.read_text().splitlines() if c.startswith("captioner train")]
+    assert len(trains) == 1, trains  # everything else was scored already
+    assert f"--init {root}/{expected}/best.safetensors" in trains[0]
+    assert f"--out {root}/{expected}_scst " in trains[0]
+    assert ("decoder.concept_prior=true" in trains[0]) == (expected == "sat_soft_concepts")
+    assert (f"train.concepts={root}/concepts.safetensors" in trains[0]) == (expected == "sat_soft_concepts")
