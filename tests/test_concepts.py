@@ -16,7 +16,8 @@ from captioner.config import DecodeOptions, get_preset
 from captioner.data.caption_set import CaptionSet, ImageRecord
 from captioner.decoding.search import BlockRepeats, content_word_ids, decode
 from captioner.errors import CheckpointError, ConfigError
-from captioner.models.concepts import ConceptHead, choose_concepts, load_concepts, restrict_to_vocab, save_concepts
+from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, load_concepts,
+                                       load_concepts_with_folds, restrict_to_vocab, save_concepts)
 from captioner.models.lstm import SATDecoder
 from captioner.models.transformer import CONCEPT_TOKENS, TransformerCaptionDecoder
 from captioner.text import Vocabulary
@@ -151,6 +152,99 @@ def test_train_concepts_refuses_mismatched_targets():
     with pytest.raises(Exception, match="targets"):
         train_concepts(head, torch.zeros(3, N, D), torch.zeros(2, 1), torch.zeros(1, N, D), torch.zeros(1, 1),
                        epochs=1, progress=False)
+
+
+
+# ----------------------------------------------------------------------------- cross-fitting
+
+
+def test_feature_fold_is_a_function_of_the_regions_alone():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, N, D, generator=gen)
+    fold = feature_fold(x, 3)
+    assert fold.shape == (40,) and fold.dtype == torch.long and set(fold.tolist()) == {0, 1, 2}
+    assert torch.equal(fold, (x > 0).flatten(1).sum(1) % 3)  # known answer
+    assert torch.equal(feature_fold(x.half(), 3), fold)  # the cache's fp16 rows give the same folds
+    assert torch.equal(torch.cat([feature_fold(x[i:i + 7], 3) for i in range(0, 40, 7)]), fold)  # any batching
+    assert torch.equal(feature_fold(x[[5, 2]], 3), fold[[5, 2]])
+
+
+def test_concepts_file_keeps_its_fold_heads_and_refuses_unlike_ones(tmp_path):
+    torch.manual_seed(0)
+    words = ["dog", "ball"]
+    head, folds = ConceptHead(D, words, hidden_dim=6).eval(), [ConceptHead(D, words, hidden_dim=6) for _ in range(3)]
+    path = save_concepts(head, tmp_path / "c.safetensors", {"folds": 3}, folds=folds)
+    back, extra, back_folds = load_concepts_with_folds(path)
+    x = torch.randn(2, N, D)
+    torch.testing.assert_close(back(x), head(x))
+    assert len(back_folds) == 3
+    for mine, theirs in zip(folds, back_folds):
+        torch.testing.assert_close(theirs(x), mine.eval()(x))
+    assert load_concepts(path)[0].words == words  # a reader that knows nothing of folds gets the full head
+    plain = save_concepts(head, tmp_path / "plain.safetensors")
+    assert load_concepts_with_folds(plain)[2] == []
+    with pytest.raises(ConfigError, match="fold head"):
+        save_concepts(head, tmp_path / "bad.safetensors", folds=[ConceptHead(D, ["dog"], hidden_dim=6)])
+
+
+def test_out_of_fold_reads_each_photo_with_the_head_of_its_fold():
+    torch.manual_seed(0)
+    heads = [ConceptHead(D, ["a", "b", "c"], hidden_dim=5).eval() for _ in range(3)]
+    reader = OutOfFoldConcepts(heads)
+    x = torch.randn(20, N, D)
+    probs, maps = reader.read(x)
+    fold = feature_fold(x, 3)
+    for i in range(20):
+        p, m = heads[int(fold[i])].read(x[i:i + 1])
+        torch.testing.assert_close(probs[i:i + 1], p)
+        torch.testing.assert_close(maps[i:i + 1], m)
+    torch.testing.assert_close(reader.probs(x), probs)
+    with pytest.raises(ConfigError, match="at least 2"):
+        OutOfFoldConcepts(heads[:1])
+
+
+def test_a_decoder_reads_the_fold_heads_while_training_and_its_own_head_otherwise():
+    torch.manual_seed(0)
+    decoder = _sat_with_concepts(concept_prior=True)
+    folds = [ConceptHead(D, [""] * 3, hidden_dim=6).eval() for _ in range(2)]
+    for h in folds:
+        torch.nn.init.normal_(h.net[-1].weight, std=3.0)  # unlike the decoder's own head
+    x = torch.randn(6, N, D)
+    own = decoder.concept_head.probs(x)
+    decoder.use_concept_folds(OutOfFoldConcepts(folds))
+    decoder.train()
+    crossed = OutOfFoldConcepts(folds).probs(x)
+    torch.testing.assert_close(decoder.concept_probs(x), crossed)
+    probs, prior = decoder.read_concepts(x)
+    torch.testing.assert_close(probs, crossed)
+    torch.testing.assert_close(prior["concept_maps"], OutOfFoldConcepts(folds).read(x)[1])
+    decoder.eval()
+    torch.testing.assert_close(decoder.concept_probs(x), own)  # validation and decoding: the full head
+    assert not any("fold" in key for key in decoder.state_dict())  # never saved with the weights
+    decoder.use_concept_folds(None)
+    decoder.train()
+    torch.testing.assert_close(decoder.concept_probs(x), own)
+
+
+def test_fold_heads_score_each_training_photo_without_having_seen_it():
+    """Concepts that cannot be learnt (random targets over random features) are memorised in-sample; the
+    out-of-fold scores of the same photos know nothing of them."""
+    from captioner.training.detectors import image_scores, train_fold_heads
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(120, N, D, generator=gen)
+    y = (torch.rand(120, 4, generator=gen) < 0.3).float()
+    make = lambda: ConceptHead(D, [f"w{j}" for j in range(4)], hidden_dim=64, dropout=0.0)  # noqa: E731
+    torch.manual_seed(0)
+    full = make()
+    train_concepts(full, x, y, x, y, epochs=60, batch_size=16, lr=1e-2, progress=False)
+    in_sample = float(average_precision(image_scores(full, x), y > 0).nanmean())
+    heads, measured = train_fold_heads(make, x, y, x[:20], y[:20], folds=3, epochs=60, progress=False)
+    assert len(heads) == 3 and measured["folds"] == 3 and sum(measured["fold_sizes"]) == 120
+    assert in_sample > 0.9, in_sample
+    assert measured["out_of_fold_train_map"] < 0.55, measured  # chance is about 0.3
+    with pytest.raises(ConfigError, match="at least 2"):
+        train_fold_heads(make, x, y, x, y, folds=1, epochs=1, progress=False)
 
 
 # ----------------------------------------------------------------------------- the guide term
@@ -505,11 +599,14 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
               "--set", f"data.feature_cache_dir={tmp_path / 'features'}"]
     done = subprocess.run([sys.executable, "-m", "captioner", "concepts", *common, "--out", str(out),
                            "--concepts", "12", "--epochs", "2", "--boxes", str(tiny_shapes), "--boxes-split", "test",
-                           "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=300)
+                           "--folds", "2", "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "dev mAP" in done.stdout and f"wrote {out}" in done.stdout
+    assert "2 fold heads for cross-fitting" in done.stdout and "never saw them: mAP" in done.stdout
     head, extra = load_concepts(out)
     assert head.size == 12 and 0.0 <= extra["dev_map"] <= 1.0
+    assert extra["folds"] == 2 and sum(extra["fold_sizes"]) == 48 and 0.0 <= extra["out_of_fold_train_map"] <= 1.0
+    assert len(load_concepts_with_folds(out)[2]) == 2
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "captioner", "train", *common, "--out", str(run), "--epochs", "1",
                            "--set", f"train.concepts={out}", "--set", "train.concept_guide=0.5",
@@ -517,11 +614,13 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
                            "--set", "train.time_budget=60", "--no-progress"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert "from the fold head that never saw it (2 folds)" in done.stderr  # cross-fitted while training
     import captioner
 
     model = captioner.load(run / "best.safetensors")
     decoder = model.model.decoder
     assert 0 < decoder.concepts <= 12
+    assert not any("fold" in key for key in decoder.state_dict())  # the checkpoint holds the full head only
     assert [model.vocab.itos[i] for i in decoder.concept_ids.tolist()] == [w for w in head.words
                                                                          if w in model.vocab.stoi]
     image = sorted((tiny_shapes / "images").glob("*.png"))[0]
@@ -597,6 +696,11 @@ def test_concepts_command_one_line_errors(tmp_path):
     assert done.returncode == 1
     assert done.stderr.startswith("captioner concepts: error:") and len(done.stderr.strip().splitlines()) == 1
     assert "Traceback" not in done.stderr
+    folds = subprocess.run([sys.executable, "-m", "captioner", "concepts", "--preset", "sat_soft_flickr8k",
+                            "--data", str(tmp_path), "--out", str(tmp_path / "c.safetensors"), "--folds", "1"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert folds.returncode == 1 and folds.stderr.strip().splitlines() == [
+        "captioner concepts: error: --folds must be 0 (no cross-fitting) or at least 2, got 1"]
 
 
 # ----------------------------------------------------------------------------- decoding that does not repeat

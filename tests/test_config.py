@@ -40,7 +40,8 @@ SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
                       "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1,
-                      "concept_guide_sharpness": 1.0, "concept_pointer": 1.0}
+                      "concept_guide_sharpness": 1.0, "concept_pointer": 1.0,
+                      "concept_cross_fit": True}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"dilate": False}
 # decoder fields added after the snapshot, to both families (ConceptReaderConfig, after the shared fields):

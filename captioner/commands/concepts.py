@@ -12,6 +12,7 @@ EXAMPLES = """
   captioner concepts --preset sat_soft_flickr8k --data ../shared/data/flickr8k --out runs/flickr8k/concepts.safetensors
   captioner concepts --preset sat_soft_flickr8k --data data/flickr8k --out c.safetensors --concepts 1000 --epochs 10
   captioner concepts ... --boxes ../shared/data/coco2017-mini    # also: do COCO words' maps peak in their boxes?
+  captioner concepts ... --folds 3    # also 3 fold heads: a decoder trains on concepts of heads that never saw the photo
 """
 
 
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a COCO folder with instances_<split>.json (e.g. ../shared/data/coco2017-mini): report "
                              "how often a COCO word's map peaks inside its object's box")
     parser.add_argument("--boxes-split", default="train2017", metavar="SPLIT", help="the split of --boxes")
+    parser.add_argument("--folds", type=int, default=0, metavar="F",
+                        help="also train F >= 2 fold heads, each without one fold of the training photos: a decoder "
+                             "reading these concepts trains on each photo's concepts from the head that never saw "
+                             "it (train.concept_cross_fit); F + 1 times the training (default 0: none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -39,10 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
     from captioner.training.detectors import learn_concepts
 
+    if args.folds == 1 or args.folds < 0:
+        from captioner.errors import ConfigError
+        raise ConfigError(f"--folds must be 0 (no cross-fitting) or at least 2, got {args.folds}")
     cfg = resolve_config(args.preset, args.config, list(args.overrides))
     if args.data:
         cfg = cfg.override(**{"data.root": args.data})
     print(learn_concepts(cfg, args.out, k=args.concepts, epochs=args.epochs, hidden=args.hidden,
                          pooling=args.pooling, boxes=args.boxes, boxes_split=args.boxes_split,
-                         progress=not args.no_progress))
+                         progress=not args.no_progress, folds=args.folds))
     return 0

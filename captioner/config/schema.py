@@ -253,6 +253,9 @@ class TrainConfig:
     # weight of the concept prior's pointer term (decoder.concept_prior): the pointer learns to name the
     # concept of the word each step predicts ("none" for other words)
     concept_pointer: float = 1.0
+    # when the concepts file holds fold heads (captioner concepts --folds F): while the decoder trains, each
+    # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
+    concept_cross_fit: bool = True
 
     # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}

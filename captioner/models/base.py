@@ -159,12 +159,23 @@ class CaptionDecoder(nn.Module):
             self.concept_head.eval()  # frozen: no dropout in training either
         return self
 
+    def use_concept_folds(self, folds: Any) -> None:
+        """Read concepts from ``folds`` (an ``OutOfFoldConcepts``: each training photo's fold head) while the
+        decoder is in training mode; ``None``: always the frozen ``concept_head``. The fold heads are not
+        part of the decoder's weights: validation, decoding and checkpoints see the full head only."""
+        self.__dict__["_concept_folds"] = folds  # not a submodule: never saved, never moved by .to()
+
+    def _concept_reader(self) -> Any:
+        """What reads the photo's concepts now: the fold heads while training with them, else the head."""
+        folds = self.__dict__.get("_concept_folds")
+        return folds if self.training and folds is not None else self.concept_head
+
     def concept_probs(self, features: torch.Tensor) -> torch.Tensor | None:
         """P(concept in image) (B,K) from the raw region features (B,N,D), no gradient; None without concepts."""
         if not self.concepts:
             return None
         with torch.no_grad():
-            return self.concept_head.probs(features)
+            return self._concept_reader().probs(features)
 
     def read_concepts(self, features: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
         """What the decoder reads of the photo's concepts, from one pass of the frozen head over the raw
@@ -174,7 +185,7 @@ class CaptionDecoder(nn.Module):
         if not getattr(self, "concept_prior", False):
             return self.concept_probs(features), None
         with torch.no_grad():
-            probs, maps = self.concept_head.read(features)
+            probs, maps = self._concept_reader().read(features)
         return probs, {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype),
                        "concept_maps": maps.to(features.dtype)}
 

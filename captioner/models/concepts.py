@@ -23,6 +23,15 @@ concepts with their maps are listed beside its caption.
 
 A trained head is stored as one safetensors file (:func:`save_concepts` / :func:`load_concepts`)
 holding the weights and, in its metadata, the concept words and how the head was built.
+
+**Cross-fitting.** A head sees its own training photos far better than new ones (on Flickr8k, mean
+average precision 0.38 on the training images against 0.17 on dev), so a decoder trained on those
+photos learns to trust concepts more than they deserve on any other. A concepts file may also hold
+F *fold heads*: the training images are split into F folds by :func:`feature_fold`, a function of
+the regions alone (the count of positive feature values, modulo F: the same for a photo wherever its
+features come from, with no image ids to carry), and fold head f is trained without fold f. While a
+decoder trains, each photo's concepts come from the fold head that never saw it
+(:class:`OutOfFoldConcepts`); validation, decoding and the checkpoint use the full head.
 """
 
 from __future__ import annotations
@@ -146,10 +155,65 @@ class ConceptHead(nn.Module):
                 "pooling": self.pooling, "sharpness": self.sharpness, "words": self.words}
 
 
-def save_concepts(head: ConceptHead, path: str | os.PathLike, extra: dict[str, object] | None = None) -> Path:
-    """Write ``head`` as a concepts file (safetensors; metadata: the words and the build, plus ``extra``)."""
-    meta = {"format": FORMAT, "head": json.dumps(head.describe()), "extra": json.dumps(extra or {})}
+def feature_fold(features: torch.Tensor, folds: int) -> torch.Tensor:
+    """Each photo's fold of ``folds`` from its regions alone: features (B,N,D) -> (B,) long in [0, folds).
+
+    The count of positive values modulo ``folds``: exact in any floating dtype and on any device, so the
+    fold a head was trained without is found again from the same cached features while a decoder trains.
+    """
+    return (features > 0).flatten(1).sum(1) % folds
+
+
+class OutOfFoldConcepts:
+    """Each photo's concepts read by the fold head trained without it (module docstring: cross-fitting).
+
+    Args:
+        heads: the F fold heads; head f never saw the training photos of fold f.
+    """
+
+    def __init__(self, heads: Sequence[ConceptHead]) -> None:
+        if len(heads) < 2:
+            raise ConfigError(f"cross-fitting needs at least 2 fold heads, got {len(heads)}")
+        self.heads = [h.eval().requires_grad_(False) for h in heads]
+
+    @property
+    def folds(self) -> int:
+        return len(self.heads)
+
+    def to(self, device: torch.device | str) -> "OutOfFoldConcepts":
+        self.heads = [h.to(device) for h in self.heads]
+        return self
+
+    @torch.no_grad()
+    def read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features (B,N,D) -> P(concept in image) (B,K) and maps (B,K,N), each row from its photo's fold head."""
+        fold = feature_fold(features, self.folds)
+        b, n = features.shape[:2]
+        k = self.heads[0].size
+        probs = features.new_zeros(b, k, dtype=torch.float32)
+        maps = features.new_zeros(b, k, n, dtype=torch.float32)
+        for f, head in enumerate(self.heads):
+            rows = (fold == f).nonzero().squeeze(1)
+            if len(rows):
+                probs[rows], maps[rows] = head.read(features[rows])
+        return probs, maps
+
+    def probs(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D) -> P(concept in image) (B,K) from each photo's fold head."""
+        return self.read(features)[0]
+
+
+def save_concepts(head: ConceptHead, path: str | os.PathLike, extra: dict[str, object] | None = None,
+                  folds: Sequence[ConceptHead] = ()) -> Path:
+    """Write ``head`` as a concepts file (safetensors; metadata: the words and the build, plus ``extra``),
+    with the cross-fitting ``folds`` heads (same build and words) when given."""
+    if any(h.describe() != head.describe() for h in folds):
+        raise ConfigError("every fold head must be built as the full head (same words, width and pooling)")
+    meta = {"format": FORMAT, "head": json.dumps(head.describe()), "extra": json.dumps(extra or {}),
+            "folds": str(len(folds))}
     state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+    for f, fold_head in enumerate(folds):
+        state.update({f"fold{f}.{k}": v.detach().cpu().contiguous() for k, v in fold_head.state_dict().items()})
     path = Path(path)
     data = save(state, metadata=meta)
     atomic_write(path, lambda f: f.write(data))
@@ -158,6 +222,12 @@ def save_concepts(head: ConceptHead, path: str | os.PathLike, extra: dict[str, o
 
 def load_concepts(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, object]]:
     """Read a concepts file: the head (eval mode) and the ``extra`` metadata it was saved with."""
+    head, extra, _ = load_concepts_with_folds(path)
+    return head, extra
+
+
+def load_concepts_with_folds(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, object], list[ConceptHead]]:
+    """Read a concepts file: the head, the ``extra`` metadata and its cross-fitting fold heads (often none)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"concepts file {path} does not exist (train one with `captioner concepts`)")
@@ -168,14 +238,25 @@ def load_concepts(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, objec
             raise CheckpointError(f"{path} is not a concepts file (format {meta.get('format')!r}, "
                                   f"expected {FORMAT!r})")
         spec = json.loads(meta["head"])
-        head = ConceptHead(int(spec["feature_dim"]), [str(w) for w in spec["words"]], int(spec["hidden_dim"]),
-                           float(spec["dropout"]), str(spec["pooling"]), float(spec["sharpness"]))
-        head.load_state_dict(load_file(str(path)))
+
+        def build() -> ConceptHead:
+            return ConceptHead(int(spec["feature_dim"]), [str(w) for w in spec["words"]], int(spec["hidden_dim"]),
+                               float(spec["dropout"]), str(spec["pooling"]), float(spec["sharpness"]))
+
+        tensors = load_file(str(path))
+        head = build()
+        head.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("fold")})
+        folds = []
+        for f in range(int(meta.get("folds", "0"))):
+            fold_head = build()
+            fold_head.load_state_dict({k[len(f"fold{f}."):]: v for k, v in tensors.items()
+                                       if k.startswith(f"fold{f}.")})
+            folds.append(fold_head.eval())
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
         raise CheckpointError(f"concepts file {path} cannot be read: {exc}") from exc
-    return head.eval(), json.loads(meta.get("extra", "{}"))
+    return head.eval(), json.loads(meta.get("extra", "{}")), folds
 
 
 def restrict_to_vocab(head: ConceptHead, vocab: Vocabulary) -> ConceptHead:
@@ -195,11 +276,17 @@ def restrict_to_vocab(head: ConceptHead, vocab: Vocabulary) -> ConceptHead:
 
 def read_concepts(path: str | os.PathLike, encoder_cfg: Any, vocab: Vocabulary) -> ConceptHead:
     """A concepts file's head restricted to ``vocab``, refused when it was trained on another encoder's features."""
-    head, extra = load_concepts(path)
+    return read_concepts_with_folds(path, encoder_cfg, vocab)[0]
+
+
+def read_concepts_with_folds(path: str | os.PathLike, encoder_cfg: Any, vocab: Vocabulary
+                             ) -> tuple[ConceptHead, list[ConceptHead]]:
+    """:func:`read_concepts` and the file's cross-fitting fold heads, restricted to ``vocab`` alike."""
+    head, extra, folds = load_concepts_with_folds(path)
     enc = encoder_cfg
     made_for = (extra.get("encoder"), extra.get("grid"), extra.get("image_size"))
     if made_for != (None, None, None) and made_for != (enc.name, enc.grid, enc.image_size):
         raise ConfigError(f"concepts file {path} was trained on {made_for[0]} features "
                           f"({made_for[1]}x{made_for[1]} at {made_for[2]} px); this model's encoder is {enc.name} "
                           f"({enc.grid}x{enc.grid} at {enc.image_size} px)")
-    return restrict_to_vocab(head, vocab)
+    return restrict_to_vocab(head, vocab), [restrict_to_vocab(h, vocab) for h in folds]

@@ -66,7 +66,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,8 @@ from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache
 from captioner.files import atomic_write
-from captioner.models.concepts import ConceptHead, choose_concepts, read_concepts, save_concepts
+from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, read_concepts,
+                                       read_concepts_with_folds, save_concepts)
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.data import Remap, feature_cache_dir, pixels_in_memory
@@ -488,9 +489,62 @@ def concept_pointing(head: ConceptHead, features: Any, caption_set: Any, instanc
     return summarize(scores)
 
 
+@torch.no_grad()
+def feature_folds(features: Any, folds: int, batch_size: int = 256) -> torch.Tensor:
+    """:func:`feature_fold` of every row of ``features`` (C,N,D): (C,) long."""
+    return torch.cat([feature_fold(_rows(features, range(i, min(i + batch_size, len(features)))), folds)
+                      for i in range(0, len(features), batch_size)]) if len(features) else torch.zeros(0, dtype=torch.long)
+
+
+def train_fold_heads(make_head: Callable[[], ConceptHead], train_features: Any, train_targets: torch.Tensor,
+                     dev_features: Any, dev_targets: torch.Tensor, folds: int, epochs: int, seed: int = 0,
+                     progress: bool = True) -> tuple[list[ConceptHead], dict[str, Any]]:
+    """Cross-fitting: fold head f trained (as :func:`train_concepts`) without the training photos of fold f.
+
+    Returns:
+        The F heads, and what was measured: each head's dev mAP, the photos per fold, and the **out-of-fold**
+        mean average precision on the training photos (each photo scored by the head that never saw it).
+    """
+    if folds < 2:
+        raise ConfigError(f"--folds must be 0 (no cross-fitting) or at least 2, got {folds}")
+    fold = feature_folds(train_features, folds)
+    sizes = torch.bincount(fold, minlength=folds)
+    if int(sizes.min()) == 0:
+        raise DataError(f"cross-fitting over {folds} folds left fold {int(sizes.argmin())} without a training photo "
+                        f"({len(fold)} photos); use fewer folds")
+    heads, dev_maps = [], []
+    scores = torch.zeros(len(train_targets), train_targets.shape[1])
+    for f in range(folds):
+        keep = (fold != f).nonzero().squeeze(1).tolist()
+        held = (fold == f).nonzero().squeeze(1).tolist()
+        head = make_head()
+        log.info("concepts fold %d/%d: trained on %d photos, scores the other %d", f + 1, folds, len(keep), len(held))
+        report = train_concepts(head, _Subset(train_features, keep), train_targets[keep], dev_features, dev_targets,
+                                epochs=epochs, seed=seed + 1 + f, progress=progress)
+        heads.append(head)
+        dev_maps.append(report.dev_map)
+        scores[held] = image_scores(head, _Subset(train_features, held))
+    out_of_fold = float(average_precision(scores, train_targets > 0).nanmean())
+    return heads, {"folds": folds, "fold_sizes": sizes.tolist(), "fold_dev_map": dev_maps,
+                   "out_of_fold_train_map": out_of_fold}
+
+
+class _Subset:
+    """Rows ``index`` of a (C,N,D) row source, as :func:`_rows` reads them (``stack`` when it has one)."""
+
+    def __init__(self, features: Any, index: Sequence[int]) -> None:
+        self.features, self.index = features, list(index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def stack(self, items: Sequence[int]) -> torch.Tensor:
+        return _rows(self.features, [self.index[i] for i in items])
+
+
 def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int = 8, hidden: int = 512,
                    pooling: str = "lse", boxes: str | None = None, boxes_split: str = "train2017",
-                   progress: bool = True) -> str:
+                   progress: bool = True, folds: int = 0) -> str:
     """Train concept detectors on ``cfg.data``'s training split over its feature cache, choose the
     epoch on its validation split, write the concepts file ``out``; returns a report (lines).
 
@@ -500,6 +554,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
         k, epochs, hidden, pooling: the concepts and the head (``ConceptHead``).
         boxes, boxes_split: a COCO folder with object boxes: also report :func:`concept_pointing` there.
         progress: progress bars.
+        folds: 0, or F >= 2 fold heads for cross-fitting (:func:`train_fold_heads`), stored beside the head.
     """
     if cfg.model.encoder.fine_tune:
         raise ConfigError("concept detectors read a frozen encoder's features: set encoder.fine_tune=false")
@@ -531,6 +586,23 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     extra: dict[str, Any] = {"dev_map": report.dev_map, "epochs": epochs, "data": str(d.root),
                              "encoder": cfg.model.encoder.name, "grid": cfg.model.encoder.grid,
                              "image_size": cfg.model.encoder.image_size}
+    train_rows = Remap(train_cache.loader(), train_valid)
+    in_sample = float(average_precision(image_scores(head, train_rows), train_targets > 0).nanmean())
+    extra["train_map"] = in_sample
+    fold_heads: list[ConceptHead] = []
+    if folds:
+        started = time.perf_counter()
+        fold_heads, measured = train_fold_heads(
+            lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows, train_targets,
+            Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs, seed=cfg.train.seed, progress=progress)
+        extra.update(measured)
+        lines.append(f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos): "
+                     f"dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; training photos scored "
+                     f"by the head that never saw them: mAP {measured['out_of_fold_train_map']:.3f} (by the full "
+                     f"head, which trained on them: {in_sample:.3f}); {time.perf_counter() - started:.0f} s")
+    else:
+        lines.append(f"training photos: mAP {in_sample:.3f} (the head trained on them; --folds F gives each "
+                     f"photo a head that never saw it)")
     if boxes:
         box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
         instances = load_instances(boxes, boxes_split)
@@ -547,7 +619,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
                          f"({pointing['words_scored']} words)")
         else:
             lines.append(f"COCO boxes ({boxes}): no concept word names a COCO category there")
-    save_concepts(head, out, extra)
+    save_concepts(head, out, extra, folds=fold_heads)
     lines.append(f"wrote {out}")
     return "\n".join(lines)
 
@@ -583,3 +655,24 @@ def install_concepts(decoder: Any, head: ConceptHead | None, vocab: Vocabulary) 
                           "in this vocabulary")
     decoder.concept_head.load_state_dict(head.state_dict())
     decoder.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in head.words], dtype=torch.long))
+
+
+def install_concept_folds(decoder: Any, cfg: Any, vocab: Vocabulary, device: Any = "cpu") -> int:
+    """Let a decoder that reads concepts take each training photo's concepts from the fold head that never
+    saw it (``train.concept_cross_fit``, when ``train.concepts`` holds fold heads: ``captioner concepts
+    --folds``); returns the number of folds (0: the full head throughout)."""
+    t = cfg.train
+    if not (t.concepts and t.concept_cross_fit and getattr(decoder, "concepts", 0)):
+        return 0
+    _, folds = read_concepts_with_folds(t.concepts, cfg.model.encoder, vocab)
+    if not folds:
+        return 0
+    if getattr(t, "cuda_graph", False):
+        raise ConfigError(f"train.cuda_graph cannot capture cross-fitted concepts (each photo picks its fold head); "
+                          f"set train.concept_cross_fit=false or train.cuda_graph=false ({t.concepts} has fold heads)")
+    if folds[0].size != decoder.concepts:
+        raise ConfigError(f"the decoder reads {decoder.concepts} concepts, the fold heads of {t.concepts} have "
+                          f"{folds[0].size} in this vocabulary")
+    decoder.use_concept_folds(OutOfFoldConcepts(folds).to(device))
+    log.info("concepts: each training photo's from the fold head that never saw it (%d folds)", len(folds))
+    return len(folds)

@@ -86,7 +86,8 @@ from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model
 from captioner.text import Vocabulary
 from captioner.training import distributed as ddp
-from captioner.training.detectors import install_concepts, read_run_concepts, with_concept_input
+from captioner.training.detectors import (install_concept_folds, install_concepts, read_run_concepts,
+                                          with_concept_input)
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
@@ -589,6 +590,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
     install_concepts(model.decoder, concepts, vocab)
+    install_concept_folds(model.decoder, cfg, vocab, info.device)  # train.concept_cross_fit: training photos only
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None
