@@ -158,6 +158,16 @@ def test_train_concepts_refuses_mismatched_targets():
 # ----------------------------------------------------------------------------- cross-fitting
 
 
+def test_top_k_precision_known_answer():
+    from captioner.training.detectors import top_k_precision
+
+    scores = torch.tensor([[0.9, 0.8, 0.1], [0.1, 0.2, 0.3]])
+    positives = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    assert top_k_precision(scores, positives, k=2) == pytest.approx((0.5 + 1.0) / 2)
+    assert top_k_precision(scores, positives, k=10) == pytest.approx(4 / 6)  # k beyond K: every concept
+    assert math.isnan(top_k_precision(scores[:0], positives[:0]))
+
+
 def test_feature_fold_is_a_function_of_the_regions_alone():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, N, D, generator=gen)
@@ -602,7 +612,7 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
                            "--folds", "2", "--no-progress"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "dev mAP" in done.stdout and f"wrote {out}" in done.stdout
-    assert "2 fold heads for cross-fitting" in done.stdout and "never saw them: mAP" in done.stdout
+    assert "2 fold heads for cross-fitting" in done.stdout and "by the head that never saw it: 10 most" in done.stdout
     head, extra = load_concepts(out)
     assert head.size == 12 and 0.0 <= extra["dev_map"] <= 1.0
     assert extra["folds"] == 2 and sum(extra["fold_sizes"]) == 48 and 0.0 <= extra["out_of_fold_train_map"] <= 1.0

@@ -24,9 +24,9 @@ concepts with their maps are listed beside its caption.
 A trained head is stored as one safetensors file (:func:`save_concepts` / :func:`load_concepts`)
 holding the weights and, in its metadata, the concept words and how the head was built.
 
-**Cross-fitting.** A head sees its own training photos far better than new ones (on Flickr8k, mean
-average precision 0.38 on the training images against 0.17 on dev), so a decoder trained on those
-photos learns to trust concepts more than they deserve on any other. A concepts file may also hold
+**Cross-fitting.** A head sees its own training photos far better than new ones (on Flickr8k, 61% of
+a training photo's ten most probable concepts are in its captions, against 44% on dev), so a decoder
+trained on those photos learns to trust concepts more than they deserve on any other. A concepts file may also hold
 F *fold heads*: the training images are split into F folds by :func:`feature_fold`, a function of
 the regions alone (the count of positive feature values, modulo F: the same for a photo wherever its
 features come from, with no image ids to carry), and fold head f is trained without fold f. While a

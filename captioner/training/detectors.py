@@ -352,6 +352,15 @@ def average_precision(scores: torch.Tensor, positives: torch.Tensor) -> torch.Te
     return torch.where(count > 0, (precision * hits).sum(0) / count.clamp(min=1), torch.full_like(count, math.nan))
 
 
+def top_k_precision(scores: torch.Tensor, positives: torch.Tensor, k: int = 10) -> float:
+    """The share of each image's ``k`` most probable concepts that its captions use, over the images: unlike
+    mean average precision it does not depend on how many images are ranked, so sets of different sizes compare."""
+    if not len(scores):
+        return math.nan
+    k = min(k, scores.shape[1])
+    return float(positives.gather(1, scores.topk(k, dim=1).indices).float().mean())
+
+
 @dataclass
 class ConceptReport:
     """What :func:`train_concepts` measured.
@@ -526,7 +535,8 @@ def train_fold_heads(make_head: Callable[[], ConceptHead], train_features: Any, 
         scores[held] = image_scores(head, _Subset(train_features, held))
     out_of_fold = float(average_precision(scores, train_targets > 0).nanmean())
     return heads, {"folds": folds, "fold_sizes": sizes.tolist(), "fold_dev_map": dev_maps,
-                   "out_of_fold_train_map": out_of_fold}
+                   "out_of_fold_train_map": out_of_fold,
+                   "out_of_fold_train_top10": top_k_precision(scores, train_targets > 0)}
 
 
 class _Subset:
@@ -587,8 +597,12 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
                              "encoder": cfg.model.encoder.name, "grid": cfg.model.encoder.grid,
                              "image_size": cfg.model.encoder.image_size}
     train_rows = Remap(train_cache.loader(), train_valid)
-    in_sample = float(average_precision(image_scores(head, train_rows), train_targets > 0).nanmean())
-    extra["train_map"] = in_sample
+    in_sample = image_scores(head, train_rows)
+    extra["train_map"] = float(average_precision(in_sample, train_targets > 0).nanmean())
+    extra["train_top10"] = top_k_precision(in_sample, train_targets > 0)
+    extra["dev_top10"] = top_k_precision(image_scores(head, Remap(dev_cache.loader(), dev_valid)), dev_targets > 0)
+    lines.append(f"a photo's 10 most probable concepts in its captions: {100 * extra['dev_top10']:.1f}% on dev, "
+                 f"{100 * extra['train_top10']:.1f}% on the training photos the head trained on")
     fold_heads: list[ConceptHead] = []
     if folds:
         started = time.perf_counter()
@@ -596,13 +610,14 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
             lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows, train_targets,
             Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs, seed=cfg.train.seed, progress=progress)
         extra.update(measured)
-        lines.append(f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos): "
-                     f"dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; training photos scored "
-                     f"by the head that never saw them: mAP {measured['out_of_fold_train_map']:.3f} (by the full "
-                     f"head, which trained on them: {in_sample:.3f}); {time.perf_counter() - started:.0f} s")
+        lines.append(f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos left "
+                     f"out): dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; each training photo "
+                     f"by the head that never saw it: 10 most probable concepts "
+                     f"{100 * measured['out_of_fold_train_top10']:.1f}% in its captions, mAP "
+                     f"{measured['out_of_fold_train_map']:.3f} (the full head: {extra['train_map']:.3f}); "
+                     f"{time.perf_counter() - started:.0f} s")
     else:
-        lines.append(f"training photos: mAP {in_sample:.3f} (the head trained on them; --folds F gives each "
-                     f"photo a head that never saw it)")
+        lines.append("(captioner concepts --folds F gives each training photo concepts from a head that never saw it)")
     if boxes:
         box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
         instances = load_instances(boxes, boxes_split)
