@@ -96,6 +96,13 @@ def test_reference_attention_is_the_decoders_teacher_forced_attention(checkpoint
         features, _ = engine.model.encode(pixels)
         alone = engine.model.decoder(features, torch.tensor([[vocab.bos_id, vocab.stoi["a"], vocab.unk_id]])).attention
     torch.testing.assert_close(first.attention, alone[0].reshape(3, 4, 4), atol=1e-5, rtol=1e-4)
+    # the reading step: word t takes the map of the step whose input is word t
+    reading = ev.reference_attention(engine, cs, batch_size=2, progress=False, reading_step=True)[0][0]
+    with torch.no_grad():
+        ids = [vocab.bos_id, vocab.stoi["a"], vocab.unk_id, vocab.stoi["circle"]]
+        read = engine.model.decoder(features, torch.tensor([ids])).attention
+    assert reading.words == first.words
+    torch.testing.assert_close(reading.attention, read[0, 1:].reshape(3, 4, 4), atol=1e-5, rtol=1e-4)
 
 
 def test_reference_attention_can_be_left_out(checkpoint: Path, tiny_shapes: Path, tmp_path: Path) -> None:

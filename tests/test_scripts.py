@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "flickr8k_results.py",
                 "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
-                "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py")
+                "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
+                "experiments/reading_step_attention.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("download_common.py", "gpu_summary.py", "benchmarks/timing.py")
 

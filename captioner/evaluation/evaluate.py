@@ -131,7 +131,7 @@ class ForcedCaption:
 
 
 def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 32, progress: bool = True,
-                        num_workers: int = 0) -> list[list[ForcedCaption]]:
+                        num_workers: int = 0, reading_step: bool = False) -> list[list[ForcedCaption]]:
     """Where the model looks along each image's reference captions (teacher forcing).
 
     Each reference is tokenized and fed to the decoder after ``<bos>``; the attention of the step
@@ -144,13 +144,16 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
         batch_size: images per encoder batch.
         progress: show a tqdm bar.
         num_workers: DataLoader workers for image decoding.
+        reading_step: give each word the attention of the step after it, whose input is the word itself
+            (where a decoder could look at what it has just said), instead of the step that predicts it.
 
     Returns:
         Per image of ``caption_set``, one :class:`ForcedCaption` per reference (unreadable images:
         none).
     """
     vocab, model = engine.vocab, engine.model
-    limit = max(1, engine.config.decoder.max_len - 1)  # every decoder family has max_len (DecoderConfig)
+    shift = int(reading_step)  # 1: the steps read <bos> w1 .. wL and word t takes step t + 1's map
+    limit = max(1, engine.config.decoder.max_len - 1 - shift)  # every decoder family has max_len (DecoderConfig)
     data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
@@ -168,16 +171,16 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
                             rows.append(b)
                             captions.append((i, words))
                 if captions:
-                    longest = max(len(w) for _, w in captions)
+                    longest = max(len(w) for _, w in captions) + shift
                     inputs = torch.full((len(captions), longest), vocab.pad_id, dtype=torch.long)
                     for r, (_, words) in enumerate(captions):
-                        ids = vocab.encode(words)[:len(words)]  # <bos> w1 .. w(L-1): step t predicts word t
+                        ids = vocab.encode(words)[:len(words) + shift]  # <bos> w1 .. w(L-1): step t predicts word t
                         inputs[r, :len(ids)] = torch.tensor(ids)
                     att = model.decoder(features[torch.tensor(rows, device=features.device)],
                                         inputs.to(engine.device)).attention  # (R, L, N)
                     att = att.float().cpu().reshape(len(captions), longest, int(grid[0]), int(grid[1]))
                     for r, (i, words) in enumerate(captions):
-                        out[i].append(ForcedCaption(words, att[r, :len(words)]))
+                        out[i].append(ForcedCaption(words, att[r, shift:shift + len(words)]))
             bar.update(len(indices))
     return out
 
