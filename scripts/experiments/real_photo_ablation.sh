@@ -9,7 +9,7 @@
 # (../shared/data/coco2017-mini); CONCEPTS: a concepts file from `captioner concepts` over the same
 # encoder. NAMEs pick configurations (default: all of them). EPOCHS (default 1), ROOT (runs/ablation).
 # The finer grid (a0_fine*: encoder.dilate, 14 x 14 regions at 224 px) builds its own feature cache (four
-# times larger), a0_lite2 the Lite2 one; a0_fine_input_guide reads CONCEPTS_FINE, a concepts file learnt
+# times larger), a0_lite1 and a0_lite2 the Lite1 and Lite2 ones; a0_fine_input_guide reads CONCEPTS_FINE, a concepts file learnt
 # over the 14 x 14 cache (captioner concepts ... --set encoder.dilate=true --set encoder.grid=14). The
 # *_sharp configurations guide attention towards the concept maps raised to the power SHARPNESS (default 3).
 # The *_prior configurations multiply the attention by the maps of the concepts the decoder expects to name
@@ -38,6 +38,7 @@ declare -A SETTINGS=(
     [hard_a0_input_guide]="--preset sat_hard_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
     [a0_fine]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14"
     [a0_fine_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14 --set train.concepts=${CONCEPTS_FINE:-CONCEPTS_FINE-is-not-set} --set train.concept_guide=0.5"
+    [a0_lite1]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.name=efficientnet_lite1"
     [a0_lite2]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.name=efficientnet_lite2"
     [tf]="--preset transformer_flickr8k"
     [tf_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
