@@ -44,9 +44,6 @@ def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
     from captioner.training.detectors import learn_concepts
 
-    if args.folds == 1 or args.folds < 0:
-        from captioner.errors import ConfigError
-        raise ConfigError(f"--folds must be 0 (no cross-fitting) or at least 2, got {args.folds}")
     cfg = resolve_config(args.preset, args.config, list(args.overrides))
     if args.data:
         cfg = cfg.override(**{"data.root": args.data})

@@ -498,6 +498,12 @@ def concept_pointing(head: ConceptHead, features: Any, caption_set: Any, instanc
     return summarize(scores)
 
 
+def check_fold_count(folds: int) -> None:
+    """Cross-fitting needs at least 2 folds (``--folds 0``, the default, is none: not checked here)."""
+    if folds < 2:
+        raise ConfigError(f"--folds must be 0 (no cross-fitting) or at least 2, got {folds}")
+
+
 @torch.no_grad()
 def feature_folds(features: Any, folds: int, batch_size: int = 256) -> torch.Tensor:
     """:func:`feature_fold` of every row of ``features`` (C,N,D): (C,) long."""
@@ -514,8 +520,7 @@ def train_fold_heads(make_head: Callable[[], ConceptHead], train_features: Any, 
         The F heads, and what was measured: each head's dev mAP, the photos per fold, and the **out-of-fold**
         mean average precision on the training photos (each photo scored by the head that never saw it).
     """
-    if folds < 2:
-        raise ConfigError(f"--folds must be 0 (no cross-fitting) or at least 2, got {folds}")
+    check_fold_count(folds)
     fold = feature_folds(train_features, folds)
     sizes = torch.bincount(fold, minlength=folds)
     if int(sizes.min()) == 0:
@@ -566,6 +571,8 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
         progress: progress bars.
         folds: 0, or F >= 2 fold heads for cross-fitting (:func:`train_fold_heads`), stored beside the head.
     """
+    if folds:
+        check_fold_count(folds)  # before minutes of training the full head
     if cfg.model.encoder.fine_tune:
         raise ConfigError("concept detectors read a frozen encoder's features: set encoder.fine_tune=false")
     d = cfg.data
