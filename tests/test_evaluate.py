@@ -325,3 +325,13 @@ def test_evaluate_validation_and_caption_decode_alike(checkpoint: Path, tiny_sha
     assert report["beam_size"] == 3 and report["max_len"] == 20
     greedy = [c.text for c in model.caption([rec.path for rec in cs.images], beam=1)]
     assert greedy != captioned  # the shared default is beam search, not greedy
+
+
+def test_ratio_line_known_answer() -> None:
+    from captioner.evaluation.evaluate import ratio_line
+
+    summary = {"ratio": 1.5, "ratio_interval": (1.25, 1.75), "pointing_accuracy": 0.5, "words_scored": 40,
+               "captions_scored": 12}
+    assert ratio_line(summary) == "1.50x uniform [95% 1.25-1.75], pointing 0.50, 40 words of 12 captions"
+    assert ratio_line(summary, with_captions=False) == "1.50x uniform [95% 1.25-1.75], pointing 0.50, 40 words"
+    assert ratio_line({**summary, "ratio_interval": None}).startswith("1.50x uniform [95% nan-nan]")

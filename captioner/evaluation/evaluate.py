@@ -185,6 +185,14 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
     return out
 
 
+def ratio_line(summary: dict[str, Any], with_captions: bool = True) -> str:
+    """A correctness summary in one line: ratio to uniform [95% interval], pointing, words (of captions)."""
+    low, high = summary.get("ratio_interval") or (float("nan"), float("nan"))
+    of = summary.get("captions_scored") if with_captions else None
+    return (f"{summary['ratio']:.2f}x uniform [95% {low:.2f}-{high:.2f}], pointing {summary['pointing_accuracy']:.2f}, "
+            f"{summary['words_scored']} words" + (f" of {of} captions" if of is not None else ""))
+
+
 def evaluate_checkpoint(
     checkpoint: str | os.PathLike,
     data_root: str | os.PathLike,

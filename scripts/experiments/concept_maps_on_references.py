@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from captioner.data.coco import load_caption_set, load_instances
     from captioner.data.dataset import image_loader
     from captioner.evaluation.attention_metrics import reference_correctness
-    from captioner.evaluation.evaluate import ForcedCaption, reference_attention
+    from captioner.evaluation.evaluate import ForcedCaption, ratio_line, reference_attention
 
     try:
         engine = captioner.load(args.checkpoint, device="cpu")
@@ -145,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             if not r["words_scored"]:
                 print(f"{name}: no reference word is both a concept and a box's category")
                 continue
-            low, high = r["ratio_interval"] or (float("nan"), float("nan"))
-            print(f"{name}: {r['ratio']:.2f}x uniform [95% {low:.2f}-{high:.2f}], pointing "
-                  f"{r['pointing_accuracy']:.2f}, {r['words_scored']} words of {r['captions_scored']} captions")
+            print(f"{name}: {ratio_line(r)}")
         if getattr(decoder, "concept_prior", False):
             print(pointer_report(engine, cs, load, concept_of))
     except CaptionerError as exc:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     import captioner
     from captioner.data.coco import load_caption_set, load_instances
     from captioner.evaluation.attention_metrics import reference_correctness
-    from captioner.evaluation.evaluate import reference_attention
+    from captioner.evaluation.evaluate import ratio_line, reference_attention
 
     try:
         cs = load_caption_set(args.data, args.split)
@@ -41,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not r["words_scored"]:
                     print(f"{checkpoint}: no reference word names a box's category")
                     break
-                low, high = r["ratio_interval"] or (float("nan"), float("nan"))
-                print(f"{checkpoint}, the step {name} each word: {r['ratio']:.2f}x uniform [95% {low:.2f}-{high:.2f}], "
-                      f"pointing {r['pointing_accuracy']:.2f}, {r['words_scored']} words")
+                print(f"{checkpoint}, the step {name} each word: {ratio_line(r, with_captions=False)}")
     except CaptionerError as exc:
         print(f"reading_step_attention: error: {exc}", file=sys.stderr)
         return 1
