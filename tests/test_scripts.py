@@ -145,15 +145,20 @@ esac
 """
 
 
-def test_reproduce_flickr8k_resumes_where_it_stopped(tmp_path: Path):
-    """RESUME=1 keeps the runs an earlier call scored, resumes a run with a training state and starts the
-    rest afresh; without it every run starts afresh (--overwrite). The commands are stand-ins on PATH."""
+def _stubbed(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Stand-ins for captioner and python on a PATH folder: (that folder, the runs root, the calls log)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name in ("captioner", "python"):
         (stubs / name).write_text(STUB)
         (stubs / name).chmod(0o755)
-    root, log = tmp_path / "runs", tmp_path / "calls.log"
+    return stubs, tmp_path / "runs", tmp_path / "calls.log"
+
+
+def test_reproduce_flickr8k_resumes_where_it_stopped(tmp_path: Path):
+    """RESUME=1 keeps the runs an earlier call scored, resumes a run with a training state and starts the
+    rest afresh; without it every run starts afresh (--overwrite). The commands are stand-ins on PATH."""
+    stubs, root, log = _stubbed(tmp_path)
     (root / "sat_soft" / "coco2017-mini").mkdir(parents=True)  # trained and scored by an earlier call
     for done in ("best.safetensors", "train_state.pt", "metrics_dev.json", "coco2017-mini/metrics_train2017.json"):
         (root / "sat_soft" / done).touch()
@@ -195,12 +200,7 @@ def test_reproduce_flickr8k_self_critical_stage_starts_from_the_better_sat(tmp_p
                                                                            expected: str):
     """With CONCEPTS=1 and SCST=1 the self-critical stage starts from whichever SAT soft model has the higher dev
     CIDEr-D (coco-caption's), carrying the concept model's settings when it is that one."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for name in ("captioner", "python"):
-        (stubs / name).write_text(STUB)
-        (stubs / name).chmod(0o755)
-    root, log = tmp_path / "runs", tmp_path / "calls.log"
+    stubs, root, log = _stubbed(tmp_path)
     scores = {"sat_soft": 0.50, "sat_hard": 0.47, "transformer": 0.49, "sat_soft_concepts": concepts_cider,
               "ensemble": 0.52}
     for run, cider in scores.items():
