@@ -138,24 +138,8 @@ def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PI
                     width, height = im.size
     except ImageLoadError:
         raise
-    except FileNotFoundError:
-        raise ImageLoadError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ImageLoadError(f"{path}: is a directory, not an image file") from None
-    except PermissionError:
-        raise ImageLoadError(f"{path}: permission denied") from None
-    except Image.DecompressionBombError as exc:
-        found = _BOMB.search(str(exc))
-        size = f"{found.group(1)} pixels" if found else "over PIL's MAX_IMAGE_PIXELS"
-        raise ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)") from None
-    except UnidentifiedImageError:
-        kind = _signature(head)
-        if kind:
-            raise ImageLoadError(f"{path}: truncated or corrupt image (unreadable {kind} header)") from None
-        raise ImageLoadError(f"{path}: not an image file") from None
     except Exception as exc:  # OSError (read errors, broken headers), SyntaxError, ValueError, ...
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ImageLoadError(f"{path}: truncated or corrupt image ({reason})") from None
+        raise _load_error(path, exc, head, max_pixels) from None
     if max_pixels is not None and width * height > max_pixels:
         raise ImageLoadError(f"{path}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)")
     return width, height
@@ -185,22 +169,34 @@ def _decode(path: Path, data: bytes, max_pixels: int | None) -> Image.Image:
         return to_rgb(image)
     except ImageLoadError:
         raise
-    except Image.DecompressionBombError as exc:
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...
+        raise _load_error(path, exc, data, max_pixels) from None
+
+
+def _load_error(path: Path, exc: Exception, head: bytes, max_pixels: int | None) -> ImageLoadError:
+    """What opening or decoding the image at ``path`` (whose first bytes are ``head``) raised, as the
+    one-line ``ImageLoadError`` a user reads."""
+    if isinstance(exc, FileNotFoundError):
+        return ImageLoadError(f"{path}: file not found")
+    if isinstance(exc, IsADirectoryError):
+        return ImageLoadError(f"{path}: is a directory, not an image file")
+    if isinstance(exc, PermissionError):
+        return ImageLoadError(f"{path}: permission denied")
+    if isinstance(exc, Image.DecompressionBombError):
         found = _BOMB.search(str(exc))
         size = f"{found.group(1)} pixels" if found else "over PIL's MAX_IMAGE_PIXELS"
-        raise ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)") from None
-    except UnidentifiedImageError:
-        kind = _signature(data)
+        return ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)")
+    if isinstance(exc, UnidentifiedImageError):
+        kind = _signature(head)
         if kind:
-            raise ImageLoadError(f"{path}: truncated or corrupt image (unreadable {kind} header)") from None
-        raise ImageLoadError(f"{path}: not an image file") from None
-    except _UnsupportedMode as exc:
-        raise ImageLoadError(f"{path}: unsupported image mode {exc}") from None
-    except MemoryError:
-        raise ImageLoadError(f"{path}: not enough memory to decode the image") from None
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise ImageLoadError(f"{path}: truncated or corrupt image ({reason})") from None
+            return ImageLoadError(f"{path}: truncated or corrupt image (unreadable {kind} header)")
+        return ImageLoadError(f"{path}: not an image file")
+    if isinstance(exc, _UnsupportedMode):
+        return ImageLoadError(f"{path}: unsupported image mode {exc}")
+    if isinstance(exc, MemoryError):
+        return ImageLoadError(f"{path}: not enough memory to decode the image")
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return ImageLoadError(f"{path}: truncated or corrupt image ({reason})")
 
 
 def _signature(data: bytes) -> str | None:
