@@ -27,6 +27,7 @@ mkdir -p "$ROOT"
 declare -A SETTINGS=(
     [base]="--preset sat_soft_flickr8k"
     [a0]="--preset sat_soft_flickr8k --set train.alpha_c=0"
+    [input]="--preset sat_soft_flickr8k --set train.concepts=$CONCEPTS"
     [a0_input]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS"
     [a0_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [a0_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
