@@ -205,6 +205,23 @@ def test_unreadable_file_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [line.split("\t")[0] for line in out.splitlines()] == [str(good)]
 
 
+@pytest.mark.parametrize("reader", ["load_image", "probe_image"])
+def test_running_out_of_memory_while_opening_is_one_line_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str) -> None:
+    """A MemoryError from PIL, while reading the header or decoding, is the same one-line error."""
+    from captioner.data import images
+
+    path = tmp_path / "huge.png"
+    Image.new("RGB", (8, 8)).save(path)
+
+    def exhausted(*args: object, **kwargs: object) -> None:
+        raise MemoryError()
+
+    monkeypatch.setattr(images.Image, "open", exhausted)
+    with pytest.raises(ImageLoadError, match=rf"^{path}: not enough memory to decode the image$"):
+        getattr(images, reader)(path)
+
+
 # ----------------------------------------------------------------------------- captioner caption
 
 
