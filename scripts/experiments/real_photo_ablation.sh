@@ -15,6 +15,8 @@
 # The *_prior configurations multiply the attention by the maps of the concepts the decoder expects to name
 # next (decoder.concept_prior). With a CONCEPTS file holding fold heads (captioner concepts --folds F), every
 # configuration trains on cross-fitted concepts; a0_input_guide_prior_no_cross_fit is the same run without.
+# The doubly stochastic penalty: base keeps the recipe's (weight 1, excess form), a0 drops it, ds_small
+# weighs it 0.3, ds_sum uses the paper's sum form; input reads the concepts with the penalty kept.
 set -euo pipefail
 DATA=${1:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
 COCO_MINI=${2:?usage: real_photo_ablation.sh DATA COCO_MINI CONCEPTS [NAME ...]}
@@ -27,6 +29,8 @@ mkdir -p "$ROOT"
 declare -A SETTINGS=(
     [base]="--preset sat_soft_flickr8k"
     [a0]="--preset sat_soft_flickr8k --set train.alpha_c=0"
+    [ds_small]="--preset sat_soft_flickr8k --set train.alpha_c=0.3"
+    [ds_sum]="--preset sat_soft_flickr8k --set train.ds_form=sum"
     [input]="--preset sat_soft_flickr8k --set train.concepts=$CONCEPTS"
     [a0_input]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS"
     [a0_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
