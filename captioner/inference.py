@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -33,17 +34,21 @@ from PIL import Image
 
 from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
-from captioner.data.images import ImageSource, image_sources, load_image, pil_image, token_ids
+from captioner.data.images import ImageSource, image_sources, load_for_encoder, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
 from captioner.device import resolve_device
-from captioner.errors import CheckpointError, ConfigError, DataError
+from captioner.errors import CheckpointError, ConfigError, DataError, ImageLoadError
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
            "load", "search_features", "teacher_forced_attention"]
+
+# threads that read and transform image files while the encoder and the search run (PIL releases the
+# GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
+LOADER_THREADS = 2
 
 ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
 """A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
@@ -311,11 +316,55 @@ class Captioner:
                 raise ConfigError(f"{flag} must be True or False, got {value!r}")
         sources = self._flatten(images)
         out: list[Caption] = []
-        with eval_mode(self.model):
-            for start in range(0, len(sources), batch_size):
-                out += self._caption_batch(sources[start:start + batch_size], options, attention or all_heads,
-                                           all_heads)
+        for result in self.caption_stream(sources, options, attention=attention, all_heads=all_heads,
+                                          batch_size=batch_size):
+            if isinstance(result, Exception):
+                raise result
+            out.append(result)
         return out
+
+    def caption_stream(self, sources: Sequence[ImageSource], options: DecodeOptions, *, attention: bool = False,
+                       all_heads: bool = False, batch_size: int = 8
+                       ) -> Iterator[Caption | ImageLoadError]:
+        """:meth:`caption` as a pipeline over checked sources (``image_sources``), one result per
+        source in input order: its :class:`Caption`, or the ``ImageLoadError`` of a file that could
+        not be read (the others are still captioned).
+
+        While the search runs on one chunk of ``batch_size`` images (this thread), the next chunk
+        is read by :data:`LOADER_THREADS` threads and encoded by one more: at most two chunks of
+        pixels and one of features are held at a time. The arithmetic is that of one chunk at a
+        time, so the captions are the same.
+        """
+        keep = attention or all_heads
+        starts = range(0, len(sources), batch_size)
+        if not starts:
+            return
+        with eval_mode(self.model), ThreadPoolExecutor(LOADER_THREADS) as loaders, \
+                ThreadPoolExecutor(1) as encoder:
+            def read(source: ImageSource) -> tuple[torch.Tensor, tuple[int, int] | None] | ImageLoadError:
+                try:
+                    return self._prepare(source)
+                except ImageLoadError as exc:
+                    return exc
+
+            def encode(start: int) -> tuple[list, torch.Tensor | None, tuple[int, int]]:
+                prepared = [f.result() for f in [loaders.submit(read, s) for s in sources[start:start + batch_size]]]
+                good = [p for p in prepared if not isinstance(p, ImageLoadError)]
+                if not good:
+                    return prepared, None, (0, 0)
+                pixels = torch.stack([x for x, _ in good]).to(self.device, non_blocking=True)  # (b, 3, S, S)
+                with torch.no_grad():  # grad mode is per thread
+                    features, grid = self.model.encode(pixels)  # (b, N, D), (g, g)
+                return prepared, features, (int(grid[0]), int(grid[1]))
+
+            pending = encoder.submit(encode, starts[0])
+            for k in range(len(starts)):
+                prepared, features, grid = pending.result()
+                if k + 1 < len(starts):
+                    pending = encoder.submit(encode, starts[k + 1])
+                found = iter(self._search(prepared, features, grid, options, keep, all_heads))
+                for item in prepared:
+                    yield item if isinstance(item, ImageLoadError) else next(found)
 
     def teacher_forced(self, image: ImageInput, tokens: Sequence[int]) -> torch.Tensor | None:
         """Every layer's and head's attention of a given caption of one image (see
@@ -368,15 +417,14 @@ class Captioner:
 
     # ------------------------------------------------------------------------- internals
 
-    def _caption_batch(self, sources: list[object], options: DecodeOptions, keep_attention: bool,
-                       all_heads: bool) -> list[Caption]:
-        prepared = [self._prepare(source) for source in sources]  # loads here: one chunk in memory at a time
-        pixels = torch.stack([x for x, _ in prepared]).to(self.device, non_blocking=True)  # (B, 3, S, S)
-        with torch.no_grad():
-            features, grid = self.model.encode(pixels)  # (B, N, D), (g, g)
-        grid = (int(grid[0]), int(grid[1]))
+    def _search(self, prepared: list, features: torch.Tensor | None, grid: tuple[int, int], options: DecodeOptions,
+                keep_attention: bool, all_heads: bool) -> list[Caption]:
+        """Captions of one encoded chunk (``prepared``: what :meth:`_prepare` gave, errors skipped)."""
+        if features is None:
+            return []
+        sizes = [p[1] for p in prepared if not isinstance(p, ImageLoadError)]
         found = caption_features(self.model, features, self.vocab, options, grid=grid)
-        for i, ((_, size), result) in enumerate(zip(prepared, found)):
+        for i, (size, result) in enumerate(zip(sizes, found)):
             if all_heads:
                 result.all_attention = teacher_forced_attention(self.model, features[i:i + 1], result.tokens,
                                                                 self.vocab.bos_id, grid)
@@ -391,9 +439,13 @@ class Captioner:
         return image_sources(images, self.transform.size)
 
     def _prepare(self, source: ImageSource) -> tuple[torch.Tensor, tuple[int, int] | None]:
-        """A checked source -> (pixels (3, S, S), original (width, height) or None for a tensor)."""
+        """A checked source -> (pixels (3, S, S), original (width, height) or None for a tensor).
+
+        A file is decoded no larger than the transform needs (``load_for_encoder``); the crop box
+        is measured on the full size, as for a PIL image."""
         if isinstance(source, Path):
-            source = pil_image(load_image(source), str(source))
+            image, size = load_for_encoder(source, self.transform.size)
+            return self.transform(pil_image(image, str(source))), size
         if isinstance(source, Image.Image):
             return self.transform(source), source.size
         return source, None

@@ -197,3 +197,25 @@ def test_length_buckets_visit_every_caption_once_in_batches_of_similar_length() 
     assert set(order[:320]) == pool
     skipped = list(SkipSampler(LengthBuckets(base, lengths, 32, 10, seed=3), 64))
     assert skipped == order[64:]  # mid-epoch resume skips whole batches of the same order
+
+
+def test_prefetched_batches_equal_the_serial_loader():
+    """The threaded reader gives the DataLoader's batches, in order, errors included."""
+    from torch.utils.data import DataLoader
+
+    from captioner.data.dataset import SafeImages, collate_safe, prefetched_batches
+
+    def load(i: int) -> torch.Tensor:
+        if i == 3:
+            raise ImageLoadError("img3.jpg: truncated or corrupt image")
+        return torch.full((2, 2), float(i))
+
+    data = SafeImages(load, 7)
+    ours = list(prefetched_batches(data, 3))
+    theirs = list(DataLoader(data, batch_size=3, collate_fn=collate_safe))
+    assert len(ours) == len(theirs) == 3
+    for (xa, ia, ea), (xb, ib, eb) in zip(ours, theirs):
+        assert ia == ib and ea == eb and torch.equal(xa, xb)
+    assert ours[1][1] == [3, 4, 5] and ours[1][2][0] == "img3.jpg: truncated or corrupt image"
+    assert ours[1][0].shape == (2, 2, 2)  # the two readable images of that batch
+    assert list(prefetched_batches(SafeImages(load, 0), 3)) == []

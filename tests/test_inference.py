@@ -194,3 +194,58 @@ def test_a_caption_prints_on_one_line_with_shapes_not_values():
                 attention=torch.full((3, 2, 2), 0.25))
     assert repr(c) == ("Caption(text='a red circle', score=-1.2346, grid=(2, 2), attention=<3x2x2>, "
                        "all_attention=None, image_size=None, box=None, finished=True)")
+
+
+def _jpeg(path: Path, size: tuple[int, int], orientation: int | None = None) -> Path:
+    rng = np.random.default_rng(7)
+    coarse = rng.integers(0, 255, (size[1] // 8, size[0] // 8, 3), dtype=np.uint8)
+    image = Image.fromarray(coarse).resize(size, Image.Resampling.BICUBIC)
+    if orientation is None:
+        image.save(path, quality=92)
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        image.save(path, quality=92, exif=exif)
+    return path
+
+
+def test_load_for_encoder_decodes_no_more_than_it_keeps(tmp_path):
+    """A large JPEG is decoded at a reduced scale whose sides stay >= the encoder's side; the full
+    size (EXIF rotation applied) is reported for crop boxes; small JPEGs and PNGs are untouched."""
+    from captioner.data.images import load_for_encoder
+
+    big = _jpeg(tmp_path / "big.jpg", (1000, 800))
+    image, full = load_for_encoder(big, 224)
+    assert full == (1000, 800) and image.size == (500, 400) and image.mode == "RGB"  # 1/4 would be 250 x 200
+    assert load_image(big, reduce_to=224).size == image.size and load_image(big).size == (1000, 800)
+    rotated = _jpeg(tmp_path / "rotated.jpg", (1000, 600), orientation=6)  # rotate 90: shown 600 x 1000
+    image, full = load_for_encoder(rotated, 224)
+    assert full == (600, 1000) and image.size == (300, 500)
+    small = _jpeg(tmp_path / "small.jpg", (320, 240))
+    assert load_for_encoder(small, 224)[0].size == (320, 240)
+    png = tmp_path / "big.png"
+    Image.open(big).save(png)
+    assert load_for_encoder(png, 224)[0].size == (1000, 800)
+
+
+def test_caption_stream_overlaps_and_keeps_order(checkpoints, photos, tmp_path):
+    """The pipeline gives, in input order, the captions of one-batch-at-a-time decoding and the
+    error of each unreadable file; the box is measured on the full-size photo."""
+    from captioner.decoding.search import DecodeOptions
+    from captioner.inference import caption_images
+
+    model = load(checkpoints["center_crop"], device="cpu")
+    big = _jpeg(tmp_path / "big.jpg", (900, 600))
+    files = [photos / "wide.png", photos / "broken.jpg", big, photos / "tall.png", photos / "wide.png"]
+    out = list(model.caption_stream(files, DecodeOptions(beam_size=2, max_len=6), attention=True, batch_size=2))
+    assert len(out) == 5 and isinstance(out[1], ImageLoadError) and "broken.jpg" in str(out[1])
+    for path, result in zip(files, out):
+        if path.name == "broken.jpg":
+            continue
+        expected = caption_images(model.model, model.transform(load_image(path, reduce_to=model.transform.size))
+                                  .unsqueeze(0), model.vocab, DecodeOptions(beam_size=2, max_len=6))[0]
+        assert result.tokens == expected.tokens and result.attention.shape[0] == len(result.tokens)
+    assert out[2].image_size == (900, 600) and out[2].box == (150, 0, 750, 600)
+    with pytest.raises(ImageLoadError, match="broken.jpg"):
+        model.caption(files, batch_size=2)
+    assert list(model.caption_stream([], DecodeOptions())) == []

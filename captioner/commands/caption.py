@@ -206,37 +206,39 @@ def run(args: argparse.Namespace) -> int:
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
     from captioner.data.images import load_image
     from captioner.device import resolve_device
-    from captioner.inference import load
+    from captioner.inference import decode_options, load
 
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    options = decode_options(None, **decoding)
     files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)
     failed = bool(problems)
     used_dirs: set[str] = set()
-    for start in range(0, len(files), args.batch_size):
-        t0 = time.perf_counter()
-        loaded = []  # (path, original image)
-        for path in files[start:start + args.batch_size]:
-            try:
-                loaded.append((path, load_image(path)))
+    t0, done = time.perf_counter(), 0
+    # files are read, encoded and searched in an overlapping pipeline (Captioner.caption_stream)
+    results = model.caption_stream(files, options, attention=bool(args.overlay), batch_size=args.batch_size)
+    for path, result in zip(files, results):
+        if isinstance(result, ImageLoadError):
+            _error(str(result))
+            failed = True
+            continue
+        done += 1
+        row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),
+                               "tokens": list(result.words),
+                               "seconds": round((time.perf_counter() - t0) / done, 4)}  # mean per photo so far
+        if result.concepts is not None:  # a model with concept detectors: the photo's tags
+            row["concepts"] = [{"word": w, "prob": p} for w, p in result.concepts]
+        if args.overlay:
+            try:  # overlays are drawn on the full-size photo
+                image = load_image(path)
             except ImageLoadError as exc:
                 _error(str(exc))
                 failed = True
-        if not loaded:
-            continue
-        results = model.caption([image for _, image in loaded], attention=bool(args.overlay), batch_size=len(loaded),
-                                **decoding)
-        seconds = (time.perf_counter() - t0) / len(loaded)
-        for (path, image), result in zip(loaded, results):
-            row: dict[str, Any] = {"path": str(path), "caption": result.text, "score": round(float(result.score), 4),
-                                   "tokens": list(result.words), "seconds": round(seconds, 4)}
-            if result.concepts is not None:  # a model with concept detectors: the photo's tags
-                row["concepts"] = [{"word": w, "prob": p} for w, p in result.concepts]
-            if args.overlay:
-                out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
-                write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha, style=args.style)
-                row["overlay"] = str(out_dir)
-            line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
-            print(line, flush=True)
+                continue
+            out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
+            write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha, style=args.style)
+            row["overlay"] = str(out_dir)
+        line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
+        print(line, flush=True)
     return 1 if failed else 0

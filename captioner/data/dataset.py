@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +52,9 @@ class ImageLoader:
 
     def __call__(self, index: int) -> torch.Tensor | None:
         try:
-            return self.transform(load_image(self.paths[index], max_pixels=self.max_pixels))  # (3, S, S)
+            image = load_image(self.paths[index], max_pixels=self.max_pixels,
+                               reduce_to=getattr(self.transform, "size", None))  # decode no more than it keeps
+            return self.transform(image)  # (3, S, S)
         except ImageLoadError as exc:
             if not self.skip_bad:
                 raise
@@ -236,6 +240,25 @@ def collate_safe(batch: list[tuple[torch.Tensor | None, int, str | None]]
     """-> (pixels of the readable images (b, ...) or None, indices (B), error per item or None)."""
     pixels = [x for x, _, _ in batch if x is not None]
     return (torch.stack(pixels) if pixels else None), [i for _, i, _ in batch], [e for _, _, e in batch]
+
+
+def prefetched_batches(data: Dataset, batch_size: int, threads: int = 2) -> Iterator[Any]:
+    """``DataLoader(data, batch_size, collate_fn=collate_safe)`` without worker processes: ``threads``
+    threads read the next batch while the caller works on the current one (PIL releases the GIL
+    while it decodes and resizes). At most two batches are held; items come in order."""
+    starts = range(0, len(data), batch_size)
+    if not starts:
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        def submit(start: int) -> list[Future]:
+            return [pool.submit(data.__getitem__, i) for i in range(start, min(start + batch_size, len(data)))]
+
+        pending = submit(starts[0])
+        for k in range(len(starts)):
+            batch = [f.result() for f in pending]
+            if k + 1 < len(starts):
+                pending = submit(starts[k + 1])
+            yield collate_safe(batch)
 
 
 def check_batch_errors(errors: list[str | None], skip_bad: bool, what: str) -> None:

@@ -63,7 +63,7 @@ _BOMB = re.compile(r"\((\d+) pixels\)")
 
 
 def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS,
-               max_bytes: int = DEFAULT_MAX_BYTES) -> Image.Image:
+               max_bytes: int = DEFAULT_MAX_BYTES, reduce_to: int | None = None) -> Image.Image:
     """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
 
     Args:
@@ -73,6 +73,11 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
             decoding). ``None`` disables this check; PIL's own ``Image.MAX_IMAGE_PIXELS`` guard
             (about 179 megapixels) still applies.
         max_bytes: refuse files larger than this, from their size, before reading them.
+        reduce_to: for an encoder that resizes to this side: a JPEG is decoded at the smallest
+            1/2, 1/4 or 1/8 scale whose sides stay at least this long (PIL's ``draft``), so no
+            more pixels are decoded than the resize keeps. ``None`` decodes every pixel (for
+            overlays, which draw on the original). :func:`load_for_encoder` also returns the
+            original size.
 
     Returns:
         A fully loaded ``PIL.Image`` in mode ``"RGB"``.
@@ -86,11 +91,22 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            image = _decode(path, data, max_pixels)
+            image, _ = _decode(path, data, max_pixels, reduce_to)
         finally:
             for w in caught:
                 log.debug("%s: %s", path, w.message)
     return image
+
+
+def load_for_encoder(path: str | os.PathLike, side: int,
+                     max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[Image.Image, tuple[int, int]]:
+    """:func:`load_image` with ``reduce_to=side``, and the ``(width, height)`` of the full-size image
+    (EXIF orientation applied): what crop boxes and overlays are measured in."""
+    path = Path(path)
+    data = _read_bytes(path, DEFAULT_MAX_BYTES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _decode(path, data, max_pixels, side)
 
 
 def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
@@ -108,7 +124,7 @@ def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEF
         raise ImageLoadError(f"{name}: file is empty")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _decode(Path(name), data, max_pixels)
+        return _decode(Path(name), data, max_pixels)[0]
 
 
 def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
@@ -152,8 +168,14 @@ def _read_bytes(path: Path, max_bytes: int) -> bytes:
     return data
 
 
-def _decode(path: Path, data: bytes, max_pixels: int | None) -> Image.Image:
-    """Header check, full decode (so truncation shows up here), EXIF transpose, RGB conversion."""
+# EXIF orientations that swap width and height (transpose, rotate 90/270, transverse)
+_SWAPS_AXES = {5, 6, 7, 8}
+
+
+def _decode(path: Path, data: bytes, max_pixels: int | None,
+            reduce_to: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """Header check, decode (so truncation shows up here), EXIF transpose, RGB conversion; with
+    ``reduce_to`` a JPEG decodes at a reduced scale. Returns the image and the full size (w, h)."""
     try:
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
@@ -164,9 +186,14 @@ def _decode(path: Path, data: bytes, max_pixels: int | None) -> Image.Image:
             if im.format == "PNG":
                 im.verify()  # checks every chunk's CRC, which load() does not
         with Image.open(io.BytesIO(data)) as im:
+            full = im.size
+            if reduce_to is not None and im.format == "JPEG":
+                im.draft(im.mode, (reduce_to, reduce_to))  # each side stays >= reduce_to
+            if im.getexif().get(0x0112) in _SWAPS_AXES:
+                full = (full[1], full[0])
             im.load()  # force decoding inside the try: truncated data raises here
             image = ImageOps.exif_transpose(im)  # a new, loaded image
-        return to_rgb(image)
+        return to_rgb(image), full
     except ImageLoadError:
         raise
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...

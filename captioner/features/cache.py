@@ -84,7 +84,7 @@ from torch.utils.data import DataLoader, get_worker_info
 from tqdm import tqdm
 
 from captioner.config import ModelConfig
-from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
+from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader, prefetched_batches
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
@@ -490,7 +490,10 @@ class FeatureCache:
                     return cls.open(path, key=key)
             partial = partial_path(path)
             data = SafeImages(image_loader(caption_set, transform), len(caption_set.images))
-            batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+            if num_workers:
+                batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+            else:  # threads read the next batch while this one is encoded
+                batches = prefetched_batches(data, batch_size)
             try:
                 names = [str(rec.path) for rec in caption_set.images]
                 header = _encode_to_file(encoder, encoder_name or type(encoder).__name__, batches, partial, path,
