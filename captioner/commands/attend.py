@@ -1,6 +1,7 @@
 """``captioner attend``: caption one image and write where each word looked.
 
-Writes ``attention.png`` (grid: the image with its caption, then one panel per word),
+With no image it captions the example photos shipped with the package (``captioner.example_photos()``),
+each into its own folder under ``--out``. Writes ``attention.png`` (grid: the image with its caption, then one panel per word),
 ``attention.gif`` (one frame per word), ``attention.json`` (raw weights) and ``attention.html``
 (the interactive explorer) to ``--out``. For a decoder with several attention layers/heads (the
 Transformer) the chosen caption is re-run through the decoder's teacher-forced forward
@@ -20,6 +21,8 @@ from captioner.commands.options import decoding_overrides
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
 EXAMPLES = """
+  captioner attend                                   # the shipped model on the example photos -> overlays/
+  captioner attend photo.jpg --out overlays/         # the shipped model on your photo
   captioner attend photo.jpg --checkpoint runs/sat/best.safetensors --out overlays/
   captioner attend photo.jpg -c best.safetensors --out overlays/ --style heat --cmap magma --beam 5
   captioner attend photo.jpg -c runs/tf/best.safetensors --out overlays/ --layer 1 --head 3   # Transformer
@@ -27,9 +30,10 @@ EXAMPLES = """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("image", metavar="IMAGE", help="image file")
+    parser.add_argument("image", metavar="IMAGE", nargs="?", default=None,
+                        help="image file (default: the example photos shipped with the package)")
     add_common_arguments(parser)
-    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    parser.add_argument("--out", default="overlays", metavar="DIR", help="output folder (created; default: overlays)")
     add_style_arguments(parser)
     parser.add_argument("--layer", type=int, default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
@@ -57,18 +61,35 @@ def select_view(all_attention, layer: int | None, head: int | None):
 
 def run(args: argparse.Namespace) -> int:
     decoding = decoding_overrides(args)
-    from captioner.data.images import load_image
     from captioner.device import resolve_device
     from captioner.errors import ConfigError
     from captioner.inference import load
-    from captioner.viz.overlays import check_stem, colormap_lut, write_overlays
+    from captioner.viz.overlays import check_stem, colormap_lut
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
     check_stem(args.stem, "--stem")  # the files must stay inside --out
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
-    image = load_image(args.image)
+    if args.image is not None:
+        return _attend(model, args, args.image, args.out, decoding)
+    from pathlib import Path
+
+    from captioner.pretrained import example_photos
+
+    for photo in example_photos():  # each into its own folder: overlays/skateboarder/attention.png ...
+        _attend(model, args, photo, Path(args.out) / photo.stem, decoding)
+    print(f"credits of the example photos: {Path(example_photos()[0]).parent / 'CREDITS.md'}")
+    return 0
+
+
+def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> int:
+    """Caption ``path`` and write its overlays, GIF, JSON and explorer to ``out``."""
+    from captioner.data.images import load_image
+    from captioner.errors import ConfigError
+    from captioner.viz.overlays import write_overlays
+
+    image = load_image(path)
     result = model.caption(image, all_heads=True, **decoding)[0]
     all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)
     attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
@@ -78,11 +99,11 @@ def run(args: argparse.Namespace) -> int:
                               "attention map per word")
         attention = select_view(all_att, args.layer, args.head)
     paths = write_overlays(
-        image, dataclasses.replace(result, attention=attention), args.out, cmap=args.cmap, alpha=args.alpha,
+        image, dataclasses.replace(result, attention=attention), out, cmap=args.cmap, alpha=args.alpha,
         style=args.style, stem=args.stem, layer=-1 if args.layer is None else args.layer - 1,
         head=None if args.head is None else args.head - 1,
     )
-    print(f"{args.image}\t{result.text}")
-    for path in paths.values():  # png, gif, json, html (and the tags' png for a model with concepts)
-        print(f"wrote {path}")
+    print(f"{path}\t{result.text}")
+    for written in paths.values():  # png, gif, json, html (and the tags' png for a model with concepts)
+        print(f"wrote {written}")
     return 0

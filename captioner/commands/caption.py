@@ -33,14 +33,16 @@ from captioner.commands.options import add_decoding_arguments, decoding_override
 NAME = "caption"
 HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"
 EXAMPLES = """
+  captioner caption photo.jpg                          # the shipped model
   captioner caption photo.jpg --checkpoint runs/sat/best.safetensors
   captioner caption photos/ 'more/*.png' --checkpoint best.safetensors --beam 5 --json > captions.jsonl
   captioner caption photo.jpg --checkpoint best.safetensors --overlay overlays/   # overlays/photo/attention.*
   captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
 """
 
-CHECKPOINT_HELP = ("checkpoint: a .safetensors file, a run folder, an https:// URL (cached; #sha256=HEX checks it) "
-                   "or hf://ORG/REPO[/FILE]")
+CHECKPOINT_HELP = ("checkpoint: a shipped model's name (captioner.available_models(); default: the shipped "
+                   "default model), a .safetensors file, a run folder, an https:// URL (cached; #sha256=HEX checks "
+                   "it) or hf://ORG/REPO[/FILE]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _AMBIGUOUS = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # control characters (tab, newline) and raw bytes
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
@@ -53,13 +55,25 @@ def add_refresh_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def checkpoints(args: argparse.Namespace) -> str | list[str]:
-    """``--checkpoint`` as :func:`captioner.load` takes it: one path, or the list of an ensemble's."""
+    """``--checkpoint`` as :func:`captioner.load` takes it: one path, or the list of an ensemble's;
+    without it the shipped default model, named on stderr."""
+    if not args.checkpoint:
+        return default_model()
     return args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
+
+
+def default_model() -> str:
+    """The shipped default model's name, announced on stderr (what a command uses without -c)."""
+    from captioner.pretrained import DEFAULT_MODEL, MODELS
+
+    print(f"captioner: using the shipped model {DEFAULT_MODEL!r} ({MODELS[DEFAULT_MODEL].summary}); "
+          "-c CHECKPOINT picks another", file=sys.stderr, flush=True)
+    return DEFAULT_MODEL
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``caption`` and ``attend``."""
-    parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="CKPT",
+    parser.add_argument("--checkpoint", "-c", action="append", metavar="CKPT",
                         help=CHECKPOINT_HELP + "; repeat it for an ensemble (the mean of the models' word probabilities)")
     add_refresh_argument(parser)
     add_decoding_arguments(parser)

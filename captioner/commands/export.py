@@ -20,7 +20,7 @@ EXAMPLES = """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its best.safetensors) or a checkpoint file")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its best.safetensors), a checkpoint file or a shipped model's name")
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write (created)")
     parser.add_argument("--repo-id", default=None, metavar="ORG/NAME",
                         help="the Hub id the model card's examples use (default: YOUR-NAME/<run folder name>)")
@@ -41,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
         check_repo_id(args.repo_id)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
+    from captioner.pretrained import is_model_name, pretrained_path
+
     image = load_image(args.image) if args.image else None
-    paths = export_run(args.run_dir, args.out, repo_id=args.repo_id, image=image, dataset=args.dataset,
+    run_dir = pretrained_path(args.run_dir) if is_model_name(args.run_dir) else args.run_dir  # a shipped model
+    paths = export_run(run_dir, args.out, repo_id=args.repo_id, image=image, dataset=args.dataset,
                        overwrite=args.force, beam=args.beam)
     for path in paths.values():
         print(f"wrote {path}")

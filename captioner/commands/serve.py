@@ -26,7 +26,7 @@ _NAMED = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", "-c", required=True, action="append", metavar="[NAME=]CKPT",
+    parser.add_argument("--checkpoint", "-c", action="append", metavar="[NAME=]CKPT",
                         help=CHECKPOINT_HELP + "; repeat for several models, NAME= names one on the page")
     add_refresh_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
@@ -110,12 +110,19 @@ def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
     from captioner.files import MiB
     from captioner.inference import load
+    from captioner.commands.caption import default_model
+    from captioner.pretrained import example_photos
     from captioner.share.examples import example_scenes, folder_examples
 
-    examples = folder_examples(args.examples) if args.examples else example_scenes()
+    shipped = not args.checkpoint
+    specs = args.checkpoint or [default_model()]
+    if args.examples:
+        examples = folder_examples(args.examples)
+    else:  # the shipped model reads real photos: the package's example photos; else the synthetic scenes
+        examples = folder_examples(example_photos()[0].parent) if shipped else example_scenes()
     device = resolve_device(args.device, option="--device")
     models, taken = [], set()
-    for spec in args.checkpoint:
+    for spec in specs:
         name, spec = model_name(spec, taken)
         taken.add(name)
         models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh)))

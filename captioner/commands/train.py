@@ -21,6 +21,7 @@ EXAMPLES = """
       --init runs/sat/best.safetensors --set encoder.fine_tune=true --set train.seed=1  # stage 2
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
   captioner train --preset sat_soft_flickr8k --data ../shared/data/flickr8k --out runs/flickr8k/sat_soft  # docs/flickr8k.md
+  captioner train --init flickr8k --data my_photos --epochs 3       # adapt the shipped model to your captions
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """
 
@@ -49,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "new one; without --resume or --overwrite such a folder is refused")
     run.add_argument("--init", metavar="CKPT",
                      help="start a new run from this checkpoint's weights and vocabulary, with a fresh optimizer "
-                          "(train.init); the architecture must match, encoder.fine_tune may change")
+                          "(train.init): a file, run folder or shipped model name (alone, a name also gives the "
+                          "model's architecture and training settings); the architecture must match, "
+                          "encoder.fine_tune may change; words of --data the vocabulary lacks are added")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -61,6 +64,7 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
     """
     from captioner.config import resolve_config
     from captioner.errors import ConfigError
+    from captioner.pretrained import is_model_name
 
     if args.init and args.resume:
         raise ConfigError("--init starts a new run from a checkpoint and --resume continues the run in --out "
@@ -71,7 +75,17 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
         if not (out / "config.json").exists():
             raise ConfigError(f"--resume: {out / 'config.json'} not found; pass --out with the run folder")
         config_file = out / "config.json"
-    cfg = resolve_config(args.preset, config_file, list(args.overrides))
+    preset, model = args.preset, None
+    if args.init and not args.preset and not args.config and is_model_name(args.init):
+        # --init NAME alone: the shipped model's architecture, and the settings it was trained with
+        from captioner.checkpoint.store import read_checkpoint_metadata
+        from captioner.pretrained import MODELS, pretrained_path
+
+        preset = MODELS[args.init].preset
+        model = read_checkpoint_metadata(pretrained_path(args.init))["config"]
+        if not args.out:
+            out = Path("runs") / f"{args.init}_finetuned"
+    cfg = resolve_config(preset, config_file, list(args.overrides), model=model)
     flags = {
         "data.root": args.data,
         "train.epochs": args.epochs,

@@ -162,10 +162,14 @@ def get_preset(name: str, **overrides: Any) -> Config:
     return cfg.override(**overrides) if overrides else cfg
 
 
-def resolve_config(preset: str | None, file: str | Path | None, overrides: list[str]) -> Config:
-    """Preset, then config file, then ``key=value`` overrides (later wins; ``model.decoder.name`` first)."""
+def resolve_config(preset: str | None, file: str | Path | None, overrides: list[str],
+                   model: Mapping[str, Any] | None = None) -> Config:
+    """Preset, then ``model`` (a checkpoint's model config, replacing the preset's), then config file,
+    then ``key=value`` overrides (later wins; ``model.decoder.name`` first)."""
     cfg = get_preset(preset) if preset else Config()
     data = cfg.to_dict()
+    if model is not None:
+        data["model"] = dict(model)
     if file:
         deep_update(Config, data, load_config_file(file))
     for key, value in family_first([parse_override(text) for text in overrides]):

@@ -84,12 +84,13 @@ from captioner.features.dtype import model_input
 from captioner.files import read_text
 from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model
-from captioner.text import Vocabulary
+from captioner.pretrained import is_model_name, pretrained_path
+from captioner.text import SPECIALS, Vocabulary
 from captioner.training import distributed as ddp
 from captioner.training.detectors import (install_concept_folds, install_concepts, read_run_concepts,
                                           with_concept_input)
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
-                                     val_loader)
+                                     training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
@@ -209,11 +210,43 @@ def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig)
                       f"may change){hint}")
 
 
+def grown_vocabulary(saved: Vocabulary, train_set: Any, min_freq: int,
+                     max_caption_len: int | None = None) -> tuple[Vocabulary, list[str]]:
+    """The checkpoint's vocabulary with the training captions' words it lacks appended (those seen at
+    least ``min_freq`` times), and the words added. Old words keep their ids, so their rows carry over."""
+    found = training_vocabulary(train_set, min_freq, max_caption_len)
+    added = [w for w in found.itos if w not in saved.stoi]
+    if not added:
+        return saved, []
+    return Vocabulary(saved.itos[len(SPECIALS):] + added), added
+
+
+def grown_state(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], old_size: int,
+                new_size: int) -> dict[str, torch.Tensor]:
+    """``state`` fitted to a model whose vocabulary grew from ``old_size`` to ``new_size`` tokens: each
+    tensor with a vocabulary-sized dimension (embedding, output layer) keeps the checkpoint's rows for
+    the old tokens and the model's own fresh initialisation for the new ones."""
+    if new_size == old_size:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        mine = own.get(key)
+        if mine is None or mine.shape == value.shape or mine.dim() != value.dim():
+            continue
+        dims = [d for d in range(value.dim()) if value.shape[d] != mine.shape[d]]
+        if len(dims) == 1 and value.shape[dims[0]] == old_size and mine.shape[dims[0]] == new_size:
+            grown = mine.detach().clone()
+            grown.narrow(dims[0], 0, old_size).copy_(value)
+            out[key] = grown
+    return out
+
+
 def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) -> None:
-    """Refuse, in one line, a vocabulary other than the checkpoint's (size, or the first differing token)."""
-    if saved == wanted:
+    """Refuse, in one line, a vocabulary other than the checkpoint's or the checkpoint's with words
+    appended (:func:`grown_vocabulary`): its size, or the first differing token."""
+    if saved == wanted or wanted.itos[:len(saved)] == saved.itos:
         return
-    if len(saved) != len(wanted):
+    if len(saved) > len(wanted):
         raise ConfigError(f"--init {path}: the checkpoint's vocabulary has {len(saved)} tokens but this run's has "
                           f"{len(wanted)}; an --init run uses the checkpoint's vocabulary")
     index = next(i for i, (x, y) in enumerate(zip(saved.itos, wanted.itos)) if x != y)
@@ -283,6 +316,8 @@ def read_init_checkpoint(path: str | Path) -> InitWeights:
     Raises:
         CheckpointError: the file is missing or not a readable checkpoint.
     """
+    if is_model_name(str(path)):  # a model shipped with the package, its SHA-256 checked
+        path = pretrained_path(str(path))
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"--init {path}: checkpoint not found")
@@ -304,14 +339,15 @@ def apply_init(model: torch.nn.Module, init: InitWeights, vocab: Vocabulary) -> 
     """
     check_init_vocab(init.path, init.vocab, vocab)
     own = model.state_dict()
-    wrong = [k for k in own if k not in init.state or own[k].shape != init.state[k].shape]
+    state = grown_state(init.state, own, len(init.vocab), len(vocab))
+    wrong = [k for k in own if k not in state or own[k].shape != state[k].shape]
     extra = [k for k in init.state if k not in own]
     if wrong or extra:
         name = (wrong or extra)[0]
         raise CheckpointError(f"--init {init.path}: its weights do not fit this model ({len(wrong)} missing or "
                               f"reshaped, {len(extra)} unexpected, e.g. {name})")
     with torch.no_grad():
-        model.load_state_dict(init.state, strict=True)
+        model.load_state_dict(state, strict=True)
     log.info("initialised the model from %s (epoch %s, step %s)", init.path, init.metadata.get("epoch", "?"),
              init.metadata.get("step", "?"))
 
@@ -570,8 +606,13 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             if replay and info.is_main:
                 log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
-    if init is not None:
-        vocab = init.vocab  # the output layer's rows are the checkpoint's words
+    if init is not None:  # the checkpoint's words keep their rows; the data's new words are appended
+        vocab, added = grown_vocabulary(init.vocab, train_set, cfg.data.min_freq, cfg.data.max_caption_len)
+        if info.is_main:
+            log.info("--init %s: %s", init.path, f"{len(added)} words of the training captions are new to the "
+                     f"checkpoint's {len(init.vocab)}-token vocabulary and were added, with fresh rows: "
+                     f"{', '.join(added[:8])}{' ...' if len(added) > 8 else ''}" if added
+                     else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
         concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write

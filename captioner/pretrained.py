@@ -1,0 +1,110 @@
+"""Models and example photos that ship inside the package, so a first caption needs no download.
+
+``available_models()`` lists the names; ``captioner.load(name)`` (and ``-c NAME`` in every command)
+loads one offline, after checking its file's SHA-256; ``model_card(name)`` is its card (data and
+the data's terms, dev scores, how it was trained). ``example_photos()`` are a few CC BY photos
+(``photos/CREDITS.md``) that ``captioner attend`` captions when given no photo.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from captioner.errors import CheckpointError
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "example_photos", "is_model_name",
+           "model_card", "pretrained_path"]
+
+PACKAGE = Path(__file__).resolve().parent
+WEIGHTS = PACKAGE / "weights"
+PHOTOS = PACKAGE / "photos"
+
+
+@dataclass(frozen=True)
+class PretrainedModel:
+    """One shipped model: ``weights/<file>`` pinned by its SHA-256, and its card ``weights/<card>``."""
+
+    name: str
+    file: str
+    sha256: str
+    card: str
+    summary: str
+    preset: str  # the training settings ``captioner train --init NAME`` starts from
+
+
+    @property
+    def path(self) -> Path:
+        return WEIGHTS / self.file
+
+
+MODELS: dict[str, PretrainedModel] = {
+    "flickr8k": PretrainedModel(
+        name="flickr8k",
+        file="flickr8k.safetensors",
+        sha256="",  # set when the release file is added
+        card="flickr8k.md",
+        preset="sat_soft_flickr8k",
+        summary="Show, Attend and Tell (soft attention) reading concept detectors, EfficientNet-Lite0 encoder, "
+                "trained on Flickr8k",
+    ),
+}
+DEFAULT_MODEL = "flickr8k"  # what caption, attend and serve use without --checkpoint
+
+
+def available_models() -> list[str]:
+    """Names of the models shipped with the package (``captioner.load(name)``)."""
+    return sorted(name for name, entry in MODELS.items() if entry.sha256)
+
+
+def is_model_name(spec: object) -> bool:
+    """Whether ``spec`` names a shipped model (a path that exists wins over a name)."""
+    return isinstance(spec, str) and spec in MODELS and not os.path.exists(spec)
+
+
+def _entry(name: str) -> PretrainedModel:
+    entry = MODELS.get(name)
+    if entry is None or not entry.sha256:
+        known = ", ".join(available_models()) or "none"
+        raise CheckpointError(f"{name!r} is not a shipped model (shipped: {known})")
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(path: Path, sha256: str, size: int, mtime: float) -> None:
+    """Hash the file once per process (per size and modification time)."""
+    from captioner.checkpoint.release import file_sha256
+
+    actual = file_sha256(path)
+    if actual != sha256:
+        raise CheckpointError(f"{path}: SHA-256 {actual[:16]}... differs from the registry's {sha256[:16]}... "
+                              "(a damaged or replaced file); reinstall captioner")
+
+
+def pretrained_path(name: str) -> Path:
+    """The file of shipped model ``name``, after checking its SHA-256.
+
+    Raises:
+        CheckpointError: an unknown name, a missing file (a broken install), or a file whose
+            SHA-256 differs from the registry's; one line each.
+    """
+    entry = _entry(name)
+    path = entry.path
+    try:
+        st = path.stat()
+    except OSError:
+        raise CheckpointError(f"shipped model {name!r}: its file {path} is missing; reinstall captioner") from None
+    _checked(path, entry.sha256, st.st_size, st.st_mtime)
+    return path
+
+
+def model_card(name: str) -> str:
+    """The model card (Markdown) of shipped model ``name``."""
+    return (WEIGHTS / _entry(name).card).read_text(encoding="utf-8")
+
+
+def example_photos() -> list[Path]:
+    """The example photos shipped with the package (credits: ``photos/CREDITS.md``)."""
+    return sorted(PHOTOS.glob("*.jpg"))
