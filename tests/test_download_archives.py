@@ -16,8 +16,8 @@ import pytest
 from range_server import serve
 
 from captioner.cli import main as captioner_main
-from captioner.data import downloads
-from captioner.data.downloads import ArchiveBounds, open_zip, write_members
+from captioner.data import archives
+from captioner.data.archives import ArchiveBounds, open_zip, write_members
 from captioner.errors import DataError
 
 TOKEN = b"101_a.jpg#0\ta caption .\n"
@@ -69,7 +69,7 @@ def test_member_and_total_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             write_members(zf, path, tmp_path / "out", [("a.bin", "a.bin"), ("b.bin", "b.bin")],
                           ArchiveBounds(total_bytes=1000))
     assert _left(tmp_path / "out") == []  # a.bin, written first, is removed with the failure
-    monkeypatch.setattr(downloads, "BOUNDS", ArchiveBounds(member_bytes=500))
+    monkeypatch.setattr(archives, "BOUNDS", ArchiveBounds(member_bytes=500))
     with open_zip(path) as zf, pytest.raises(DataError, match="over the limit of 500 bytes"):
         write_members(zf, path, tmp_path / "out", [("a.bin", "a.bin")])
 

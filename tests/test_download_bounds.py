@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import captioner
-from captioner import download as dl
+from captioner import network as dl
 from captioner.checkpoint import remote
 from captioner.checkpoint.remote import resolve_checkpoint, url_cache_path
 from captioner.cli import main
-from captioner.download import Bounds, download
+from captioner.network import Bounds, download
 from captioner.errors import CheckpointError, ConfigError, DataError
 from hostile_server import hostile
 

@@ -20,7 +20,7 @@ What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (pl
 changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
 SHA-256 is logged so that it can be pinned next time), and redirects, also to other hosts (as
 release downloads use them). A download is limited to :data:`MAX_URL_BYTES` and abandoned when it
-stalls (:class:`captioner.download.Bounds`); its first bytes must be a safetensors header (or
+stalls (:class:`captioner.network.Bounds`); its first bytes must be a safetensors header (or
 ``torch.save`` data), and its length the one that header states, before it is kept. A cached file
 that fails to load names itself: delete it, or load again with ``refresh=True`` (``--refresh``).
 User names and passwords in a URL are never shown in messages.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC
-from captioner.download import Bounds, DownloadError, Refused, download, file_digest, redact
+from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file
 
@@ -153,7 +153,7 @@ def parse_hub(spec: str) -> HubSpec:
 
 
 def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
-    """The :data:`captioner.download.Inspect` of a checkpoint: its first bytes must be a safetensors
+    """The :data:`captioner.network.Inspect` of a checkpoint: its first bytes must be a safetensors
     header (whose tensor offsets give the file's size) or ``torch.save`` data (a zip or a pickle)."""
     if len(head) < 9:
         return False, None

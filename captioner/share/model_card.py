@@ -32,7 +32,7 @@ from PIL import Image
 
 from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
-from captioner.download import file_digest
+from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
 from captioner.files import atomic_write, read_text, size_text
 from captioner.inference import load

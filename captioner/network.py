@@ -1,4 +1,4 @@
-"""Resumable, bounded downloads: one implementation for the dataset downloads and for checkpoints given by URL.
+"""The one HTTP implementation: resumable, bounded downloads for the dataset archives and checkpoint URLs.
 
 ``download`` fetches a URL through ``<dest>.part`` with a tqdm bar, resumes a partial file with an
 HTTP Range request (also when the connection is cut in the middle: up to ``retries`` times in one

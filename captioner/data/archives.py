@@ -1,6 +1,6 @@
-"""Dataset downloads behind ``captioner download flickr8k|coco``: the shared archive loop and zip
-extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum) is
-:mod:`captioner.download`.
+"""Dataset archives behind ``captioner download flickr8k|coco``: the shared archive loop and bounded
+zip extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum)
+is :mod:`captioner.network`.
 
 Each dataset's names are also grouped under its name, as the command uses them:
 ``flickr8k.select_archives``, ``flickr8k.prepare``, ``coco.ARCHIVES``... (:data:`flickr8k`, :data:`coco`).
@@ -88,7 +88,7 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
-from captioner.download import CHUNK, Bounds, download, file_digest, verify
+from captioner.network import CHUNK, Bounds, download, file_digest, verify
 from captioner.errors import DataError
 
 __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
