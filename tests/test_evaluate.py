@@ -221,8 +221,8 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
     assert main(base + ["--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["BLEU-4"] == saved["BLEU-4"] and printed["num_images"] == 6
-    assert main(base + ["--beam", "0"]) == 1
-    assert "captioner evaluate: error: --beam must be >= 1, got 0" in capsys.readouterr().err
+    assert main(base + ["--beam", "0"]) == 2  # refused while parsing
+    assert "captioner evaluate: error: argument --beam: must be between 1 and 10000, got 0" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tiny_shapes)]) == 1
     assert "none.safetensors" in capsys.readouterr().err
     assert main(["evaluate", "--help"]) == 0

@@ -298,7 +298,7 @@ def test_port_0_prints_the_port_it_got(tmp_path: Path, untrained_checkpoint) -> 
     ("--max-upload-mb", "inf", "argument --max-upload-mb: expected a finite number, got 'inf'"),
     ("--max-upload-mb", "-1", "argument --max-upload-mb: must be over 0 and at most 1024, got -1"),
     ("--max-upload-mb", "1e300", "argument --max-upload-mb: must be over 0 and at most 1024, got 1e300"),
-    ("--max-beam", "0", "argument --max-beam: must be between 1 and 100, got 0"),
+    ("--max-beam", "0", "argument --max-beam: must be between 1 and 10000, got 0"),
     ("--port", "-1", "argument --port: must be between 0 and 65535, got -1"),
 ])
 def test_serve_numbers_are_checked_before_anything_loads(option: str, value: str, message: str,

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 
 from captioner.commands.caption import add_common_arguments, add_style_arguments, checkpoints
-from captioner.commands.options import decoding_overrides
+from captioner.commands.options import decoding_overrides, int_range
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -31,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     add_style_arguments(parser)
-    parser.add_argument("--layer", type=int, default=None,
+    parser.add_argument("--layer", type=int_range(1, 1000), default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
-    parser.add_argument("--head", type=int, default=None,
+    parser.add_argument("--head", type=int_range(1, 1000), default=None,
                         help="Transformer: attention head shown, 1-based (default: the mean of all heads)")
     parser.add_argument("--stem", default="attention",
                         help="output file name stem, a plain name without folders (default: attention)")

@@ -53,15 +53,15 @@ def finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text[:40]!r}")
     return value
 
 
-FLAGS = {"beam": "beam_size", "max_len": "max_len"}
-MAX_BEAM = 100  # a wider beam multiplies memory and time for no better caption
-MAX_LEN = 1000  # words in a caption  # option dest -> DecodeOptions field
+FLAGS = {"beam": "beam_size", "max_len": "max_len"}  # option dest -> DecodeOptions field
+MAX_BEAM = 10_000  # beams (their memory with the caption length is checked when the search is planned)
+MAX_LEN = 100_000  # words in a caption
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "beam size; 1 = greedy") -> None:
