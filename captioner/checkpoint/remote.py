@@ -249,8 +249,10 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None, refresh: boo
                                       "(or anywhere, and give its path)") from None
             except DataError as exc:
                 raise CheckpointError(str(exc)) from None
-    finally:  # the lock file goes, and the cache folder with it when a failure left nothing to resume
+    finally:  # the lock file goes, and the cache folders with it when a failure left nothing to resume
         release_lock_file(lock_file(dest))
+        with contextlib.suppress(OSError):
+            dest.parent.parent.rmdir()  # <cache>/urls, when no other download is there
     if sha256 is None:
         digest = file_digest(dest)
         log.info("%s: SHA-256 %s (add #sha256=%s to the URL to check it next time)", shown, digest, digest)
