@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
     check_stem(args.stem, "--stem")  # the files must stay inside --out
+    from captioner.files import writable_folder
+
+    writable_folder(args.out, ConfigError)  # before the model loads
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)

@@ -205,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
         from captioner.viz.overlays import colormap_lut, write_overlays
 
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
+        from captioner.files import writable_folder
+
+        writable_folder(args.overlay, ConfigError)  # so does a folder that cannot be written
     from captioner.data.images import load_image
     from captioner.device import resolve_device
     from captioner.inference import load
