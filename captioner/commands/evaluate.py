@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a dataset with boxes, skip scoring attention along the reference captions "
                         "(saves encoding the images a second time)")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier evaluation of the same split in the output folder")
 
 
 def _num(value: object, digits: int = 4) -> str:
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
-        coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention, **decoding,
+        coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention,
+        overwrite=args.force, **decoding,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:
