@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -210,24 +210,29 @@ def default_decode_bytes() -> int:
 _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "La": 2, "PA": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3}
 
 
-def decode_cost(data: bytes, max_pixels: int | None) -> int:
-    """Bytes an upload may need while it is decoded, converted to RGB and captioned: its header's
-    pixels times three copies of its mode plus the RGB image and the 8-bit band, and its own bytes.
-    An image whose header does not parse, or over ``max_pixels``, costs its bytes (the decoder
-    refuses it)."""
+def decode_cost(data: bytes | BinaryIO, max_pixels: int | None) -> int:
+    """Bytes an upload (its bytes, or a seekable file of them) may need while it is decoded, converted
+    to RGB and captioned: its header's pixels times three copies of its mode plus the RGB image and
+    the 8-bit band, and its own bytes. Only the header is read. An image whose header does not parse,
+    or over ``max_pixels``, costs its bytes (the decoder refuses it)."""
     from PIL import Image
 
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    size = stream.seek(0, 2)
+    stream.seek(0)
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(stream) as im:
             width, height = im.size
             mode = im.mode
     except Exception:  # noqa: BLE001 - the decoder names what is wrong with it
-        return len(data)
+        return size
+    finally:
+        stream.seek(0)
     pixels = width * height
     if max_pixels is not None and pixels > max_pixels:
-        return len(data)
+        return size
     per_pixel = _MODE_BYTES.get(mode, 4 if not mode.startswith("I;16") else 2)
-    return pixels * (3 * per_pixel + 8) + len(data)
+    return pixels * (3 * per_pixel + 8) + size
 
 
 class DecodeBudget:

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from captioner.data.images import decode_image
-from captioner.errors import CaptionerError, ConfigError, one_line
+from captioner.errors import CaptionerError, ConfigError, ImageLoadError, one_line
 from captioner.files import MiB, size_text
 from captioner.inference import Captioner
 from captioner.share.examples import Example
@@ -119,10 +120,12 @@ def _check_choice(name: str, value: int, low: int, high: int) -> int:
     return value
 
 
-def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 3, n_best: int = 1,
+def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, beam: int = 3, n_best: int = 1,
                    limits: ServeLimits = ServeLimits()) -> dict:
-    """Caption uploaded image bytes: the n-best captions, each with its record and explorer page.
+    """Caption an uploaded image: the n-best captions, each with its record and explorer page.
 
+    ``data`` is the upload's bytes, or a seekable file holding them (the spooled upload): then only
+    its header is read until the decode budget is held, and its bytes are read under the budget too.
     The decoded image is held, from decoding to the answer, under the process-wide decode budget.
 
     Raises:
@@ -135,6 +138,11 @@ def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 
     t0 = time.perf_counter()
     budget = shared_budget(limits.decode_bytes, limits.queue_seconds)
     with budget.hold(decode_cost(data, limits.max_pixels), filename):
+        if not isinstance(data, bytes):
+            data.seek(0)
+            data = data.read(limits.max_bytes + 1)
+            if len(data) > limits.max_bytes:
+                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)})")
         return _caption_image(served, data, filename, beam, n_best, limits, t0)
 
 
@@ -210,11 +218,12 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         if served is None:
             return _error(404, f"no model named {model!r}; served: {', '.join(by_name)}")
         name = one_line(image.filename or "upload")[:200]
-        data = image.file.read(limits.max_bytes + 1)
-        if len(data) > limits.max_bytes:
+        upload = image.file  # spooled: in memory up to 1 MiB, on disk past it, read under the decode budget
+        size = upload.seek(0, 2)
+        if size > limits.max_bytes:
             return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
         try:
-            return JSONResponse(caption_upload(served, data, name, beam, n_best, limits))
+            return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits))
         except Refused as exc:
             return _error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
         except CaptionerError as exc:
