@@ -54,3 +54,21 @@ def test_a_lock_held_by_another_process_is_seen(tmp_path: Path) -> None:
         holder.kill()
         holder.wait()
     assert lock_is_free(lock, 2.0)  # the system dropped the dead holder's lock
+
+
+def test_release_lock_file_removes_a_free_lock_and_its_empty_folder(tmp_path: Path) -> None:
+    from captioner.files import release_lock_file
+
+    folder = tmp_path / "urls" / "abc"
+    folder.mkdir(parents=True)
+    lock = lock_file(folder / "model.safetensors")
+    with hold_lock(lock):
+        release_lock_file(lock)  # held (by another holder, as far as a new lock can tell): left alone
+        assert lock.exists()
+    (folder / "model.safetensors.part").write_bytes(b"x")  # something to resume: the folder stays
+    release_lock_file(lock)
+    assert not lock.exists() and folder.is_dir()
+    (folder / "model.safetensors.part").unlink()
+    lock.touch()
+    release_lock_file(lock)
+    assert not folder.exists()
