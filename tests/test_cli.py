@@ -51,3 +51,9 @@ def test_a_number_out_of_range_is_one_usage_line(argv: list[str], message: str, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_an_error_line_quotes_a_huge_value_by_a_prefix(capsys) -> None:
+    assert main(["train", "--preset", "sat_soft_tiny", "--set", "encoder.name=" + "x" * 1_000_000]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) <= 1100 and err.rstrip().endswith("...")
