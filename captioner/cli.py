@@ -48,7 +48,7 @@ class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line (``captioner train: error: ...``), exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {_short(message)} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_reporting_errors(f"captioner {args.command}", lambda: int(args._run(args) or 0), args._interrupted)
 
 
+MAX_MESSAGE = 1000  # characters of an error line: a bad value is quoted by a prefix, never whole
+
+
+def _short(message: str) -> str:
+    """``message`` on one line and at most :data:`MAX_MESSAGE` characters."""
+    text = one_line(message[:4 * MAX_MESSAGE])
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
+
+
 def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "interrupted") -> int:
     """``run()``'s exit code, or the one-line report of a failure: what every command line of the project does.
 
@@ -102,7 +111,7 @@ def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "
     try:
         return run()
     except CaptionerError as exc:
-        print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
+        print(f"{prog}: error: {_short(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
@@ -112,7 +121,7 @@ def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "
         return EXIT_BROKEN_PIPE
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"{prog}: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        print(f"{prog}: error: {_short(where + (exc.strerror or str(exc)))}", file=sys.stderr)
         return 1
 
 

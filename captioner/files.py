@@ -11,9 +11,8 @@ temporary ``.<name>.*.tmp`` in the same folder, fsync'ed, renamed over the targe
 ``os.replace``, then the folder itself fsync'ed so the rename survives a power cut.
 
 Two processes that would write the same file (a feature cache, a downloaded checkpoint) take turns
-with :func:`hold_lock`, an ``flock`` on ``<path>.lock`` (:func:`lock_file`) that the kernel drops
-when its holder dies, so a crash never leaves a file locked. Where ``flock`` does not exist (not
-POSIX) nothing is locked and the atomic rename alone protects readers.
+with :func:`hold_lock`, a ``filelock`` lock on ``<path>.lock`` (:func:`lock_file`) that the operating
+system drops when its holder dies, so a crash never leaves a file locked.
 """
 
 from __future__ import annotations
@@ -23,20 +22,16 @@ import errno
 import os
 import stat
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from filelock import FileLock, Timeout
+
 from captioner.errors import CaptionerError, CheckpointError
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: hold_lock locks nothing
-    fcntl = None  # type: ignore[assignment]
-
 __all__ = ["MiB", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file", "lock_is_free", "read_bytes",
-           "read_text", "safe_name", "size_text", "writable_folder"]
+           "read_text", "release_lock_file", "safe_name", "size_text", "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
@@ -280,23 +275,10 @@ def lock_file(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".lock")
 
 
-def _flock_within(fd: int, kind: int, timeout: float | None) -> bool:
-    """Take an flock of ``kind`` on ``fd``, trying every ``_LOCK_POLL`` s for ``timeout`` s (None: until it is free)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(_LOCK_POLL)
-
-
 @contextlib.contextmanager
 def hold_lock(lock: str | os.PathLike, timeout: float | None = None,
-              busy: Callable[[], Exception] | None = None) -> Iterator[int | None]:
-    """Hold an exclusive flock on the file ``lock`` (created when absent) for the ``with`` block.
+              busy: Callable[[], Exception] | None = None) -> Iterator[Path]:
+    """Hold an exclusive lock on the file ``lock`` (created when absent) for the ``with`` block.
 
     Args:
         lock: the lock file, usually :func:`lock_file` of what is written.
@@ -304,33 +286,37 @@ def hold_lock(lock: str | os.PathLike, timeout: float | None = None,
         busy: the error raised when ``timeout`` runs out (default: one naming the lock file).
 
     Yields:
-        The lock file's descriptor (a holder may write its pid there), or None where there is no
-        ``flock`` (not POSIX) and nothing is locked.
+        The lock file (a holder may write its pid there).
     """
-    if fcntl is None:
-        yield None
-        return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    held = FileLock(lock, timeout=-1 if timeout is None else max(0.0, timeout), poll_interval=_LOCK_POLL)
     try:
-        if not _flock_within(fd, fcntl.LOCK_EX, timeout):
-            raise (busy() if busy is not None else CaptionerError(f"{lock}: held by another process"))
-        try:
-            yield fd
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        held.acquire()
+    except Timeout:
+        raise (busy() if busy is not None else CaptionerError(f"{lock}: held by another process")) from None
+    try:
+        yield Path(lock)
     finally:
-        os.close(fd)
+        held.release()
 
 
 def lock_is_free(lock: str | os.PathLike, timeout: float) -> bool:
-    """True when nobody holds ``lock`` exclusively (after waiting up to ``timeout`` s), or it does not exist."""
-    if fcntl is None or not Path(lock).exists():
+    """True when nobody holds ``lock`` (after waiting up to ``timeout`` s), or it does not exist."""
+    if not Path(lock).exists():
         return True
-    fd = os.open(lock, os.O_RDONLY)
     try:
-        if not _flock_within(fd, fcntl.LOCK_SH, timeout):
-            return False
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return True
-    finally:
-        os.close(fd)
+        with hold_lock(lock, timeout):
+            return True
+    except CaptionerError:
+        return False
+
+
+def release_lock_file(lock: str | os.PathLike) -> None:
+    """Remove a lock file nobody holds, and its folder when that is left empty (after a failed write)."""
+    lock = Path(lock)
+    try:
+        with hold_lock(lock, 0.0):
+            lock.unlink(missing_ok=True)  # a waiter that opened it sees an unlinked file and opens a new one
+    except (CaptionerError, OSError):
+        return
+    with contextlib.suppress(OSError):
+        lock.parent.rmdir()

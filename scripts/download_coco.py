@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Kept for old instructions: the same as ``captioner download coco ARGS``, which holds the code
-(:mod:`captioner.data.downloads`).
+(:mod:`captioner.data.archives`).
 
     python scripts/download_coco.py --root data/coco --dry-run
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Kept for old instructions: the same as ``captioner download flickr8k ARGS``, which holds the code
-(:mod:`captioner.data.downloads`).
+(:mod:`captioner.data.archives`).
 
     python scripts/download_flickr8k.py --root data/flickr8k --dry-run
 """

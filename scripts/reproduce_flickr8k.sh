@@ -32,9 +32,9 @@ score() {  # run folder [checkpoints]: dev scores (coco-caption when Java and py
     local run=$1; shift  # the checkpoints: the run's own best, or an ensemble's members
     local checkpoints=("$@")
     [ ${#checkpoints[@]} -eq 0 ] && checkpoints=("$run/best.safetensors")
-    captioner evaluate "${checkpoints[@]}" --data "$DATA" --split dev --beam 3 --no-progress --out "$run" >/dev/null
+    captioner evaluate "${checkpoints[@]}" --data "$DATA" --split dev --beam 3 --no-progress --force --out "$run" >/dev/null
     if [ -n "$COCO_MINI" ]; then
-        captioner evaluate "${checkpoints[@]}" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress \
+        captioner evaluate "${checkpoints[@]}" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress --force \
             --no-coco-caption --out "$run/coco2017-mini" >/dev/null
     fi
 }

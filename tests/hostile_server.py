@@ -16,7 +16,8 @@ from contextlib import contextmanager
 class HostileHandler(http.server.BaseHTTPRequestHandler):
     """``/zeros``: ``limit`` zero bytes, no Content-Length; ``/huge``: announces ``limit`` bytes;
     ``/trickle``: one byte every ``gap`` seconds; ``/stall``: ``prefix`` bytes then nothing for
-    ``hold`` seconds; ``/short``: ``body`` cut to ``cut`` bytes without a length; ``/file``: ``body``."""
+    ``hold`` seconds; ``/short``: ``body`` cut to ``cut`` bytes without a length; ``/file``: ``body``;
+    ``/prefixed``: ``prefix`` then zeros, ``limit`` bytes in all, no Content-Length."""
 
     protocol_version = "HTTP/1.0"
     limit = 1 << 20
@@ -53,6 +54,14 @@ class HostileHandler(http.server.BaseHTTPRequestHandler):
             self._head()
             block = bytes(64 * 1024)
             for _ in range(cls.limit // len(block)):
+                if not self._write(block):
+                    return
+        elif name.startswith("prefixed"):
+            self._head()
+            if not self._write(cls.prefix):
+                return
+            block = bytes(64 * 1024)
+            for _ in range((cls.limit - len(cls.prefix)) // len(block)):
                 if not self._write(block):
                     return
         elif name.startswith("huge"):

@@ -33,3 +33,13 @@ def test_serve_benchmark_runs_and_reports_percentiles():
     figures = _load("bench_serve").serve_latency(quick=True)
     assert figures["requests"] == 5 and figures["words"] == 20  # untrained decoder: full-length captions
     assert 0 < figures["server_p50_seconds"] <= figures["p50_seconds"] <= figures["p95_seconds"]
+
+
+@pytest.mark.slow  # a server process under 4 uploads of 2000x2000 16-bit PNGs and 10 slow connections: about 25 s
+def test_serve_crowd_benchmark_stays_within_its_bounds():
+    pytest.importorskip("fastapi")
+    figures = _load("bench_serve").serve_crowd(quick=True)
+    assert figures["statuses"] == "200x4" and figures["real_ok"] == figures["real_requests"] > 0
+    assert figures["peak_rss_gb"] < 2.0 and figures["rest_rss_gb"] < 1.0
+    assert figures["slow_closed"] == figures["slow_connections"]  # the head deadline closed every one
+    assert figures["real_max_seconds"] < 2.0

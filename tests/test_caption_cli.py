@@ -108,7 +108,7 @@ def test_checkpoint_problems_are_one_line_errors(capsys, photos, tmp_path):
         assert code == 1 and out == []
         assert len(err) == 1 and err[0].startswith("captioner caption: error:") and ckpt.name in err[0]
     code, _, err = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(junk), "--beam", "0")
-    assert code == 1 and "--beam" in err[0]
+    assert code == 2 and "argument --beam: must be between 1 and 10000, got 0" in err[0]
 
 
 def test_overlay_option_writes_every_file_per_image(capsys, checkpoints, photos, tmp_path):

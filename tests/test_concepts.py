@@ -4,6 +4,7 @@ decoder that reads them, the guide term, the ``captioner concepts`` command, and
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -785,3 +786,89 @@ def test_captions_list_the_photos_top_concepts_with_their_maps():
     assert [w for w, _ in caption.concepts] == ["dog", "grass"] and caption.concept_maps.shape == (2, 3, 3)
     plain = SATDecoder(vocab_size=len(vocab), feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7).eval()
     assert top_concepts(plain, x, vocab, (3, 3)) == [(None, None), (None, None)]
+
+
+# ----------------------------------------------------------------------------- the command's checks come first
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--epochs", "0", "argument --epochs: must be between 1 and 10000, got 0"),
+    ("--epochs", "-2", "argument --epochs: must be between 1 and 10000, got -2"),
+    ("--hidden", "-5", "argument --hidden: must be between 0 and 65536, got -5"),
+    ("--hidden", "1e11", "argument --hidden: expected a whole number, got '1e11'"),
+    ("--hidden", "100000000000", "argument --hidden: must be between 0 and 65536, got 100000000000"),
+    ("--concepts", "0", "argument --concepts: must be between 1 and 100000, got 0"),
+    ("--folds", "-1", "argument --folds: must be between 0 and 100, got -1"),
+])
+def test_concepts_numbers_are_checked_while_parsing(tmp_path, capsys, option, value, message):
+    from captioner.cli import main
+
+    assert main(["concepts", "--preset", "sat_soft_demo", "--out", str(tmp_path / "c.safetensors"), option,
+                 value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="--epochs must be a whole number from 1 to 10000, got 0"):
+        learn_concepts_checks(epochs=0)
+
+
+def learn_concepts_checks(**kwargs):
+    from captioner.training.detectors import check_concept_options
+
+    check_concept_options(**{"k": 10, "epochs": 1, "hidden": 0, **kwargs})
+
+
+def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_path, capsys, monkeypatch):
+    from captioner.cli import main
+    from captioner.training import detectors
+
+    monkeypatch.setattr(detectors, "build_encoder", lambda *a, **k: pytest.fail("work started"))
+    common = ["--preset", "sat_soft_demo", "--data", str(tiny_shapes), "--set", "encoder.fine_tune=false"]
+    assert main(["concepts", *common, "--out", str(tmp_path)]) == 1
+    assert f"--out {tmp_path}: is a folder; give the file to write" in capsys.readouterr().err
+    existing = tmp_path / "c.safetensors"
+    existing.write_bytes(b"mine")
+    assert main(["concepts", *common, "--out", str(existing)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists; choose another --out or pass --force" in err
+    assert existing.read_bytes() == b"mine"
+    assert main(["concepts", *common, "--out", str(tmp_path / "new.safetensors"), "--boxes",
+                 str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+def test_concepts_without_a_preset_say_what_they_download(tmp_path, capsys, caplog, monkeypatch):
+    from captioner.cli import main
+    from captioner.training import detectors
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing downloaded there
+    monkeypatch.setenv("CAPTIONER_OFFLINE", "1")
+    assert main(["concepts", "--data", str(tmp_path), "--out", str(tmp_path / "c.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no --preset: the default encoder needs resnet101 ResNet101_Weights" in err
+    assert "offline mode is on (CAPTIONER_OFFLINE); use --preset sat_soft_lite" in err
+    monkeypatch.delenv("CAPTIONER_OFFLINE")
+    monkeypatch.setattr(detectors, "learn_concepts", lambda *a, **k: "(stopped before any download)")
+    with caplog.at_level("WARNING"):
+        assert main(["concepts", "--data", str(tmp_path), "--out", str(tmp_path / "c.safetensors")]) == 0
+    said = [r.getMessage() for r in caplog.records if "no --preset" in r.getMessage()]
+    assert len(said) == 1 and "downloads resnet101 ResNet101_Weights" in said[0]
+    assert "--preset sat_soft_lite needs no download" in said[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("{not json", "its 'extra' metadata is not JSON"),
+    ("[1, 2]", "its 'extra' metadata must be a JSON object, not a list"),
+])
+def test_a_concepts_file_with_bad_extra_metadata_is_one_line(tmp_path, extra, message):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    head = ConceptHead(D, ["dog", "ball"], hidden_dim=6).eval()
+    path = save_concepts(head, tmp_path / "c.safetensors", {"dev_map": 0.5})
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    save_file(load_file(str(path)), str(path), metadata={**meta, "extra": extra})
+    with pytest.raises(CheckpointError, match=re.escape(f"concepts file {path} cannot be read: {message}")):
+        load_concepts(path)

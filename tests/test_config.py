@@ -355,3 +355,39 @@ def test_family_properties_replace_name_branches():
     train = TrainConfig(alpha_c=1.5)
     assert CaptionLoss.from_config(train, soft, pad_id=0).alpha_c == 1.5
     assert CaptionLoss.from_config(train, transformer, pad_id=0).alpha_c == 0.0
+
+
+def _yaml_bomb(levels: int) -> str:
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + f"\ntrain: {{epochs: *l{levels - 1}}}\n"  # the error comes before the unknown keys
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_and_in_one_line(tmp_path: Path, capsys) -> None:
+    import time
+
+    from captioner.cli import main
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_yaml_bomb(9))  # 9 ** 9: 387 million strings from 400 bytes
+    assert len(bomb.read_bytes()) < 1000
+    start = time.process_time()
+    assert main(["train", "--preset", "sat_soft_tiny", "--config", str(bomb)]) == 1
+    assert time.process_time() - start < 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bomb}: expands to more than 100000 values (YAML aliases" in err
+    many = tmp_path / "many.yaml"
+    many.write_text("a: &a 1\nb: [" + ", ".join(["*a"] * 101) + "]\n")
+    assert main(["train", "--preset", "sat_soft_tiny", "--config", str(many)]) == 1
+    assert "more than 100 YAML aliases (*name); write the values out" in capsys.readouterr().err
+
+
+def test_a_bad_value_is_quoted_by_a_short_prefix(tmp_path: Path, capsys) -> None:
+    from captioner.cli import main
+
+    big = tmp_path / "big.yaml"
+    big.write_text("train: {epochs: [&a [" + ", ".join(['"' + "y" * 1000 + '"'] * 50) + "], *a, *a, *a]}\n")
+    assert main(["train", "--preset", "sat_soft_tiny", "--config", str(big)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.epochs: got [[" in err and len(err) < 300

@@ -16,8 +16,8 @@ import pytest
 from range_server import serve
 
 from captioner.cli import main as captioner_main
-from captioner.data import downloads
-from captioner.data.downloads import ArchiveBounds, open_zip, write_members
+from captioner.data import archives
+from captioner.data.archives import ArchiveBounds, open_zip, write_members
 from captioner.errors import DataError
 
 TOKEN = b"101_a.jpg#0\ta caption .\n"
@@ -54,7 +54,7 @@ def test_a_zip_bomb_stops_at_the_ratio_and_leaves_nothing(tmp_path: Path, capsys
         assert _run(root, mirror, "--only", "images") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("captioner download: error: ")
-    assert "member 'Flicker8k_Dataset/bomb.jpg' expands more than 200 times its" in err and "(a zip bomb?)" in err
+    assert f"its members state {(16 << 20) + 8} bytes in all from" in err and "more than 200 times (a zip bomb?)" in err
     assert "Flickr8k_Dataset.zip was removed: run again to download it again" in err
     assert _left(root) == []  # no image, no .tmp, no zip, no recorded SHA-256
 
@@ -65,13 +65,64 @@ def test_member_and_total_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with open_zip(path) as zf:
         with pytest.raises(DataError, match=r"member 'a\.bin' states 600 bytes, over the limit of 500 bytes"):
             write_members(zf, path, tmp_path / "out", [("a.bin", "a.bin")], ArchiveBounds(member_bytes=500))
-        with pytest.raises(DataError, match=r"member 'b\.bin' states 600 bytes, over the limit of 400 bytes"):
+        with pytest.raises(DataError, match=r"its members state 1200 bytes in all, over the limit of 1000 bytes"):
             write_members(zf, path, tmp_path / "out", [("a.bin", "a.bin"), ("b.bin", "b.bin")],
                           ArchiveBounds(total_bytes=1000))
     assert _left(tmp_path / "out") == []  # a.bin, written first, is removed with the failure
-    monkeypatch.setattr(downloads, "BOUNDS", ArchiveBounds(member_bytes=500))
+    monkeypatch.setattr(archives, "BOUNDS", ArchiveBounds(member_bytes=500))
     with open_zip(path) as zf, pytest.raises(DataError, match="over the limit of 500 bytes"):
         write_members(zf, path, tmp_path / "out", [("a.bin", "a.bin")])
+
+
+def test_a_bomb_spread_over_many_members_is_bounded_over_all_of_them(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    block = bytes(1 << 20)  # each member exactly at the per-member floor: only the whole archive's ratio sees it
+    bomb = _zip({f"Flicker8k_Dataset/{i:04d}.jpg": block for i in range(300)})
+    assert len(bomb) < 1 << 20
+    root = tmp_path / "f8k"
+    with serve({"Flickr8k_Dataset.zip": bomb}, "m") as (mirror, _):
+        assert _run(root, mirror, "--only", "images") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"its members state {300 << 20} bytes in all from" in err
+    assert "more than 200 times (a zip bomb?)" in err
+    assert _left(root) == []  # nothing extracted, no recorded SHA-256
+
+
+def test_members_that_understate_their_size_are_counted_as_they_are_written(tmp_path: Path) -> None:
+    path = tmp_path / "a.zip"
+    path.write_bytes(_zip({f"m{i}.bin": bytes(600 << 10) for i in range(4)}))
+    bounds = ArchiveBounds(ratio=2.0, ratio_floor=1 << 20)
+    with open_zip(path) as zf:
+        for info in zf.infolist():  # as a crafted central directory would say: 1 byte each
+            info.file_size = 1
+        archives._check_stated(zf, path, zf.namelist(), bounds)  # the stated sizes pass
+        budget = archives._Budget(path, bounds)
+        with pytest.raises(DataError, match=r"up to member 'm1\.bin' it expands to \d+ bytes in all from \d+ "
+                                            r"compressed bytes, more than 2 times"):
+            for info in zf.infolist():
+                zf.getinfo(info.filename).file_size = 600 << 10  # zipfile stops at the stated size otherwise
+                archives._copy_member(zf, info, tmp_path / "x.tmp", path, bounds, budget)
+
+
+def test_a_full_disk_while_extracting_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    class Full(io.BytesIO):
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    good = _zip({"Flickr8k.token.txt": TOKEN})
+    root = tmp_path / "f8k"
+    with serve({"Flickr8k_text.zip": good}, "m") as (mirror, _):
+        real_open = open
+        monkeypatch.setattr(archives, "open", lambda p, mode="r", *a, **k: Full() if str(p).endswith(".tmp")
+                            else real_open(p, mode, *a, **k), raising=False)
+        assert _run(root, mirror, "--only", "text") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Flickr8k.token.txt.tmp: cannot write while extracting" in err
+    assert "(No space left on device)" in err and "free some space and run again" in err
+    assert _left(root) == []
 
 
 @pytest.mark.parametrize("damage, reason", [

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import captioner
-from captioner import download as dl
+from captioner import network as dl
 from captioner.checkpoint import remote
 from captioner.checkpoint.remote import resolve_checkpoint, url_cache_path
 from captioner.cli import main
-from captioner.download import Bounds, download
+from captioner.network import Bounds, download
 from captioner.errors import CheckpointError, ConfigError, DataError
 from hostile_server import hostile
 
@@ -55,6 +55,52 @@ def test_a_stream_of_zeros_stops_after_its_first_bytes(isolated: Path) -> None:
             resolve_checkpoint(f"{url}/zeros/model.safetensors")
         assert time.monotonic() - start < 3
     assert handler.sent < 32 << 20 and _files(isolated) == []
+
+
+def _safetensors_head(header: dict) -> bytes:
+    import json
+
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
+def _metadata(ckpt: bytes) -> dict:
+    import json
+
+    length = int.from_bytes(ckpt[:8], "little")
+    return json.loads(ckpt[8:8 + length])["__metadata__"]
+
+
+def test_first_bytes_are_checked_against_what_the_loader_accepts(ckpt: bytes, isolated: Path) -> None:
+    announced = 1000 << 20
+    big = _safetensors_head({"__metadata__": _metadata(ckpt),
+                             "w": {"dtype": "U8", "shape": [announced], "data_offsets": [0, announced]}})
+    cases = {  # path -> (first bytes, then zeros up to 256 MiB; the error)
+        "pickle": (b"\x80\x02", r"refused: not a checkpoint \(pickle data without torch.save's magic number\)"),
+        "foreign": (_safetensors_head({"w": {"dtype": "U8", "shape": [announced], "data_offsets": [0, announced]}}),
+                    r"not a captioner checkpoint \(format='None'\)"),
+        "zip": (b"PK\x03\x04" + bytes(22) + (8).to_bytes(2, "little") + bytes(2) + b"evil.exe",
+                r"a zip whose first member is not torch.save's data.pkl\)"),
+        "big": (big, rf"too large: {len(big) + announced} bytes where its header states it, the limit is "
+                     r"67108864 bytes"),
+    }
+    remote.URL_BOUNDS = Bounds(max_bytes=64 << 20, timeout=5, window=0.5)  # restored by the fixture
+    for name, (prefix, message) in cases.items():
+        with hostile(limit=256 << 20, prefix=prefix) as (url, handler):
+            start = time.monotonic()
+            with pytest.raises(CheckpointError, match=message + r"; nothing was kept"):
+                resolve_checkpoint(f"{url}/prefixed/{name}.safetensors", progress=False)
+            assert time.monotonic() - start < 5
+        assert handler.sent < 32 << 20, name  # stopped at its first bytes, not at the 64 MiB cap
+        assert not (isolated / "urls").exists(), name  # no file, no lock, not even an empty folder
+
+
+def test_a_length_that_differs_from_the_header_is_refused_at_once(ckpt: bytes, isolated: Path) -> None:
+    with hostile(body=ckpt + bytes(10 << 20)) as (url, handler):
+        with pytest.raises(CheckpointError, match=rf"the server sends {len(ckpt) + (10 << 20)} bytes, the "
+                                                  rf"file's header says {len(ckpt)}; nothing was kept"):
+            resolve_checkpoint(f"{url}/file/model.safetensors", progress=False)
+    assert not (isolated / "urls").exists()
 
 
 def test_a_body_past_max_bytes_is_cut_off_and_removed(tmp_path: Path) -> None:

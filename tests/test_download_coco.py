@@ -13,8 +13,8 @@ import pytest
 from range_server import RangeHandler, serve
 
 from captioner.cli import main as captioner_main
-from captioner.data.downloads import coco as dc
-from captioner.download import download
+from captioner.data.archives import coco as dc
+from captioner.network import download
 from captioner.errors import DataError
 
 

@@ -218,11 +218,16 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
     assert "0-1 scale" in table and re.search(r"METEOR +unavailable", table)
     assert f"wrote {tmp_path / 'metrics_test.json'}" in table
     assert f"wrote {tmp_path / 'captions_test_results.json'}" in table
-    assert main(base + ["--json"]) == 0
+    before = (tmp_path / "metrics_test.json").read_bytes()
+    assert main(base + ["--json", "--beam", "2"]) == 1  # an earlier evaluation is not replaced silently
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds metrics_test.json and captions_test_results.json" in err
+    assert "pass --force to replace them" in err and (tmp_path / "metrics_test.json").read_bytes() == before
+    assert main(base + ["--json", "--force"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["BLEU-4"] == saved["BLEU-4"] and printed["num_images"] == 6
-    assert main(base + ["--beam", "0"]) == 1
-    assert "captioner evaluate: error: --beam must be >= 1, got 0" in capsys.readouterr().err
+    assert main(base + ["--beam", "0"]) == 2  # refused while parsing
+    assert "captioner evaluate: error: argument --beam: must be between 1 and 10000, got 0" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tiny_shapes)]) == 1
     assert "none.safetensors" in capsys.readouterr().err
     assert main(["evaluate", "--help"]) == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import yaml
 from PIL import Image
 
 from captioner.cli import main
-from captioner.errors import DataError
+from captioner.errors import CheckpointError, DataError
 from range_server import serve
 
 METRICS = {"BLEU-1": 0.63, "BLEU-4": 0.2077, "METEOR": 0.196, "ROUGE-L": 0.46, "CIDEr-D": 0.526,
@@ -148,6 +149,32 @@ def test_a_failure_midway_removes_what_the_export_wrote(run_dir: Path, tmp_path:
     with pytest.raises(DataError, match="could not be rendered"):
         model_card.export_run(run_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_full_disk_leaves_no_empty_folder(run_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    import errno
+
+    from captioner.share import model_card
+
+    def full(src: Path, dest: Path) -> None:
+        raise CheckpointError(f"{dest}: cannot write ({os.strerror(errno.ENOSPC)})")
+
+    monkeypatch.setattr(model_card, "_copy_into", full)
+    out = tmp_path / "new" / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors: cannot write (No space left on device)" in err
+    assert not (tmp_path / "new").exists()  # neither export/ nor the new/ made for it
+
+
+def test_two_metrics_files_for_one_split_are_refused(run_dir: Path, tmp_path: Path, capsys) -> None:
+    (run_dir / "metrics_dev2.json").write_text(json.dumps(METRICS))  # also says "split": "dev"
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "metrics_dev.json and metrics_dev2.json both hold split 'dev'; keep one of them" in err
+    assert not out.exists()
 
 
 def test_repo_ids_are_checked_and_the_default_is_made_safe(tmp_path: Path, run_dir: Path, capsys) -> None:

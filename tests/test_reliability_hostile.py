@@ -544,7 +544,7 @@ def test_13_json_lines_are_valid_utf8_and_plain_lines_unambiguous(tmp_path: Path
 
 def test_13_usage_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture) -> None:
     assert one_error(capsys, ["caption", "--beam", "abc", "x.png", "-c", "m"], code=2) == \
-        "captioner caption: error: argument --beam: invalid int value: 'abc' (see 'captioner caption --help')"
+        "captioner caption: error: argument --beam: expected a whole number, got 'abc' (see 'captioner caption --help')"
     assert one_error(capsys, ["train", "--nope"], code=2).startswith("captioner: error: unrecognized arguments")
     assert one_error(capsys, ["frobnicate"], code=2).startswith("captioner: error: argument COMMAND: invalid choice")
 
@@ -568,5 +568,5 @@ def test_worker_counts_are_bounded_so_a_typo_cannot_fork_thousands_of_processes(
         get_preset("sat_soft_tiny", **{"data.num_workers": 100000})
     from captioner.cli import main
 
-    assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tmp_path), "--workers", "100000"]) == 1
-    assert f"--workers must be between 0 and {MAX_WORKERS}, got 100000" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "none.safetensors"), "--data", str(tmp_path), "--workers", "100000"]) == 2
+    assert f"argument --workers: must be between 0 and {MAX_WORKERS}, got 100000" in capsys.readouterr().err

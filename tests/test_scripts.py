@@ -18,7 +18,7 @@ HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "fli
                 "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
                 "experiments/reading_step_attention.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
-NOT_RUN = ("download_common.py", "gpu_summary.py", "benchmarks/timing.py")
+NOT_RUN = ("gpu_summary.py", "benchmarks/timing.py")
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:

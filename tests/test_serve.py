@@ -191,17 +191,19 @@ def test_cli_errors_and_the_host_warning(tmp_path: Path, untrained_checkpoint, c
     import uvicorn
 
     ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
-    assert main(["serve", "-c", str(ckpt), "--port", "70000"]) == 1
-    assert "--port must be between 0 and 65535" in capsys.readouterr().err
+    assert main(["serve", "-c", str(ckpt), "--port", "70000"]) == 2  # refused while parsing, before the load
+    assert "argument --port: must be between 0 and 65535, got 70000" in capsys.readouterr().err
     assert main(["serve", "-c", str(tmp_path / "missing.safetensors")]) == 1
     assert "missing.safetensors: checkpoint not found" in capsys.readouterr().err
     assert main(["serve", "-c", str(ckpt), "--examples", str(tmp_path / "none")]) == 1
     assert "--examples must be a folder" in capsys.readouterr().err
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: calls.append(
+        {"host": server.config.host, "port": sockets[0].getsockname()[1]}))
     with caplog.at_level("WARNING"):
         assert main(["serve", "-c", str(ckpt), "--host", "0.0.0.0", "--port", "0"]) == 0
-    assert calls and calls[0]["host"] == "0.0.0.0"
+    assert calls and calls[0]["host"] == "0.0.0.0" and calls[0]["port"] > 0
+    assert f"on http://0.0.0.0:{calls[0]['port']} " in capsys.readouterr().out  # the port it got, not 0
     assert any("anyone who can reach this machine" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("WARNING"):

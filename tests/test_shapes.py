@@ -167,3 +167,38 @@ def test_make_shapes_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     with pytest.raises(SystemExit):
         parser.parse_args(["--images", "0"])
     assert command.NAME == "make-shapes" and "make-shapes" in command.EXAMPLES
+
+
+def test_make_shapes_never_rewrites_a_dataset_without_force(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from captioner.cli import main
+    from captioner.data import shapes
+
+    out = tmp_path / "s"
+    assert main(["make-shapes", "--out", str(out), "--images", "12", "--image-size", "32"]) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["make-shapes", "--out", str(out), "--images", "5", "--image-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out}: already holds a dataset (" in err and "pass --force" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # untouched
+    (out / "notes.txt").write_text("mine")
+    assert main(["make-shapes", "--out", str(out), "--images", "5", "--image-size", "32", "--force"]) == 0
+    assert len(list((out / "images").glob("*.png"))) == 5  # the old 12 do not linger as orphans
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (command.MAX_IMAGES, command.MAX_IMAGE_SIZE, command.MAX_UNSEEN_PAIRS) == (
+        shapes.MAX_IMAGES, shapes.MAX_IMAGE_SIZE, shapes.MAX_UNSEEN_PAIRS)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--images", "2", "argument --images: must be between 3 and 10000000, got 2"),
+    ("--image-size", "1e3", "argument --image-size: expected a whole number, got '1e3'"),
+    ("--seed", "-1", "argument --seed: must be between 0 and"),
+    ("--unseen-pairs", "19", "argument --unseen-pairs: must be between 0 and 18, got 19"),
+])
+def test_make_shapes_numbers_are_checked_while_parsing(tmp_path: Path, capsys: pytest.CaptureFixture, option: str,
+                                                      value: str, message: str) -> None:
+    from captioner.cli import main
+
+    assert main(["make-shapes", "--out", str(tmp_path / "s"), option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not (tmp_path / "s").exists()

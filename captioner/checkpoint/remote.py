@@ -20,7 +20,7 @@ What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (pl
 changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
 SHA-256 is logged so that it can be pinned next time), and redirects, also to other hosts (as
 release downloads use them). A download is limited to :data:`MAX_URL_BYTES` and abandoned when it
-stalls (:class:`captioner.download.Bounds`); its first bytes must be a safetensors header (or
+stalls (:class:`captioner.network.Bounds`); its first bytes must be a safetensors header (or
 ``torch.save`` data), and its length the one that header states, before it is kept. A cached file
 that fails to load names itself: delete it, or load again with ``refresh=True`` (``--refresh``).
 User names and passwords in a URL are never shown in messages.
@@ -42,10 +42,10 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC
-from captioner.download import Bounds, DownloadError, Refused, download, file_digest, redact
+from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC, check_header
+from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact
 from captioner.errors import CheckpointError, ConfigError, DataError
-from captioner.files import hold_lock, lock_file
+from captioner.files import hold_lock, lock_file, release_lock_file
 
 __all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "MAX_URL_BYTES", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec",
            "cache_root", "cached_hint", "checkpoint_head", "is_remote", "offline", "parse_hub", "resolve_checkpoint",
@@ -152,12 +152,29 @@ def parse_hub(spec: str) -> HubSpec:
     return HubSpec(f"{parts[0]}/{repo}", filename, revision or None)
 
 
+TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."  # the first pickle of a legacy torch.save file
+
+
 def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
-    """The :data:`captioner.download.Inspect` of a checkpoint: its first bytes must be a safetensors
-    header (whose tensor offsets give the file's size) or ``torch.save`` data (a zip or a pickle)."""
+    """The :data:`captioner.network.Inspect` of a checkpoint, from its first bytes: a safetensors header
+    that is a captioner checkpoint's (its tensor offsets give the file's size), a ``torch.save`` zip
+    whose first member is its ``data.pkl``, or a legacy ``torch.save`` stream (its magic number)."""
     if len(head) < 9:
         return False, None
-    if head[:4] == ZIP_MAGIC or (head[0] == 0x80 and 2 <= head[1] <= 5):
+    if head[:4] == ZIP_MAGIC:
+        if len(head) < 30:
+            return False, None
+        name_len = int.from_bytes(head[26:28], "little")
+        if len(head) < 30 + name_len:
+            return False, None
+        if not head[30:30 + name_len].endswith(b"/data.pkl"):
+            raise Refused("not a checkpoint (a zip whose first member is not torch.save's data.pkl)")
+        return True, None
+    if head[0] == 0x80 and 2 <= head[1] <= 5:
+        if len(head) < len(TORCH_MAGIC):
+            return False, None
+        if not head.startswith(TORCH_MAGIC):
+            raise Refused("refused: not a checkpoint (pickle data without torch.save's magic number)")
         return True, None
     length = int.from_bytes(head[:8], "little")
     if head[8:9] != b"{" or length > MAX_HEADER_BYTES:
@@ -167,10 +184,21 @@ def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
         return False, None
     try:
         header = json.loads(head[8:8 + length])
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]))
+                       for k, v in header.items() if k != "__metadata__")
+        meta = header.get("__metadata__") or {}
+        check_header(Path("the download"), meta)
+    except CheckpointError as exc:
+        reason = str(exc).removeprefix("the download: ")
+        raise Refused(reason if reason.startswith("not a") else f"not a captioner checkpoint ({reason})") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise Refused(f"not a checkpoint (a corrupt safetensors header: {type(exc).__name__})") from None
-    return True, 8 + length + max(ends, default=0)
+    end = 0
+    for start, stop in spans:  # safetensors lays tensors end to end, from offset 0
+        if start != end or stop < start:
+            raise Refused("not a checkpoint (its safetensors header has gaps or overlaps between tensors)")
+        end = stop
+    return True, 8 + length + end
 
 
 def cached_hint(spec: object, path: Path) -> str:
@@ -208,18 +236,23 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None, refresh: boo
     except OSError as exc:
         raise CheckpointError(f"{dest.parent}: cannot create the checkpoint cache ({exc.strerror or exc}); "
                               f"set {CACHE_ENV} to a writable folder") from None
-    with hold_lock(lock_file(dest)):  # two processes never write the same .part file
-        if dest.is_file():  # another process finished it while we waited for the lock
-            return _fetch_url(url, sha256, progress)
-        log.info("downloading %s -> %s", shown, dest)
-        try:
-            download(url, dest, checksum=sha256, algorithm="sha256", progress=_show_progress(progress),
-                     error=CheckpointError, retries=URL_RETRIES, bounds=URL_BOUNDS, inspect=checkpoint_head)
-        except DownloadError as exc:
-            raise CheckpointError(f"{exc}; nothing is cached at {dest}: fetch the file there by hand "
-                                  "(or anywhere, and give its path)") from None
-        except DataError as exc:
-            raise CheckpointError(str(exc)) from None
+    try:
+        with hold_lock(lock_file(dest)):  # two processes never write the same .part file
+            if dest.is_file():  # another process finished it while we waited for the lock
+                return _fetch_url(url, sha256, progress)
+            log.info("downloading %s -> %s", shown, dest)
+            try:
+                download(url, dest, checksum=sha256, algorithm="sha256", progress=_show_progress(progress),
+                         error=CheckpointError, retries=URL_RETRIES, bounds=URL_BOUNDS, inspect=checkpoint_head)
+            except DownloadError as exc:
+                raise CheckpointError(f"{exc}; nothing is cached at {dest}: fetch the file there by hand "
+                                      "(or anywhere, and give its path)") from None
+            except DataError as exc:
+                raise CheckpointError(str(exc)) from None
+    finally:  # the lock file goes, and the cache folders with it when a failure left nothing to resume
+        release_lock_file(lock_file(dest))
+        with contextlib.suppress(OSError):
+            dest.parent.parent.rmdir()  # <cache>/urls, when no other download is there
     if sha256 is None:
         digest = file_digest(dest)
         log.info("%s: SHA-256 %s (add #sha256=%s to the URL to check it next time)", shown, digest, digest)

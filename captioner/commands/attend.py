@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 
 from captioner.commands.caption import add_common_arguments, add_style_arguments, checkpoints
-from captioner.commands.options import decoding_overrides
+from captioner.commands.options import decoding_overrides, int_range
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--out", default="overlays", metavar="DIR", help="output folder (created; default: overlays)")
     add_style_arguments(parser)
-    parser.add_argument("--layer", type=int, default=None,
+    parser.add_argument("--layer", type=int_range(1, 1000), default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
-    parser.add_argument("--head", type=int, default=None,
+    parser.add_argument("--head", type=int_range(1, 1000), default=None,
                         help="Transformer: attention head shown, 1-based (default: the mean of all heads)")
     parser.add_argument("--stem", default="attention",
                         help="output file name stem, a plain name without folders (default: attention)")
@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
     colormap_lut(args.cmap)  # bad names and values fail before any work
     check_stem(args.stem, "--stem")  # the files must stay inside --out
+    from captioner.files import writable_folder
+
+    writable_folder(args.out, ConfigError)  # before the model loads
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)

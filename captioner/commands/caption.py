@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from captioner.commands.options import add_decoding_arguments, decoding_overrides, finite_float
+from captioner.commands.options import add_decoding_arguments, decoding_overrides, float_range, int_range
 
 NAME = "caption"
 HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"
@@ -83,7 +83,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders of images, or globs")
     add_common_arguments(parser)
-    parser.add_argument("--batch-size", type=int, default=8, help="images per decoding batch (default: 8)")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=8,
+                        help="images per decoding batch, 1 to 4096 (default: 8)")
     parser.add_argument("--json", action="store_true",
                         help='JSON lines: {"path", "caption", "score", "tokens", "seconds"}')
     parser.add_argument("--overlay", metavar="DIR", default=None,
@@ -98,7 +99,7 @@ def add_style_arguments(parser: argparse.ArgumentParser) -> None:
                              "heat: a colour map over the photo, transparent where the word did not look")
     parser.add_argument("--cmap", default="viridis",
                         help="colour map of the heat style (matplotlib name, default: viridis)")
-    parser.add_argument("--alpha", type=finite_float, default=0.75,
+    parser.add_argument("--alpha", type=float_range(0, 1), default=0.75,
                         help="strength 0..1: the darkest dimming (light) or the opacity at the top (heat) (default: 0.75)")
 
 
@@ -218,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
         from captioner.viz.overlays import colormap_lut, write_overlays
 
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
+        from captioner.files import writable_folder
+
+        writable_folder(args.overlay, ConfigError)  # so does a folder that cannot be written
     from captioner.data.images import load_image
     from captioner.device import resolve_device
     from captioner.inference import decode_options, load

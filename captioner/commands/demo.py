@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from captioner.commands.options import finite_float
+from captioner.commands.options import MAX_BEAM, float_range, int_range
 
 NAME = "demo"
 HELP = ("generate synthetic scenes, train SAT-soft, SAT-hard and the Transformer on a time budget, "
@@ -25,22 +25,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None,
                         help="synthetic-scenes folder; generated when absent (default: data/shapes, "
                              "or data/shapes_unseen<K> with --unseen-pairs K)")
-    parser.add_argument("--images", type=int, default=None,
+    parser.add_argument("--images", type=int_range(30, 10_000_000), default=None,
                         help="scenes to generate when the folder is absent (default: 3000; --quick: 400)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the scenes and of training (default: 0)")
+    parser.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the scenes and of training (default: 0)")
     parser.add_argument("--budget", default=None,
                         help="training seconds: one number for every decoder, or decoder=seconds pairs "
                              "(default: sat_soft=120,sat_hard=120,transformer=45; --quick: 15 each)")
-    parser.add_argument("--encoder-budget", type=finite_float, default=None,
+    parser.add_argument("--encoder-budget", type=float_range(0, 10**7, low_open=True), default=None,
                         help="seconds of word-detector pretraining of the shared CNN (default: 60; --quick: 10)")
-    parser.add_argument("--jobs", type=int, default=None,
+    parser.add_argument("--jobs", type=int_range(1, 256), default=None,
                         help="decoders trained at the same time, one process each (default: one per core on "
                              "CPU, 1 on GPU)")
     parser.add_argument("--decoders", default="sat_soft,sat_hard,transformer",
                         help="comma-separated decoders to train (default: sat_soft,sat_hard,transformer)")
     parser.add_argument("--out", default="runs/demo", help="output folder for runs and the report (default: runs/demo)")
-    parser.add_argument("--overlays", type=int, default=4, help="test images shown with overlays per decoder (default: 4)")
-    parser.add_argument("--beam", type=int, default=None, help="beam size for the test captions (default: 3, as everywhere)")
+    parser.add_argument("--overlays", type=int_range(0, 1000), default=4, help="test images shown with overlays per decoder (default: 4)")
+    parser.add_argument("--beam", type=int_range(1, MAX_BEAM), default=None, help="beam size for the test captions (default: 3, as everywhere)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--quick", action="store_true", help="tiny run: fewer scenes, short budgets, small models")
     parser.add_argument("--scst", action="store_true",
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder-from-captions", action="store_true",
                         help="pretrain the CNN's word detectors from the captions alone (no boxes, no recoloured "
                              "images), for comparison")
-    parser.add_argument("--unseen-pairs", type=int, default=0, metavar="K",
+    parser.add_argument("--unseen-pairs", type=int_range(0, 18), default=0, metavar="K",
                         help="compositional split: K colour-shape pairs only in test (scenes in "
                              "data/shapes_unseen<K> unless --data); the table adds objects right for seen and "
                              "unseen pairs")

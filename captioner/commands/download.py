@@ -2,7 +2,7 @@
 
 Downloads are resumable (``ROOT/downloads/<name>.part`` and HTTP Range: run the same command
 again), checked (sizes and checksums where known) and extracted only into ``--root``; what is
-already extracted is skipped. The datasets are described in :mod:`captioner.data.downloads`.
+already extracted is skipped. The datasets are described in :mod:`captioner.data.archives`.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     if args.dataset == "flickr8k":
-        from captioner.data.downloads import flickr8k as dataset
+        from captioner.data.archives import flickr8k as dataset
 
         archives = dataset.select_archives(args.only, args.mirror, dataset.parse_sha256(args.sha256))
     else:
-        from captioner.data.downloads import coco as dataset
+        from captioner.data.archives import coco as dataset
 
         archives = dataset.select_archives(args.only, args.mirror, args.instances)
     actions = dataset.prepare(Path(args.root), archives, dry_run=args.dry_run, keep_archives=args.keep_archives,

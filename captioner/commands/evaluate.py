@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from captioner.commands.options import add_decoding_arguments, decoding_overrides
+from captioner.commands.options import add_decoding_arguments, decoding_overrides, int_range
 from captioner.config.schema import MAX_WORKERS
 
 NAME = "evaluate"
@@ -34,11 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", default=None, metavar="DIR", help="image folder when it is not where the layout puts it")
     parser.add_argument("--split", default="test", metavar="NAME", help="split to score (default: test)")
     add_decoding_arguments(parser)
-    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="images per decoding batch (default: 32)")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32, metavar="N", help="images per decoding batch (default: 32)")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the checkpoint's folder)")
-    parser.add_argument("--max-images", type=int, default=None, metavar="N", help="score only the first N images")
+    parser.add_argument("--max-images", type=int_range(1, 10**9), default=None, metavar="N", help="score only the first N images")
     parser.add_argument("--skip-missing", action="store_true", help="skip missing or unreadable images")
-    parser.add_argument("--workers", type=int, default=0, metavar="N", help="DataLoader workers for image decoding")
+    parser.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0, metavar="N", help="DataLoader workers for image decoding")
     parser.add_argument("--device", default="auto", metavar="NAME", help="cpu, cuda, cuda:1 or auto (default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-meteor", action="store_true", help="skip METEOR (saves starting Java)")
@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a dataset with boxes, skip scoring attention along the reference captions "
                         "(saves encoding the images a second time)")
     parser.add_argument("--json", action="store_true", help="print the metrics as JSON instead of a table")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier evaluation of the same split in the output folder")
 
 
 def _num(value: object, digits: int = 4) -> str:
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
-        coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention, **decoding,
+        coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention,
+        overwrite=args.force, **decoding,
     )
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:

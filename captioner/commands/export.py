@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.commands.options import MAX_BEAM, int_range
+
 NAME = "export"
 HELP = "write a run's checkpoint, SHA-256, model card (README.md) and an example overlay, ready for the Hub"
 EXAMPLES = """
@@ -28,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="picture for the example overlay (default: a synthetic scene)")
     parser.add_argument("--dataset", default=None, choices=("flickr8k", "coco", "shapes"),
                         help="training data named in the card (default: guessed from the run's data path)")
-    parser.add_argument("--beam", type=int, default=3, help="beam size for the example's caption (default: 3)")
+    parser.add_argument("--beam", type=int_range(1, MAX_BEAM), default=3, help="beam size for the example's caption (default: 3)")
     parser.add_argument("--force", action="store_true", help="replace files already in --out")
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.commands.options import int_range
+
+MAX_IMAGES, MAX_IMAGE_SIZE, MAX_UNSEEN_PAIRS = 10_000_000, 4096, 18  # captioner.data.shapes' bounds (no import here)
+
 NAME = "make-shapes"
 HELP = "generate the synthetic shapes dataset (COCO-format captions, boxes and PNG images)"
 EXAMPLES = """
@@ -11,27 +15,21 @@ EXAMPLES = """
   captioner make-shapes --out data/shapes --images 3000 --seed 0
   captioner make-shapes --out /tmp/shapes-small --images 300 --image-size 64 --seed 1
   captioner make-shapes --out data/shapes_unseen4 --unseen-pairs 4   # 4 colour-shape pairs only in test
+  captioner make-shapes --out data/shapes --images 300 --force       # replace the dataset already there
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="data/shapes", help="output folder (default: %(default)s)")
-    parser.add_argument("--images", type=_positive_int, default=3000,
-                        help="number of images over train/val/test (80/10/10; default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default: %(default)s)")
-    parser.add_argument("--image-size", type=_positive_int, default=128,
-                        help="image side in pixels (default: %(default)s)")
-    parser.add_argument("--unseen-pairs", type=int, default=0, metavar="K",
+    parser.add_argument("--images", type=int_range(3, MAX_IMAGES), default=3000,
+                        help=f"number of images over train/val/test (80/10/10), 3 to {MAX_IMAGES} "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0,
+                        help="random seed; same seed, same files (default: %(default)s)")
+    parser.add_argument("--image-size", type=int_range(32, MAX_IMAGE_SIZE), default=128,
+                        help=f"image side in pixels, 32 to {MAX_IMAGE_SIZE} (default: %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace a dataset already in --out")
+    parser.add_argument("--unseen-pairs", type=int_range(0, MAX_UNSEEN_PAIRS), default=0, metavar="K",
                         help="compositional split: K colour-shape pairs never in train or val, only in test "
                              "(every other test scene has one; `captioner evaluate` then reports seen and unseen "
                              "apart; default: 0)")
@@ -41,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.data.shapes import make_shapes
 
     stats = make_shapes(args.out, images=args.images, seed=args.seed, image_size=args.image_size,
-                        unseen_pairs=args.unseen_pairs)
+                        unseen_pairs=args.unseen_pairs, overwrite=args.force)
     splits = stats["splits"]
     print(f"wrote {stats['images']} images ({splits['train']} train, {splits['val']} val, {splits['test']} test), "
           f"{stats['captions']} captions and {stats['objects']} object boxes to {stats['out']} "

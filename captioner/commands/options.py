@@ -1,4 +1,4 @@
-"""Command-line option helpers the commands share: finite floats and the decoding flags.
+"""Command-line option helpers the commands share: number types with ranges and the decoding flags.
 
 Imports only argparse, math and :mod:`captioner.errors` (the CLI's ``--help`` stays fast).
 
@@ -15,28 +15,62 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from captioner.errors import ConfigError
+
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number between ``low`` and ``high`` (None: no upper bound)."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    whole.__name__ = "whole number"
+    return whole
+
+
+def float_range(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+    def number(text: str) -> float:
+        value = finite_float(text)
+        if value < low or (low_open and value == low) or value > high:
+            span = f"{'over' if low_open else 'at least'} {low:g} and at most {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text[:40]}")
+        return value
+
+    number.__name__ = "number"
+    return number
+
 
 def finite_float(text: str) -> float:
     """``float(text)``, refusing ``nan``, ``inf`` and ``-inf`` (they pass every ``<`` and ``>`` test wrongly)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text[:40]!r}")
     return value
 
 
 FLAGS = {"beam": "beam_size", "max_len": "max_len"}  # option dest -> DecodeOptions field
+MAX_BEAM = 10_000  # beams (their memory with the caption length is checked when the search is planned)
+MAX_LEN = 100_000  # words in a caption
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "beam size; 1 = greedy") -> None:
-    parser.add_argument("--beam", type=int, default=None, metavar="K", help=f"{beam_help} (default: 3)")
-    parser.add_argument("--max-len", type=int, default=None, metavar="N", help="longest caption in words (default: 20)")
+    parser.add_argument("--beam", type=int_range(1, MAX_BEAM), default=None, metavar="K",
+                        help=f"{beam_help} (default: 3)")
+    parser.add_argument("--max-len", type=int_range(1, MAX_LEN), default=None, metavar="N",
+                        help="longest caption in words (default: 20)")
     parser.add_argument("--allow-unk", action="store_true", help="let captions contain <unk> (banned by default)")
-    parser.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+    parser.add_argument("--no-repeat-ngram", type=int_range(0, MAX_LEN), default=None, metavar="N",
                         help="never repeat an N-gram within a caption (3: no repeated trigram; default: off)")
     parser.add_argument("--no-repeat-words", action="store_true",
                         help="never use a content word (not 'a', 'the', 'in'...) twice in a caption")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from captioner.commands.options import finite_float
+from captioner.commands.options import MAX_BEAM, float_range, int_range
 from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"
@@ -31,12 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_refresh_argument(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--port", type=int_range(0, 65535), default=8000,
+                        help="port (default: 8000; 0: any free port, printed)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
     parser.add_argument("--examples", metavar="DIR", default=None,
                         help="offer the images in DIR as examples (default: three built-in synthetic scenes)")
-    parser.add_argument("--max-upload-mb", type=finite_float, default=20.0, help="largest upload in MiB (default: 20)")
-    parser.add_argument("--max-beam", type=int, default=5, help="largest beam offered (default: 5)")
+    parser.add_argument("--max-upload-mb", type=float_range(0, 1024, low_open=True), default=20.0,
+                        help="largest upload in MiB, over 0 and at most 1024 (default: 20)")
+    parser.add_argument("--max-beam", type=int_range(1, MAX_BEAM), default=5,
+                        help=f"largest beam offered, 1 to {MAX_BEAM} (default: 5)")
 
 
 def model_name(spec: str, taken: set[str]) -> tuple[str, str]:
@@ -69,8 +72,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """A one-line error now rather than uvicorn's exit when the address is taken."""
+def _listen(host: str, port: int):  # noqa: ANN202 - a socket.socket
+    """The listening socket, bound now: a taken address is a one-line error, and ``--port 0`` gets its port."""
     import socket
 
     from captioner.errors import ConfigError
@@ -80,12 +83,15 @@ def _check_port_free(host: str, port: int) -> None:
     except socket.gaierror as exc:
         raise ConfigError(f"--host {host}: unknown address ({exc.strerror})") from None
     family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,15 +100,9 @@ def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError
 
     log = logging.getLogger("captioner.serve")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port must be between 0 and 65535, got {args.port}")
-    if not 0 < args.max_upload_mb < 1 << 20 or args.max_beam < 1:  # also refuses nan and inf
-        raise ConfigError(f"--max-upload-mb must be a finite number > 0 (MiB, below 1048576), got "
-                          f"{args.max_upload_mb}; --max-beam must be >= 1, got {args.max_beam}")
     try:
         import uvicorn
 
-        from captioner.share.guards import uvicorn_options
         from captioner.share.server import ServedModel, ServeLimits, create_app
     except ImportError as exc:
         raise ConfigError(f"captioner serve needs FastAPI and uvicorn ({exc.name} is missing): "
@@ -129,12 +129,15 @@ def run(args: argparse.Namespace) -> int:
         log.info("loaded %s as %r", spec, name)
     limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_beam=args.max_beam, host=args.host)
     app = create_app(models, examples, limits)
-    if not is_loopback(args.host):
-        log.warning("warning: serving on %s: anyone who can reach this machine on port %d can use this page "
-                    "(there is no login); use the default --host 127.0.0.1 to keep it on this machine",
-                    args.host, args.port)
-    _check_port_free(args.host, args.port)
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {', '.join(m.name for m in models)} on http://{shown}:{args.port}  (Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **uvicorn_options())
+    with _listen(args.host, args.port) as sock:  # bound here: --port 0 gets its port before it is printed
+        port = sock.getsockname()[1]
+        if not is_loopback(args.host):
+            log.warning("warning: serving on %s: anyone who can reach this machine on port %d can use this page "
+                        "(there is no login); use the default --host 127.0.0.1 to keep it on this machine",
+                        args.host, port)
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"serving {', '.join(m.name for m in models)} on http://{shown}:{port}  (Ctrl-C stops)", flush=True)
+        config = uvicorn.Config(app, host=args.host, port=port, log_level="warning", access_log=False,
+                                **limits.uvicorn_options())
+        uvicorn.Server(config).run(sockets=[sock])
     return 0

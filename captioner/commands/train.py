@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from captioner.commands.options import finite_float
+from captioner.commands.options import float_range, int_range
 from captioner.config.presets import list_presets
 
 NAME = "train"
@@ -36,10 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("common settings")
     run.add_argument("--data", metavar="DIR", help="dataset folder or annotation file (data.root)")
     run.add_argument("--out", metavar="DIR", help="run folder (default runs/<preset>)")
-    run.add_argument("--epochs", type=int, help="train.epochs")
-    run.add_argument("--batch-size", type=int, help="train.batch_size (global batch, split over torchrun processes)")
-    run.add_argument("--lr", type=finite_float, help="train.lr (decoder learning rate)")
-    run.add_argument("--time-budget", type=finite_float, metavar="SECONDS",
+    run.add_argument("--epochs", type=int_range(1, 100_000), help="train.epochs")
+    run.add_argument("--batch-size", type=int_range(1, 1 << 20), help="train.batch_size (global batch, split over torchrun processes)")
+    run.add_argument("--lr", type=float_range(0, 10, low_open=True), help="train.lr (decoder learning rate)")
+    run.add_argument("--time-budget", type=float_range(0, 10**9, low_open=True), metavar="SECONDS",
                      help="stop after this many seconds, validating and saving first (train.time_budget)")
     run.add_argument("--device", help="train.device: auto, cpu, cuda, cuda:1")
     run.add_argument("--skip-missing", action="store_true", help="skip missing/unreadable images (data.skip_missing)")

@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -66,8 +67,13 @@ def wanted(hint: Any) -> str:
     return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 50, 50, 4, 4, 2
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A short quotation of ``value`` (at most 60 characters, built without expanding all of it)."""
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -337,13 +343,53 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     text = read_text(path, MAX_CONFIG_BYTES, ConfigError, "config file")  # regular files only, bounded
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text, path)
         else:
             data = json.loads(text)
+    except ConfigError:
+        raise
     except Exception as exc:  # yaml and json raise different types
-        raise ConfigError(f"{path}: invalid config file ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: invalid config file ({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})") \
+            from None
+    _check_expanded(data, path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: config file must hold a mapping")
     return data
+
+
+MAX_ALIASES = 100  # YAML aliases (*name) in one config file
+MAX_VALUES = 100_000  # values in a config file once its aliases are expanded
+
+
+def _load_yaml(text: str, path: Path) -> Any:
+    """``yaml.safe_load`` that stops at the :data:`MAX_ALIASES` + 1st alias."""
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.events.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_ALIASES:
+                    raise ConfigError(f"{path}: more than {MAX_ALIASES} YAML aliases (*name); write the values out")
+            return super().compose_node(parent, index)
+
+    return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 - a SafeLoader
+
+
+def _check_expanded(data: Any, path: Path) -> None:
+    """Refuse a config whose values, counted with every alias expanded, pass :data:`MAX_VALUES` (a few
+    aliases that refer to each other can stand for billions), counting no further than that."""
+    count, stack = 0, [data]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(f"{path}: expands to more than {MAX_VALUES} values (YAML aliases that refer to "
+                              "each other?); write the values out")
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)

@@ -235,6 +235,9 @@ def _signature(data: bytes) -> str | None:
     return None
 
 
+_BAND = 256  # rows of a wide greyscale image converted to 8 bits at a time
+
+
 class _UnsupportedMode(Exception):
     """Internal: a decoded image mode that has no sensible RGB conversion."""
 
@@ -263,36 +266,40 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _wide_to_uint8(image: Image.Image) -> np.ndarray:
-    """(H, W) uint8 from a 16-bit, 32-bit integer or float greyscale image."""
+    """(H, W) uint8 from a 16-bit, 32-bit integer or float greyscale image, converted in bands of rows
+    so that the float temporaries stay small whatever the image's size."""
     mode = image.mode
-    if mode.startswith("I;16"):
-        values = np.asarray(image).astype(np.float64)  # (H, W) 0..65535
-        return _round_u8(values / 257.0)
-    if mode == "I":
-        values = np.asarray(image).astype(np.float64)  # (H, W) int32
-        if values.size and values.min() >= 0 and values.max() <= 65535:
-            return _round_u8(values / 257.0)
-        return _minmax_u8(values)
-    if mode == "F":
-        values = np.asarray(image).astype(np.float64)  # (H, W) float32
-        values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-        if values.size and values.min() >= 0.0 and values.max() <= 1.0:
-            return _round_u8(values * 255.0)
-        if values.size and values.min() >= 0.0 and values.max() <= 255.0:
-            return _round_u8(values)
-        return _minmax_u8(values)
-    raise _UnsupportedMode(mode)
+    if not (mode.startswith("I;16") or mode in ("I", "F")):
+        raise _UnsupportedMode(mode)
+    values = np.asarray(image)  # (H, W) uint16, int32 or float32
+    bands = [slice(top, top + _BAND) for top in range(0, values.shape[0], _BAND)]
+
+    def wide(band: slice) -> np.ndarray:
+        out = values[band].astype(np.float64)
+        return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0) if mode == "F" else out
+
+    lo, hi = 0.0, 0.0
+    if values.size and not mode.startswith("I;16"):
+        lo = min(float(wide(b).min()) for b in bands)
+        hi = max(float(wide(b).max()) for b in bands)
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and hi <= 65535):
+        scale = lambda v: v / 257.0  # noqa: E731
+    elif mode == "F" and lo >= 0.0 and hi <= 1.0:
+        scale = lambda v: v * 255.0  # noqa: E731
+    elif mode == "F" and lo >= 0.0 and hi <= 255.0:
+        scale = lambda v: v  # noqa: E731
+    elif hi <= lo:
+        return np.zeros(values.shape, np.uint8)
+    else:
+        scale = lambda v: (v - lo) * (255.0 / (hi - lo))  # noqa: E731
+    out = np.empty(values.shape, np.uint8)
+    for band in bands:
+        out[band] = _round_u8(scale(wide(band)))
+    return out
 
 
 def _round_u8(values: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(values), 0, 255).astype(np.uint8)
-
-
-def _minmax_u8(values: np.ndarray) -> np.ndarray:
-    lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
-    if hi <= lo:
-        return np.zeros(values.shape, np.uint8)
-    return _round_u8((values - lo) * (255.0 / (hi - lo)))
 
 
 ImageSource = Union[Path, Image.Image, torch.Tensor]

@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from captioner.errors import ConfigError, DataError
-from captioner.files import atomic_write
+from captioner.files import atomic_write, writable_folder
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +289,13 @@ def _write_json(path: Path, data: dict) -> None:
 def make_shapes(
     out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
+    overwrite: bool = False,
 ) -> dict:
     """Write the synthetic shapes dataset (see the module docstring for the files).
 
     Args:
-        out: output folder (created; existing files of the same names are overwritten).
+        out: output folder (created). A folder that already holds a dataset's files is refused
+            unless ``overwrite``, which first removes that dataset's files (so none is left orphaned).
         images: number of images over all splits (>= 3).
         seed: random seed; the same seed gives byte-identical files.
         image_size: side of the square images in pixels (>= 32).
@@ -301,10 +303,15 @@ def make_shapes(
         unseen_pairs: K > 0 makes a compositional split: K colour-shape pairs (:func:`held_out_pairs`)
             never occur in train and val; every other test scene has one of them (the rest are drawn
             as usual), and every file's ``info`` lists them as ``unseen_pairs``.
+        overwrite: replace a dataset already in ``out``.
 
     Returns:
         Stats: ``out``, ``images``, ``captions``, ``objects``, ``splits`` ({name: images}),
         ``objects_per_image`` ({count: images}) and ``seconds``.
+
+    Raises:
+        ConfigError: a bad argument. DataError: ``out`` holds a dataset and ``overwrite`` is off, or
+            it cannot be written (both before any file is written).
     """
     if images < 3:
         raise ConfigError(f"images must be >= 3 (one per split), got {images}")
@@ -322,6 +329,14 @@ def make_shapes(
     start = time.perf_counter()
     out = Path(out)
     image_dir = out / "images"
+    owned = dataset_files(out)
+    if owned and not overwrite:
+        shown = ", ".join(str(p.relative_to(out)) for p in owned[:3]) + (", ..." if len(owned) > 3 else "")
+        raise DataError(f"{out}: already holds a dataset ({shown}); choose another --out or pass --force "
+                        "to replace it")
+    writable_folder(out, DataError)
+    for path in owned:  # --force: the old dataset goes first, so none of its images is left orphaned
+        path.unlink()
     try:
         image_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -372,6 +387,18 @@ def make_shapes(
              "seconds": round(time.perf_counter() - start, 2), "unseen_pairs": [list(p) for p in held]}
     log.info("shapes: wrote %d images (%s) to %s in %.1fs", images, sizes, out, stats["seconds"])
     return stats
+
+
+def dataset_files(out: Path) -> list[Path]:
+    """The files of a shapes dataset already in ``out``: its JSON files and the PNGs in ``images/``."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = [out / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in SPLITS]
+    found = [p for p in found if p.is_file()]
+    if (out / "images").is_dir():
+        found += sorted(p for p in (out / "images").glob("*.png") if p.stem.isdigit())
+    return found
 
 
 def _instance(object_id: int, image_id: int, obj: SceneObject) -> dict:

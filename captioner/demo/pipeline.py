@@ -217,7 +217,7 @@ def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
     if root.exists() and any(root.iterdir()) and not (root / "images").is_dir():
         raise DataError(f"{root}: exists and is not a synthetic-scenes folder; pass another --data folder")
     stats = make_shapes(root, images=options.images, seed=options.seed, image_size=options.image_size,
-                        unseen_pairs=options.unseen_pairs)
+                        unseen_pairs=options.unseen_pairs, overwrite=True)  # a scenes folder left incomplete
     return {"generated": True, "images": stats["images"], "seed": options.seed, "image_size": options.image_size,
             "seconds": stats["seconds"], "unseen_pairs": options.unseen_pairs}
 

@@ -210,6 +210,7 @@ def evaluate_checkpoint(
     coco_caption: bool = True,
     references_attention: bool = True,
     model: Captioner | None = None,
+    overwrite: bool = True,
     **decoding: Any,
 ) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
@@ -236,6 +237,8 @@ def evaluate_checkpoint(
             captions (:func:`reference_attention`; the images are encoded a second time).
         model: ``checkpoint`` already loaded on ``device`` (:func:`captioner.inference.load`), so that
             a caller that goes on using it loads it once; None: loaded here.
+        overwrite: replace an earlier evaluation's files of the same split in ``out_dir`` (False: refuse
+            them before any work; the command's default, ``--force`` sets it).
         **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``,
             ``max_len``, ``allow_unk``, ...).
 
@@ -269,6 +272,12 @@ def evaluate_checkpoint(
         out_dir = home if out_dir is None else out_dir
     writable_folder(Path(out_dir), DataError)  # before hours of work
     loaded = model if model is not None else load(checkpoint, device=device)
+    name = safe_name(split, "split")
+    earlier = [p.name for p in (Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json")
+               if p.exists()]
+    if earlier and not overwrite:
+        raise DataError(f"{out_dir}: already holds {' and '.join(earlier)} (an earlier evaluation of split {split!r}); "
+                        "choose another --out or pass --force to replace them")
     cs = load_caption_set(data_root, split, images_dir)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=skip_missing)

@@ -17,7 +17,7 @@ The features sit at offset 0 and are read through a read-only ``numpy.memmap``, 
 flat however large the dataset is; they are also written batch by batch, never held in RAM. The
 trailer (format version, C, N, D, grid, dtype, largest |value|, key, the indices of images that
 failed to load) is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive ``fcntl.flock`` on ``<path>.lock`` (``captioner.features.cache``); a killed build
+under an exclusive lock (``filelock``) on ``<path>.lock`` (``captioner.features.cache``); a killed build
 therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
 by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
 configuration and the image list (``captioner.features.cache``); a cache whose key differs is stale
@@ -45,7 +45,7 @@ without an encoder. ``captioner.features.cache`` builds and opens caches through
 
 An exclusive write lock and the temporary name of a cache file that is being built.
 
-A build holds an ``fcntl.flock`` on ``<path>.lock`` (``captioner.files.hold_lock``; the file holds the writer's pid) and writes
+A build holds a lock (``filelock``) on ``<path>.lock`` (``captioner.files.hold_lock``; the file holds the writer's pid) and writes
 ``<path>.partial``, renamed to ``<path>`` only when complete. The kernel drops the lock of a
 killed process, so a crash never leaves a cache locked, and a ``.partial`` file is never opened as
 a cache.
@@ -167,16 +167,13 @@ def busy_error(path: Path) -> CaptionerError:
 
 @contextlib.contextmanager
 def write_lock(path: Path, timeout: float) -> Iterator[None]:
-    """Hold an exclusive flock on ``<path>.lock`` (holding this process's pid); wait up to ``timeout`` s, then raise."""
-    with hold_lock(lock_path(path), timeout, busy=lambda: busy_error(path)) as fd:
-        if fd is not None:
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
+    """Hold an exclusive lock on ``<path>.lock`` (holding this process's pid); wait up to ``timeout`` s, then raise."""
+    with hold_lock(lock_path(path), timeout, busy=lambda: busy_error(path)) as lock:
+        lock.write_text(str(os.getpid()))
         try:
             yield
         finally:
-            if fd is not None:
-                os.ftruncate(fd, 0)
+            lock.write_text("")
 
 
 def wait_unlocked(path: Path, timeout: float) -> bool:

@@ -58,6 +58,8 @@ from captioner.text import STOP_WORDS, Vocabulary
 FORMAT = "captioner-concepts"
 POOLINGS = CONCEPT_POOLINGS  # the config layer checks decoder.concept_pooling against the same names
 INITIAL_BIAS = -4.0  # of the region logits: sigmoid(-4) = 1.8%
+MAX_WIDTH = 65_536  # a head's feature and hidden widths (a larger one could not be allocated)
+MAX_CONCEPTS = 100_000  # concept words in one head
 SHARPNESS = 5.0  # r of the "lse" pooling (r -> infinity: the max; r -> 0: the mean)
 
 
@@ -99,6 +101,9 @@ class ConceptHead(nn.Module):
             raise ConfigError(f"concept pooling {pooling!r}: use one of {', '.join(POOLINGS)}")
         if not words:
             raise ConfigError("a concept head needs at least one concept word")
+        if not 0 <= hidden_dim <= MAX_WIDTH or not 1 <= feature_dim <= MAX_WIDTH:
+            raise ConfigError(f"a concept head's widths must be 0..{MAX_WIDTH} (hidden) and 1..{MAX_WIDTH} (features), "
+                              f"got {hidden_dim} and {feature_dim}")
         self.words = list(words)
         self.feature_dim, self.hidden_dim = feature_dim, hidden_dim
         self.pooling, self.sharpness, self.dropout_p = pooling, float(sharpness), dropout
@@ -238,6 +243,13 @@ def load_concepts_with_folds(path: str | os.PathLike) -> tuple[ConceptHead, dict
             raise CheckpointError(f"{path} is not a concepts file (format {meta.get('format')!r}, "
                                   f"expected {FORMAT!r})")
         spec = json.loads(meta["head"])
+        for key, high in (("feature_dim", MAX_WIDTH), ("hidden_dim", MAX_WIDTH)):
+            if not 0 <= int(spec[key]) <= high:
+                raise CheckpointError(f"concepts file {path} cannot be read: its head's {key} {int(spec[key])} "
+                                      f"is outside 0..{high}")
+        if not 1 <= len(spec["words"]) <= MAX_CONCEPTS:
+            raise CheckpointError(f"concepts file {path} cannot be read: it names {len(spec['words'])} words "
+                                  f"(1 to {MAX_CONCEPTS})")
 
         def build() -> ConceptHead:
             return ConceptHead(int(spec["feature_dim"]), [str(w) for w in spec["words"]], int(spec["hidden_dim"]),
@@ -255,8 +267,22 @@ def load_concepts_with_folds(path: str | os.PathLike) -> tuple[ConceptHead, dict
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
-        raise CheckpointError(f"concepts file {path} cannot be read: {exc}") from exc
-    return head.eval(), json.loads(meta.get("extra", "{}")), folds
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise CheckpointError(f"concepts file {path} cannot be read: {reason}") from None
+    return head.eval(), _extra(path, meta.get("extra", "{}")), folds
+
+
+def _extra(path: Path, text: str) -> dict[str, object]:
+    """The ``extra`` metadata of a concepts file: a JSON object (one line naming the file otherwise)."""
+    try:
+        extra = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"concepts file {path} cannot be read: its 'extra' metadata is not JSON "
+                              f"({text[:40]!r}...)") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"concepts file {path} cannot be read: its 'extra' metadata must be a JSON object, "
+                              f"not a {type(extra).__name__}")
+    return extra
 
 
 def restrict_to_vocab(head: ConceptHead, vocab: Vocabulary) -> ConceptHead:

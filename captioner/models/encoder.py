@@ -567,13 +567,15 @@ def _download_torchvision_weights(spec, arch: str) -> dict[str, torch.Tensor]:
     except Exception as exc:  # URLError, OSError, hash mismatch ...
         raise ConfigError(
             f"cannot download {arch} weights {spec} ({type(exc).__name__}: {str(exc)[:120]}); "
-            f"offline, pass a local file with encoder.weights=/path/to/{arch}.pth") from None
+            f"offline, use a preset whose weights are installed with the package (--preset sat_soft_lite, "
+            f"EfficientNet-Lite0) or pass a local file with encoder.weights=/path/to/{arch}.pth") from None
     return {k: v for k, v in state.items() if not k.startswith("fc.")}
 
 
 def _resnet_pretrained(cfg: EncoderConfig) -> Download:
     spec = _torchvision_weights(cfg.name, cfg.weights)
-    return Download(f"{cfg.name} {spec}", lambda: _download_torchvision_weights(spec, cfg.name))
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / spec.url.rsplit("/", 1)[-1]
+    return Download(f"{cfg.name} {spec}", lambda: _download_torchvision_weights(spec, cfg.name), spec.url, cached)
 
 
 def _tiny_pretrained(cfg: EncoderConfig) -> None:

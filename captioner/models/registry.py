@@ -37,10 +37,14 @@ class Download:
     Attributes:
         label: names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``).
         fetch: downloads them: the trunk's state dict.
+        url: where they come from ("" when unknown).
+        cached: the file they are kept in once downloaded (None when unknown).
     """
 
     label: str
     fetch: Callable[[], StateDict]
+    url: str = ""
+    cached: Path | None = None
 
 
 @dataclass(frozen=True)

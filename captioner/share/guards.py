@@ -1,53 +1,54 @@
 """What ``captioner serve`` holds at once, and who may ask: the guards around its routes.
 
-* **Host and Origin**: served on a loopback address, a request must name a loopback host
-  (``127.0.0.1``, ``localhost``, ``[::1]``) in its ``Host`` header, so a web page reached through
-  DNS rebinding is refused; served on another address, that address (or a loopback name); on a
-  wildcard address (``0.0.0.0``, ``::``) any host. A request that carries an ``Origin`` header
-  (browsers send it with every cross-site request) must come from the page itself: any other
-  web site the user visits is refused, status 403.
-* **Bodies**: a request body is counted as it streams (with or without ``Content-Length``, chunked
-  or not) and cut off with a 413 as soon as it passes the limit, so nothing larger is ever held in
-  memory or spooled to disk; a stated ``Content-Length`` over the limit is refused before reading.
-* **Idle connections**: a connection that sends nothing for ``idle`` seconds while no request is
-  being answered (a request line or headers never finished) is closed; a body that stalls as long
-  is answered 408.
-* **Decoding**: uploads are decoded under a process-wide semaphore whose size comes from the
-  memory available and the pixel limit (a 16-bit image at the limit needs about 36 bytes per
-  pixel while it is converted), so concurrent uploads cannot add up past the memory.
-* **Errors**: every 4xx answer is ``{"error": "<one line>"}`` (also those of the framework: a
-  malformed multipart body, an unknown route, a wrong method).
+Host (Starlette's ``TrustedHostMiddleware``) and Origin checks, bodies counted as they stream
+against a size and a deadline for the whole body, a deadline for the whole request head and a cap on
+connections (in all and per client address) in the uvicorn protocol, a budget for the decoded pixels
+held at once across all requests, and one error shape, ``{"error": "<one line>"}``, for every error
+the server or its HTTP layer sends. docs/share_and_show.md lists each bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import functools
-import ipaddress
+import http
+import io
+import json
 import os
 import threading
+import time
 import urllib.parse
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from captioner.errors import one_line
+from captioner.errors import CaptionerError, one_line
 from captioner.files import size_text
 
-__all__ = ["BYTES_PER_PIXEL", "DEFAULT_IDLE", "BodyGuard", "allowed_hosts", "available_memory", "decode_gate",
-           "decode_slots", "error_response", "install_guards", "uvicorn_options"]
+__all__ = ["DEFAULT_BODY", "DEFAULT_HEAD", "MAX_CONNECTIONS", "PER_CLIENT", "BodyGuard", "DecodeBudget", "Refused",
+           "TrustedHosts", "allowed_hosts", "available_memory", "decode_cost", "default_decode_bytes",
+           "error_response", "install_guards", "release_memory", "shared_budget", "uvicorn_options"]
 
-DEFAULT_IDLE = 30.0  # seconds a connection may send nothing while it is expected to
-BYTES_PER_PIXEL = 36  # peak memory of decoding one pixel of a 16-bit image to RGB
-MAX_CONNECTIONS = 64  # uvicorn answers 503 past this many connections and tasks at once
+DEFAULT_HEAD = 10.0  # seconds for a whole request line and headers, however slowly they trickle
+DEFAULT_BODY = 60.0  # seconds for a whole request body
+MAX_CONNECTIONS = 64  # connections at once, in all
+PER_CLIENT = 16  # connections at once from one client address
+QUEUE_SECONDS = 60.0  # how long an upload may wait for the decode budget before a 503
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers larger than this are refused (431)
+TRIM_DELAY = 2.0  # seconds after the budget empties that memory is given back once more
+MALLOC_ARENAS = 2
+MMAP_THRESHOLD = 4 << 20  # allocations this large come from mmap, so freeing them gives the memory back
 _WILDCARD = {"", "0.0.0.0", "::"}
-_LOOPBACK_NAMES = {"localhost"}
+_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
 
 Scope = dict[str, Any]
-
-
 CLOSE = {"Connection": "close"}  # after a body cut short: the rest of it is not read
 
 
@@ -56,37 +57,51 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     return JSONResponse({"error": one_line(message)}, status_code=status, headers=headers)
 
 
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+class Refused(CaptionerError):
+    """An upload the server will not decode now: over the budget (413) or the budget is busy (503)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def allowed_hosts(bind: str) -> frozenset[str] | None:
-    """The host names a request may give in its ``Host`` header when the server listens on ``bind``
-    (None: any, for a wildcard address); loopback addresses are matched by :func:`host_allowed`."""
+# --- Host and Origin ---
+
+def allowed_hosts(bind: str) -> list[str] | None:
+    """The ``Host`` names a request may give when the server listens on ``bind``: that address and
+    the loopback names (None: any, for a wildcard address)."""
     bind = bind.strip("[]").lower()
     if bind in _WILDCARD:
         return None
-    return frozenset({bind})
+    return sorted({f"[{bind}]" if ":" in bind else bind, *_LOOPBACK})
 
 
-def _split_host(value: str) -> str:
-    """``host`` of a ``Host`` header value ``host[:port]`` (``[v6]:port`` too), lowercased."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+class TrustedHosts:
+    """Starlette's ``TrustedHostMiddleware`` decides; a refusal is answered in the JSON shape (a web
+    page reached through DNS rebinding names a host that is not served here)."""
 
+    def __init__(self, app: Any, bind: str = "127.0.0.1") -> None:
+        self.app = app
+        hosts = allowed_hosts(bind)
+        self.check = None if hosts is None else TrustedHostMiddleware(self._passed, hosts, www_redirect=False)
 
-def host_allowed(host_header: str, allowed: frozenset[str] | None) -> bool:
-    if allowed is None:
-        return True
-    host = _split_host(host_header)
-    return host in allowed or _is_loopback(host)
+    @staticmethod
+    async def _passed(scope: Scope, receive: Any, send: Any) -> None:
+        scope["captioner.host"] = True
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.check is not None and scope["type"] == "http":
+            async def discard(message: dict) -> None:
+                return None
+
+            await self.check(scope, receive, discard)
+            if not scope.pop("captioner.host", False):
+                host = dict(scope.get("headers", [])).get(b"host", b"").decode("latin-1")
+                await error_response(400, f"Host {host[:100]!r} is not served here (use the address the server "
+                                          "printed; a name that resolves here is refused, as DNS rebinding "
+                                          "uses one)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _same_origin(origin: str, host_header: str) -> bool:
@@ -102,32 +117,29 @@ def _same_origin(origin: str, host_header: str) -> bool:
             and parsed.hostname == there.hostname and port == here_port)
 
 
-class BodyGuard:
-    """ASGI middleware: the Host and Origin checks, the streaming body limit and the body idle timeout."""
+# --- bodies ---
 
-    def __init__(self, app: Any, max_upload: int, overhead: int = 0, bind: str = "127.0.0.1",
-                 idle: float = DEFAULT_IDLE) -> None:
-        self.app, self.max_upload, self.max_body, self.idle = app, max_upload, max_upload + overhead, idle
-        self.allowed = allowed_hosts(bind)
+class BodyGuard:
+    """ASGI middleware: the Origin check, the streaming body limit and the deadline for the whole body."""
+
+    def __init__(self, app: Any, max_upload: int, overhead: int = 0, body_seconds: float = DEFAULT_BODY) -> None:
+        self.app, self.max_upload, self.max_body = app, max_upload, max_upload + overhead
+        self.body_seconds = body_seconds
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refused = self._refusal(scope, headers)
+        refused = self._refusal(headers)
         if refused is not None:
             await refused(scope, receive, send)
             return
         await self.app(scope, self._counted(receive), send)
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> JSONResponse | None:
-        host = headers.get("host", "")
-        if host and not host_allowed(host, self.allowed):
-            return error_response(400, f"Host {host[:100]!r} is not served here (use the address the server "
-                                       "printed; a name that resolves here is refused, as DNS rebinding uses one)")
+    def _refusal(self, headers: dict[str, str]) -> JSONResponse | None:
         origin = headers.get("origin")
-        if origin is not None and not _same_origin(origin, host):
+        if origin is not None and not _same_origin(origin, headers.get("host", "")):
             return error_response(403, f"cross-site request refused: Origin {origin[:100]!r} is not this page")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
@@ -137,15 +149,17 @@ class BodyGuard:
 
     def _counted(self, receive: Any) -> Any:
         total, done = 0, False
+        deadline = time.monotonic() + self.body_seconds
 
         async def counted() -> dict:
             nonlocal total, done
             if done:  # the body is in: later calls wait for a disconnect, without a deadline
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.idle)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise HTTPException(408, f"the request body stalled (nothing for {self.idle:g} s)", CLOSE) from None
+                raise HTTPException(408, f"the request body did not arrive within {self.body_seconds:g} s",
+                                    CLOSE) from None
             if message["type"] == "http.request":
                 total += len(message.get("body", b""))
                 if total > self.max_body:
@@ -163,12 +177,15 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 def install_guards(app: FastAPI, max_upload: int, overhead: int = 0, bind: str = "127.0.0.1",
-                   idle: float = DEFAULT_IDLE) -> None:
-    """Add :class:`BodyGuard` (bodies up to ``max_upload + overhead`` bytes: the form around the file)
-    and the ``{"error": ...}`` shape of the framework's own 4xx answers to ``app``."""
-    app.add_middleware(BodyGuard, max_upload=max_upload, overhead=overhead, bind=bind, idle=idle)
+                   body_seconds: float = DEFAULT_BODY) -> None:
+    """Add :class:`BodyGuard` (bodies up to ``max_upload + overhead`` bytes: the form around the file),
+    :class:`TrustedHosts` outside it, and the ``{"error": ...}`` shape of the framework's own answers."""
+    app.add_middleware(BodyGuard, max_upload=max_upload, overhead=overhead, body_seconds=body_seconds)
+    app.add_middleware(TrustedHosts, bind=bind)
     app.add_exception_handler(HTTPException, _http_error)
 
+
+# --- memory: the decode budget ---
 
 def available_memory() -> int:
     """Bytes of memory available now (``MemAvailable`` of /proc/meminfo; else the physical memory)."""
@@ -185,53 +202,237 @@ def available_memory() -> int:
         return 4 << 30
 
 
-def decode_slots(max_pixels: int) -> int:
-    """How many uploads may be decoded at once: half the available memory over the worst case of one,
-    at least 1 and at most the number of CPUs."""
-    worst = max(1, max_pixels) * BYTES_PER_PIXEL
-    return max(1, min(os.cpu_count() or 1, available_memory() // 2 // worst))
+def default_decode_bytes() -> int:
+    """The decode budget: a quarter of the memory available, between 256 MiB and 1 GiB."""
+    return max(256 << 20, min(1 << 30, available_memory() // 4))
+
+
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "La": 2, "PA": 2, "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3}
+
+
+def decode_cost(data: bytes | BinaryIO, max_pixels: int | None) -> int:
+    """Bytes an upload (its bytes, or a seekable file of them) may need while it is decoded, converted
+    to RGB and captioned: its header's pixels times three copies of its mode plus the RGB image and
+    the 8-bit band, and its own bytes. Only the header is read. An image whose header does not parse,
+    or over ``max_pixels``, costs its bytes (the decoder refuses it)."""
+    from PIL import Image
+
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    size = stream.seek(0, 2)
+    stream.seek(0)
+    try:
+        with Image.open(stream) as im:
+            width, height = im.size
+            mode = im.mode
+    except Exception:  # noqa: BLE001 - the decoder names what is wrong with it
+        return size
+    finally:
+        stream.seek(0)
+    pixels = width * height
+    if max_pixels is not None and pixels > max_pixels:
+        return size
+    per_pixel = _MODE_BYTES.get(mode, 4 if not mode.startswith("I;16") else 2)
+    return pixels * (3 * per_pixel + 8) + size
+
+
+class DecodeBudget:
+    """Bytes of decoded images held at once, across all requests: an upload waits (up to ``wait`` s)
+    until its cost fits, and gives it back when its answer is made."""
+
+    def __init__(self, capacity: int, wait: float = QUEUE_SECONDS) -> None:
+        self.capacity, self.wait = int(capacity), wait
+        self.used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, cost: int, name: str) -> Iterator[None]:
+        """Hold ``cost`` bytes of the budget for the ``with`` block.
+
+        Raises:
+            Refused: 413 when ``cost`` alone is over the budget, 503 when it did not fit within ``wait`` s.
+        """
+        cost = max(1, int(cost))
+        if cost > self.capacity:
+            raise Refused(413, f"{name}: image too large for this server (about {size_text(cost)} while decoded; "
+                               f"it decodes at most {size_text(self.capacity)} at once)")
+        deadline = time.monotonic() + self.wait
+        with self._cond:
+            while self.used + cost > self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refused(503, f"{name}: the server is busy decoding other uploads; try again in a few "
+                                       "seconds")
+                self._cond.wait(left)
+            self.used += cost
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= cost
+                idle = self.used == 0
+                self._cond.notify_all()
+            if idle:  # now, and once more when the answers made from it are sent and freed
+                release_memory()
+                timer = threading.Timer(TRIM_DELAY, self._trim_if_idle)
+                timer.daemon = True
+                timer.start()
+
+    def _trim_if_idle(self) -> None:
+        if self.used == 0:
+            release_memory()
 
 
 @functools.lru_cache(maxsize=None)
-def decode_gate(max_pixels: int) -> threading.BoundedSemaphore:
-    """The process-wide semaphore that uploads of at most ``max_pixels`` are decoded under."""
-    return threading.BoundedSemaphore(decode_slots(max_pixels))
+def shared_budget(capacity: int | None = None, wait: float = QUEUE_SECONDS) -> DecodeBudget:
+    """The process-wide budget of ``capacity`` bytes (default :func:`default_decode_bytes`)."""
+    limit_heap()
+    return DecodeBudget(default_decode_bytes() if capacity is None else capacity, wait)
 
 
-def uvicorn_options(idle: float | None = None) -> dict:
-    """``uvicorn.Config`` options that close idle connections (``idle`` seconds, default
-    :data:`DEFAULT_IDLE`) and cap how many are served at once."""
-    idle = DEFAULT_IDLE if idle is None else idle
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+
+
+@functools.lru_cache(maxsize=1)
+def limit_heap() -> None:
+    """Large allocations from mmap (glibc's threshold fixed at :data:`MMAP_THRESHOLD`, not raised after
+    each large free), so a decoded image's memory goes back to the system when it is freed, and a few
+    heaps shared by the request threads rather than one per thread, each keeping its own free memory."""
+    lib = _libc()
+    if lib is not None:
+        lib.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        lib.mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX: the request threads share a few heaps
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``; nothing elsewhere)."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+# --- connections: the uvicorn protocol ---
+
+def _raw_answer(transport: asyncio.Transport, status: int, message: str) -> None:
+    """Write a whole JSON error answer and close: for a connection whose request head never arrived."""
+    body = json.dumps({"error": one_line(message)}).encode()
+    head = (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
+    if not transport.is_closing():
+        transport.write(head + body)
+        transport.close()
+
+
+def uvicorn_options(head_seconds: float = DEFAULT_HEAD, max_connections: int = MAX_CONNECTIONS,
+                    per_client: int = PER_CLIENT) -> dict:
+    """``uvicorn.Config`` options: an h11 protocol with a deadline for each request head, connection
+    caps that close the oldest connection still sending its head before refusing a new one, and
+    JSON answers for the errors h11 finds (a malformed or oversized head, a duplicate ``Host``)."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class IdleTimeoutProtocol(H11Protocol):
-        """h11 that closes a connection silent for ``idle`` seconds while no request is being answered."""
+    class RecordingConnection(h11.Connection):
+        """h11's connection, keeping the protocol error it raised for the answer."""
+
+        last_error: h11.RemoteProtocolError | None = None
+
+        def next_event(self) -> Any:
+            try:
+                return super().next_event()
+            except h11.RemoteProtocolError as exc:
+                self.last_error = exc
+                raise
+
+    class GuardedProtocol(H11Protocol):
+        """h11 with a deadline for each request head and connection caps."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn.__class__ = RecordingConnection
+            self._head_timer: asyncio.TimerHandle | None = None
+            self._head_bytes = 0
+            self.opened = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._idle_timer: asyncio.TimerHandle | None = None
-            self._arm()
+            self.opened = self.loop.time()
+            if self._admit():
+                self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self.in_head():
+                self._head_bytes += len(data)
             super().data_received(data)
-            self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
+            if self._head_timer is not None:
+                self._head_timer.cancel()
             super().connection_lost(exc)
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request on this connection gets its own deadline
+
+        def in_head(self) -> bool:
+            """No request is being answered: a request line or headers are (or may be) arriving."""
+            return self.cycle is None or self.cycle.response_complete
+
         def _arm(self) -> None:
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-            self._idle_timer = self.loop.call_later(idle, self._on_idle)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(head_seconds, self._head_expired)
 
-        def _on_idle(self) -> None:
-            if self.transport.is_closing():
+        def _head_expired(self) -> None:
+            if self.transport.is_closing() or not self.in_head():
                 return
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._arm()  # a request is being answered: the app's own timeouts apply
-                return
-            self.transport.close()
+            if self._head_bytes:
+                _raw_answer(self.transport, 408, f"the request head did not arrive within {head_seconds:g} s")
+            else:
+                self.transport.close()
 
-    return {"http": IdleTimeoutProtocol, "timeout_keep_alive": 5, "limit_concurrency": MAX_CONNECTIONS}
+        def _open(self) -> list[GuardedProtocol]:
+            return [c for c in self.connections
+                    if c is not self and isinstance(c, GuardedProtocol) and not c.transport.is_closing()]
+
+        def _evict(self, among: list[GuardedProtocol]) -> bool:
+            """Close the oldest connection of ``among`` still waiting for its head; False when none is."""
+            waiting = [c for c in among if c.in_head()]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c.opened)
+            if oldest._head_bytes:
+                _raw_answer(oldest.transport, 503, "too many connections: this one had not sent its request")
+            else:
+                oldest.transport.close()
+            return True
+
+        def _admit(self) -> bool:
+            address = self.client[0] if self.client else None
+            same = [c for c in self._open() if (c.client[0] if c.client else None) == address]
+            if len(same) >= per_client and not self._evict(same):
+                _raw_answer(self.transport, 503, f"too many connections from {address} ({per_client} at most); "
+                                                 "try again when one has finished")
+                return False
+            others = self._open()
+            if len(others) >= max_connections and not self._evict(others):
+                _raw_answer(self.transport, 503, f"too many connections ({max_connections} at most); try again "
+                                                 "in a few seconds")
+                return False
+            return True
+
+        def send_400_response(self, msg: str) -> None:
+            exc = getattr(self.conn, "last_error", None)
+            status = getattr(exc, "error_status_hint", 400) or 400
+            reason = one_line(str(exc))[:200] if exc is not None and str(exc) else msg
+            _raw_answer(self.transport, status, f"bad HTTP request ({reason})")
+
+    return {"http": GuardedProtocol, "timeout_keep_alive": 5, "limit_concurrency": None,
+            "h11_max_incomplete_event_size": MAX_HEAD_BYTES}

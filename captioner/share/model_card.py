@@ -32,9 +32,9 @@ from PIL import Image
 
 from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
-from captioner.download import file_digest
+from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
-from captioner.files import atomic_write, read_text, size_text
+from captioner.files import atomic_write, read_text, size_text, writable_folder
 from captioner.inference import load
 from captioner.share.examples import example_scenes
 from captioner.viz.overlays import render_grid
@@ -297,21 +297,37 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
     targets = {"checkpoint": out / DEFAULT_HUB_FILE, "sha256": out / f"{DEFAULT_HUB_FILE}.sha256",
                "readme": out / "README.md", "overlay": out / "overlay.png"}
     rows = metrics_rows(run_dir)
+    seen: dict[str, str] = {}
+    for r in rows:
+        if r["split"] in seen:
+            raise DataError(f"{run_dir}: {seen[r['split']]} and {r['file']} both hold split {r['split']!r}; "
+                            "keep one of them (or correct its \"split\") and run again")
+        seen[r["split"]] = r["file"]
     targets.update({f"metrics:{r['split']}": out / r["file"] for r in rows})
     present = [p.name for p in targets.values() if p.exists()]
     if present and not overwrite:
         raise DataError(f"{out}: already holds {', '.join(present)}; choose another --out or pass --force")
-    out.mkdir(parents=True, exist_ok=True)
     info = read_checkpoint_metadata(checkpoint)
     run_config = _read_json(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
     data_root = str(run_config.get("data", {}).get("root", "")) if isinstance(run_config.get("data"), dict) else ""
     card = DATASETS.get(dataset or "") or guess_dataset(data_root, *(str(r["data"]) for r in rows))
+    writable_folder(out, DataError)
+    made = [d for d in (out, *out.parents) if not d.exists()]  # the folders this call creates, deepest first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"{out}: cannot create the folder ({exc.strerror or exc})") from None
     fresh = [p for p in targets.values() if not p.exists()]
     try:
         _write_export(checkpoint, targets, rows, run_dir, repo_id, info, card, image, beam)
     except BaseException:
         for path in fresh:
             path.unlink(missing_ok=True)
+        for folder in made:  # an empty folder is not left behind either
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return targets
 

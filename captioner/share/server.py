@@ -13,11 +13,9 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
   scale and the crop box are the explorer's own).
 
 Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are answered with
-``{"error": "<file>: <reason>"}`` and status 400 or 413; the process keeps serving. Bodies are
-counted as they stream, Host and Origin are checked, idle connections closed and decoding runs
-under a semaphore sized to memory (:mod:`captioner.share.guards`). Each model
-has a lock: requests for it are captioned one at a time (each with its own image and its own
-answer), which on a CPU is as fast as running them side by side.
+``{"error": "<file>: <reason>"}`` and status 400 or 413, uploads beyond the decode budget wait or get
+503; the process keeps serving. Bodies, heads, connections and decoded pixels are bounded by
+:mod:`captioner.share.guards`. Each model has a lock: requests for it are captioned one at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +25,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
@@ -34,11 +34,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from captioner.data.images import decode_image
-from captioner.errors import CaptionerError, ConfigError, one_line
+from captioner.errors import CaptionerError, ConfigError, ImageLoadError, one_line
 from captioner.files import MiB, size_text
 from captioner.inference import Captioner
 from captioner.share.examples import Example
-from captioner.share.guards import DEFAULT_IDLE, decode_gate, error_response, install_guards, uvicorn_options
+from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
+                                    decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
@@ -64,7 +65,11 @@ class ServeLimits:
         max_len: longest caption in words.
         display_side: largest side of the picture in the explorer.
         host: the address served (the Host and Origin checks of :mod:`captioner.share.guards`).
-        idle_seconds: how long a connection or a request body may send nothing.
+        head_seconds: the deadline for a whole request line and headers.
+        body_seconds: the deadline for a whole request body.
+        max_connections: connections at once; per_client: from one client address.
+        decode_bytes: the budget of decoded images held at once (None: from the memory available).
+        queue_seconds: how long an upload may wait for the budget before a 503.
     """
 
     max_bytes: int = 20 * MiB
@@ -73,21 +78,35 @@ class ServeLimits:
     max_len: int = 20
     display_side: int = 720
     host: str = "127.0.0.1"
-    idle_seconds: float = DEFAULT_IDLE
+    head_seconds: float = DEFAULT_HEAD
+    body_seconds: float = DEFAULT_BODY
+    max_connections: int = MAX_CONNECTIONS
+    per_client: int = PER_CLIENT
+    decode_bytes: int | None = None
+    queue_seconds: float = QUEUE_SECONDS
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side", "idle_seconds"):
+        for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side", "head_seconds",
+                     "body_seconds", "max_connections", "per_client", "queue_seconds"):
             if not getattr(self, name) >= 1 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"{name} must be a finite number >= 1, got {getattr(self, name)}")
+        if self.decode_bytes is not None and not self.decode_bytes >= 1:
+            raise ConfigError(f"decode_bytes must be >= 1, got {self.decode_bytes}")
+
+    def uvicorn_options(self) -> dict:
+        """The uvicorn options that apply these limits to connections."""
+        return uvicorn_options(self.head_seconds, self.max_connections, self.per_client)
 
 
 @dataclass
 class ServedModel:
-    """A model loaded once, its name on the page, and the lock its requests take turns on."""
+    """A model loaded once, its name on the page, and the one thread its requests take turns on (torch
+    then keeps one set of worker threads for it, not one per request thread)."""
 
     name: str
     captioner: Captioner
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "captioner-model"), repr=False)
 
     def info(self) -> dict:
         cfg = self.captioner.config
@@ -101,22 +120,38 @@ def _check_choice(name: str, value: int, low: int, high: int) -> int:
     return value
 
 
-def caption_upload(served: ServedModel, data: bytes, filename: str, beam: int = 3, n_best: int = 1,
+def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, beam: int = 3, n_best: int = 1,
                    limits: ServeLimits = ServeLimits()) -> dict:
-    """Caption uploaded image bytes: the n-best captions, each with its record and explorer page.
+    """Caption an uploaded image: the n-best captions, each with its record and explorer page.
+
+    ``data`` is the upload's bytes, or a seekable file holding them (the spooled upload): then only
+    its header is read until the decode budget is held, and its bytes are read under the budget too.
+    The decoded image is held, from decoding to the answer, under the process-wide decode budget.
 
     Raises:
         ImageLoadError: the bytes are not a readable image, or it is too large.
         ConfigError: ``beam`` or ``n_best`` out of range.
+        Refused: over the decode budget (413), or it stayed busy too long (503).
     """
     beam = _check_choice("beam", beam, 1, limits.max_beam)
     n_best = _check_choice("n_best", n_best, 1, beam)
     t0 = time.perf_counter()
-    with decode_gate(limits.max_pixels):  # concurrent uploads cannot add up past the memory
-        image = decode_image(data, filename, limits.max_pixels)
+    budget = shared_budget(limits.decode_bytes, limits.queue_seconds)
+    with budget.hold(decode_cost(data, limits.max_pixels), filename):
+        if not isinstance(data, bytes):
+            data.seek(0)
+            data = data.read(limits.max_bytes + 1)
+            if len(data) > limits.max_bytes:
+                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)})")
+        return _caption_image(served, data, filename, beam, n_best, limits, t0)
+
+
+def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, limits: ServeLimits,
+                   t0: float) -> dict:
+    image = decode_image(data, filename, limits.max_pixels)
     with served.lock:
-        captions = served.captioner.caption_nbest(image, n_best=n_best, beam=beam, max_len=limits.max_len,
-                                                  all_heads=True)
+        captions = served.worker.submit(served.captioner.caption_nbest, image, n_best=n_best, beam=beam,
+                                        max_len=limits.max_len, all_heads=True).result()
     out = []
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
@@ -141,7 +176,8 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
     page = render_page([m.info() for m in models], [e.name for e in examples], limits.max_beam, limits.max_bytes)
-    install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.idle_seconds)
+    install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.body_seconds)
+    app.state.limits = limits
 
     @app.middleware("http")
     async def guard(request: Request, call_next):  # noqa: ANN202
@@ -182,11 +218,14 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         if served is None:
             return _error(404, f"no model named {model!r}; served: {', '.join(by_name)}")
         name = one_line(image.filename or "upload")[:200]
-        data = image.file.read(limits.max_bytes + 1)
-        if len(data) > limits.max_bytes:
+        upload = image.file  # spooled: in memory up to 1 MiB, on disk past it, read under the decode budget
+        size = upload.seek(0, 2)
+        if size > limits.max_bytes:
             return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
         try:
-            return JSONResponse(caption_upload(served, data, name, beam, n_best, limits))
+            return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits))
+        except Refused as exc:
+            return _error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
         except CaptionerError as exc:
             return _error(400, str(exc))
         except MemoryError:
@@ -200,8 +239,9 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float
     """Serve ``app`` with uvicorn in a background thread (tests, benchmarks); yields its base URL."""
     import uvicorn
 
+    limits = getattr(app.state, "limits", ServeLimits())
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           **uvicorn_options()))
+                                           **limits.uvicorn_options()))
     thread = threading.Thread(target=server.run, name="captioner-serve", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -87,7 +87,7 @@ from captioner.data.transforms import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache
-from captioner.files import atomic_write
+from captioner.files import atomic_write, writable_folder
 from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, read_concepts,
                                        read_concepts_with_folds, save_concepts)
 from captioner.models.encoder import build_encoder
@@ -557,9 +557,36 @@ class _Subset:
         return _rows(self.features, [self.index[i] for i in items])
 
 
+MAX_CONCEPT_WORDS = 100_000
+MAX_CONCEPT_EPOCHS = 10_000
+MAX_HEAD_WIDTH = 65_536
+
+
+def check_concept_options(k: int, epochs: int, hidden: int) -> None:
+    """The numbers of :func:`learn_concepts`, each in its range (one line naming it otherwise)."""
+    for name, value, low, high in (("concepts", k, 1, MAX_CONCEPT_WORDS), ("epochs", epochs, 1, MAX_CONCEPT_EPOCHS),
+                                   ("hidden", hidden, 0, MAX_HEAD_WIDTH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"--{name} must be a whole number from {low} to {high}, got {value!r}")
+
+
+def check_output_file(out: str | os.PathLike, overwrite: bool, option: str) -> Path:
+    """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``,
+    in a folder that exists and can be written (checked with a temporary file)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"{option} {out}: is a folder; give the file to write (e.g. {out / 'concepts.safetensors'})")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{option} {out}: already exists; choose another {option} or pass --force to replace it")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
+    writable_folder(out.parent, ConfigError)
+    return out
+
+
 def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int = 8, hidden: int = 512,
                    pooling: str = "lse", boxes: str | None = None, boxes_split: str = "train2017",
-                   progress: bool = True, folds: int = 0) -> str:
+                   progress: bool = True, folds: int = 0, overwrite: bool = False) -> str:
     """Train concept detectors on ``cfg.data``'s training split over its feature cache, choose the
     epoch on its validation split, write the concepts file ``out``; returns a report (lines).
 
@@ -570,17 +597,25 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
         boxes, boxes_split: a COCO folder with object boxes: also report :func:`concept_pointing` there.
         progress: progress bars.
         folds: 0, or F >= 2 fold heads for cross-fitting (:func:`train_fold_heads`), stored beside the head.
+        overwrite: replace an existing ``out``.
+
+    Every argument, ``out`` and the ``boxes`` folder are checked before the encoder is built or any
+    training starts.
     """
+    check_concept_options(k, epochs, hidden)
     if folds:
         check_fold_count(folds)  # before minutes of training the full head
     if cfg.model.encoder.fine_tune:
         raise ConfigError("concept detectors read a frozen encoder's features: set encoder.fine_tune=false")
+    out = check_output_file(out, overwrite, "--out")
     d = cfg.data
+    if boxes:
+        box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
+        instances = load_instances(boxes, boxes_split)
+        if instances is None:
+            raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
     train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
     dev_set = check_images(load_caption_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
-    out = Path(out)
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: folder {out.parent} does not exist")
     encoder = build_encoder(cfg.model.encoder).eval()
     started = time.perf_counter()
     train_cache, dev_cache = (_cache(cfg, encoder, cs, progress) for cs in (train_set, dev_set))
@@ -626,10 +661,6 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     else:
         lines.append("(captioner concepts --folds F gives each training photo concepts from a head that never saw it)")
     if boxes:
-        box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
-        instances = load_instances(boxes, boxes_split)
-        if instances is None:
-            raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
         box_cache = _cache(cfg, encoder, box_set, progress)
         valid = box_cache.valid_indices()
         pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,

@@ -62,9 +62,9 @@ for name in "${NAMES[@]}"; do
     captioner train $settings --data "$DATA" --out "$run" --overwrite --epochs "$EPOCHS" --no-progress \
         > "$ROOT/$name.log" 2>&1
     trained=$(( $(date +%s) - start ))
-    captioner evaluate "$run/best.safetensors" --data "$DATA" --split dev --beam 3 --no-progress --out "$run" \
+    captioner evaluate "$run/best.safetensors" --data "$DATA" --split dev --beam 3 --no-progress --force --out "$run" \
         > "$ROOT/$name.dev.txt" 2>&1
-    captioner evaluate "$run/best.safetensors" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress \
+    captioner evaluate "$run/best.safetensors" --data "$COCO_MINI" --split train2017 --beam 3 --no-progress --force \
         --no-coco-caption --out "$run/coco2017-mini" > "$ROOT/$name.coco.txt" 2>&1
     echo "$name: trained in ${trained}s; $(tail -n 3 "$ROOT/$name.dev.txt" | tr '\n' ' ')"
 done

@@ -1,4 +1,4 @@
-"""Resumable, bounded downloads: one implementation for the dataset downloads and for checkpoints given by URL.
+"""The one HTTP implementation: resumable, bounded downloads for the dataset archives and checkpoint URLs.
 
 ``download`` fetches a URL through ``<dest>.part`` with a tqdm bar, resumes a partial file with an
 HTTP Range request (also when the connection is cut in the middle: up to ``retries`` times in one
@@ -97,7 +97,8 @@ class _TooLarge(Exception):
     """The body is larger than ``limit`` (``max_bytes``, or the size the file's header states)."""
 
     def __init__(self, got: int, limit: int, what: str) -> None:
-        super().__init__(f"{got} bytes or more where {what} {limit} bytes")
+        super().__init__(f"{got} bytes where {what} {limit} bytes" if "states" in what
+                         else f"{got} bytes or more where {what} {limit} bytes")
 
 
 class _CannotWrite(Exception):
@@ -241,8 +242,13 @@ def _fetch_part(url: str, part: Path, size: int | None, progress: bool, opener: 
                 except OSError as exc:
                     raise _CannotWrite(exc) from None
                 head.feed(chunk)
-                if head.size is not None and got > head.size:
-                    raise _TooLarge(got, head.size, "the file's header says")
+                if head.size is not None:  # what the file claims, checked as soon as it is known
+                    if bounds.max_bytes is not None and head.size > bounds.max_bytes:
+                        raise _TooLarge(head.size, bounds.max_bytes, "its header states it, the limit is")
+                    if total is not None and total != head.size:
+                        raise Refused(f"the server sends {total} bytes, the file's header says {head.size}")
+                    if got > head.size:
+                        raise _TooLarge(got, head.size, "the file's header says")
                 bar.update(len(chunk))
                 moved.add(len(chunk))
             try:

@@ -1,6 +1,6 @@
-"""Dataset downloads behind ``captioner download flickr8k|coco``: the shared archive loop and zip
-extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum) is
-:mod:`captioner.download`.
+"""Dataset archives behind ``captioner download flickr8k|coco``: the shared archive loop and bounded
+zip extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum)
+is :mod:`captioner.network`.
 
 Each dataset's names are also grouped under its name, as the command uses them:
 ``flickr8k.select_archives``, ``flickr8k.prepare``, ``coco.ARCHIVES``... (:data:`flickr8k`, :data:`coco`).
@@ -79,6 +79,7 @@ inner folder names and ``__MACOSX`` entries do not matter. ``--mirror URL`` fetc
 
 from __future__ import annotations
 
+import errno
 import logging
 import zipfile
 import zlib
@@ -88,7 +89,7 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
-from captioner.download import CHUNK, Bounds, download, file_digest, verify
+from captioner.network import CHUNK, Bounds, download, file_digest, verify
 from captioner.errors import DataError
 
 __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
@@ -108,8 +109,8 @@ class ArchiveBounds:
 
     Attributes:
         member_bytes: the largest member, counted as it is written (its stated size is checked first).
-        ratio: the largest expansion of a member (bytes written per compressed byte), once it is
-            past ``ratio_floor`` bytes (small files of repeated text compress well).
+        ratio: the largest expansion (bytes written per compressed byte), of each member and of all
+            members together, once past ``ratio_floor`` bytes (small files of repeated text compress well).
         total_bytes: everything extracted from one archive.
     """
 
@@ -136,52 +137,108 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
+class _Budget:
+    """What one archive may still write: bytes in all, and bytes per compressed byte over all members."""
+
+    def __init__(self, zip_path: Path, bounds: ArchiveBounds) -> None:
+        self.zip_path, self.bounds = zip_path, bounds
+        self.written = 0
+        self.compressed = 0
+
+    def check(self, what: str) -> None:
+        """Raise when past a bound; ``what`` says what was counted (``"its members state"``, ``"at member 'x'"``)."""
+        b = self.bounds
+        if self.written > b.total_bytes:
+            raise DataError(f"{self.zip_path}: {what} {self.written} bytes in all, over the limit of "
+                            f"{b.total_bytes} bytes (a zip bomb?)")
+        if self.written > b.ratio_floor and self.written > b.ratio * max(self.compressed, 1):
+            raise DataError(f"{self.zip_path}: {what} {self.written} bytes in all from {self.compressed} "
+                            f"compressed bytes, more than {b.ratio:g} times (a zip bomb?)")
+
+
+def _check_stated(zf: zipfile.ZipFile, zip_path: Path, names: Sequence[str], bounds: ArchiveBounds) -> None:
+    """Refuse from the stated sizes alone, before anything is written: a member over ``member_bytes``,
+    all members over ``total_bytes``, or over ``ratio`` times their compressed bytes in all."""
+    budget = _Budget(zip_path, bounds)
+    for name in names:
+        info = zf.getinfo(name)
+        if info.file_size > bounds.member_bytes:
+            raise DataError(f"{zip_path}: member {name!r} states {info.file_size} bytes, over the limit of "
+                            f"{bounds.member_bytes} bytes (a zip bomb?)")
+        budget.written += info.file_size
+        budget.compressed += info.compress_size
+    budget.check("its members state")
+
+
 def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, tmp: Path, zip_path: Path, bounds: ArchiveBounds,
-                 budget: int) -> int:
-    """Stream one member into ``tmp`` with a running total; returns the bytes written."""
-    limit = min(bounds.member_bytes, budget)
+                 budget: _Budget) -> int:
+    """Stream one member into ``tmp``, counted against the member bound and the archive's ``budget``."""
+    limit = bounds.member_bytes
     where = f"{zip_path}: member {info.filename!r}"
     if info.flag_bits & 0x1:
         raise DataError(f"{where} cannot be extracted (it is encrypted: a password would be needed)")
-    if info.file_size > limit:
-        raise DataError(f"{where} states {info.file_size} bytes, over the limit of {limit} bytes (a zip bomb?)")
+    budget.compressed += info.compress_size
     written = 0
-    with zf.open(info) as src, open(tmp, "wb") as dst:
+    try:
+        dst = open(tmp, "wb")
+    except OSError as exc:
+        raise _cannot_write(tmp, zip_path, exc) from None
+    with zf.open(info) as src, dst:
         while chunk := src.read(CHUNK):
             written += len(chunk)
+            budget.written += len(chunk)
             if written > limit:
                 raise DataError(f"{where} expands past {limit} bytes (a zip bomb?)")
             if written > bounds.ratio_floor and written > bounds.ratio * max(info.compress_size, 1):
                 raise DataError(f"{where} expands more than {bounds.ratio:g} times its {info.compress_size} "
                                 "compressed bytes (a zip bomb?)")
-            dst.write(chunk)
+            budget.check(f"up to member {info.filename!r} it expands to")
+            try:
+                dst.write(chunk)
+            except OSError as exc:
+                raise _cannot_write(tmp, zip_path, exc) from None
     return written
+
+
+def _cannot_write(path: Path, zip_path: Path, exc: OSError) -> DataError:
+    hint = "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return DataError(f"{path}: cannot write while extracting {zip_path} ({exc.strerror or exc}); what this "
+                     f"archive had written was removed{hint}")
 
 
 def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterable[tuple[str, str]],
                   bounds: ArchiveBounds | None = None) -> list[Path]:
     """Extract ``(member name, destination relative to root)`` pairs, each through a ``.tmp`` file.
 
-    Each member is streamed with a running total against ``bounds`` (default :data:`BOUNDS`). On
-    any failure the ``.tmp`` file and the members this call wrote are removed.
+    The members' stated sizes are checked against ``bounds`` (default :data:`BOUNDS`) before anything
+    is written, then every byte as it is written: per member, and over all members (total size, and
+    expansion over their compressed bytes). On any failure the ``.tmp`` file and the members this call
+    wrote are removed.
 
     Raises:
-        DataError: a destination would lie outside ``root`` (a ``../`` member name); a member over a
-            bound; a corrupt, encrypted or unsupported member (one line naming it).
+        DataError: a destination would lie outside ``root`` (a ``../`` member name); a member or the
+            archive over a bound; a corrupt, encrypted or unsupported member; a file that cannot be
+            written (a full disk), each one line naming it.
     """
     bounds = bounds or BOUNDS
+    pairs = list(pairs)
     written: list[Path] = []
     base = root.resolve()
-    total, tmp = 0, None
+    tmp = None
     try:
+        _check_stated(zf, zip_path, [name for name, _ in pairs], bounds)
+        budget = _Budget(zip_path, bounds)
         for name, rel in pairs:
             out = (root / rel).resolve()
             if base not in out.parents:
                 raise DataError(f"{zip_path}: member {name!r} would escape {root}")
-            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise _cannot_write(out.parent, zip_path, exc) from None
             tmp = out.with_name(out.name + ".tmp")
             try:
-                total += _copy_member(zf, zf.getinfo(name), tmp, zip_path, bounds, bounds.total_bytes - total)
+                _copy_member(zf, zf.getinfo(name), tmp, zip_path, bounds, budget)
             except _CORRUPT as exc:
                 raise DataError(f"{zip_path}: member {name!r} cannot be extracted ({_why(exc)})") from None
             tmp.replace(out)
