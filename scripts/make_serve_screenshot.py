@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--word", type=int, default=1, help="word of the best caption to select (0-based)")
     parser.add_argument("--n-best", type=int, default=3, help="captions in the n-best list")
     parser.add_argument("--size", default="1400,1000", help="browser window WIDTH,HEIGHT")
-    parser.add_argument("--style", choices=("light", "heat"), default="light", help="style of the maps")
+    parser.add_argument("--style", choices=("heat", "light"), default="heat", help="style of the maps")
     parser.add_argument("--out", default=str(REPO / "docs" / "images" / "serve_page.png"), help="PNG to write")
     args = parser.parse_args(argv)
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             frames = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
             driver.switch_to.frame(frames[0])
             wait.until(lambda d: d.execute_script("return document.body.dataset.ready === '1';"))
-            if args.style != "light":
+            if args.style != "heat":
                 Select(driver.find_element(By.ID, "style")).select_by_value(args.style)
             driver.find_element(By.ID, f"word-{args.word}").click()
             driver.switch_to.default_content()
