@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.viz.explorer import opening_word
 from test_browser import chrome
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
@@ -140,7 +141,11 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         items = driver.find_elements(By.CSS_SELECTOR, ".nbest .text")
         assert [li.text for li in items] == [c.text for c in expected]
         scores = driver.find_elements(By.CSS_SELECTOR, ".nbest .score")
-        assert scores[0].text == f"log-probability per word {expected[0].score:.2f}"  # a labelled score
+        # the score says what it is: the search's score is the caption's log-probability (its words and its
+        # end), given per word and in all
+        best = expected[0]
+        per_word = best.score / (len(best.words) + int(best.finished))
+        assert scores[0].text == f"log-probability {per_word:.2f} per word \u00b7 {best.score:.2f} in all"
         assert driver.find_element(By.ID, "result-file").text == "scene.png"
         assert driver.find_element(By.ID, "result-thumb").get_attribute("src").startswith("blob:")
 
@@ -149,9 +154,10 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         driver.switch_to.frame(frame)
         canvas = driver.find_element(By.ID, "view")
         before = _pixels(canvas)
-        att = expected[0].attention  # (L, g, g): hover the word whose map differs most from the first word's
-        far = int((att - att[0]).abs().flatten(1).sum(1).argmax())
-        assert (att[far] - att[0]).abs().sum() > 0.5, "the test model's words all look at the same place"
+        opened = int(driver.execute_script("return document.body.dataset.word;"))
+        att = expected[0].attention  # (L, g, g): hover the word whose map differs most from the opening word's
+        far = int((att - att[opened]).abs().flatten(1).sum(1).argmax())
+        assert (att[far] - att[opened]).abs().sum() > 0.5, "the test model's words all look at the same place"
         ActionChains(driver).move_to_element(driver.find_element(By.ID, f"word-{far}")).perform()
         after = _pixels(canvas)
         changed = np.abs(before - after).sum(-1) > 30
@@ -176,6 +182,8 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         _upload(driver, notes)
         assert driver.execute_script("return document.body.dataset.state;") == "error"
         assert driver.find_element(By.ID, "error").text == "notes.txt: not an image file"
+        _wait(driver, "return document.getElementById('thumb').hidden;")  # no broken thumbnail beside it
+        assert not driver.find_element(By.ID, "thumb").is_displayed()
         # the stale-result rule: no caption of the previous photo is left under the error
         assert not driver.find_element(By.ID, "result").is_displayed()
         assert driver.find_elements(By.CSS_SELECTOR, "#columns iframe") == []
@@ -234,7 +242,8 @@ def test_the_keyboard_alone_shows_and_pins_a_word(driver, peaked_model, tmp_path
     image, photo = _scene(tmp_path, seed=3)
     expected = peaked_model.caption(image, beam=3, attention=True)[0]
     att = expected.attention
-    far = int((att - att[0]).abs().flatten(1).sum(1).argmax())
+    opened = opening_word(expected.words)
+    far = int((att - att[opened]).abs().flatten(1).sum(1).argmax())
     assert far > 0
     with _serve_page(driver, [("peaked", peaked_model)]):
         _upload(driver, photo)
@@ -264,7 +273,7 @@ def test_the_keyboard_alone_shows_and_pins_a_word(driver, peaked_model, tmp_path
         assert driver.switch_to.active_element.get_attribute("id") == f"word-{far}"
         assert driver.execute_script("return document.body.dataset.shown;") == str(far)
         assert np.abs(_pixels(canvas) - pinned).sum(-1).__gt__(30).mean() > 0.02, "focus did not show the map"
-        assert driver.execute_script("return document.body.dataset.word;") == "0"  # shown, not pinned yet
+        assert driver.execute_script("return document.body.dataset.word;") == str(opened)  # shown, not pinned yet
         ActionChains(driver).send_keys(Keys.ENTER).perform()
         assert driver.execute_script("return document.body.dataset.word;") == str(far)
         assert driver.find_element(By.ID, f"word-{far}").get_attribute("aria-pressed") == "true"

@@ -512,8 +512,8 @@ EXPLORER_JS = r"""
 
   function bind(s, i) {  // hover, focus, tap and keys: the same for a word and a tag
     s.addEventListener("click", function () { select(i); });
-    s.addEventListener("mousemove", function (e) {  // a pointer that moves: a still one (a caption
-      if ((e.movementX || e.movementY) && shown !== i) show(i);  // loaded under it) changes nothing
+    s.addEventListener("mousemove", function () {  // a pointer that moves: a caption loaded under a still
+      if (shown !== i) show(i);                    // pointer gets only mouseover/mouseenter, and keeps its word
     });
     s.addEventListener("mouseleave", function () { show(current); });
     s.addEventListener("focus", function () { show(i); });
