@@ -299,6 +299,7 @@ body.embedded h1 { display: none; }
 /* models side by side: the page shows the photo once, so each column gives the map all its width */
 body.compare .photo-figure, body.compare .help { display: none; }
 body.compare .views figure { flex-basis: 100%; }
+body.compare canvas { width: 100%; }  /* the map as wide as its column, a small photo's too */
 @media (max-width: 420px) {  /* a phone's column: the map first, small print around it */
   .caption { font-size: 1.1em; }
   #shown-word { font-size: 1.3em; }
@@ -327,7 +328,8 @@ EXPLORER_JS = r"""
   const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
   // what can be shown: the caption's words (0 .. L-1), then the photo's tags (L .. L+C-1); buttons[i] is item i
   const L = D.words.length, C = D.concepts ? D.concepts.length : 0, spans = [], buttons = [];
-  let current = 0, shown = 0;  // the pinned item | the item drawn now (hovered, focused or pinned); -1: none
+  let current = 0, shown = 0, over = -1;  // the pinned item | the item drawn now (hovered, focused or pinned); -1:
+                                          // none | the item the pointer moved onto
 
   if (D.all_attention) {
     for (let l = 0; l < D.layers; l++) layerSel.add(new Option(String(l + 1), String(l)));
@@ -512,10 +514,10 @@ EXPLORER_JS = r"""
 
   function bind(s, i) {  // hover, focus, tap and keys: the same for a word and a tag
     s.addEventListener("click", function () { select(i); });
-    s.addEventListener("mousemove", function () {  // a pointer that moves: a caption loaded under a still
-      if (shown !== i) show(i);                    // pointer gets only mouseover/mouseenter, and keeps its word
+    s.addEventListener("mousemove", function () {  // a pointer that moves onto it: a caption loaded under a
+      if (over !== i) { over = i; show(i); }       // still pointer gets only mouseover/mouseenter, keeps its word
     });
-    s.addEventListener("mouseleave", function () { show(current); });
+    s.addEventListener("mouseleave", function () { over = -1; show(current); });
     s.addEventListener("focus", function () { show(i); });
     s.addEventListener("blur", function () { show(current); });
     buttons.push(s);
