@@ -121,11 +121,11 @@ button:disabled { color: #6b6b6b; cursor: default; }
 #columns { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 440px), 1fr)); gap: 1.2em; }
 /* models side by side: one column each, side by side at any width (a phone too), the photo once above them */
 #columns.many { grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr)); gap: .8em; }
-#result.many #result-thumb { width: auto; height: 160px; max-width: 100%; object-fit: contain; border-radius: 4px; }
+#result.many #result-thumb { width: auto; height: 120px; max-width: 100%; object-fit: contain; border-radius: 4px; }
 @media (max-width: 600px) {
   body { padding: 0 .4em; }
   #columns.many { gap: .4em; }
-  #result.many #result-thumb { height: 110px; }
+  #result.many #result-thumb { height: 72px; }
   .column h2 .meta { display: block; margin-left: 0; }
   .downloads button { font-size: .85em; }
 }

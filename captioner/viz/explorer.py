@@ -216,7 +216,7 @@ def render_explorer(
     <label>layer<select id="layer"></select></label>
     <label>head<select id="head"></select></label>
   </span>
-  <label>strength<input type="range" id="alpha" min="0" max="1" step="0.05"></label>
+  <label class="strength">strength<input type="range" id="alpha" min="0" max="1" step="0.05"></label>
 </div>
 <div class="views">
   <figure>
@@ -299,12 +299,13 @@ body.embedded h1 { display: none; }
 /* models side by side: the page shows the photo once, so each column gives the map all its width */
 body.compare .photo-figure, body.compare .help { display: none; }
 body.compare .views figure { flex-basis: 100%; }
-body.compare canvas { width: 100%; }  /* the map as wide as its column, a small photo's too */
 @media (max-width: 420px) {  /* a phone's column: the map first, small print around it */
-  .caption { font-size: 1.1em; }
+  .caption { font-size: 1em; margin-bottom: .4em; }
   #shown-word { font-size: 1.3em; }
-  .controls { gap: .4em .8em; font-size: .85em; }
+  .controls { gap: .4em .8em; font-size: .85em; margin-bottom: .4em; }
   .legend .bar { flex-basis: 80px; }
+  body.compare .concepts-label, body.compare .controls .strength { display: none; }
+  body.compare #missing { font-size: .85em; }
 }
 [hidden] { display: none !important; }
 """
