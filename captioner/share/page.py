@@ -363,9 +363,13 @@ PAGE_JS = r"""
   });
   // a photo dropped anywhere on the page is captioned (not opened by the browser in place of the page)
   let dragDepth = 0;
-  document.addEventListener("dragenter", function (e) { e.preventDefault(); dragDepth++; body.classList.add("dragging"); });
+  document.addEventListener("dragenter", function (e) {
+    e.preventDefault(); dragDepth++; body.classList.add("dragging");
+  });
   document.addEventListener("dragover", function (e) { e.preventDefault(); });
-  document.addEventListener("dragleave", function () { if (--dragDepth <= 0) { dragDepth = 0; body.classList.remove("dragging"); } });
+  document.addEventListener("dragleave", function () {
+    if (--dragDepth <= 0) { dragDepth = 0; body.classList.remove("dragging"); }
+  });
   document.addEventListener("drop", function (e) {
     e.preventDefault(); dragDepth = 0; body.classList.remove("dragging");
     const files = e.dataTransfer && e.dataTransfer.files;
