@@ -427,7 +427,7 @@ EXPLORER_JS = r"""
   }
 
   function heat(v, strength) {  // heatmaps.style_layer "heat" at level v (0..255): [r, g, b, opacity 0..1]
-    const paint = strength * v / 255, dark = D.heat_dim * strength * (1 - v / 255);
+    const paint = strength * (v / 255) * (v / 255), dark = D.heat_dim * strength * (1 - v / 255);
     const o = 1 - (1 - paint) * (1 - dark), k = o > 0 ? paint / o : 0;
     return [Math.round(D.lut[3 * v] * k), Math.round(D.lut[3 * v + 1] * k), Math.round(D.lut[3 * v + 2] * k), o];
   }

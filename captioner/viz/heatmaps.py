@@ -10,9 +10,9 @@ dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian bl
 ``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
 
 Two styles draw a map over the photo (``STYLES``). ``heat`` (the default): a perceptually uniform
-colour map (viridis by default) laid over the photo with an opacity that grows with the weight, so
-the low end is transparent, and the photo darkened a little (``HEAT_DIM``) where the word did not
-look; the strongest region is coloured whatever the photo's brightness, so a word that looked at a
+colour map (viridis by default) laid over the photo with an opacity that grows with the square of the
+weight's share of the peak, so the low end is transparent, and the photo darkened a little
+(``HEAT_DIM``) where the word did not look; the strongest region is coloured whatever the photo's brightness, so a word that looked at a
 black jacket on a dark photo still lights it. ``light`` (as the Show, Attend and Tell figures draw
 attention): the photo keeps its own colours where the word looked and is darkened where it did
 not, by up to ``alpha`` of its brightness (a dark region stays dark: the style for bright photos
@@ -297,15 +297,16 @@ def style_layer(norm: np.ndarray, style: str = DEFAULT_STYLE, cmap: str = DEFAUL
     """The layer drawn over the photo for a map already scaled to 0..1: ``(colours (..., 3), opacity (...))``.
 
     ``light``: black at opacity ``alpha * (1 - norm)`` (the photo itself where the word looked);
-    ``heat``: the colour map at opacity ``alpha * norm`` (transparent at the low end) over the photo
-    darkened by ``HEAT_DIM * alpha * (1 - norm)``, folded into one colour and opacity.
+    ``heat``: the colour map at opacity ``alpha * norm ** 2`` (transparent at the low end, so that a
+    spread map's many middling regions stay a light veil and its peak stands out) over the photo darkened
+    by ``HEAT_DIM * alpha * (1 - norm)``, folded into one colour and opacity.
     """
     norm = np.clip(np.asarray(norm, dtype=np.float64), 0.0, 1.0)
     if check_style(style) == "light":
         return np.zeros(norm.shape + (3,), dtype=np.float32), (alpha * (1.0 - norm)).astype(np.float32)
     level = (norm * 255).round()
     colours = colormap_lut(cmap)[level.astype(np.int64)].astype(np.float64)
-    paint = alpha * level / 255  # the colour's own opacity
+    paint = alpha * (level / 255) ** 2  # the colour's own opacity
     dark = HEAT_DIM * alpha * (1.0 - level / 255)  # black under it, where the word did not look
     opacity = 1.0 - (1.0 - paint) * (1.0 - dark)
     safe = np.where(opacity > 0, opacity, 1.0)
