@@ -133,6 +133,7 @@ def test_the_explorer_opens_on_the_first_tag_word_or_noun_not_on_a():
     assert opening_word("two young girls are playing".split()) == 2  # not a number, an adjective or "are"
     assert opening_word("a dog runs on the grass".split(), ["grass", "field"]) == 5  # a tag-word first
     assert opening_word("a dog runs".split(), ["cat"]) == 1  # no tag in the caption: the first noun
+    assert opening_word("a picture of a group of people on a beach".split()) == 6  # not the framing nouns
     assert opening_word(["a", "the", "<unk>"]) == 0 and opening_word([]) == 0
     record = make_caption(["a", "red", "circle", "below"], np.full((4, 3, 3), 1 / 9, np.float32))
     data = _payload(render_explorer(Image.new("RGB", (30, 20)), record))

@@ -68,8 +68,9 @@ from captioner.viz.heatmaps import (
 MIN_DISPLAY_SIDE = 384  # the canvas's long side is at least this many pixels
 MAX_CONCEPTS = 10  # concept chips shown at most
 CONCEPTS_LABEL = "Tags the model sees in this photo"
-# words that never open the explorer: articles, numbers, prepositions, pronouns, verbs of being, colours
-# and common adjectives (no part-of-speech tagger: a caption's first other word is its first noun nearly always)
+# words that never open the explorer: articles, numbers, prepositions, pronouns, verbs of being, colours,
+# common adjectives and framing nouns (no part-of-speech tagger: a caption's first other word is its first
+# noun nearly always)
 NOT_NOUNS = frozenset("""
 a an the this that these those some two three four five six seven eight nine ten one many several few lots of
 in on at to into onto over under above below near next beside behind by with without from for through across
@@ -78,7 +79,8 @@ is are was were be being been has have had does do it they he she we i you them
 red orange yellow green blue purple pink brown black white grey gray dark light bright colorful colourful
 small big large little tiny huge tall short long young old older smiling happy wet dry other different
 left right top bottom middle front back another each very
-""".split())
+picture image photo photograph view scene group pair bunch kind sort side
+""".split())  # the last line: nouns that frame a caption ("a picture of", "a group of") rather than name a thing
 
 
 def opening_word(words: list[str], tags: list[str] | None = None) -> int:
