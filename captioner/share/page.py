@@ -9,8 +9,8 @@ tags for a model with concept detectors; a heat map or attention as light; layer
 for a Transformer). Changing the model, the beam or the number of captions, or pressing "Run again",
 captions the same photo again, and the page stays where it is (no scrolling: the upload box and the
 focused control stay in view). With several models, "all models" (the default) shows them side by
-side: the photo once above the columns, each column's map as wide as the column (also on a phone,
-where the columns stay side by side), the same word lit in each, and a column whose caption lacks the
+side: the photo once above the columns, each column's map at its full size (no photo beside it;
+on a phone the columns stay side by side), the same word lit in each, and a column whose caption lacks the
 word says so and shows its tag of that name or its nearest word. Buttons download the
 map on show with the caption and the word under it (PNG) and the attention record (JSON). An
 error is shown in one line and clears the old result; a new photo marks it as the previous one's
@@ -106,7 +106,7 @@ button:disabled { color: #6b6b6b; cursor: default; }
 :focus-visible { outline: 3px solid #e0a800; outline-offset: 2px; }
 #drop { border: 2px dashed #8a94a6; border-radius: 8px; padding: .6em 1em; color: #333; background: #fff;
         flex: 1 1 320px; }
-#drop.over, body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
+body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
 #examples { display: flex; gap: .5em; flex-wrap: wrap; align-items: center; }
 #examples button { padding: 0; border: 2px solid transparent; border-radius: 6px; background: none; }
 #examples button:hover { border-color: #1f47b8; }
