@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.viz.explorer import opening_word
 from test_browser import chrome
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
@@ -140,7 +141,11 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         items = driver.find_elements(By.CSS_SELECTOR, ".nbest .text")
         assert [li.text for li in items] == [c.text for c in expected]
         scores = driver.find_elements(By.CSS_SELECTOR, ".nbest .score")
-        assert scores[0].text == f"log-probability per word {expected[0].score:.2f}"  # a labelled score
+        # the score says what it is: the search's score is the caption's log-probability (its words and its
+        # end), given per word and in all
+        best = expected[0]
+        per_word = best.score / (len(best.words) + int(best.finished))
+        assert scores[0].text == f"log-probability {per_word:.2f} per word \u00b7 {best.score:.2f} in all"
         assert driver.find_element(By.ID, "result-file").text == "scene.png"
         assert driver.find_element(By.ID, "result-thumb").get_attribute("src").startswith("blob:")
 
@@ -149,9 +154,10 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         driver.switch_to.frame(frame)
         canvas = driver.find_element(By.ID, "view")
         before = _pixels(canvas)
-        att = expected[0].attention  # (L, g, g): hover the word whose map differs most from the first word's
-        far = int((att - att[0]).abs().flatten(1).sum(1).argmax())
-        assert (att[far] - att[0]).abs().sum() > 0.5, "the test model's words all look at the same place"
+        opened = int(driver.execute_script("return document.body.dataset.word;"))
+        att = expected[0].attention  # (L, g, g): hover the word whose map differs most from the opening word's
+        far = int((att - att[opened]).abs().flatten(1).sum(1).argmax())
+        assert (att[far] - att[opened]).abs().sum() > 0.5, "the test model's words all look at the same place"
         ActionChains(driver).move_to_element(driver.find_element(By.ID, f"word-{far}")).perform()
         after = _pixels(canvas)
         changed = np.abs(before - after).sum(-1) > 30
@@ -176,6 +182,8 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         _upload(driver, notes)
         assert driver.execute_script("return document.body.dataset.state;") == "error"
         assert driver.find_element(By.ID, "error").text == "notes.txt: not an image file"
+        _wait(driver, "return document.getElementById('thumb').hidden;")  # no broken thumbnail beside it
+        assert not driver.find_element(By.ID, "thumb").is_displayed()
         # the stale-result rule: no caption of the previous photo is left under the error
         assert not driver.find_element(By.ID, "result").is_displayed()
         assert driver.find_elements(By.CSS_SELECTOR, "#columns iframe") == []
@@ -234,7 +242,8 @@ def test_the_keyboard_alone_shows_and_pins_a_word(driver, peaked_model, tmp_path
     image, photo = _scene(tmp_path, seed=3)
     expected = peaked_model.caption(image, beam=3, attention=True)[0]
     att = expected.attention
-    far = int((att - att[0]).abs().flatten(1).sum(1).argmax())
+    opened = opening_word(expected.words)
+    far = int((att - att[opened]).abs().flatten(1).sum(1).argmax())
     assert far > 0
     with _serve_page(driver, [("peaked", peaked_model)]):
         _upload(driver, photo)
@@ -264,7 +273,7 @@ def test_the_keyboard_alone_shows_and_pins_a_word(driver, peaked_model, tmp_path
         assert driver.switch_to.active_element.get_attribute("id") == f"word-{far}"
         assert driver.execute_script("return document.body.dataset.shown;") == str(far)
         assert np.abs(_pixels(canvas) - pinned).sum(-1).__gt__(30).mean() > 0.02, "focus did not show the map"
-        assert driver.execute_script("return document.body.dataset.word;") == "0"  # shown, not pinned yet
+        assert driver.execute_script("return document.body.dataset.word;") == str(opened)  # shown, not pinned yet
         ActionChains(driver).send_keys(Keys.ENTER).perform()
         assert driver.execute_script("return document.body.dataset.word;") == str(far)
         assert driver.find_element(By.ID, f"word-{far}").get_attribute("aria-pressed") == "true"
@@ -289,7 +298,7 @@ def test_two_models_side_by_side_show_the_same_word(driver, peaked_model, tmp_pa
         words = peaked_model.caption(image, beam=3)[0].words
         assert [_words_in(driver, f) for f in frames] == [words, words]
         assert frames[0].location["y"] == frames[1].location["y"]  # in columns, side by side
-        target = len(words) - 1
+        target = next(i for i, w in enumerate(words) if w != words[opening_word(words)])  # not what both opened on
         driver.switch_to.frame(frames[0])
         ActionChains(driver).move_to_element(driver.find_element(By.ID, f"word-{target}")).perform()
         driver.switch_to.default_content()
@@ -424,4 +433,315 @@ def test_the_photos_tags_show_their_maps_by_hover_keyboard_and_tap(driver, tagge
         actions.perform()
         _wait(driver, "return document.body.dataset.word === 'tag-0';")
         assert driver.find_element(By.ID, "shown-word").text == "tag: " + tags[0]
+        driver.switch_to.default_content()
+
+
+# ----------------------------------------------------------------------------- the first look
+
+
+@pytest.fixture(scope="module")
+def a_model(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
+    """The pointing model of ``peaked_model`` with "a" made a little more likely: its captions start with
+    "a" ("a triangle a triangle ..."), each word's map peaking somewhere of its own."""
+    import captioner
+    from captioner.checkpoint.store import save_checkpoint
+
+    root = tmp_path_factory.mktemp("a_first")
+    model = captioner.load(untrained_checkpoint.point(untrained_checkpoint(root, "sat_soft_tiny")), device="cpu")
+    with torch.no_grad():
+        for module in model.model.decoder.modules():
+            if isinstance(module, torch.nn.Linear) and module.out_features == len(model.vocab) and \
+                    module.bias is not None:
+                module.bias[model.vocab.stoi["a"]] += 1.0
+    path = root / "a_first.safetensors"
+    save_checkpoint(path, model.model, model.vocab)
+    return captioner.load(path, device="cpu")
+
+
+COCO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "coco2017-mini" / "train2017"
+
+
+def _dark_photo(tmp_path: Path, which: str) -> tuple[Image.Image, Path]:
+    """A dark photo (its brightness scaled to a fifth): a synthetic scene, or a real COCO photo at 500 px."""
+    if which == "scene":
+        image, _ = _scene(tmp_path, seed=3, side=256)
+    else:
+        photos = sorted(COCO.glob("*.jpg")) if COCO.is_dir() else []
+        if not photos:
+            pytest.skip(f"no COCO photos in {COCO}")
+        image = Image.open(photos[0]).convert("RGB")
+        image.thumbnail((500, 500))
+    dark = Image.fromarray((np.asarray(image, dtype=np.float32) * 0.2).round().astype(np.uint8))
+    dark.save(tmp_path / "dark.png")
+    return dark, tmp_path / "dark.png"
+
+
+def _cell_pixels(shot: np.ndarray, image: Image.Image, box, grid: int, cells) -> np.ndarray:
+    """The pixels of the canvas screenshot ``shot`` in the middle half of each (row, col) grid cell of the box."""
+    sx, sy = shot.shape[1] / image.width, shot.shape[0] / image.height
+    left, top, right, bottom = box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy
+    cw, ch = (right - left) / grid, (bottom - top) / grid
+    out = []
+    for r, c in cells:
+        y0, x0 = top + (r + 0.25) * ch, left + (c + 0.25) * cw
+        out.append(shot[int(y0): int(y0 + ch / 2), int(x0): int(x0 + cw / 2)].reshape(-1, 3))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("which", ["scene", "photo"])
+def test_the_page_opens_on_the_first_noun_with_its_peak_distinct_on_a_dark_photo(driver, a_model, tmp_path: Path,
+                                                                                    which: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    from captioner.viz.attention_json import on_image
+
+    image, photo = _dark_photo(tmp_path, which)
+    assert np.asarray(image).mean() < 40  # dark
+    expected = a_model.caption(image, beam=3, attention=True)[0]
+    assert expected.words[0] == "a", expected.words
+    with _serve_page(driver, [("a", a_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        driver.switch_to.frame(frame)
+        opened = int(driver.execute_script("return document.body.dataset.word;"))
+        assert opened == opening_word(expected.words) and opened > 0  # the first noun, not "a"
+        assert expected.words[opened] in {"circle", "square", "triangle"}
+        assert driver.find_element(By.ID, "shown-word").text == f"\u201c{expected.words[opened]}\u201d"
+        shot = _pixels(driver.find_element(By.ID, "view")).astype(np.float64)
+        legend = driver.find_element(By.ID, "legend-top").text
+        summary = driver.find_element(By.ID, "summary").text
+        driver.switch_to.default_content()
+    att = expected.attention[opened].numpy()
+    g = att.shape[0]
+    peak = np.unravel_index(int(att.argmax()), att.shape)
+    assert 0.2 < att.max() < 0.9  # a map with a peak and attention elsewhere too
+    weak = [(r, c) for r in range(g) for c in range(g) if att[r, c] <= 0.2 * att.max()]
+    box = on_image(expected, image).box
+    inside = _cell_pixels(shot, image, box, g, [peak]).mean()
+    outside = _cell_pixels(shot, image, box, g, weak).mean()
+    # the strongest region stands out from where the word hardly looked, though the photo is dark
+    assert inside - outside > 60 and inside > 2.5 * outside, (inside, outside)
+    # the legend's top and the sentence give the same figure: the strongest region's share
+    share = f"{100 * att.max() / att.sum():.0f}"
+    assert legend == f"strongest region, {share}%"
+    assert f"its strongest region holds {share}% of its attention" in summary
+
+
+def test_the_page_does_not_scroll_and_keyboard_focus_stays_in_view(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    photos = [_scene(tmp_path, seed=seed, name=f"scene{seed}.png")[1] for seed in (5, 6)]
+    size = driver.get_window_size()
+    try:
+        driver.set_window_size(1100, 650)
+        with _serve_page(driver, [("one", peaked_model), ("two", peaked_model)]):
+            Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
+            for photo in photos:  # the first answer, then one that replaces it
+                _upload(driver, photo)
+                assert driver.execute_script("return window.scrollY;") == 0
+                assert driver.execute_script("return document.getElementById('drop').getBoundingClientRect().top;") >= 0
+            # Tab to "Run again" and press Enter: the button keeps the focus, in view, with its ring
+            driver.execute_script("if (document.activeElement) document.activeElement.blur(); window.scrollTo(0, 0);")
+            for _ in range(30):
+                ActionChains(driver).send_keys(Keys.TAB).perform()
+                if driver.switch_to.active_element.get_attribute("id") == "again":
+                    break
+            before = _answers(driver)
+            ActionChains(driver).send_keys(Keys.ENTER).perform()
+            _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+            active = driver.switch_to.active_element
+            assert active.get_attribute("id") == "again"
+            rect = driver.execute_script("const r = arguments[0].getBoundingClientRect(); return [r.top, r.bottom];", active)
+            assert 0 <= rect[0] and rect[1] <= driver.execute_script("return window.innerHeight;")
+            assert driver.execute_script("return getComputedStyle(arguments[0]).outlineWidth;", active) == "3px"
+            assert driver.execute_script("return window.scrollY;") == 0
+            # a user who scrolled down to the maps stays there when the answer to a changed setting comes
+            driver.execute_script("window.scrollTo(0, 120);")
+            before = _answers(driver)
+            Select(driver.find_element(By.ID, "beam")).select_by_value("2")
+            _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+            assert abs(driver.execute_script("return window.scrollY;") - 120) <= 10  # (a line's change of height)
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+_DROP = """
+const target = arguments[0], name = arguments[1], bytes = Uint8Array.from(atob(arguments[2]), c => c.charCodeAt(0));
+const data = new DataTransfer();
+data.items.add(new File([bytes], name, { type: "image/png" }));
+let prevented = true;
+for (const type of ["dragenter", "dragover", "drop"]) {
+  const event = new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true });
+  prevented = !target.dispatchEvent(event) && prevented;
+}
+return prevented;
+"""
+
+
+def test_a_photo_dropped_outside_the_box_or_on_a_map_is_captioned(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    _, photo = _scene(tmp_path, seed=4)
+    png = base64.b64encode(photo.read_bytes()).decode("ascii")
+    with _serve_page(driver, [("peaked", peaked_model)]) as base:
+        heading = driver.find_element(By.TAG_NAME, "h1")  # well outside the dashed box
+        assert not driver.execute_script("return document.getElementById('drop').contains(arguments[0]);", heading)
+        before = _answers(driver)
+        assert driver.execute_script(_DROP, heading, "dropped.png", png)  # the browser does not open the file
+        _wait(driver, f"return +document.body.dataset.answers > {before};")
+        assert driver.find_element(By.ID, "result-file").text == "dropped.png"
+        assert driver.current_url == base + "/"
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")  # and on the map: the page takes it
+        _words_in(driver, frame)
+        before = _answers(driver)
+        driver.switch_to.frame(frame)
+        assert driver.execute_script(_DROP, driver.find_element(By.ID, "view"), "on_the_map.png", png)
+        driver.switch_to.default_content()
+        _wait(driver, f"return +document.body.dataset.answers > {before};")
+        assert driver.find_element(By.ID, "result-file").text == "on_the_map.png"
+        assert driver.current_url == base + "/"
+
+
+def _hover(driver, frame, element_id: str) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    driver.switch_to.frame(frame)
+    ActionChains(driver).move_to_element(driver.find_element(By.ID, element_id)).perform()
+    driver.switch_to.default_content()
+
+
+def _in_frame(driver, frame, script: str):
+    driver.switch_to.frame(frame)
+    try:
+        return _wait(driver, script)
+    finally:
+        driver.switch_to.default_content()
+
+
+def test_side_by_side_shows_the_photo_once_and_says_when_a_caption_lacks_the_word(driver, a_model, tagged_model,
+                                                                                    tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    image, photo = _scene(tmp_path, seed=3, side=256)
+    words = a_model.caption(image, beam=3)[0].words
+    tagged = tagged_model.caption(image, beam=3, attention=True)[0]
+    missing = next(w for w in words if w not in tagged.words and w in [t for t, _ in tagged.concepts])
+    assert "a" not in tagged.words
+    size = driver.get_window_size()
+    try:
+        driver.set_window_size(1400, 1000)
+        with _serve_page(driver, [("a", a_model), ("tagged", tagged_model)]):
+            _upload(driver, photo)
+            left, right = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
+            _words_in(driver, left), _words_in(driver, right)
+            # the photo once, above the columns; each map as wide as its column
+            thumb = driver.find_element(By.ID, "result-thumb")
+            assert thumb.is_displayed() and thumb.size["height"] >= 100
+            for frame in (left, right):  # no photo beside the map: the map at its full size (384 px and more)
+                driver.switch_to.frame(frame)
+                assert not driver.find_element(By.ID, "photo").is_displayed()
+                canvas = driver.find_element(By.ID, "view")
+                natural, shown = int(canvas.get_attribute("width")), canvas.size["width"]
+                driver.switch_to.default_content()
+                assert natural >= 384 and shown >= min(natural, frame.size["width"] - 16) - 1
+            # a word the other caption lacks: that column says so and shows its tag of that name
+            _hover(driver, left, f"word-{words.index(missing)}")
+            tag = [t for t, _ in tagged.concepts].index(missing)
+            _in_frame(driver, right, f"return document.body.dataset.shown === 'tag-{tag}';")
+            driver.switch_to.frame(right)
+            note = driver.find_element(By.ID, "missing")
+            assert note.is_displayed() and note.text == f"No \u201c{missing}\u201d in this caption: its tag instead."
+            assert driver.find_element(By.ID, "shown-word").text.startswith(f"tag: {missing} ")
+            driver.switch_to.default_content()
+            # a word that is neither in its caption nor a tag: its nearest word, labelled
+            _hover(driver, left, "word-0")  # "a"
+            _in_frame(driver, right, "return document.getElementById('missing').textContent.indexOf("
+                                     "'No \\u201ca\\u201d in this caption: its nearest word') === 0;")
+            driver.switch_to.frame(right)
+            assert driver.find_element(By.ID, "shown-word").text == f"\u201c{tagged.words[0]}\u201d"
+            driver.switch_to.default_content()
+            # a word both captions have: no note
+            shared = next((w for w in words if w in tagged.words), None)
+            if shared is not None:
+                _hover(driver, left, f"word-{words.index(shared)}")
+                _in_frame(driver, right, "return document.getElementById('missing').hidden;")
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def test_on_a_phone_the_columns_stay_side_by_side_and_the_frames_follow_the_window(driver, a_model, tagged_model,
+                                                                                  tmp_path: Path) -> None:
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+
+    image, photo = _scene(tmp_path, seed=3, side=500)
+    words = a_model.caption(image, beam=3)[0].words
+    size = driver.get_window_size()
+    try:
+        with _serve_page(driver, [("a", a_model), ("tagged", tagged_model)]):
+            driver.set_window_size(420, 900)
+            width = driver.execute_script("return window.innerWidth;")
+            assert width <= 440, f"the window is {width} px wide"
+            _upload(driver, photo)
+            left, right = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
+            _words_in(driver, left), _words_in(driver, right)
+            assert left.location["y"] == right.location["y"] and left.location["x"] < right.location["x"]
+            assert driver.execute_script("return document.documentElement.scrollWidth <= "
+                                         "document.documentElement.clientWidth;"), "the page scrolls sideways"
+            for frame in (left, right):
+                driver.switch_to.frame(frame)
+                assert driver.find_element(By.ID, "view").size["width"] >= 150  # a map one can see
+                driver.switch_to.default_content()
+            # the same word compared: hovered on the left, shown (or said missing) on the right
+            _hover(driver, left, f"word-{words.index('triangle')}")
+            _in_frame(driver, right, "return document.body.dataset.shown === 'tag-2' && "
+                                     "!document.getElementById('missing').hidden;")
+            auditor = axe.Axe()  # with the note on show
+            for frame in (left, right):
+                driver.switch_to.frame(frame)
+                driver.execute_script(auditor.axe_script)
+                driver.switch_to.default_content()
+            driver.set_script_timeout(60)
+            results = auditor.run(driver)
+            bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in results["violations"]
+                   if v["impact"] in ("serious", "critical")]
+            assert bad == []
+            # the frames follow the window: grown to 1400 px, no blank left under the explorer
+            driver.set_window_size(1400, 900)
+            _wait(driver, "return Array.prototype.every.call(document.querySelectorAll('#columns iframe'), function (f) {"
+                          " return Math.abs(f.offsetHeight - f.contentDocument.body.getBoundingClientRect().height) < 40;"
+                          "});", timeout=10)
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def test_a_still_pointer_does_not_change_the_word_after_a_rerun(driver, a_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    image, photo = _scene(tmp_path, seed=3)
+    expected = a_model.caption(image, beam=3)[0]
+    opened = opening_word(expected.words)
+    other = next(i for i, w in enumerate(expected.words) if w != expected.words[opened])
+    with _serve_page(driver, [("a", a_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        _hover(driver, frame, f"word-{other}")  # the pointer rests on another word
+        _in_frame(driver, frame, f"return document.body.dataset.shown === '{other}';")
+        before = _answers(driver)
+        driver.execute_script("document.getElementById('again').click();")  # the pointer does not move
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        import time
+
+        time.sleep(0.5)  # time for the browser to send the mouse events of a layout change
+        driver.switch_to.frame(frame)
+        assert driver.execute_script("return [document.body.dataset.shown, document.body.dataset.word];") == \
+            [str(opened), str(opened)]
         driver.switch_to.default_content()

@@ -17,8 +17,9 @@ from PIL import Image
 from captions import make_caption
 from captioner.errors import ConfigError, DataError
 from captioner.inference import Caption
-from captioner.viz.explorer import CONCEPTS_LABEL, MAX_CONCEPTS, render_explorer, write_explorer
-from captioner.viz.overlays import BLUR_CELLS, color_scale, colormap_lut
+from captioner.viz.explorer import CONCEPTS_LABEL, MAX_CONCEPTS, opening_word, render_explorer, write_explorer
+from captioner.viz.heatmaps import UNIFORM_FLOOR, style_layer
+from captioner.viz.overlays import BLUR_CELLS, colormap_lut
 
 
 class _Collect(HTMLParser):
@@ -127,19 +128,20 @@ def test_small_images_are_upscaled_to_a_readable_size_and_large_ones_bounded():
         display_size((0, 10))
 
 
-def test_the_page_carries_the_captions_shared_colour_scale_for_every_layer_and_head():
-    from captioner.viz.overlays import color_scale
-
-    record = _record()
-    assert _payload(render_explorer(Image.new("RGB", (30, 20)), record))["scale"] == \
-        pytest.approx(list(color_scale(record.attention)))
-    all_att = np.random.default_rng(0).random((3, 2, 4, 3, 3)).astype(np.float32)
-    data = _payload(render_explorer(Image.new("RGB", (30, 20)), _record(all_attention=all_att)))
-    assert np.shape(data["scales"]) == (2, 5)  # layers x (heads + mean)
-    for layer in range(2):
-        for head in range(4):
-            assert data["scales"][layer][head] == pytest.approx(color_scale(all_att[:, layer, head])[1])
-        assert data["scales"][layer][4] == pytest.approx(color_scale(all_att[:, layer].mean(1))[1])
+def test_the_explorer_opens_on_the_first_tag_word_or_noun_not_on_a():
+    assert opening_word("a man in a black jacket rides a bike".split()) == 1
+    assert opening_word("two young girls are playing".split()) == 2  # not a number, an adjective or "are"
+    assert opening_word("a dog runs on the grass".split(), ["grass", "field"]) == 5  # a tag-word first
+    assert opening_word("a dog runs".split(), ["cat"]) == 1  # no tag in the caption: the first noun
+    assert opening_word("a picture of a group of people on a beach".split()) == 6  # not the framing nouns
+    assert opening_word(["a", "the", "<unk>"]) == 0 and opening_word([]) == 0
+    record = make_caption(["a", "red", "circle", "below"], np.full((4, 3, 3), 1 / 9, np.float32))
+    data = _payload(render_explorer(Image.new("RGB", (30, 20)), record))
+    assert data["start"] == 2 and data["floor"] == pytest.approx(UNIFORM_FLOOR / 9)
+    assert "scale" not in data  # each map is drawn on its own scale, in the page
+    assert _payload(render_explorer(Image.new("RGB", (30, 20)), record, start=3))["start"] == 3
+    tagged = _with_concepts(record, [("below", 0.8)], np.full((1, 3, 3), 1 / 9))
+    assert _payload(render_explorer(Image.new("RGB", (30, 20)), tagged))["start"] == 3
 
 
 # The explorer's own JavaScript, run in node with a minimal stand-in for the DOM: the canvas size it
@@ -150,7 +152,7 @@ const fs = require("fs");
 const page = fs.readFileSync(process.argv[2], "utf8");
 const data = page.match(/<script type="application\/json" id="explorer-data">([\s\S]*?)<\/script>/)[1];
 const code = page.match(/<script>([\s\S]*?)<\/script>/)[1];
-const elements = {}, spans = [], shots = [];
+const elements = {}, spans = [], shots = [], moved = { movementX: 2, movementY: 1 };
 function element(tag) {
   const el = { tagName: tag.toUpperCase(), dataset: {}, hidden: true, value: "", handlers: {}, children: [],
     complete: true, naturalWidth: 1, style: {}, classList: { toggle() {}, contains() { return false; } },
@@ -175,14 +177,16 @@ function shot() {
   const img = elements.view.last;
   shots.push({ info: elements.info.textContent, summary: elements.summary.textContent, width: img.width, height: img.height,
                rgba: Buffer.from(img.data).toString("base64"), big: elements["shown-word"].textContent,
-               shown: document.body.dataset.shown, pinned: document.body.dataset.word });
+               shown: document.body.dataset.shown, pinned: document.body.dataset.word,
+               legend: elements["legend-top"].textContent, missing: elements.missing.hidden ? null : elements.missing.textContent });
 }
 eval(code);
 for (const args of JSON.parse(process.argv[3])) {
   if (args.style !== undefined) { elements.style.value = args.style; elements.style.handlers.change(); }
   if (args.head !== undefined) { elements.head.value = args.head; elements.head.handlers.input(); }
-  if (args.tag !== undefined) elements["tag-" + args.tag].handlers[args.event || "click"]();
-  else spans[args.word].handlers[args.event || "click"]();
+  if (args.show !== undefined) window.captionerShowWord(args.show[0], args.show[1], args.show[2]);
+  else if (args.tag !== undefined) elements["tag-" + args.tag].handlers[args.event || "click"](moved);
+  else spans[args.word].handlers[args.event || "click"](moved);
   shot();
 }
 console.log(JSON.stringify({ canvas: [elements.view.width, elements.view.height], shots: shots,
@@ -205,24 +209,27 @@ def _run_in_node(tmp_path, page: str, steps: list[dict]) -> dict:
     return json.loads(done.stdout)
 
 
-def _scale_positions(shot: dict, style: str = "light", cmap: str = "viridis", strength: float = 0.75) -> np.ndarray:
+def _scale_positions(shot: dict, style: str = "heat", cmap: str = "viridis", strength: float = 0.75) -> np.ndarray:
     """Position on the scale (0..255) of each pixel of the layer the script drew over the photo: from its
-    opacity in the light style (black, opaque where the word did not look), from its colour in the heat style."""
+    opacity in the light style (black, opaque where the word did not look), in the heat style the level whose
+    colour and opacity in Python's ``style_layer`` the pixel is (so the script draws what Python draws)."""
     rgba = np.frombuffer(base64.b64decode(shot["rgba"]), dtype=np.uint8).reshape(shot["height"], shot["width"], 4)
     if style == "light":
         assert (rgba[..., :3] == 0).all(), "the light style darkens; it adds no colour"
         return 255 - rgba[..., 3].astype(np.float64) / strength
-    code = lambda rgb: (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # noqa: E731
-    codes = code(colormap_lut(cmap).astype(np.int64))
-    order = np.argsort(codes, kind="stable")
-    wanted = code(rgba[..., :3].astype(np.int64))
-    pos = np.searchsorted(codes[order], wanted).clip(max=255)
-    assert (codes[order][pos] == wanted).all(), "a pixel that is not a colour of the map"
-    np.testing.assert_allclose(rgba[..., 3], np.round(strength * order[pos]), atol=1)  # transparent low end
-    return order[pos]
+    colours, opacity = style_layer(np.arange(256) / 255, "heat", cmap, strength)
+    table = np.concatenate([colours, 255 * opacity[:, None]], axis=1)  # (256, 4) what each level draws
+    flat = rgba.reshape(-1, 4).astype(np.float64)
+    levels = np.empty(len(flat), dtype=np.int64)
+    for s in range(0, len(flat), 4096):
+        dist = np.abs(flat[s:s + 4096, None, :] - table[None]).max(-1)  # (n, 256)
+        levels[s:s + 4096] = dist.argmin(-1)
+        assert dist.min(-1).max() <= 2, "a pixel that is not a level of the heat style"
+    assert (np.abs(table[levels, 3] - flat[:, 3]) <= 1).all()  # transparent at the low end, darker than the photo
+    return levels.reshape(rgba.shape[:2]).astype(np.float64)
 
 
-def test_the_explorer_script_upscales_the_canvas_and_shares_the_colour_scale(tmp_path):
+def test_the_explorer_script_upscales_the_canvas_and_draws_each_map_on_its_own_scale(tmp_path):
     g = 4
     peaked = np.zeros((g, g), dtype=np.float32)
     peaked[0, 0] = 1.0
@@ -232,8 +239,13 @@ def test_the_explorer_script_upscales_the_canvas_and_shares_the_colour_scale(tmp
     out = _run_in_node(tmp_path, render_explorer(Image.new("RGB", (128, 128)), record), [{"word": 0}, {"word": 1}])
     assert out["canvas"] == [384, 384]
     dog, the = (_scale_positions(s) for s in out["shots"])
-    assert dog.max() >= 249 and dog.min() <= 40
-    assert the.max() - the.min() <= 12 and the.max() <= 50  # flat and dark, not stretched
+    assert dog.max() >= 249 and dog.min() <= 40  # the strongest region at the top
+    # pointing nowhere (each region within 5% of uniform): flat at mid-scale (the floor), not stretched
+    assert the.max() - the.min() <= 12 and abs(the.mean() - 255 / UNIFORM_FLOOR) <= 12
+    # the legend names its top with the figure the sentence gives
+    assert out["shots"][0]["legend"] == "strongest region, 100%"
+    share = re.search(r"holds ([0-9.]+)% of its attention", out["shots"][1]["summary"]).group(1)
+    assert out["shots"][1]["legend"] == f"strongest region, {share}%" and share.startswith("6.")
     assert "peak 100% at row 1, column 1 \u00b7 H 0.0/2.8 nats" in out["shots"][0]["info"]
     assert "peak 6." in out["shots"][1]["info"] and "H 2.8/2.8" in out["shots"][1]["info"]
     assert out["shots"][0]["summary"] == ("Word 1 of 2 looked mostly at one place; its strongest region holds 100% "
@@ -249,6 +261,7 @@ def test_the_explorer_script_uses_the_scale_of_the_selected_head(tmp_path):
     record = make_caption(["a", "b"], all_att[:, -1].mean(1), all_attention=all_att)
     page = render_explorer(Image.new("RGB", (200, 100)), record)
     out = _run_in_node(tmp_path, page, [{"word": 0, "head": "0", "style": "heat"}, {"word": 1, "head": "1"}])
+    assert "row 2, column 2" in out["shots"][1]["info"]  # the head chosen is drawn
     assert out["canvas"] == [384, 192]
     uniform, pointing = (_scale_positions(s, "heat") for s in out["shots"])
     assert np.ptp(uniform) <= 1 and abs(uniform.mean() - 127.5) <= 2
@@ -287,8 +300,6 @@ def test_concept_chips_list_the_photos_tags_under_the_caption_and_only_for_a_mod
     data = _payload(page)
     assert [c["word"] for c in data["concepts"]] == words[:10]
     np.testing.assert_allclose(data["concept_maps"], maps[:10], atol=1e-5)
-    assert data["concept_scale"] == pytest.approx(list(color_scale(maps[:10])))
-    assert data["scale"] == pytest.approx(list(color_scale(record.attention)))  # the words keep their own scale
     few = render_explorer(Image.new("RGB", (30, 20)), _with_concepts(_record(), [(words[-1], 0.5)], maps[:1]))
     assert _chips(few) == [("tag-0", "&lt;b&gt;&amp;co", "0.50")]  # escaped
     for plain in (_record(), _with_concepts(_record(), [], np.zeros((0, 3, 3)))):  # no concepts: no row
@@ -303,12 +314,12 @@ def test_the_explorer_script_draws_a_tags_map_as_it_draws_a_words(tmp_path):
     top_left[0, 0] = bottom_right[g - 1, g - 1] = 1.0
     record = _with_concepts(make_caption(["a", "dog"], np.stack([top_left, top_left])),
                             [("dog", 0.913), ("grass", 0.2)], np.stack([bottom_right, top_left]))
-    page = render_explorer(Image.new("RGB", (128, 128)), record)
-    steps = [{"word": 1}, {"tag": 0, "event": "mouseenter"}, {"tag": 0, "event": "mouseleave"}, {"tag": 0},
+    page = render_explorer(Image.new("RGB", (128, 128)), record, style="light")
+    steps = [{"word": 1}, {"tag": 0, "event": "mousemove"}, {"tag": 0, "event": "mouseleave"}, {"tag": 0},
              {"tag": 1, "event": "focus"}, {"word": 0, "style": "heat"}, {"tag": 0}]
     out = _run_in_node(tmp_path, page, steps)
     word, hovered, left, pinned, focused, heat_word, heat_tag = out["shots"]
-    w, t = _scale_positions(word), _scale_positions(hovered)
+    w, t = _scale_positions(word, "light"), _scale_positions(hovered, "light")
     assert w[:40, :40].mean() > 200 and w[-40:, -40:].mean() < 60  # the word looked top left
     assert t[-40:, -40:].mean() > 200 and t[:40, :40].mean() < 60  # the tag lies bottom right
     assert hovered["big"] == "tag: dog 0.91" and hovered["shown"] == "tag-0" and hovered["pinned"] == "1"
@@ -319,3 +330,25 @@ def test_the_explorer_script_draws_a_tags_map_as_it_draws_a_words(tmp_path):
     assert focused["shown"] == "tag-1" and focused["pinned"] == "tag-0" and focused["big"] == "tag: grass 0.20"
     assert _scale_positions(heat_tag, "heat")[-40:, -40:].mean() > 200  # the heat style holds for tags
     assert heat_word["big"] == "\u201ca\u201d"
+
+
+def test_a_word_missing_from_the_caption_is_said_so_and_its_tag_or_nearest_word_shown(tmp_path):
+    """What a column of models side by side does with a word another column shows (``captionerShowWord``)."""
+    g = 4
+    corners = np.zeros((3, g, g), np.float32)
+    corners[0, 0, 0] = corners[1, g - 1, g - 1] = corners[2, 0, g - 1] = 1.0  # top left, bottom right, top right
+    record = _with_concepts(make_caption(["a", "ball", "field"], corners), [("dog", 0.8)], corners[2:])
+    page = render_explorer(Image.new("RGB", (128, 128)), record)
+    near_bottom_right = np.zeros((g, g))
+    near_bottom_right[g - 1, g - 1], near_bottom_right[0, 0] = 0.7, 0.3
+    out = _run_in_node(tmp_path, page, [{"show": ["ball", "word", None]},
+                                        {"show": ["cat", "word", near_bottom_right.tolist()]},
+                                        {"show": ["dog", "word", near_bottom_right.tolist()]}])
+    same, nearest, tag = out["shots"]
+    assert same["shown"] == "1" and same["missing"] is None  # in the caption: shown, nothing to say
+    assert nearest["shown"] == "1" and nearest["big"] == "\u201cball\u201d"  # the map most like the one sent
+    assert nearest["missing"].startswith("No \u201ccat\u201d in this caption: its nearest word")
+    assert "70% overlap" in nearest["missing"]
+    assert tag["shown"] == "tag-0" and tag["big"] == "tag: dog 0.80"  # the photo's tag of that name
+    assert tag["missing"] == "No \u201cdog\u201d in this caption: its tag instead."
+    assert tag["pinned"] == same["pinned"]  # shown, not pinned: the column's own choice stays

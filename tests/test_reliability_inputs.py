@@ -93,7 +93,7 @@ def make_odd_images(folder: Path) -> dict[str, str | None]:
     write_bomb(folder / "bomb.png", 20000)
     expect["bomb.png"] = "image too large"
     write_bomb(folder / "big.png", 9000)  # under PIL's own limit, over captioner's 64 megapixels
-    expect["big.png"] = "image too large (9000x9000 pixels, limit 64000000 pixels)"
+    expect["big.png"] = "image too large (9000x9000 pixels, limit 64 megapixels)"
     expect["missing.jpg"] = "file not found"
 
     Image.new("RGB", (1, 1), (255, 0, 0)).save(folder / "one_pixel.png")
@@ -162,7 +162,7 @@ def test_decompression_bomb_is_refused_without_decoding(odd_images) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"{paths[0]}: image too large") and "LOADED" not in proc.stdout
-    assert lines[1] == f"{paths[1]}: image too large (9000x9000 pixels, limit 64000000 pixels)"
+    assert lines[1] == f"{paths[1]}: image too large (9000x9000 pixels, limit 64 megapixels)"
     growth_mb = int(lines[2].split()[1]) / 1024
     assert growth_mb < 50, f"refusing the bombs cost {growth_mb:.0f} MB (decoding would cost hundreds)"
 

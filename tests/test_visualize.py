@@ -11,7 +11,16 @@ from captioner.config import EncoderConfig
 from captioner.data.transforms import crop_box
 from captioner.errors import ConfigError, DataError
 from captions import make_caption as caption
-from captioner.viz.heatmaps import UNIFORM_FLOOR, attention_stats, map_peaks, spread_words
+from captioner.viz.heatmaps import (
+    DEFAULT_STYLE,
+    HEAT_DIM,
+    UNIFORM_FLOOR,
+    attention_stats,
+    legend_top,
+    map_peaks,
+    spread_words,
+    word_scale,
+)
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.overlays import (
     BACKGROUND,
@@ -89,15 +98,16 @@ def test_light_keeps_the_photos_colours_where_the_word_looked_and_darkens_the_re
     box = (50, 0, 150, 100)
     heat = attention_to_image_map(corner_attention(), 200, 100, box)
     plain = np.asarray(image, dtype=np.float32)
-    out = np.asarray(overlay_heatmap(image, heat, alpha=0.75, box=box), dtype=np.float32)  # style="light"
+    out = np.asarray(overlay_heatmap(image, heat, alpha=0.75, box=box, style="light"), dtype=np.float32)
     np.testing.assert_allclose(out[:, :50], DIM * plain[:, :50], atol=1.0)
     np.testing.assert_allclose(out[:, 150:], DIM * plain[:, 150:], atol=1.0)
     looked, elsewhere = out[3, 53], out[95, 145]  # the peak cell's corner | a cell the word never looked at
     np.testing.assert_allclose(looked, plain[3, 53], atol=12)  # the photo itself, not a tint
     np.testing.assert_allclose(elsewhere, 0.25 * plain[95, 145], atol=1.5)  # darkened by alpha, same hue
     assert np.allclose(elsewhere / elsewhere.sum(), plain[0, 0] / plain[0, 0].sum(), atol=0.02)
-    invisible = np.asarray(overlay_heatmap(image, heat, alpha=0.0, box=box), dtype=np.float32)
-    np.testing.assert_allclose(invisible[:, 50:150], plain[:, 50:150], atol=1.0)
+    for style in ("light", "heat"):  # strength 0 draws nothing in either style
+        invisible = np.asarray(overlay_heatmap(image, heat, alpha=0.0, box=box, style=style), dtype=np.float32)
+        np.testing.assert_allclose(invisible[:, 50:150], plain[:, 50:150], atol=1.0)
     with pytest.raises(ConfigError, match="nope"):
         overlay_heatmap(image, heat, "nope", style="heat")
     with pytest.raises(ConfigError, match="alpha"):
@@ -111,9 +121,13 @@ def test_heat_is_transparent_at_its_low_end_and_the_colour_map_at_its_top():
     heat = attention_to_image_map(corner_attention(), 200, 100)
     plain = np.asarray(image, dtype=np.float32)
     out = np.asarray(overlay_heatmap(image, heat, "viridis", 1.0, style="heat"), dtype=np.float32)
-    np.testing.assert_allclose(out[95, 195], plain[95, 195], atol=1.0)  # weight 0: the photo shows through
+    # weight 0: no colour, the photo shows through, darkened by HEAT_DIM (same hue, not a tint)
+    np.testing.assert_allclose(out[95, 195], (1 - HEAT_DIM) * plain[95, 195], atol=1.0)
     top = np.unravel_index(np.argmax(heat), heat.shape)
     np.testing.assert_allclose(out[top], colormap_lut("viridis")[255], atol=1.0)  # the peak: the map's top colour
+    assert np.asarray(overlay_heatmap(image, heat), dtype=np.float32)[top].tolist() == \
+        pytest.approx(np.asarray(overlay_heatmap(image, heat, style=DEFAULT_STYLE), dtype=np.float32)[top].tolist())
+    assert DEFAULT_STYLE == "heat"
 
 
 # ----------------------------------------------------------------------------- one colour scale per caption
@@ -143,31 +157,64 @@ def test_color_scale_is_the_captions_highest_upsampled_value_with_a_uniform_floo
         color_scale(np.zeros((2, 3, 4)))
 
 
-def test_a_spread_out_word_is_drawn_flat_and_cold_next_to_a_word_that_points():
+def spread_peak(share: float = 0.42, g: int = 4, row: int = 2, col: int = 1) -> np.ndarray:
+    """A spread-out map whose strongest region holds ``share`` of it, the rest even over the other regions."""
+    att = np.full((g, g), (1 - share) / (g * g - 1), dtype=np.float32)
+    att[row, col] = share
+    return att
+
+
+def test_word_scale_is_each_maps_own_upsampled_peak_with_a_uniform_floor():
+    peaked, flat = corner_attention(4, 1, 2), np.full((4, 4), 1 / 16, dtype=np.float32)
+    tops = word_scale(np.stack([peaked, flat, spread_peak()]))
+    assert tops[0] == pytest.approx(float(map_peaks(peaked)))
+    assert tops[1] == pytest.approx(UNIFORM_FLOOR / 16)  # pointing nowhere: not blown up to the top
+    assert tops[2] == pytest.approx(float(map_peaks(spread_peak()))) and tops[2] < tops[0]
+
+
+@pytest.mark.parametrize("style", ["light", "heat"])
+def test_a_spread_out_words_strongest_region_reaches_the_top_next_to_a_word_that_points(style):
+    """Each word on its own scale: a map with 42% in one region and the rest spread is drawn with that region
+    at the top of the scale even beside a word that points with all its attention."""
     image = Image.new("RGB", (128, 128), (128, 128, 128))
-    words, att = ["dog", "the"], np.stack([corner_attention(4, 0, 0), near_uniform()])
+    words, att = ["dog", "man"], np.stack([corner_attention(4, 0, 0), spread_peak(0.42, 4, 2, 1)])
     layout = grid_layout(2, image.size)
-    grid = np.asarray(render_grid(image, caption(words, att, text="the dog"), alpha=1.0))
+    grid = np.asarray(render_grid(image, caption(words, att, text="the dog"), alpha=1.0, style=style))
     panels = []
     for i in (1, 2):
         left, top, right, bottom = layout.image_box(i)
-        panels.append(light_level(grid[top:bottom, left:right]))
-    dog, the = panels
-    assert dog.max() >= 245 and dog.min() <= 40  # the pointing word spans the scale: lit where it looked
-    assert the.max() - the.min() <= 12 and the.max() <= 50  # the spread-out word: flat and dark
-    # the GIF frames use the same scale
-    frames = [np.asarray(f)[:-GIF_BAND] for f in render_gif_frames(image, caption(words, att), alpha=1.0, max_side=128)]
-    assert light_level(frames[0]).max() >= 245
-    assert np.ptp(light_level(frames[1])) <= 12 and light_level(frames[1]).max() <= 50
-    # what a per-word min-max scale (scale=None) does to the same map: blown up to the full scale
-    alone = light_level(np.asarray(overlay_heatmap(image, attention_to_image_map(att[1], 128, 128), alpha=1.0)))
-    assert alone.min() <= 5 and alone.max() >= 245
+        panels.append(grid[top:bottom, left:right].astype(np.float64))
+    dog, man = panels
+    side = man.shape[0]
+    cell = slice(side // 4 * 2 + 8, side // 4 * 3 - 8), slice(side // 4 + 8, side // 2 - 8)  # row 2, column 1
+    peak, rest = man[cell], man[: side // 4, side // 2:]  # the strongest region | a corner it hardly looked at
+    centre = man[side * 5 // 8, side * 3 // 8]  # the middle of the strongest region
+    assert np.abs(centre - dog[2, 2]).max() < 30  # drawn as the pointing word's peak (the top of the scale)
+    assert np.abs(peak.mean((0, 1)) - rest.mean((0, 1))).sum() > 120  # and far from the rest
+    frames = [np.asarray(f)[:-GIF_BAND].astype(np.float64)
+              for f in render_gif_frames(image, caption(words, att), alpha=1.0, max_side=128, style=style)]
+    gif_peak, gif_rest = frames[1][72:88, 40:56].mean((0, 1)), frames[1][:28, 72:].mean((0, 1))
+    assert np.abs(gif_peak - gif_rest).sum() > 120  # the GIF draws it the same
+
+
+def test_the_peak_is_distinct_on_a_dark_photo_in_the_default_style():
+    """A dark photo (brightness about 20 of 255): the heat style still sets the strongest region apart."""
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(5, 35, (120, 120, 3)).astype(np.uint8))
+    att = spread_peak(0.42, 4, 1, 2)
+    out = np.asarray(overlay_heatmap(image, attention_to_image_map(att, 120, 120)), dtype=np.float64).mean(-1)
+    inside, outside = out[38:52, 68:82], np.concatenate([out[:20].ravel(), out[100:].ravel()])
+    assert inside.mean() > 4 * outside.mean() and inside.mean() - outside.mean() > 80
+    lit = np.asarray(overlay_heatmap(image, attention_to_image_map(att, 120, 120), style="light"),
+                     dtype=np.float64).mean(-1)
+    assert lit[38:52, 68:82].mean() - lit[:20].mean() < 30  # why light is not the default: dark stays dark
+    assert legend_top(0.42) == "strongest region, 42%" and legend_top(0.042) == "strongest region, 4.2%"
 
 
 def test_a_caption_that_never_points_is_drawn_at_mid_scale_not_hot():
     image = Image.new("RGB", (64, 64), (128, 128, 128))
     att = np.stack([np.full((4, 4), 1 / 16), np.full((4, 4), 1 / 16)])
-    frames = render_gif_frames(image, caption(["a", "b"], att), alpha=1.0, max_side=64)
+    frames = render_gif_frames(image, caption(["a", "b"], att), alpha=1.0, max_side=64, style="light")
     index = light_level(np.asarray(frames[0])[:-GIF_BAND])
     assert np.ptp(index) <= 2.5 and abs(index.mean() - 255 / UNIFORM_FLOOR) <= 3
 
@@ -214,7 +261,7 @@ def test_the_png_grid_carries_a_legend_of_its_style(style):
     row = band[(bottom - top) // 2]
     drawn = np.flatnonzero((row != BACKGROUND).any(-1))
     assert drawn.size > 100, "no legend drawn"
-    ramp = row[drawn[0] + 40: drawn[-1] - 100]  # inside the bar, clear of the words on either side
+    ramp = row[drawn[0] + 45: drawn[0] + 255]  # inside the bar (220 px after the word "none"), clear of the words
     if style == "light":  # dark where the word did not look, the picture itself (grey 217) where it did
         assert ramp[:5].mean() < 80 and abs(ramp[-30:].mean() - 217) < 30
     else:  # transparent (grey) at the low end, the colour map at the top
@@ -281,6 +328,7 @@ def test_render_panels_draws_chosen_maps_with_large_titles_and_the_caption_under
     image = Image.new("RGB", (128, 128), (128, 128, 128))
     maps = np.stack([corner_attention(4, 0, 0), corner_attention(4, 3, 3)])
     out = render_panels(image, maps, [("dog", "one place"), ("ball", "one place")], "a dog and a ball", alpha=1.0,
+                        style="light",
                         panel_side=100, columns=3, sizes=(30, 15, 20), text_below=True, photo_title="the photo")
     layout = grid_layout(2, image.size, 100, 3, title_height=57)
     assert out.size[0] == layout.canvas_size[0] and out.size[1] > layout.canvas_size[1]  # + the caption band

@@ -94,9 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_style_arguments(parser: argparse.ArgumentParser) -> None:
     """``--style``, ``--cmap`` and ``--alpha``: how the overlays draw attention (caption --overlay, attend)."""
-    parser.add_argument("--style", choices=("light", "heat"), default="light",
-                        help="light (default): the photo itself where a word looked, darkened where it did not; "
-                             "heat: a colour map over the photo, transparent where the word did not look")
+    parser.add_argument("--style", choices=("heat", "light"), default="heat",
+                        help="heat (default): a colour map over the photo, transparent where a word did not look, "
+                             "its strongest region at the top on any photo; light: the photo itself where the word "
+                             "looked, darkened where it did not")
     parser.add_argument("--cmap", default="viridis",
                         help="colour map of the heat style (matplotlib name, default: viridis)")
     parser.add_argument("--alpha", type=float_range(0, 1), default=0.75,

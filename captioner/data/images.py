@@ -62,6 +62,11 @@ _SIGNATURES = {
 _BOMB = re.compile(r"\((\d+) pixels\)")
 
 
+def pixels_text(count: int) -> str:
+    """A pixel count as people say it: ``"40 megapixels"`` from a million up, else ``"199 pixels"``."""
+    return f"{count / 1e6:.3g} megapixels" if count >= 1_000_000 else f"{count} pixels"
+
+
 def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS,
                max_bytes: int = DEFAULT_MAX_BYTES, reduce_to: int | None = None) -> Image.Image:
     """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
@@ -157,7 +162,7 @@ def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PI
     except Exception as exc:  # OSError (read errors, broken headers), SyntaxError, ValueError, ...
         raise _load_error(path, exc, head, max_pixels) from None
     if max_pixels is not None and width * height > max_pixels:
-        raise ImageLoadError(f"{path}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)")
+        raise ImageLoadError(f"{path}: image too large ({width}x{height} pixels, limit {pixels_text(max_pixels)})")
     return width, height
 
 
@@ -181,7 +186,7 @@ def _decode(path: Path, data: bytes, max_pixels: int | None,
             width, height = im.size
             if max_pixels is not None and width * height > max_pixels:
                 raise ImageLoadError(
-                    f"{path}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)"
+                    f"{path}: image too large ({width}x{height} pixels, limit {pixels_text(max_pixels)})"
                 )
             if im.format == "PNG":
                 im.verify()  # checks every chunk's CRC, which load() does not
@@ -211,8 +216,9 @@ def _load_error(path: Path, exc: Exception, head: bytes, max_pixels: int | None)
         return ImageLoadError(f"{path}: permission denied")
     if isinstance(exc, Image.DecompressionBombError):
         found = _BOMB.search(str(exc))
-        size = f"{found.group(1)} pixels" if found else "over PIL's MAX_IMAGE_PIXELS"
-        return ImageLoadError(f"{path}: image too large ({size}, limit {max_pixels} pixels)")
+        size = pixels_text(int(found.group(1))) if found else "over PIL's MAX_IMAGE_PIXELS"
+        limit = pixels_text(max_pixels) if max_pixels is not None else "PIL's MAX_IMAGE_PIXELS"
+        return ImageLoadError(f"{path}: image too large ({size}, limit {limit})")
     if isinstance(exc, UnidentifiedImageError):
         kind = _signature(head)
         if kind:
@@ -347,7 +353,7 @@ def pil_image(image: Image.Image, name: str = "image", max_pixels: int | None = 
     if width < 1 or height < 1:
         raise ImageInputError(f"{name}: empty image ({width}x{height} pixels)")
     if max_pixels is not None and width * height > max_pixels:
-        raise ImageInputError(f"{name}: image too large ({width}x{height} pixels, limit {max_pixels} pixels)")
+        raise ImageInputError(f"{name}: image too large ({width}x{height} pixels, limit {pixels_text(max_pixels)})")
     try:
         return to_rgb(image)
     except Exception as exc:  # noqa: BLE001 - an unsupported mode, an image whose data cannot be loaded

@@ -1,12 +1,17 @@
 """The ``captioner serve`` page: one HTML document, inline CSS and JS, nothing fetched from elsewhere.
 
-Drop a photo on the page, choose one, or click an example; the page posts it to ``/api/caption``
-and shows, under the photo's name and thumbnail, the captions (best first, each with its labelled
-score; click one to see its attention) and, in an iframe, the explorer page the server rendered for
-it (:mod:`captioner.viz.explorer`: hover, focus or tap a word, or one of the photo's tags for a model
-with concept detectors; attention as light or a heat map; layer and head selectors for a Transformer). Changing the model, the beam or the number of
-captions, or pressing "Run again", captions the same photo again. With several models, "all
-models" (the default) shows them side by side, the same word lit in each. Buttons download the
+Drop a photo anywhere on the page, choose one, or click an example; the page posts it to
+``/api/caption`` and shows, under the photo's name and thumbnail, the captions (best first, each with
+its score: the log-probability per word, and the caption's total) and, in an iframe that follows
+its content's height, the explorer page the server rendered for it (:mod:`captioner.viz.explorer`:
+it opens on the caption's first tag-word or noun; hover, focus or tap a word, or one of the photo's
+tags for a model with concept detectors; a heat map or attention as light; layer and head selectors
+for a Transformer). Changing the model, the beam or the number of captions, or pressing "Run again",
+captions the same photo again, and the page stays where it is (no scrolling: the upload box and the
+focused control stay in view). With several models, "all models" (the default) shows them side by
+side: the photo once above the columns, each column's map at its full size (no photo beside it;
+on a phone the columns stay side by side), the same word lit in each, and a column whose caption lacks the
+word says so and shows its tag of that name or its nearest word. Buttons download the
 map on show with the caption and the word under it (PNG) and the attention record (JSON). An
 error is shown in one line and clears the old result; a new photo marks it as the previous one's
 until its own answer arrives. A file larger than the server's limit is refused before it is sent.
@@ -53,11 +58,11 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 <main>
 <h1>Where does each word look? <small>captioner serve</small></h1>
 <div class="bar">
-  <div id="drop"><label for="file">Drop a photo here, or choose one:</label> <input type="file" id="file" accept="image/*"></div>
+  <div id="drop"><label for="file">Drop a photo on the page, or choose one:</label> <input type="file" id="file" accept="image/*"></div>
   <div id="examples"><span>or an example:</span></div>
 </div>
 <div class="bar">
-  <div id="current" hidden><img id="thumb" alt=""><span id="file-name"></span></div>
+  <div id="current" hidden><img id="thumb" alt="" hidden><span id="file-name"></span></div>
   <label id="model-label">model<select id="model"></select></label>
   <label>beam<select id="beam"></select></label>
   <label>captions<select id="nbest-count"></select></label>
@@ -67,7 +72,7 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 <p id="status" aria-live="polite"></p>
 <section id="result" hidden aria-label="result">
   <p id="stale-note" hidden></p>
-  <div id="result-head" class="bar"><img id="result-thumb" alt="" width="40" height="40">
+  <div id="result-head" class="bar"><img id="result-thumb" alt="" width="40" height="40" hidden>
     <span>Result for <strong id="result-file"></strong></span></div>
   <div id="columns"></div>
 </section>
@@ -83,8 +88,9 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 # The script keeps the last photo (its bytes, name and a thumbnail) and captions it again whenever a
 # setting changes or "Run again" is pressed; a new photo marks the shown result as the old one's until
 # its own answer arrives, and an error clears it. With "all models" chosen it asks every model at once
-# and shows one column each; a word (or tag) hovered, focused or pinned in one column is shown in the others,
-# and one style holds for all. Each answer's explorers are brought into view when they are not.
+# and shows one column each; a word (or tag) hovered, focused or pinned in one column is shown in the others
+# (with its map, for a column that lacks the word), and one style holds for all. The page never scrolls by
+# itself: the old columns' height is kept until the new ones are drawn, so nothing jumps.
 
 PAGE_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .8em auto; max-width: 1360px;
@@ -100,7 +106,7 @@ button:disabled { color: #6b6b6b; cursor: default; }
 :focus-visible { outline: 3px solid #e0a800; outline-offset: 2px; }
 #drop { border: 2px dashed #8a94a6; border-radius: 8px; padding: .6em 1em; color: #333; background: #fff;
         flex: 1 1 320px; }
-#drop.over { border-color: #1f47b8; background: #eef2fb; }
+body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
 #examples { display: flex; gap: .5em; flex-wrap: wrap; align-items: center; }
 #examples button { padding: 0; border: 2px solid transparent; border-radius: 6px; background: none; }
 #examples button:hover { border-color: #1f47b8; }
@@ -113,6 +119,16 @@ button:disabled { color: #6b6b6b; cursor: default; }
 #result.stale .column { opacity: .4; }
 #stale-note { color: #6b4e00; background: #fff4d6; border-radius: 6px; padding: .3em .8em; }
 #columns { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 440px), 1fr)); gap: 1.2em; }
+/* models side by side: one column each, side by side at any width (a phone too), the photo once above them */
+#columns.many { grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr)); gap: .8em; }
+#result.many #result-thumb { width: auto; height: 120px; max-width: 100%; object-fit: contain; border-radius: 4px; }
+@media (max-width: 600px) {
+  body { padding: 0 .4em; }
+  #columns.many { gap: .4em; }
+  #result.many #result-thumb { height: 72px; }
+  .column h2 .meta { display: block; margin-left: 0; }
+  .downloads button { font-size: .85em; }
+}
 .column { min-width: 0; }
 .column h2 { font-size: 1em; margin: .2em 0; font-weight: 600; }
 .column .meta { color: #444; font-size: .85em; font-weight: 400; margin-left: .4em; }
@@ -120,7 +136,7 @@ button:disabled { color: #6b6b6b; cursor: default; }
 .nbest button { text-align: left; width: 100%; border-color: #c5cbd6; }
 .nbest button[aria-pressed="true"] { background: #dfe6f7; border-color: #1f47b8; box-shadow: inset 3px 0 #1f47b8; }
 .nbest .score { color: #444; font-size: .85em; margin-left: .6em; white-space: nowrap; }
-iframe { width: 100%; border: 0; min-height: 420px; background: #fafafa; display: block; }
+iframe { width: 100%; border: 0; min-height: 200px; background: #fafafa; display: block; }
 .downloads { display: flex; flex-wrap: wrap; gap: .6em; margin: .3em 0; }
 [hidden] { display: none !important; }
 """
@@ -131,7 +147,7 @@ PAGE_JS = r"""
   const CFG = JSON.parse(document.getElementById("serve-config").textContent);
   const $ = function (id) { return document.getElementById(id); };
   const body = document.body, errorBox = $("error"), statusLine = $("status"), columns = $("columns");
-  let last = null, run = 0, style = "light", thumbUrl = null, started = 0;
+  let last = null, run = 0, style = null, thumbUrl = null, started = 0;  // style: as the explorer opens, until chosen
 
   if (CFG.models.length > 1) $("model").add(new Option("all models, side by side", ""));
   CFG.models.forEach(function (m) {
@@ -153,6 +169,7 @@ PAGE_JS = r"""
   function fail(message) {
     errorBox.textContent = message; errorBox.hidden = false;
     statusLine.textContent = ""; $("result").hidden = true; columns.innerHTML = "";  // no stale result under it
+    columns.style.minHeight = "";
     setState("error"); answered();
   }
   function chosenModels() {
@@ -183,8 +200,9 @@ PAGE_JS = r"""
       b.setAttribute("aria-pressed", String(k === 0));
       const t = document.createElement("span"); t.className = "text"; t.textContent = c.text || "(empty caption)";
       const s = document.createElement("span"); s.className = "score";
-      s.textContent = "log-probability per word " + c.score.toFixed(2);
-      s.title = "the search's score: closer to 0 is more likely";
+      s.textContent = scoreText(c);
+      s.title = "how likely the model finds this caption: the log-probability of its words and of its end, " +
+        "per word and in all (0 would be certain; closer to 0 is more likely)";
       b.appendChild(t); b.appendChild(s);
       b.addEventListener("click", function () {
         shown = k;
@@ -218,26 +236,27 @@ PAGE_JS = r"""
     return { element: col, frame: frame, first: data.captions[0].explorer };
   }
 
-  function fit(frame) {
+  function scoreText(c) {  // the search's score is the caption's log-probability (its words and its end)
+    const tokens = c.words.length + (c.finished ? 1 : 0), per = tokens ? c.score / tokens : c.score;
+    return "log-probability " + per.toFixed(2) + " per word \u00b7 " + c.score.toFixed(2) + " in all";
+  }
+  function fit(frame) {  // the frame as high as what it holds: it grows and shrinks with the window
     const doc = frame.contentDocument;
-    if (doc && doc.documentElement) frame.style.height = (doc.documentElement.scrollHeight + 8) + "px";
+    if (doc && doc.body) frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
   }
   function load(frame, html, counted) {
     frame.onload = function () {
-      const w = frame.contentWindow;
-      if (w && w.captionerSetStyle) w.captionerSetStyle(style);
+      const w = frame.contentWindow, doc = frame.contentDocument;
+      if (doc && doc.body) doc.body.classList.toggle("compare", columns.classList.contains("many"));
+      if (w && w.captionerSetStyle && style) w.captionerSetStyle(style);
       fit(frame); setTimeout(function () { fit(frame); }, 50);
+      if (w && w.ResizeObserver && doc && doc.body) new w.ResizeObserver(function () { fit(frame); }).observe(doc.body);
       if (counted) counted();
       else { setState("done"); answered(); }
     };
     frame.srcdoc = html;
   }
 
-  function bringIntoView() {  // the maps, when the answer landed below the fold
-    const top = $("result").getBoundingClientRect();
-    const first = frames()[0], rect = first ? first.getBoundingClientRect() : top;
-    if (top.top < 0 || rect.bottom > window.innerHeight) $("result").scrollIntoView({ block: "start" });
-  }
 
   async function ask(model, form) {
     form.set("model", model);
@@ -277,13 +296,17 @@ PAGE_JS = r"""
     if (mine !== run) return;  // a newer request owns the page
     const bad = answers.filter(function (a) { return a.error; });
     if (bad.length) { fail(bad[0].error); return; }
+    if (!$("result").hidden) columns.style.minHeight = columns.offsetHeight + "px";  // no jump while redrawn
     columns.innerHTML = "";
     $("result").classList.remove("stale"); $("stale-note").hidden = true;
     $("result").dataset.file = last.name + "#" + last.serial; $("result").dataset.name = last.name;
     $("result-file").textContent = last.name;
-    $("result-thumb").src = thumbUrl;
+    $("result-thumb").src = thumbUrl; $("result-thumb").alt = many(answers) ? "the photo: " + last.name : "";
     $("result").hidden = false;
-    const many = answers.length > 1, built = answers.map(function (a) { return column(a, many); });
+    const several = many(answers);
+    $("result").classList.toggle("many", several); columns.classList.toggle("many", several);
+    columns.style.setProperty("--n", String(answers.length));
+    const built = answers.map(function (a) { return column(a, several); });
     let loaded = 0;
     built.forEach(function (b) {
       columns.appendChild(b.element);
@@ -293,16 +316,24 @@ PAGE_JS = r"""
         body.dataset.ms = ms.toFixed(0);
         statusLine.textContent = last.name + ": " + models.length + (models.length > 1 ? " models" : " model") +
           " \u00b7 " + (ms / 1000).toFixed(2) + " s from upload to map";
-        setState("done"); answered(); bringIntoView();
+        columns.style.minHeight = "";
+        setState("done"); answered();
       });
     });
   }
+
+  function many(answers) { return answers.length > 1; }
+  ["thumb", "result-thumb"].forEach(function (id) {  // a file that is no picture shows no broken image
+    $(id).addEventListener("load", function () { $(id).hidden = false; });
+    $(id).addEventListener("error", function () { $(id).hidden = true; });
+  });
 
   let serial = 0;
   function choose(blob, name) {
     if (thumbUrl) URL.revokeObjectURL(thumbUrl);
     thumbUrl = URL.createObjectURL(blob);
     last = { blob: blob, name: name, serial: ++serial };
+    $("thumb").hidden = true;
     $("thumb").src = thumbUrl; $("thumb").alt = "the photo being captioned: " + name;
     $("file-name").textContent = name; $("current").hidden = false;
     send();
@@ -310,10 +341,13 @@ PAGE_JS = r"""
 
   window.addEventListener("message", function (e) {  // one explorer's word or style, shown in the others
     const msg = e.data || {};
+    const ours = frames().some(function (f) { return f.contentWindow === e.source; });
+    if (!ours) return;
+    if (msg.captioner === "drop" && msg.file instanceof Blob) { choose(msg.file, msg.file.name || "photo"); return; }
     frames().forEach(function (f) {
       const w = f.contentWindow;
       if (!w || w === e.source) return;
-      if (msg.captioner === "word" && w.captionerShowWord) w.captionerShowWord(msg.word, msg.kind);
+      if (msg.captioner === "word" && w.captionerShowWord) w.captionerShowWord(msg.word, msg.kind, msg.map);
       if (msg.captioner === "style" && w.captionerSetStyle) w.captionerSetStyle(msg.style);
     });
     if (msg.captioner === "style") style = msg.style;
@@ -327,16 +361,19 @@ PAGE_JS = r"""
   $("file").addEventListener("change", function () {
     if (this.files.length) choose(this.files[0], this.files[0].name);
   });
-  const drop = $("drop");
-  ["dragenter", "dragover"].forEach(function (t) {
-    drop.addEventListener(t, function (e) { e.preventDefault(); drop.classList.add("over"); });
+  // a photo dropped anywhere on the page is captioned (not opened by the browser in place of the page)
+  let dragDepth = 0;
+  document.addEventListener("dragenter", function (e) {
+    e.preventDefault(); dragDepth++; body.classList.add("dragging");
   });
-  ["dragleave", "drop"].forEach(function (t) {
-    drop.addEventListener(t, function () { drop.classList.remove("over"); });
+  document.addEventListener("dragover", function (e) { e.preventDefault(); });
+  document.addEventListener("dragleave", function () {
+    if (--dragDepth <= 0) { dragDepth = 0; body.classList.remove("dragging"); }
   });
-  drop.addEventListener("drop", function (e) {
-    e.preventDefault();
-    if (e.dataTransfer.files.length) choose(e.dataTransfer.files[0], e.dataTransfer.files[0].name);
+  document.addEventListener("drop", function (e) {
+    e.preventDefault(); dragDepth = 0; body.classList.remove("dragging");
+    const files = e.dataTransfer && e.dataTransfer.files;
+    if (files && files.length) choose(files[0], files[0].name);
   });
   CFG.examples.forEach(function (name, i) {
     const b = document.createElement("button"), img = document.createElement("img");

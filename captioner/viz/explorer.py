@@ -7,22 +7,31 @@ however it was chosen and is written large above the map. The map is drawn over 
 upscaled to be readable) and at most ``max_side``. Heat maps are rendered client-side from the raw
 g x g weights embedded as JSON (bilinear upsampling with half-pixel centres, a Gaussian blur of
 ``BLUR_CELLS`` grid cells, placement on the encoder's crop box, dimming outside it, then the
-style's layer: ``light`` darkens where the word did not look, ``heat`` lays the colour map (a
-256-entry lookup table) over the photo with a transparent low end), the same rule as
-:mod:`captioner.viz.heatmaps`; a legend shows both ends of the scale. The scale is the caption's
-(``color_scale``, computed here in Python for the overlay view and for every layer and head), so a
-word with spread-out attention looks flat next to one that points. A plain sentence says how
-focused the word was; its figures (peak share, grid cell, entropy against log N) are one click away.
+style's layer: ``heat``, the default, lays the colour map (a 256-entry lookup table) over the photo
+with a transparent low end and darkens the photo a little where the word did not look, ``light``
+darkens where the word did not look), the same rule as :mod:`captioner.viz.heatmaps`. Each map is on
+its own scale (``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the
+uniform weight), so the region the word looked at most is drawn at the top on any photo; the
+legend names the top "strongest region, 42%" and the sentence under it gives the same share. Its
+figures (peak share, grid cell, entropy against log N) are one click away.
+
+The explorer opens on the caption's first tag-word (a word of the caption that is one of the
+photo's tags) or else its first noun (:func:`opening_word`), not on "a".
 
 For a model with concept detectors (``Caption.concepts``) the photo's top concepts (at most
 ``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
 sees in this photo": a chip is hovered, focused, tapped and kept as a word is, and shows where its
-concept is (``Caption.concept_maps``) in the same view and style, on one scale shared by the tags
-(``color_scale`` of their maps), written large as ``tag: dog 0.91``. Without concepts there is no row.
+concept is (``Caption.concept_maps``) in the same view and style, written large as ``tag: dog 0.91``.
+Without concepts there is no row.
 
-Inside a page (``captioner serve``) the explorer tells its parent which word it shows and which
-style is chosen (``postMessage``), and offers ``captionerShowWord(word, kind)`` (``kind`` ``"tag"`` for a concept), ``captionerSetStyle``
-and ``captionerSnapshot()`` (the map with the caption and the word under it, as a PNG data URL).
+Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map)
+and which style is chosen (``postMessage``), passes a photo dropped on it to the parent, and offers
+``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption lacks is
+said so above the map, which then shows the photo's tag of that name, or else the caption's word
+whose map is most like ``map`` (labelled); ``captionerSetStyle`` and ``captionerSnapshot()`` (the map
+with the caption and the word under it, as a PNG data URL). With ``compare`` on ``<body>`` (models side
+by side) the photo beside the map is left out: the page shows it once. A hover needs a pointer that
+moves: a caption that loads under a still pointer keeps its opening word.
 
 Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
 and head of a Transformer (layers x (heads + 1) maps per word would be hundreds of images). The
@@ -44,11 +53,49 @@ from PIL import Image
 from captioner.errors import ConfigError, DataError
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image
-from captioner.viz.heatmaps import BLUR_CELLS, DEFAULT_ALPHA, DEFAULT_CMAP, DIM, check_style, color_scale, colormap_lut
+from captioner.viz.heatmaps import (
+    BLUR_CELLS,
+    DEFAULT_ALPHA,
+    DEFAULT_CMAP,
+    DEFAULT_STYLE,
+    DIM,
+    HEAT_DIM,
+    UNIFORM_FLOOR,
+    check_style,
+    colormap_lut,
+)
 
 MIN_DISPLAY_SIDE = 384  # the canvas's long side is at least this many pixels
 MAX_CONCEPTS = 10  # concept chips shown at most
 CONCEPTS_LABEL = "Tags the model sees in this photo"
+# words that never open the explorer: articles, numbers, prepositions, pronouns, verbs of being, colours,
+# common adjectives and framing nouns (no part-of-speech tagger: a caption's first other word is its first
+# noun nearly always)
+NOT_NOUNS = frozenset("""
+a an the this that these those some two three four five six seven eight nine ten one many several few lots of
+in on at to into onto over under above below near next beside behind by with without from for through across
+along around up down out off while and or but as its his her their there here who which
+is are was were be being been has have had does do it they he she we i you them
+red orange yellow green blue purple pink brown black white grey gray dark light bright colorful colourful
+small big large little tiny huge tall short long young old older smiling happy wet dry other different
+left right top bottom middle front back another each very
+picture image photo photograph view scene group pair bunch kind sort side
+""".split())  # the last line: nouns that frame a caption ("a picture of", "a group of") rather than name a thing
+
+
+def opening_word(words: list[str], tags: list[str] | None = None) -> int:
+    """Index of the word an explorer opens on: the first word that is one of ``tags`` (the photo's
+    concepts), else the first that looks like a noun (not in ``NOT_NOUNS``, no ``-ing`` or ``-ly``
+    ending, made of letters), else 0."""
+    tagged = {t.lower() for t in tags or ()}
+    for i, w in enumerate(words):
+        if w.lower() in tagged:
+            return i
+    for i, w in enumerate(words):
+        low = w.lower()
+        if low.isalpha() and low not in NOT_NOUNS and not low.endswith(("ing", "ly")):
+            return i
+    return 0
 
 
 def display_size(image_size: tuple[int, int], min_side: int = MIN_DISPLAY_SIDE, max_side: int = 960
@@ -78,13 +125,6 @@ def _image_data_uri(image: Image.Image, max_side: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _layer_head_scales(all_attention: np.ndarray) -> list[list[float]]:
-    """vmax of the caption's colour scale for every layer (rows) and head (columns, mean of heads last)."""
-    heads_and_mean = [all_attention, all_attention.mean(axis=2, keepdims=True)]
-    maps = np.concatenate(heads_and_mean, axis=2)  # (L, layers, heads + 1, g, g)
-    return [[color_scale(maps[:, i, j])[1] for j in range(maps.shape[2])] for i in range(maps.shape[1])]
-
-
 def _concept_chips(concepts: list[dict] | None) -> str:
     """The row of concept chips under the caption (buttons the script brings to life), or nothing."""
     if not concepts:
@@ -106,9 +146,9 @@ def render_explorer(
     head: int | None = None,
     title: str | None = None,
     max_side: int = 960,
-    start: int = 0,
+    start: int | None = None,
     min_side: int = MIN_DISPLAY_SIDE,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> str:
     """The explorer page as one HTML string with no external resources.
 
@@ -123,27 +163,28 @@ def render_explorer(
         head: head selected first (None = mean of heads).
         title: page heading (defaults to "Attention explorer").
         max_side: largest side of the embedded image and of the canvas.
-        start: index of the word selected first.
+        start: index of the word selected first (None: :func:`opening_word`, the first tag-word or noun).
         min_side: smallest long side of the canvas (small images are upscaled to it).
-        style: the style shown first, ``light`` or ``heat`` (the reader can switch).
+        style: the style shown first, ``heat`` or ``light`` (the reader can switch).
     """
     record = on_image(caption, image)
+    if start is None:
+        start = opening_word(record.words, [w for w, _ in (record.concepts or [])[:MAX_CONCEPTS]])
     data = {
         "caption": record.text, "words": record.words, "grid": list(record.grid),
         "image_size": list(record.image_size), "box": list(record.box),
         "attention": np.round(record.attention.numpy().astype(np.float64), 5).tolist(),
         "all_attention": None, "layers": 0, "heads": 0, "layer": 0, "head": None,
         "lut": colormap_lut(cmap).reshape(-1).tolist(), "alpha": float(alpha), "blur_cells": BLUR_CELLS,
-        "dim": DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
-        "scale": list(color_scale(record.attention)), "scales": None,
+        "dim": DIM, "heat_dim": HEAT_DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
+        "floor": UNIFORM_FLOOR / (record.grid[0] * record.grid[1]),
         "start": max(0, min(start, len(record.words) - 1)), "style": check_style(style),
-        "concepts": None, "concept_maps": None, "concept_scale": None,
+        "concepts": None, "concept_maps": None,
     }
     if record.concepts:
         maps = record.concept_maps[:MAX_CONCEPTS]
         data.update(concepts=[{"word": w, "prob": round(p, 4)} for w, p in record.concepts[:MAX_CONCEPTS]],
-                    concept_maps=np.round(maps.numpy().astype(np.float64), 5).tolist(),
-                    concept_scale=list(color_scale(maps)))
+                    concept_maps=np.round(maps.numpy().astype(np.float64), 5).tolist())
     if record.all_attention is not None:
         layers, heads = record.all_attention.shape[1:3]
         if not -layers <= layer < layers:
@@ -151,8 +192,7 @@ def render_explorer(
         if head is not None and not 0 <= head < heads:
             raise ConfigError(f"head {head} out of range: the decoder has {heads} heads")
         data.update(all_attention=np.round(record.all_attention.numpy().astype(np.float64), 5).tolist(),
-                    layers=int(layers), heads=int(heads), layer=layer % layers, head=head,
-                    scales=_layer_head_scales(record.all_attention.numpy()))
+                    layers=int(layers), heads=int(heads), layer=layer % layers, head=head)
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     size = data["display_size"]
     heading = html.escape(title or "Attention explorer")
@@ -172,23 +212,24 @@ def render_explorer(
 <h1>{heading}</h1>
 <p class="caption" id="caption" aria-label="caption: choose a word to see where the model looked"></p>
 {chips}<div class="controls">
-  <label>style<select id="style"><option value="light">attention as light</option>
-    <option value="heat">heat map</option></select></label>
+  <label>style<select id="style"><option value="heat">heat map</option>
+    <option value="light">attention as light</option></select></label>
   <span id="selectors" hidden>
     <label>layer<select id="layer"></select></label>
     <label>head<select id="head"></select></label>
   </span>
-  <label>strength<input type="range" id="alpha" min="0" max="1" step="0.05"></label>
+  <label class="strength">strength<input type="range" id="alpha" min="0" max="1" step="0.05"></label>
 </div>
 <div class="views">
   <figure>
+    <p id="missing" hidden></p>
     <p id="shown-word" aria-live="polite"></p>
     <canvas id="view" role="img" aria-label="where the model looked for the chosen word"></canvas>
-    <div class="legend"><span>little</span><span class="bar" id="legend-bar"></span><span id="legend-top"></span></div>
+    <div class="legend"><span>none</span><span class="bar" id="legend-bar"></span><span id="legend-top"></span></div>
     <p id="summary"></p>
     <details><summary>figures</summary><span id="info"></span></details>
   </figure>
-  <figure>
+  <figure class="photo-figure">
     <figcaption class="big">the photo</figcaption>
     <img id="photo" alt="the photo as given" width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
   </figure>
@@ -213,9 +254,10 @@ def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **opt
 # --- the page's stylesheet and script (embedded inline by render_explorer) ---
 # The script reads the page's ``explorer-data`` JSON and draws the chosen word's map the way
 # :mod:`captioner.viz.heatmaps` does in numpy: bilinear upsampling with half-pixel centres, a
-# Gaussian blur of ``blur_cells`` grid cells, the caption's shared scale, then the style's RGBA layer
-# (``light``: black, opaque where the word did not look; ``heat``: the colour map, transparent at
-# its low end) over the photo.
+# Gaussian blur of ``blur_cells`` grid cells, the map's own scale (0 to its peak, at least ``floor``),
+# then the style's RGBA layer (``heat``: the colour map, transparent at its low end, over black that
+# darkens the photo where the word did not look; ``light``: black, opaque where the word did not look)
+# over the photo.
 
 EXPLORER_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 1180px;
@@ -255,6 +297,18 @@ canvas, #photo { display: block; max-width: 100%; height: auto; border-radius: 4
 .help { color: #555; font-size: .85em; }
 body.embedded { margin: 0; padding: 0 4px; max-width: none; }  /* inside a page: it gives the heading */
 body.embedded h1 { display: none; }
+#missing { margin: 0 0 .2em; padding: .2em .6em; border-radius: 6px; background: #fff4d6; color: #5c4300; }
+/* models side by side: the page shows the photo once, so each column gives the map all its width */
+body.compare .photo-figure, body.compare .help { display: none; }
+body.compare .views figure { flex-basis: 100%; }
+@media (max-width: 420px) {  /* a phone's column: the map first, small print around it */
+  .caption { font-size: 1em; margin-bottom: .4em; }
+  #shown-word { font-size: 1.3em; }
+  .controls { gap: .4em .8em; font-size: .85em; margin-bottom: .4em; }
+  .legend .bar { flex-basis: 80px; }
+  body.compare .concepts-label, body.compare .controls .strength { display: none; }
+  body.compare #missing { font-size: .85em; }
+}
 [hidden] { display: none !important; }
 """
 
@@ -277,7 +331,8 @@ EXPLORER_JS = r"""
   const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
   // what can be shown: the caption's words (0 .. L-1), then the photo's tags (L .. L+C-1); buttons[i] is item i
   const L = D.words.length, C = D.concepts ? D.concepts.length : 0, spans = [], buttons = [];
-  let current = 0, shown = 0;  // the pinned item | the item drawn now (hovered, focused or pinned); -1: none
+  let current = 0, shown = 0, over = -1;  // the pinned item | the item drawn now (hovered, focused or pinned); -1:
+                                          // none | the item the pointer moved onto
 
   if (D.all_attention) {
     for (let l = 0; l < D.layers; l++) layerSel.add(new Option(String(l + 1), String(l)));
@@ -310,11 +365,6 @@ EXPLORER_JS = r"""
     });
   }
 
-  function vrange(i) {  // the shared scale of item i: the caption's (this layer and head), or the tags'
-    if (isTag(i)) return D.concept_scale;
-    if (!D.all_attention) return D.scale;
-    return [0, D.scales[+layerSel.value][headSel.value === "mean" ? D.heads : +headSel.value]];
-  }
 
   function axis(n, cell) {  // bilinear taps (half-pixel centres, clamped) for n pixels
     const lo = new Int32Array(n), hi = new Int32Array(n), fr = new Float32Array(n);
@@ -343,7 +393,7 @@ EXPLORER_JS = r"""
     return out;
   }
 
-  function layerCanvas(m, range) {  // the style's RGBA layer at a working resolution of the box (heatmaps.style_layer)
+  function layerCanvas(m) {  // the style's RGBA layer at a working resolution of the box (heatmaps.style_layer)
     const bw = box[2] - box[0], bh = box[3] - box[1];
     const f = Math.min(1, 240 / Math.max(bw, bh));
     const w = Math.max(1, Math.round(bw * f)), h = Math.max(1, Math.round(bh * f));
@@ -358,7 +408,9 @@ EXPLORER_JS = r"""
       }
     }
     a = blur(blur(a, w, h, D.blur_cells * w / g, true), w, h, D.blur_cells * h / g, false);
-    const lo = range[0], hi = range[1], strength = +alphaIn.value, light = styleSel.value === "light";
+    let top = D.floor;  // the map's own scale: 0 to its peak (heatmaps.word_scale)
+    for (let p = 0; p < a.length; p++) if (a[p] > top) top = a[p];
+    const lo = 0, hi = top, strength = +alphaIn.value, light = styleSel.value === "light";
     const layer = document.createElement("canvas");
     layer.width = w; layer.height = h;
     const lctx = layer.getContext("2d"), img = lctx.createImageData(w, h);
@@ -366,26 +418,32 @@ EXPLORER_JS = r"""
       const v = hi - lo > 1e-12 ? Math.min(255, Math.max(0, Math.round(255 * (a[p] - lo) / (hi - lo)))) : 0;
       if (light) {  // black, opaque where the word did not look: the photo itself where it did
         img.data[4 * p + 3] = Math.round(255 * strength * (1 - v / 255));
-      } else {  // the colour map, transparent at the low end
-        img.data[4 * p] = D.lut[3 * v]; img.data[4 * p + 1] = D.lut[3 * v + 1];
-        img.data[4 * p + 2] = D.lut[3 * v + 2]; img.data[4 * p + 3] = Math.round(255 * strength * v / 255);
+      } else {  // the colour map, transparent at the low end, over black that darkens the rest a little
+        const rgba = heat(v, strength);
+        img.data[4 * p] = rgba[0]; img.data[4 * p + 1] = rgba[1]; img.data[4 * p + 2] = rgba[2];
+        img.data[4 * p + 3] = Math.round(255 * rgba[3]);
       }
     }
     lctx.putImageData(img, 0, 0);
     return layer;
   }
 
-  function legend(range, tag) {  // what the two ends of the scale look like, and what the top stands for
+  function heat(v, strength) {  // heatmaps.style_layer "heat" at level v (0..255): [r, g, b, opacity 0..1]
+    const paint = strength * (v / 255) * (v / 255), dark = D.heat_dim * strength * (1 - v / 255);
+    const o = 1 - (1 - paint) * (1 - dark), k = o > 0 ? paint / o : 0;
+    return [Math.round(D.lut[3 * v] * k), Math.round(D.lut[3 * v + 1] * k), Math.round(D.lut[3 * v + 2] * k), o];
+  }
+
+  function legend(pct) {  // what the two ends of the scale look like; the top is the map's strongest region
     const bar = document.getElementById("legend-bar"), strength = +alphaIn.value, stops = [];
     for (let k = 0; k <= 8; k++) {
-      const v = Math.round(255 * k / 8);
-      stops.push(styleSel.value === "light"
-        ? "rgba(0,0,0," + (strength * (1 - v / 255)).toFixed(3) + ")"
-        : "rgba(" + D.lut[3 * v] + "," + D.lut[3 * v + 1] + "," + D.lut[3 * v + 2] + "," + (strength * v / 255).toFixed(3) + ")");
+      const v = Math.round(255 * k / 8), rgba = styleSel.value === "light" ? [0, 0, 0, strength * (1 - v / 255)]
+        : heat(v, strength);
+      stops.push("rgba(" + rgba[0] + "," + rgba[1] + "," + rgba[2] + "," + rgba[3].toFixed(3) + ")");
     }
     bar.style.background = "linear-gradient(to right, " + stops.join(", ") + "), #d9d9d9";
-    document.getElementById("legend-top").textContent = (tag ? "most of the tag (" : "most attention (") +
-      (100 * range[1]).toFixed(0) + "% per region)";
+    document.getElementById("legend-top").textContent = pct === null ? "strongest region"
+      : "strongest region, " + pct + "%";
   }
 
   function describe(i, m) {  // plain words first; the figures behind them on demand
@@ -398,6 +456,7 @@ EXPLORER_JS = r"""
     }); });
     const share = total > 0 ? best / total : 0, spread = entropy / Math.log(g * g);
     const pct = (100 * share).toFixed(share >= 0.1 ? 0 : 1);
+    legend(pct);
     const figures = ": peak " + pct + "% at row " + (br + 1) + ", column " + (bc + 1) +
       " \u00b7 H " + entropy.toFixed(1) + "/" + Math.log(g * g).toFixed(1) + " nats";
     document.getElementById("shown-word").textContent = label(i);
@@ -424,42 +483,44 @@ EXPLORER_JS = r"""
     ctx.fillRect(0, box[3], canvas.width, canvas.height - box[3]);
     ctx.fillRect(0, box[1], box[0], box[3] - box[1]);
     ctx.fillRect(box[2], box[1], canvas.width - box[2], box[3] - box[1]);
-    const range = vrange(i);
-    legend(range, isTag(i));
-    if (i < 0 || i >= L + C) { info.textContent = "empty caption"; return; }
+    if (i < 0 || i >= L + C) { legend(null); info.textContent = "empty caption"; return; }
     const m = weights(i);
     ctx.imageSmoothingEnabled = true;
     ctx.imageSmoothingQuality = "high";
-    ctx.drawImage(layerCanvas(m, range), box[0], box[1], box[2] - box[0], box[3] - box[1]);
+    ctx.drawImage(layerCanvas(m), box[0], box[1], box[2] - box[0], box[3] - box[1]);
     describe(i, m);
   }
 
   function id(i) { return isTag(i) ? "tag-" + (i - L) : String(i); }  // data-shown, data-word: "3" or "tag-0"
 
-  function show(i, quiet) {  // draw item i and mark it: hovered, focused and pinned items look the same
+  const missing = document.getElementById("missing");
+  function show(i, quiet, note) {  // draw item i and mark it: hovered, focused and pinned items look the same
     shown = i;
+    missing.textContent = note || ""; missing.hidden = !note;
     buttons.forEach(function (s, k) { s.classList.toggle("active", k === i); });
     document.body.dataset.shown = i < 0 ? "" : id(i);
     draw(i);
     if (!quiet && i >= 0 && window.parent !== window) {
       window.parent.postMessage({ captioner: "word", kind: isTag(i) ? "tag" : "word",
-                                  word: isTag(i) ? D.concepts[i - L].word : D.words[i] }, "*");
+                                  word: isTag(i) ? D.concepts[i - L].word : D.words[i], map: weights(i) }, "*");
     }
   }
 
-  function select(i) {  // pin item i (click, tap, Enter, Space, arrows)
+  function select(i, quiet) {  // pin item i (click, tap, Enter, Space, arrows)
     current = i;
     buttons.forEach(function (s, k) {
       s.classList.toggle("pinned", k === current); s.setAttribute("aria-pressed", String(k === current));
     });
     document.body.dataset.word = id(current);
-    show(current);
+    show(current, quiet);
   }
 
   function bind(s, i) {  // hover, focus, tap and keys: the same for a word and a tag
     s.addEventListener("click", function () { select(i); });
-    s.addEventListener("mouseenter", function () { show(i); });
-    s.addEventListener("mouseleave", function () { show(current); });
+    s.addEventListener("mousemove", function () {  // a pointer that moves onto it: a caption loaded under a
+      if (over !== i) { over = i; show(i); }       // still pointer gets only mouseover/mouseenter, keeps its word
+    });
+    s.addEventListener("mouseleave", function () { over = -1; show(current); });
     s.addEventListener("focus", function () { show(i); });
     s.addEventListener("blur", function () { show(current); });
     buttons.push(s);
@@ -487,17 +548,41 @@ EXPLORER_JS = r"""
     if (onItem) buttons[current].focus();
     e.preventDefault();
   });
-  [layerSel, headSel, alphaIn].forEach(function (el) { el.addEventListener("input", function () { draw(shown); }); });
+  [layerSel, headSel, alphaIn].forEach(function (el) {
+    el.addEventListener("input", function () { draw(shown); });
+    el.addEventListener("change", function () { draw(shown); });
+  });
   styleSel.addEventListener("change", function () {
     draw(shown);
     if (window.parent !== window) window.parent.postMessage({ captioner: "style", style: styleSel.value }, "*");
   });
 
   // for a page that holds several explorers: the same word in each, one style, a picture to save
-  window.captionerShowWord = function (word, kind) {  // kind "tag": a tag of the photo, else a word
-    const k = kind === "tag" ? (D.concepts || []).map(function (t) { return t.word; }).indexOf(word)
-      : D.words.indexOf(word);
-    show(k >= 0 ? (kind === "tag" ? L + k : k) : current, true);
+  function overlap(a, b) {  // heatmaps.map_overlap: histogram intersection of two maps, each summing to 1
+    let sa = 0, sb = 0, s = 0;
+    a.forEach(function (row) { row.forEach(function (v) { sa += v; }); });
+    b.forEach(function (row) { row.forEach(function (v) { sb += v; }); });
+    if (!(sa > 0 && sb > 0)) return 0;
+    a.forEach(function (row, r) { row.forEach(function (v, c) { s += Math.min(v / sa, b[r][c] / sb); }); });
+    return s;
+  }
+  window.captionerShowWord = function (word, kind, map) {  // kind "tag": a tag of the photo, else a word
+    const tags = (D.concepts || []).map(function (t) { return t.word; });
+    const k = kind === "tag" ? tags.indexOf(word) : D.words.indexOf(word);
+    if (k >= 0) { show(kind === "tag" ? L + k : k, true); return; }
+    const what = kind === "tag" ? "tag" : "word";
+    if (kind !== "tag" && tags.indexOf(word) >= 0) {  // not in the caption, but one of the photo's tags
+      show(L + tags.indexOf(word), true, "No \u201c" + word + "\u201d in this caption: its tag instead.");
+      return;
+    }
+    let best = -1, most = -1;  // else the caption's word whose map is most like the one shown beside
+    if (map && map.length === g) for (let j = 0; j < L; j++) {
+      const o = overlap(weights(j), map);
+      if (o > most) { most = o; best = j; }
+    }
+    if (best < 0) { show(current, true, "No \u201c" + word + "\u201d " + (what === "tag" ? "among this photo's tags." : "in this caption.")); return; }
+    show(best, true, "No \u201c" + word + "\u201d " + (what === "tag" ? "among this photo's tags" : "in this caption") +
+      ": its nearest word, the one that looked most alike (" + (100 * most).toFixed(0) + "% overlap).");
   };
   window.captionerSetStyle = function (style) {
     if (styleSel.value !== style) { styleSel.value = style; draw(shown); }
@@ -514,9 +599,19 @@ EXPLORER_JS = r"""
     o.fillText(D.caption, 8, canvas.height + 44, out.width - 16);
     return out.toDataURL("image/png");
   };
-  if (window.parent !== window) document.body.classList.add("embedded");
+  if (window.parent !== window) {
+    document.body.classList.add("embedded");
+    ["dragenter", "dragover"].forEach(function (t) {  // a photo dropped here is the page's to caption
+      document.addEventListener(t, function (e) { e.preventDefault(); });
+    });
+    document.addEventListener("drop", function (e) {
+      e.preventDefault();
+      const files = e.dataTransfer && e.dataTransfer.files;
+      if (files && files.length) window.parent.postMessage({ captioner: "drop", file: files[0] }, "*");
+    });
+  }
   function start() {
-    if (L) select(D.start); else { current = -1; show(-1, true); }  // an empty caption: the photo, and a line saying so
+    if (L) select(D.start, true); else { current = -1; show(-1, true); }  // an empty caption: the photo, and a line saying so
     document.body.dataset.ready = "1";
   }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);

@@ -9,20 +9,24 @@ stretched back to the box's aspect (the photo is never squashed) and pixels outs
 dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
 ``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
 
-Two styles draw a map over the photo (``STYLES``). ``light`` (the default, as the Show, Attend and
-Tell figures draw attention): the photo keeps its own colours where the word looked and is darkened
-where it did not, by up to ``alpha`` of its brightness. ``heat``: a perceptually uniform colour map
-(viridis by default) laid over the photo with an opacity that grows with the weight, so the low end
-is transparent and the photo shows through where the word did not look. Both are one RGBA layer
-(``style_layer``) composited over the photo, the rule the HTML explorer implements in JavaScript.
+Two styles draw a map over the photo (``STYLES``). ``heat`` (the default): a perceptually uniform
+colour map (viridis by default) laid over the photo with an opacity that grows with the square of the
+weight's share of the peak, so the low end is transparent, and the photo darkened a little
+(``HEAT_DIM``) where the word did not look; the strongest region is coloured whatever the photo's brightness, so a word that looked at a
+black jacket on a dark photo still lights it. ``light`` (as the Show, Attend and Tell figures draw
+attention): the photo keeps its own colours where the word looked and is darkened where it did
+not, by up to ``alpha`` of its brightness (a dark region stays dark: the style for bright photos
+and for checking colours). Both are one RGBA layer (``style_layer``) composited over the photo, the
+rule the HTML explorer implements in JavaScript.
 
-All words of one caption share ONE colour scale (``color_scale``): 0 up to the highest value any
-of its upsampled maps reaches, so a word whose attention is spread out looks flat and cold next to
-a word that points, instead of being stretched to the full colour map on its own. The top of the
-scale is at least ``UNIFORM_FLOOR`` times the uniform weight, so a caption that never points
-anywhere is drawn flat at mid-scale, not hot. ``attention_stats`` gives a word's figures, the peak
-share (largest region's share of the weight) and the entropy against log N; ``stats_label`` says
-them in words under each panel.
+Each map is drawn on its OWN scale (``word_scale``): from 0 to the highest value its upsampled map
+reaches, so the region a word looked at most is always at the top of the scale (full colour, or
+the photo at full brightness) and every other region is drawn by its share of that peak; a word
+whose attention is spread lights much of the photo, one that points lights one place. The top is at
+least ``UNIFORM_FLOOR`` times the uniform weight, so a map that points nowhere is drawn flat at
+mid-scale, not hot. ``attention_stats`` gives a map's figures, the peak share (largest region's
+share of the weight) and the entropy against log N; ``stats_label`` says them in words under each
+panel, and ``legend_top`` names the top of the legend with the same peak share.
 
 Everything here is numpy and PIL arrays (matplotlib only for the colour maps, imported lazily);
 no text or layout.
@@ -41,14 +45,17 @@ from PIL import Image
 from captioner.errors import ConfigError, DataError
 from captioner.grids import as_array, cell_weights
 
-__all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "STYLES", "UNIFORM_FLOOR", "attention_stats",
-           "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "map_overlap", "map_peaks",
-           "overlay_heatmap", "peak_cell", "spread_words", "stats_label", "style_layer"]
+__all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "HEAT_DIM", "STYLES", "UNIFORM_FLOOR",
+           "attention_stats", "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "legend_top",
+           "map_overlap", "map_peaks", "overlay_heatmap", "peak_cell", "share_text", "spread_words", "stats_label",
+           "style_layer", "word_scale"]
 
 BLUR_CELLS = 0.35  # Gaussian blur sigma, in grid cells (shared with the explorer's JavaScript)
 DIM = 0.35  # brightness kept outside the encoder's crop box
 UNIFORM_FLOOR = 2.0  # the colour scale's top is at least this many times the uniform weight 1/(g*g)
-STYLES = ("light", "heat")  # attention as light (the default) | a colour map with a transparent low end
+STYLES = ("light", "heat")  # attention as light | a colour map with a transparent low end (the default)
+DEFAULT_STYLE = "heat"  # shows the strongest region on any photo, dark ones included
+HEAT_DIM = 0.5  # heat: where the word did not look, the photo is darkened by up to HEAT_DIM * alpha
 DEFAULT_CMAP = "viridis"  # perceptually uniform, readable in grey and by most colour-blind readers
 DEFAULT_ALPHA = 0.75  # light: darkening where the word did not look; heat: opacity at the scale's top
 _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsampled maps
@@ -158,8 +165,25 @@ def map_peaks(maps: object) -> np.ndarray:
     return peaks.reshape(att.shape[:-2])
 
 
+def word_scale(maps: object) -> np.ndarray:
+    """The top of each map's own scale: its upsampled peak (:func:`map_peaks`), at least
+    ``UNIFORM_FLOOR / (g * g)``; the scale runs from 0 to it, so each map's strongest region is drawn at
+    the top.
+
+    Args:
+        maps: (..., g, g) weights.
+
+    Returns:
+        (...) vmax of each map.
+    """
+    att = as_array(maps, np.float64)
+    peaks = map_peaks(att)
+    return np.maximum(peaks, UNIFORM_FLOOR / (att.shape[-1] * att.shape[-2]))
+
+
 def color_scale(attention: object) -> tuple[float, float]:
-    """The colour scale (vmin, vmax) shared by every word of one caption.
+    """One colour scale (vmin, vmax) for a set of maps, e.g. every word of one caption (the drawings
+    use each map's own scale, :func:`word_scale`; this one compares maps on a common scale).
 
     Args:
         attention: (L, g, g) weights of the caption's words.
@@ -221,12 +245,22 @@ def spread_words(entropy: float, uniform: float) -> str:
     return "one place" if spread < 0.5 else "a few places" if spread < 0.85 else "all over"
 
 
+def share_text(share: float) -> str:
+    """A peak share as the page and the panels write it: ``"42"`` (whole percent from 10%), ``"4.2"`` below."""
+    return f"{100 * share:.0f}" if share >= 0.1 else f"{100 * share:.1f}"
+
+
 def stats_label(attention: object) -> str:
     """The line printed under a word, e.g. ``"one place · top region 34%"``: how spread out its map
     is (:func:`spread_words`) and the peak share, the largest region's share of its attention."""
     peak, entropy, uniform = attention_stats(attention)
-    share = f"{100 * peak:.0f}" if peak >= 0.1 else f"{100 * peak:.1f}"
-    return f"{spread_words(entropy, uniform)} \u00b7 top region {share}%"
+    return f"{spread_words(entropy, uniform)} \u00b7 top region {share_text(peak)}%"
+
+
+def legend_top(share: float | None = None) -> str:
+    """What the top of the legend stands for: the strongest region, with its share of the map when one
+    map is shown (``"strongest region, 42%"``), the same figure as the line under it."""
+    return "strongest region" if share is None else f"strongest region, {share_text(share)}%"
 
 
 @lru_cache(maxsize=16)
@@ -258,18 +292,25 @@ def check_style(style: str, option: str = "style") -> str:
     return style
 
 
-def style_layer(norm: np.ndarray, style: str = "light", cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA
+def style_layer(norm: np.ndarray, style: str = DEFAULT_STYLE, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer drawn over the photo for a map already scaled to 0..1: ``(colours (..., 3), opacity (...))``.
 
     ``light``: black at opacity ``alpha * (1 - norm)`` (the photo itself where the word looked);
-    ``heat``: the colour map at opacity ``alpha * norm`` (transparent where it did not).
+    ``heat``: the colour map at opacity ``alpha * norm ** 2`` (transparent at the low end, so that a
+    spread map's many middling regions stay a light veil and its peak stands out) over the photo darkened
+    by ``HEAT_DIM * alpha * (1 - norm)``, folded into one colour and opacity.
     """
-    norm = np.clip(norm, 0.0, 1.0)
+    norm = np.clip(np.asarray(norm, dtype=np.float64), 0.0, 1.0)
     if check_style(style) == "light":
         return np.zeros(norm.shape + (3,), dtype=np.float32), (alpha * (1.0 - norm)).astype(np.float32)
-    colours = colormap_lut(cmap)[(norm * 255).round().astype(np.int64)].astype(np.float32)
-    return colours, (alpha * norm).astype(np.float32)
+    level = (norm * 255).round()
+    colours = colormap_lut(cmap)[level.astype(np.int64)].astype(np.float64)
+    paint = alpha * (level / 255) ** 2  # the colour's own opacity
+    dark = HEAT_DIM * alpha * (1.0 - level / 255)  # black under it, where the word did not look
+    opacity = 1.0 - (1.0 - paint) * (1.0 - dark)
+    safe = np.where(opacity > 0, opacity, 1.0)
+    return (colours * (paint / safe)[..., None]).astype(np.float32), opacity.astype(np.float32)
 
 
 def overlay_heatmap(
@@ -279,7 +320,7 @@ def overlay_heatmap(
     alpha: float = DEFAULT_ALPHA,
     box: Sequence[float] | None = None,
     scale: tuple[float, float] | None = None,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> Image.Image:
     """Draw a map over the image in ``style`` (:func:`style_layer`); dim the image outside ``box``.
 
@@ -289,8 +330,8 @@ def overlay_heatmap(
         cmap: matplotlib colour map name (the ``heat`` style).
         alpha: strength, 0..1: the darkest dimming (``light``) or the opacity at the top of the scale (``heat``).
         box: (left, top, right, bottom) in this image's pixels; None = the whole image.
-        scale: (vmin, vmax) mapped to the ends of the scale (values outside are clipped),
-            e.g. the caption's ``color_scale``; None = min-max of this map inside the box.
+        scale: (vmin, vmax) mapped to the ends of the scale (values outside are clipped), e.g.
+            ``(0, word_scale(weights))``; None = from 0 to this map's highest value inside the box.
         style: one of :data:`STYLES`.
 
     Returns:
@@ -302,7 +343,7 @@ def overlay_heatmap(
     if heat_map.shape != rgb.shape[:2]:
         raise DataError(f"heat map shape {heat_map.shape} does not match image size {image.size}")
     inside = _box_mask(image.width, image.height, box)
-    lo, hi = scale if scale is not None else (float(heat_map[inside].min()), float(heat_map[inside].max()))
+    lo, hi = scale if scale is not None else (0.0, float(heat_map[inside].max()))
     norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
     colours, opacity = style_layer(norm, style, cmap, alpha)
     drawn = (1.0 - opacity[..., None]) * rgb + opacity[..., None] * colours

@@ -3,10 +3,11 @@
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
 The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-drawn by :mod:`captioner.viz.heatmaps` in one of its ``STYLES`` (``light``, the default: the photo
-itself where the word looked, darkened where it did not; ``heat``: a viridis map whose low end is
-transparent), on one scale for the whole caption (``color_scale``), so spread-out attention looks
-flat next to a word that points.
+drawn by :mod:`captioner.viz.heatmaps` in one of its ``STYLES`` (``heat``, the default: a viridis
+map whose low end is transparent, the photo a little darker where the word did not look; ``light``:
+the photo itself where the word looked, darkened where it did not), each map on its own scale
+(``word_scale``): the region a word looked at most is drawn at the top of the scale on any photo, and
+the rest by its share of that peak.
 
 Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
 how it looked, e.g. "one place · top region 34%"), an animated GIF (one frame per word, the
@@ -35,21 +36,24 @@ from captioner.viz.heatmaps import (
     BLUR_CELLS,
     DEFAULT_ALPHA,
     DEFAULT_CMAP,
+    DEFAULT_STYLE,
     DIM,
     STYLES,
     attention_to_image_map,
     check_style,
     color_scale,
     colormap_lut,
+    legend_top,
     overlay_heatmap,
     stats_label,
     style_layer,
+    word_scale,
 )
 
 __all__ = [
-    "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
+    "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
     "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
-    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "render_tags", "word_overlays", "word_titles", "write_attention_json",
+    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "render_tags", "word_overlays", "word_scale", "word_titles", "write_attention_json",
     "write_overlays",
 ]
 
@@ -69,7 +73,7 @@ def word_overlays(
     cmap: str = DEFAULT_CMAP,
     alpha: float = DEFAULT_ALPHA,
     scale: tuple[float, float] | None = None,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
 
@@ -78,14 +82,15 @@ def word_overlays(
         attention: (L, g, g) weights.
         box: crop box in original pixels (None = whole image).
         max_side: longest side of the returned images (the aspect ratio is kept).
-        scale: (vmin, vmax) of the colour map for every word; None = ``color_scale(attention)``,
-            the caption's shared scale.
+        scale: (vmin, vmax) of the colour map for every word; None = each word on its own scale,
+            ``(0, word_scale(map))``: its strongest region at the top.
 
     Returns:
         (scaled image, [overlay for each of the L words]).
     """
     attention = as_array(attention)
-    vrange = scale if scale is not None else color_scale(attention)
+    tops = word_scale(attention) if len(attention) else np.zeros(0)
+    vranges = [scale if scale is not None else (0.0, float(top)) for top in tops]
     scale_px = max_side / max(image.size)
     size = (max(1, round(image.width * scale_px)), max(1, round(image.height * scale_px)))
     small = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
@@ -93,7 +98,7 @@ def word_overlays(
     sbox = None if box is None else (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
     overlays = [
         overlay_heatmap(small, attention_to_image_map(a, size[0], size[1], sbox), cmap, alpha, sbox, vrange, style)
-        for a in attention
+        for a, vrange in zip(attention, vranges)
     ]
     return small, overlays
 
@@ -211,11 +216,12 @@ def grid_layout(num_words: int, image_size: tuple[int, int], panel_side: int = 2
 
 
 def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str, cmap: str, alpha: float) -> None:
-    """"little [the scale drawn over a light grey] most attention" in ``box``, as the explorer's legend."""
+    """"none [the scale drawn over a light grey] strongest region" in ``box``, as the explorer's legend: each
+    panel's map runs from no attention to its own strongest region (the share written over the panel)."""
     draw = ImageDraw.Draw(canvas)
     font = _font(12)
     left, top, right, bottom = box
-    words = ("little", "most attention")
+    words = ("none", legend_top() + " of each map")
     bar_left = left + int(font.getlength(words[0])) + 8
     bar_right = min(right - int(font.getlength(words[1])) - 8, bar_left + 220)
     if bar_right <= bar_left + 8:
@@ -239,7 +245,7 @@ def render_panels(
     box: Sequence[float] | None = None,
     cmap: str = DEFAULT_CMAP,
     alpha: float = DEFAULT_ALPHA,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
     scale: tuple[float, float] | None = None,
     panel_side: int = 224,
     columns: int = 5,
@@ -251,12 +257,12 @@ def render_panels(
 
     Args:
         image: the original RGB image.
-        maps: (P, g, g) weights, one panel each, all drawn on one colour scale.
+        maps: (P, g, g) weights, one panel each, each on its own scale unless ``scale`` is given.
         titles: ``(large, small)`` lines over each map (e.g. a word and its figures, :func:`word_titles`).
         text: the caption: over the picture (two lines at most), or with ``text_below`` in a band
             under all the panels (three lines at most).
         box: the crop box in original pixels (None = the whole image).
-        scale: (vmin, vmax) of every panel; None = ``color_scale(maps)``.
+        scale: (vmin, vmax) of every panel; None = each map's own (``word_scale``).
         panel_side: the long side of each panel's picture.
         columns: panels per row (the picture counts as one).
         sizes: font sizes of the large title line, the small one and the caption.
@@ -300,10 +306,10 @@ def render_grid(
     alpha: float = DEFAULT_ALPHA,
     panel_side: int = 224,
     columns: int = 5,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> Image.Image:
     """The PNG grid: the image titled with the caption, then one overlay per word titled with the
-    word and its figures (``word_titles``); every word's overlay uses the caption's colour scale.
+    word and its figures (``word_titles``); each word's overlay is on its own scale (``word_scale``).
     The maps lie on the caption's crop box (None = the whole image)."""
     caption = on_image(caption, image)
     attention = caption.attention.numpy()
@@ -318,10 +324,10 @@ def render_tags(
     alpha: float = DEFAULT_ALPHA,
     panel_side: int = 224,
     columns: int = 5,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> Image.Image | None:
     """The photo's tags as the PNG grid draws words: the image titled with the caption, then one panel per
-    concept titled ``tag: dog 0.91`` and its figures, on one scale shared by the tags; None for a caption
+    concept titled ``tag: dog 0.91`` and its figures, each on its own scale; None for a caption
     without concepts (a model without concept detectors)."""
     caption = on_image(caption, image)
     if not caption.concepts:
@@ -338,9 +344,9 @@ def render_gif_frames(
     cmap: str = DEFAULT_CMAP,
     alpha: float = DEFAULT_ALPHA,
     max_side: int = 360,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> list[Image.Image]:
-    """One frame per word: the overlay (on the caption's colour scale) with "i/L word" and the
+    """One frame per word: the overlay (on the word's own scale) with "i/L word" and the
     word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
     caption = on_image(caption, image)
     words, attention, box = caption.words, caption.attention.numpy(), caption.box
@@ -378,7 +384,7 @@ def write_overlays(
     stem: str = "attention",
     layer: int = -1,
     head: int | None = None,
-    style: str = "light",
+    style: str = DEFAULT_STYLE,
 ) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image, and
     for a caption with concepts (a model with concept detectors) the PNG of the photo's tags.
@@ -394,7 +400,7 @@ def write_overlays(
         stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
         layer: layer the explorer shows first (when ``all_attention`` is given).
         head: head the explorer shows first (None = mean of heads).
-        style: ``light`` (attention as light) or ``heat`` (:data:`~captioner.viz.heatmaps.STYLES`).
+        style: ``heat`` (the default) or ``light`` (attention as light; :data:`~captioner.viz.heatmaps.STYLES`).
 
     Returns:
         ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``<stem>_tags.png``, for a caption with

@@ -124,7 +124,7 @@ def draw(path: Path, record, caption, entry: dict, panel_side: int) -> None:
     from PIL import Image
 
     from captioner.viz.attention_json import on_image
-    from captioner.viz.heatmaps import map_peaks, stats_label
+    from captioner.viz.heatmaps import stats_label
     from captioner.viz.overlays import render_panels
 
     with Image.open(record.path) as img:
@@ -132,8 +132,8 @@ def draw(path: Path, record, caption, entry: dict, panel_side: int) -> None:
     placed = on_image(caption, image)
     maps = placed.attention.numpy()[[n["index"] for n in entry["nouns"]]]
     titles = [(n["word"], stats_label(m)) for n, m in zip(entry["nouns"], maps)]
-    lit = maps / map_peaks(maps)[:, None, None]  # each noun on its own scale: its strongest place drawn as the photo
-    picture = render_panels(image, lit, titles, caption.text, placed.box, scale=(0.0, 1.0),
+    # each noun on its own scale (render_panels' default): its strongest place at the top, on any photo
+    picture = render_panels(image, maps, titles, caption.text, placed.box,
                             panel_side=panel_side, columns=len(maps) + 1, sizes=(30, 15, 20), text_below=True,
                             photo_title="the photo")
     picture.save(path, format="JPEG", quality=88)
