@@ -226,3 +226,29 @@ def test_grown_state_keeps_the_old_rows():
     assert torch.equal(state["embed.weight"][4:], own["embed.weight"][4:])
     assert torch.equal(state["out.bias"], torch.tensor([1.0, 1, 1, 1, -1, -1]))
     assert state["other"] is old["other"]
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_shipped_models_and_photos(tmp_path):
+    """A wheel built from the source holds every shipped model (with its registry hash), its card and
+    the example photos with their credits: an installed package captions offline."""
+    import hashlib
+    import subprocess
+    import sys
+    import zipfile
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(repo), "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("captioner-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        for name in pretrained.available_models():
+            entry = pretrained.MODELS[name]
+            assert f"captioner/weights/{entry.card}" in names
+            data = z.read(f"captioner/weights/{entry.file}")
+            assert hashlib.sha256(data).hexdigest() == entry.sha256
+    photos = {f"captioner/photos/{p.name}" for p in captioner.example_photos()}
+    assert photos and photos <= names and "captioner/photos/CREDITS.md" in names
+    assert pretrained.available_models(), "no shipped model in the registry"
