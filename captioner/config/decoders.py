@@ -89,7 +89,7 @@ class DecoderConfig(metaclass=_FamilyByName):
 class ConceptReaderConfig(DecoderConfig):
     """The fields of a decoder family that can read a photo's concepts (SAT and the Transformer).
 
-    The decoder holds a frozen concept head over the regions (``CaptionDecoder.add_concept_head``);
+    The decoder holds a frozen concept head over the regions (``captioner.models.concepts.ConceptReading``);
     training sets these fields from ``train.concepts``' file (``captioner.training.detectors.with_concept_input``),
     with the head's shape. ``concepts=0``: the decoder reads no concepts.
     """
@@ -109,6 +109,11 @@ class ConceptReaderConfig(DecoderConfig):
                               f"and {self.concept_hidden}")
         if self.concept_pooling not in CONCEPT_POOLINGS:
             raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use {' or '.join(CONCEPT_POOLINGS)}")
+
+    def reading_options(self) -> dict[str, Any]:
+        """The decoder's keyword arguments that build its concept reading (``captioner.models.concepts``)."""
+        return {key: getattr(self, key) for key in ("concepts", "concept_hidden", "concept_pooling",
+                                                    "concept_sharpness", "concept_prior")}
 
 
 @dataclass
