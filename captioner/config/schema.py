@@ -27,14 +27,23 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 
-# encoder.name: the names the config accepts. Everything else about an encoder (trunk, stride, feature
-# width, weights) is its entry in captioner.models.registry, whose register_encoder adds a new name here.
-ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
+# encoder.name: the built-in encoders, each an entry of captioner.models.registry (trunk, stride, feature
+# width, weights), whose register_encoder adds any encoder registered later. Listed here in full, so a
+# config validates whatever has been imported.
+ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0", "efficientnet_lite1",
+                       "efficientnet_lite2"]
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
+
+
+def check_encoder_name(name: str) -> str:
+    """``name`` when it is an encoder the package can build (:data:`ENCODERS`); ConfigError otherwise."""
+    if name not in ENCODERS:
+        raise ConfigError(f"encoder.name={name!r} is not one of {', '.join(ENCODERS)}")
+    return name
 
 
 @dataclass
@@ -56,8 +65,7 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         self.mean = tuple(float(x) for x in self.mean)  # JSON round trips give lists
         self.std = tuple(float(x) for x in self.std)
-        if self.name not in ENCODERS:
-            raise ConfigError(f"encoder.name={self.name!r} is not one of {', '.join(ENCODERS)}")
+        check_encoder_name(self.name)
         if self.grid < 1:
             raise ConfigError(f"encoder.grid must be >= 1, got {self.grid}")
         if self.image_size < 16:
