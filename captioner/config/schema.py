@@ -32,6 +32,7 @@ LITE_STD = (128.0 / 255.0,) * 3
 # config validates whatever has been imported.
 ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0", "efficientnet_lite1",
                        "efficientnet_lite2"]
+TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives feature maps (features_only)
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
@@ -40,15 +41,16 @@ MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process e
 
 
 def check_encoder_name(name: str) -> str:
-    """``name`` when it is an encoder the package can build (:data:`ENCODERS`); ConfigError otherwise."""
-    if name not in ENCODERS:
-        raise ConfigError(f"encoder.name={name!r} is not one of {', '.join(ENCODERS)}")
+    """``name`` when it is an encoder the package can build (:data:`ENCODERS`, or ``timm/<model>``);
+    ConfigError otherwise."""
+    if name not in ENCODERS and not (name.startswith(TIMM_PREFIX) and len(name) > len(TIMM_PREFIX)):
+        raise ConfigError(f"encoder.name={name!r} is not one of {', '.join(ENCODERS)}, or timm/<model>")
     return name
 
 
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS (registered encoders)
+    name: str = "resnet101"  # one of ENCODERS (registered encoders), or timm/<model> (any timm model, timm installed)
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
