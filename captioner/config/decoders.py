@@ -66,7 +66,7 @@ class DecoderConfig(metaclass=_FamilyByName):
 
     @property
     def width(self) -> int:
-        """The decoder's hidden width: the ``d_model`` an old Noam-scale ``train.lr`` was written for."""
+        """The decoder's hidden width (the Transformer's ``d_model``, the LSTM's ``hidden_dim``)."""
         raise NotImplementedError
 
     @property
