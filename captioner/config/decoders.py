@@ -4,10 +4,10 @@
 adds the concept input both built-in families share; ``SATConfig`` (Show, Attend and Tell LSTM) and
 ``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
 holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
-picks (``SATConfig`` when no name is given), so code written before the split keeps working.
+picks (``SATConfig`` when no name is given).
 
-Configs written before the split (``config.json``, checkpoint headers) carry both families' fields in
-one flat mapping; :func:`split_family_keys` sets the other family's fields apart so parsing can drop them.
+A flat mapping with both families' fields (the header of an older checkpoint) is read by
+:func:`split_family_keys`, which sets the other family's fields apart so parsing can drop them.
 
 The families by name (:data:`DECODER_FAMILIES`) are the config layer's: parsing needs them before any
 model code is imported. A family's name is its class's ``name`` default. The decoder builders live in

@@ -244,7 +244,7 @@ class TrainConfig:
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
     objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
     scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
-    # --- grounding (issue 24) ---
+    # --- grounding ---
     # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
     # names an object (with its colour/size words) pulls its attention onto that object's box; 0 = off
     attention_supervision: float = 0.0
@@ -267,7 +267,7 @@ class TrainConfig:
     # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
     concept_cross_fit: bool = True
 
-    # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
+    # The flat ``scst_<key>`` spelling of the ``scst`` section's keys, read at their place in the section.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
@@ -326,7 +326,7 @@ class TrainConfig:
             raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
-        # --- grounding (issue 24) ---
+        # --- grounding ---
         w = self.attention_supervision
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
             raise ConfigError(f"train.attention_supervision must be a number >= 0 (0 = off), got {w!r}")

@@ -361,7 +361,7 @@ def _parse_karpathy_image(path: Path, i: int, img: Any, images_dir: Path) -> tup
 
 # ----------------------------------------------------------------------------- the official Flickr8k distribution
 
-_flickr8k_log = logging.getLogger("captioner.data.flickr8k")  # its name before the fold, kept for log filters
+_flickr8k_log = logging.getLogger("captioner.data.flickr8k")  # Flickr8k's notes, apart for log filters
 
 FLICKR8K_NAME = "flickr8k"
 FLICKR8K_TOKEN_FILE = "Flickr8k.token.txt"
