@@ -1,62 +1,11 @@
 """Detector learners: words found in image regions, learnt from captions alone (Fang et al. 2015).
 
-Two learners share the multiple-instance idea (an image's score for a word pools its regions'
-scores): **word detectors** pretrain the demo's from-scratch CNN encoder on pixels, and **concept
-detectors** fit a concept head over a frozen encoder's cached region features of real photos.
-
-Word detectors: encoder pretraining
------------------------------------
-
-Encoder pretraining from captions alone: multiple-instance word detectors (Fang et al. 2015).
+Word detectors pretrain the demo's from-scratch CNN encoder (``pretrain_word_detectors``); concept
+detectors fit a ``ConceptHead`` over a frozen encoder's cached features (``learn_concepts``,
+``train_concepts``, ``captioner concepts``) and join a training run (``with_concept_input``,
+``install_concepts``). docs/concepts.md explains both.
 
 Shape legend: B images, D feature width, g grid side, N = g*g regions, V vocabulary.
-
-A captioning encoder is normally an ImageNet classifier: its region features already say *what*
-is *where*. For a CNN trained from scratch (the demo's) this module gives the same property
-from the training captions, before any decoder sees it. A 1x1 convolution on the pooled
-``g x g`` map scores every vocabulary word at every region, and an image's score for a word is a
-soft maximum over its regions, ``(1/r) logsumexp_i(r s_wi)``. Binary cross-entropy against
-"does the word occur in any of the image's captions" then trains the CNN so that some region
-fires for "red" or "circle" exactly when the image holds one: the evidence for a word has to sit
-in one region's feature, which is what attention can then find.
-
-With ``boxes=True`` and object boxes for the training split (``instances_<split>.json``), the
-words that name a box (the object words and their colour and size words, bound to boxes as
-attention supervision binds them: ``captioner.training.attention_terms``) are also trained **region by
-region**: each region's score for the word against its coverage by the word's box. The MIL loss
-lets a detector fire wherever the word's evidence correlates (a "purple" detector on stars, when
-most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
-each region's feature describes the object in it, one attribute at a time.
-
-``recolour`` breaks the other half of the correlation. When the training captions never show a
-yellow cross, a "cross" detector loses nothing by ignoring yellow things, and a decoder over those
-features then names a yellow cross "a yellow star". Showing a share of the images with their colour
-channels permuted (red things green, yellow things cyan...), with the hue words left out of those
-images' loss, makes every other detector hold for any colour: measured on the demo's compositional
-split (docs/grounding.md), the unseen colour-shape pairs named right went from about 36% to over 90%.
-
-``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
-for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
-decoders (see ``captioner.demo.pipeline``).
-
-Concept detectors: real photos
-------------------------------
-
-Learning concept detectors from captions over cached region features, and using them in training.
-
-Shape legend: C images, N regions, D feature width, K concepts, B batch, T caption steps.
-
-:func:`train_concepts` fits a :class:`captioner.models.concepts.ConceptHead` by multiple-instance
-learning (Fang et al. 2015): an image's concept score pools its regions' scores, and binary
-cross-entropy against "how many of the image's captions use the word" (0, 0.2, ..., 1: five
-annotators are five noisy votes) trains it. It reads the frozen encoder's feature cache, so it
-trains in minutes on a CPU and never touches pixels. :func:`average_precision` scores it on
-held-out images; :func:`concept_pointing` asks whether a concept's map peaks inside the box of
-the object it names (COCO boxes: the concept word must be a category word).
-
-A run reads a concepts file (``train.concepts``): :func:`with_concept_input` sizes its decoder (SAT
-or the Transformer) to read the concepts and :func:`install_concepts` copies the head in; the guide term is
-``captioner.training.attention_terms.ConceptGuide``.
 """
 
 from __future__ import annotations
