@@ -105,7 +105,7 @@ def caption_split(
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     kept: list[int] = []
     results: list[Any] = []
-    with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress) as bar:
+    with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress or None) as bar:
         for pixels, indices, errors in batches:
             check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
             if pixels is not None:
@@ -159,7 +159,7 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
     with eval_mode(model), torch.inference_mode(), tqdm(total=len(data), desc="attention on the references",
-                                                       unit="img", disable=not progress) as bar:
+                                                       unit="img", disable=not progress or None) as bar:
         for pixels, indices, errors in batches:
             if pixels is not None:
                 kept = [i for i, error in zip(indices, errors) if error is None]

@@ -386,7 +386,7 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
         order = torch.randperm(len(train_features), generator=gen)
         total, count = 0.0, 0
         batches = range(0, len(order), batch_size)
-        for i in tqdm(batches, desc=f"concepts epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
+        for i in tqdm(batches, desc=f"concepts epoch {epoch + 1}/{epochs}", disable=not progress or None, leave=False):
             index = order[i:i + batch_size].sort().values
             loss = mil_loss(head, _rows(train_features, index.tolist()), train_targets[index])
             opt.zero_grad(set_to_none=True)
