@@ -126,15 +126,15 @@ class CaptionDecoder(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            extension = self.__dict__["_modules"].get("extension")
-            if extension is None or name.startswith("_"):
+            extension = None if name.startswith("_") else self.__dict__.get("_modules", {}).get("extension")
+            if extension is None:
                 raise
             return getattr(extension, name)
 
     @property
     def concepts(self) -> int:
         """K, the photo's concepts the decoder reads through its extension; 0: none."""
-        return int(getattr(self.__dict__["_modules"].get("extension"), "concepts", 0))
+        return int(getattr(self.__dict__.get("_modules", {}).get("extension"), "concepts", 0))
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         raise NotImplementedError
