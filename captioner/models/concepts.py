@@ -290,8 +290,10 @@ class ConceptReading(DecoderExtension):
         feature_dim: D of the regions the head reads.
         concepts: K.
         concept_hidden, concept_pooling, concept_sharpness: the head's shape (:class:`ConceptHead`).
-        concept_prior: reshape the attention by the maps of the concepts a pointer expects next.
-        width: the width of the state the pointer reads.
+
+    A family's reading (:class:`SATConcepts`, :class:`TransformerConcepts`) is built by :meth:`build`
+    from a decoder's options: ``concepts`` (0: no reading) and ``concept_prior`` (reshape the attention by
+    the maps of the concepts a pointer expects next, read from a decoder state of ``width``).
     """
 
     def __init__(self, feature_dim: int, concepts: int, concept_hidden: int = 512, concept_pooling: str = "lse",
