@@ -506,6 +506,41 @@ class _Subset:
         return _rows(self.features, [self.index[i] for i in items])
 
 
+def _cross_fit(make_head: Any, train_rows: Any, train_targets: torch.Tensor, dev_rows: Any, dev_targets: torch.Tensor,
+               folds: int, epochs: int, seed: int, progress: bool, extra: dict[str, Any]
+               ) -> tuple[list[ConceptHead], str]:
+    """``learn_concepts``' fold heads (:func:`train_fold_heads`), their figures added to ``extra``, and a report line."""
+    started = time.perf_counter()
+    fold_heads, measured = train_fold_heads(make_head, train_rows, train_targets, dev_rows, dev_targets, folds, epochs,
+                                            seed=seed, progress=progress)
+    extra.update(measured)
+    return fold_heads, (
+        f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos left "
+        f"out): dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; each training photo "
+        f"by the head that never saw it: 10 most probable concepts "
+        f"{100 * measured['out_of_fold_train_top10']:.1f}% in its captions, mAP "
+        f"{measured['out_of_fold_train_map']:.3f} (the full head: {extra['train_map']:.3f}); "
+        f"{time.perf_counter() - started:.0f} s")
+
+
+def _box_report(cfg: Any, encoder: Any, head: ConceptHead, boxes: str, boxes_split: str, progress: bool,
+                extra: dict[str, Any]) -> str:
+    """How well the concepts' maps find the objects of a COCO folder with boxes (added to ``extra``): a report line."""
+    box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
+    instances = load_instances(boxes, boxes_split)
+    if instances is None:
+        raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
+    box_cache = _cache(cfg, encoder, box_set, progress)
+    valid = box_cache.valid_indices()
+    pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,
+                                cfg.model.encoder)
+    extra["boxes"] = {key: pointing[key] for key in ("ratio", "pointing_accuracy", "words_scored")}
+    if pointing["ratio"] is None:
+        return f"COCO boxes ({boxes}): no concept word names a COCO category there"
+    return (f"COCO boxes ({boxes}): maps {pointing['ratio']:.2f}x uniform inside the named object's "
+            f"box, peak inside it {100 * pointing['pointing_accuracy']:.0f}% ({pointing['words_scored']} words)")
+
+
 def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int = 8, hidden: int = 512,
                    pooling: str = "lse", boxes: str | None = None, boxes_split: str = "train2017",
                    progress: bool = True, folds: int = 0) -> str:
@@ -561,35 +596,14 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
                  f"{100 * extra['train_top10']:.1f}% on the training photos the head trained on")
     fold_heads: list[ConceptHead] = []
     if folds:
-        started = time.perf_counter()
-        fold_heads, measured = train_fold_heads(
-            lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows, train_targets,
-            Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs, seed=cfg.train.seed, progress=progress)
-        extra.update(measured)
-        lines.append(f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos left "
-                     f"out): dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; each training photo "
-                     f"by the head that never saw it: 10 most probable concepts "
-                     f"{100 * measured['out_of_fold_train_top10']:.1f}% in its captions, mAP "
-                     f"{measured['out_of_fold_train_map']:.3f} (the full head: {extra['train_map']:.3f}); "
-                     f"{time.perf_counter() - started:.0f} s")
+        fold_heads, line = _cross_fit(lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows,
+                                      train_targets, Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs,
+                                      cfg.train.seed, progress, extra)
+        lines.append(line)
     else:
         lines.append("(captioner concepts --folds F gives each training photo concepts from a head that never saw it)")
     if boxes:
-        box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
-        instances = load_instances(boxes, boxes_split)
-        if instances is None:
-            raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
-        box_cache = _cache(cfg, encoder, box_set, progress)
-        valid = box_cache.valid_indices()
-        pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,
-                                    cfg.model.encoder)
-        extra["boxes"] = {key: pointing[key] for key in ("ratio", "pointing_accuracy", "words_scored")}
-        if pointing["ratio"] is not None:
-            lines.append(f"COCO boxes ({boxes}): maps {pointing['ratio']:.2f}x uniform inside the named object's "
-                         f"box, peak inside it {100 * pointing['pointing_accuracy']:.0f}% "
-                         f"({pointing['words_scored']} words)")
-        else:
-            lines.append(f"COCO boxes ({boxes}): no concept word names a COCO category there")
+        lines.append(_box_report(cfg, encoder, head, boxes, boxes_split, progress, extra))
     save_concepts(head, out, extra, folds=fold_heads)
     lines.append(f"wrote {out}")
     return "\n".join(lines)
