@@ -26,7 +26,8 @@ layer's cross-attention, ``aux``.
 
 Multi-head attention (:class:`MultiHeadAttention`) can return its weights (for overlays) or take
 the fused fast path. Shape legend there: Tq query steps, Tk key steps (tokens for self-attention,
-N regions, plus any memory tokens of the extension, for cross-attention). Two paths compute the same thing, softmax(Q K^T / sqrt(dh)) V:
+N regions, plus any memory tokens of the extension, for cross-attention). Two paths compute the same
+thing, softmax(Q K^T / sqrt(dh)) V:
 
 * fused: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels
   where available); it cannot return the weights;
