@@ -236,7 +236,6 @@ class SATDecoder(CaptionDecoder):
             aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training),
             and the extension's ``aux``.
         """
-        T = tokens.shape[1]
         ext = self.extension
         extra = ext.read(features) if ext is not None else {}  # from the regions as the encoder gave them
         features = self._regions(features)  # read every step: keep it dense
@@ -247,44 +246,22 @@ class SATDecoder(CaptionDecoder):
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
         h, c = self._initial_hc(features, extra)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
-        w_ih = self.lstm.weight_ih  # (4H, M + D)
-        x_gates = F.linear(emb, w_ih[:, :self.embed_dim], self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
-        w_ctx = w_ih[:, self.embed_dim:]  # (4H, D)
-        w_query, b_query = self._query_weights()
-        step_extra = extra
-        if low is not None:  # the per-step weights cast once too (what autocast's weight cache does in eager mode)
-            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
-            step_extra = {k: v.to(low) for k, v in extra.items()}
-        words = ext.word_query(emb) if ext is not None else None  # (B, T, R)
+        w_emb = self.lstm.weight_ih[:, :self.embed_dim]  # (4H, M)
+        x_gates = F.linear(emb, w_emb, self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
+        steps = self._unroll(x_gates, h, c, projected, features, low, extra, emb)
 
-        hs, contexts, betas, log_alphas, sample_lps, regions, records = [], [], [], [], [], [], []
-        recurrence = self._compiled_recurrence or self._recurrence
-        for t in range(T):
-            h, c, context, beta, log_alpha, log_prob, region, record = recurrence(
-                x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
-                None if ext is None else (step_extra, None if words is None else words[:, t]))
-            if record is not None:
-                records.append(record)
-            hs.append(h)
-            contexts.append(context)
-            betas.append(beta)
-            log_alphas.append(log_alpha)
-            if log_prob is not None:
-                sample_lps.append(log_prob)
-                regions.append(region)
-
-        beta = torch.cat(betas, dim=1)  # (B, T)
-        context = torch.stack(contexts, dim=1)  # (B, T, D)
-        log_alpha = torch.stack(log_alphas, dim=1)  # (B, T, N)
+        beta = torch.cat(steps["beta"], dim=1)  # (B, T)
+        context = torch.stack(steps["context"], dim=1)  # (B, T, D)
+        log_alpha = torch.stack(steps["log_alpha"], dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
         added = ext.output(extra) if ext is not None else None  # (B, M)
-        logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context,
+        logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
                                    None if added is None else added.unsqueeze(1))  # (B, T, V)
-        aux = {"beta": beta, "context": context, **(ext.aux(extra, records) if ext is not None else {})}
+        aux = {"beta": beta, "context": context, **(ext.aux(extra, steps["record"]) if ext is not None else {})}
         sample_log_probs = None
-        if sample_lps:
-            sample_log_probs = torch.stack(sample_lps, dim=1)  # (B, T)
-            aux["region"] = torch.stack(regions, dim=1)  # (B, T)
+        if steps["log_prob"]:
+            sample_log_probs = torch.stack(steps["log_prob"], dim=1)  # (B, T)
+            aux["region"] = torch.stack(steps["region"], dim=1)  # (B, T)
         return DecoderOutput(
             logits=logits,
             attention=alpha,
@@ -292,6 +269,34 @@ class SATDecoder(CaptionDecoder):
             attention_entropy=-(alpha * log_alpha).sum(-1),  # (B, T)
             aux=aux,
         )
+
+    def _unroll(self, x_gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
+                features: torch.Tensor, low: torch.dtype | None, extra: dict[str, torch.Tensor], emb: torch.Tensor
+                ) -> dict[str, list[Any]]:
+        """The recurrence over the T steps of x_gates (B,T,4H): per step h, context, beta, log alpha (hard
+        attention in training: the sampled log-prob and region) and the extension's records.
+
+        The weights every step reads are fused and, under autocast (``low``), cast once, as autocast's
+        weight cache does in eager mode; so are the extension's constants.
+        """
+        w_query, b_query = self._query_weights()
+        w_ctx = self.lstm.weight_ih[:, self.embed_dim:]  # (4H, D)
+        if low is not None:
+            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
+            extra = {k: v.to(low) for k, v in extra.items()}
+        words = self.extension.word_query(emb) if self.extension is not None else None  # (B, T, R)
+        steps: dict[str, list[Any]] = {key: [] for key in ("h", "context", "beta", "log_alpha", "log_prob", "region",
+                                                           "record")}
+        recurrence = self._compiled_recurrence or self._recurrence
+        for t in range(x_gates.shape[1]):
+            h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
+                                        None if self.extension is None else
+                                        (extra, None if words is None else words[:, t]))
+            steps["h"].append(h)
+            for key, value in zip(("context", "beta", "log_alpha", "log_prob", "region", "record"), outputs):
+                if value is not None:
+                    steps[key].append(value)
+        return steps
 
     # ------------------------------------------------------------------ stepping
 
