@@ -341,3 +341,14 @@ def test_train_cli_says_where_images_may_be_in_one_line(tmp_path: Path, capsys: 
     assert err.startswith(f"captioner train: error: all 3 image files are missing (e.g. img1.png, img2.png, "
                           f"img3.png) under {root}; the layouts that load ")
     assert "--set data.images=DIR (train)" in err and err.count("\n") == 1
+
+
+def test_every_name_captioner_data_exports_resolves_and_check_images_works(tmp_path: Path) -> None:
+    import captioner.data
+
+    for name in captioner.data.__all__:
+        assert getattr(captioner.data, name).__name__ == name  # each lazy export lands in its defining module
+    write_json(tmp_path / "captions_train.json", coco_dict())
+    write_images(tmp_path / "images", ["img1.png", "img2.png", "img3.png"])
+    cs = captioner.data.load_caption_set(tmp_path, "train")
+    assert captioner.data.check_images(cs) is cs

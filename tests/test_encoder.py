@@ -423,3 +423,44 @@ def test_encoder_memory_format_by_device_same_features():
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=5e-5)
     for k, v in enc.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
+
+
+# ----------------------------------------------------------------------------- timm/<model>
+
+
+def test_a_timm_encoder_gives_its_stride_32_map_as_the_grid(tmp_path):
+    timm = pytest.importorskip("timm")
+    cfg = EncoderConfig(name="timm/resnet18", pretrained=False, grid=3, image_size=96, fine_tune=True)
+    assert enc_mod.trunk_stride(cfg.name) == 32 and enc_mod.trunk_map_size(cfg.name, 96) == 3
+    encoder = build_encoder(cfg)
+    images = torch.randn(2, 3, 96, 96)
+    reference = timm.create_model("resnet18", pretrained=False).eval()
+    assert encoder.out_dim == reference.num_features == 512
+    assert encoder.feature_map(images).shape == (2, 512, 3, 3)  # 96 px / 32: the grid's own cells
+    features, grid = encoder(images)
+    assert features.shape == (2, 9, 512) and grid == (3, 3)
+    assert encoder.trainable_modules == ["body.layer3", "body.layer4"]  # the top two stages, by name
+    # the same weights in timm's own model give the same map (a timm file loads as encoder.weights)
+    encoder.eval()
+    reference.load_state_dict({k[len("trunk.body."):]: v for k, v in encoder.state_dict().items()}, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(encoder.feature_map(images), reference.forward_features(images))
+    torch.save(reference.state_dict(), tmp_path / "resnet18.pth")  # with its classifier, which is left out
+    again = build_encoder(EncoderConfig(name="timm/resnet18", grid=3, image_size=96,
+                                        weights=str(tmp_path / "resnet18.pth"))).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(images)[0], encoder(images)[0])
+
+
+def test_a_timm_encoder_that_cannot_be_built_is_a_one_line_config_error():
+    pytest.importorskip("timm")
+    with pytest.raises(ConfigError, match=r"timm/no_such_model: timm cannot build it .*Unknown model"):
+        build_encoder(EncoderConfig(name="timm/no_such_model", pretrained=False))
+    with pytest.raises(ConfigError, match="is not one of .*timm/<model>"):
+        EncoderConfig(name="timm/")
+
+
+def test_a_timm_encoder_without_timm_installed_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # import fails as for a package never installed
+    with pytest.raises(ConfigError, match=r"timm is not installed \(pip install 'captioner\[timm\]'\)"):
+        build_encoder(EncoderConfig(name="timm/resnet18", pretrained=False))

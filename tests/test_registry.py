@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,17 @@ def test_the_config_names_exactly_the_registered_components() -> None:
     assert {name: e.config for name, e in registry._DECODERS.items()} == DECODER_FAMILIES
     with pytest.raises(ConfigError, match=r"encoder.name='vgg' is not a known encoder; registered: "):
         trunk_map_size("vgg", 224)
+
+
+def test_every_built_in_encoder_name_validates_in_a_fresh_interpreter() -> None:
+    """The config accepts the built-in encoders whether or not the model code was imported first."""
+    code = ("import sys; from captioner.config import ENCODERS, EncoderConfig; "
+            "[EncoderConfig(name=name) for name in ENCODERS]; "
+            "print(ENCODERS, 'captioner.models.encoder' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "'efficientnet_lite2'" in done.stdout and done.stdout.strip().endswith("False")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Learning-rate schedules: one per parameter group, real peak lrs, the legacy Noam rule, decay, resume."""
+"""Learning-rate schedules: one per parameter group, real peak lrs, decay, resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from captioner.config import TrainConfig, get_preset
 from captioner.errors import ConfigError
-from captioner.training.optim import COSINE_FLOOR, GroupSchedule, build_scheduler, decoder_peak_lr, warmup_shape
+from captioner.training.optim import COSINE_FLOOR, GroupSchedule, build_scheduler, warmup_shape
 
 
 def noam_factor(step: int, d_model: int, warmup_steps: int) -> float:
@@ -58,7 +58,7 @@ def test_each_group_follows_its_own_schedule(encoder_schedule: str) -> None:
 
     w, lr, enc_lr = 20, 4.4e-4, 1e-4
     cfg = TrainConfig(lr=lr, encoder_lr=enc_lr, schedule="warmup", warmup_steps=w, encoder_schedule=encoder_schedule)
-    model = type("M", (), {"config": get_preset("transformer_tiny").model})()  # schedule_width reads only config
+    model = type("M", (), {"config": get_preset("transformer_tiny").model})()  # the schedule reads only config
     sched = build_schedule(two_groups(lr, enc_lr), model, cfg)
     lrs = lrs_used(sched, 10 * w)
     expected_enc = (lambda s: enc_lr * min(s / w, (w / s) ** 0.5)) if encoder_schedule == "warmup" else (lambda s: enc_lr)
@@ -100,21 +100,6 @@ def test_cosine_warms_up_then_anneals_to_the_floor_at_the_planned_last_step() ->
     assert resumed.total_steps == total
 
 
-def test_old_noam_configs_keep_their_decoder_curve(caplog: pytest.LogCaptureFixture) -> None:
-    """lr=1.0 + warmup (the old Transformer presets) means a peak of (d * w)^-0.5, with a warning."""
-    with caplog.at_level("WARNING", logger="captioner.training.optim"):
-        peak = decoder_peak_lr(1.0, "warmup", 512, 4000)
-    assert peak == pytest.approx((512 * 4000) ** -0.5) and peak == pytest.approx(6.99e-4, rel=1e-3)
-    [record] = caplog.records
-    assert "set train.lr=0.000699" in record.getMessage()
-    assert decoder_peak_lr(4.4e-4, "warmup", 512, 10000) == 4.4e-4  # a real peak is taken as is
-    assert decoder_peak_lr(1.0, "constant", 512, 4000) == 1.0  # only the warm-up had the old meaning
-    sched = GroupSchedule(two_groups(), [peak, 1e-4], ["warmup", "constant"], 4000)
-    for s, (decoder, _) in enumerate(lrs_used(sched, 4001), start=1):
-        if s in (1, 2000, 4000, 4001):
-            assert decoder == pytest.approx(noam_factor(s, 512, 4000), rel=1e-9)
-
-
 def test_transformer_preset_recipe() -> None:
     t = get_preset("transformer").train
     assert (t.batch_size, t.warmup_steps, t.betas, t.schedule) == (50, 10000, (0.9, 0.98), "warmup")
@@ -147,7 +132,7 @@ def test_resumes_the_lambdalr_state_of_older_runs() -> None:
     old_opt = two_groups(1.0, 1e-4)
     old = torch.optim.lr_scheduler.LambdaLR(old_opt, lambda i: noam_factor(i + 1, 512, 10))
     lrs_used(old, 7)
-    sched = GroupSchedule(two_groups(), [decoder_peak_lr(1.0, "warmup", 512, 10), 1e-4], ["warmup", "constant"], 10)
+    sched = GroupSchedule(two_groups(), [(512 * 10) ** -0.5, 1e-4], ["warmup", "constant"], 10)  # its peak
     sched.load_state_dict(old.state_dict())
     assert sched.last_epoch == 7 and sched.decay_factor == 1.0
     decoder, encoder = lrs_used(sched, 1)[0]

@@ -321,3 +321,29 @@ def test_validation_decodes_with_the_configs_decoding_section(tiny_shapes: Path,
     assert seen, "validation never decoded"
     # the section's length penalty; beam and length from train.val_beam / val_max_len
     assert {(o.length_penalty, o.beam_size, o.max_len, o.n_best) for o in seen} == {(0.7, 2, 7, 1)}
+
+
+def test_cli_trains_with_a_timm_encoder_offline(tiny_shapes: Path, tmp_path: Path) -> None:
+    """``encoder.name=timm/<model>``: random weights with encoder.pretrained=false (the tiny presets'), no network."""
+    pytest.importorskip("timm")
+    from captioner.checkpoint.store import load_checkpoint
+
+    assert cli(["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(tmp_path),
+                "--set", "encoder.name=timm/resnet18", "--set", "encoder.grid=2", "--set", "train.epochs=1"]) == 0
+    loaded = load_checkpoint(tmp_path / "best.safetensors")
+    assert loaded.config.encoder.name == "timm/resnet18" and loaded.model.encoder.out_dim == 512
+    features, grid = loaded.model.encode(torch.randn(1, 3, 64, 64))
+    assert features.shape == (1, 4, 512) and tuple(grid) == (2, 2)  # 64 px / 32: a 2 x 2 map
+
+
+def test_a_log_gets_no_progress_bars_and_one_line_per_epoch(tiny_shapes: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Output that is not a terminal (``captioner train > log``) gets no tqdm frames, only the epoch lines."""
+    with caplog.at_level("INFO", logger="captioner"):
+        assert cli(["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(tmp_path),
+                    "--set", "train.epochs=2"]) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "img/s" not in out + err and "batch/s" not in out + err
+    epochs = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("epoch ")]
+    assert epochs == ["epoch 1", "epoch 2"]

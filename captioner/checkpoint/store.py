@@ -128,7 +128,7 @@ def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor
     and that we cannot recompute: a non-persistent buffer its decoder does not list in
     ``derived_buffers()``, a buffer shared under two names, or a tensor kept as a plain module attribute.
     """
-    persistent = set(model.state_dict())
+    persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}  # by identity: saved names may differ
     recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     seen: set[int] = set()
     for prefix, module in model.named_modules():
@@ -137,7 +137,7 @@ def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor
         known = module.derived_buffers() if isinstance(module, CaptionDecoder) else {}
         for attr, buf in module.named_buffers(recurse=False):
             name = f"{prefix}.{attr}" if prefix else attr
-            if buf is None or name in persistent:
+            if buf is None or id(buf) in persistent:
                 continue
             recipe = known.get(attr)
             if recipe is None or id(buf) in seen:

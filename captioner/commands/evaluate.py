@@ -125,7 +125,7 @@ def format_report(report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError
-    from captioner.evaluation.evaluate import evaluate_checkpoint
+    from captioner.evaluation.evaluate import EvaluateOptions, evaluate_checkpoint
 
     decoding = decoding_overrides(args)
     for flag in ("batch_size",):
@@ -135,14 +135,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-images must be >= 1, got {args.max_images}")
     if not 0 <= args.workers <= MAX_WORKERS:
         raise ConfigError(f"--workers must be between 0 and {MAX_WORKERS}, got {args.workers}")
-    report = evaluate_checkpoint(
-        args.checkpoint, args.data, split=args.split,
+    settings = EvaluateOptions(
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, device=args.device, progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
         coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention,
-        overwrite=args.force, **decoding,
-    )
+        overwrite=args.force)
+    report = evaluate_checkpoint(args.checkpoint, args.data, split=args.split, settings=settings, **decoding)
     report = {k: v for k, v in report.items() if k not in ("results", "caption_set")}
     if args.json:
         json.dump(report, sys.stdout, indent=2)

@@ -4,10 +4,10 @@
 adds the concept input both built-in families share; ``SATConfig`` (Show, Attend and Tell LSTM) and
 ``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
 holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
-picks (``SATConfig`` when no name is given), so code written before the split keeps working.
+picks (``SATConfig`` when no name is given).
 
-Configs written before the split (``config.json``, checkpoint headers) carry both families' fields in
-one flat mapping; :func:`split_family_keys` sets the other family's fields apart so parsing can drop them.
+A flat mapping with both families' fields (the header of an older checkpoint) is read by
+:func:`split_family_keys`, which sets the other family's fields apart so parsing can drop them.
 
 The families by name (:data:`DECODER_FAMILIES`) are the config layer's: parsing needs them before any
 model code is imported. A family's name is its class's ``name`` default. The decoder builders live in
@@ -66,7 +66,7 @@ class DecoderConfig(metaclass=_FamilyByName):
 
     @property
     def width(self) -> int:
-        """The decoder's hidden width: the ``d_model`` an old Noam-scale ``train.lr`` was written for."""
+        """The decoder's hidden width (the Transformer's ``d_model``, the LSTM's ``hidden_dim``)."""
         raise NotImplementedError
 
     @property
@@ -89,7 +89,7 @@ class DecoderConfig(metaclass=_FamilyByName):
 class ConceptReaderConfig(DecoderConfig):
     """The fields of a decoder family that can read a photo's concepts (SAT and the Transformer).
 
-    The decoder holds a frozen concept head over the regions (``CaptionDecoder.add_concept_head``);
+    The decoder holds a frozen concept head over the regions (``captioner.models.concepts.ConceptReading``);
     training sets these fields from ``train.concepts``' file (``captioner.training.detectors.with_concept_input``),
     with the head's shape. ``concepts=0``: the decoder reads no concepts.
     """
@@ -109,6 +109,11 @@ class ConceptReaderConfig(DecoderConfig):
                               f"and {self.concept_hidden}")
         if self.concept_pooling not in CONCEPT_POOLINGS:
             raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use {' or '.join(CONCEPT_POOLINGS)}")
+
+    def reading_options(self) -> dict[str, Any]:
+        """The decoder's keyword arguments that build its concept reading (``captioner.models.concepts``)."""
+        return {key: getattr(self, key) for key in ("concepts", "concept_hidden", "concept_pooling",
+                                                    "concept_sharpness", "concept_prior")}
 
 
 @dataclass

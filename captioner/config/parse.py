@@ -3,11 +3,10 @@
 The nesting comes from the dataclasses themselves: a field whose type hint is a dataclass is a
 section, parsed from a nested mapping; any other field is a value. A field typed ``DecoderConfig``
 is parsed as the family its ``name`` picks (``captioner.config.decoders``): the keys of the other
-family, which configs written before the split carry, are dropped (a debug log line; a warning when
-the dropped value is not that family's default). A section's keys that moved into a sub-section
-(``RENAMED_KEYS`` of its class: ``train.scst_samples`` is now ``train.scst.samples``) are read at
-their new place, in mappings, files and ``key=value`` overrides alike. Keys that no dataclass has are
-errors.
+family, which a flat decoder mapping carries, are dropped (a debug log line; a warning when the
+dropped value is not that family's default). A section's flat spellings of a sub-section's keys
+(``RENAMED_KEYS`` of its class: ``train.scst_samples`` for ``train.scst.samples``) are read at their
+place, in mappings, files and ``key=value`` overrides alike. Keys that no dataclass has are errors.
 
 Per-key type checks of config values, derived from the dataclass field types.
 

@@ -70,7 +70,7 @@ def _warmup(batch_size: int, warmup_steps: int, lr: float) -> dict[str, Any]:
                   betas=(0.9, 0.98), label_smoothing=0.1)
 
 
-# --- Flickr8k (issue 21): the lite encoder frozen, 7 x 7 regions, one feature cache for the three decoders ----
+# --- Flickr8k: the lite encoder frozen, 7 x 7 regions, one feature cache for the three decoders ----
 # Chosen on the dev split (docs/flickr8k.md has every run): words seen at least 5 times (2,600 of 7,375: the
 # output layer a third as wide), batches of captions of similar length (13 steps instead of 22), and a cosine
 # schedule over a fixed number of epochs, so the run ends annealed after the same steps on any machine.

@@ -27,9 +27,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 
-# encoder.name: the names the config accepts. Everything else about an encoder (trunk, stride, feature
-# width, weights) is its entry in captioner.models.registry, whose register_encoder adds a new name here.
-ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0"]
+# encoder.name: the built-in encoders, each an entry of captioner.models.registry (trunk, stride, feature
+# width, weights), whose register_encoder adds any encoder registered later. Listed here in full, so a
+# config validates whatever has been imported.
+ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0", "efficientnet_lite1",
+                       "efficientnet_lite2"]
+TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives feature maps (features_only)
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
@@ -37,9 +40,17 @@ SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
+def check_encoder_name(name: str) -> str:
+    """``name`` when it is an encoder the package can build (:data:`ENCODERS`, or ``timm/<model>``);
+    ConfigError otherwise."""
+    if name not in ENCODERS and not (name.startswith(TIMM_PREFIX) and len(name) > len(TIMM_PREFIX)):
+        raise ConfigError(f"encoder.name={name!r} is not one of {', '.join(ENCODERS)}, or timm/<model>")
+    return name
+
+
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS (registered encoders)
+    name: str = "resnet101"  # one of ENCODERS (registered encoders), or timm/<model> (any timm model, timm installed)
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
@@ -56,8 +67,7 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         self.mean = tuple(float(x) for x in self.mean)  # JSON round trips give lists
         self.std = tuple(float(x) for x in self.std)
-        if self.name not in ENCODERS:
-            raise ConfigError(f"encoder.name={self.name!r} is not one of {', '.join(ENCODERS)}")
+        check_encoder_name(self.name)
         if self.grid < 1:
             raise ConfigError(f"encoder.grid must be >= 1, got {self.grid}")
         if self.image_size < 16:
@@ -234,7 +244,7 @@ class TrainConfig:
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
     objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
     scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
-    # --- grounding (issue 24) ---
+    # --- grounding ---
     # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
     # names an object (with its colour/size words) pulls its attention onto that object's box; 0 = off
     attention_supervision: float = 0.0
@@ -257,40 +267,29 @@ class TrainConfig:
     # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
     concept_cross_fit: bool = True
 
-    # Keys written before ``scst`` was a section (flat config files, a run's config.json): read as its keys.
+    # The flat ``scst_<key>`` spelling of the ``scst`` section's keys, read at their place in the section.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
+        self._check_optimisation()
+        self._check_run()
+        self._check_attention_terms()
+        self._check_grounding()
+        self._check_concepts()
+
+    def _check_optimisation(self) -> None:
+        """optimizer, lr, betas, schedules, decays, clipping, smoothing."""
         if self.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"train.optimizer={self.optimizer!r}: use adam or adamw")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule={self.schedule!r}: use {', '.join(SCHEDULES)}")
-        if self.amp not in ("auto", "off", "bf16", "fp16"):
-            raise ConfigError(f"train.amp={self.amp!r}: use auto, off, bf16 or fp16")
-        if self.epochs < 1 or self.batch_size < 1:
-            raise ConfigError("train.epochs and train.batch_size must be >= 1")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) \
-                or self.length_buckets < 0:
-            raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")
-        if self.val_beam < 1:
-            raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
-        if self.time_budget is not None and not self.time_budget > 0:
-            raise ConfigError(f"train.time_budget must be a number of seconds > 0 or null, got {self.time_budget}")
-        if self.val_max_images is not None and self.val_max_images < 1:
-            raise ConfigError(f"train.val_max_images must be >= 1 or null, got {self.val_max_images}")
-        for key in ("grad_clip", "weight_decay", "alpha_c", "reinforce_weight", "entropy_weight"):
+        for key in ("grad_clip", "weight_decay"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
-        if not 0.0 <= self.baseline_decay < 1.0:
-            raise ConfigError(f"train.baseline_decay must be in [0, 1), got {self.baseline_decay}")
-        if self.log_every < 1:
-            raise ConfigError(f"train.log_every must be >= 1, got {self.log_every}")
-        if self.ds_form not in ("excess", "mean", "sum"):
-            raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
             raise ConfigError(f"train.betas must be two numbers [beta1, beta2], got {betas!r}")
@@ -308,21 +307,52 @@ class TrainConfig:
             raise ConfigError(f"train.decay_factor must be in (0, 1], got {self.decay_factor}")
         if self.decay_patience < 0 or self.decay_every < 0:
             raise ConfigError("train.decay_patience and train.decay_every must be >= 0 (0 = off)")
+        if self.encoder_lr <= 0:
+            raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
+
+    def _check_run(self) -> None:
+        """epochs and batches, precision, validation, logging, the objective."""
+        if self.amp not in ("auto", "off", "bf16", "fp16"):
+            raise ConfigError(f"train.amp={self.amp!r}: use auto, off, bf16 or fp16")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ConfigError("train.epochs and train.batch_size must be >= 1")
+        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) \
+                or self.length_buckets < 0:
+            raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")
+        if self.val_beam < 1:
+            raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ConfigError(f"train.time_budget must be a number of seconds > 0 or null, got {self.time_budget}")
+        if self.val_max_images is not None and self.val_max_images < 1:
+            raise ConfigError(f"train.val_max_images must be >= 1 or null, got {self.val_max_images}")
+        if self.log_every < 1:
+            raise ConfigError(f"train.log_every must be >= 1, got {self.log_every}")
         if self.select_metric not in SELECT_METRICS:
             raise ConfigError(f"train.select_metric={self.select_metric!r}: use {' or '.join(SELECT_METRICS)}")
         if self.val_max_len < 1:
             raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
-        if self.encoder_lr <= 0:
-            raise ConfigError(f"train.encoder_lr must be > 0, got {self.encoder_lr}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
-        # --- grounding (issue 24) ---
+
+    def _check_attention_terms(self) -> None:
+        """The doubly stochastic penalty and hard attention's REINFORCE terms."""
+        for key in ("alpha_c", "reinforce_weight", "entropy_weight"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if not 0.0 <= self.baseline_decay < 1.0:
+            raise ConfigError(f"train.baseline_decay must be in [0, 1), got {self.baseline_decay}")
+        if self.ds_form not in ("excess", "mean", "sum"):
+            raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
+
+    def _check_grounding(self) -> None:
         w = self.attention_supervision
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
             raise ConfigError(f"train.attention_supervision must be a number >= 0 (0 = off), got {w!r}")
         if self.attention_supervision_form not in ("mass", "cross_entropy"):
             raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
                               f"cross_entropy")
+
+    def _check_concepts(self) -> None:
         g = self.concept_guide
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < math.inf:
             raise ConfigError(f"train.concept_guide must be a number >= 0 (0 = off), got {g!r}")

@@ -1,8 +1,9 @@
 """Data layer: image loading, encoder transforms, caption datasets, synthetic scenes.
 
 Modules: ``images`` (``load_image``), ``transforms`` (``ImageTransform``, ``crop_box``),
-``coco`` (``load_caption_set``, ``check_images``, ``load_instances``; Karpathy files in
-``karpathy``), ``dataset`` (datasets and collate functions), ``shapes`` (``make_shapes``).
+``caption_set`` (``CaptionSet``, ``ImageRecord``, boxes), ``coco`` (``load_caption_set``,
+``load_instances``; Karpathy files in ``karpathy``), ``checks`` (``check_images``), ``dataset``
+(datasets and collate functions), ``shapes`` (``make_shapes``).
 The names below are importable from ``captioner.data`` directly; each submodule is imported on
 first use, so ``import captioner.data`` stays cheap (no torch until a torch-backed name is used).
 """
@@ -17,12 +18,12 @@ _EXPORTS = {
     "ImageTransform": "transforms",
     "crop_box": "transforms",
     "denormalize": "transforms",
-    "ImageRecord": "coco",
-    "CaptionSet": "coco",
-    "ObjectBox": "coco",
-    "InstanceBoxes": "coco",
+    "ImageRecord": "caption_set",
+    "CaptionSet": "caption_set",
+    "ObjectBox": "caption_set",
+    "InstanceBoxes": "caption_set",
     "load_caption_set": "coco",
-    "check_images": "coco",
+    "check_images": "checks",
     "load_instances": "coco",
     "image_loader": "dataset",
     "CaptionTrainDataset": "dataset",

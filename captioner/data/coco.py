@@ -1,64 +1,9 @@
-"""Caption datasets: one loader for every layout the project accepts.
+"""Caption datasets: one loader for every layout the package accepts.
 
-``load_caption_set(root, split)`` detects the layout of ``root``:
-
-* a flat folder with ``captions_<split>.json`` (and ``instances_<split>.json``), the images in
-  ``images/`` (the synthetic shapes set), in ``<split>/`` (``train/``, ``val/``) or beside them;
-* the official COCO layout, ``annotations/captions_<split>.json`` with images in ``<split>/``
-  (e.g. ``train2017``, ``val2014``);
-* the Flickr8k-subset layout, ``captions_coco_format.json`` + ``splits.tsv`` + ``images/``;
-* a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``; see below),
-  given directly or as the only ``dataset_*.json`` in the folder;
-* the official Flickr8k distribution, ``Flickr8k_text/Flickr8k.token.txt`` + split lists and
-  ``Flicker8k_Dataset/`` (see below);
-* a COCO captions JSON file given directly (``images_dir`` says where its images are).
-
-The folder layouts are the entries of :data:`LAYOUTS`, tried in order; when none matches, the
-error names each layout and the files it looks for. Of the folders a layout allows, the images
-are taken from the first one that holds the first files the annotations name
-(``image_dirs.pick_image_dir``). Annotation files are validated before anything trains: invalid
-JSON names the file and line,
-a malformed entry names its index and the missing key. COCO-format files are indexed with
-``pycocotools.coco.COCO``.
-
-Karpathy split files
---------------------
-
-Karpathy split files (``dataset_coco.json``, ``dataset_flickr8k.json``, ``dataset_flickr30k.json``).
-
-Format: ``{"images": [{"filepath"?, "filename", "split", "cocoid" | "imgid",
-"sentences": [{"raw", "tokens"}, ...]}, ...]}``. Splits are ``train``, ``val``, ``test`` and (COCO)
-``restval``; by default ``train`` includes ``restval``, the usual 113k-image training set.
-Images are found at ``images_dir/filepath/filename`` (``filepath`` is optional). ``images_dir``
-defaults to the first of the JSON file's folder and its ``Flicker8k_Dataset/``, ``Flickr8k_Dataset/``,
-``images/`` and ``Images/`` subfolders (:data:`KARPATHY_IMAGE_DIRS`) that holds the first images (the
-JSON's folder when none does),
-so ``dataset_flickr8k.json`` placed beside the official Flickr8k folders finds its images.
-``dev`` is an alias of ``val`` (the Flickr8k distribution calls it dev), so the same commands work
-on both.
-
-The official Flickr8k distribution
-----------------------------------
-
-The official Flickr8k distribution (Hodosh et al. 2013), as users download and unzip it.
-
-Layout of ``--data DIR``::
-
-    DIR/Flicker8k_Dataset/*.jpg                              (sic: "Flicker")
-    DIR/Flickr8k_text/Flickr8k.token.txt                     NAME.jpg#0<TAB>caption, suffixes #0..#4
-    DIR/Flickr8k_text/Flickr_8k.{train,dev,test}Images.txt   one image name per line
-
-People unzip differently, so the text files are also taken from ``DIR/Flickr8k_text/Flickr8k_text/``
-or from ``DIR`` itself, and the images from the first folder of :data:`FLICKR8K_IMAGE_DIRS` that holds the
-split's first files (``pick_image_dir``). Each search order is fixed, so the result is deterministic.
-
-Splits: ``train``, ``dev`` (``val`` is an alias), ``test`` and ``all`` (the lists that exist,
-merged). The token file's known dirt is handled: blank lines, CRLF line ends and exact duplicate
-captions are dropped quietly; malformed lines (no tab, no ``#n`` suffix, empty caption) are skipped
-with one warning that counts them and shows the first; names that no split list holds (the
-``2258277193_586949ec62.jpg.1`` entry) are ignored; an image may have more or fewer than 5
-captions. Image ids are the 1-based order in which names first appear in the token file, the same
-for every split; the set is named ``flickr8k``.
+``load_caption_set(root, split)`` detects the layout of ``root`` (a flat COCO-format folder, the
+official COCO layout, Flickr8k's, a Karpathy split file, a COCO captions JSON file; the entries of
+:data:`LAYOUTS`, tried in order) and returns a ``CaptionSet``; ``load_instances`` reads the object
+boxes. docs/data.md lists the layouts and the files each looks for.
 """
 
 from __future__ import annotations
@@ -361,7 +306,7 @@ def _parse_karpathy_image(path: Path, i: int, img: Any, images_dir: Path) -> tup
 
 # ----------------------------------------------------------------------------- the official Flickr8k distribution
 
-_flickr8k_log = logging.getLogger("captioner.data.flickr8k")  # its name before the fold, kept for log filters
+_flickr8k_log = logging.getLogger("captioner.data.flickr8k")  # Flickr8k's notes, apart for log filters
 
 FLICKR8K_NAME = "flickr8k"
 FLICKR8K_TOKEN_FILE = "Flickr8k.token.txt"

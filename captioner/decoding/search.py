@@ -1,80 +1,13 @@
-"""Decoding: drawing captions from any decoder through its ``init_state`` / ``step`` contract.
+"""Decoding: greedy and batched beam search and sampling, written only against a decoder's
+``init_state`` / ``step`` contract.
 
-Greedy and beam search with their hypotheses, the logit filters and the memory budget of a beam
-live here, and so does the sampling of self-critical training (:func:`sample_captions`).
-
-Greedy and batched beam search, written only against the ``CaptionDecoder`` interface.
+Main names: ``DecodeOptions``, ``decode`` (greedy or beam, per-word attention of the chosen beam),
+``sample_captions`` (self-critical training), ``Hypothesis``, the logit filters (``BlockRepeats``)
+and the memory budget of a beam. docs/decoding_metrics_checkpoint.md explains lengths, scores and
+batching.
 
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
 N regions (g*g), D feature width, V vocabulary, L words of a caption.
-
-Search talks to a decoder only through ``init_state(features)`` and ``step(prev_tokens, state)``, and
-moves batch rows with the ``State`` methods (``select`` / ``reorder``, see
-:mod:`captioner.models.base`); it never re-implements a decoder step. Put the decoder in eval mode
-first (``decode`` works on whatever mode it is in; :func:`captioner.inference.caption_features`
-switches the model to eval and restores its mode afterwards).
-
-Length: a caption has at most ``max_len`` words. After ``max_len`` words the search asks the decoder
-once more, for ``<eos>`` only, so a caption of exactly ``max_len`` words can still finish. If the
-decoder never gives ``<eos>`` a finite probability, the best unfinished beams are returned instead
-(``Hypothesis.finished`` is False) -- decoding never fails for lack of ``<eos>``.
-
-Scores: ``log_prob`` is the sum of the log-probabilities of every emitted token, including the
-``<eos>`` step when the caption finished. ``score = log_prob / lp(L)`` with the GNMT length penalty
-(Wu et al. 2016) ``lp(L) = ((5 + L) / 6) ** alpha``, where L counts the scored tokens (words, plus one
-for ``<eos>`` when finished) and ``alpha = DecodeOptions.length_penalty``; ``alpha = 0`` gives the raw
-sum. Larger alpha favours longer captions.
-
-Never emitted: ``<pad>`` and ``<bos>``, and ``<unk>`` unless ``DecodeOptions.allow_unk``
-(:func:`never_emitted_ids`; the inference layer passes them, ``decode`` itself suppresses exactly the
-``banned_ids`` it is given, through :class:`captioner.decoding.search.SuppressTokens`).
-
-This module knows decoders and region features, nothing about images: the pipeline from an image
-to a :class:`captioner.inference.Caption` is :mod:`captioner.inference`.
-
-Scored captions and the bookkeeping of batched beam search (:func:`captioner.decoding.search.beam_search`).
-
-Shape legend: A images still searching, W beams per image, R = A * W rows of the decoder batch,
-T most words, N regions, V vocabulary, C candidates per image, H hypotheses read out, L their words.
-
-Memory grows with the words actually generated, never with ``max_len``: each step stores only what
-it chose (:class:`BeamHistory`), and a hypothesis is a :class:`Pending` record until the search
-ends and reads the kept ones back.
-
-Logit filters: what every search and the SCST sampler apply to a step's log-probabilities.
-
-A filter is a callable ``(..., V) log-probs -> (..., V) log-probs``, out of place. The one built in
-is :class:`SuppressTokens` (ids a caption never contains: ``<pad>``, ``<bos>``, ``<unk>`` unless
-allowed); greedy and beam search, the sampler and the SCST policy's rescoring all use it, so that
-the policy that is trained is the one that sampled.
-
-How much memory a search may take, checked before its first step.
-
-Search memory grows with the words generated (:mod:`captioner.decoding.search`), but a model
-that never gives ``<eos>`` generates ``max_len`` words on every beam, so the bound is worked out for
-that worst case: per row of the decoder batch and per word, the back-pointer, the word, the
-attention over the N regions and the growth of the decoder's state (the Transformer's key/value
-cache, counted twice because each step copies it); per row and step, the float64 scores of every
-candidate word. A request whose single image could need more than :data:`MEMORY_LIMIT` is refused
-in one line naming the beam size and ``max_len``; otherwise images are searched in chunks that fit.
-
-Multinomial caption sampling, written only against the ``CaptionDecoder`` interface.
-
-Shape legend: B images, K samples per image, R = B * K sampled rows, N regions, D feature width,
-V vocabulary, L <= max_len + 1 sampled steps.
-
-Like search, sampling talks to a decoder only through ``init_state``
-and ``step`` (the state of B images is expanded to R rows once, with ``State.select``, so
-encoder-side projections are computed once per image), and never re-implements a decoder step; it
-works for every decoder. It runs without gradients: a self-critical step re-scores the sampled
-captions with teacher forcing (``decoder(features, tokens)``), which gives the same
-log-probabilities with a graph (:mod:`captioner.training.scst`).
-
-At each step the next word is drawn from ``softmax(log_probs / temperature)`` with the
-``banned_ids`` (``<pad>``, ``<bos>``, ``<unk>``: :func:`never_emitted_ids`)
-removed. A caption has at most ``max_len`` words; the step after that may only give ``<eos>``
-(as in search). Every position after a row's ``<eos>`` holds ``pad_id``. The random draws use
-torch's global generator (saved with a training state, so a resumed run draws the same words).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage'
 # the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
 # "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
 SCST_XE_WEIGHT = 0.25
-# train.attention_supervision of each decoder (issue 24; docs/grounding.md): the attention of each object word
+# train.attention_supervision of each decoder (docs/grounding.md): the attention of each object word
 # (with its colour and size words) is pulled onto that object's box, in the default cross-entropy form. Measured at
 # the demo's step counts with the same encoder: objects right SAT soft 72.0% -> 78.3%, Transformer 88.3% -> 90.7%,
 # attention 5.8x -> 8.1x and 3.0x -> 8.1x uniform; SAT hard 60.7% -> 77.0%, 6.0x -> 8.1x. --no-attention-supervision: 0

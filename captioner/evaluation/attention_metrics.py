@@ -1,82 +1,12 @@
-"""Attention correctness: does a word that names an object look at that object?
+"""Attention correctness: does a word that names an object look at that object (Liu et al. 2017)?
 
-For every generated word that names an object (a shape noun of the synthetic scenes, a COCO
-category name, plural or synonym, or, on any other COCO-format dataset, one of its instances
-file's own category names or their plurals; colour/size words directly before a shape noun count
-for the same object) the word's g x g attention map is placed on the ORIGINAL image geometry: each region's
-weight is spread over the part of the image that region covers inside the encoder's view
-(``crop_box``; "stretch" = the whole image, "center_crop" = the central square), the map is
-renormalised to sum 1 and the mass inside the object's ground-truth box is summed (Liu et al. 2017,
-"Attention Correctness in Neural Image Captioning"). When several boxes share the category, the
-union of those boxes is the target. Next to it:
-
-* the uniform baseline: what a uniform attention map scores through the same mapping (the box's
-  share of the visible image area: exactly its share of the image for "stretch");
-* pointing accuracy: the centre of the argmax region, in original pixels, falls inside the box;
-* invented objects: object words whose category is absent from the image (reported, not scored).
-
-Scores are averaged over all scored words of all images (every word counts once). The ratio and
-pointing accuracy come with a 95% interval from a bootstrap over the images (a caption's words are
-not independent, its photo is the unit resampled): on the few dozen object words a captioning model
-writes about a small COCO set, two models' ratios within that interval of each other are not told
-apart.
+Maps each object word's attention onto the original image and sums its mass inside the object's
+box, beside the uniform baseline, pointing accuracy and bootstrap intervals; also the attention
+entropy summary and the compositional scores of the scenes. Main names:
+``attention_correctness_for_results``, ``reference_correctness``, ``attention_entropy_summary``,
+``compositional_scores``. docs/evaluation.md explains the measure.
 
 Shape legend: L generated words, g grid size.
-
-Which caption words name which objects: synthetic shapes, the 80 COCO categories, or any list.
-
-``find_mentions(words, vocabulary)`` returns the spans of a caption that name an object
-(``ObjectMention``), longest phrase first, so "hot dog" is one COCO object and not a dog:
-
-* ``"shapes"``: the shape nouns of ``captioner.data.shapes.SHAPES`` and their plurals; colour and
-  size words directly before a noun (``COLORS``, ``SIZES``) are attributed to the same object;
-* ``"coco"``: each category's name, plural and common synonyms ("men" -> person, "bike" ->
-  bicycle, "sofa" -> couch, "hotdog"/"hot dog" -> hot dog, "phone" -> cell phone). "orange" is
-  the fruit only when it ends a noun phrase ("an orange on a plate", not "an orange cat");
-* a ``WordTable`` from ``category_table(names)``: any dataset's own category names (an
-  ``instances_*.json`` file's ``categories[].name``), tokenized like captions, with their plurals
-  ("box"/"boxes", "traffic cone"/"traffic cones"); a name that is also a COCO category brings its
-  COCO synonyms along.
-
-``choose_vocabulary(names)`` picks the table for a dataset's category names.
-
-Scores of a compositional split of the synthetic scenes (``captioner make-shapes --unseen-pairs K``).
-
-The split keeps K colour-shape pairs out of train and val; the test split has scenes with one of
-them and scenes without. A decoder that composes colour and shape names the unseen pairs as well as
-the seen ones; one that memorised pairs does not. Reported (``compositional_scores``):
-
-* ``objects_correct_seen`` / ``objects_correct_unseen``: the share of captions naming every object
-  right (``caption_object_accuracy``), over test scenes without / with an unseen pair;
-* ``unseen_pairs_named`` / ``seen_pairs_named``: over the objects whose pair is unseen / seen, the
-  share the caption names with its own colour directly before its shape noun (``"purple star"``);
-* ``scenes_seen``, ``scenes_unseen``, ``objects_unseen``: the counts behind them.
-
-Targets for attention supervision, laid out as the metric scores: object boxes on the region grid, and
-which caption words name which box.
-
-Shape legend: g grid size, N = g * g regions (row-major: region n is row n // g, column n % g).
-
-The encoder's g x g grid covers the part of the original image it sees, ``view`` = ``crop_box``
-(the whole image for ``stretch``, the centred square for ``center_crop``). Region (r, c) covers
-``[left + c w/g, left + (c+1) w/g) x [top + r h/g, top + (r+1) h/g)`` of the original pixels.
-
-* :func:`box_coverage` gives each region's **coverage** by a box: the share of the region's area
-  that lies inside it (0..1). ``sum_n alpha_n coverage_n`` is then exactly the attention mass the
-  attention-correctness metric finds inside the box (it spreads a region's weight evenly over the
-  region's pixels, ``captioner.evaluation.attention_metrics``). Several boxes: the union, as the
-  per-region maximum of their coverages (the metric's mask takes the same maximum).
-* :func:`bind_mentions` is the phrase binding rule: every word of an object mention (the name and
-  the colour and size words before it, ``captioner.evaluation.attention_metrics.find_mentions``) points
-  at the boxes of the named category; when several boxes share it, the mention's attribute words
-  keep only the boxes whose own attributes agree ("the purple star" when the image has a green
-  star too); when more than one box is still left, the word points at their union (see
-  docs/grounding.md: with the mass form of the loss, "somewhere on one of these" is a correct
-  target for an ambiguous word, never a wrong one). A category absent from the image binds
-  nothing: the word contributes nothing.
-
-Mentions are duck-typed (``start``, ``end``, ``category``, ``attributes``): :func:`find_mentions`
-finds them, the training targets (``captioner.training.attention_terms.GroundingTargets``) bind them.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ It writes ``metrics_<split>.json`` and ``captions_<split>_results.json`` (``[{"i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from captioner.evaluation.attention_metrics import compositional_scores
 from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
 from captioner.files import atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, decode_options, load
+from captioner.pretrained import is_model_name
 from captioner.models.base import eval_mode
 from captioner.text import tokenize
 
@@ -104,7 +106,7 @@ def caption_split(
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     kept: list[int] = []
     results: list[Any] = []
-    with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress) as bar:
+    with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress or None) as bar:
         for pixels, indices, errors in batches:
             check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
             if pixels is not None:
@@ -158,7 +160,7 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
     batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
     out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
     with eval_mode(model), torch.inference_mode(), tqdm(total=len(data), desc="attention on the references",
-                                                       unit="img", disable=not progress) as bar:
+                                                       unit="img", disable=not progress or None) as bar:
         for pixels, indices, errors in batches:
             if pixels is not None:
                 kept = [i for i, error in zip(indices, errors) if error is None]
@@ -193,26 +195,53 @@ def ratio_line(summary: dict[str, Any], with_captions: bool = True) -> str:
             f"{summary['words_scored']} words" + (f" of {of} captions" if of is not None else ""))
 
 
-def evaluate_checkpoint(
-    checkpoint: str | os.PathLike,
-    data_root: str | os.PathLike,
-    split: str = "test",
-    options: DecodeOptions | None = None,
-    batch_size: int = 32,
-    out_dir: str | os.PathLike | None = None,
-    images_dir: str | os.PathLike | None = None,
-    max_images: int | None = None,
-    skip_missing: bool = False,
-    device: str | torch.device = "cpu",
-    progress: bool = True,
-    num_workers: int = 0,
-    meteor: bool = True,
-    coco_caption: bool = True,
-    references_attention: bool = True,
-    model: Captioner | None = None,
-    overwrite: bool = True,
-    **decoding: Any,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EvaluateOptions:
+    """How :func:`evaluate_checkpoint` reads a split and what it scores (the search has ``DecodeOptions``).
+
+    Attributes:
+        batch_size: images per decoding batch.
+        out_dir: where the two JSON files go (default: the checkpoint's folder).
+        images_dir: image folder when it is not where the layout puts it.
+        max_images: score only the first N images of the split.
+        skip_missing: leave out missing or unreadable images instead of failing.
+        device: ``"cpu"``, ``"cuda"``, ``"auto"``, ...
+        progress: show tqdm bars (on a terminal).
+        num_workers: DataLoader workers for image decoding.
+        meteor: compute METEOR (starts a Java process; None when unavailable or off).
+        coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
+            PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
+        references_attention: on a dataset with boxes, also score attention along the reference
+            captions (:func:`reference_attention`; the images are encoded a second time).
+        overwrite: replace an earlier evaluation's files of the same split (False: refuse them).
+    """
+
+    batch_size: int = 32
+    out_dir: str | os.PathLike | None = None
+    images_dir: str | os.PathLike | None = None
+    max_images: int | None = None
+    skip_missing: bool = False
+    device: str | torch.device = "cpu"
+    progress: bool = True
+    num_workers: int = 0
+    meteor: bool = True
+    coco_caption: bool = True
+    references_attention: bool = True
+    overwrite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_images is not None and self.max_images < 1:
+            raise ConfigError(f"max_images must be >= 1, got {self.max_images}")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ConfigError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
+
+
+_EVALUATE_FIELDS = frozenset(f.name for f in dataclasses.fields(EvaluateOptions))
+
+
+def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | os.PathLike, split: str = "test",
+                        options: DecodeOptions | None = None, settings: EvaluateOptions | None = None,
+                        model: Captioner | None = None, **changes: Any) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
     Args:
@@ -222,92 +251,45 @@ def evaluate_checkpoint(
         split: split to score, e.g. ``"test"`` (Karpathy test for COCO).
         options: search options (default ``DecodeOptions()``: beam 3, 20 words, ``<unk>`` banned,
             as in training's validation).
-        batch_size: images per decoding batch.
-        out_dir: where the two JSON files go (default: the checkpoint's folder).
-        images_dir: image folder when it is not where the layout puts it.
-        max_images: score only the first N images of the split.
-        skip_missing: leave out missing or unreadable images instead of failing.
-        device: ``"cpu"``, ``"cuda"``, ``"auto"``, ...
-        progress: show tqdm bars.
-        num_workers: DataLoader workers for image decoding.
-        meteor: compute METEOR (starts a Java process; None when unavailable or off).
-        coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
-            PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
-        references_attention: on a dataset with boxes, also score attention along the reference
-            captions (:func:`reference_attention`; the images are encoded a second time).
-        model: ``checkpoint`` already loaded on ``device`` (:func:`captioner.inference.load`), so that
+        settings: what to read and score (default ``EvaluateOptions()``).
+        model: ``checkpoint`` already loaded on the device (:func:`captioner.inference.load`), so that
             a caller that goes on using it loads it once; None: loaded here.
-        overwrite: replace an earlier evaluation's files of the same split in ``out_dir`` (False: refuse
-            them before any work; the command's default, ``--force`` sets it).
-        **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``,
-            ``max_len``, ``allow_unk``, ...).
+        **changes: fields of :class:`EvaluateOptions` (``batch_size``, ``out_dir``, ``progress``, ...) or of
+            ``DecodeOptions`` (``beam_size``, ``max_len``, ...) replacing those of ``settings`` / ``options``.
+            ``overwrite=False`` refuses an earlier evaluation's files of the same split in the output
+            folder before any work (the command's default; ``--force`` sets it).
 
     Returns:
         The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` and
-        ``"coco/BLEU-4"`` at the top level,
-        ``"attention"``, ``"attention_correctness"``, counts, ``"paths"``), plus ``"results"``
-        (the ``Caption`` list) and ``"caption_set"`` (the images they belong to), which are
-        not written to the file.
+        ``"coco/BLEU-4"`` at the top level, ``"attention"``, ``"attention_correctness"``, counts,
+        ``"paths"``), plus ``"results"`` (the ``Caption`` list) and ``"caption_set"`` (the images they
+        belong to), which are not written to the file.
     """
-    if max_images is not None and max_images < 1:
-        raise ConfigError(f"max_images must be >= 1, got {max_images}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError(f"num_workers must be an integer >= 0, got {num_workers!r}")
-    options = decode_options(options, **decoding)
+    settings = dataclasses.replace(settings or EvaluateOptions(),
+                                   **{k: v for k, v in changes.items() if k in _EVALUATE_FIELDS})
+    options = decode_options(options, **{k: v for k, v in changes.items() if k not in _EVALUATE_FIELDS})
     start = time.perf_counter()
-    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == 1:
-        checkpoint = checkpoint[0]
-    ensemble = isinstance(checkpoint, (list, tuple))
-    if ensemble:  # its scores are not any one member's
-        if out_dir is None:
-            raise ConfigError(f"an ensemble of {len(checkpoint)} checkpoints writes its scores to a folder of its "
-                              "own: give one (--out)")
-    elif is_remote(checkpoint):
-        if out_dir is None:
-            raise ConfigError(f"{checkpoint}: give an output folder (--out) for a checkpoint loaded from a URL "
-                              "or the Hub (its own folder is the download cache)")
-    else:
-        checkpoint = Path(checkpoint)
-        home = checkpoint if checkpoint.is_dir() else checkpoint.parent  # a run folder, or the file's folder
-        out_dir = home if out_dir is None else out_dir
-    writable_folder(Path(out_dir), DataError)  # before hours of work
-    loaded = model if model is not None else load(checkpoint, device=device)
+    checkpoint, out_dir, ensemble = _output_folder(checkpoint, settings.out_dir)
     name = safe_name(split, "split")
     earlier = [p.name for p in (Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json")
                if p.exists()]
-    if earlier and not overwrite:
+    if earlier and not settings.overwrite:
         raise DataError(f"{out_dir}: already holds {' and '.join(earlier)} (an earlier evaluation of split {split!r}); "
                         "choose another --out or pass --force to replace them")
-    cs = load_caption_set(data_root, split, images_dir)
+    loaded = model if model is not None else load(checkpoint, device=settings.device)
+    cs = load_caption_set(data_root, split, settings.images_dir)
     listed = len(cs.images)
-    cs = check_images(cs, skip_missing=skip_missing)
+    cs = check_images(cs, skip_missing=settings.skip_missing)
     missing = listed - len(cs.images)
-    if max_images is not None and max_images < len(cs.images):
-        cs = cs.subset(range(max_images))
+    if settings.max_images is not None and settings.max_images < len(cs.images):
+        cs = cs.subset(range(settings.max_images))
     log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), options.beam_size)
-    decoded = caption_split(loaded, cs, options, batch_size=batch_size, skip_bad=skip_missing, progress=progress,
-                            num_workers=num_workers)
+    decoded = caption_split(loaded, cs, options, batch_size=settings.batch_size, skip_bad=settings.skip_missing,
+                            progress=settings.progress, num_workers=settings.num_workers)
     cs, results = decoded.caption_set, decoded.results
-    hypotheses = [r.text for r in results]
     references = [cs.references(rec.image_id) for rec in cs.images]
-    scores = caption_metrics(hypotheses, references, meteor=meteor)
-    if coco_caption:
-        coco_scores, coco_note = coco_caption_metrics(hypotheses, references, meteor=meteor)
-    else:
-        coco_scores, coco_note = dict.fromkeys(COCO_KEYS), "coco-caption scores not computed: turned off"
-    if coco_scores["coco/BLEU-4"] is None:
-        log.info("%s; the built-in scores only", coco_note)
-
-    instances = load_instances(data_root, split, images_dir)
-    correctness = on_references = None
-    if instances is not None:
-        correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
-        correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
-        if references_attention:
-            forced = reference_attention(loaded, cs, batch_size=batch_size, progress=progress,
-                                         num_workers=num_workers)
-            on_references = reference_correctness(forced, cs, instances, loaded.config.encoder)
-
+    report: dict[str, Any] = _scores([r.text for r in results], references, settings)
+    correctness = _attention_scores(loaded, cs, results, data_root, split, settings)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -316,11 +298,7 @@ def evaluate_checkpoint(
     name = safe_name(split, "split")  # the output files stay inside ``out``
     metrics_path = out / f"metrics_{name}.json"
     results_path = out / f"captions_{name}_results.json"
-    report: dict[str, Any] = {key: scores.get(key) for key in METRIC_KEYS}
-    report.update({k: v for k, v in scores.items() if k not in report})
-    report.update(coco_scores)
     report.update({
-        "coco_caption_note": coco_note,
         "scale": SCALE_NOTE,
         "note": PAPER_NOTE,
         "checkpoint": [str(c) for c in checkpoint] if ensemble else str(checkpoint),
@@ -336,8 +314,7 @@ def evaluate_checkpoint(
         "unreadable_images": decoded.skipped,
         "unfinished_captions": sum(not getattr(r, "finished", True) for r in results),
         "attention": attention_entropy_summary(results),
-        "attention_correctness": correctness,
-        "reference_attention_correctness": on_references,
+        **correctness,
         "decoder": loaded.config.decoder.name,
         "attention_type": loaded.config.decoder.attention_kind,
         "seconds": round(time.perf_counter() - start, 3),
@@ -350,3 +327,57 @@ def evaluate_checkpoint(
     report["results"] = results
     report["caption_set"] = cs
     return report
+
+
+def _output_folder(checkpoint: Any, out_dir: str | os.PathLike | None) -> tuple[Any, str | os.PathLike, bool]:
+    """(the checkpoint or the ensemble's list, the folder the files go to, whether it is an ensemble),
+    the folder checked writable before hours of work."""
+    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == 1:
+        checkpoint = checkpoint[0]
+    ensemble = isinstance(checkpoint, (list, tuple))
+    if ensemble:  # its scores are not any one member's
+        if out_dir is None:
+            raise ConfigError(f"an ensemble of {len(checkpoint)} checkpoints writes its scores to a folder of its "
+                              "own: give one (--out)")
+    elif is_remote(checkpoint) or is_model_name(checkpoint):
+        if out_dir is None:
+            raise ConfigError(f"{checkpoint}: give an output folder (--out) for a checkpoint loaded from a URL, "
+                              "the Hub or the package (a shipped model)")
+    else:
+        checkpoint = Path(checkpoint)
+        home = checkpoint if checkpoint.is_dir() else checkpoint.parent  # a run folder, or the file's folder
+        out_dir = home if out_dir is None else out_dir
+    writable_folder(Path(out_dir), DataError)
+    return checkpoint, out_dir, ensemble
+
+
+def _scores(hypotheses: list[str], references: list[list[str]], settings: EvaluateOptions) -> dict[str, Any]:
+    """The built-in scores (METRIC_KEYS first), then the coco-caption ones and a note on them."""
+    scores = caption_metrics(hypotheses, references, meteor=settings.meteor)
+    if settings.coco_caption:
+        coco_scores, coco_note = coco_caption_metrics(hypotheses, references, meteor=settings.meteor)
+    else:
+        coco_scores, coco_note = dict.fromkeys(COCO_KEYS), "coco-caption scores not computed: turned off"
+    if coco_scores["coco/BLEU-4"] is None:
+        log.info("%s; the built-in scores only", coco_note)
+    report: dict[str, Any] = {key: scores.get(key) for key in METRIC_KEYS}
+    report.update({k: v for k, v in scores.items() if k not in report})
+    report.update(coco_scores)
+    report["coco_caption_note"] = coco_note
+    return report
+
+
+def _attention_scores(loaded: Captioner, cs: Any, results: list[Any], data_root: str | os.PathLike, split: str,
+                      settings: EvaluateOptions) -> dict[str, Any]:
+    """Attention correctness of the captions (and along the references) where the split has boxes."""
+    instances = load_instances(data_root, split, settings.images_dir)
+    correctness = on_references = None
+    if instances is not None:
+        correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)
+        correctness.update(compositional_scores(results, cs, instances) or {})  # make-shapes --unseen-pairs
+        if settings.references_attention:
+            forced = reference_attention(loaded, cs, batch_size=settings.batch_size, progress=settings.progress,
+                                         num_workers=settings.num_workers)
+            on_references = reference_correctness(forced, cs, instances, loaded.config.encoder)
+    return {"attention_correctness": correctness, "reference_attention_correctness": on_references}
+

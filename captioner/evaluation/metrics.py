@@ -1,45 +1,9 @@
 """Caption metrics: corpus BLEU-1..4 (nltk), CIDEr-D (written here), METEOR / ROUGE-L (pycocoevalcap).
 
-Every metric sees the same tokenization on both sides: :func:`captioner.text.tokenize` (lowercase,
-punctuation and apostrophes dropped) for the hypothesis and for ALL references of each image.
-
-Scales: BLEU, METEOR and ROUGE-L are on the 0-1 scale; CIDEr-D is on coco-caption's x10 scale
-(a perfect consensus caption scores about 10, typical COCO models 0.8-1.3).
-
-BLEU is nltk's ``corpus_bleu`` without smoothing: clipped n-gram counts and lengths are summed over
-the corpus before dividing (Papineni et al. 2002), so a corpus score needs no smoothing; a corpus with
-no matching n-gram of some order scores exactly 0 for that BLEU-n. The brevity penalty uses, per
-image, the reference length closest to the hypothesis (ties: the shorter), as coco-caption does. Two
-nltk details differ from coco-caption's scorer (``pycocoevalcap.bleu``): nltk counts at least one
-n-gram in each hypothesis's precision denominator even when the hypothesis has fewer than n words
-(coco-caption counts 0), and coco-caption adds 1e-9 / 1e-15 epsilons. On real COCO captions the two
-agree within 1e-4 absolute (see ``tests/test_metrics.py``); they differ visibly only when many
-hypotheses are shorter than 4 words or empty.
-
-CIDEr-D follows Vedantam et al. (2015) exactly as coco-caption computes it (``cider_scorer.py``):
-TF-IDF vectors of 1- to 4-grams, document frequencies over the reference sets of the evaluated
-images (or, passed as ``doc_freq``, any other corpus's: the self-critical reward uses the training
-corpus's, :mod:`captioner.training.scst`), candidate n-gram weights clipped by the reference
-weights, a Gaussian length penalty (sigma = 6), mean over n and over references, times 10.
-
-SPICE is never computed: it needs Stanford CoreNLP models that cannot be downloaded offline.
-
-The papers' scoring: coco-caption BLEU-1..4, METEOR, ROUGE-L and CIDEr-D through pycocoevalcap.
-
-Published captioning numbers (Xu et al. 2015 and after) come from the coco-caption toolkit:
-every caption is tokenised by Stanford CoreNLP's PTBTokenizer (lowercased; the punctuation tokens
-``. , ? ! : ; - -- ... ' '' ` `` -LRB- -RRB-`` dropped; ``man's`` -> ``man 's``, ``t-shirt`` stays
-one token), then scored by its own BLEU (closest reference length), METEOR 1.5, ROUGE-L and
-CIDEr-D (document frequencies from the evaluated references). :func:`coco_caption_metrics` does
-exactly that with pycocoevalcap's own classes, so its numbers are comparable with the papers'.
-The built-in scores (:mod:`captioner.evaluation.metrics`) use the package's tokenizer instead;
-on the same tokens the two implementations agree (see docs/evaluation.md for measured gaps).
-
-Needs the ``metrics`` extra (``pip install 'captioner[metrics]'``) and Java on ``PATH``; without
-them :func:`unavailable_reason` says why and nothing is computed. Cost: the tokeniser starts one
-Java process for hypotheses and references together (about 0.5-1 s); METEOR starts another (a few
-seconds). pycocoevalcap's tokeniser writes its temporary file next to its jar, so its folder must
-be writable. Keys carry a ``coco/`` prefix (``coco/BLEU-4``), beside the built-in ``BLEU-4``.
+Every metric tokenizes hypotheses and all references alike (``captioner.text.tokenize``); BLEU,
+METEOR and ROUGE-L are on the 0-1 scale, CIDEr-D on coco-caption's. Main names: ``caption_metrics``,
+``bleu``, ``cider_d``, ``coco_caption_metrics``, ``write_coco_results``.
+docs/evaluation.md explains how each compares with coco-caption.
 """
 
 from __future__ import annotations

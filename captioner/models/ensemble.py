@@ -68,17 +68,27 @@ class EnsembleEncoder(nn.Module):
 
 
 class _SlicedConcepts(nn.Module):
-    """A member's concept head reading that member's slice of the ensemble's regions."""
+    """A member's concept reading over that member's slice of the ensemble's regions: what ``Caption.concepts``
+    reads of the ensemble (``concepts``, ``concept_ids``, ``concept_head.read``)."""
 
-    def __init__(self, head: nn.Module, start: int, end: int) -> None:
+    def __init__(self, reading: nn.Module, start: int, end: int) -> None:
         super().__init__()
-        self.head, self.start, self.end = head, start, end
+        self.reading, self.start, self.end = reading, start, end
+        self.concepts = reading.concepts
+
+    @property
+    def concept_ids(self) -> torch.Tensor:
+        return self.reading.concept_ids
+
+    @property
+    def concept_head(self) -> "_SlicedConcepts":
+        return self
 
     def probs(self, features: torch.Tensor) -> torch.Tensor:
-        return self.head.probs(features[..., self.start:self.end])
+        return self.reading.concept_head.probs(features[..., self.start:self.end])
 
     def read(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.head.read(features[..., self.start:self.end])
+        return self.reading.concept_head.read(features[..., self.start:self.end])
 
 
 class EnsembleDecoder(CaptionDecoder):
@@ -100,11 +110,10 @@ class EnsembleDecoder(CaptionDecoder):
         self.slices = [(int(a), int(b)) for a, b in slices]
         self.vocab_size = members[0].vocab_size
         self.log_count = math.log(len(members))
+        self.extension = None  # the photo's tags: the first member that can name them
         for member, (start, end) in zip(members, self.slices):
-            if member.concepts:  # the photo's tags: the first member that can name them
-                self.concepts = member.concepts
-                self.concept_head = _SlicedConcepts(member.concept_head, start, end)
-                self.concept_ids = member.concept_ids
+            if member.concepts:
+                self.extension = _SlicedConcepts(member.extension, start, end)
                 break
 
     def _features(self, features: torch.Tensor) -> list[torch.Tensor]:

@@ -12,19 +12,9 @@ At step t, with h, c the LSTM state after step t-1 and y the previous word:
     h, c   = LSTMCell([E y; beta z], (h, c))
     p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
 
-The concept prior (``concept_prior``, with K concepts read): the map a word gets is chosen before the
-word is written, so a decoder that knows which concept it is about to name can look there first. A
-pointer over the photo's concepts, read from the same h and from the previous word y (which h has
-not yet read: the attention of step t sees the LSTM state of step t-1), gives
-
-    u      = W_q h + U_q E y                                   # (K+1): K concepts, then "none"
-    q      = softmax(u_{1..K} + log P(concept k in image) ; u_{K+1})
-    prior  = sum_k q_k m_k + q_none / N                        # m_k: concept k's map (B,K,N)
-    alpha  = softmax_i(w . tanh(W_f f_i + W_h h) + lambda log prior_i)
-
-with lambda learned (starting at 1): a product of the decoder's own attention and the maps of what it
-expects to say; "none" leaves the attention as it was. The pointer's log q is ``aux["concept_pointer"]``
-(B,T,K+1), trained by ``train.concept_pointer`` to name the concept of the word that follows.
+An optional addition (the concept reading, ``captioner.models.concepts.SATConcepts``) is one
+component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`), called at named points:
+the initial state, rows read from h at every step, an attention filter, the deep output, ``aux``.
 
 ``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
 with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
@@ -33,6 +23,8 @@ embedding half of the LSTM input projection for all steps in one matmul, one fus
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +35,8 @@ from captioner.config.decoders import check_hard_test_mode
 from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
-from captioner.models.base import CaptionDecoder, DecoderOutput, State
-from captioner.models.concepts import SHARPNESS
+from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State
+from captioner.models.concepts import SATConcepts
 from captioner.models.registry import register_decoder
 
 
@@ -71,11 +63,10 @@ class SATDecoder(CaptionDecoder):
             (the feature of the most attended region).
         hard_soft_prob: hard attention in training: the probability, drawn independently for every
             caption and step, of using the expected (soft) context instead of a sampled region.
-        concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
-            head (``CaptionDecoder.add_concept_head``); K > 0 feeds the photo's K concept probabilities into
-            h0, c0 and the deep output. 0: no concepts.
-        concept_prior: multiply the attention by the maps of the concepts a pointer expects next
-            (module docstring); needs ``concepts``.
+        grid: regions per side (for ``region_positions``).
+        region_positions: add learned row and column embeddings to the region features.
+        extension: an optional addition joined at the named points (:class:`SATExtension`).
+        **reading: the options of ``SATConcepts`` (``concepts=K``, ``concept_prior``, ...), built as the extension.
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -83,9 +74,7 @@ class SATDecoder(CaptionDecoder):
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
-                 region_positions: bool = False, concepts: int = 0, concept_hidden: int = 512,
-                 concept_pooling: str = "lse", concept_sharpness: float = SHARPNESS,
-                 concept_prior: bool = False) -> None:
+                 region_positions: bool = False, extension: SATExtension | None = None, **reading: Any) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
@@ -116,13 +105,9 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
-        self.add_concept_head(feature_dim, concepts, concept_hidden, concept_pooling, concept_sharpness)
-        if concepts:  # the photo's concept probabilities (B, K) go into h0, c0 and the deep output
-            self.init_concepts = nn.Linear(concepts, 2 * hidden_dim, bias=False)  # into h0 and c0
-            self.out_concepts = nn.Linear(concepts, embed_dim, bias=False)  # L_p: into the deep output
-        self.add_concept_prior(hidden_dim, concept_prior)  # W_q reads h
-        if concept_prior:
-            self.concept_query_word = nn.Linear(embed_dim, concepts + 1, bias=False)  # U_q: ... and the previous word
+        if reading:
+            extension = SATConcepts.build(feature_dim, hidden_dim, embed_dim=embed_dim, **reading)
+        self.extension = extension
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -147,12 +132,13 @@ class SATDecoder(CaptionDecoder):
         idx = torch.arange(n, device=features.device)
         return features + (self.row(idx // self.grid) + self.col(idx % self.grid)).to(features.dtype)  # (B, N, D)
 
-    def _initial_hc(self, features: torch.Tensor, concepts: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _initial_hc(self, features: torch.Tensor, extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """h0, c0 (B,H) from the mean region feature (plus what the extension adds before the tanh)."""
         mean = features.mean(dim=1)  # (B, D)
         h, c = self.init_h(mean), self.init_c(mean)  # (B, H) each
-        if concepts is not None:
-            ph, pc = self.init_concepts(concepts.to(h.dtype)).chunk(2, dim=-1)
+        added = self.extension.initial_state(extra) if self.extension is not None else None
+        if added is not None:
+            ph, pc = added.chunk(2, dim=-1)
             h, c = h + ph, c + pc
         return torch.tanh(h), torch.tanh(c)
 
@@ -177,50 +163,42 @@ class SATDecoder(CaptionDecoder):
             index = index.masked_fill(use_soft, -1)
         return context, log_prob, index
 
-    def _apply_prior(self, log_alpha: torch.Tensor, pointer: torch.Tensor, logp: torch.Tensor, maps: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention (B,N) reshaped by the concept prior: pointer logits W_q h + U_q E y (B,K+1), log P(concept)
-        (B,K), maps (B,K,N) -> (log alpha (B,N), the pointer's log q (B,K+1))."""
-        prior, log_q = self.concept_prior_map(pointer, logp, maps)  # (B, N), (B, K+1)
-        return F.log_softmax(log_alpha + self.prior_scale * prior.clamp(min=1e-12).log(), dim=-1), log_q
-
     def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
-                     concepts: torch.Tensor | None = None) -> torch.Tensor:
-        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ L_p p])): (..., M), (..., H), (..., D) -> (..., V).
+                     added: torch.Tensor | None = None) -> torch.Tensor:
+        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ added])): (..., M), (..., H), (..., D) -> (..., V).
 
-        ``concepts``: ``L_p p`` (B, M) or (B, 1, M), the projected concept probabilities, when the decoder reads them.
+        ``added``: (B, M) or (B, 1, M), the extension's term, when it has one.
         """
         deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
-        if concepts is not None:
-            deep = deep + concepts
+        if added is not None:
+            deep = deep + added
         return self.out_word(self.dropout(deep))  # (..., V)
 
     # ------------------------------------------------------------------ teacher forcing
 
     def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
                     features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
-                    prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None):
         """One teacher-forced time step: everything that depends on ``h_{t-1}``.
 
-        ``prior``: the concept prior's log P(concept) (B,K), maps (B,K,N) and this step's U_q E y (B,K+1),
-        when the decoder has one (then ``w_query`` ends with the pointer's K+1 rows, W_q).
+        ``extra``: the extension's constants and what it read of this step's word (when there is an
+        extension; then ``w_query`` ends with its R rows).
 
         Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
-        training the sampled log-prob and region (B,) (else None), and the pointer's log q (B,K+1) (else None).
+        training the sampled log-prob and region (B,) (else None), and the extension's record (else None).
         """
         H, A = self.hidden_dim, self.attention_dim
-        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+K+1])
-        h_gates, att_query, gate_logit, pointer = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
+        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+R])
+        h_gates, att_query, gate_logit, rows = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
         log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
-        log_q = None
-        if prior is not None:
-            logp, maps, from_word = prior
-            log_alpha, log_q = self._apply_prior(log_alpha, pointer + from_word, logp, maps)
+        record = None
+        if extra is not None:
+            log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
         context, log_prob, region = self._context(log_alpha, features)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
         gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
         h, c = lstm_update(gates, c)  # (B, H)
-        return h, c, context, beta, log_alpha, log_prob, region, log_q
+        return h, c, context, beta, log_alpha, log_prob, region, record
 
     def compile_recurrence(self, backend: str = "inductor", **options) -> None:  # noqa: ANN003
         """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``).
@@ -232,6 +210,16 @@ class SATDecoder(CaptionDecoder):
         """
         self._compiled_recurrence = torch.compile(self._recurrence, backend=backend, dynamic=False, **options)
 
+
+    def _query_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything that reads h_{t-1} in one matmul: W_hh, the attention's W_h, f_beta [, the extension's rows]."""
+        weights = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
+        biases = [self.lstm.bias_hh.new_zeros(4 * self.hidden_dim), self.attention.hidden_proj.bias, self.gate.bias]
+        rows = self.extension.query_weights() if self.extension is not None else None
+        if rows is not None:
+            weights.append(rows[0])
+            biases.append(rows[1])
+        return torch.cat(weights), torch.cat(biases)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         """Teacher-forced pass over all steps.
@@ -246,66 +234,34 @@ class SATDecoder(CaptionDecoder):
             DecoderOutput with logits (B,T,V), attention alpha (B,T,N), attention_entropy (B,T),
             sample_log_probs (B,T) (hard attention in training mode), aux["beta"] (B,T),
             aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training),
-            aux["concept_pointer"] (B,T,K+1) the pointer's log q and aux["concept_probs"] (B,K) (concept prior).
+            and the extension's ``aux``.
         """
-        _, T = tokens.shape
-        H = self.hidden_dim
-        concepts, static = self.read_concepts(features)  # (B, K) or None, from the regions as the encoder gave them
-        prior = None if static is None else (static["concept_logp"], static["concept_maps"])
+        ext = self.extension
+        extra = ext.read(features) if ext is not None else {}  # from the regions as the encoder gave them
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if low is not None:  # autocast would cast the (B, N, D) features for every step's bmm: cast them once
             features = features.to(low)
         projected = self.attention.project(features)  # (B, N, A), 2 W_f f once per image
-        h, c = self._initial_hc(features, concepts)  # (B, H)
+        h, c = self._initial_hc(features, extra)  # (B, H)
         emb = self.embedding(tokens)  # (B, T, M)
-        w_ih = self.lstm.weight_ih  # (4H, M + D)
-        x_gates = F.linear(emb, w_ih[:, :self.embed_dim], self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
-        w_ctx = w_ih[:, self.embed_dim:]  # (4H, D)
-        # Everything that reads h_{t-1}: LSTM recurrence, attention query, gate -- one matmul per step.
-        w_query = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
-        b_query = [self.lstm.bias_hh.new_zeros(4 * H), self.attention.hidden_proj.bias, self.gate.bias]
-        if prior is not None:  # and the pointer's K+1 rows
-            w_query.append(self.concept_query.weight)
-            b_query.append(self.concept_query.bias)
-        w_query, b_query = torch.cat(w_query), torch.cat(b_query)
-        if low is not None:  # the per-step weights cast once too (what autocast's weight cache does in eager mode)
-            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
-            if prior is not None:
-                prior = (prior[0].to(low), prior[1].to(low))
-        pointer_words = self.concept_query_word(emb) if prior is not None else None  # (B, T, K+1) U_q E y
+        w_emb = self.lstm.weight_ih[:, :self.embed_dim]  # (4H, M)
+        x_gates = F.linear(emb, w_emb, self.lstm.bias_ih + self.lstm.bias_hh)  # (B, T, 4H)
+        steps = self._unroll(x_gates, h, c, projected, features, low, extra, emb)
 
-        hs, contexts, betas, log_alphas, sample_lps, regions, pointers = [], [], [], [], [], [], []
-        recurrence = self._compiled_recurrence or self._recurrence
-        for t in range(T):
-            h, c, context, beta, log_alpha, log_prob, region, log_q = recurrence(
-                x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
-                None if prior is None else (*prior, pointer_words[:, t]))
-            if log_q is not None:
-                pointers.append(log_q)
-            hs.append(h)
-            contexts.append(context)
-            betas.append(beta)
-            log_alphas.append(log_alpha)
-            if log_prob is not None:
-                sample_lps.append(log_prob)
-                regions.append(region)
-
-        beta = torch.cat(betas, dim=1)  # (B, T)
-        context = torch.stack(contexts, dim=1)  # (B, T, D)
-        log_alpha = torch.stack(log_alphas, dim=1)  # (B, T, N)
+        beta = torch.cat(steps["beta"], dim=1)  # (B, T)
+        context = torch.stack(steps["context"], dim=1)  # (B, T, D)
+        log_alpha = torch.stack(steps["log_alpha"], dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
-        concept_out = self.out_concepts(concepts.to(emb.dtype)).unsqueeze(1) if concepts is not None else None
-        logits = self._deep_output(emb, torch.stack(hs, dim=1), beta.unsqueeze(-1) * context, concept_out)  # (B,T,V)
-        aux = {"beta": beta, "context": context}
-        if pointers:
-            aux["concept_pointer"] = torch.stack(pointers, dim=1)  # (B, T, K+1)
-            aux["concept_probs"] = concepts  # (B, K)
+        added = ext.output(extra) if ext is not None else None  # (B, M)
+        logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
+                                   None if added is None else added.unsqueeze(1))  # (B, T, V)
+        aux = {"beta": beta, "context": context, **(ext.aux(extra, steps["record"]) if ext is not None else {})}
         sample_log_probs = None
-        if sample_lps:
-            sample_log_probs = torch.stack(sample_lps, dim=1)  # (B, T)
-            aux["region"] = torch.stack(regions, dim=1)  # (B, T)
+        if steps["log_prob"]:
+            sample_log_probs = torch.stack(steps["log_prob"], dim=1)  # (B, T)
+            aux["region"] = torch.stack(steps["region"], dim=1)  # (B, T)
         return DecoderOutput(
             logits=logits,
             attention=alpha,
@@ -314,18 +270,47 @@ class SATDecoder(CaptionDecoder):
             aux=aux,
         )
 
+    def _unroll(self, x_gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
+                features: torch.Tensor, low: torch.dtype | None, extra: dict[str, torch.Tensor], emb: torch.Tensor
+                ) -> dict[str, list[Any]]:
+        """The recurrence over the T steps of x_gates (B,T,4H): per step h, context, beta, log alpha (hard
+        attention in training: the sampled log-prob and region) and the extension's records.
+
+        The weights every step reads are fused and, under autocast (``low``), cast once, as autocast's
+        weight cache does in eager mode; so are the extension's constants.
+        """
+        w_query, b_query = self._query_weights()
+        w_ctx = self.lstm.weight_ih[:, self.embed_dim:]  # (4H, D)
+        if low is not None:
+            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
+            extra = {k: v.to(low) for k, v in extra.items()}
+        words = self.extension.word_query(emb) if self.extension is not None else None  # (B, T, R)
+        steps: dict[str, list[Any]] = {key: [] for key in ("h", "context", "beta", "log_alpha", "log_prob", "region",
+                                                           "record")}
+        recurrence = self._compiled_recurrence or self._recurrence
+        for t in range(x_gates.shape[1]):
+            h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
+                                        None if self.extension is None else
+                                        (extra, None if words is None else words[:, t]))
+            steps["h"].append(h)
+            for key, value in zip(("context", "beta", "log_alpha", "log_prob", "region", "record"), outputs):
+                if value is not None:
+                    steps[key].append(value)
+        return steps
+
     # ------------------------------------------------------------------ stepping
 
     def init_state(self, features: torch.Tensor) -> State:
-        """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A)}, dynamic {h, c (B,H)})."""
-        concepts, prior = self.read_concepts(features)
+        """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A), the extension's constants},
+        dynamic {h, c (B,H)})."""
+        ext = self.extension
+        extra = ext.read(features) if ext is not None else {}
         features = self._regions(features)
-        h, c = self._initial_hc(features, concepts)
-        static = {"features": features, "projected": self.attention.project(features)}
-        if concepts is not None:
-            static["concepts"] = self.out_concepts(concepts.to(h.dtype))  # (B, M) L_p p
-        if prior is not None:
-            static.update(prior)
+        h, c = self._initial_hc(features, extra)
+        static = {"features": features, "projected": self.attention.project(features), **extra}
+        added = ext.output(extra) if ext is not None else None
+        if added is not None:
+            static["extension_output"] = added  # (B, M)
         return State(static=static, dynamic={"h": h, "c": c})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
@@ -333,14 +318,14 @@ class SATDecoder(CaptionDecoder):
         emb = self.embedding(prev_tokens)  # (B, M)
         h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
         log_alpha = self.attention(state.static["projected"], h)  # (B, N)
-        if self.concept_prior:
-            pointer = self.concept_query(h) + self.concept_query_word(emb)  # (B, K+1)
-            log_alpha, _ = self._apply_prior(log_alpha, pointer, state.static["concept_logp"],
-                                             state.static["concept_maps"])
+        if self.extension is not None:
+            rows = self.extension.query_weights()
+            log_alpha, _ = self.extension.filter_attention(log_alpha, None if rows is None else F.linear(h, *rows),
+                                                           self.extension.word_query(emb), state.static)
         context, _, _ = self._context(log_alpha, state.static["features"])  # (B, D)
         gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
         h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
-        log_probs = F.log_softmax(self._deep_output(emb, h, gated, state.static.get("concepts")), dim=-1)  # (B, V)
+        log_probs = F.log_softmax(self._deep_output(emb, h, gated, state.static.get("extension_output")), dim=-1)
         return log_probs, State(state.static, {"h": h, "c": c}), log_alpha.exp()
 
 
@@ -359,9 +344,5 @@ def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: i
         hard_soft_prob=cfg.hard_soft_prob,
         grid=grid,
         region_positions=cfg.region_positions,
-        concepts=cfg.concepts,
-        concept_hidden=cfg.concept_hidden,
-        concept_pooling=cfg.concept_pooling,
-        concept_sharpness=cfg.concept_sharpness,
-        concept_prior=cfg.concept_prior,
+        **cfg.reading_options(),
     )

@@ -2,7 +2,8 @@
 
 Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...)``
 holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``, ``resnet50``,
-``resnet101``; ``captioner.models.encoder`` registers ``efficientnet_lite0``). Decoders:
+``resnet101``, ``efficientnet_lite0/1/2``, and the family ``timm/<model>`` through
+``register_encoder_family``). Decoders:
 ``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) ->
 CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
 
@@ -87,11 +88,23 @@ def register_encoder(name: str, **entry: object) -> EncoderEntry:
     return registered
 
 
+_FAMILIES: dict[str, Callable[[str], EncoderEntry]] = {}
+
+
+def register_encoder_family(prefix: str, entry_for: Callable[[str], EncoderEntry]) -> None:
+    """Register encoders named ``<prefix><model>`` (``timm/``): ``entry_for(model)`` makes each one's entry."""
+    _FAMILIES[prefix] = entry_for
+
+
 def encoder_entry(name: str) -> EncoderEntry:
-    """The registered encoder ``name``; ConfigError listing the registered ones otherwise."""
-    if name not in _ENCODERS:
-        raise ConfigError(f"encoder.name={name!r} is not a known encoder; registered: {', '.join(_ENCODERS)}")
-    return _ENCODERS[name]
+    """The registered encoder ``name`` (or its family's); ConfigError listing the registered ones otherwise."""
+    if name in _ENCODERS:
+        return _ENCODERS[name]
+    for prefix, entry_for in _FAMILIES.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return entry_for(name[len(prefix):])
+    raise ConfigError(f"encoder.name={name!r} is not a known encoder; registered: "
+                      f"{', '.join([*_ENCODERS, *(f'{p}<model>' for p in _FAMILIES)])}")
 
 
 DecoderBuilder = Callable[..., CaptionDecoder]

@@ -8,7 +8,6 @@ weights)::
 
     x = x + Drop(SelfAttn(LN(x)))          causal, fused kernel
     x = x + Drop(CrossAttn(LN(x), memory)) memory = LN(Linear(features)) + row/col embedding
-                                           [then the concept tokens, when the decoder reads concepts]
     x = x + Drop(FFN(LN(x)))
 
 The overlay view ``attention`` is the last layer's cross-attention averaged over heads; only that
@@ -19,27 +18,16 @@ keeps a key/value cache of the self-attention (``State.dynamic``), so one step c
 of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
 causal attention never lets a real token see a later one.
 
-Concepts (``concepts=K``, You et al. 2016, semantic attention over detected attribute words): the
-decoder holds a frozen concept head (``CaptionDecoder.add_concept_head``) and appends the photo's
-T = min(:data:`CONCEPT_TOKENS`, K) most probable concepts to the memory, after the N regions, as
-tokens ``LN(W_w E[id_t] + p_t u)`` (:class:`ConceptTokens`; E the decoder's own word embedding,
-p_t the concept's probability, W_w a d x d linear map, u a learned d-vector). Every layer's
-cross-attention reads N + T keys, and the key/value cache of ``init_state`` holds them too. The
-attention the decoder *reports* (``attention``, ``all_attention``, ``step``'s) stays a distribution
-over the N regions: the concept-token columns are dropped and the rest renormalised
-(:meth:`TransformerCaptionDecoder.region_weights`), so overlays, entropy, attention correctness and
-the guide terms read regions only.
-
-The concept prior (``concept_prior``, with concepts read; as SAT's in ``captioner.models.lstm``): the
-last layer's cross-attention, the one the overlays show, gets a pointer over the photo's K concepts and
-"none", read from the same normed token state as its queries, q = softmax([W_q x]_{1..K} + log P(k in
-image); [W_q x]_{K+1}); its region scores of every head get ``lambda log(N prior)`` added, with
-prior = sum_k q_k m_k + q_none / N (m_k the concepts' maps, lambda learned from 1; 0 on the concept
-tokens, and on the regions when q says "none"). The pointer's log q is ``aux["concept_pointer"]``.
+An optional addition (the concept reading, ``captioner.models.concepts.TransformerConcepts``) is one
+component, ``self.extension`` (a :class:`~captioner.models.base.TransformerExtension`), called at named
+points: tokens appended to the memory after the N regions (the attention the decoder reports stays a
+distribution over the regions: :meth:`TransformerCaptionDecoder.region_weights`), a bias of the last
+layer's cross-attention, ``aux``.
 
 Multi-head attention (:class:`MultiHeadAttention`) can return its weights (for overlays) or take
 the fused fast path. Shape legend there: Tq query steps, Tk key steps (tokens for self-attention,
-N regions, plus any concept tokens, for cross-attention). Two paths compute the same thing, softmax(Q K^T / sqrt(dh)) V:
+N regions, plus any memory tokens of the extension, for cross-attention). Two paths compute the same
+thing, softmax(Q K^T / sqrt(dh)) V:
 
 * fused: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels
   where available); it cannot return the weights;
@@ -62,12 +50,11 @@ from torch import nn
 from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.grids import attention_entropy
-from captioner.models.base import CaptionDecoder, DecoderOutput, State
-from captioner.models.concepts import SHARPNESS
+from captioner.models.base import CaptionDecoder, DecoderOutput, State, TransformerExtension
+from captioner.models.concepts import CONCEPT_TOKENS, TransformerConcepts  # noqa: F401 (the tokens it adds)
 from captioner.models.registry import register_decoder
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
-CONCEPT_TOKENS = 10  # memory tokens of a photo's most probable concepts (fewer when the decoder reads fewer)
 
 
 class MultiHeadAttention(nn.Module):
@@ -197,29 +184,6 @@ class RegionEmbedding(nn.Module):
         return self.norm(self.proj(features)) + pos  # (B, N, d)
 
 
-class ConceptTokens(nn.Module):
-    """A photo's most probable concepts as memory tokens: probabilities (B, K) -> tokens (B, T, d).
-
-    ``token_t = LN(W_w E[id_t] + p_t u)`` for the T = min(:data:`CONCEPT_TOKENS`, K) concepts of highest
-    probability p_t, most probable first; ``id_t`` is the concept's vocabulary id and E the decoder's word
-    embedding (shared, so a concept token starts out as the word it names). ``u`` tells the decoder how
-    surely the photo shows the concept.
-    """
-
-    def __init__(self, d_model: int, concepts: int) -> None:
-        super().__init__()
-        self.count = min(CONCEPT_TOKENS, concepts)  # T
-        self.word = nn.Linear(d_model, d_model, bias=False)  # W_w
-        self.prob = nn.Parameter(torch.randn(d_model) * d_model**-0.5)  # u
-        self.norm = nn.LayerNorm(d_model)
-
-    def forward(self, probs: torch.Tensor, concept_ids: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
-        """probs (B, K), concept_ids (K,) vocabulary ids, embed: E -> tokens (B, T, d)."""
-        p, index = probs.topk(self.count, dim=-1)  # (B, T) each
-        words = embed(concept_ids[index])  # (B, T, d)
-        return self.norm(self.word(words) + p.unsqueeze(-1).to(words.dtype) * self.prob)  # (B, T, d)
-
-
 class DecoderBlock(nn.Module):
     """One pre-norm block: causal self-attention, cross-attention over regions, feed-forward."""
 
@@ -242,7 +206,7 @@ class DecoderBlock(nn.Module):
         Args:
             x: (B, T, d) token states; T must be 1 when ``past`` is given.
             memory: this layer's projected memory keys/values, (B, H, S, dh) each (S = N regions,
-                plus the concept tokens when the decoder reads concepts).
+                plus the extension's memory tokens).
             past: cached self-attention keys/values of earlier steps, (B, H, t, dh) each.
             need_weights: return the cross-attention weights.
             cross_bias: normed token states (B, T, d) -> a bias (B, 1, T, S) of the cross-attention scores.
@@ -282,11 +246,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
         max_len: longest caption in words; sets the precomputed position table (longer inputs
             still work, the sinusoids are extended on the fly).
         tie_embeddings: share the token embedding with the output projection.
-        concepts, concept_hidden, concept_pooling, concept_sharpness: K and the shape of the frozen concept
-            head (``CaptionDecoder.add_concept_head``); K > 0 appends the photo's top concepts to the memory
-            as :class:`ConceptTokens` (module docstring). 0: no concepts.
-        concept_prior: the last layer's cross-attention follows the maps of the concepts a pointer expects
-            next (module docstring); needs ``concepts``.
+        extension: an optional addition joined at the named points (:class:`TransformerExtension`).
+        **reading: ``TransformerConcepts``' options (``concepts=K``, ``concept_prior``, ...), built as the extension.
     """
 
     def __init__(
@@ -301,11 +262,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
         dropout: float = 0.1,
         max_len: int = 50,
         tie_embeddings: bool = False,
-        concepts: int = 0,
-        concept_hidden: int = 512,
-        concept_pooling: str = "lse",
-        concept_sharpness: float = SHARPNESS,
-        concept_prior: bool = False,
+        extension: TransformerExtension | None = None,
+        **reading: Any,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -327,10 +285,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
         self.out = nn.Linear(d_model, vocab_size)
         if tie_embeddings:
             self.out.weight = self.embed.weight
-        self.add_concept_head(feature_dim, concepts, concept_hidden, concept_pooling, concept_sharpness)
-        if concepts:
-            self.concept_tokens = ConceptTokens(d_model, concepts)
-        self.add_concept_prior(d_model, concept_prior)  # W_q reads the last layer's normed token state
+        if reading:
+            extension = TransformerConcepts.build(feature_dim, d_model, **reading)
+        self.extension = extension
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """``positions`` is not stored in checkpoints: the sinusoidal table of its shape."""
@@ -347,15 +304,14 @@ class TransformerCaptionDecoder(CaptionDecoder):
         x = self.embed(tokens) * self.embed_scale + table[start:end].to(self.embed.weight.dtype)  # (B, T, d)
         return self.drop(x)
 
-    def _memory(self, features: torch.Tensor, probs: torch.Tensor | None) -> list[KV]:
+    def _memory(self, features: torch.Tensor, extra: dict[str, torch.Tensor]) -> list[KV]:
         """Project the memory once: per layer (keys, values), (B, H, S, dh) each.
 
-        S = N regions, then the T concept tokens when the decoder reads concepts (S = N + T; ``probs``
-        (B, K), P(concept in image) from :meth:`read_concepts`, else None).
+        S = N regions, then the extension's memory tokens, if any (``extra``: its constants).
         """
         memory = self.regions(features)  # (B, N, d)
-        if probs is not None:
-            tokens = self.concept_tokens(probs, self.concept_ids, self.embed)  # (B, T, d)
+        tokens = self.extension.memory(extra, self.embed) if self.extension is not None else None  # (B, T, d)
+        if tokens is not None:
             memory = torch.cat([memory, tokens.to(memory.dtype)], dim=1)  # (B, N + T, d)
         memory = self.drop(memory)
         # contiguous once here, so the per-step matmuls do not copy them at every step
@@ -364,9 +320,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
     def region_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """Cross-attention weights (..., S) -> the attention reported over the N regions (..., N).
 
-        Without concepts S = N and the weights pass as they are. With them the concept-token columns
-        (the last T) are dropped and the region columns renormalised to sum to one: the share of
-        attention each region gets among the regions (the softmax of the region scores alone).
+        Without memory tokens S = N and the weights pass as they are. With them their columns (the last
+        S - N) are dropped and the region columns renormalised to sum to one: the share of attention each
+        region gets among the regions (the softmax of the region scores alone).
         """
         n = self.regions.grid**2
         if weights.shape[-1] == n:
@@ -374,40 +330,28 @@ class TransformerCaptionDecoder(CaptionDecoder):
         regions = weights[..., :n]
         return regions / regions.sum(-1, keepdim=True).clamp_min(torch.finfo(regions.dtype).tiny)
 
-    def _prior_bias(self, prior_static: dict[str, torch.Tensor], memory_size: int, pointers: list[torch.Tensor]
-                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The last layer's cross-attention bias of the concept prior: normed token states (B, T, d) ->
-        (B, 1, T, S), ``lambda log(N prior)`` on the N region columns, 0 on the concept tokens; the
-        pointer's log q (B, T, K+1) is appended to ``pointers``."""
-
-        def bias(h: torch.Tensor) -> torch.Tensor:
-            maps = prior_static["concept_maps"]  # (B, K, N)
-            prior, log_q = self.concept_prior_map(self.concept_query(h), prior_static["concept_logp"], maps)
-            pointers.append(log_q)
-            n = maps.shape[-1]
-            regions = self.prior_scale * (prior * n).clamp(min=1e-12).log()  # (B, T, N), 0 where uniform
-            return F.pad(regions, (0, memory_size - n)).unsqueeze(1).to(h.dtype)  # (B, 1, T, S)
-
-        return bias
-
     def _run(
         self, x: torch.Tensor, memory: list[KV], pasts: list[KV] | None, need_all: bool,
-        prior_static: dict[str, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV], torch.Tensor | None]:
+        extra: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[KV], list[Any]]:
         """Blocks + final norm. Returns (h (B, T, d), cross weights over the regions per layer that
-        returned them (B, H, T, N), new self-attention keys/values per layer, the concept prior's
-        pointer log q (B, T, K+1) or None)."""
-        weights, presents, pointers = [], [], []
+        returned them (B, H, T, N), new self-attention keys/values per layer, the extension's records)."""
+        weights, presents, records = [], [], []
+
+        def extension_bias(h: torch.Tensor) -> torch.Tensor | None:  # the last layer's, from the extension
+            bias, record = self.extension.cross_bias(h, extra, memory[-1][0].shape[2])
+            if record is not None:
+                records.append(record)
+            return bias
+
         for i, block in enumerate(self.blocks):
             last = i == self.num_layers - 1
-            bias = (self._prior_bias(prior_static, memory[i][0].shape[2], pointers)
-                    if last and prior_static is not None else None)
             x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need_all or last,
-                             cross_bias=bias)
+                             cross_bias=extension_bias if last and self.extension is not None else None)
             if w is not None:
                 weights.append(self.region_weights(w))
             presents.append(kv)
-        return self.ln_final(x), weights, presents, (pointers[0] if pointers else None)
+        return self.ln_final(x), weights, presents, records
 
     # ------------------------------------------------------------------ CaptionDecoder API
 
@@ -421,21 +365,18 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
         Returns:
             ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T)
-            and all_attention (B, T, L, H, N) when asked; with concepts, attention over the regions
-            only (:meth:`region_weights`); with the concept prior, aux["concept_pointer"] (B, T, K+1)
-            and aux["concept_probs"] (B, K).
+            and all_attention (B, T, L, H, N) when asked, over the regions only (:meth:`region_weights`);
+            the extension's ``aux``.
         """
-        probs, prior = self.read_concepts(features)  # from the regions as the encoder gave them
-        memory = self._memory(features, probs)  # L x (B, H, S, dh)
-        h, weights, _, log_q = self._run(self._embed(tokens, 0), memory, None, need_all_attention, prior)  # (B, T, d)
+        extra = self.extension.read(features) if self.extension is not None else {}  # from the regions as given
+        memory = self._memory(features, extra)  # L x (B, H, S, dh)
+        h, weights, _, records = self._run(self._embed(tokens, 0), memory, None, need_all_attention, extra)  # (B,T,d)
         logits = self.out(h)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
         all_attention = None
         if need_all_attention:
             all_attention = torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, T, L, H, N)
-        aux = {}
-        if log_q is not None:
-            aux = {"concept_pointer": log_q, "concept_probs": probs}
+        aux = self.extension.aux(extra, records) if self.extension is not None else {}
         return DecoderOutput(logits=logits, attention=attention, all_attention=all_attention,
                              attention_entropy=attention_entropy(attention), aux=aux)
 
@@ -448,17 +389,15 @@ class TransformerCaptionDecoder(CaptionDecoder):
                 prefix at every step (same outputs; the baseline of ``scripts/benchmarks/bench_transformer.py``).
 
         Returns:
-            State with static ``memory_k``/``memory_v`` (L x (B, H, S, dh); S = N regions, + T concept
-            tokens when the decoder reads concepts) and dynamic
+            State with static ``memory_k``/``memory_v`` (L x (B, H, S, dh); S = N regions, + the extension's
+            memory tokens) and the extension's constants, and dynamic
             ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
             tokens consumed).
         """
-        probs, prior = self.read_concepts(features)
-        memory = self._memory(features, probs)
+        extra = self.extension.read(features) if self.extension is not None else {}
+        memory = self._memory(features, extra)
         b = features.shape[0]
-        static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory]}
-        if prior is not None:
-            static.update(prior)
+        static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory], **extra}
         dynamic: dict[str, Any] = {"step": 0}
         if use_cache:
             empty = memory[0][0].new_zeros(b, self.num_heads, 0, self.d_model // self.num_heads)  # (B, H, 0, dh)
@@ -484,17 +423,16 @@ class TransformerCaptionDecoder(CaptionDecoder):
             the regions only).
         """
         memory = list(zip(state.static["memory_k"], state.static["memory_v"]))
-        prior = state.static if self.concept_prior else None
         past = state.dynamic
         dynamic: dict[str, Any] = {"step": past["step"] + 1}
         if "prefix" in past:  # uncached: re-run every earlier token
             prefix = torch.cat([past["prefix"], prev_tokens[:, None]], dim=1)  # (B, t+1)
-            h, weights, _, _ = self._run(self._embed(prefix, 0), memory, None, False, prior)  # (B, t+1, d)
+            h, weights, _, _ = self._run(self._embed(prefix, 0), memory, None, False, state.static)  # (B, t+1, d)
             dynamic["prefix"] = prefix
         else:
             x = self._embed(prev_tokens[:, None], past["step"])  # (B, 1, d)
             pasts = list(zip(past["self_k"], past["self_v"]))
-            h, weights, presents, _ = self._run(x, memory, pasts, False, prior)  # (B, 1, d)
+            h, weights, presents, _ = self._run(x, memory, pasts, False, state.static)  # (B, 1, d)
             dynamic["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
             dynamic["self_v"] = [v for _, v in presents]
         log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
@@ -518,9 +456,5 @@ def build_transformer_decoder(
         dropout=cfg.dropout,
         max_len=cfg.max_len,
         tie_embeddings=cfg.tie_embeddings,
-        concepts=cfg.concepts,
-        concept_hidden=cfg.concept_hidden,
-        concept_pooling=cfg.concept_pooling,
-        concept_sharpness=cfg.concept_sharpness,
-        concept_prior=cfg.concept_prior,
+        **cfg.reading_options(),
     )

@@ -1,61 +1,13 @@
 """The attention terms of cross-entropy training: boxes, and concept detectors.
 
-Each is a ``LossTerm`` of :class:`captioner.training.objective.CrossEntropy` (its ``name``, ``weight``,
-``stats`` and a call giving the unweighted term), built for a run by its ``build_*`` function, which
-returns None when the run does not ask for it; ``captioner.training.objective.build_cross_entropy`` asks
-them all.
-
-* :class:`AttentionSupervision` (``train.attention_supervision``): attention pulled onto the box of the
-  object a word names (below).
-* :class:`ConceptGuide` (``train.concept_guide``): attention pulled towards the map of the concept a
-  word names, from a concept head learnt from captions alone (``captioner.models.concepts``).
-* :class:`ConceptPointer` (``train.concept_pointer``): the pointer of a decoder with
-  ``decoder.concept_prior`` learns which concept the next word names.
-
-Attention supervision from object boxes (Liu et al. 2017, "Attention Correctness in Neural Image
-Captioning"): the term that pulls a word's attention onto the box of the object it names.
+Each is a ``LossTerm`` of ``CrossEntropy`` built for a run by its ``build_*`` function (None when
+the run does not ask for it): ``AttentionSupervision`` (``train.attention_supervision``: a word's
+attention onto the box of the object it names, Liu et al. 2017), ``ConceptGuide``
+(``train.concept_guide``: towards the map of the concept it names) and ``ConceptPointer``
+(``train.concept_pointer``: the concept prior's pointer names the next word's concept).
+docs/grounding.md explains the terms.
 
 Shape legend: B batch, T caption steps, N regions.
-
-``coverage`` (B, T, N) holds, for each target word that names an object, each region's share of
-area inside that object's box (``captioner.evaluation.attention_metrics.box_coverage``), and zeros for every
-other word: a word with an all-zero row is not supervised and contributes nothing. Two forms:
-
-* ``"mass"``: ``-log sum_n alpha_n coverage_n``, minus the log of the attention mass
-  inside the box: exactly the quantity attention correctness measures. It is 0 once all the
-  attention is in the box, wherever in the box it sits, so the decoder may stay as sharp as it
-  likes; and for an ambiguous word whose target is the union of several boxes it asks for "one of
-  them", never for all of them.
-* ``"cross_entropy"`` (Liu et al.; default): ``-sum_n p_n log alpha_n`` with ``p = coverage / sum(coverage)``,
-  the cross-entropy to the box's normalised mask; it also asks the attention to spread over the box
-  as its area is (its minimum is ``alpha = p``). The value returned is that cross-entropy minus the
-  target's own entropy ``-sum_n p_n log p_n``, a constant per word: the KL divergence
-  ``KL(p || alpha)``, with the same gradient, 0 at the optimum. So, like the other terms, its
-  logged value and its share of the loss say how far the attention is from the target (the raw
-  cross-entropy never falls below the entropy of the box, log 4 for a box over four regions).
-
-Either is averaged over the supervised words of the batch and weighted by ``weight``
-(``train.attention_supervision``). docs/grounding.md says which was chosen and why.
-
-``train.attention_supervision``: the training step's hook for attention supervised by object boxes.
-
-Shape legend: B batch, T caption steps, N regions.
-
-:class:`GroundingTargets` turns a training batch's target words and image indices into box
-coverages (B, T, N): the words are matched to objects as attention correctness matches them
-(``captioner.evaluation.attention_metrics.find_mentions``: the scenes' shapes with their colour and size
-words, COCO categories with synonyms and plurals, or the dataset's own category names), bound to
-boxes by ``captioner.evaluation.attention_metrics.bind_mentions``, and each box is laid on the region grid by
-``box_coverage``. Images without boxes (no entry in ``instances_<split>.json``) give all-zero rows:
-their captions train without the term. A caption's binding is computed once and remembered.
-
-:class:`AttentionSupervision` is the term :func:`grounding_loss` as
-one of the cross-entropy objective's extra terms (``captioner.training.objective.LossTerm``): the
-objective adds ``weight *`` it to the loss and logs ``grounding`` (unweighted, per supervised word)
-and ``weighted_grounding`` (so ``share_grounding`` and the regulariser warning see it), and the
-term's ``stats``: ``grounded_words`` (share of target words supervised) and ``grounding_in_box``
-(their attention mass inside the box). :func:`build_attention_supervision` makes it for a run
-(``captioner.training.objective.build_cross_entropy`` asks), or returns None.
 """
 
 from __future__ import annotations

@@ -1,62 +1,11 @@
 """Detector learners: words found in image regions, learnt from captions alone (Fang et al. 2015).
 
-Two learners share the multiple-instance idea (an image's score for a word pools its regions'
-scores): **word detectors** pretrain the demo's from-scratch CNN encoder on pixels, and **concept
-detectors** fit a concept head over a frozen encoder's cached region features of real photos.
-
-Word detectors: encoder pretraining
------------------------------------
-
-Encoder pretraining from captions alone: multiple-instance word detectors (Fang et al. 2015).
+Word detectors pretrain the demo's from-scratch CNN encoder (``pretrain_word_detectors``); concept
+detectors fit a ``ConceptHead`` over a frozen encoder's cached features (``learn_concepts``,
+``train_concepts``, ``captioner concepts``) and join a training run (``with_concept_input``,
+``install_concepts``). docs/concepts.md explains both.
 
 Shape legend: B images, D feature width, g grid side, N = g*g regions, V vocabulary.
-
-A captioning encoder is normally an ImageNet classifier: its region features already say *what*
-is *where*. For a CNN trained from scratch (the demo's) this module gives the same property
-from the training captions, before any decoder sees it. A 1x1 convolution on the pooled
-``g x g`` map scores every vocabulary word at every region, and an image's score for a word is a
-soft maximum over its regions, ``(1/r) logsumexp_i(r s_wi)``. Binary cross-entropy against
-"does the word occur in any of the image's captions" then trains the CNN so that some region
-fires for "red" or "circle" exactly when the image holds one: the evidence for a word has to sit
-in one region's feature, which is what attention can then find.
-
-With ``boxes=True`` and object boxes for the training split (``instances_<split>.json``), the
-words that name a box (the object words and their colour and size words, bound to boxes as
-attention supervision binds them: ``captioner.training.attention_terms``) are also trained **region by
-region**: each region's score for the word against its coverage by the word's box. The MIL loss
-lets a detector fire wherever the word's evidence correlates (a "purple" detector on stars, when
-most stars are purple); the region loss asks it to fire on the purple object and nowhere else, so
-each region's feature describes the object in it, one attribute at a time.
-
-``recolour`` breaks the other half of the correlation. When the training captions never show a
-yellow cross, a "cross" detector loses nothing by ignoring yellow things, and a decoder over those
-features then names a yellow cross "a yellow star". Showing a share of the images with their colour
-channels permuted (red things green, yellow things cyan...), with the hue words left out of those
-images' loss, makes every other detector hold for any colour: measured on the demo's compositional
-split (docs/grounding.md), the unseen colour-shape pairs named right went from about 36% to over 90%.
-
-``pretrain_word_detectors(cfg, out, seconds=...)`` writes the trained trunk as a safetensors file
-for ``encoder.weights`` (the head is dropped); freeze the encoder and cache its features for the
-decoders (see ``captioner.demo.pipeline``).
-
-Concept detectors: real photos
-------------------------------
-
-Learning concept detectors from captions over cached region features, and using them in training.
-
-Shape legend: C images, N regions, D feature width, K concepts, B batch, T caption steps.
-
-:func:`train_concepts` fits a :class:`captioner.models.concepts.ConceptHead` by multiple-instance
-learning (Fang et al. 2015): an image's concept score pools its regions' scores, and binary
-cross-entropy against "how many of the image's captions use the word" (0, 0.2, ..., 1: five
-annotators are five noisy votes) trains it. It reads the frozen encoder's feature cache, so it
-trains in minutes on a CPU and never touches pixels. :func:`average_precision` scores it on
-held-out images; :func:`concept_pointing` asks whether a concept's map peaks inside the box of
-the object it names (COCO boxes: the concept word must be a category word).
-
-A run reads a concepts file (``train.concepts``): :func:`with_concept_input` sizes its decoder (SAT
-or the Transformer) to read the concepts and :func:`install_concepts` copies the head in; the guide term is
-``captioner.training.attention_terms.ConceptGuide``.
 """
 
 from __future__ import annotations
@@ -437,7 +386,7 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
         order = torch.randperm(len(train_features), generator=gen)
         total, count = 0.0, 0
         batches = range(0, len(order), batch_size)
-        for i in tqdm(batches, desc=f"concepts epoch {epoch + 1}/{epochs}", disable=not progress, leave=False):
+        for i in tqdm(batches, desc=f"concepts epoch {epoch + 1}/{epochs}", disable=not progress or None, leave=False):
             index = order[i:i + batch_size].sort().values
             loss = mil_loss(head, _rows(train_features, index.tolist()), train_targets[index])
             opt.zero_grad(set_to_none=True)
@@ -584,6 +533,41 @@ def check_output_file(out: str | os.PathLike, overwrite: bool, option: str) -> P
     return out
 
 
+def _cross_fit(make_head: Any, train_rows: Any, train_targets: torch.Tensor, dev_rows: Any, dev_targets: torch.Tensor,
+               folds: int, epochs: int, seed: int, progress: bool, extra: dict[str, Any]
+               ) -> tuple[list[ConceptHead], str]:
+    """``learn_concepts``' fold heads (:func:`train_fold_heads`), their figures added to ``extra``, and a report line."""
+    started = time.perf_counter()
+    fold_heads, measured = train_fold_heads(make_head, train_rows, train_targets, dev_rows, dev_targets, folds, epochs,
+                                            seed=seed, progress=progress)
+    extra.update(measured)
+    return fold_heads, (
+        f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos left "
+        f"out): dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; each training photo "
+        f"by the head that never saw it: 10 most probable concepts "
+        f"{100 * measured['out_of_fold_train_top10']:.1f}% in its captions, mAP "
+        f"{measured['out_of_fold_train_map']:.3f} (the full head: {extra['train_map']:.3f}); "
+        f"{time.perf_counter() - started:.0f} s")
+
+
+def _box_report(cfg: Any, encoder: Any, head: ConceptHead, boxes: str, boxes_split: str, progress: bool,
+                extra: dict[str, Any]) -> str:
+    """How well the concepts' maps find the objects of a COCO folder with boxes (added to ``extra``): a report line."""
+    box_set = check_images(load_caption_set(boxes, boxes_split, None), skip_missing=True)
+    instances = load_instances(boxes, boxes_split)
+    if instances is None:
+        raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
+    box_cache = _cache(cfg, encoder, box_set, progress)
+    valid = box_cache.valid_indices()
+    pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,
+                                cfg.model.encoder)
+    extra["boxes"] = {key: pointing[key] for key in ("ratio", "pointing_accuracy", "words_scored")}
+    if pointing["ratio"] is None:
+        return f"COCO boxes ({boxes}): no concept word names a COCO category there"
+    return (f"COCO boxes ({boxes}): maps {pointing['ratio']:.2f}x uniform inside the named object's "
+            f"box, peak inside it {100 * pointing['pointing_accuracy']:.0f}% ({pointing['words_scored']} words)")
+
+
 def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int = 8, hidden: int = 512,
                    pooling: str = "lse", boxes: str | None = None, boxes_split: str = "train2017",
                    progress: bool = True, folds: int = 0, overwrite: bool = False) -> str:
@@ -647,31 +631,14 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
                  f"{100 * extra['train_top10']:.1f}% on the training photos the head trained on")
     fold_heads: list[ConceptHead] = []
     if folds:
-        started = time.perf_counter()
-        fold_heads, measured = train_fold_heads(
-            lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows, train_targets,
-            Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs, seed=cfg.train.seed, progress=progress)
-        extra.update(measured)
-        lines.append(f"{folds} fold heads for cross-fitting ({', '.join(map(str, measured['fold_sizes']))} photos left "
-                     f"out): dev mAP {', '.join(f'{m:.3f}' for m in measured['fold_dev_map'])}; each training photo "
-                     f"by the head that never saw it: 10 most probable concepts "
-                     f"{100 * measured['out_of_fold_train_top10']:.1f}% in its captions, mAP "
-                     f"{measured['out_of_fold_train_map']:.3f} (the full head: {extra['train_map']:.3f}); "
-                     f"{time.perf_counter() - started:.0f} s")
+        fold_heads, line = _cross_fit(lambda: ConceptHead(train_cache.dim, words, hidden, pooling=pooling), train_rows,
+                                      train_targets, Remap(dev_cache.loader(), dev_valid), dev_targets, folds, epochs,
+                                      cfg.train.seed, progress, extra)
+        lines.append(line)
     else:
         lines.append("(captioner concepts --folds F gives each training photo concepts from a head that never saw it)")
     if boxes:
-        box_cache = _cache(cfg, encoder, box_set, progress)
-        valid = box_cache.valid_indices()
-        pointing = concept_pointing(head, Remap(box_cache.loader(), valid), box_set.subset(valid), instances,
-                                    cfg.model.encoder)
-        extra["boxes"] = {key: pointing[key] for key in ("ratio", "pointing_accuracy", "words_scored")}
-        if pointing["ratio"] is not None:
-            lines.append(f"COCO boxes ({boxes}): maps {pointing['ratio']:.2f}x uniform inside the named object's "
-                         f"box, peak inside it {100 * pointing['pointing_accuracy']:.0f}% "
-                         f"({pointing['words_scored']} words)")
-        else:
-            lines.append(f"COCO boxes ({boxes}): no concept word names a COCO category there")
+        lines.append(_box_report(cfg, encoder, head, boxes, boxes_split, progress, extra))
     save_concepts(head, out, extra, folds=fold_heads)
     lines.append(f"wrote {out}")
     return "\n".join(lines)

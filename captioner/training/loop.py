@@ -1,58 +1,11 @@
-"""The training loop: ``train(cfg, out_dir)`` builds a run and runs its epochs, each followed by validation and a save.
+"""The training loop: ``train(cfg, out_dir)`` builds a run and runs its epochs, each followed by
+validation (real decoding, BLEU and CIDEr-D: ``validate``, ``score``) and a save.
+
+A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors``, ``latest.safetensors``,
+``train_state.pt`` (to resume exactly), ``metrics.csv`` and ``features/``. docs/training.md explains
+validation, resumption and multi-GPU runs.
 
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), N regions, D feature width.
-
-A run folder holds ``config.json``, ``vocab.json``, ``best.safetensors`` (best validation
-``train.select_metric``), ``latest.safetensors``, ``train_state.pt`` (everything needed to resume
-exactly), ``metrics.csv``, ``features/`` (cached encoder features, frozen encoder only) and
-``tensorboard/`` (if installed). A run keeps the selection metric it started with when resumed.
-
-**Validation** decodes captions for real, the way ``captioner evaluate`` does by default (beam
-``train.val_beam`` = 3, ``train.val_max_len`` = 20 words, no ``<unk>``). :func:`validate` runs on
-one shard of the validation images (one per rank under torchrun) and returns hypotheses and
-references; :func:`score` merges the shards and computes BLEU-1..4 (0-1 scale), CIDEr-D
-(coco-caption's scale, document frequencies from the validation references, as ``captioner
-evaluate`` computes it on its split) and the mean attention entropy per generated word, identically
-on every rank. The end of an epoch (:func:`end_of_epoch`) updates the best score, early stopping and
-the plateau decay (``train.select_metric``, CIDEr-D by default), writes the epoch row of
-``metrics.csv`` and saves ``latest.safetensors`` (and ``best.safetensors``), then
-``train_state.pt`` last; non-finite weights are never saved.
-
-**The objective** is an object chosen once, when the run is built (:func:`build_objective`): the
-names are the config's (``captioner.config.schema.OBJECTIVES``, validated there); each maps to a
-builder ``fn(cfg, train_set, vocab) -> Objective`` in :data:`BUILDERS`. Adding an objective adds a
-class (an :class:`captioner.training.objective.Objective`), its name in the config and a row there;
-the training step does not change. ``train.objective = "scst"`` trains with self-critical sequence
-training (:mod:`captioner.training.scst`) instead of cross-entropy.
-
-**Starting from a checkpoint's weights** (``captioner train --init CKPT``, ``train.init``) is how a
-training recipe is split into stages that share weights but not optimizer state: the SAT fine-tune
-(stage 1 with a frozen encoder on cached features, stage 2 with ``encoder.fine_tune=true`` on
-pixels), and later stages such as self-critical training. Only the weights and the vocabulary are
-taken; the optimizer, schedule, early-stopping counters and random streams start fresh. The
-checkpoint's model config must equal the run's except for the settings in :data:`INIT_FREE`, which
-change how the same weights are trained or used, never their shapes or their inputs. The run uses
-the checkpoint's vocabulary (the output layer's rows are its words), whatever its own data would
-have built. A run reading concepts (``train.concepts``) restricts them to that vocabulary and sizes its
-decoder by them before the check, so a stage after a concept model names the same concepts file::
-
-    init = load_init_checkpoint(cfg.train.init, cfg.model)   # refuses a different architecture
-    model = build_model(cfg.model, len(init.vocab), load_pretrained=False)
-    apply_init(model, init, init.vocab)                       # refuses a different vocabulary
-
-Under ``torchrun`` every rank runs this same code: the trained module is wrapped in
-``DistributedDataParallel``, loss statistics are summed over ranks, validation is sharded and
-gathered, and only rank 0 writes files, logs and progress bars.
-
-Failures: a non-finite loss stops the run with one line naming the step (``train.skip_nonfinite``
-skips such batches, and batches whose gradient norm is non-finite, instead; it still stops when
-the weights themselves become non-finite or after ``MAX_SKIPPED_IN_A_ROW`` skips in a row), and
-non-finite weights are never saved. An unreadable image stops it with one line naming the file,
-unless ``data.skip_missing`` drops it from its batch. A resume removes the temporary files of an
-interrupted checkpoint write and refuses a ``vocab.json`` other than the checkpoint's.
-
-What a run holds is :mod:`captioner.training.run`; one training step and the non-finite checks are
-:mod:`captioner.training.step`.
 """
 
 from __future__ import annotations

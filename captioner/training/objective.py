@@ -1,73 +1,12 @@
-"""The training objectives: what loss a batch gives, and the loss terms a run sums and logs.
+"""Training objectives: what loss a batch gives, and the loss terms a run sums and logs.
 
-One module for one idea: the objective interface (:class:`Objective`, :class:`Batch`, :class:`TrainModel`),
-the cross-entropy objective with its regularisers (:class:`CaptionLoss`) and the device-side sums
-of the loss terms between log lines (:class:`DeviceStats`). The attention terms cross-entropy training can
-add (boxes, concept guide, concept pointer) are :mod:`captioner.training.attention_terms`. Self-critical training, the other objective, is
-:mod:`captioner.training.scst`.
-
-Training objectives as objects: one call, ``objective.loss(model, batch) -> LossResult``.
+Main names: the interface (``Objective``, ``Batch``, ``LossResult``), ``CrossEntropy`` with its
+regularisers (``CaptionLoss``: label smoothing, the doubly stochastic penalty, REINFORCE for hard
+attention), ``LossTerm`` and ``DeviceStats``. Self-critical training is ``captioner.training.scst``;
+docs/training.md explains each term.
 
 Shape legend: B batch rows (caption items), T caption steps (with ``<bos>``/``<eos>``), N regions,
 D feature width, V vocabulary.
-
-The training step (:mod:`captioner.training.step`) never asks which objective it holds: it calls
-``loss``, backpropagates ``LossResult.total``, logs ``LossResult.objective`` and ``terms``, and
-weighs them by ``LossResult.captions``. An objective's ``state_dict`` (e.g. the REINFORCE moving
-averages of hard attention) is saved in ``train_state.pt`` under ``"criterion"``.
-
-* :class:`CrossEntropy` (``train.objective = "xe"``): teacher forcing on the batch's reference
-  captions, scored by :class:`captioner.training.objective.CaptionLoss`, plus any :class:`LossTerm` added to it.
-* :class:`captioner.training.scst.SelfCritical` (``train.objective = "scst"``): sampled captions,
-  rewarded.
-
-Which objective a run trains with is chosen once, when the run is built
-(:func:`captioner.training.loop.build_objective`).
-
-Caption training loss: cross-entropy, the doubly stochastic attention penalty, and REINFORCE
-for hard attention (Xu et al. 2015).
-
-Shape legend: B batch, T caption steps, V vocabulary, N regions.
-
-Step t of the decoder output predicts ``targets[:, t]``; steps whose target is ``pad_id`` are
-ignored everywhere (the decoder computes them, the loss masks them).
-
-* ``ce``: cross-entropy averaged over non-pad target tokens (optional label smoothing).
-* ``doubly_stochastic``: the coverage of region i over the caption is ``c_i = sum_t alpha_ti`` (t
-  over non-pad steps); the paper asks ``c_i = 1`` for every region, ``sum_i (1 - c_i)^2``
-  (``ds_form="sum"``). With N regions and T < N words that cannot hold and the penalty's minimum is
-  uniform attention: looking at one region per word costs ``T (N - T) / N`` more than looking
-  everywhere (11 nats per caption at 14 x 14). ``ds_form="mean"`` (the widely used tutorial)
-  averages over regions, which shrinks that pull by N but keeps its direction; measured on the
-  demo it still halves attention correctness. ``ds_form="excess"`` (default) keeps only the half
-  that can hold, ``mean_i max(0, c_i - 1)^2``: no region should receive more than one unit over
-  the caption. Uniform and one-region-per-word attention both cost 0; staring at one region for
-  the whole caption costs ``(T - 1)^2 / N``. Averaged over the batch, weighted by ``alpha_c``.
-* ``reinforce`` (hard attention, when the output carries ``sample_log_probs``): the reward of a
-  caption is its mean per-word log-likelihood given the sampled regions, ``r = mean_t log p(y_t)``
-  (no label smoothing, detached; the mean makes it independent of the caption length). A moving
-  average ``b`` of the batch-mean reward is the baseline and a moving average ``v`` of the
-  squared advantage its scale (buffers, initialised from the first batch, then
-  ``x <- decay * x + (1 - decay) * batch value``; the advantage uses them before the update). The
-  normalised advantage ``a = clamp((r - b) / sqrt(v), -5, 5)`` weighs the log-probability of every
-  sampled region: ``-reinforce_weight * sum_{b,t} a_b log p(s_bt) / (non-pad tokens)``, a token
-  mean like the cross-entropy, so its gradient stays on the cross-entropy's scale. The entropy
-  bonus ``-entropy_weight * mean attention entropy`` (non-pad steps) is added.
-
-``LossResult.total`` is what to backpropagate; ``LossResult.objective`` is the value worth
-watching: cross-entropy plus the weighted regularisers, without the REINFORCE surrogate, whose
-value is not a loss (its gradient is the point). ``LossResult.terms`` holds detached scalar
-tensors on the loss's device (reading them is a host sync: the training loop reads them only
-when it logs); ``LossResult.parts`` converts them to floats.
-
-Loss statistics kept on the device between log lines, so a training step never waits for the host.
-
-Every step adds its caption-weighted loss terms to one device tensor and records, still on the
-device, the first step whose loss or gradient norm was not finite. ``read()`` (at ``log_every``,
-at the end of an epoch and when the time budget runs out) is the one host synchronisation: it
-returns the means since the last read and the first non-finite step, which the loop turns into
-the same one-line error as a per-step check would (the weights of a failed window are never
-saved: the epoch-end save refuses non-finite weights).
 """
 
 from __future__ import annotations

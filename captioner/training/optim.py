@@ -28,12 +28,6 @@ On top of the shapes, :meth:`GroupSchedule.decay` multiplies every group by a fa
 epoch-level plateau and step decays of ``train.decay_*``); the accumulated factor is part of the
 saved state, so a resumed run continues with the same learning rates.
 
-Old configs: the Transformer presets used to set ``lr = 1.0`` with the unnormalised Noam formula
-``lr * d_model**-0.5 * min(s**-0.5, s * w**-1.5)``, i.e. a peak of ``lr * (d_model * w)**-0.5``.
-No Adam peak is 0.1 or more, so under ``warmup`` a ``train.lr >= LEGACY_NOAM_MIN_LR`` is read as
-that old scale factor (with a warning giving the peak it means): such configs and runs keep the
-decoder curve they had. Only the decoder group ever had that meaning.
-
 The state dict holds numbers and strings only (safe with ``weights_only=True``).
 """
 
@@ -60,7 +54,6 @@ log = logging.getLogger(__name__)
 
 
 COSINE_FLOOR = 0.05  # the cosine shape ends at this fraction of the peak (as train.budget_decay's floor)
-LEGACY_NOAM_MIN_LR = 0.1  # under "warmup", train.lr >= this is the old Noam scale factor, not a peak
 
 
 def warmup_shape(step: int, warmup_steps: int) -> float:
@@ -92,17 +85,6 @@ def shape_factor(name: str, step: int, warmup_steps: int, total_steps: int | Non
             raise ConfigError("the cosine schedule needs the run's total number of steps")
         return cosine_shape(step, warmup_steps, total_steps)
     raise ConfigError(f"schedule={name!r} is not one of {', '.join(SCHEDULES)}")
-
-
-def decoder_peak_lr(lr: float, schedule: str, d_model: int, warmup_steps: int) -> float:
-    """The decoder's peak lr: ``lr`` itself, or for an old Noam config its peak (see module docstring)."""
-    if schedule == "warmup" and lr >= LEGACY_NOAM_MIN_LR:
-        peak = lr * (d_model * warmup_steps) ** -0.5
-        log.warning("train.lr=%g with schedule=warmup is read as the old Noam scale factor: peak lr %.3g at "
-                    "step %d (%g * (%d * %d)^-0.5); train.lr is now the peak itself, so set train.lr=%.3g to say "
-                    "this directly", lr, peak, warmup_steps, lr, d_model, warmup_steps, peak)
-        return peak
-    return lr
 
 
 class GroupSchedule(LRScheduler):
@@ -216,22 +198,15 @@ def build_optimizer(model: CaptionModel, cfg: TrainConfig, train_encoder: bool) 
     return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
-def schedule_width(model: CaptionModel) -> int:
-    """The ``d_model`` of an old Noam-scale ``train.lr``: the decoder family's width (d_model, LSTM hidden_dim)."""
-    return model.config.decoder.width
-
-
 def build_schedule(optimizer: torch.optim.Optimizer, model: CaptionModel, cfg: TrainConfig,
                    total_steps: int | None = None) -> GroupSchedule:
     """One schedule per parameter group (see :mod:`captioner.training.optim`).
 
     The decoder group peaks at ``cfg.lr`` with ``cfg.schedule``; the fine-tuned encoder group at
-    ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. A legacy Noam-scale ``cfg.lr`` (>= 0.1 under
-    ``warmup``) is turned into its peak, with a warning. ``total_steps`` (the steps ``cfg.epochs``
+    ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. ``total_steps`` (the steps ``cfg.epochs``
     plans) is what the ``cosine`` shape anneals over.
     """
-    peak = decoder_peak_lr(cfg.lr, cfg.schedule, schedule_width(model), cfg.warmup_steps)
-    return build_scheduler(optimizer, {"decoder": (peak, cfg.schedule),
+    return build_scheduler(optimizer, {"decoder": (cfg.lr, cfg.schedule),
                                        "encoder": (cfg.encoder_lr, cfg.encoder_schedule)}, cfg.warmup_steps,
                            total_steps)
 

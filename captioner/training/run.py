@@ -1,52 +1,11 @@
 """One training run: what it holds, where it writes, and what it saves to resume exactly.
 
-The run folder's checks, the run's state (progress, random generators, resume checks), its logs
-(``metrics.csv``) and the selection metric a resumed run keeps live here, with :class:`Run` itself.
-
-What one training run holds, grouped by what changes together.
+``Run`` is made of small parts, each with one job: ``Learner`` (model, objective, optimizer,
+schedule, precision), ``RunFolder`` (the folder and its metrics log), ``Clock`` (the time budget),
+``Progress`` (counters and the best result, saved) and ``SessionState`` (what this process noticed,
+never saved). docs/training.md explains exact resumption.
 
 Shape legend: B batch, T caption steps, N regions, D feature width, S image side.
-
-A :class:`Run` is made of small parts, each with one job:
-
-* :class:`Learner`: what is trained and how (model, the module that runs it, objective, optimizer,
-  schedule, precision); its state is saved in ``train_state.pt``.
-* :class:`RunFolder`: where the run writes (the folder and its metrics logger).
-* :class:`Clock`: when this call began, the time budget and the seconds of earlier sessions.
-* :class:`~captioner.training.run.Progress`: the counters and the best result so far, saved.
-* :class:`SessionState`: what this process noticed since it started (device-side loss sums, the
-  last lr, non-finite bookkeeping); never saved.
-
-The data (:class:`~captioner.training.data.TrainData`) is passed next to the run where needed.
-
-Run state for exact resumption: loop progress and random-generator states.
-
-``train_state.pt`` may hold only tensors, numbers, strings and containers of them, so the Python
-and NumPy generator states (tuples with a NumPy array inside) are converted to lists and tensors
-here, and converted back on restore.
-
-Which run folders a training run may write into, checked before anything is read or written.
-
-A folder that holds an earlier run (any of :data:`RUN_FILES`) is refused unless the run continues
-it (``--resume``) or is told to start over (``--overwrite``); starting over moves the earlier run
-aside to ``<folder>.old-<time>`` and never deletes it. A path that is a file, under a file, or in a
-folder that cannot be written (read-only mount, ``chattr +i``) is refused in one line before the
-data is read, so a failing run can never leave an earlier run half replaced.
-
-Training logs: ``metrics.csv`` (step rows and epoch rows) and optional TensorBoard scalars.
-
-Only rank 0 creates a ``MetricsLogger``. The CSV has a fixed header (:data:`COLUMNS`); a cell is
-empty when the value does not apply (e.g. BLEU on step rows). On resume the file is cut back to
-the rows the saved training state has seen, so a resumed run continues one clean table.
-
-Model selection: which validation metric decides (the epoch-level learning-rate decays are
-:func:`captioner.training.optim.decay_after_epoch`).
-
-``train.select_metric`` (CIDEr-D by default, or BLEU-4) decides ``best.safetensors``, early stopping
-(``train.patience``) and the plateau decay (``train.decay_patience``). A run keeps the metric it
-started with: resuming with another one would compare scores of different metrics, and
-``best.safetensors`` was chosen on the first. States saved before the metric was configurable
-selected on BLEU-4.
 """
 
 from __future__ import annotations

@@ -1,66 +1,11 @@
 """Self-critical sequence training (SCST, Rennie et al. 2017): ``train.objective = "scst"``.
 
+K captions sampled per distinct image of a batch, rewarded by CIDEr-D (optionally mixed with
+BLEU-4) against all its references, minus a baseline (the other samples' mean, or the greedy
+caption's reward). Main names: ``SelfCritical``, ``CaptionReward``. docs/training.md has the steps.
+
 Shape legend: B distinct images of a batch, K samples per image, R = B * K, L sampled steps,
 V vocabulary, N regions, D feature width.
-
-One step, given a training batch (caption items ``(x, tokens, image_index)``, as cross-entropy
-training reads them; the references are not the batch's captions but all of each image's):
-
-1. the batch's **distinct images** (first occurrence of each ``image_index``, in batch order);
-2. **K samples** per image (``train.scst.samples``), drawn without gradients through the decoder
-   contract (:func:`captioner.decoding.search.sample_captions`), temperature ``train.scst.temperature``,
-   at most ``train.val_max_len`` words, ``<pad>``/``<bos>``/``<unk>`` never drawn, in the
-   decoder's training mode with its dropout layers off (hard attention samples its regions): the
-   policy trained, the same one step 5 re-scores (:func:`dropout_off`);
-3. the **baseline** (``train.scst.baseline``): ``mean`` (the default), the mean reward of the
-   image's other K - 1 samples, or ``greedy``, the reward of the model's own greedy caption (eval
-   mode, no gradients: the test-time policy, as in the paper); the greedy caption is decoded and
-   logged either way;
-4. the **reward** r (CIDEr-D against all training references of the image, document frequencies of
-   the whole training corpus; optionally mixed with BLEU-4: :class:`captioner.training.scst.CaptionReward`);
-5. the sampled captions are **re-scored with teacher forcing** through the trained (possibly
-   DDP-wrapped) module, ``forward(x, [<bos> w1 .. wL-1])``, under the sampling policy itself
-   (banned ids removed, the temperature applied: :func:`policy_log_probs`): the same
-   log-probabilities the sampler drew with (exactly, for soft attention and the Transformer), now
-   with a graph, for every decoder alike;
-6. the loss ``-sum_{r,t} (r_r - b_r) log pi(w_rt) / (sampled tokens)``: tokens after the first
-   ``<eos>`` are padding and masked out; the advantage ``r - b`` is not normalised.
-
-With ``train.scst.xe_weight`` w > 0 the loss also holds ``w * CE``, the teacher-forced
-cross-entropy of the batch's own reference captions (the mixed objective of Paulus et al. 2018),
-logged as ``scst_xe``: on a small dataset it keeps the policy near the references.
-
-Hard attention: in training mode the teacher-forced pass samples a region per word again, so the
-attention choice gets its own REINFORCE term with the **same caption-level advantage**,
-``-reinforce_weight * sum_{r,t} (r_r - b_r) log p(s_rt) / (sampled tokens)`` (the cross-entropy
-stage's term, :class:`captioner.training.objective.CaptionLoss`, rewards the regions with the caption's
-log-likelihood instead), plus the entropy bonus ``-entropy_weight * mean attention entropy``.
-
-The result is a :class:`captioner.training.objective.LossResult`, so the training loop logs it and checks it
-for non-finite values as it does the cross-entropy: ``objective`` (the ``loss`` column) is
-``-(mean sample reward)`` minus the entropy bonus; ``terms`` hold ``scst_reward`` (mean sample
-reward), ``scst_baseline_reward`` (mean baseline: the greedy reward, or the others' mean),
-``scst_better`` (share of samples whose reward beats their baseline), ``scst_greedy_reward`` (mean
-reward of the greedy captions, the test-time policy, decoded at every step whatever the
-baseline) and ``scst_better_than_greedy`` (share of samples beating it), and for hard attention
-``reinforce`` and ``entropy``.
-
-Caption-level rewards for self-critical training: CIDEr-D against the training references.
-
-The document frequencies (DF) of CIDEr-D's TF-IDF weights come from the **whole training corpus**
-(every reference set of the training split, one per image), counted **once** when the reward is
-built (:func:`captioner.evaluation.metrics.ngram_document_frequencies`). Self-critical training (Rennie et al.
-2017; also self-critical.pytorch's ``coco-train-idxs``) uses these corpus DFs; an evaluation
-(``captioner.evaluation.metrics.cider_d``) counts them over the evaluated images' references instead, so the
-same caption scores slightly differently under the two. With the same ``DocFrequencies`` the
-reward equals ``captioner.evaluation.metrics.cider_d_scores(..., doc_freq=...)`` (tested to 1e-9).
-
-Per call, each distinct image's reference vectors are built once and reused for all the captions
-scored against it (K samples plus the greedy caption): the cost is per batch, never per corpus.
-
-Optional BLEU-4 mix: ``reward = (1 - w) * CIDEr-D + w * BLEU-4`` with ``w = bleu_weight``;
-BLEU-4 is nltk's sentence-level BLEU-4 against all the image's references, with smoothing
-``method1`` (a plain sentence BLEU-4 is 0 for most captions), on the 0-1 scale.
 """
 
 from __future__ import annotations

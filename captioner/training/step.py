@@ -1,62 +1,10 @@
 """One training step: forward, loss, optimizer step, and what to do with non-finite values.
 
+``step_function`` picks ``step_deferred`` (never waits for the device) or ``step_synchronised``
+(under torchrun or with ``train.skip_nonfinite``); ``nonfinite_error`` names what a non-finite loss
+points to. docs/training.md explains both.
+
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), V vocabulary.
-
-The loss comes from the run's objective (``objective.loss(model, batch)``,
-:mod:`captioner.training.objective`), whichever it is. Two steps share the rest:
-
-* :func:`step_deferred` (one process, no ``train.skip_nonfinite``) never waits for the device: its
-  loss terms go to ``run.session.stats`` and are checked when read (:func:`read_stats`, every
-  ``train.log_every`` steps, at the end of an epoch and when time is up);
-* :func:`step_synchronised` (under torchrun, or with ``skip_nonfinite``, which must decide before
-  the optimizer steps) reads the loss, summed over ranks, every step.
-
-:func:`step_function` picks one for the run.
-
-A non-finite loss stops the run with one line naming the step (:func:`nonfinite_error`);
-``train.skip_nonfinite`` skips such batches instead (:func:`skip_batch`), and still stops when
-the weights themselves become non-finite or after ``MAX_SKIPPED_IN_A_ROW`` skips in a row.
-
-What a non-finite loss at a run's first step points to.
-
-The first loss is computed before any weight update, so the learning rate cannot be the cause and
-skipping batches cannot help: the inputs or the model as built are at fault. The batch itself
-says which: features that are NaN/inf (a feature cache written before the cache checked its
-values stored float16 overflow as inf), features far larger than a pretrained encoder's (an
-encoder with random weights: a ResNet-101 reaches 2.4e5), or finite, moderate inputs (then the
-model's initialisation, or fp16 autocast overflowing).
-
-The SAT training step (forward, loss, backward) as one CUDA graph per shape (``train.cuda_graph``).
-
-Shape legend: B batch, N regions, D feature width, L tokens of a batch (``<bos>`` .. ``<eos>``, padded),
-S = L - 1 decoder steps, S' its bucket (S rounded up to a multiple of ``multiple``), V vocabulary.
-
-Why: the word-by-word recurrence issues a few dozen small kernels per word; at batch 32 the GPU waits
-on the CPU to launch them. A CUDA graph records every kernel of one step once and replays them with
-one launch. Graphs need fixed shapes and fixed addresses, so each batch is copied into static buffers
-of its bucket: features (B,N,D) and tokens (B,S'+1), the steps beyond the batch's own filled with
-``<pad>``. The loss ignores ``<pad>`` targets everywhere (cross-entropy, doubly stochastic penalty,
-REINFORCE, entropy bonus) and the recurrence is causal, so the padded steps change neither the loss
-nor any gradient (up to float summation order). One graph per ``(B, N, D, S')`` is captured the
-first time that shape comes and replayed for every later batch of it; ``max_graphs`` bounds their
-number (their activations stay allocated), and shapes beyond it, or whose capture fails, run
-eagerly on the same buffers (logged once).
-
-Why ``torch.cuda.graphs`` and not ``torch.compile(mode="reduce-overhead")``: compiling forward and
-backward of the unrolled time loop takes minutes per bucket (and again for each new bucket), while
-capturing takes a few eager steps; the eager kernels are already the fused ones of
-:class:`~captioner.models.lstm.SATDecoder`, so the graph removes the launch cost without changing the
-arithmetic: the captured step computes exactly what the eager step computes on the same buffers.
-
-The optimizer step stays outside the graph (a handful of fused ``foreach`` launches), so learning
-rate schedules, clipping and ``train.skip_nonfinite`` work unchanged. Gradients land in the graph's
-own ``.grad`` tensors; :meth:`GraphedStep.__call__` points every parameter's ``.grad`` at the
-bucket's tensors before the optimizer reads them.
-
-Under ``train.amp=bf16`` the autocast casts are captured too (``cache_enabled=False``, as CUDA graphs
-require), so they cost no launches; the weights stay fp32 (the optimizer's master copy).
-On the CPU the same wrapper runs the padded static-buffer path eagerly (``capture=False``): the
-tests check it against the plain step there.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def oracle_pointer(decoder, vocab_size: int):  # noqa: ANN001, ANN201
     none = decoder.concepts
     table = torch.full((vocab_size,), none, dtype=torch.long)  # vocabulary id -> its concept, else "none"
     table[decoder.concept_ids] = torch.arange(none)
-    own_forward, own_map = decoder.forward, decoder.concept_prior_map
+    reading = decoder.extension  # the concept reading: its prior_map forms the prior
+    own_forward, own_map = decoder.forward, reading.prior_map
     truth: dict[str, object] = {}
 
     def forward(features, tokens, need_all_attention=False):  # noqa: ANN001, ANN202
@@ -85,11 +86,11 @@ def oracle_pointer(decoder, vocab_size: int):  # noqa: ANN001, ANN201
         sure[..., :none] -= logp.unsqueeze(-2) if pointer.dim() == 3 else logp  # cancel the photo's log P
         return own_map(sure, logp, maps)
 
-    decoder.forward, decoder.concept_prior_map = forward, prior_map
+    decoder.forward, reading.prior_map = forward, prior_map
     try:
         yield
     finally:
-        del decoder.forward, decoder.concept_prior_map
+        del decoder.forward, reading.prior_map
 
 
 def main(argv: list[str] | None = None) -> int:
