@@ -270,13 +270,13 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     options = decode_options(options, **{k: v for k, v in changes.items() if k not in _EVALUATE_FIELDS})
     start = time.perf_counter()
     checkpoint, out_dir, ensemble = _output_folder(checkpoint, settings.out_dir)
+    loaded = model if model is not None else load(checkpoint, device=settings.device)
     name = safe_name(split, "split")
     earlier = [p.name for p in (Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json")
                if p.exists()]
     if earlier and not settings.overwrite:
         raise DataError(f"{out_dir}: already holds {' and '.join(earlier)} (an earlier evaluation of split {split!r}); "
                         "choose another --out or pass --force to replace them")
-    loaded = model if model is not None else load(checkpoint, device=settings.device)
     cs = load_caption_set(data_root, split, settings.images_dir)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=settings.skip_missing)

@@ -414,10 +414,13 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
+    from captioner.device import resolve_device
+
     cache_dir = feature_cache_dir(cfg, Path("runs/features"))
     return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(cfg.model.encoder), cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,
-                             num_workers=cfg.data.num_workers)
+                             num_workers=cfg.data.num_workers,
+                             device=resolve_device(cfg.train.device, option="train.device"))  # a GPU encodes
 
 
 def concept_pointing(head: ConceptHead, features: Any, caption_set: Any, instances: dict[int, list[Any]],
