@@ -393,6 +393,26 @@ RESNET_STRIDE = 32  # stem conv, max-pool and three strided stages
 MEMORY_FORMATS: dict[str, torch.memory_format] = {"cpu": torch.channels_last, "cuda": torch.channels_last}
 
 
+def fold_batchnorm(trunk: nn.Module) -> nn.Module:
+    """A copy of ``trunk`` for inference: each ``nn.BatchNorm2d`` registered right after a convolution
+    in the same module (the order every built-in trunk runs them in) folded into that convolution's
+    weight and bias, and replaced by an identity. Exactly ``BatchNorm2d``: a subclass may do more
+    (timm's BatchNormAct2d also applies an activation). The caller checks the copy's output."""
+    import copy
+
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    folded = copy.deepcopy(trunk).eval()
+    for module in folded.modules():
+        names = list(module._modules)
+        for first, second in zip(names, names[1:]):
+            conv, bn = module._modules[first], module._modules[second]
+            if isinstance(conv, nn.Conv2d) and type(bn) is nn.BatchNorm2d and bn.track_running_stats:
+                module._modules[first] = fuse_conv_bn_eval(conv, bn)
+                module._modules[second] = nn.Identity()
+    return folded
+
+
 class Encoder(nn.Module):
     """A CNN trunk + adaptive average pool to a ``grid x grid`` map of region features.
 
@@ -417,6 +437,7 @@ class Encoder(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d((grid, grid))
         self.memory_format: torch.memory_format | None = None  # None: MEMORY_FORMATS by device
         self._trunk_format = torch.contiguous_format
+        self.fold_batchnorm = True  # inference (eval, no grad) runs a copy with BatchNorm folded in
         split = len(stages) - fine_tune_stages
         self.frozen_modules = [name for stage in self.stages[:split] for name in stage]
         self.trainable_modules = [name for stage in self.stages[split:] for name in stage]
@@ -450,10 +471,36 @@ class Encoder(nn.Module):
         device (the weights are converted in place on the first call that needs it; values and
         parameter objects stay the same, so optimizers and checkpoints are unaffected)."""
         fmt = self.memory_format_on(images.device)
+        if self.fold_batchnorm and not self.training and not torch.is_grad_enabled():
+            folded = self._folded_trunk(images, fmt)
+            if folded is not None:
+                return folded(images.contiguous(memory_format=fmt))
         if fmt is not self._trunk_format:
             self.trunk.to(memory_format=fmt)
             self._trunk_format = fmt
         return self.trunk(images.contiguous(memory_format=fmt))
+
+    def _folded_trunk(self, images: torch.Tensor, fmt: torch.memory_format) -> nn.Module | None:
+        """For inference: a copy of the trunk with each BatchNorm folded into the convolution before it
+        (``torch.nn.utils.fusion.fuse_conv_bn_eval``), in ``fmt``; rebuilt whenever a weight changes
+        (an optimizer step, ``load_state_dict``, ``.to()``). Not a submodule: checkpoints never see it.
+        Checked once against the trunk itself on ``images[:1]``; a copy that disagrees is not used."""
+        tensors = [*self.trunk.parameters(), *self.trunk.buffers()]
+        key = (images.device, images.dtype, fmt, tuple((t.data_ptr(), t._version) for t in tensors))
+        cached = self.__dict__.get("_folded")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        folded = fold_batchnorm(self.trunk).to(memory_format=fmt)
+        if self._trunk_format is not fmt:
+            self.trunk.to(memory_format=fmt)
+            self._trunk_format = fmt
+        probe = images[:1].contiguous(memory_format=fmt)
+        want, got = self.trunk(probe), folded(probe)
+        good = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6))
+        if not good:
+            logger.debug("folded BatchNorm disagrees with the trunk; inference keeps the trunk as it is")
+        self.__dict__["_folded"] = (key, folded if good else None)
+        return self.__dict__["_folded"][1]
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """images (B,3,S,S) -> (features (B,N,D), (g, g)), regions row-major."""

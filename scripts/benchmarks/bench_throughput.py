@@ -3,9 +3,10 @@ was before the encoder ran channels-last and loading overlapped the search. One 
 the same photos and the same model for every row.
 
 * ``caption_*``: ``Captioner.caption(paths, beam=3, attention=True, batch_size=32)`` (now: channels-last
-  encoder, files read by threads and the next batch encoded while the current one is searched);
-* ``before_*``: the same captions the way they were made before: NCHW encoder, each batch read,
-  then encoded, then searched, one after the other;
+  encoder with BatchNorm folded into its convolutions, files read by threads and the next batch
+  encoded while the current one is searched);
+* ``before_*``: the same captions the way they were made before: NCHW encoder with its BatchNorm
+  layers, each batch read, then encoded, then searched, one after the other;
 * ``bound_*``: reading + encoding alone (no search), as the caption path now does it: what the caption
   path could reach if the search cost nothing;
 * ``cache_*``: ``FeatureCache.build`` on the 224-px photos, now and as before (NCHW, serial reads).
@@ -78,11 +79,12 @@ def _model():
 
 @contextlib.contextmanager
 def _before(captioner_model):
-    """The encoder in NCHW and the feature cache's reads serial, as before; restored on exit."""
+    """The encoder in NCHW without folded BatchNorm and the feature cache's reads serial, as before;
+    restored on exit."""
     import captioner.features.cache as cache
 
     encoder = captioner_model.model.encoder
-    old_format, old_batches = encoder.memory_format, cache.prefetched_batches
+    old_format, old_batches, old_fold = encoder.memory_format, cache.prefetched_batches, encoder.fold_batchnorm
 
     def serial(data, batch_size, threads=0):
         from captioner.data.dataset import collate_safe
@@ -91,11 +93,13 @@ def _before(captioner_model):
 
     import torch
     encoder.memory_format = torch.contiguous_format
+    encoder.fold_batchnorm = False
     cache.prefetched_batches = serial
     try:
         yield
     finally:
         encoder.memory_format = old_format
+        encoder.fold_batchnorm = old_fold
         cache.prefetched_batches = old_batches
 
 
