@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import stat
 import tempfile
@@ -320,3 +321,12 @@ def release_lock_file(lock: str | os.PathLike) -> None:
         return
     with contextlib.suppress(OSError):
         lock.parent.rmdir()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.errors import CheckpointError
+from captioner.files import file_sha256
 
 __all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "example_photos", "is_model_name",
            "model_card", "pretrained_path"]
@@ -75,8 +76,6 @@ def _entry(name: str) -> PretrainedModel:
 @functools.lru_cache(maxsize=None)
 def _checked(path: Path, sha256: str, size: int, mtime: float) -> None:
     """Hash the file once per process (per size and modification time)."""
-    from captioner.checkpoint.release import file_sha256
-
     actual = file_sha256(path)
     if actual != sha256:
         raise CheckpointError(f"{path}: SHA-256 {actual[:16]}... differs from the registry's {sha256[:16]}... "

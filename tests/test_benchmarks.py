@@ -43,3 +43,16 @@ def test_serve_crowd_benchmark_stays_within_its_bounds():
     assert figures["peak_rss_gb"] < 2.0 and figures["rest_rss_gb"] < 1.0
     assert figures["slow_closed"] == figures["slow_connections"]  # the head deadline closed every one
     assert figures["real_max_seconds"] < 2.0
+
+
+@pytest.mark.slow  # 32 photos through both paths and the cache: about 15 s
+def test_caption_throughput_benchmark_runs_both_paths_and_restores_the_encoder():
+    module = _load("bench_throughput")
+    figures = module.caption_throughput(quick=True)
+    assert figures["photos"] == 32 and figures["model"]
+    for key in ("caption_coco_per_s", "before_coco_per_s", "bound_coco_per_s", "cache_per_s", "cache_before_per_s"):
+        assert figures[key] > 0, key
+    m, _ = module._model()  # the "before" switch is undone: the encoder is channels-last and folds again
+    with module._before(m):
+        assert not m.model.encoder.fold_batchnorm
+    assert m.model.encoder.fold_batchnorm and m.model.encoder.memory_format is None

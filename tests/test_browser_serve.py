@@ -30,6 +30,22 @@ pytestmark = pytest.mark.slow  # starts a browser and a server
 NETWORK_SCHEMES = {"http", "https", "ws", "wss", "ftp"}
 
 
+def _axe_audit(axe, driver, frames) -> dict:
+    """axe-core's audit of the page and of ``frames`` (axe audits the frames it is injected in): no
+    serious or critical violation. ``axe`` is ``axe_core_python.selenium``. Returns its results."""
+    auditor = axe.Axe()
+    for frame in frames:
+        driver.switch_to.frame(frame)
+        driver.execute_script(auditor.axe_script)
+        driver.switch_to.default_content()
+    driver.set_script_timeout(60)
+    results = auditor.run(driver)
+    bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in results["violations"]
+           if v["impact"] in ("serious", "critical")]
+    assert bad == []
+    return results
+
+
 @pytest.fixture(scope="module")
 def driver():
     pytest.importorskip("fastapi")
@@ -339,16 +355,7 @@ def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tagged_mode
             _upload(driver, photo)
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
                                          "document.documentElement.clientWidth;"), "the page scrolls sideways"
-            auditor = axe.Axe()
-            for frame in driver.find_elements(By.CSS_SELECTOR, "#columns iframe"):  # axe audits frames it is in
-                driver.switch_to.frame(frame)
-                driver.execute_script(auditor.axe_script)
-                driver.switch_to.default_content()
-            driver.set_script_timeout(60)
-            results = auditor.run(driver)
-            bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in results["violations"]
-                   if v["impact"] in ("serious", "critical")]
-            assert bad == []
+            results = _axe_audit(axe, driver, driver.find_elements(By.CSS_SELECTOR, "#columns iframe"))
             assert results["passes"], "axe checked nothing"
     finally:
         driver.set_window_size(size["width"], size["height"])
@@ -701,16 +708,7 @@ def test_on_a_phone_the_columns_stay_side_by_side_and_the_frames_follow_the_wind
             _hover(driver, left, f"word-{words.index('triangle')}")
             _in_frame(driver, right, "return document.body.dataset.shown === 'tag-2' && "
                                      "!document.getElementById('missing').hidden;")
-            auditor = axe.Axe()  # with the note on show
-            for frame in (left, right):
-                driver.switch_to.frame(frame)
-                driver.execute_script(auditor.axe_script)
-                driver.switch_to.default_content()
-            driver.set_script_timeout(60)
-            results = auditor.run(driver)
-            bad = [(v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3]) for v in results["violations"]
-                   if v["impact"] in ("serious", "critical")]
-            assert bad == []
+            _axe_audit(axe, driver, (left, right))  # with the note on show
             # the frames follow the window: grown to 1400 px, no blank left under the explorer
             driver.set_window_size(1400, 900)
             _wait(driver, "return Array.prototype.every.call(document.querySelectorAll('#columns iframe'), function (f) {"

@@ -13,7 +13,8 @@ from PIL import Image
 
 import captioner
 import captioner.pretrained as pretrained
-from captioner.checkpoint.release import file_sha256, pack_release
+from captioner.checkpoint.release import pack_release
+from captioner.files import file_sha256
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
 from captioner.errors import CheckpointError, DataError

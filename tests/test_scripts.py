@@ -58,7 +58,8 @@ def test_benchmark_lists_every_benchmark_module():
 
 SHELL_SYNTAX_ONLY = ("gpu_env.sh", "test.sh")  # sourced by the GPU scripts | installs the package
 USAGE_ERRORS = {"gpu_check.sh": "set OUT", "gpu_flickr8k.sh": "usage: ", "reproduce_flickr8k.sh": "usage: ",
-                "experiments/real_photo_ablation.sh": "usage: "}
+                "experiments/real_photo_ablation.sh": "usage: ", "train_shipped_model.sh": "usage: ",
+                "gpu_shipped_model.sh": "set OUT"}
 
 
 @pytest.mark.parametrize("script", sorted(set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)))

