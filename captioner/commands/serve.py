@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.files import MiB
     from captioner.inference import load
     from captioner.commands.caption import default_model
-    from captioner.pretrained import example_photos
+    from captioner.pretrained import PHOTOS
     from captioner.share.examples import example_scenes, folder_examples
 
     shipped = not args.checkpoint
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.examples:
         examples = folder_examples(args.examples)
     else:  # the shipped model reads real photos: the package's example photos; else the synthetic scenes
-        examples = folder_examples(example_photos()[0].parent) if shipped else example_scenes()
+        examples = folder_examples(PHOTOS) if shipped else example_scenes()
     device = resolve_device(args.device, option="--device")
     models, taken = [], set()
     for spec in specs:

@@ -91,27 +91,27 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
         ImageLoadError: the file is missing, unreadable, not a regular file, empty, not an image,
             truncated or corrupt, too large, or in a mode that cannot be converted to RGB.
     """
-    path = Path(path)
-    data = _read_bytes(path, max_bytes)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            image, _ = _decode(path, data, max_pixels, reduce_to)
-        finally:
-            for w in caught:
-                log.debug("%s: %s", path, w.message)
-    return image
+    return _load(Path(path), max_pixels, max_bytes, reduce_to)[0]
 
 
 def load_for_encoder(path: str | os.PathLike, side: int,
                      max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[Image.Image, tuple[int, int]]:
     """:func:`load_image` with ``reduce_to=side``, and the ``(width, height)`` of the full-size image
     (EXIF orientation applied): what crop boxes and overlays are measured in."""
-    path = Path(path)
-    data = _read_bytes(path, DEFAULT_MAX_BYTES)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _decode(path, data, max_pixels, side)
+    return _load(Path(path), max_pixels, DEFAULT_MAX_BYTES, side)
+
+
+def _load(path: Path, max_pixels: int | None, max_bytes: int,
+          reduce_to: int | None) -> tuple[Image.Image, tuple[int, int]]:
+    """Read and decode ``path`` (PIL's warnings logged at debug level): the image and its full size."""
+    data = _read_bytes(path, max_bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _decode(path, data, max_pixels, reduce_to)
+        finally:
+            for w in caught:
+                log.debug("%s: %s", path, w.message)
 
 
 def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
@@ -194,11 +194,12 @@ def _decode(path: Path, data: bytes, max_pixels: int | None,
             full = im.size
             if reduce_to is not None and im.format == "JPEG":
                 im.draft(im.mode, (reduce_to, reduce_to))  # each side stays >= reduce_to
-            if im.getexif().get(0x0112) in _SWAPS_AXES:
+            drafted = im.size != full
+            if drafted and im.getexif().get(0x0112) in _SWAPS_AXES:
                 full = (full[1], full[0])
             im.load()  # force decoding inside the try: truncated data raises here
             image = ImageOps.exif_transpose(im)  # a new, loaded image
-        return to_rgb(image), full
+        return to_rgb(image), (full if drafted else image.size)
     except ImageLoadError:
         raise
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError, struct.error ...
