@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from captioner.data.coco import read_json
 from captioner.errors import DataError
 from captioner.files import atomic_write
 
@@ -25,15 +26,6 @@ SPLITS = "splits.tsv"
 
 def _write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)
-
-
-def _read_json(path: Path, what: str) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: not a readable {what} ({str(exc).splitlines()[0]})") from None
 
 
 def _train_names(splits: Path, split: str) -> set[str]:
@@ -62,8 +54,8 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
         DataError: a missing or malformed file, or a teacher caption of an image outside ``split``.
     """
     data, results = Path(data), Path(results)
-    source = _read_json(data / CAPTIONS, "COCO caption file")
-    rows = _read_json(results, "COCO results file")
+    source = read_json(data / CAPTIONS)
+    rows = read_json(results)
     if not isinstance(source, dict) or not isinstance(source.get("images"), list) \
             or not isinstance(source.get("annotations"), list):
         raise DataError(f"{data / CAPTIONS}: not a COCO caption file (needs 'images' and 'annotations' lists)")
