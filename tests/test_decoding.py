@@ -13,7 +13,7 @@ from captioner.inference import caption_features
 from captioner.decoding.search import (DecodeOptions, beam_search, decode, greedy_search, length_penalty,
                                        never_emitted_ids)
 from captioner.errors import ConfigError
-from captioner.models.base import CaptionDecoder, State
+from captioner.models.base import CaptionDecoder, State, expand_groups
 from captioner.models.model import build_model
 from captioner.text import Vocabulary
 
@@ -255,6 +255,68 @@ def test_state_select_and_reorder():
     moved = picked.reorder(torch.tensor([1, 0, 2]))  # beams swap within image 1
     assert moved.static is picked.static and moved.dynamic["h"].tolist() == [20, 20, 10]
     assert picked.reorder(torch.tensor([2, 0, 1])).dynamic["h"].tolist() == [10, 20, 20]
+
+
+def test_state_regroup_reads_one_static_row_per_image():
+    static = {"keys": torch.tensor([[1.0], [2.0], [3.0]])}
+    state = State(static, {"h": torch.tensor([10, 20, 30])})
+    grouped = state.regroup(None, torch.tensor([0, 0, 1, 1, 2, 2]), 2)  # every image kept: nothing copied
+    assert grouped.static is static and grouped.group == 2
+    assert grouped.dynamic["h"].tolist() == [10, 10, 20, 20, 30, 30]
+    fewer = grouped.regroup(torch.tensor([0, 2]), torch.tensor([1, 0, 5, 4]), 2)  # image 1 left
+    assert fewer.static["keys"].tolist() == [[1.0], [3.0]] and fewer.dynamic["h"].tolist() == [10, 10, 30, 30]
+    assert fewer.reorder(torch.tensor([1, 0, 3, 2])).group == 2
+    with pytest.raises(ValueError, match="regroup"):
+        fewer.select(torch.tensor([0]))
+    expanded = expand_groups({"keys": fewer.static["keys"], "pair": (torch.tensor([7, 8]), 4)}, 2)
+    assert expanded["keys"].tolist() == [[1.0], [1.0], [3.0], [3.0]]
+    assert expanded["pair"][0].tolist() == [7, 7, 8, 8] and expanded["pair"][1] == 4
+    assert expand_groups(fewer.static, 1) is fewer.static
+
+
+def _sat_concepts_tiny():
+    from captioner.models.lstm import SATDecoder
+    torch.manual_seed(0)
+    return SATDecoder(vocab_size=20, feature_dim=8, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.0,
+                      concepts=3, concept_hidden=6, concept_prior=True).eval()
+
+
+@pytest.mark.parametrize("which", ["sat_soft_tiny", "sat_hard_tiny", "sat_hard_argmax", "sat_concepts", "ensemble"])
+def test_grouped_state_search_equals_a_copy_per_beam(which):
+    """The SAT decoder reads one copy of an image's regions for all its beams (State.group): the same
+    captions, scores and attention as when beam search gives every beam its own copy."""
+    from captioner.models.ensemble import EnsembleDecoder
+
+    if which == "sat_concepts":
+        decoder, feats = _sat_concepts_tiny(), torch.randn(5, 16, 8, generator=torch.Generator().manual_seed(4))
+    else:
+        model = _real_model("sat_hard_tiny" if which == "sat_hard_argmax" else
+                            "sat_soft_tiny" if which == "ensemble" else which)
+        decoder = model.decoder
+        if which == "sat_hard_argmax":
+            decoder.hard_test_mode = "argmax"
+        images = torch.randn(5, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            feats, _ = model.encode(images)
+        if which == "ensemble":
+            other = _real_model("sat_soft_tiny")
+            for p in other.decoder.parameters():
+                p.data.mul_(0.9)
+            d = feats.shape[-1]
+            decoder = EnsembleDecoder([decoder, other.decoder], [(0, d), (d, 2 * d)], ["a", "b"]).eval()
+            feats = torch.cat([feats, feats.flip(0)], dim=-1)
+    assert decoder.groups_rows
+    opts = DecodeOptions(beam_size=3, max_len=8, n_best=2)
+    grouped = decode(decoder, feats, BOS, EOS, opts)
+    for member in getattr(decoder, "members", [decoder]):
+        member.groups_rows = False  # the instance attribute hides the class's: a copy per beam
+    assert not decoder.groups_rows
+    copied = decode(decoder, feats, BOS, EOS, opts)
+    for a, b in zip(grouped, copied):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+        for ha, hb in zip(a, b):
+            torch.testing.assert_close(ha.attention, hb.attention, atol=1e-6, rtol=1e-5)
 
 
 def test_a_decoder_without_state_is_refused():

@@ -46,26 +46,34 @@ class AdditiveAttention(nn.Module):
         """features (B,N,D) -> 2 W_f f (B,N,A); compute once per image."""
         return F.linear(features, 2.0 * self.feature_proj.weight, 2.0 * self.feature_proj.bias)  # (B, N, A)
 
-    def log_weights(self, projected: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """Log attention weights from ``project(f)`` (B,N,A) and the query ``W_h h`` (B,A)."""
-        gates = (projected + 2.0 * query.unsqueeze(1)).sigmoid_()  # (B, N, A); tanh(x) = 2 sigmoid(2x) - 1
-        scores = F.linear(gates, 2.0 * self.score.weight).squeeze(-1)  # (B, N), up to a per-row constant
-        return F.log_softmax(scores, dim=-1)  # (B, N)
+    def log_weights(self, projected: torch.Tensor, query: torch.Tensor, group: int = 1) -> torch.Tensor:
+        """Log attention weights from ``project(f)`` (B,N,A) and the query ``W_h h`` (B*group,A).
 
-    def forward(self, projected: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """projected = project(f) (B,N,A), hidden (B,H) -> log alpha (B,N)."""
-        return self.log_weights(projected, self.hidden_proj(hidden))  # (B, N)
+        ``group``: queries per image (beams), consecutive rows: query row r reads image ``r // group``.
+        """
+        if group == 1:
+            gates = (projected + 2.0 * query.unsqueeze(1)).sigmoid_()  # (B, N, A); tanh(x) = 2 sigmoid(2x) - 1
+        else:
+            b, n, a = projected.shape
+            gates = (projected.unsqueeze(1) + 2.0 * query.view(b, group, 1, a)).sigmoid_().view(b * group, n, a)
+        scores = F.linear(gates, 2.0 * self.score.weight).squeeze(-1)  # (B*group, N), up to a per-row constant
+        return F.log_softmax(scores, dim=-1)  # (B*group, N)
+
+    def forward(self, projected: torch.Tensor, hidden: torch.Tensor, group: int = 1) -> torch.Tensor:
+        """projected = project(f) (B,N,A), hidden (B*group,H) -> log alpha (B*group,N)."""
+        return self.log_weights(projected, self.hidden_proj(hidden), group)  # (B*group, N)
 
 
-def soft_context(alpha: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """Expected context: alpha (B,N), features (B,N,D) -> (B,D)."""
-    return torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (B, D)
+def soft_context(alpha: torch.Tensor, features: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """Expected context: alpha (B*group,N), features (B,N,D) -> (B*group,D); row r reads image ``r // group``."""
+    b, n = features.shape[:2]
+    return torch.bmm(alpha.view(b, group, n), features).view(b * group, -1)  # (B*group, D)
 
 
-def region_features(features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The feature of one region per row: features (B,N,D), index (B,) -> (B,D)."""
-    rows = torch.arange(features.shape[0], device=features.device)
-    return features[rows, index]  # (B, D)
+def region_features(features: torch.Tensor, index: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """The feature of one region per row: features (B,N,D), index (B*group,) -> (B*group,D)."""
+    rows = torch.arange(index.shape[0], device=features.device) // group
+    return features[rows, index]  # (B*group, D)
 
 
 def sample_regions(log_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +90,10 @@ def sample_regions(log_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return index, log_alpha.gather(1, index.unsqueeze(1)).squeeze(1)  # (B,), (B,)
 
 
-def hard_test_context(alpha: torch.Tensor, features: torch.Tensor, mode: str) -> torch.Tensor:
+def hard_test_context(alpha: torch.Tensor, features: torch.Tensor, mode: str, group: int = 1) -> torch.Tensor:
     """Deterministic hard-attention context for evaluation: the expectation or the argmax region."""
     if mode == "expectation":
-        return soft_context(alpha, features)  # (B, D)
+        return soft_context(alpha, features, group)  # (B*group, D)
     if mode == "argmax":
-        return region_features(features, alpha.argmax(dim=-1))  # (B, D)
+        return region_features(features, alpha.argmax(dim=-1), group)  # (B*group, D)
     raise ValueError(f"hard_test_mode={mode!r}: use one of {HARD_TEST_MODES}")

@@ -20,7 +20,9 @@ Search and sampling move batch rows with the ``State`` methods, never by looking
 state: ``select(index)`` when rows change image (an image's row repeated for its beams or samples,
 finished images dropped) and ``reorder(index)`` when beams only move among the rows of their own
 image, which leaves ``static`` alone: every row of an image holds the same constants, so there is
-nothing to copy.
+nothing to copy. A decoder whose ``groups_rows`` is True also reads a grouped state, one static row
+per image for all its beams (``State.group``); beam search then moves rows with ``regroup`` and never
+copies an image's constants once per beam.
 
 An optional addition to a decoder (the concept reading of ``captioner.models.concepts``) is one
 component, ``decoder.extension``, that the decoder calls at the named points its family declares:
@@ -80,7 +82,7 @@ def reorder_nested(value: Any, index: torch.Tensor) -> Any:
 
 @dataclass(frozen=True)
 class State:
-    """A decoder's state between steps; every tensor is batch-first (dim 0 = decoder row).
+    """A decoder's state between steps; every tensor is batch-first.
 
     Attributes:
         static: per-image constants from ``init_state`` (e.g. features (B,N,D), projected (B,N,A),
@@ -88,13 +90,20 @@ class State:
             hold equal values.
         dynamic: what ``step`` replaces at every step (e.g. h, c (B,H); self_k / self_v
             L x (B,H,t,dh)); non-tensor values (a step counter) are shared by all rows.
+        group: decoder rows per row of ``static``: dynamic row r reads static row ``r // group``.
+            1 (every decoder): one static row per decoder row. Larger only for a decoder whose
+            ``groups_rows`` is True, which beam search then hands each image's constants once for
+            all its beams (:meth:`regroup`) instead of a copy per beam.
     """
 
     static: dict[str, Any]
     dynamic: dict[str, Any]
+    group: int = 1
 
     def select(self, index: torch.Tensor) -> State:
         """Rows ``index`` (B',) of everything: row i of the result is row ``index[i]``, of any image."""
+        if self.group != 1:
+            raise ValueError("State.select on a grouped state: use regroup")
         return State(reorder_nested(self.static, index), reorder_nested(self.dynamic, index))
 
     def reorder(self, index: torch.Tensor) -> State:
@@ -103,7 +112,33 @@ class State:
         Only for moves within an image: row ``index[i]`` must show the same image as row i (beam
         search between steps), so the constants of row i are already right.
         """
-        return State(self.static, reorder_nested(self.dynamic, index))
+        return State(self.static, reorder_nested(self.dynamic, index), self.group)
+
+    def regroup(self, images: torch.Tensor | None, rows: torch.Tensor, group: int) -> State:
+        """Static rows ``images`` (None: all, in order; nothing copied) and dynamic rows ``rows``, read
+        as ``group`` consecutive decoder rows per static row.
+
+        ``rows[i]`` must be a row of the image of static row ``images[i // group]`` (beam search:
+        the first expansion to the beams, finished images leaving the batch).
+        """
+        static = self.static if images is None else reorder_nested(self.static, images)
+        return State(static, reorder_nested(self.dynamic, rows), group)
+
+
+def expand_groups(value: Any, group: int) -> Any:
+    """Every tensor inside dicts/lists/tuples with each row repeated ``group`` times (a grouped
+    state's per-image constants, one row per decoder row); 1 returns ``value`` itself."""
+    if group == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.repeat_interleave(group, dim=0) if value.dim() > 0 else value
+    if isinstance(value, dict):
+        return {k: expand_groups(v, group) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_groups(v, group) for v in value]
+    if isinstance(value, tuple):
+        return tuple(expand_groups(v, group) for v in value)
+    return value
 
 
 class CaptionDecoder(nn.Module):
@@ -116,6 +151,7 @@ class CaptionDecoder(nn.Module):
     """
 
     vocab_size: int
+    groups_rows: bool = False  # True: ``step`` reads a grouped ``State`` (``State.group`` > 1)
 
     def __init__(self) -> None:
         super().__init__()

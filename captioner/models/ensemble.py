@@ -137,11 +137,17 @@ class EnsembleDecoder(CaptionDecoder):
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         log_probs, dynamic, maps = [], [], []
         for member, static, dyn in zip(self.members, state.static["members"], state.dynamic["members"]):
-            lp, new, attention = member.step(prev_tokens, State(static, dyn))
+            lp, new, attention = member.step(prev_tokens, State(static, dyn, state.group))
             log_probs.append(lp.float())
             dynamic.append(new.dynamic)
             maps.append(attention.float())
-        return self._mean(log_probs), State(state.static, {"members": dynamic}), torch.stack(maps).mean(0)
+        return (self._mean(log_probs), State(state.static, {"members": dynamic}, state.group),
+                torch.stack(maps).mean(0))
+
+    @property
+    def groups_rows(self) -> bool:  # type: ignore[override]
+        """A grouped state for the ensemble when every member reads one."""
+        return all(bool(getattr(m, "groups_rows", False)) for m in self.members)
 
     def state_bytes_per_word(self) -> int:
         return sum(m.state_bytes_per_word() for m in self.members)

@@ -35,7 +35,7 @@ from captioner.config.decoders import check_hard_test_mode
 from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
-from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State
+from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State, expand_groups
 from captioner.models.concepts import SATConcepts
 from captioner.models.registry import register_decoder
 
@@ -142,23 +142,23 @@ class SATDecoder(CaptionDecoder):
             h, c = h + ph, c + pc
         return torch.tanh(h), torch.tanh(c)
 
-    def _context(self, log_alpha: torch.Tensor, features: torch.Tensor
+    def _context(self, log_alpha: torch.Tensor, features: torch.Tensor, group: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Context (B,D) for one step, plus (hard, training) the sampled log-prob (B,) and region (B,).
 
         Rows that use the expected context instead (probability ``hard_soft_prob``) get log-prob 0
-        and region -1.
+        and region -1. ``group``: rows per image of ``features`` (a grouped state's beams).
         """
         alpha = log_alpha.exp()  # (B, N)
         if self.attention_type == "soft":
-            return soft_context(alpha, features), None, None
+            return soft_context(alpha, features, group), None, None
         if not self.training:
-            return hard_test_context(alpha, features, self.hard_test_mode), None, None
+            return hard_test_context(alpha, features, self.hard_test_mode, group), None, None
         index, log_prob = sample_regions(log_alpha)  # (B,), (B,)
-        context = region_features(features, index)  # (B, D)
+        context = region_features(features, index, group)  # (B, D)
         if self.hard_soft_prob > 0:
             use_soft = torch.rand(index.shape, device=index.device) < self.hard_soft_prob  # (B,)
-            context = torch.where(use_soft.unsqueeze(1), soft_context(alpha, features), context)
+            context = torch.where(use_soft.unsqueeze(1), soft_context(alpha, features, group), context)
             log_prob = log_prob.masked_fill(use_soft, 0.0)
             index = index.masked_fill(use_soft, -1)
         return context, log_prob, index
@@ -313,20 +313,32 @@ class SATDecoder(CaptionDecoder):
             static["extension_output"] = added  # (B, M)
         return State(static=static, dynamic={"h": h, "c": c})
 
+    groups_rows = True  # step reads one copy of an image's regions for all its beams
+
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N))."""
+        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)).
+
+        A grouped state (``state.group`` g > 1) holds the regions and their projection once per
+        image, (B/g, N, D), read by its g consecutive rows; the extension's constants are repeated
+        per row for it (they are small).
+        """
         emb = self.embedding(prev_tokens)  # (B, M)
         h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
-        log_alpha = self.attention(state.static["projected"], h)  # (B, N)
+        group = state.group
+        static = state.static
+        if self.extension is not None and group > 1:
+            static = {**expand_groups({k: v for k, v in static.items() if k not in ("features", "projected")}, group),
+                      "features": static["features"], "projected": static["projected"]}
+        log_alpha = self.attention(static["projected"], h, group)  # (B, N)
         if self.extension is not None:
             rows = self.extension.query_weights()
             log_alpha, _ = self.extension.filter_attention(log_alpha, None if rows is None else F.linear(h, *rows),
-                                                           self.extension.word_query(emb), state.static)
-        context, _, _ = self._context(log_alpha, state.static["features"])  # (B, D)
+                                                           self.extension.word_query(emb), static)
+        context, _, _ = self._context(log_alpha, static["features"], group)  # (B, D)
         gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
         h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
-        log_probs = F.log_softmax(self._deep_output(emb, h, gated, state.static.get("extension_output")), dim=-1)
-        return log_probs, State(state.static, {"h": h, "c": c}), log_alpha.exp()
+        log_probs = F.log_softmax(self._deep_output(emb, h, gated, static.get("extension_output")), dim=-1)
+        return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
 
 
 @register_decoder(SATConfig)
