@@ -90,6 +90,18 @@ def test_unk_is_banned_unless_allow_unk(capsys, photos, tmp_path, untrained_chec
         assert ("<unk>" in words) is has_unk, out
 
 
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_precision_bfloat16_captions_every_photo_and_a_bad_precision_is_refused(capsys, checkpoints, photos, preset):
+    files = [str(photos / name) for name in GOOD]
+    code, out, err = _run(capsys, "caption", *files, "-c", str(checkpoints[preset]), "--json", "--max-len", "3",
+                          "--precision", "bfloat16")
+    assert code == 0 and err == []
+    assert [json.loads(line)["path"] for line in out] == files
+    assert all(len(json.loads(line)["tokens"]) == 3 for line in out)
+    code, out, err = _run(capsys, "caption", files[0], "-c", str(checkpoints[preset]), "--precision", "float16")
+    assert code == 2 and out == [] and "invalid choice: 'float16'" in "\n".join(err)
+
+
 def test_globs_and_missing_files(capsys, checkpoints, photos, tmp_path):
     missing = tmp_path / "nowhere.jpg"
     code, out, err = _run(capsys, "caption", str(photos / "*.png"), str(missing), str(tmp_path / "*.gif"),

@@ -250,7 +250,9 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
                                                  "decoding.n_best=2", "decoding.allow_unk=true"])
     assert cfg.decoding == DecodeOptions(beam_size=5, max_len=20, length_penalty=0.7, n_best=2, allow_unk=True)
     assert cfg.to_dict()["decoding"] == {"beam_size": 5, "max_len": 20, "length_penalty": 0.7, "n_best": 2,
-                                         "allow_unk": True, "no_repeat_ngram": 0, "no_repeat_words": False}
+                                         "allow_unk": True, "no_repeat_ngram": 0, "no_repeat_words": False,
+                                         "precision": "float32"}
+    assert resolve_config("sat_soft_tiny", None, ["decoding.precision=bfloat16"]).decoding.precision == "bfloat16"
     cfg.save(tmp_path / "config.json")
     assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())).decoding == cfg.decoding
     with pytest.raises(ConfigError, match="decoding n_best=4 cannot exceed beam_size=3"):

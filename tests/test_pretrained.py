@@ -190,6 +190,12 @@ def test_teacher_dataset_adds_captions_to_training_images_only(tmp_path):
     assert "a dog runs" in caps[1] and len(caps[1]) == 3 and "a cat" in caps[2]
     assert [len(dev.references(rec.image_id)) for rec in dev.images] == [2]
     assert (tmp_path / "distilled" / "flickr8k" / "images").resolve() == (data / "images").resolve()
+    only = teacher_dataset(data, results, tmp_path / "teacher_only", keep_human=False)  # Seq-KD proper
+    assert only == {"images": 3, "human": 2, "teacher": 2}
+    train = load_caption_set(tmp_path / "teacher_only" / "flickr8k", "train")
+    assert {rec.image_id: train.references(rec.image_id) for rec in train.images} == {1: ["a dog runs"], 2: ["a cat"]}
+    dev = load_caption_set(tmp_path / "teacher_only" / "flickr8k", "dev")
+    assert [len(dev.references(rec.image_id)) for rec in dev.images] == [2]  # scored on the human ones
     results.write_text(json.dumps([{"image_id": 3, "caption": "a dev photo"}]))
     with pytest.raises(DataError, match="image_id 3 is not a train image"):
         teacher_dataset(data, results, tmp_path / "again")

@@ -6,7 +6,7 @@ Option value types (argparse ``type=`` callables): a value argparse cannot take 
 parser as one usage line and exit code 2.
 
 The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``,
-``--no-repeat-ngram``, ``--no-repeat-words``): a flag left out is not passed on, so the one
+``--no-repeat-ngram``, ``--no-repeat-words``, ``--precision``): a flag left out is not passed on, so the one
 default, ``DecodeOptions()`` (beam 3, 20 words, ``<unk>`` banned: :mod:`captioner.config.schema`),
 applies to every command as to the Python API and to training's validation.
 """
@@ -74,6 +74,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
                         help="never repeat an N-gram within a caption (3: no repeated trigram; default: off)")
     parser.add_argument("--no-repeat-words", action="store_true",
                         help="never use a content word (not 'a', 'the', 'in'...) twice in a caption")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default=None,
+                        help="the decoder's arithmetic: bfloat16 searches about twice as fast on a CPU with "
+                             "native bfloat16, a few captions differing (default: float32)")
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -95,4 +98,6 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["no_repeat_ngram"] = ngram
     if getattr(args, "no_repeat_words", False):
         out["no_repeat_words"] = True
+    if getattr(args, "precision", None):
+        out["precision"] = args.precision
     return out

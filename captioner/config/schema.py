@@ -35,6 +35,7 @@ ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0", "e
 TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives feature maps (features_only)
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
+DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.decoding.precision
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
@@ -133,6 +134,9 @@ class DecodeOptions:
             blue shirt" stops before the second "shirt"); 0 = off.
         no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in
             one caption ("a baby baby in a bib").
+        precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as
+            fast a search on a CPU with native bfloat16; a near tie can fall the other way, so a few
+            captions differ: :mod:`captioner.decoding.precision`).
     """
 
     beam_size: int = 3
@@ -142,6 +146,7 @@ class DecodeOptions:
     allow_unk: bool = False
     no_repeat_ngram: int = 0
     no_repeat_words: bool = False
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -160,6 +165,8 @@ class DecodeOptions:
             raise ConfigError(f"decoding no_repeat_ngram must be 0 (off) or an integer >= 2, got {n!r}")
         if not isinstance(self.no_repeat_words, bool):
             raise ConfigError(f"decoding no_repeat_words must be true or false, got {self.no_repeat_words!r}")
+        if self.precision not in DECODE_PRECISIONS:
+            raise ConfigError(f"decoding precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.precision!r}")
 
 
 @dataclass

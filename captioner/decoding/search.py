@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from captioner.config import DecodeOptions
+from captioner.decoding.precision import prepare
 from captioner.errors import ConfigError
 from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
@@ -300,7 +301,8 @@ def decode(
         features: (B, N, D) region features.
         bos_id: id fed at the first step.
         eos_id: id that ends a caption.
-        options: search options; default ``DecodeOptions()`` (beam 3, 20 words).
+        options: search options; default ``DecodeOptions()`` (beam 3, 20 words, float32;
+            ``precision="bfloat16"`` steps :func:`captioner.decoding.precision.decoder_for` instead).
         banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
             :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
             renormalised.
@@ -328,6 +330,7 @@ def decode(
     search = greedy_search if options.beam_size == 1 else beam_search
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
+        decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
         for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
             out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
     return out

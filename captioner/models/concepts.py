@@ -75,6 +75,8 @@ class ConceptHead(nn.Module):
         sharpness: r of ``"lse"``.
     """
 
+    runs_in_float32 = True  # a bfloat16 copy of a decoder keeps this head in float32 (it reads float32 features)
+
     def __init__(self, feature_dim: int, words: Sequence[str], hidden_dim: int = 512, dropout: float = 0.3,
                  pooling: str = "lse", sharpness: float = SHARPNESS) -> None:
         super().__init__()

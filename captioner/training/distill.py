@@ -38,7 +38,7 @@ def _train_names(splits: Path, split: str) -> set[str]:
 
 
 def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: str | os.PathLike,
-                    split: str = "train") -> dict[str, int]:
+                    split: str = "train", keep_human: bool = True) -> dict[str, int]:
     """Write ``out/<name of data>/``: ``data``'s captions plus the teacher's for ``split``'s images.
 
     Args:
@@ -46,6 +46,8 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
         results: the teacher's COCO results file ``[{"image_id", "caption"}]`` for ``split``.
         out: the parent folder of the new dataset (created).
         split: the split whose images get the teacher's captions.
+        keep_human: False: ``split``'s images keep only the teacher's caption (Kim & Rush's
+            sequence-level distillation proper); the other splits keep their human captions.
 
     Returns:
         ``{"images": ..., "human": ..., "teacher": ...}``: caption counts of the new file.
@@ -75,7 +77,8 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
                         "teacher": True})
     target = Path(out) / data.name
     target.mkdir(parents=True, exist_ok=True)
-    merged = dict(source, annotations=source["annotations"] + teacher)
+    human = [a for a in source["annotations"] if keep_human or a.get("image_id") not in in_split]
+    merged = dict(source, annotations=human + teacher)
     _write_text(target / CAPTIONS, json.dumps(merged))
     _write_text(target / SPLITS, (data / SPLITS).read_text(encoding="utf-8"))
     images = target / "images"
@@ -84,4 +87,4 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
             raise DataError(f"{images}: exists and is not a link to {data / 'images'}; remove it first")
     else:
         images.symlink_to((data / "images").resolve(), target_is_directory=True)
-    return {"images": len(source["images"]), "human": len(source["annotations"]), "teacher": len(teacher)}
+    return {"images": len(source["images"]), "human": len(human), "teacher": len(teacher)}

@@ -7,6 +7,8 @@ the same photos and the same model for every row.
   encoded while the current one is searched);
 * ``before_*``: the same captions the way they were made before: NCHW encoder with its BatchNorm
   layers, each batch read, then encoded, then searched, one after the other;
+* ``caption_bf16_*``: the same with ``precision="bfloat16"`` (the decoder's arithmetic in bfloat16:
+  :mod:`captioner.decoding.precision`; the encoder and the reading as above);
 * ``bound_*``: reading + encoding alone (no search), as the caption path now does it: what the caption
   path could reach if the search cost nothing;
 * ``cache_*``: ``FeatureCache.build`` on the 224-px photos, now and as before (NCHW, serial reads).
@@ -161,14 +163,18 @@ def caption_throughput(quick: bool) -> dict:
                 "small": _photos(folder / "small", count, small=True)}
         with eval_mode(m.model):
             m.caption(sets["small"][:4], beam=3, batch_size=4)  # warm-up: weights converted, kernels chosen
+            m.caption(sets["small"][:4], beam=3, batch_size=4, precision="bfloat16")
             for name, paths in sets.items():
                 out[f"caption_{name}_per_s"] = _rate(
                     lambda: m.caption(paths, beam=3, attention=True, batch_size=32), count)
+                out[f"caption_bf16_{name}_per_s"] = _rate(
+                    lambda: m.caption(paths, beam=3, attention=True, batch_size=32, precision="bfloat16"), count)
                 out[f"bound_{name}_per_s"] = _rate(lambda: _bound(m, paths, 32), count)
                 with _before(m):
                     out[f"before_{name}_per_s"] = _rate(lambda: _caption_before(m, paths, 32, options), count)
                 out[f"caption_{name}_over_before"] = out[f"caption_{name}_per_s"] / out[f"before_{name}_per_s"]
                 out[f"caption_{name}_over_bound"] = out[f"caption_{name}_per_s"] / out[f"bound_{name}_per_s"]
+                out[f"caption_bf16_{name}_over_bound"] = out[f"caption_bf16_{name}_per_s"] / out[f"bound_{name}_per_s"]
             small = sets["small"]
             with _before(m):
                 out["cache_before_per_s"] = _rate(lambda: _cache(m, folder, small, "before"), count)
