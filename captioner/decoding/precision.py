@@ -73,9 +73,9 @@ class FusedSATSteps(CaptionDecoder):
         with torch.no_grad():
             table = F.linear(decoder.embedding.weight, lstm.weight_ih[:, :M], lstm.bias_ih + lstm.bias_hh)  # (V, 4H)
             zeros = lstm.bias_hh.new_zeros(M + 4 * H)
-            w_h = torch.cat([decoder.out_hidden.weight, lstm.weight_hh, att.hidden_proj.weight, decoder.gate.weight])
+            w_h = torch.cat([decoder.out_hidden.weight, lstm.weight_hh, 2.0 * att.hidden_proj.weight,  # 2 W_h h
+                             decoder.gate.weight])
             b_h = torch.cat([zeros, 2.0 * att.hidden_proj.bias, decoder.gate.bias])
-            w_h = torch.cat([w_h[:M + 4 * H], 2.0 * w_h[M + 4 * H:M + 4 * H + A], w_h[M + 4 * H + A:]])  # 2 W_h h
             weights = {
                 "table": table, "embedding": decoder.embedding.weight,
                 "w_h": w_h, "b_h": b_h,  # (M + 4H + A + 1, H)
@@ -91,7 +91,8 @@ class FusedSATSteps(CaptionDecoder):
         raise TypeError("FusedSATSteps only decodes step by step; train the SATDecoder itself")
 
     def init_state(self, features: torch.Tensor) -> State:
-        """features (B,N,D) -> static {features, projected} in ``dtype``, dynamic {q (B, 4H+A+1), c (B,H)}."""
+        """features (B,N,D) -> static {features in ``dtype``, projected in float32}, dynamic {q (B, 4H+A+1),
+        c (B,H)} in ``dtype``."""
         decoder, (H, M, _) = self.decoder[0], self.sizes
         regions = decoder._regions(features)
         h, c = decoder._initial_hc(regions, {})  # (B, H) each, in the features' dtype
