@@ -5,7 +5,7 @@ bfloat16 (``avx512_bf16`` or AMX) or a GPU.
 search with :func:`decoder_for` (the decoder's weights and the region features in bfloat16) instead of
 the decoder itself. The beams are still ranked in float64 and the attention maps returned in float32;
 only the decoder's products are rounded to bfloat16's 8 significant bits, so a near tie between two
-words can fall the other way: on Flickr8k dev 41 of the 1,000 captions differ from float32 decoding
+words can fall the other way: on Flickr8k dev 40 of the 1,000 captions differ from float32 decoding
 (docs/benchmarks.md gives the scores of both; they do not move beyond that noise). float32, the default, is the reference.
 
 * The SAT LSTM without an extension decodes with :class:`FusedSATSteps`: the same step with its
