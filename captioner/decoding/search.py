@@ -414,7 +414,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     expansion to K beams, images leaving the batch). A decoder that reads a grouped state
     (``groups_rows``: the SAT LSTM) gets ``State.regroup`` there instead: its K beams read one copy
     of their image's constants, so the expansion copies none and an image leaving copies only the
-    others' (a copy per beam of every image's regions was a third of the search's time on a CPU).
+    others' (with a copy per beam of every image's regions the shipped model's search took 5.3-5.7
+    instead of 4.7 ms a photo on the 2-core CPU).
     """
     suppress = SuppressTokens(banned_ids, eos_id)
     repeats = repeat_filter(options, content_ids, eos_id)

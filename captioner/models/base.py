@@ -67,17 +67,23 @@ class DecoderOutput:
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def map_rows(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of at least one dimension inside dicts/lists/tuples (its dim 0 is
+    the row); 0-d tensors and other values pass through."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.dim() > 0 else value
+    if isinstance(value, dict):
+        return {k: map_rows(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_rows(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_rows(v, fn) for v in value)
+    return value
+
+
 def reorder_nested(value: Any, index: torch.Tensor) -> Any:
     """Index-select dim 0 of every tensor inside dicts/lists/tuples; other values pass through."""
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, index.to(value.device)) if value.dim() > 0 else value
-    if isinstance(value, dict):
-        return {k: reorder_nested(v, index) for k, v in value.items()}
-    if isinstance(value, list):
-        return [reorder_nested(v, index) for v in value]
-    if isinstance(value, tuple):
-        return tuple(reorder_nested(v, index) for v in value)
-    return value
+    return map_rows(value, lambda t: t.index_select(0, index.to(t.device)))
 
 
 @dataclass(frozen=True)
@@ -130,15 +136,7 @@ def expand_groups(value: Any, group: int) -> Any:
     state's per-image constants, one row per decoder row); 1 returns ``value`` itself."""
     if group == 1:
         return value
-    if isinstance(value, torch.Tensor):
-        return value.repeat_interleave(group, dim=0) if value.dim() > 0 else value
-    if isinstance(value, dict):
-        return {k: expand_groups(v, group) for k, v in value.items()}
-    if isinstance(value, list):
-        return [expand_groups(v, group) for v in value]
-    if isinstance(value, tuple):
-        return tuple(expand_groups(v, group) for v in value)
-    return value
+    return map_rows(value, lambda t: t.repeat_interleave(group, dim=0))
 
 
 class CaptionDecoder(nn.Module):
