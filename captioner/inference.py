@@ -367,6 +367,23 @@ class Captioner:
                 for item in prepared:
                     yield item if isinstance(item, ImageLoadError) else next(found)
 
+    def encode(self, images: ImageInput | Sequence[ImageInput]) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The encoder's regions of one image or several, as one batch: ((B, N, D), grid (g, g)).
+
+        Inputs are those of :meth:`caption`; they are read by :data:`LOADER_THREADS` threads.
+
+        Raises:
+            ImageLoadError, ImageInputError: as :meth:`caption` (the first bad input).
+        """
+        sources = self._flatten(images)
+        if not sources:
+            raise DataError("encode needs at least one image")
+        with ThreadPoolExecutor(LOADER_THREADS) as loaders:
+            pixels = torch.stack([x for x, _ in loaders.map(self._prepare, sources)]).to(self.device)  # (B, 3, S, S)
+        with eval_mode(self.model), torch.no_grad():
+            features, grid = self.model.encode(pixels)  # (B, N, D)
+        return features, (int(grid[0]), int(grid[1]))
+
     def teacher_forced(self, image: ImageInput, tokens: Sequence[int]) -> torch.Tensor | None:
         """Every layer's and head's attention of a given caption of one image (see
         :func:`teacher_forced_attention`): (L, layers, heads, g, g), or None (LSTM, empty caption)."""

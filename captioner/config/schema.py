@@ -273,6 +273,11 @@ class TrainConfig:
     # when the concepts file holds fold heads (captioner concepts --folds F): while the decoder trains, each
     # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
     concept_cross_fit: bool = True
+    # --- word-level distillation (captioner.training.distill) ---
+    # a file of a teacher's top-k next words along the training captions (distill.word_targets): each cached
+    # caption's steps add word_distill_weight x KL(teacher || student) to the cross-entropy; None = off
+    word_distill: str | None = None
+    word_distill_weight: float = 1.0
 
     # The flat ``scst_<key>`` spelling of the ``scst`` section's keys, read at their place in the section.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
@@ -283,6 +288,7 @@ class TrainConfig:
         self._check_attention_terms()
         self._check_grounding()
         self._check_concepts()
+        self._check_distillation()
 
     def _check_optimisation(self) -> None:
         """optimizer, lr, betas, schedules, decays, clipping, smoothing."""
@@ -358,6 +364,13 @@ class TrainConfig:
         if self.attention_supervision_form not in ("mass", "cross_entropy"):
             raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
                               f"cross_entropy")
+
+    def _check_distillation(self) -> None:
+        w = self.word_distill_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
+            raise ConfigError(f"train.word_distill_weight must be a number >= 0 (0 = off), got {w!r}")
+        if self.word_distill is not None and (not isinstance(self.word_distill, str) or not self.word_distill):
+            raise ConfigError(f"train.word_distill must be the path of a word-targets file, got {self.word_distill!r}")
 
     def _check_concepts(self) -> None:
         g = self.concept_guide

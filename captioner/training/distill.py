@@ -1,27 +1,50 @@
-"""Sequence-level knowledge distillation (Kim & Rush 2016): a teacher's captions as extra targets.
+"""Knowledge distillation (Kim & Rush 2016): a teacher's captions and word distributions as targets.
 
-``teacher_dataset(data, results, out)`` writes a dataset folder in the layout of a COCO caption
-file beside ``splits.tsv`` and ``images/``: the human captions of every image, plus the teacher's
-caption (a COCO results file from ``captioner evaluate --split train``, an ensemble decoding
-for instance) of each training image. Other splits keep their human captions only, so validation
-and scores are unchanged. A student trained on it learns the ensemble's captions at one model's
-cost. The images are linked, not copied, and the folder keeps the source's name, so a feature
-cache built for the source serves the student too.
+**Sequence level.** ``teacher_dataset(data, results, out)`` writes a dataset folder in the layout
+of a COCO caption file beside ``splits.tsv`` and ``images/``: the human captions of every image,
+plus the teacher's caption (a COCO results file from ``captioner evaluate --split train``, an
+ensemble decoding for instance) of each training image. Other splits keep their human captions
+only, so validation and scores are unchanged. A student trained on it learns the ensemble's
+captions at one model's cost. The images are linked, not copied, and the folder keeps the
+source's name, so a feature cache built for the source serves the student too.
+
+**Word level.** ``word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
+word by word and keeps, at each step, its ``top_k`` next words and their probabilities (an
+ensemble's: the mean of its members'), in one safetensors file. ``train.word_distill`` names that
+file: :class:`WordDistillation` then adds ``train.word_distill_weight`` x KL(teacher top-k ||
+student) at the steps of every training caption the file holds, beside the cross-entropy of the
+caption's words. On a dataset from ``teacher_dataset`` it is Kim & Rush's Seq-KD + Word-KD.
+
+Shape legend: B batch rows, T caption steps, V vocabulary, k kept words per step, P steps of all
+cached captions.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
+import math
 import os
 from pathlib import Path
+from typing import Any
 
-from captioner.data.coco import read_json
-from captioner.errors import DataError
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from captioner.data.coco import load_caption_set, read_json
+from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
+from captioner.models.base import DecoderOutput, eval_mode
+from captioner.text import Vocabulary
+
+log = logging.getLogger(__name__)
 
 CAPTIONS = "captions_coco_format.json"
 SPLITS = "splits.tsv"
+WORD_TARGETS_FORMAT = "captioner-word-targets"
+WORD_TARGETS_VERSION = "1"
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -88,3 +111,241 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
     else:
         images.symlink_to((data / "images").resolve(), target_is_directory=True)
     return {"images": len(source["images"]), "human": len(human), "teacher": len(teacher)}
+
+
+# ----------------------------------------------------------------------------- word level
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
+                 top_k: int = 8, batch_size: int = 32, progress: bool | None = None) -> dict[str, float]:
+    """Write ``out`` (safetensors): the teacher's top-k next words along every caption of ``split``.
+
+    Args:
+        teacher: a :class:`captioner.inference.Captioner` (``captioner.load(...)``; a list of
+            checkpoints loads as an ensemble), or what ``captioner.load`` takes.
+        data: the dataset folder (any layout ``captioner train --data`` reads).
+        out: the file to write.
+        split: whose captions; the student's training split.
+        top_k: words kept per step (their probabilities are renormalised when the student reads them).
+        batch_size: images encoded at a time (each with all its captions).
+        progress: a tqdm bar; default: when stderr is a terminal.
+
+    Returns:
+        ``{"images", "captions", "steps", "top_k", "mass"}``: ``mass`` is the mean probability the
+        kept words hold (how much of the teacher's distribution the file keeps).
+
+    Raises:
+        DataError: an unreadable dataset or image; ConfigError: ``top_k`` or ``batch_size`` < 1.
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    from captioner.inference import Captioner, load
+
+    for name, value in (("top_k", top_k), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"word_targets: {name} must be an integer >= 1, got {value!r}")
+    model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
+    vocab: Vocabulary = model.vocab
+    k = min(top_k, len(vocab))
+    cs = load_caption_set(data, split)
+    if not len(cs):
+        raise DataError(f"{data}: split {split!r} has no images")
+    tokens: list[int] = []
+    offsets, step_offsets, image_of = [0], [0], []
+    top_ids: list[torch.Tensor] = []
+    top_probs: list[torch.Tensor] = []
+    mass, steps = 0.0, 0
+    show = sys.stderr.isatty() if progress is None else progress
+    decoder = model.model.decoder
+    with eval_mode(model.model), torch.no_grad(), \
+            tqdm(total=len(cs), unit="img", desc="teacher words", disable=not show) as bar:
+        for chunk in _chunks(len(cs), batch_size):
+            records = [cs.images[i] for i in chunk]
+            features, _ = model.encode([r.path for r in records])  # (b, N, D)
+            rows, captions = [], []
+            for j, (i, record) in enumerate(zip(chunk, records)):
+                for caption in cs.captions[record.image_id]:
+                    rows.append(j)
+                    captions.append(vocab.encode(caption))
+                    image_of.append(i)
+            if not captions:
+                bar.update(len(records))
+                continue
+            width = max(len(c) for c in captions)
+            batch = torch.full((len(captions), width), vocab.pad_id, dtype=torch.long)  # (C, T)
+            for r, ids in enumerate(captions):
+                batch[r, :len(ids)] = torch.tensor(ids)
+            taught = decoder(features.index_select(0, torch.tensor(rows, device=features.device)),
+                           batch[:, :-1].to(features.device))
+            log_probs = torch.log_softmax(taught.logits.float(), dim=-1).cpu()  # (C, T-1, V)
+            probs, ids = log_probs.exp().topk(k, dim=-1)  # (C, T-1, k)
+            for r, caption_ids in enumerate(captions):
+                n = len(caption_ids) - 1  # steps: each predicts the next word (the last, <eos>)
+                tokens.extend(caption_ids)
+                offsets.append(len(tokens))
+                step_offsets.append(step_offsets[-1] + n)
+                top_ids.append(ids[r, :n].to(torch.int32))
+                top_probs.append(probs[r, :n])
+                mass += float(probs[r, :n].sum())
+                steps += n
+            bar.update(len(records))
+    tensors = {
+        "tokens": torch.tensor(tokens, dtype=torch.int32),  # every caption [<bos> w.. <eos>], one after another
+        "offsets": torch.tensor(offsets, dtype=torch.int64),  # (C + 1,) caption c: tokens[offsets[c]:offsets[c + 1]]
+        "step_offsets": torch.tensor(step_offsets, dtype=torch.int64),  # (C + 1,) its rows of top_ids / top_probs
+        "image": torch.tensor(image_of, dtype=torch.int32),  # (C,) index into the metadata's images
+        "top_ids": torch.cat(top_ids) if top_ids else torch.zeros(0, k, dtype=torch.int32),  # (P, k)
+        "top_probs": (torch.cat(top_probs) if top_probs else torch.zeros(0, k)).to(torch.float16),  # (P, k)
+    }
+    metadata = {"format": WORD_TARGETS_FORMAT, "version": WORD_TARGETS_VERSION, "split": split,
+                "top_k": str(k), "vocab": json.dumps(vocab.itos),
+                "images": json.dumps([r.file_name for r in cs.images]), "teacher": repr(model)}
+    from safetensors.torch import save
+
+    blob = save({name: t.contiguous() for name, t in tensors.items()}, metadata)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda f: f.write(blob), error=DataError)
+    return {"images": len(cs), "captions": len(offsets) - 1, "steps": steps, "top_k": k,
+            "mass": mass / steps if steps else math.nan}
+
+
+def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a :func:`word_targets` file.
+
+    Raises:
+        DataError: the file is missing, not safetensors, or not a word-targets file (one line naming it).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: word-distillation targets not found (write them with "
+                        "captioner.training.distill.word_targets)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a safetensors file ({exc})") from None
+    needed = ("tokens", "offsets", "step_offsets", "image", "top_ids", "top_probs")
+    if metadata.get("format") != WORD_TARGETS_FORMAT or any(n not in tensors for n in needed):
+        raise DataError(f"{path}: not a word-distillation targets file (format {metadata.get('format')!r})")
+    if metadata.get("version") != WORD_TARGETS_VERSION:
+        raise DataError(f"{path}: word-targets version {metadata.get('version')!r}; this package reads "
+                        f"version {WORD_TARGETS_VERSION}")
+    return tensors, metadata
+
+
+class WordDistillation:
+    """``train.word_distill``: KL(teacher's top-k || student) at each step of each cached caption.
+
+    A batch row whose image and words (as the training set encodes them) match a caption of the
+    file gets the term at its steps; other rows (captions the teacher never read) get none. The
+    teacher's top-k probabilities are renormalised over the words the student's vocabulary has.
+
+    Args:
+        path: a :func:`word_targets` file.
+        train_set: the training ``CaptionSet`` (batch ``image_index`` indexes its images).
+        vocab: the student's vocabulary.
+        weight: the term's weight beside the cross-entropy.
+        max_len: ``data.max_caption_len``: the words the training set keeps of each caption.
+
+    Raises:
+        DataError: an unreadable file, or one that holds no caption of the training set.
+    """
+
+    name = "word_distill"
+
+    def __init__(self, path: str | os.PathLike, train_set: Any, vocab: Vocabulary, weight: float,
+                 max_len: int) -> None:
+        tensors, meta = read_word_targets(path)
+        self.weight = float(weight)
+        self.pad_id = vocab.pad_id
+        teacher_words = json.loads(meta["vocab"])
+        to_student = np.array([vocab.stoi.get(w, -1) for w in teacher_words], dtype=np.int64)  # teacher id -> student
+        index_of = {r.file_name: i for i, r in enumerate(train_set.images)}
+        names = json.loads(meta["images"])
+        tokens, offsets = tensors["tokens"].numpy().astype(np.int64), tensors["offsets"].numpy()
+        steps = tensors["step_offsets"].numpy()
+        images = tensors["image"].numpy()
+        top_ids = to_student[tensors["top_ids"].numpy().astype(np.int64)]  # (P, k), -1: a word the student lacks
+        top_probs = np.where(top_ids >= 0, tensors["top_probs"].float().numpy(), 0.0)
+        total = top_probs.sum(axis=1, keepdims=True)
+        self.top_ids = torch.from_numpy(np.maximum(top_ids, 0))  # (P, k)
+        self.top_probs = torch.from_numpy(np.divide(top_probs, total, out=np.zeros_like(top_probs),
+                                                    where=total > 0)).float()  # (P, k), rows sum to 1 (or 0)
+        # the teacher's entropy at each step, so that the term is a KL: 0 when the student agrees
+        p = self.top_probs
+        self.entropy = -(p * torch.log(p.clamp(min=1e-12))).sum(dim=1)  # (P,)
+        self.table: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+        skipped = 0
+        for c in range(len(offsets) - 1):
+            image = index_of.get(names[int(images[c])]) if 0 <= int(images[c]) < len(names) else None
+            ids = to_student[tokens[offsets[c]:offsets[c + 1]]]
+            if image is None or (ids < 0).any():
+                skipped += 1
+                continue
+            words = ids[1:-1]
+            kept = [vocab.bos_id, *words[:max_len].tolist(), vocab.eos_id]
+            n = len(kept) - 1 if len(words) <= max_len else max_len  # a cut caption: its <eos> step is not the teacher's
+            self.table.setdefault((image, tuple(kept)), (int(steps[c]), n))
+        if not self.table:
+            raise DataError(f"{path}: none of its {len(offsets) - 1} captions is a caption of the training set "
+                            f"{train_set.name!r} ({train_set.split}): were the targets written for another dataset?")
+        log.info("word distillation: %d captions of %s (%d skipped: another image or a word outside the "
+                 "vocabulary), top %s words a step, weight %g", len(self.table), path, skipped,
+                 meta.get("top_k"), self.weight)
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def lookup(self, tokens: torch.Tensor, image_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row and step, the teacher's ids (B, T-1, k), probabilities (B, T-1, k) and entropy (B, T-1).
+
+        ``tokens`` (B, T) are the batch's ``[<bos> w.. <eos> pad..]``; rows the file lacks are all 0.
+        """
+        B, T = tokens.shape
+        k = self.top_ids.size(1)
+        ids = torch.zeros(B, T - 1, k, dtype=torch.long)
+        probs = torch.zeros(B, T - 1, k)
+        entropy = torch.zeros(B, T - 1)
+        for b, (row, image) in enumerate(zip(tokens.tolist(), image_index.tolist())):
+            words = tuple(t for t in row if t != self.pad_id)
+            found = self.table.get((int(image), words))
+            if found is None:
+                continue
+            start, n = found
+            ids[b, :n] = self.top_ids[start:start + n]
+            probs[b, :n] = self.top_probs[start:start + n]
+            entropy[b, :n] = self.entropy[start:start + n]
+        return ids, probs, entropy
+
+    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
+        logits = output.logits  # (B, T-1, V)
+        ids, probs, entropy = self.lookup(batch.tokens, batch.image_index)
+        device = logits.device
+        ids, probs, entropy = ids.to(device), probs.to(device), entropy.to(device)
+        log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # (B, T-1, k)
+        cross = -(probs * log_q).sum(dim=-1)  # (B, T-1)
+        real = probs.sum(dim=-1) > 0  # (B, T-1) steps with a teacher distribution
+        count = real.sum()
+        value = ((cross - entropy) * real).sum() / count.clamp(min=1)
+        rows = real.any(dim=1).float().mean()
+        self.stats = {"word_distill_rows": rows.detach()}
+        return value
+
+
+def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> WordDistillation | None:
+    """The ``train.word_distill`` term of cross-entropy training, or None when it is off."""
+    t = cfg.train
+    if not t.word_distill or not t.word_distill_weight:
+        return None
+    if t.objective != "xe":
+        log.warning("train.word_distill applies to cross-entropy training only; train.objective=%s trains "
+                    "without it", t.objective)
+        return None
+    return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)
