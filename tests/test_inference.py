@@ -249,3 +249,18 @@ def test_caption_stream_overlaps_and_keeps_order(checkpoints, photos, tmp_path):
     with pytest.raises(ImageLoadError, match="broken.jpg"):
         model.caption(files, batch_size=2)
     assert list(model.caption_stream([], DecodeOptions())) == []
+
+
+def test_encode_gives_the_regions_of_a_batch(checkpoints, photos):
+    model = load(checkpoints["sat_soft_tiny"], device="cpu")
+    paths = [photos / "wide.png", photos / "tall.png"]
+    features, grid = model.encode(paths)
+    pixels = torch.stack([model.transform(load_image(p)) for p in paths])
+    with torch.no_grad():
+        expected, expected_grid = model.model.eval().encode(pixels)  # (2, N, D)
+    assert features.shape == expected.shape and grid == tuple(int(g) for g in expected_grid)
+    torch.testing.assert_close(features, expected)
+    with pytest.raises(ImageLoadError, match="broken.jpg"):
+        model.encode([paths[0], photos / "broken.jpg"])
+    with pytest.raises(DataError, match="at least one image"):
+        model.encode([])
