@@ -41,7 +41,7 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
                       "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1,
                       "concept_guide_sharpness": 1.0, "concept_pointer": 1.0,
-                      "concept_cross_fit": True}
+                      "concept_cross_fit": True, "word_distill": None, "word_distill_weight": 1.0}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"dilate": False}
 # decoder fields added after the snapshot, to both families (ConceptReaderConfig, after the shared fields):

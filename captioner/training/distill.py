@@ -26,16 +26,21 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_safetensors
+from tqdm import tqdm
 
 from captioner.data.coco import load_caption_set, read_json
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
+from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
 from captioner.text import Vocabulary
 
@@ -141,12 +146,6 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     Raises:
         DataError: an unreadable dataset or image; ConfigError: ``top_k`` or ``batch_size`` < 1.
     """
-    import sys
-
-    from tqdm import tqdm
-
-    from captioner.inference import Captioner, load
-
     for name, value in (("top_k", top_k), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"word_targets: {name} must be an integer >= 1, got {value!r}")
@@ -206,9 +205,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     metadata = {"format": WORD_TARGETS_FORMAT, "version": WORD_TARGETS_VERSION, "split": split,
                 "top_k": str(k), "vocab": json.dumps(vocab.itos),
                 "images": json.dumps([r.file_name for r in cs.images]), "teacher": repr(model)}
-    from safetensors.torch import save
-
-    blob = save({name: t.contiguous() for name, t in tensors.items()}, metadata)
+    blob = save_safetensors({name: t.contiguous() for name, t in tensors.items()}, metadata)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda f: f.write(blob), error=DataError)
     return {"images": len(cs), "captions": len(offsets) - 1, "steps": steps, "top_k": k,
@@ -221,8 +218,6 @@ def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
     Raises:
         DataError: the file is missing, not safetensors, or not a word-targets file (one line naming it).
     """
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: word-distillation targets not found (write them with "
