@@ -19,13 +19,16 @@
 #   d2. teacher   base_scst and the two decoded together (captioner evaluate A B C, beam 3) on the
 #                 training photos: one teacher caption per photo, in place of its five human ones
 #                 (captioner.training.distill.teacher_dataset keep_human=False)
-#   d3. student   base_scst trained STUDENT_EPOCHS (3) epochs on the teacher's captions, then its SCST
-#                 stage (STUDENT_SCST_SECONDS, 1200)
+#   d3. words     only with WORD_WEIGHT > 0: the three teachers read their captions word by word, their top 8
+#                 next words at each step (word-level distillation, captioner.training.distill.word_targets)
+#   d4. student   base_scst trained STUDENT_EPOCHS (3) epochs on the teacher's captions (with WORD_WEIGHT > 0,
+#                 plus WORD_WEIGHT x the KL to the teachers' top 8 at each step); then STUDENT_SCST_STAGES (2)
+#                 SCST stages of STUDENT_SCST_SECONDS (1200) each, each from the one before with another seed
 #   and the release takes the best of every run by dev CIDEr-D.
 # Settings (environment): ROOT (runs/shipped), DEVICE (cpu; cuda on a GPU), JOBS (1: stages one after
 # the other; 2 trains the two new teachers at once, on a GPU), SCST_SECONDS (2100), WORKERS (data loader
-# workers, 0), STUDENT_EPOCHS (3), STUDENT_SCST_SECONDS (1200), CAPTIONER (the command), EXTRA (--set arguments added to every
-# training run).
+# workers, 0), STUDENT_EPOCHS (3), WORD_WEIGHT (0: off; 3 is the best weight measured), STUDENT_SCST_STAGES (2),
+# STUDENT_SCST_SECONDS (1200), CAPTIONER (the command), EXTRA (--set arguments added to every training run).
 set -euo pipefail
 DATA=${1:?usage: bash scripts/train_shipped_model.sh DATA}
 ROOT=${ROOT:-runs/shipped}
@@ -59,7 +62,7 @@ train() {  # run folder, data folder, captioner train arguments: train unless do
 scst() {  # run folder, from run, extra settings: the self-critical stage
     local run=$1 from=$2; shift 2
     train "$run" "$DATA" "$@" --init "$from/best.safetensors" --set train.objective=scst --set train.lr=1e-4 \
-        --set train.schedule=constant --set train.seed=1 --time-budget "$SCST_SECONDS"
+        --set train.schedule=constant --set train.seed="${SCST_SEED:-1}" --time-budget "$SCST_SECONDS"
 }
 
 wait_all() { local p; for p in "$@"; do wait "$p"; done; }
@@ -95,12 +98,37 @@ if [ "${DISTILL:-0}" = 1 ]; then
         touch "$distilled/done"
     fi
 
-    # d3. the student: base_scst trained on the teacher's captions (cross-entropy, STUDENT_EPOCHS), then SCST
+    # d3. word-level distillation (off by default: after SCST it gave no lasting gain): the teachers' top 8
+    #     next words at each step of their captions
+    student_words=()
+    if python -c "import sys; sys.exit(0 if float(sys.argv[1]) > 0 else 1)" "${WORD_WEIGHT:-0}"; then
+        words=$ROOT/words.safetensors
+        if [ -f "$words" ]; then
+            log "teacher words: kept"
+        else
+            log "teacher words: the three teachers read their captions word by word"
+            python -c "import sys, json, captioner; from captioner.training.distill import word_targets; \
+    teacher = captioner.load(sys.argv[1:4], device=sys.argv[6]); \
+    print(json.dumps(word_targets(teacher, sys.argv[4], sys.argv[5], top_k=8, progress=False)))" \
+                "$ROOT"/base_scst/best.safetensors "$ROOT"/teacher_finetune/best.safetensors \
+                "$ROOT"/teacher_sat/best.safetensors "$distilled/$(basename "$DATA")" "$words" "$DEVICE" \
+                | tee "$ROOT/words.json"
+        fi
+        student_words=(--set train.word_distill="$words" --set train.word_distill_weight="$WORD_WEIGHT")
+    fi
+
+    # d4. the student: base_scst trained on the teacher's captions (STUDENT_EPOCHS), then its SCST stages
     train "$ROOT/student" "$distilled/$(basename "$DATA")" "${finetune[@]}" --set encoder.fine_tune=false \
         --init "$ROOT/base_scst/best.safetensors" --set train.lr=1e-4 --set train.schedule=constant \
-        --set train.seed=3 --epochs "${STUDENT_EPOCHS:-3}"
-    SCST_SECONDS=${STUDENT_SCST_SECONDS:-1200} scst "$ROOT/student_scst" "$ROOT/student" "${finetune[@]}" \
-        --set encoder.fine_tune=false
+        --set train.seed=3 --epochs "${STUDENT_EPOCHS:-3}" "${student_words[@]+"${student_words[@]}"}"
+    previous=$ROOT/student
+    for stage in $(seq 1 "${STUDENT_SCST_STAGES:-2}"); do
+        run=$ROOT/student_scst; [ "$stage" -gt 1 ] && run=$ROOT/student_scst$stage
+        # each stage from the one before, with another seed (another order of the batches)
+        SCST_SEED=$((stage + 1)) SCST_SECONDS=${STUDENT_SCST_SECONDS:-1200} scst "$run" "$previous" \
+            "${finetune[@]}" --set encoder.fine_tune=false
+        previous=$run
+    done
 fi
 
 # 3. the release file: the best run by dev CIDEr-D (training's validation, beam 3)
