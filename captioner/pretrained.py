@@ -45,7 +45,7 @@ MODELS: dict[str, PretrainedModel] = {
     "flickr8k": PretrainedModel(
         name="flickr8k",
         file="flickr8k.safetensors",
-        sha256="9c9d02b18048d8623945c2006c761b1822dfb656b42daefcec20cd4bc7532574",
+        sha256="b936016d728f923a6ead298eacaa3a98541c117768fa7769ba43c3992e96183a",
         card="flickr8k.md",
         preset="sat_soft_flickr8k",
         summary="Show, Attend and Tell with soft attention over an EfficientNet-Lite0 whose last stage was trained "
