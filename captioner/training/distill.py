@@ -38,11 +38,13 @@ from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
 from captioner.data.coco import load_caption_set, read_json
+from captioner.data.dataset import collate_captions
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
 from captioner.text import Vocabulary
+from captioner.training.attention_terms import _cross_entropy_only
 
 log = logging.getLogger(__name__)
 
@@ -167,26 +169,19 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
         for chunk in _chunks(len(cs), batch_size):
             records = [cs.images[i] for i in chunk]
             features, _ = model.encode([r.path for r in records])  # (b, N, D)
-            rows, captions = [], []
-            for j, (i, record) in enumerate(zip(chunk, records)):
-                for caption in cs.captions[record.image_id]:
-                    rows.append(j)
-                    captions.append(vocab.encode(caption))
-                    image_of.append(i)
-            if not captions:
+            items = [(features[j], torch.tensor(vocab.encode(caption)), i)  # (regions, [<bos> w.. <eos>], image)
+                     for j, (i, record) in enumerate(zip(chunk, records)) for caption in cs.captions[record.image_id]]
+            if not items:
                 bar.update(len(records))
                 continue
-            width = max(len(c) for c in captions)
-            batch = torch.full((len(captions), width), vocab.pad_id, dtype=torch.long)  # (C, T)
-            for r, ids in enumerate(captions):
-                batch[r, :len(ids)] = torch.tensor(ids)
-            taught = decoder(features.index_select(0, torch.tensor(rows, device=features.device)),
-                           batch[:, :-1].to(features.device))
+            regions, batch, images = collate_captions(items)  # (C, N, D), (C, T) padded, (C,)
+            image_of.extend(images.tolist())
+            taught = decoder(regions, batch[:, :-1].to(features.device))
             log_probs = torch.log_softmax(taught.logits.float(), dim=-1).cpu()  # (C, T-1, V)
             probs, ids = log_probs.exp().topk(k, dim=-1)  # (C, T-1, k)
-            for r, caption_ids in enumerate(captions):
+            for r, (_, caption_ids, _) in enumerate(items):
                 n = len(caption_ids) - 1  # steps: each predicts the next word (the last, <eos>)
-                tokens.extend(caption_ids)
+                tokens.extend(caption_ids.tolist())
                 offsets.append(len(tokens))
                 step_offsets.append(step_offsets[-1] + n)
                 top_ids.append(ids[r, :n].to(torch.int32))
@@ -339,8 +334,6 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
     t = cfg.train
     if not t.word_distill or not t.word_distill_weight:
         return None
-    if t.objective != "xe":
-        log.warning("train.word_distill applies to cross-entropy training only; train.objective=%s trains "
-                    "without it", t.objective)
+    if not _cross_entropy_only("train.word_distill", t.objective):
         return None
     return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)
