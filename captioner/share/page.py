@@ -123,6 +123,7 @@ body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
 #status { color: #444; margin: 0; flex: 1 1 12em; min-width: 0; white-space: nowrap; overflow: hidden;
           text-overflow: ellipsis; }
 #error { color: #8a0000; background: #fdecec; border-radius: 6px; padding: .4em .8em; margin: .2em 0; }
+#columns { overflow-anchor: none; }  /* replaced on every answer: never the browser's scroll anchor */
 #result-head { position: relative; margin: 0 0 .3em; overflow-wrap: anywhere; }
 /* over the old result, not above it: marking it stale moves nothing */
 #stale-note { position: absolute; left: 0; right: 0; top: 100%; z-index: 2; color: #6b4e00; background: #fff4d6;
@@ -136,7 +137,10 @@ body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
   #columns:not(.many) .column { grid-template-columns: minmax(240px, 340px) minmax(0, 1fr);
                                 grid-template-rows: auto 1fr; grid-template-areas: "head map" "more map"; gap: 0 1.2em; }
 }
-#columns.many { display: grid; grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr)); gap: .8em; }
+/* models side by side: one column each, their maps level (the rows of every column are the same rows) */
+#columns.many { display: grid; grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr));
+                grid-template-rows: auto auto auto; gap: 0 .8em; }
+#columns.many .column { grid-row: span 3; grid-template-rows: subgrid; }
 #columns:not(.many) .column h2 { display: none; }
 .column h2 { font-size: 1em; margin: .2em 0; font-weight: 600; }
 .column .meta { color: #444; font-size: .85em; font-weight: 400; margin-left: .4em; }

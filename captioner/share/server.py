@@ -45,6 +45,7 @@ from captioner.share.examples import Example, reads_scenes
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
+from captioner.text import SPECIALS
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
@@ -118,13 +119,13 @@ class ServedModel:
     def info(self) -> dict:
         """What the page shows of the model: its name, family, vocabulary and one line about it."""
         cfg = self.captioner.config
-        words = len(self.captioner.vocab)
         about = card_summary(self.card) if self.card else ""
         if not about:
+            words = len(self.captioner.vocab) - len(SPECIALS)
             data = "synthetic scenes" if reads_scenes(self.captioner.vocab.itos) else "photos"
             about = f"{cfg.decoder.name} decoder over {cfg.encoder.name}, {words:,} words, trained on {data}"
-        return {"name": self.name, "decoder": cfg.decoder.name, "encoder": cfg.encoder.name, "vocab": words,
-                "about": about, "card": self.card is not None}
+        return {"name": self.name, "decoder": cfg.decoder.name, "encoder": cfg.encoder.name,
+                "vocab": len(self.captioner.vocab), "about": about, "card": self.card is not None}
 
 
 def card_summary(card: str) -> str:
