@@ -1,21 +1,24 @@
 """The ``captioner serve`` page: one HTML document, inline CSS and JS, nothing fetched from elsewhere.
 
-Drop a photo anywhere on the page, choose one, or click an example; the page posts it to
-``/api/caption`` and shows, under the photo's name and thumbnail, the captions (best first, each with
-its score: the log-probability per word, and the caption's total) and, in an iframe that follows
-its content's height, the explorer page the server rendered for it (:mod:`captioner.viz.explorer`:
-it opens on the caption's first tag-word or noun; hover, focus or tap a word, or one of the photo's
-tags for a model with concept detectors; a heat map or attention as light; layer and head selectors
-for a Transformer). Changing the model, the beam or the number of captions, or pressing "Run again",
-captions the same photo again, and the page stays where it is (no scrolling: the upload box and the
-focused control stay in view). With several models, "all models" (the default) shows them side by
-side: the photo once above the columns, each column's map at its full size (no photo beside it;
-on a phone the columns stay side by side), the same word lit in each, and a column whose caption lacks the
-word says so and shows its tag of that name or its nearest word. Buttons download the
-map on show with the caption and the word under it (PNG) and the attention record (JSON). An
-error is shown in one line and clears the old result; a new photo marks it as the previous one's
-until its own answer arrives. A file larger than the server's limit is refused before it is sent.
-The script and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
+At the top, each model said in one line from its model card (the card at ``/cards/<index>``). Drop a
+photo anywhere on the page, choose one, or click an example (a drop of text says it was no photo);
+the page posts it to ``/api/caption`` and shows the first result on one screen: the photo's name
+(once), the caption as text to copy, its score always (the log-probability in all, and per word,
+its words counted), said in a line, the n-best list when more than one caption is asked for, the
+downloads, and in an iframe that follows its content's height the explorer page the server rendered
+for it (:mod:`captioner.viz.explorer`: the word strip of small maps, play-through, the map as large as
+the window allows, its legend; it opens on the caption's first tag-word or noun). On a wide screen
+the caption, score and downloads stand beside the map; on a narrow one above and under it. A skip link
+leads to the words. Changing the model, the beam or the number of captions, or pressing "Run again",
+captions the same photo again, keeping the strength, style and chosen caption; stepping through a
+closed select with the arrow keys asks once, when the keys rest. The page stays where it is (no
+scrolling, nothing moves while a new photo is busy: a note over the old result marks it as the previous
+photo's). With several models, "all models" (the default) shows them side by side, their maps level,
+the same word lit in each, and a column whose caption lacks the word says so over its map and shows its
+tag of that name or its nearest word. An error is shown in one line, clears the old result and turns
+"Run again" off. A file larger than the server's limit is refused before it is sent. Beside the
+downloads each column keeps an empty place (``data-slot="labels"``) for the photo's labels. The script
+and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
 
 The document sets ``data-state`` on ``<body>`` (``idle``, ``busy``, ``done``, ``error``), counts
 answers in ``data-answers`` and the last upload-to-map time in ``data-ms``: what the browser tests
@@ -89,12 +92,12 @@ def render_page(models: list[dict], examples: list[dict], max_beam: int, max_byt
 
 
 # --- the page's stylesheet and script (embedded inline by render_page) ---
-# The script keeps the last photo (its bytes, name and a thumbnail) and captions it again whenever a
-# setting changes or "Run again" is pressed; a new photo marks the shown result as the old one's until
-# its own answer arrives, and an error clears it. With "all models" chosen it asks every model at once
-# and shows one column each; a word (or tag) hovered, focused or pinned in one column is shown in the others
-# (with its map, for a column that lacks the word), and one style holds for all. The page never scrolls by
-# itself: the old columns' height is kept until the new ones are drawn, so nothing jumps.
+# The script keeps the last photo (its bytes and name) and captions it again whenever a setting changes or
+# "Run again" is pressed; a new photo marks the shown result as the old one's until its own answer arrives,
+# and an error clears it. With "all models" chosen it asks every model at once and shows one column each; a
+# word (or tag) hovered, focused or pinned in one column is shown in the others (with its map, for a column
+# that lacks the word), and one style and strength hold for all. The page never scrolls by itself: the old
+# columns' height is kept until the new ones are drawn, so nothing jumps.
 
 PAGE_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .5em auto; max-width: 1360px;
@@ -308,10 +311,10 @@ PAGE_JS = r"""
   function fit(frame) {  // the frame as high as what it holds (it follows the window); the map fits the window
     const doc = frame.contentDocument;
     if (!doc || !doc.body) return;
-    const view = doc.getElementById("view"), legend = doc.querySelector(".legend");
-    if (view && legend) {  // room for the map: the window less what is above it and its legend under it
+    const view = doc.getElementById("view"), said = doc.getElementById("summary");
+    if (view && said) {  // room for the map: the window less what is above it, and its legend and sentence under it
       const top = frame.getBoundingClientRect().top + window.scrollY + view.getBoundingClientRect().top;
-      const under = legend.getBoundingClientRect().bottom - view.getBoundingClientRect().bottom;
+      const under = said.getBoundingClientRect().bottom - view.getBoundingClientRect().bottom;
       const room = Math.max(200, Math.floor(window.innerHeight - top - under - 10));
       if (doc.documentElement.style.getPropertyValue("--map-max") !== room + "px")
         doc.documentElement.style.setProperty("--map-max", room + "px");

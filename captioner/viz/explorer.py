@@ -1,22 +1,27 @@
 """The HTML attention explorer: one self-contained file (inline CSS/JS, image as a data: URI).
 
-The caption's words are buttons: hovering, focusing (Tab) or tapping one draws its attention, and
-a click, Enter or Space keeps it (the arrow keys step); the word shown is marked the same way
-however it was chosen and is written large above the map. The map is drawn over the photo on a
-<canvas>, the photo itself beside it on a wide screen (under it on a narrow one); its long side is at least ``MIN_DISPLAY_SIDE`` pixels (a 128-px scene is
-upscaled to be readable) and at most ``max_side``. Heat maps are rendered client-side from the raw
-g x g weights embedded as JSON (bilinear upsampling with half-pixel centres, a Gaussian blur of
-``BLUR_CELLS`` grid cells, placement on the encoder's crop box, dimming outside it, then the
-style's layer: ``heat``, the default, lays the colour map (a 256-entry lookup table) over the photo
-with a transparent low end and darkens the photo a little where the word did not look, ``light``
-darkens where the word did not look), the same rule as :mod:`captioner.viz.heatmaps`. Each map is on
-its own scale (``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the
-uniform weight), so the region the word looked at most is drawn at the top on any photo; the
-legend names the top "strongest region, 42%" and the sentence under it gives the same share. Its
-figures (peak share, grid cell, entropy against log N) are one click away.
+The caption's words form a strip, each word under its own small map (the overview ``attention.png``
+gives): hovering, focusing or tapping one draws its attention large, and a click, Enter or Space keeps
+it. The strip is one Tab stop (a roving tabindex: the word shown); the arrow keys step, Home and End
+go to the ends. "Play" shows the words in turn, as the GIF does, and "Photo without the map" shows
+the photo bare. The word shown is marked the same way however it was chosen and is written above the
+map. The map is drawn over the photo on a <canvas>; its long side is at least ``MIN_DISPLAY_SIDE``
+pixels (a 128-px scene is upscaled to be readable) and at most ``max_side``; inside a page it grows to
+the width of its frame and to ``--map-max`` high (the page sets it, so the map and its legend fit the
+window). Heat maps are rendered client-side from the raw g x g weights embedded as JSON (bilinear
+upsampling with half-pixel centres, a Gaussian blur of ``BLUR_CELLS`` grid cells, placement on the
+encoder's crop box, dimming outside it, then the style's layer: ``heat``, the default, lays the colour
+map (a 256-entry lookup table) over the photo with a transparent low end and darkens the photo a
+little where the word did not look, ``light`` darkens where the word did not look), the same rule as
+:mod:`captioner.viz.heatmaps`; on a dark photo ``light`` also lights the photo up where the word looked
+(its brightness raised towards a mid grey), so the peak can be seen. Each map is on its own scale
+(``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the uniform weight),
+so the region the word looked at most is drawn at the top on any photo; the legend names the top
+"strongest region, 42%" and the sentence under it gives the same share. Its figures (peak share, grid
+cell, entropy against log N) are one click away.
 
 The explorer opens on the caption's first tag-word (a word of the caption that is one of the
-photo's tags) or else its first noun (:func:`opening_word`), not on "a".
+photo's tags) or else its first noun (:func:`opening_word`), not on "a" or a colour.
 
 For a model with concept detectors (``Caption.concepts``) the photo's top concepts (at most
 ``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
@@ -24,13 +29,13 @@ sees in this photo": a chip is hovered, focused, tapped and kept as a word is, a
 concept is (``Caption.concept_maps``) in the same view and style, written large as ``tag: dog 0.91``.
 Without concepts there is no row.
 
-Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map)
-and which style is chosen (``postMessage``), passes a photo dropped on it to the parent, and offers
-``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption lacks is
-said so above the map, which then shows the photo's tag of that name, or else the caption's word
-whose map is most like ``map`` (labelled); ``captionerSetStyle`` and ``captionerSnapshot()`` (the map
-with the caption and the word under it, as a PNG data URL). With ``compare`` on ``<body>`` (models side
-by side) the photo beside the map is left out: the page shows it once. A hover needs a pointer that
+Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map),
+which style and strength are chosen (``postMessage``), passes a photo dropped on it to the parent, and
+offers ``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption
+lacks is said so over the top of the map, which then shows the photo's tag of that name, or else the
+caption's word whose map is most like ``map`` (labelled); ``captionerSetStyle``,
+``captionerSetStrength`` and ``captionerSnapshot()`` (the map with the caption and the word under it,
+as a PNG data URL). ``compare`` on ``<body>`` marks models side by side. A hover needs a pointer that
 moves: a caption that loads under a still pointer keeps its opening word.
 
 Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
