@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
-from captioner.data.coco import load_caption_set, read_json
+from captioner.data.coco import load_caption_set, read_annotations
 from captioner.data.dataset import collate_captions
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
@@ -86,8 +86,8 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
         DataError: a missing or malformed file, or a teacher caption of an image outside ``split``.
     """
     data, results = Path(data), Path(results)
-    source = read_json(data / CAPTIONS)
-    rows = read_json(results)
+    source = read_annotations(data / CAPTIONS)
+    rows = read_annotations(results)
     if not isinstance(source, dict) or not isinstance(source.get("images"), list) \
             or not isinstance(source.get("annotations"), list):
         raise DataError(f"{data / CAPTIONS}: not a COCO caption file (needs 'images' and 'annotations' lists)")
