@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
+from captioner.network import show_progress
 from captioner.text import Vocabulary
 from captioner.training.attention_terms import _cross_entropy_only
 
@@ -162,7 +162,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     top_ids: list[torch.Tensor] = []
     top_probs: list[torch.Tensor] = []
     mass, steps = 0.0, 0
-    show = sys.stderr.isatty() if progress is None else progress
+    show = show_progress(progress)
     decoder = model.model.decoder
     with eval_mode(model.model), torch.no_grad(), \
             tqdm(total=len(cs), unit="img", desc="teacher words", disable=not show) as bar:
