@@ -98,6 +98,7 @@ __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INS
            "prepare_flickr8k", "record_digest", "select_coco_archives", "select_flickr8k_archives", "write_members"]
 
 log = logging.getLogger("captioner.download")
+_flickr8k_log = logging.getLogger("captioner.download.flickr8k")
 MARKER = ".extracted"  # in an extracted folder: its archive was extracted completely
 
 
@@ -413,7 +414,6 @@ def prepare_coco(root: Path, archives: Sequence[CocoArchive], dry_run: bool = Fa
 
 # --- Flickr8k ---
 
-_flickr8k_log = logging.getLogger("captioner.download.flickr8k")
 FLICKR8K_BASE = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
 FLICKR8K_RECORD = "Flickr8k.sha256"
 # the mirror states no sizes: bounds a few times over the real ones (1.1 GB and 2.3 MB)

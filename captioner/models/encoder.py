@@ -93,6 +93,8 @@ from captioner.errors import CheckpointError, ConfigError
 from captioner.files import check_regular
 from captioner.models.registry import Download, EncoderEntry, encoder_entry, register_encoder, register_encoder_family
 
+logger = logging.getLogger(__name__)
+
 
 MAX_WEIGHTS_BYTES = 4 << 30  # a weights file larger than this is refused before it is opened
 
@@ -378,8 +380,6 @@ def _register_lite(name: str) -> None:
 for _lite in LITE_STAGES:
     _register_lite(_lite)
 
-
-logger = logging.getLogger(__name__)
 
 RESNET_DIM = 2048
 TINY_STRIDE = 8  # three stride-2 convolutions
