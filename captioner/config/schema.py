@@ -274,7 +274,7 @@ class TrainConfig:
     # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
     concept_cross_fit: bool = True
     # --- word-level distillation (captioner.training.distill) ---
-    # a file of a teacher's top-k next words along the training captions (distill.word_targets): each cached
+    # a file of a teacher's top-k next words along the training captions (distill.write_word_targets): each cached
     # caption's steps add word_distill_weight x KL(teacher || student) to the cross-entropy; None = off
     word_distill: str | None = None
     word_distill_weight: float = 1.0

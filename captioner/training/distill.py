@@ -8,7 +8,7 @@ only, so validation and scores are unchanged. A student trained on it learns the
 captions at one model's cost. The images are linked, not copied, and the folder keeps the
 source's name, so a feature cache built for the source serves the student too.
 
-**Word level.** ``word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
+**Word level.** ``write_word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
 word by word and keeps, at each step, its ``top_k`` next words and their probabilities (an
 ensemble's: the mean of its members'), in one safetensors file. ``train.word_distill`` names that
 file: :class:`WordDistillation` then adds ``train.word_distill_weight`` x KL(teacher top-k ||
@@ -127,7 +127,7 @@ def _chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
+def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
                  top_k: int = 8, batch_size: int = 32, progress: bool | None = None) -> dict[str, float]:
     """Write ``out`` (safetensors): the teacher's top-k next words along every caption of ``split``.
 
@@ -150,7 +150,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     """
     for name, value in (("top_k", top_k), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"word_targets: {name} must be an integer >= 1, got {value!r}")
+            raise ConfigError(f"write_word_targets: {name} must be an integer >= 1, got {value!r}")
     model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
     vocab: Vocabulary = model.vocab
     k = min(top_k, len(vocab))
@@ -208,7 +208,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
 
 
 def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a :func:`word_targets` file.
+    """The tensors and metadata of a :func:`write_word_targets` file.
 
     Raises:
         DataError: the file is missing, not safetensors, or not a word-targets file (one line naming it).
@@ -216,7 +216,7 @@ def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: word-distillation targets not found (write them with "
-                        "captioner.training.distill.word_targets)")
+                        "captioner.training.distill.write_word_targets)")
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -240,7 +240,7 @@ class WordDistillation:
     teacher's top-k probabilities are renormalised over the words the student's vocabulary has.
 
     Args:
-        path: a :func:`word_targets` file.
+        path: a :func:`write_word_targets` file.
         train_set: the training ``CaptionSet`` (batch ``image_index`` indexes its images).
         vocab: the student's vocabulary.
         weight: the term's weight beside the cross-entropy.
