@@ -36,7 +36,7 @@ from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text
 from captioner.grids import attention_entropy
-from captioner.models.model import CaptionModel, build_model
+from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training import distributed as ddp
@@ -524,6 +524,8 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
             architecture differs, or a non-finite loss. Nothing is written before these checks.
     """
     start = time.monotonic()
+    # the encoder's name checked and its weights' preprocessing written into the config the run saves
+    cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     check_run_folder(Path(out_dir), resume, overwrite)  # before anything is read, computed or written
     info = ddp.setup(cfg.train.device)
     try:
