@@ -28,7 +28,7 @@ from captioner.errors import CaptionerError, DataError
 from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache
 from captioner.features.dtype import FLOAT16_MAX
 from captioner.models.encoder import build_encoder
-from captioner.training.step import first_loss_cause
+from captioner.training.run import first_loss_cause
 
 COUNT = 10
 

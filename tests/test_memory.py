@@ -25,7 +25,8 @@ from captioner.text import Vocabulary
 from captioner.training.data import MemoryStore, padded_tokens, pixels_in_memory, train_loader, val_loader
 from captioner.training.distributed import DistInfo
 from captioner.training.loop import train
-from captioner.training.objective import DeviceStats, LossResult, term_shares
+from captioner.training.objective import LossResult, term_shares
+from captioner.training.run import DeviceStats
 
 
 def _dataset(root: Path, store_or_loader, vocab: Vocabulary) -> CaptionTrainDataset:
@@ -149,7 +150,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
 
 
 def test_budget_decay_scales_the_scheduled_lr_linearly_to_a_floor() -> None:
-    from captioner.training.step import BUDGET_DECAY_FLOOR, budget_decay
+    from captioner.training.optim import BUDGET_DECAY_FLOOR, budget_decay
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([param], lr=1e-3)
