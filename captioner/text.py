@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from captioner.errors import DataError
-from captioner.files import MiB, atomic_write, read_text
+from captioner.files import MiB, atomic_write, read_json
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
@@ -163,13 +163,7 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Vocabulary":
         """Read a vocabulary file (a regular file of at most ``MAX_VOCAB_BYTES``)."""
-        if not os.path.lexists(path):
-            raise DataError(f"{path}: vocabulary file not found")
-        text = read_text(path, MAX_VOCAB_BYTES, DataError, "vocabulary file")
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise DataError(f"{path}: cannot read vocabulary ({type(exc).__name__}: {str(exc)[:200]})") from None
+        data = read_json(path, MAX_VOCAB_BYTES, DataError, "vocabulary file")
         try:
             return cls.from_dict(data)
         except DataError as exc:

@@ -32,6 +32,7 @@ from captioner.config import (
 )
 from captioner.config.parse import from_dict
 from captioner.errors import ConfigError
+from captioner.models.model import resolve_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PARSE_LOG = "captioner.config.parse"
@@ -85,7 +86,8 @@ def test_preset_names_are_the_snapshots() -> None:
 
 @pytest.mark.parametrize("name", sorted(SNAPSHOT))
 def test_every_preset_equals_the_old_preset_function(name: str) -> None:
-    new, old = _as_json(get_preset(name).to_dict()), SNAPSHOT[name]
+    preset = get_preset(name)  # its encoder's preprocessing as the registry fills it when the model is built
+    new, old = _as_json(dataclasses.replace(preset, model=resolve_model(preset.model)).to_dict()), SNAPSHOT[name]
     new["train"] = _flat_scst(new["train"])  # the same values; the section's keys, as the snapshot names them
     assert new.pop("decoding") == _as_json(dataclasses.asdict(DecodeOptions()))  # the new section: defaults
     dec, old_dec = new["model"].pop("decoder"), old["model"].pop("decoder")
@@ -264,17 +266,23 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- written before the split
 
 
+def _resolved(name: str) -> Config:
+    """The preset as a run saves it: its encoder's preprocessing filled from the registry."""
+    preset = get_preset(name)
+    return dataclasses.replace(preset, model=resolve_model(preset.model))
+
+
 @pytest.mark.parametrize("name", ["sat_soft_tiny", "transformer_tiny"])
 def test_old_config_json_loads(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     old = _old_config(name)
     assert "decoding" not in old and {"d_model", "hidden_dim"} <= set(old["model"]["decoder"])  # really old
     caplog.set_level(logging.DEBUG, logger=PARSE_LOG)
-    assert Config.from_dict(old) == get_preset(name)
+    assert Config.from_dict(old) == _resolved(name)
     assert [(r.levelno, "the other decoder family's keys" in r.message) for r in caplog.records] == [
         (logging.DEBUG, True)]  # one debug line: those keys held the other family's defaults
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert resolve_config(None, tmp_path / "config.json", []) == get_preset(name)
-    assert resolve_config("sat_hard_tiny", tmp_path / "config.json", []) == get_preset(name)
+    assert resolve_config(None, tmp_path / "config.json", []) == _resolved(name)
+    assert resolve_config("sat_hard_tiny", tmp_path / "config.json", []) == _resolved(name)
 
 
 @pytest.mark.parametrize("name,fmt", [("sat_soft_tiny", "safetensors"), ("transformer_tiny", "torch")])
@@ -297,7 +305,7 @@ def test_old_checkpoint_with_the_flat_decoder_config_loads(name: str, fmt: str, 
     else:
         save_file(state, str(path), metadata=header)
     loaded = load_checkpoint(path)
-    assert loaded.config == get_preset(name).model and loaded.metadata == {"epoch": 3}
+    assert loaded.config == _resolved(name).model and loaded.metadata == {"epoch": 3}
     assert type(loaded.config.decoder) is (SATConfig if name.startswith("sat") else TransformerConfig)
     images = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(4, len(vocab), (2, 5), generator=torch.Generator().manual_seed(2))
@@ -342,7 +350,7 @@ def test_old_flat_model_config_with_a_changed_foreign_key_warns(caplog: pytest.L
     data = _old_config("sat_soft_tiny")["model"]
     data["decoder"]["num_layers"] = 6  # meaningless for SAT; dropped, but said
     caplog.set_level(logging.WARNING, logger=PARSE_LOG)
-    assert model_config_from_dict(data) == get_preset("sat_soft_tiny").model
+    assert model_config_from_dict(data) == _resolved("sat_soft_tiny").model
     assert caplog.messages == ["model.decoder: ignoring num_layers=6: keys of another decoder family, not of sat"]
 
 

@@ -7,6 +7,8 @@ themselves when imported).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -15,11 +17,11 @@ from captioner.errors import ConfigError
 from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.models.encoder import build_encoder
-from captioner.models.registry import build_decoder
+from captioner.models.registry import build_decoder, resolve_encoder
 
 
 class CaptionModel(nn.Module):
-    """Encoder + decoder. ``config`` travels with the model into checkpoints.
+    """Encoder + decoder. ``config`` (its encoder's preprocessing filled in) travels with the model into checkpoints.
 
     Args:
         encoder: maps images (B,3,H,W) to (features (B,N,D), grid (g,g)).
@@ -44,6 +46,13 @@ class CaptionModel(nn.Module):
         return self.decoder(features, tokens, need_all_attention=need_all_attention)
 
 
+def resolve_model(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its encoder's name checked and its preprocessing filled from the encoder's registry
+    entry (:func:`captioner.models.registry.resolve_encoder`); ``cfg`` itself is left as it is."""
+    encoder = resolve_encoder(cfg.encoder)
+    return cfg if encoder is cfg.encoder else dataclasses.replace(cfg, encoder=encoder)
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> CaptionModel:
     """Build encoder and decoder from config.
 
@@ -55,6 +64,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
     """
     if vocab_size < 5:
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
+    cfg = resolve_model(cfg)
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
     decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
     return CaptionModel(encoder, decoder, cfg, vocab_size)

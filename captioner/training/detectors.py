@@ -41,6 +41,7 @@ from captioner.files import atomic_write, writable_folder
 from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, read_concepts,
                                        read_concepts_with_folds, save_concepts)
 from captioner.models.encoder import build_encoder
+from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.data import Remap, feature_cache_dir, pixels_in_memory
 from captioner.training.attention_terms import GroundingTargets
@@ -202,7 +203,7 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     if recolour > 0 and not colour.any():
         log.warning("word detectors: recolour=%g but the vocabulary has no colour words; nothing to recolour",
                     recolour)
-    transform = ImageTransform(cfg.model.encoder)
+    transform = ImageTransform(resolve_encoder(cfg.model.encoder))
     store = pixels_in_memory(cs, transform, d.in_memory_mb, "word-detector images", progress)
     if store is not None:
         gather = store.gather
@@ -416,7 +417,7 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
     cache_dir = feature_cache_dir(cfg, Path("runs/features"))
-    return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(cfg.model.encoder), cache_dir,
+    return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(resolve_encoder(cfg.model.encoder)), cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,
                              num_workers=cfg.data.num_workers,
                              device=resolve_device(cfg.train.device, option="train.device"))  # a GPU encodes
