@@ -12,9 +12,9 @@ At step t, with h, c the LSTM state after step t-1 and y the previous word:
     h, c   = LSTMCell([E y; beta z], (h, c))
     p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
 
-An optional addition (the concept reading, ``captioner.models.concepts.SATConcepts``) is one
-component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`), called at named points:
-the initial state, rows read from h at every step, an attention filter, the deep output, ``aux``.
+An optional addition is one component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`,
+built by the registry from its own config section), called at named points: the initial state, rows read
+from h at every step, an attention filter, the deep output, ``aux``.
 
 ``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
 with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
@@ -36,7 +36,6 @@ from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State, expand_groups
-from captioner.models.concepts import SATConcepts
 from captioner.models.registry import register_decoder
 
 
@@ -66,7 +65,6 @@ class SATDecoder(CaptionDecoder):
         grid: regions per side (for ``region_positions``).
         region_positions: add learned row and column embeddings to the region features.
         extension: an optional addition joined at the named points (:class:`SATExtension`).
-        **reading: the options of ``SATConcepts`` (``concepts=K``, ``concept_prior``, ...), built as the extension.
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -74,7 +72,7 @@ class SATDecoder(CaptionDecoder):
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
-                 region_positions: bool = False, extension: SATExtension | None = None, **reading: Any) -> None:
+                 region_positions: bool = False, extension: SATExtension | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
@@ -105,8 +103,6 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
-        if reading:
-            extension = SATConcepts.build(feature_dim, hidden_dim, embed_dim=embed_dim, **reading)
         self.extension = extension
         self._compiled_recurrence = None  # set by compile_recurrence()
 
@@ -342,7 +338,8 @@ class SATDecoder(CaptionDecoder):
 
 
 @register_decoder(SATConfig)
-def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
+def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int,
+                      extension: SATExtension | None = None) -> SATDecoder:
     """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(
         vocab_size=vocab_size,
@@ -356,5 +353,5 @@ def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: i
         hard_soft_prob=cfg.hard_soft_prob,
         grid=grid,
         region_positions=cfg.region_positions,
-        **cfg.reading_options(),
+        extension=extension,
     )

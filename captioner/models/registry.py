@@ -4,8 +4,8 @@ Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_
 holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``, ``resnet50``,
 ``resnet101``, ``efficientnet_lite0/1/2``, and the family ``timm/<model>`` through
 ``register_encoder_family``). Decoders:
-``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) ->
-CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
+``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g,
+extension=None) -> CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
 
 The config layer sits below this one and holds the names it validates against
 (``captioner.config.schema.ENCODERS``, ``captioner.config.decoders.DECODER_FAMILIES``); registering
@@ -131,8 +131,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
     return wrap
 
 
-def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> CaptionDecoder:
-    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map."""
+def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int,
+                  extension: nn.Module | None = None) -> CaptionDecoder:
+    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map, joined by
+    ``extension`` (built from its own config section; None: the paper's decoder)."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)
+    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid,
+                                     extension=extension)

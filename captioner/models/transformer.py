@@ -18,7 +18,7 @@ keeps a key/value cache of the self-attention (``State.dynamic``), so one step c
 of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
 causal attention never lets a real token see a later one.
 
-An optional addition (the concept reading, ``captioner.models.concepts.TransformerConcepts``) is one
+An optional addition, built by the registry from its own config section, is one
 component, ``self.extension`` (a :class:`~captioner.models.base.TransformerExtension`), called at named
 points: tokens appended to the memory after the N regions (the attention the decoder reports stays a
 distribution over the regions: :meth:`TransformerCaptionDecoder.region_weights`), a bias of the last
@@ -51,7 +51,6 @@ from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.grids import attention_entropy
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, TransformerExtension
-from captioner.models.concepts import CONCEPT_TOKENS, TransformerConcepts  # noqa: F401 (the tokens it adds)
 from captioner.models.registry import register_decoder
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
@@ -247,7 +246,6 @@ class TransformerCaptionDecoder(CaptionDecoder):
             still work, the sinusoids are extended on the fly).
         tie_embeddings: share the token embedding with the output projection.
         extension: an optional addition joined at the named points (:class:`TransformerExtension`).
-        **reading: ``TransformerConcepts``' options (``concepts=K``, ``concept_prior``, ...), built as the extension.
     """
 
     def __init__(
@@ -263,7 +261,6 @@ class TransformerCaptionDecoder(CaptionDecoder):
         max_len: int = 50,
         tie_embeddings: bool = False,
         extension: TransformerExtension | None = None,
-        **reading: Any,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -285,8 +282,6 @@ class TransformerCaptionDecoder(CaptionDecoder):
         self.out = nn.Linear(d_model, vocab_size)
         if tie_embeddings:
             self.out.weight = self.embed.weight
-        if reading:
-            extension = TransformerConcepts.build(feature_dim, d_model, **reading)
         self.extension = extension
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -442,7 +437,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
 @register_decoder(TransformerConfig)
 def build_transformer_decoder(
-    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int
+    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int,
+    extension: TransformerExtension | None = None,
 ) -> TransformerCaptionDecoder:
     """Registry builder: a ``TransformerCaptionDecoder`` from a ``TransformerConfig``."""
     return TransformerCaptionDecoder(
@@ -456,5 +452,5 @@ def build_transformer_decoder(
         dropout=cfg.dropout,
         max_len=cfg.max_len,
         tie_embeddings=cfg.tie_embeddings,
-        **cfg.reading_options(),
+        extension=extension,
     )
