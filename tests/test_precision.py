@@ -9,11 +9,11 @@ import torch
 
 from captioner.concepts.model import SATConcepts
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.precision import FusedSATSteps, decoder_for
+from captioner.decoding.precision import decoder_for
 from captioner.decoding.search import decode
 from captioner.errors import ConfigError
 from captioner.models.base import State
-from captioner.models.lstm import SATDecoder
+from captioner.models.lstm import FusedSATSteps, SATDecoder
 from captioner.models.model import build_model
 
 BOS, EOS = 1, 2

@@ -16,10 +16,13 @@ An optional addition is one component, ``self.extension`` (a :class:`~captioner.
 built by the registry from its own config section), called at named points: the initial state, rows read
 from h at every step, an attention filter, the deep output, ``aux``.
 
-``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
-with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
-embedding half of the LSTM input projection for all steps in one matmul, one fused matmul of
-``h`` with ``[W_hh; W_h; f_beta]`` per step, and the deep output over all steps after the loop.
+One time step, :meth:`SATDecoder._recurrence`, serves both ``forward`` (teacher forcing, every word)
+and ``step`` (search and sampling, one word): one fused matmul of ``h`` with ``[W_hh; W_h; f_beta]``,
+the attention, the gate and the LSTM update. ``forward`` hoists the time-independent work out of the
+loop: ``W_f f`` once per image, the embedding half of the LSTM input projection for all steps in one
+matmul, and the deep output over all steps after the loop. :class:`FusedSATSteps` is the same step in
+eval mode with its products fused further and its weights in a low precision (bfloat16 decoding,
+``captioner.decoding.precision``).
 """
 
 from __future__ import annotations
@@ -174,11 +177,13 @@ class SATDecoder(CaptionDecoder):
 
     def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
                     features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
-                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None):
-        """One teacher-forced time step: everything that depends on ``h_{t-1}``.
+                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None, group: int = 1):
+        """One time step, the one both ``forward`` (per word) and ``step`` run: everything that depends on
+        ``h_{t-1}``, given the previous word's half of the LSTM input product ``x_gate`` (B,4H).
 
         ``extra``: the extension's constants and what it read of this step's word (when there is an
-        extension; then ``w_query`` ends with its R rows).
+        extension; then ``w_query`` ends with its R rows). ``group``: decoder rows per row of ``projected``
+        and ``features`` (a grouped state's beams).
 
         Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
         training the sampled log-prob and region (B,) (else None), and the extension's record (else None).
@@ -186,11 +191,11 @@ class SATDecoder(CaptionDecoder):
         H, A = self.hidden_dim, self.attention_dim
         query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+R])
         h_gates, att_query, gate_logit, rows = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
-        log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
+        log_alpha = self.attention.log_weights(projected, att_query, group)  # (B, N)
         record = None
         if extra is not None:
             log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
-        context, log_prob, region = self._context(log_alpha, features)  # (B, D)
+        context, log_prob, region = self._context(log_alpha, features, group)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
         gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
         h, c = lstm_update(gates, c)  # (B, H)
@@ -312,29 +317,136 @@ class SATDecoder(CaptionDecoder):
     groups_rows = True  # step reads one copy of an image's regions for all its beams
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)).
+        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)), through the same
+        :meth:`_recurrence` as ``forward``.
 
         A grouped state (``state.group`` g > 1) holds the regions and their projection once per
         image, (B/g, N, D), read by its g consecutive rows; the extension's constants are repeated
         per row for it (they are small).
         """
         emb = self.embedding(prev_tokens)  # (B, M)
-        h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
-        group = state.group
-        static = state.static
+        group, static = state.group, state.static
         if self.extension is not None and group > 1:
             static = {**expand_groups({k: v for k, v in static.items() if k not in ("features", "projected")}, group),
                       "features": static["features"], "projected": static["projected"]}
-        log_alpha = self.attention(static["projected"], h, group)  # (B, N)
-        if self.extension is not None:
-            rows = self.extension.query_weights()
-            log_alpha, _ = self.extension.filter_attention(log_alpha, None if rows is None else F.linear(h, *rows),
-                                                           self.extension.word_query(emb), static)
-        context, _, _ = self._context(log_alpha, static["features"], group)  # (B, D)
-        gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
-        h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
-        log_probs = F.log_softmax(self._deep_output(emb, h, gated, static.get("extension_output")), dim=-1)
+        w_x, b_x, w_query, b_query, w_ctx = self._step_weights()
+        extra = None if self.extension is None else (static, self.extension.word_query(emb))
+        h, c, context, beta, log_alpha, *_ = self._recurrence(
+            F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
+            w_query, b_query, w_ctx, extra, group)
+        log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static.get("extension_output")), dim=-1)
         return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
+
+    def _step_weights(self) -> tuple[torch.Tensor, ...]:
+        """The products one step reads: the embedding half of W_ih and b_ih + b_hh, the fused rows that read
+        h (:meth:`_query_weights`) and the context half of W_ih; kept between steps while no weight changes
+        and no gradient is recorded (decoding), built afresh otherwise."""
+        params = [*self.parameters()]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self.__dict__.get("_step_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        M = self.embed_dim
+        weights = (self.lstm.weight_ih[:, :M], self.lstm.bias_ih + self.lstm.bias_hh, *self._query_weights(),
+                   self.lstm.weight_ih[:, M:])
+        if not torch.is_grad_enabled():
+            self.__dict__["_step_cache"] = (key, weights)
+        return weights
+
+    def fuses(self) -> bool:
+        """Whether :class:`FusedSATSteps` computes this decoder's eval-mode step: no extension, and a test-time
+        context that is the expectation (soft, or hard with ``expectation``)."""
+        return self.extension is None and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
+
+    def fused_steps(self, dtype: torch.dtype) -> FusedSATSteps | None:
+        """This decoder's eval-mode stepping with its products fused, in ``dtype`` (a snapshot of the weights), or
+        None where :meth:`fuses` says it does not apply."""
+        return FusedSATSteps(self, dtype) if self.fuses() else None
+
+
+class FusedSATSteps(CaptionDecoder):
+    """The stepping of a :class:`SATDecoder` (soft attention, or hard attention at test time with the
+    expected context, no extension) with its products fused, in ``dtype`` (``SATDecoder.fused_steps``).
+
+    At step t, with ``q`` the products of h_{t-1} the step needs (W_hh h, the attention's W_h h,
+    f_beta h; computed at the end of the step before) and y the previous word:
+
+        alpha        = softmax_i(w . tanh(W_f f_i + W_h h))          # as AdditiveAttention
+        z            = beta * sum_i alpha_i f_i,   beta = sigmoid(f_beta h)
+        [Wz z; Lz z] = [W_ih[:, M:]; L_z] z                          # one product
+        gates        = T[y] + W_hh h + Wz z,   T = E W_ih[:, :M]^T + b_ih + b_hh (a table, V x 4H)
+        h', c'       = LSTM update
+        [Lh h'; q']  = [L_h; W_hh; W_h; f_beta] h'                   # one product: this step's output, the next step's q
+        p(y')        = softmax(L_o(E y + Lh h' + Lz z))
+
+    The same function as ``SATDecoder.step`` in eval mode; only the order of the sums differs. The
+    attention's B*g*N*A sums and sigmoids run in float32 whatever ``dtype`` is (on a CPU they are
+    faster there than in bfloat16, and the maps closer to float32 decoding's).
+    Weights are a snapshot taken at construction (``captioner.decoding.precision.decoder_for`` rebuilds it when
+    they change).
+    """
+
+    groups_rows = True
+
+    def __init__(self, decoder: SATDecoder, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not decoder.fuses():
+            raise ValueError("FusedSATSteps takes a SAT decoder with soft (or expected hard) attention and no extension")
+        self.decoder = [decoder]  # a list: not a submodule (the snapshot below is what steps read)
+        self.vocab_size = decoder.vocab_size
+        self.dtype = dtype
+        H, M, A = decoder.hidden_dim, decoder.embed_dim, decoder.attention_dim
+        self.sizes = (H, M, A)
+        lstm = decoder.lstm
+        with torch.no_grad():
+            att = decoder.attention.doubled()  # 2 W_f, 2 W_h, 2 w
+            table = F.linear(decoder.embedding.weight, lstm.weight_ih[:, :M], lstm.bias_ih + lstm.bias_hh)  # (V, 4H)
+            zeros = lstm.bias_hh.new_zeros(M + 4 * H)
+            w_h = torch.cat([decoder.out_hidden.weight, lstm.weight_hh, att["w_h"], decoder.gate.weight])
+            b_h = torch.cat([zeros, att["b_h"], decoder.gate.bias])
+            weights = {
+                "table": table, "embedding": decoder.embedding.weight,
+                "w_h": w_h, "b_h": b_h,  # (M + 4H + A + 1, H)
+                "w_z": torch.cat([lstm.weight_ih[:, M:], decoder.out_context.weight]),  # (4H + M, D)
+                "w_o": decoder.out_word.weight, "b_o": decoder.out_word.bias,
+                "w_s": att["w_s"], "w_f": att["w_f"], "b_f": att["b_f"],
+            }
+            self.weights = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+            self.weights["w_s32"] = weights["w_s"].detach().float().contiguous()
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False):  # noqa: ANN201
+        raise TypeError("FusedSATSteps only decodes step by step; train the SATDecoder itself")
+
+    def init_state(self, features: torch.Tensor) -> State:
+        """features (B,N,D) -> static {features in ``dtype``, projected in float32}, dynamic {q (B, 4H+A+1),
+        c (B,H)} in ``dtype``."""
+        decoder, (H, M, _) = self.decoder[0], self.sizes
+        regions = decoder._regions(features)
+        h, c = decoder._initial_hc(regions, {})  # (B, H) each, in the features' dtype
+        low = regions.to(self.dtype)
+        w = self.weights
+        projected = F.linear(low, w["w_f"], w["b_f"]).float()  # (B, N, A): 2 W_f f, kept in float32 (below)
+        q = F.linear(h.to(self.dtype), w["w_h"][M:], w["b_h"][M:])  # (B, 4H + A + 1)
+        return State({"features": low, "projected": projected}, {"q": q, "c": c.to(self.dtype)})
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32)."""
+        (H, M, A), w, group = self.sizes, self.weights, state.group
+        q, c = state.dynamic["q"], state.dynamic["c"]
+        hh, query, gate = q.split([4 * H, A, 1], dim=-1)  # (R, 4H), (R, A): 2 W_h h, (R, 1)
+        projected, features = state.static["projected"], state.static["features"]
+        b, n, a = projected.shape
+        # the attention's B*g*N*A sums and sigmoids in float32: on a CPU faster than in bfloat16
+        gates = (projected.unsqueeze(1) + query.float().view(b, group, 1, a)).sigmoid_().view(b * group, n, a)
+        log_alpha = F.log_softmax(F.linear(gates, w["w_s32"]).squeeze(-1), dim=-1)  # (R, N)
+        alpha = log_alpha.exp()
+        gated = torch.sigmoid(gate) * soft_context(alpha.to(self.dtype), features, group)  # (R, D)
+        z_gates, z_out = F.linear(gated, w["w_z"]).split([4 * H, M], dim=-1)
+        h, c = lstm_update(w["table"][prev_tokens] + hh + z_gates, c)  # (R, H)
+        h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)
+        deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
+        log_probs = F.log_softmax(F.linear(deep, w["w_o"], w["b_o"]).float(), dim=-1)  # (R, V)
+        return log_probs, State(state.static, {"q": q, "c": c}, group), alpha
 
 
 @register_decoder(SATConfig)
