@@ -26,7 +26,8 @@ copies an image's constants once per beam.
 
 An optional addition to a decoder (``captioner.concepts`` holds one) is one component,
 ``decoder.extension``, that the decoder calls at the named points its family declares:
-:class:`SATExtension` and :class:`TransformerExtension`. Without one the decoder is the paper's. Its
+:class:`SATExtension` and :class:`TransformerExtension`. Their defaults change nothing: with them the
+decoder is the paper's. Its
 weights sit under ``extension.`` in the ``state_dict``; its attributes are read on it, never through
 the decoder.
 """
@@ -144,7 +145,9 @@ def expand_groups(value: Any, group: int) -> Any:
 class CaptionDecoder(nn.Module):
     """Base class: subclasses implement ``forward``, ``init_state`` and ``step``.
 
-    A subclass that takes an optional addition sets ``self.extension`` (a :class:`DecoderExtension` or None).
+    A subclass that takes an optional addition sets ``self.extension``: the :class:`DecoderExtension` it was
+    given, or its family's base class, whose every point leaves the decoder as its paper wrote it (so the
+    decoder calls its points without asking whether it has one).
     """
 
     vocab_size: int

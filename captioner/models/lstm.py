@@ -67,7 +67,8 @@ class SATDecoder(CaptionDecoder):
             caption and step, of using the expected (soft) context instead of a sampled region.
         grid: regions per side (for ``region_positions``).
         region_positions: add learned row and column embeddings to the region features.
-        extension: an optional addition joined at the named points (:class:`SATExtension`).
+        extension: an optional addition joined at the named points (:class:`SATExtension`); None: the paper's
+            decoder (a ``SATExtension`` whose every point leaves it unchanged).
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -106,7 +107,7 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
-        self.extension = extension
+        self.extension = extension if extension is not None else SATExtension()  # default: every point a no-op
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -135,7 +136,7 @@ class SATDecoder(CaptionDecoder):
         """h0, c0 (B,H) from the mean region feature (plus what the extension adds before the tanh)."""
         mean = features.mean(dim=1)  # (B, D)
         h, c = self.init_h(mean), self.init_c(mean)  # (B, H) each
-        added = self.extension.initial_state(extra) if self.extension is not None else None
+        added = self.extension.initial_state(extra)
         if added is not None:
             ph, pc = added.chunk(2, dim=-1)
             h, c = h + ph, c + pc
@@ -177,12 +178,12 @@ class SATDecoder(CaptionDecoder):
 
     def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
                     features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
-                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None, group: int = 1):
+                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None), group: int = 1):
         """One time step, the one both ``forward`` (per word) and ``step`` run: everything that depends on
         ``h_{t-1}``, given the previous word's half of the LSTM input product ``x_gate`` (B,4H).
 
-        ``extra``: the extension's constants and what it read of this step's word (when there is an
-        extension; then ``w_query`` ends with its R rows). ``group``: decoder rows per row of ``projected``
+        ``extra``: the extension's constants and what it read of this step's word (``w_query`` ends with the
+        R rows it reads of h, R = 0 for the paper's decoder). ``group``: decoder rows per row of ``projected``
         and ``features`` (a grouped state's beams).
 
         Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
@@ -192,9 +193,7 @@ class SATDecoder(CaptionDecoder):
         query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+R])
         h_gates, att_query, gate_logit, rows = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
         log_alpha = self.attention.log_weights(projected, att_query, group)  # (B, N)
-        record = None
-        if extra is not None:
-            log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
+        log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
         context, log_prob, region = self._context(log_alpha, features, group)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
         gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
@@ -216,7 +215,7 @@ class SATDecoder(CaptionDecoder):
         """Everything that reads h_{t-1} in one matmul: W_hh, the attention's W_h, f_beta [, the extension's rows]."""
         weights = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
         biases = [self.lstm.bias_hh.new_zeros(4 * self.hidden_dim), self.attention.hidden_proj.bias, self.gate.bias]
-        rows = self.extension.query_weights() if self.extension is not None else None
+        rows = self.extension.query_weights()
         if rows is not None:
             weights.append(rows[0])
             biases.append(rows[1])
@@ -238,7 +237,7 @@ class SATDecoder(CaptionDecoder):
             and the extension's ``aux``.
         """
         ext = self.extension
-        extra = ext.read(features) if ext is not None else {}  # from the regions as the encoder gave them
+        extra = ext.read(features)  # from the regions as the encoder gave them
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -255,10 +254,10 @@ class SATDecoder(CaptionDecoder):
         context = torch.stack(steps["context"], dim=1)  # (B, T, D)
         log_alpha = torch.stack(steps["log_alpha"], dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
-        added = ext.output(extra) if ext is not None else None  # (B, M)
+        added = ext.output(extra)  # (B, M) or None
         logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
                                    None if added is None else added.unsqueeze(1))  # (B, T, V)
-        aux = {"beta": beta, "context": context, **(ext.aux(extra, steps["record"]) if ext is not None else {})}
+        aux = {"beta": beta, "context": context, **ext.aux(extra, steps["record"])}
         sample_log_probs = None
         if steps["log_prob"]:
             sample_log_probs = torch.stack(steps["log_prob"], dim=1)  # (B, T)
@@ -285,13 +284,12 @@ class SATDecoder(CaptionDecoder):
         if low is not None:
             w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
             extra = {k: v.to(low) for k, v in extra.items()}
-        words = self.extension.word_query(emb) if self.extension is not None else None  # (B, T, R)
+        words = self.extension.word_query(emb)  # (B, T, R) or None
         steps: dict[str, list[Any]] = {key: [] for key in ("h", "context", "beta", "log_alpha", "log_prob", "region",
                                                            "record")}
         recurrence = self._compiled_recurrence or self._recurrence
         for t in range(x_gates.shape[1]):
             h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
-                                        None if self.extension is None else
                                         (extra, None if words is None else words[:, t]))
             steps["h"].append(h)
             for key, value in zip(("context", "beta", "log_alpha", "log_prob", "region", "record"), outputs):
@@ -305,11 +303,11 @@ class SATDecoder(CaptionDecoder):
         """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A), the extension's constants},
         dynamic {h, c (B,H)})."""
         ext = self.extension
-        extra = ext.read(features) if ext is not None else {}
+        extra = ext.read(features)
         features = self._regions(features)
         h, c = self._initial_hc(features, extra)
         static = {"features": features, "projected": self.attention.project(features), **extra}
-        added = ext.output(extra) if ext is not None else None
+        added = ext.output(extra)
         if added is not None:
             static["extension_output"] = added  # (B, M)
         return State(static=static, dynamic={"h": h, "c": c})
@@ -326,11 +324,11 @@ class SATDecoder(CaptionDecoder):
         """
         emb = self.embedding(prev_tokens)  # (B, M)
         group, static = state.group, state.static
-        if self.extension is not None and group > 1:
-            static = {**expand_groups({k: v for k, v in static.items() if k not in ("features", "projected")}, group),
-                      "features": static["features"], "projected": static["projected"]}
+        own = {k: v for k, v in static.items() if k not in ("features", "projected")}  # the extension's constants
+        if own and group > 1:
+            static = {**expand_groups(own, group), "features": static["features"], "projected": static["projected"]}
         w_x, b_x, w_query, b_query, w_ctx = self._step_weights()
-        extra = None if self.extension is None else (static, self.extension.word_query(emb))
+        extra = (static, self.extension.word_query(emb))
         h, c, context, beta, log_alpha, *_ = self._recurrence(
             F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
             w_query, b_query, w_ctx, extra, group)
@@ -356,7 +354,8 @@ class SATDecoder(CaptionDecoder):
     def fuses(self) -> bool:
         """Whether :class:`FusedSATSteps` computes this decoder's eval-mode step: no extension, and a test-time
         context that is the expectation (soft, or hard with ``expectation``)."""
-        return self.extension is None and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
+        plain = type(self.extension) is SATExtension  # the default: every point a no-op
+        return plain and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
 
     def fused_steps(self, dtype: torch.dtype) -> FusedSATSteps | None:
         """This decoder's eval-mode stepping with its products fused, in ``dtype`` (a snapshot of the weights), or
