@@ -33,7 +33,7 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig
+from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig, SATConfig, TransformerConfig
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
@@ -511,6 +511,9 @@ class TransformerConcepts(ConceptReading, TransformerExtension):
         return self._aux(static, records[0] if records else None)
 
 
+READERS = (SATConfig, TransformerConfig)  # the decoder families whose extension reads concepts
+
+
 def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int) -> DecoderExtension | None:
     """The decoder's extension from the model config's ``concepts`` section: None when it reads no concepts.
 
@@ -528,9 +531,9 @@ def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: in
                               "train.concept_input=true)")
         return None
     head = {"concept_hidden": cfg.hidden, "concept_pooling": cfg.pooling, "concept_sharpness": cfg.sharpness}
-    if decoder.name == "sat":
+    if isinstance(decoder, SATConfig):
         return SATConcepts(feature_dim, decoder.hidden_dim, cfg.count, decoder.embed_dim, cfg.prior, **head)
-    if decoder.name == "transformer":
+    if isinstance(decoder, TransformerConfig):
         return TransformerConcepts(feature_dim, decoder.d_model, cfg.count, cfg.prior, **head)
     raise ConfigError(f"the {decoder.name} decoder cannot read concepts (concepts.count={cfg.count}): "
                       "set concepts.count=0")

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from captioner.concepts.model import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, read_concepts,
-                                      read_concepts_with_folds, save_concepts)
+from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
+                                      read_concepts, read_concepts_with_folds, save_concepts)
 from captioner.device import resolve_device
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
@@ -475,6 +475,9 @@ def run_concepts(cfg: Any, vocab: Vocabulary) -> RunConcepts:
         raise ConfigError("concepts.prior reshapes attention by the concepts' maps: it needs "
                           "train.concepts=FILE and train.concept_input=true")
     if head is not None and cfg.train.concept_input:
+        if not isinstance(cfg.model.decoder, READERS):  # a registered family the extension does not join
+            raise ConfigError(f"train.concept_input: the {cfg.model.decoder.name} decoder does not read concepts; "
+                              "set train.concept_input=false (train.concept_guide still applies)")
         cfg = cfg.override(**{"model.concepts.count": head.size, "model.concepts.hidden": head.hidden_dim,
                               "model.concepts.pooling": head.pooling, "model.concepts.sharpness": head.sharpness})
     return RunConcepts(cfg, head, vocab)
