@@ -338,16 +338,18 @@ class SATDecoder(CaptionDecoder):
     def _step_weights(self) -> tuple[torch.Tensor, ...]:
         """The products one step reads: the embedding half of W_ih and b_ih + b_hh, the fused rows that read
         h (:meth:`_query_weights`) and the context half of W_ih; kept between steps while no weight changes
-        and no gradient is recorded (decoding), built afresh otherwise."""
+        and no gradient is recorded (decoding), built afresh otherwise, and inside a CUDA graph's capture (a
+        replay then reads the weights as they are at replay time, as the unfused products would)."""
         params = [*self.parameters()]
         key = tuple((p.data_ptr(), p._version) for p in params)
+        keep = not torch.is_grad_enabled() and not (params[0].is_cuda and torch.cuda.is_current_stream_capturing())
         cached = self.__dict__.get("_step_cache")
-        if cached is not None and cached[0] == key:
+        if keep and cached is not None and cached[0] == key:
             return cached[1]
         M = self.embed_dim
         weights = (self.lstm.weight_ih[:, :M], self.lstm.bias_ih + self.lstm.bias_hh, *self._query_weights(),
                    self.lstm.weight_ih[:, M:])
-        if not torch.is_grad_enabled():
+        if keep:
             self.__dict__["_step_cache"] = (key, weights)
         return weights
 
