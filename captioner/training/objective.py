@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.concepts.training import concept_terms
 from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.text import Vocabulary
-from captioner.concepts.training import concept_terms
 from captioner.training.attention_terms import build_attention_supervision
 from captioner.training.distill import build_word_distillation
 
