@@ -73,7 +73,7 @@ def tagged_model(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint)
     model = captioner.load(untrained_checkpoint(root, "sat_soft_tiny", concepts=("circle", "square", "triangle")),
                            device="cpu")
     with torch.no_grad():
-        model.model.decoder.concept_head.net[0].weight.mul_(8.0)
+        model.model.decoder.extension.concept_head.net[0].weight.mul_(8.0)
     path = root / "tagged.safetensors"
     save_checkpoint(path, model.model, model.vocab)
     return captioner.load(path, device="cpu")

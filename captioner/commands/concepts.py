@@ -11,7 +11,7 @@ OFFLINE_PRESET = "sat_soft_lite"  # EfficientNet-Lite0: its ImageNet weights are
 
 NAME = "concepts"
 HELP = ("learn concept detectors (which caption words each region shows) from the training captions, over the "
-        "frozen encoder's feature cache; a decoder can read them (decoder.concepts) and be guided by their maps "
+        "frozen encoder's feature cache; a decoder can read them (model.concepts) and be guided by their maps "
         "(train.concept_guide)")
 EXAMPLES = """
   captioner concepts --preset sat_soft_flickr8k --data data/flickr8k --out runs/flickr8k/concepts.safetensors
@@ -80,7 +80,7 @@ def say_what_downloads(cfg, preset: str | None) -> None:  # noqa: ANN001 - a Con
 
 def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
-    from captioner.training.detectors import check_output_file, learn_concepts
+    from captioner.concepts.training import check_output_file, learn_concepts
 
     cfg = resolve_config(args.preset, args.config, list(args.overrides))
     if args.data:

@@ -14,9 +14,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from captioner.config.decoders import DecoderConfig, SATConfig
+from captioner.config.decoders import ConceptsConfig, DecoderConfig, SATConfig
 from captioner.config.parse import family_first, from_dict, set_dotted
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import atomic_write
@@ -83,6 +83,7 @@ class EncoderConfig:
 class ModelConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     decoder: DecoderConfig = field(default_factory=SATConfig)  # SATConfig or TransformerConfig
+    concepts: ConceptsConfig = field(default_factory=ConceptsConfig)  # the decoder's extension (count 0: none)
 
 
 @dataclass
@@ -196,7 +197,6 @@ class ScstConfig:
             raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
 
 
-SCST_KEYS = tuple(f.name for f in dataclasses.fields(ScstConfig))
 
 
 @dataclass
@@ -265,7 +265,7 @@ class TrainConfig:
     # the guide's target is the concept's map raised to this power and renormalised (1: the map as it is;
     # 2: its peak twice as sharp, as if the head's sharpness were doubled)
     concept_guide_sharpness: float = 1.0
-    # weight of the concept prior's pointer term (decoder.concept_prior): the pointer learns to name the
+    # weight of the concept prior's pointer term (concepts.prior): the pointer learns to name the
     # concept of the word each step predicts ("none" for other words)
     concept_pointer: float = 1.0
     # when the concepts file holds fold heads (captioner concepts --folds F): while the decoder trains, each
@@ -277,8 +277,6 @@ class TrainConfig:
     word_distill: str | None = None
     word_distill_weight: float = 1.0
 
-    # The flat ``scst_<key>`` spelling of the ``scst`` section's keys, read at their place in the section.
-    RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
         self._check_optimisation()
@@ -419,9 +417,5 @@ class Config:
 
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    """Rebuild a ``ModelConfig`` (e.g. from a checkpoint), validating every field.
-
-    A decoder mapping written before the per-family split (both families' fields) is accepted: the
-    other family's fields are dropped.
-    """
+    """Rebuild a ``ModelConfig`` (e.g. from a checkpoint), validating every field."""
     return from_dict(ModelConfig, data, "model.")

@@ -1,6 +1,8 @@
 """The full model: encoder + decoder, built from a ``ModelConfig`` (both by name: ``registry``).
 
-Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
+Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments. The
+decoder's optional extension is built from the config's own ``concepts`` section
+(``captioner.concepts.model.build_extension``) and handed to the decoder as one argument.
 Importing this module registers the built-in encoders and decoders (their modules register
 themselves when imported).
 """
@@ -12,6 +14,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from captioner.concepts.model import build_extension
 from captioner.config import ModelConfig
 from captioner.errors import ConfigError
 from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
@@ -66,5 +69,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     cfg = resolve_model(cfg)
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
-    decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
+    extension = build_extension(cfg.concepts, cfg.decoder, feature_dim=encoder.out_dim)
+    decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid,
+                            extension=extension)
     return CaptionModel(encoder, decoder, cfg, vocab_size)

@@ -44,7 +44,7 @@ from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
 from captioner.network import show_progress
 from captioner.text import Vocabulary
-from captioner.training.attention_terms import _cross_entropy_only
+from captioner.training.attention_terms import cross_entropy_only
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,6 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
     t = cfg.train
     if not t.word_distill or not t.word_distill_weight:
         return None
-    if not _cross_entropy_only("train.word_distill", t.objective):
+    if not cross_entropy_only("train.word_distill", t.objective):
         return None
     return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from captioner import inference
 from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
                                         save_train_state)
+from captioner.concepts.training import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.decoding.search import DecodeOptions
@@ -40,8 +41,6 @@ from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training import distributed as ddp
-from captioner.training.detectors import (install_concept_folds, install_concepts, read_run_concepts,
-                                          with_concept_input)
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
@@ -311,7 +310,7 @@ def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig)
     first = _lookup(a, key), _lookup(b, key)
     more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
     hint = (" (a decoder that reads concepts takes the concepts file it was trained with: --set train.concepts=FILE)"
-            if "model.decoder.concepts" in diff and not getattr(wanted.decoder, "concepts", 0) else "")
+            if "model.concepts.count" in diff and not wanted.concepts.count else "")
     raise ConfigError(f"--init {path}: {key} is {_show(first[0])} in the checkpoint but {_show(first[1])} in this "
                       f"run{more}; the architecture must match (only {', '.join(sorted(k[6:] for k in INIT_FREE))} "
                       f"may change){hint}")
@@ -643,8 +642,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            concepts = read_run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
-            cfg = with_concept_input(cfg, concepts)
+            concepts = run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
+            cfg = concepts.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
             if replay and info.is_main:
@@ -659,8 +658,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write
-        cfg = with_concept_input(cfg, concepts)
+        concepts = run_concepts(cfg, vocab)  # train.concepts: checked before the first write
+        cfg = concepts.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
@@ -674,8 +673,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
-    install_concepts(model.decoder, concepts, vocab)
-    install_concept_folds(model.decoder, cfg, vocab, info.device)  # train.concept_cross_fit: training photos only
+    concepts.install(model.decoder, info.device)  # train.concepts: the head's weights (and fold heads)
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None

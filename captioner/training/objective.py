@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.concepts.training import concept_terms
 from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.text import Vocabulary
-from captioner.training.attention_terms import build_attention_supervision, build_concept_guide, build_concept_pointer
+from captioner.training.attention_terms import build_attention_supervision
 from captioner.training.distill import build_word_distillation
 
 log = logging.getLogger(__name__)
@@ -307,7 +308,7 @@ def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> Cross
     """``train.objective = "xe"``: teacher forcing with the decoder's regularisers, the attention
     supervision by object boxes when ``train.attention_supervision`` asks for it (and boxes exist),
     the concept terms, and word-level distillation when ``train.word_distill`` names a file."""
-    terms = [build_attention_supervision(cfg, train_set, vocab), build_concept_guide(cfg, vocab),
-             build_concept_pointer(cfg, vocab), build_word_distillation(cfg, train_set, vocab)]
+    terms = [build_attention_supervision(cfg, train_set, vocab), *concept_terms(cfg, vocab),
+             build_word_distillation(cfg, train_set, vocab)]
     return CrossEntropy.from_config(cfg.train, cfg.model.decoder, vocab.pad_id,
                                     extra_terms=[term for term in terms if term is not None])

@@ -44,7 +44,7 @@ COLUMNS = (
     "share_ce", "share_doubly_stochastic", "share_entropy",
     "grounding", "grounded_words", "grounding_in_box", "share_grounding",  # train.attention_supervision
     "concept_guide", "concept_guided_words", "share_concept_guide",  # train.concept_guide
-    "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # decoder.concept_prior
+    "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # concepts.prior
     "word_distill", "word_distill_rows", "share_word_distill",  # train.word_distill
     "scst_reward", "scst_baseline_reward", "scst_better", "scst_greedy_reward", "scst_better_than_greedy", "scst_xe",
     "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "attention_entropy",
