@@ -1,0 +1,1 @@
+"""Concepts the encoder and the detectors see, and the words they stand for."""
