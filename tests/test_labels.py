@@ -132,13 +132,14 @@ def test_a_words_probability_is_the_sum_of_its_classes_and_its_map_peaks_where_t
     assert torch.allclose(probs, pooled[:, :2].sum(dim=1, keepdim=True))
     assert top.tolist() == [[0]] and maps.shape == (1, 1, 4)
     assert torch.allclose(maps.sum(dim=-1), torch.ones(1, 1))
-    # both dog classes equally probable: the map is theirs, mixed equally; region 1 (no dog) and 2 (nothing) low
-    assert maps[0, 0, 0] == maps[0, 0, 3] > maps[0, 0, 1] == maps[0, 0, 2] == 0
+    # both dog classes equally probable: the map is theirs, mixed equally: a softmax of the mixed logits
+    logits = torch.tensor([2.0, 0.0, 0.0, 2.0])  # 0.5 * 4 where a dog class is, else 0
+    assert torch.allclose(maps[0, 0], torch.softmax(logits, dim=0))
     [[(word, p, grid_map)]] = head.top(features, (2, 2), k=3)
     assert word == "dog" and p == round(float(probs[0, 0]), 4) and grid_map.shape == (2, 2)
 
 
-def test_a_map_that_is_the_same_everywhere_is_uniform_and_min_prob_filters():
+def test_a_photo_the_same_everywhere_has_uniform_maps_and_min_prob_filters():
     head = _toy_head()
     [[(_, p, grid_map)]] = head.top(torch.zeros(1, 4, 3), (2, 2))
     assert p == round(2 / 3, 4) and torch.allclose(grid_map, torch.full((2, 2), 0.25))
@@ -168,3 +169,16 @@ def test_the_imagenet_encoder_sees_the_bear(shared_data):
     [labels] = label_head(cfg).top(features, grid, k=3)
     assert labels[0][0] == "bear" and labels[0][1] > 0.5
 
+
+def test_captioner_returns_labels_on_request(shared_data):
+    model = captioner.load("flickr8k", device="cpu")
+    photo = shared_data / BEAR_PHOTO
+    plain, labelled = model.caption(photo)[0], model.caption(photo, labels=3)[0]
+    assert plain.labels is None and labelled.text == plain.text
+    assert [w for w, _, _ in labelled.labels][0] == "bear" and len(labelled.labels) == 3
+    probs = [p for _, p, _ in labelled.labels]
+    assert probs == sorted(probs, reverse=True) and probs[0] > 0.5
+    for _, _, grid_map in labelled.labels:
+        assert grid_map.shape == (7, 7) and abs(float(grid_map.sum()) - 1) < 1e-4
+    with pytest.raises(ConfigError, match="labels must be an integer >= 0"):
+        model.caption(photo, labels=-1)
