@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import captioner
 from captioner.concepts.labels import label_head
 from captioner.data.coco import load_caption_set
+from captioner.data.images import load_image
 from captioner.models.encoder import efficientnet_lite_state_dict
 from captioner.evaluation.chair import named_objects
 from captioner.text import tokenize
@@ -59,7 +60,7 @@ def main() -> None:
     cs = load_caption_set(args.data, args.split)
     head = label_head(model.config.encoder)
     g = model.config.encoder.grid
-    pixels = torch.stack([model.transform(captioner.data.images.load_image(r.path)) for r in cs.images])
+    pixels = torch.stack([model.transform(load_image(r.path)) for r in cs.images])
     trunk = model.model.encoder.trunk
     bottom, shipped_top = trunk_parts(trunk, original=False)
     _, original_top = trunk_parts(trunk, original=True)
