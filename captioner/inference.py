@@ -525,9 +525,10 @@ def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | 
     members = [load(c, device, None, progress, refresh) for c in checkpoints]
     names = [str(c) for c in checkpoints]
     for member, name in zip(members[1:], names[1:]):
-        if member.vocab.itos != members[0].vocab.itos:
+        differs = member.vocab.first_difference(members[0].vocab)
+        if differs is not None:
             raise ConfigError(f"{name}: its vocabulary ({len(member.vocab)} words) differs from that of {names[0]} "
-                              f"({len(members[0].vocab)} words); the models of an ensemble must be trained "
-                              "with one vocabulary (the same data and data.min_freq)")
+                              f"({len(members[0].vocab)} words): {differs}; the models of an ensemble must be "
+                              "trained with one vocabulary (the same data and data.min_freq)")
     model = build_ensemble([m.model for m in members], names)
     return Captioner(model, members[0].vocab, members[0].device)
