@@ -110,7 +110,8 @@ def caption_split(
         for pixels, indices, errors in batches:
             check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
             if pixels is not None:
-                results += engine.caption(pixels, options=options, attention=True, batch_size=batch_size)
+                results += engine.caption(pixels, options=options, attention=True, batch_size=batch_size,
+                                          allow_empty=True)  # scored as a caption with no word
                 kept += [i for i, error in zip(indices, errors) if error is None]
             bar.update(len(indices))
     skipped = [caption_set.images[i].file_name for i in sorted(set(range(len(data))) - set(kept))]

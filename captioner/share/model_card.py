@@ -342,7 +342,8 @@ def _write_export(checkpoint: Path, targets: dict[str, Path], rows: list[dict], 
         _copy_into(run_dir / row["file"], targets[f"metrics:{row['split']}"])
     model = load(targets["checkpoint"], device="cpu")
     picture = image if image is not None else Image.open(io.BytesIO(example_scenes(1)[0].data))
-    result = model.caption(picture.convert("RGB"), beam=beam, attention=True)[0]
+    # the card shows what the model says, also nothing (a model exported after too little training)
+    result = model.caption(picture.convert("RGB"), beam=beam, attention=True, allow_empty=True)[0]
     grid = render_grid(picture.convert("RGB"), result)
     atomic_write(targets["overlay"], lambda f: grid.save(f, format="PNG"))
     text = render_card(repo_id, info, card, rows, digest, targets["checkpoint"].stat().st_size, result.text)
