@@ -228,3 +228,36 @@ def test_the_commands_fail_on_an_empty_caption_and_draw_nothing(mute, tiny, phot
     _one_error(capsys, "attend", f"{photo}: the model wrote an empty caption (no word before <eos>) at beam 3")
     assert not out_dir.exists() or os.listdir(out_dir) == []
     assert main(["caption", str(photo), "-c", str(tiny), "--max-len", "2"]) == 0  # words: a caption
+
+
+# --- Ctrl-C as a command exits ---
+
+LATE_INTERRUPT = """
+import atexit, os, signal, sys, time
+from captioner.cli import main
+def late():  # runs after main has returned, while the interpreter shuts down
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)
+atexit.register(late)
+sys.argv = ["captioner", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_a_command_exits_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "shapes"
+    done = subprocess.run([sys.executable, "-c", LATE_INTERRUPT, "make-shapes", "--out", str(out), "--images", "3",
+                           "--image-size", "32"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+    assert done.stderr.splitlines()[-1] == ("captioner make-shapes: interrupted while exiting (the command had "
+                                            "finished with exit code 0)")
+    assert done.stdout.startswith("wrote 3 images (1 train, 1 val, 1 test)")  # its output was flushed first
+    assert len(list((out / "images").iterdir())) == 3
+    called = subprocess.run([sys.executable, "-c", "from captioner.cli import main; import signal; "
+                             "main(['make-shapes', '--out', %r, '--images', '3', '--image-size', '32', '--force']); "
+                             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)" % str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert called.stdout.splitlines()[-1] == "True"  # main(argv) from a program leaves its Ctrl-C alone
