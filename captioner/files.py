@@ -320,16 +320,18 @@ def lock_is_free(lock: str | os.PathLike, timeout: float) -> bool:
         return False
 
 
-def release_lock_file(lock: str | os.PathLike) -> None:
-    """Remove a lock file nobody holds, and its folder when that is left empty (after a failed write)."""
+def release_lock_file(lock: str | os.PathLike, remove_folder: bool = True) -> None:
+    """Remove a lock file nobody holds, and (``remove_folder``) its folder when that is left empty (after a
+    failed write into a folder of the cache's own)."""
     lock = Path(lock)
     try:
         with hold_lock(lock, 0.0):
             lock.unlink(missing_ok=True)  # a waiter that opened it sees an unlinked file and opens a new one
     except (CaptionerError, OSError):
         return
-    with contextlib.suppress(OSError):
-        lock.parent.rmdir()
+    if remove_folder:
+        with contextlib.suppress(OSError):
+            lock.parent.rmdir()
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -449,4 +451,4 @@ class Outputs:
                                   sort_keys=True)
                 atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error)
         finally:
-            release_lock_file(lock)
+            release_lock_file(lock, remove_folder=False)

@@ -261,3 +261,28 @@ def test_ctrl_c_while_a_command_exits_prints_one_line_and_no_traceback(tmp_path:
                              "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)" % str(out)],
                             capture_output=True, text=True, timeout=120)
     assert called.stdout.splitlines()[-1] == "True"  # main(argv) from a program leaves its Ctrl-C alone
+
+
+# --- caches: under the cache root or --out, never beside the working directory ---
+
+def test_a_shared_feature_cache_lives_in_the_cache_root_and_leaves_no_lock(tiny_shapes, tmp_path, monkeypatch,
+                                                                           capsys) -> None:
+    from captioner.config import get_preset
+    from captioner.training.data import feature_cache_dir
+
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("CAPTIONER_CACHE", str(cache))
+    monkeypatch.delenv("CAPTIONER_FEATURE_CACHE", raising=False)
+    assert feature_cache_dir(get_preset("sat_soft_flickr8k"), work / "runs" / "x" / "features") == cache / "features"
+    assert feature_cache_dir(get_preset("sat_soft_tiny"), Path("runs/x/features")) == Path("runs/x/features")
+    argv = ["train", "--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", "runs/x", "--epochs", "1",
+            "--set", "data.shared_feature_cache=true", "--set", "train.val_max_images=4", "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in work.iterdir()) == ["runs"] and sorted(os.listdir(work / "runs")) == ["x"]
+    assert not (work / "runs" / "x" / "features").exists()
+    cached = sorted(p.name for p in (cache / "features").iterdir())
+    assert cached and all(name.endswith(".feats") for name in cached)  # the caches, and no 0-byte .lock file
+    assert not [p for p in tmp_path.rglob("*.lock")]

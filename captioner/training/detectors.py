@@ -27,6 +27,7 @@ from torch import nn
 from safetensors.torch import save
 from tqdm import tqdm
 
+from captioner.checkpoint.remote import cache_root
 from captioner.config import Config
 from captioner.config.decoders import ConceptReaderConfig
 from captioner.device import resolve_device
@@ -415,7 +416,7 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
-    cache_dir = feature_cache_dir(cfg, Path("runs/features"))
+    cache_dir = feature_cache_dir(cfg, cache_root() / "features")  # never beside the working directory
     return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(cfg.model.encoder), cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,
                              num_workers=cfg.data.num_workers,
