@@ -71,7 +71,8 @@ def test_export_keeps_existing_files_and_reads_what_it_is_given(run_dir: Path, t
     out.mkdir()
     (out / "README.md").write_text("my own notes")
     assert main(["export", str(run_dir), "--out", str(out)]) == 1
-    assert "already holds README.md; choose another --out or pass --force" in capsys.readouterr().err
+    assert (f"{out / 'README.md'}: already exists, not written by captioner; choose another --out or pass --force"
+            in capsys.readouterr().err)
     assert (out / "README.md").read_text() == "my own notes"
 
     photo = tmp_path / "photo.png"

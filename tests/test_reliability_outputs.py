@@ -286,3 +286,48 @@ def test_a_shared_feature_cache_lives_in_the_cache_root_and_leaves_no_lock(tiny_
     cached = sorted(p.name for p in (cache / "features").iterdir())
     assert cached and all(name.endswith(".feats") for name in cached)  # the caches, and no 0-byte .lock file
     assert not [p for p in tmp_path.rglob("*.lock")]
+
+
+# --- the other writers, each against a folder holding a user's file ---
+
+def test_make_shapes_refuses_a_users_image_and_records_its_own(tmp_path, capsys) -> None:
+    out = tmp_path / "shapes"
+    (out / "images").mkdir(parents=True)
+    (out / "images" / "00002.png").write_bytes(USER)
+    argv = ["make-shapes", "--out", str(out), "--images", "3", "--image-size", "32"]
+    assert main(argv) == 1
+    _one_error(capsys, "make-shapes", f"{out / 'images' / '00002.png'}: already exists, not written by captioner")
+    assert os.listdir(out / "images") == ["00002.png"] and sorted(os.listdir(out)) == ["images"]
+    assert main(argv + ["--force"]) == 0
+    assert len(Outputs(out).owned()) == 3 + 6  # the images and the six JSON files
+
+
+def test_evaluate_refuses_a_users_file_of_its_name(tiny, tiny_shapes, tmp_path, capsys) -> None:
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "captions_val_results.json").write_bytes(USER)
+    argv = ["evaluate", str(tiny), "--data", str(tiny_shapes), "--split", "val", "--max-images", "2", "--max-len",
+            "3", "--out", str(out), "--no-progress", "--no-meteor", "--no-coco-caption"]
+    assert main(argv) == 1
+    _one_error(capsys, "evaluate", f"{out / 'captions_val_results.json'}: already exists, not written by captioner")
+    assert os.listdir(out) == ["captions_val_results.json"]
+
+
+def test_demo_refuses_a_users_report_before_any_work(tmp_path, capsys) -> None:
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "report.html").write_bytes(USER)
+    assert main(["demo", "--data", str(tmp_path / "scenes"), "--out", str(out), "--decoders", "sat_soft"]) == 1
+    _one_error(capsys, "demo", f"{out / 'report.html'}: already exists, not written by captioner; choose another "
+                               "--out or pass --force")
+    assert os.listdir(out) == ["report.html"] and not (tmp_path / "scenes").exists()
+
+
+def test_train_refuses_a_folder_holding_a_users_run_file(tiny_shapes, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_bytes(USER)
+    assert main(["train", "--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out), "--epochs",
+                 "1", "--no-progress"]) == 1
+    _one_error(capsys, "train", f"{out} holds an earlier run (config.json)")
+    assert os.listdir(out) == ["config.json"] and (out / "config.json").read_bytes() == USER

@@ -34,7 +34,7 @@ from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
-from captioner.files import atomic_write, read_text, size_text, writable_folder
+from captioner.files import Outputs, atomic_write, read_text, size_text, writable_folder
 from captioner.inference import load
 from captioner.share.examples import example_scenes
 from captioner.viz.overlays import render_grid
@@ -304,9 +304,8 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
                             "keep one of them (or correct its \"split\") and run again")
         seen[r["split"]] = r["file"]
     targets.update({f"metrics:{r['split']}": out / r["file"] for r in rows})
-    present = [p.name for p in targets.values() if p.exists()]
-    if present and not overwrite:
-        raise DataError(f"{out}: already holds {', '.join(present)}; choose another --out or pass --force")
+    outputs = Outputs(out, force=overwrite, option="--out", replace_own=False, error=DataError)
+    outputs.check(targets.values())
     info = read_checkpoint_metadata(checkpoint)
     run_config = _read_json(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
     data_root = str(run_config.get("data", {}).get("root", "")) if isinstance(run_config.get("data"), dict) else ""
@@ -329,6 +328,7 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
             except OSError:
                 break
         raise
+    outputs.record(targets.values())
     return targets
 
 

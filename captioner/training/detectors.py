@@ -38,7 +38,7 @@ from captioner.data.transforms import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache
-from captioner.files import atomic_write, writable_folder
+from captioner.files import Outputs, atomic_write, writable_folder
 from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, read_concepts,
                                        read_concepts_with_folds, save_concepts)
 from captioner.models.encoder import build_encoder
@@ -523,17 +523,23 @@ def check_concept_options(k: int, epochs: int, hidden: int) -> None:
 
 
 def check_output_file(out: str | os.PathLike, overwrite: bool, option: str) -> Path:
-    """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``,
-    in a folder that exists and can be written (checked with a temporary file)."""
+    """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``
+    (:class:`captioner.files.Outputs`, its folder's manifest records it once written), in a folder that
+    exists and can be written (checked with a temporary file)."""
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"{option} {out}: is a folder; give the file to write (e.g. {out / 'concepts.safetensors'})")
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{option} {out}: already exists; choose another {option} or pass --force to replace it")
+    concepts_output(out, overwrite, option).check([out])
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
     writable_folder(out.parent, ConfigError)
     return out
+
+
+def concepts_output(out: Path, overwrite: bool, option: str) -> Outputs:
+    """The writer rule for a concept file: an existing file is replaced only with ``--force`` (even one
+    captioner wrote: a trained head is work to keep)."""
+    return Outputs(out.parent, force=overwrite, option=option, replace_own=False)
 
 
 def _cross_fit(make_head: Any, train_rows: Any, train_targets: torch.Tensor, dev_rows: Any, dev_targets: torch.Tensor,
@@ -643,6 +649,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     if boxes:
         lines.append(_box_report(cfg, encoder, head, boxes, boxes_split, progress, extra))
     save_concepts(head, out, extra, folds=fold_heads)
+    concepts_output(out, overwrite, "--out").record([out])
     lines.append(f"wrote {out}")
     return "\n".join(lines)
 
