@@ -218,7 +218,7 @@ def _error(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.errors import ConfigError
-    from captioner.files import Outputs
+    from captioner.files import MANIFEST, Outputs
 
     decoding = decoding_overrides(args)
     check_positive(args, "batch_size")
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.inference import decode_options, load
 
     files, problems = expand_paths(args.paths)
-    used_dirs: set[str] = set()
+    used_dirs: set[str] = {MANIFEST}  # a photo named .captioner-files.json.png gets a folder of another name
     out_dirs = [unique_dir(Path(args.overlay), path.stem, used_dirs) for path in files] if args.overlay else []
     outputs = Outputs(Path(args.overlay or "."), force=args.force, option="--overlay")
     if args.overlay:  # a user's file in the way is refused before any work
