@@ -24,8 +24,8 @@ from typing import NoReturn
 from captioner.version import __version__
 from captioner.errors import CaptionerError, one_line
 
-COMMAND_MODULES = ("make_shapes", "train", "concepts", "evaluate", "caption", "attend", "export", "serve", "demo",
-                   "download")
+COMMAND_MODULES = ("make_shapes", "train", "concepts", "distill", "evaluate", "caption", "attend", "export", "serve",
+                   "demo", "download")
 
 EPILOG = """examples:
   captioner demo                                   # generate shapes, train 3 decoders, write runs/demo/report.html

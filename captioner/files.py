@@ -1,8 +1,8 @@
 """Reading and writing files a user names: regular files only, every read bounded, writes atomic.
 
 Every file the package reads on a user's behalf (images, config and annotation files,
-vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` or is checked with
-:func:`check_regular` first, so a named pipe cannot block, a device such as ``/dev/zero`` cannot
+vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` / :func:`read_json` or
+is checked with :func:`check_regular` first, so a named pipe cannot block, a device such as ``/dev/zero`` cannot
 fill memory and a huge file is refused from its size before it is read. The kind of file is named
 in the one-line error (``photo.jpg: is a named pipe, not a regular file``).
 
@@ -40,8 +40,9 @@ from filelock import FileLock, Timeout
 
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
-__all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file", "lock_is_free", "read_bytes",
-           "read_text", "release_lock_file", "safe_name", "size_text", "writable_folder"]
+__all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
+           "lock_is_free", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name", "size_text",
+           "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
@@ -169,6 +170,36 @@ def read_text(path: str | os.PathLike, limit: int, error: type[CaptionerError] =
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def read_json(path: str | os.PathLike, limit: int, error: type[CaptionerError] = CaptionerError,
+              what: str = "JSON file", expect: type | None = None) -> Any:
+    """:func:`read_text` parsed as JSON: every bounded JSON file the package reads comes through here.
+
+    Args:
+        path: the file.
+        limit: largest size accepted in bytes.
+        error: the exception type raised.
+        what: what the file is, for the messages (``"results file"``).
+        expect: the type the top-level value must have (``list``, ``dict``); None accepts any.
+
+    Raises:
+        error: one line naming the file: missing (``<what> not found``), as :func:`read_text`, invalid
+            JSON (with line and column), nested too deeply, or a top-level value that is not ``expect``.
+    """
+    if not os.path.lexists(path):
+        raise error(f"{path}: {what} not found")
+    text = read_text(path, limit, error, what).removeprefix("\ufeff")  # a UTF-8 byte order mark is allowed
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg})") from None
+    except RecursionError:  # "[[[[..." nested deeper than the parser's recursion limit
+        raise error(f"{path}: invalid JSON (nested too deeply)") from None
+    if expect is not None and not isinstance(data, expect):
+        kind = {dict: "object", list: "list"}.get(expect, expect.__name__)
+        raise error(f"{path}: expected a JSON {kind}, got {type(data).__name__}")
+    return data
 
 
 def safe_name(name: str, fallback: str = "image") -> str:

@@ -34,6 +34,7 @@ from PIL import Image
 
 from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
 from captioner.checkpoint.store import load_checkpoint
+from captioner.concepts.model import photo_tags
 from captioner.data.images import ImageSource, image_sources, load_for_encoder, pil_image, token_ids
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
@@ -73,7 +74,7 @@ class Caption:
         box: ``(left, top, right, bottom)`` of the original image the encoder saw (right/bottom
             exclusive, original pixels); None for a tensor input (the whole tensor was seen).
         finished: False when the caption was cut at ``max_len`` without ``<eos>``.
-        concepts: for a model that reads concept detectors (``decoder.concepts``), the photo's top
+        concepts: for a model that reads concept detectors (``model.concepts``), the photo's top
             concepts, most probable first, as ``(word, probability)``; else None.
         concept_maps: (C, g, g) float32 CPU tensor, where each of ``concepts`` is in the photo (each
             map sums to 1), or None.
@@ -147,30 +148,9 @@ def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Voca
     with eval_mode(model):
         hyps = search_features(model.decoder, features, vocab, options)
     captions = _captions(hyps, vocab, grid)
-    for caption, (words, maps) in zip(captions, top_concepts(model.decoder, features, vocab, grid)):
+    for caption, (words, maps) in zip(captions, photo_tags(getattr(model.decoder, "extension", None), features, vocab, grid)):
         caption.concepts, caption.concept_maps = words, maps
     return captions
-
-
-TOP_CONCEPTS = 8  # concepts listed per photo
-MIN_CONCEPT_PROB = 0.05  # ... found with at least this probability
-
-
-def top_concepts(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary, grid: tuple[int, int],
-                 k: int = TOP_CONCEPTS, min_prob: float = MIN_CONCEPT_PROB
-                 ) -> list[tuple[list[tuple[str, float]] | None, torch.Tensor | None]]:
-    """Per image, the decoder's top concepts ``[(word, probability)]`` and their maps (C, g, g), or
-    ``(None, None)`` for a decoder without concept detectors."""
-    if not getattr(decoder, "concepts", 0):
-        return [(None, None)] * features.size(0)
-    with torch.no_grad():
-        probs, maps = decoder.concept_head.read(features)  # (B, K), (B, K, N)
-    out = []
-    for b in range(features.size(0)):
-        top = [int(i) for i in probs[b].argsort(descending=True)[:k] if float(probs[b, i]) >= min_prob]
-        words = [(vocab.itos[int(decoder.concept_ids[i])], round(float(probs[b, i]), 4)) for i in top]
-        out.append((words, maps[b, top].reshape(len(top), *grid).float().cpu()))
-    return out
 
 
 def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
@@ -443,7 +423,8 @@ class Captioner:
             with torch.no_grad():
                 features, grid = self.model.encode(pixels.unsqueeze(0).to(self.device))  # (1, N, D)
             grid = (int(grid[0]), int(grid[1]))
-            concepts, concept_maps = top_concepts(self.model.decoder, features, self.vocab, grid)[0]  # the photo's
+            concepts, concept_maps = photo_tags(getattr(self.model.decoder, "extension", None), features, self.vocab,
+                                                  grid)[0]  # the photo's
             out = []
             for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
                 c = _caption(h, self.vocab, grid)

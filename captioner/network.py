@@ -26,6 +26,7 @@ import http.client
 import logging
 import os
 import re
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -191,7 +192,7 @@ def _read(response: object, n: int) -> bytes:
     return read1(n) if read1 is not None else response.read(n)
 
 
-def _fetch_part(url: str, part: Path, size: int | None, progress: bool, opener: Callable[..., object],
+def _fetch_part(url: str, part: Path, size: int | None, progress: bool | None, opener: Callable[..., object],
                 bounds: Bounds, label: str, moved: _Progress, inspect: Inspect | None) -> int | None:
     """One request: append what the server sends to ``part`` (from its current size, with Range).
 
@@ -225,7 +226,8 @@ def _fetch_part(url: str, part: Path, size: int | None, progress: bool, opener: 
             f = open(part, "ab" if resumed else "wb")
         except OSError as exc:
             raise _CannotWrite(exc) from None
-        with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, desc=label, disable=not progress) as bar:
+        with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, desc=label,
+                        disable=not show_progress(progress)) as bar:
             sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)
             got = have
             while True:
@@ -267,7 +269,14 @@ def _bound_text(bounds: Bounds) -> str:
     return f"{bounds.min_rate / 1024:g} KiB/s over {bounds.window:g} s"
 
 
-def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None, progress: bool = True,
+def show_progress(progress: bool | None) -> bool:
+    """Whether to draw a progress bar: ``progress`` when the caller says, else only when stderr is a
+    terminal, so that a bar's redraws never fill a log file."""
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None,
+             progress: bool | None = None,
              opener: Callable[..., object] = urllib.request.urlopen, algorithm: str = "md5",
              error: type[CaptionerError] = DataError, retries: int = 0, timeout: float | None = None,
              bounds: Bounds | None = None, inspect: Inspect | None = None) -> Path:
@@ -278,7 +287,7 @@ def download(url: str, dest: Path, size: int | None = None, checksum: str | None
         dest: the final file; bytes go to ``dest.part`` until it is complete and verified.
         size: expected bytes (None = unknown).
         checksum: expected hex digest of ``algorithm`` (None = not checked).
-        progress: show a tqdm bar.
+        progress: draw a tqdm bar; None (default): only when stderr is a terminal.
         opener: ``urllib.request.urlopen`` or a stand-in.
         algorithm: a ``hashlib`` name for ``checksum``.
         error: the exception type for a size or checksum mismatch, a cut connection or a broken bound.

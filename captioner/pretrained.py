@@ -45,7 +45,7 @@ MODELS: dict[str, PretrainedModel] = {
     "flickr8k": PretrainedModel(
         name="flickr8k",
         file="flickr8k.safetensors",
-        sha256="b936016d728f923a6ead298eacaa3a98541c117768fa7769ba43c3992e96183a",
+        sha256="3640c31470efb8bd4d63e024334240ef08f787804cff1593541da38337008abb",
         card="flickr8k.md",
         preset="sat_soft_flickr8k",
         summary="Show, Attend and Tell with soft attention over an EfficientNet-Lite0 whose last stage was trained "

@@ -14,13 +14,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from captioner.errors import DataError
-from captioner.files import MiB, atomic_write, read_text
+from captioner.files import MiB, atomic_write, read_json
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 MAX_VOCAB_BYTES = 64 * MiB  # a 1M-word vocabulary is about 15 MB of JSON
 
-# Function words: never a concept (captioner.models.concepts), free to repeat in a caption
+# Function words: never a concept (captioner.concepts.model), free to repeat in a caption
 # (DecodeOptions.no_repeat_words). Articles, pronouns, prepositions, conjunctions, auxiliaries,
 # and the commonest quantity words. Content words (nouns, verbs, adjectives, colours) remain.
 STOP_WORDS = frozenset("""
@@ -179,13 +179,7 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Vocabulary":
         """Read a vocabulary file (a regular file of at most ``MAX_VOCAB_BYTES``)."""
-        if not os.path.lexists(path):
-            raise DataError(f"{path}: vocabulary file not found")
-        text = read_text(path, MAX_VOCAB_BYTES, DataError, "vocabulary file")
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise DataError(f"{path}: cannot read vocabulary ({type(exc).__name__}: {str(exc)[:200]})") from None
+        data = read_json(path, MAX_VOCAB_BYTES, DataError, "vocabulary file")
         try:
             return cls.from_dict(data)
         except DataError as exc:

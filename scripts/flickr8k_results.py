@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-# Flickr8k test, coco-caption scoring, x100 (issue 21; Xu et al. 2015 Table 1 and the papers it names)
+# Flickr8k test, coco-caption scoring, x100 (Xu et al. 2015 Table 1 and the papers it names)
 PUBLISHED = [
     ("Xu et al. 2015, soft attention", "VGG, frozen", "67 / 44.8 / 29.9 / 19.5", "18.93", "-", "-"),
     ("Xu et al. 2015, hard attention", "VGG, frozen", "67 / 45.7 / 31.4 / 21.3", "20.30", "-", "-"),

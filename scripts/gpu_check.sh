@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 25), one call on the device machine, from the repository root:
+# The prepared GPU check, one call on the device machine, from the repository root:
 #
 #   OUT=DIR bash scripts/gpu_check.sh                 # the GPU: ~5-6 minutes, stages stop at TOTAL_LIMIT (390 s)
 #   DRY_RUN=1 OUT=/tmp/gc bash scripts/gpu_check.sh   # the same stages on the CPU at tiny sizes (~1-2 min)

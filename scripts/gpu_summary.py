@@ -2,7 +2,7 @@
 """The GPU check's figures in one place: ``python scripts/gpu_summary.py OUT [WORK]``.
 
 Reads what ``scripts/gpu_check.sh`` left in OUT (``<stage>.json``, ``<stage>.log``, the Flickr8k runs'
-``metrics.csv``, the GPU memory samples), prints one line per figure against the issue's targets and
+``metrics.csv``, the GPU memory samples), prints one line per figure against its target and
 writes ``OUT/summary.json``. Missing stages show as ``missing`` (see ``OUT/stages.txt`` for why).
 """
 

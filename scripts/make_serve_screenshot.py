@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""Regenerate the screenshot of the ``captioner serve`` page (docs/images/serve_page.png).
+"""Regenerate the screenshots of the ``captioner serve`` page (docs/images/serve_page.png, serve_phone.png).
 
-    python scripts/make_serve_screenshot.py -c runs/flickr8k/sat_soft/best.safetensors \\
-        --image ../shared/data/flickr8k/images/251792066_b5233b3d86.jpg --word 1
+    python scripts/make_serve_screenshot.py                      # the shipped model, example photo 1, 1280x900
+    python scripts/make_serve_screenshot.py --size 390,844 --n-best 1 --out docs/images/serve_phone.png
     python scripts/make_serve_screenshot.py -c soft=runs/demo/sat_soft/best.safetensors \\
-        -c tf=runs/demo/transformer/best.safetensors --image scene.png --out docs/images/serve_side_by_side.png
+        -c tf=runs/demo/transformer/best.safetensors --image scene.png --out side_by_side.png
 
-Serves the checkpoints on 127.0.0.1 (in this process), opens the page in headless Chromium
-(selenium + chromedriver, as the browser tests), uploads the image, keeps the word the page opens
-on or selects word ``--word`` of the first model's best caption (0-based; with several models every
-column shows that word, or says its caption lacks it) and saves a screenshot of the page
-(``--size 420,900``: a phone).
+Serves the checkpoints (default: the shipped model) on 127.0.0.1 in this process, with the examples
+``captioner serve`` offers them and their model cards, opens the page in headless Chromium (selenium +
+chromedriver, as the browser tests) with a window of exactly ``--size`` (the page's innerWidth x
+innerHeight), uploads ``--image`` or clicks example ``--example``, keeps the word the page opens on or
+selects word ``--word`` of the first model's best caption (0-based; with several models every column
+shows that word, or says its caption lacks it) and saves a screenshot of the first screen.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-c", "--checkpoint", required=True, action="append", metavar="[NAME=]CKPT",
-                        help="checkpoint (any --checkpoint spec); repeat it for models side by side")
-    parser.add_argument("--image", required=True, help="photo to upload")
+    parser.add_argument("-c", "--checkpoint", action="append", metavar="[NAME=]CKPT",
+                        help="checkpoint (any --checkpoint spec; default: the shipped model); repeat it for models "
+                             "side by side")
+    parser.add_argument("--image", default=None, help="photo to upload (default: click example --example)")
+    parser.add_argument("--example", type=int, default=0, help="the example to click when no --image (0-based)")
     parser.add_argument("--word", type=int, default=None,
                         help="word of the best caption to select (0-based; default: the one the page opens on)")
     parser.add_argument("--n-best", type=int, default=3, help="captions in the n-best list")
-    parser.add_argument("--size", default="1400,1000", help="browser window WIDTH,HEIGHT")
+    parser.add_argument("--size", default="1280,900", help="the page's window WIDTH,HEIGHT")
     parser.add_argument("--style", choices=("heat", "light"), default="heat", help="style of the maps")
     parser.add_argument("--scroll", action="store_true", help="scroll the page so that the maps are in view")
     parser.add_argument("--out", default=str(REPO / "docs" / "images" / "serve_page.png"), help="PNG to write")
@@ -48,29 +51,37 @@ def main(argv: list[str] | None = None) -> int:
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     import captioner
-    from captioner.commands.serve import model_name
-    from captioner.share.examples import example_scenes
+    from captioner.commands.caption import default_model
+    from captioner.commands.serve import model_card_of, model_name
+    from captioner.pretrained import PHOTOS
+    from captioner.share.examples import default_examples
     from captioner.share.server import ServedModel, create_app, running
 
     served, used = [], set()
-    for value in args.checkpoint:
+    for value in args.checkpoint or [default_model()]:
         name, spec = model_name(value, used)
         used.add(name)
-        served.append(ServedModel(name, captioner.load(spec, device="cpu")))
-    app = create_app(served, example_scenes())
+        served.append(ServedModel(name, captioner.load(spec, device="cpu"), card=model_card_of(spec)))
+    app = create_app(served, default_examples([m.captioner.vocab.itos for m in served], PHOTOS))
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     for flag in (*FLAGS, f"--window-size={args.size}", f"--user-data-dir={tempfile.mkdtemp()}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
-    driver.set_window_size(*(int(v) for v in args.size.split(",")))  # the flag alone stops at 500 px wide
+    width, height = (int(v) for v in args.size.split(","))
+    driver.set_window_size(width, height)  # the flag alone stops at 500 px wide
     wait = WebDriverWait(driver, 60)
     try:
         with running(app) as base:
             driver.get(base + "/")
             wait.until(lambda d: d.execute_script("return document.body.dataset.state === 'idle';"))
+            inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
+            driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])  # the page's window, not Chromium's
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value(str(args.n_best))
-            driver.find_element(By.ID, "file").send_keys(str(Path(args.image).resolve()))
+            if args.image:
+                driver.find_element(By.ID, "file").send_keys(str(Path(args.image).resolve()))
+            else:
+                driver.find_element(By.ID, f"example-{args.example}").click()
             wait.until(lambda d: d.execute_script("return document.body.dataset.state === 'done';"))
             frames = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
             driver.switch_to.frame(frames[0])

@@ -71,7 +71,7 @@ if [ "${CONCEPTS:-0}" = 1 ]; then
         captioner concepts --preset sat_soft_flickr8k --data "$DATA" --out "$concepts" --no-progress \
             ${COCO_MINI:+--boxes "$COCO_MINI"}
     fi
-    with_concepts=(--set train.concepts="$concepts" --set decoder.concept_prior=true)
+    with_concepts=(--set train.concepts="$concepts" --set concepts.prior=true)
     stage "sat_soft + concepts" "$ROOT/sat_soft_concepts" --preset sat_soft_flickr8k \
         --set train.alpha_c=0 --set train.concept_guide=1 "${with_concepts[@]}"
 fi

@@ -18,9 +18,9 @@
 #                 frozen encoder (teacher_sat)
 #   d2. teacher   base_scst and the two decoded together (captioner evaluate A B C, beam 3) on the
 #                 training photos: one teacher caption per photo, in place of its five human ones
-#                 (captioner.training.distill.teacher_dataset keep_human=False)
+#                 (captioner distill captions --teacher-only)
 #   d3. words     only with WORD_WEIGHT > 0: the three teachers read their captions word by word, their top 8
-#                 next words at each step (word-level distillation, captioner.training.distill.word_targets)
+#                 next words at each step (word-level distillation, captioner distill words)
 #   d4. student   base_scst trained STUDENT_EPOCHS (3) epochs on the teacher's captions (with WORD_WEIGHT > 0,
 #                 plus WORD_WEIGHT x the KL to the teachers' top 8 at each step); then STUDENT_SCST_STAGES (2)
 #                 SCST stages of STUDENT_SCST_SECONDS (1200) each, each from the one before with another seed
@@ -92,26 +92,23 @@ if [ "${DISTILL:-0}" = 1 ]; then
         "${CAPTIONER[@]}" evaluate "$ROOT"/base_scst/best.safetensors "$ROOT"/teacher_finetune/best.safetensors \
             "$ROOT"/teacher_sat/best.safetensors --data "$DATA" --split train --beam 3 --no-progress \
             --no-coco-caption --no-meteor --device "$DEVICE" --force --out "$ROOT/teacher" > "$ROOT/teacher.log" 2>&1
-        python -c "import sys, json; from captioner.training.distill import teacher_dataset; \
-    print(json.dumps(teacher_dataset(sys.argv[1], sys.argv[2], sys.argv[3], keep_human=False)))" \
-            "$DATA" "$ROOT/teacher/captions_train_results.json" "$distilled" | tee "$ROOT/distilled.json"
+        "${CAPTIONER[@]}" distill captions "$DATA" "$ROOT/teacher/captions_train_results.json" --out "$distilled" \
+            --teacher-only | tee "$ROOT/distilled.json"
         touch "$distilled/done"
     fi
 
     # d3. word-level distillation (off by default: after SCST it gave no lasting gain): the teachers' top 8
     #     next words at each step of their captions
     student_words=()
-    if python -c "import sys; sys.exit(0 if float(sys.argv[1]) > 0 else 1)" "${WORD_WEIGHT:-0}"; then
+    if awk -v w="${WORD_WEIGHT:-0}" 'BEGIN { exit !(w + 0 > 0) }'; then
         words=$ROOT/words.safetensors
         if [ -f "$words" ]; then
             log "teacher words: kept"
         else
             log "teacher words: the three teachers read their captions word by word"
-            python -c "import sys, json, captioner; from captioner.training.distill import word_targets; \
-    teacher = captioner.load(sys.argv[1:4], device=sys.argv[6]); \
-    print(json.dumps(word_targets(teacher, sys.argv[4], sys.argv[5], top_k=8, progress=False)))" \
-                "$ROOT"/base_scst/best.safetensors "$ROOT"/teacher_finetune/best.safetensors \
-                "$ROOT"/teacher_sat/best.safetensors "$distilled/$(basename "$DATA")" "$words" "$DEVICE" \
+            "${CAPTIONER[@]}" distill words "$ROOT"/base_scst/best.safetensors \
+                "$ROOT"/teacher_finetune/best.safetensors "$ROOT"/teacher_sat/best.safetensors \
+                --data "$distilled/$(basename "$DATA")" --out "$words" --top-k 8 --device "$DEVICE" --no-progress \
                 | tee "$ROOT/words.json"
         fi
         student_words=(--set train.word_distill="$words" --set train.word_distill_weight="$WORD_WEIGHT")

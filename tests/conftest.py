@@ -49,7 +49,7 @@ class UntrainedCheckpoints:
     ``make(root, preset, **overrides) -> root/<preset>.safetensors``: the preset's model (with the
     dotted config ``overrides``) over the vocabulary ``words``, the output bias of ``<pad>``,
     ``<bos>``, ``<eos>`` and ``<unk>`` set to -30 so that every caption has ``max_len`` real words.
-    ``concepts=("circle", ...)`` (a SAT preset): a frozen concept head over those words, each found in
+    ``concepts=("circle", ...)`` (a SAT preset): the decoder's extension, a frozen concept head over those words, each found in
     every photo, the first most surely (probabilities from about 0.98 down), written to
     ``root/<preset>_concepts.safetensors``.
     """
@@ -65,15 +65,15 @@ class UntrainedCheckpoints:
         torch.manual_seed(0)
         vocab = Vocabulary(list(self.words))
         if concepts:
-            overrides = {"model.decoder.concepts": len(concepts), "model.decoder.concept_hidden": 8, **overrides}
+            overrides = {"model.concepts.count": len(concepts), "model.concepts.hidden": 8, **overrides}
         model = build_model(get_preset(preset, **overrides).model, len(vocab), load_pretrained=False).eval()
         with torch.no_grad():
             for module in model.decoder.modules():
                 if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
                     module.bias[: vocab.unk_id + 1] = -30.0
             if concepts:
-                model.decoder.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in concepts]))
-                model.decoder.concept_head.net[-1].bias.copy_(torch.linspace(4.0, 0.0, len(concepts)))
+                model.decoder.extension.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in concepts]))
+                model.decoder.extension.concept_head.net[-1].bias.copy_(torch.linspace(4.0, 0.0, len(concepts)))
         path = root / f"{preset}{'_concepts' if concepts else ''}.safetensors"
         save_checkpoint(path, model, vocab)
         return path

@@ -1,8 +1,9 @@
-"""Concept detectors learnt from captions (captioner.models.concepts, captioner.training.detectors), the
-decoder that reads them, the guide term, the ``captioner concepts`` command, and decoding that does not repeat."""
+"""Concept detectors learnt from captions (captioner.concepts), the decoder extension that reads them, the
+guide term, the ``captioner concepts`` command, and decoding that does not repeat."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -17,14 +18,15 @@ from captioner.config import DecodeOptions, get_preset
 from captioner.data.caption_set import CaptionSet, ImageRecord
 from captioner.decoding.search import BlockRepeats, content_word_ids, decode
 from captioner.errors import CheckpointError, ConfigError
-from captioner.models.concepts import (ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold, load_concepts,
-                                       load_concepts_with_folds, restrict_to_vocab, save_concepts)
+from captioner.concepts.model import (CONCEPT_TOKENS, ConceptHead, OutOfFoldConcepts, SATConcepts, TransformerConcepts,
+                                      build_extension, choose_concepts, feature_fold, load_concepts,
+                                      load_concepts_with_folds, photo_tags, restrict_to_vocab, save_concepts)
+from captioner.concepts.training import (ConceptGuide, RunConcepts, average_precision, concept_targets, run_concepts,
+                                         train_concepts)
 from captioner.models.lstm import SATDecoder
-from captioner.models.transformer import CONCEPT_TOKENS, TransformerCaptionDecoder
+from captioner.models.model import build_model
+from captioner.models.transformer import TransformerCaptionDecoder
 from captioner.text import Vocabulary
-from captioner.training.detectors import (average_precision, concept_targets, install_concepts, train_concepts,
-                                          with_concept_input)
-from captioner.training.attention_terms import ConceptGuide
 
 REPO = Path(__file__).resolve().parents[1]
 D, N = 12, 9
@@ -160,7 +162,7 @@ def test_train_concepts_refuses_mismatched_targets():
 
 
 def test_top_k_precision_known_answer():
-    from captioner.training.detectors import top_k_precision
+    from captioner.concepts.training import top_k_precision
 
     scores = torch.tensor([[0.9, 0.8, 0.1], [0.1, 0.2, 0.3]])
     positives = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.bool)
@@ -221,26 +223,26 @@ def test_a_decoder_reads_the_fold_heads_while_training_and_its_own_head_otherwis
     for h in folds:
         torch.nn.init.normal_(h.net[-1].weight, std=3.0)  # unlike the decoder's own head
     x = torch.randn(6, N, D)
-    own = decoder.concept_head.probs(x)
-    decoder.use_concept_folds(OutOfFoldConcepts(folds))
+    own = decoder.extension.concept_head.probs(x)
+    decoder.extension.use_concept_folds(OutOfFoldConcepts(folds))
     decoder.train()
     crossed = OutOfFoldConcepts(folds).probs(x)
-    torch.testing.assert_close(decoder.concept_probs(x), crossed)
-    probs, prior = decoder.read_concepts(x)
+    torch.testing.assert_close(decoder.extension.concept_probs(x), crossed)
+    probs, prior = decoder.extension.read_concepts(x)
     torch.testing.assert_close(probs, crossed)
     torch.testing.assert_close(prior["concept_maps"], OutOfFoldConcepts(folds).read(x)[1])
     decoder.eval()
-    torch.testing.assert_close(decoder.concept_probs(x), own)  # validation and decoding: the full head
+    torch.testing.assert_close(decoder.extension.concept_probs(x), own)  # validation and decoding: the full head
     assert not any("fold" in key for key in decoder.state_dict())  # never saved with the weights
-    decoder.use_concept_folds(None)
+    decoder.extension.use_concept_folds(None)
     decoder.train()
-    torch.testing.assert_close(decoder.concept_probs(x), own)
+    torch.testing.assert_close(decoder.extension.concept_probs(x), own)
 
 
 def test_fold_heads_score_each_training_photo_without_having_seen_it():
     """Concepts that cannot be learnt (random targets over random features) are memorised in-sample; the
     out-of-fold scores of the same photos know nothing of them."""
-    from captioner.training.detectors import image_scores, train_fold_heads
+    from captioner.concepts.training import image_scores, train_fold_heads
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(120, N, D, generator=gen)
@@ -317,9 +319,9 @@ def _stepped(decoder, x: torch.Tensor, tokens: torch.Tensor, **state_options) ->
     return out, torch.stack(steps, 1), torch.stack(maps, 1), state
 
 
-def _sat_with_concepts(k: int = 3, **kw) -> SATDecoder:
+def _sat_with_concepts(k: int = 3, concept_prior: bool = False, **kw) -> SATDecoder:
     return SATDecoder(vocab_size=15, feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.3,
-                      concepts=k, concept_hidden=6, **kw)
+                      extension=SATConcepts(D, 10, k, 8, concept_prior, concept_hidden=6), **kw)
 
 
 def test_sat_with_concepts_steps_as_it_teacher_forces_and_keeps_the_head_frozen():
@@ -330,10 +332,10 @@ def test_sat_with_concepts_steps_as_it_teacher_forces_and_keeps_the_head_frozen(
     out, steps, _, _ = _stepped(decoder, x, tokens)
     torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
     decoder.train()
-    assert not decoder.concept_head.training  # no dropout in the frozen head
+    assert not decoder.extension.concept_head.training  # no dropout in the frozen head
     decoder(x, tokens).logits.sum().backward()
-    assert all(p.grad is None for p in decoder.concept_head.parameters())
-    assert decoder.init_concepts.weight.grad is not None and decoder.out_concepts.weight.grad is not None
+    assert all(p.grad is None for p in decoder.extension.concept_head.parameters())
+    assert decoder.extension.init_concepts.weight.grad is not None and decoder.extension.out_concepts.weight.grad is not None
 
 
 def test_concepts_change_the_caption_distribution():
@@ -343,7 +345,7 @@ def test_concepts_change_the_caption_distribution():
     tokens = torch.randint(1, 15, (1, 4))
     with torch.no_grad():
         before = decoder(x, tokens).logits
-        decoder.concept_head.net[-1].bias.fill_(5.0)  # every concept found
+        decoder.extension.concept_head.net[-1].bias.fill_(5.0)  # every concept found
         after = decoder(x, tokens).logits
     assert not torch.allclose(before, after)
 
@@ -366,25 +368,25 @@ def test_concept_prior_steps_as_it_teacher_forces_and_its_pointer_trains(attenti
     torch.testing.assert_close(log_q.exp().sum(-1), torch.ones(2, 5))
     decoder.train()
     decoder(x, tokens).aux["concept_pointer"][..., 0].sum().backward()
-    assert decoder.concept_query.weight.grad is not None and decoder.concept_query.weight.grad.abs().sum() > 0
-    assert all(p.grad is None for p in decoder.concept_head.parameters())
+    assert decoder.extension.concept_query.weight.grad is not None and decoder.extension.concept_query.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in decoder.extension.concept_head.parameters())
 
 
 def test_concept_prior_multiplies_attention_by_the_map_the_pointer_names():
     torch.manual_seed(0)
     decoder = _sat_with_concepts(concept_prior=True).eval()
     x = torch.randn(1, N, D)
-    maps = decoder.concept_head.maps(x)  # (1, K, N)
+    maps = decoder.extension.concept_head.maps(x)  # (1, K, N)
     tokens = torch.randint(1, 15, (1, 3))
     with torch.no_grad():
-        decoder.concept_query.bias.zero_()
-        decoder.concept_query.weight.zero_()
-        decoder.concept_query.bias[3] = 50.0  # "none": the prior is uniform, attention as without it
+        decoder.extension.concept_query.bias.zero_()
+        decoder.extension.concept_query.weight.zero_()
+        decoder.extension.concept_query.bias[3] = 50.0  # "none": the prior is uniform, attention as without it
         plain = decoder(x, tokens).attention
-        decoder.concept_query.bias[3] = -50.0
-        decoder.concept_query.bias[1] = 50.0  # always concept 1: attention = own x its map, renormalised
+        decoder.extension.concept_query.bias[3] = -50.0
+        decoder.extension.concept_query.bias[1] = 50.0  # always concept 1: attention = own x its map, renormalised
         pointed = decoder(x, tokens).attention
-        decoder.prior_scale.fill_(0.0)  # lambda = 0: the prior is off
+        decoder.extension.prior_scale.fill_(0.0)  # lambda = 0: the prior is off
         off = decoder(x, tokens).attention
     torch.testing.assert_close(off, plain)
     assert not torch.allclose(pointed, plain)
@@ -394,7 +396,7 @@ def test_concept_prior_multiplies_attention_by_the_map_the_pointer_names():
 
 
 def test_concept_pointer_targets_and_loss():
-    from captioner.training.attention_terms import ConceptPointer
+    from captioner.concepts.training import ConceptPointer
 
     vocab = Vocabulary(["a", "dog", "ball", "runs"])
     pointer = ConceptPointer(["dog", "ball"], vocab, weight=1.0, min_prob=0.5)
@@ -410,43 +412,45 @@ def test_concept_pointer_targets_and_loss():
     assert float(pointer.stats["concept_pointer_words"]) == pytest.approx(1 / 3)
     uniform = SimpleNamespace(aux={"concept_pointer": torch.full((1, 4, 3), -math.log(3)), "concept_probs": probs})
     assert float(pointer(uniform, batch)) == pytest.approx(math.log(3))  # padding left out of the mean
-    with pytest.raises(ConfigError, match="concept_prior"):
+    with pytest.raises(ConfigError, match="concepts.prior"):
         pointer(SimpleNamespace(aux={}), batch)
 
 
 def test_concept_prior_needs_concepts():
-    with pytest.raises(ConfigError, match="concept_prior"):
-        SATDecoder(vocab_size=15, feature_dim=D, concept_prior=True)
-    cfg = get_preset("sat_soft_flickr8k").override(**{"model.decoder.concept_prior": True})
+    cfg = get_preset("sat_soft_flickr8k").override(**{"model.concepts.prior": True})
+    with pytest.raises(ConfigError, match="concepts.prior needs"):
+        build_extension(cfg.model.concepts, cfg.model.decoder, 1280)
     with pytest.raises(ConfigError, match="train.concepts"):
-        with_concept_input(cfg, None)
+        run_concepts(cfg, Vocabulary(["a"]))
     with pytest.raises(ConfigError, match="concept_pointer"):
         get_preset("sat_soft_flickr8k").override(**{"train.concept_pointer": -1.0})
 
 
-def test_training_sizes_the_decoder_from_the_head_and_installs_it():
+def test_training_sizes_the_decoder_from_the_head_and_installs_it(tmp_path):
     torch.manual_seed(0)
     vocab = Vocabulary(["a", "dog", "ball"])
     head = restrict_to_vocab(ConceptHead(1280, ["dog", "zebra", "ball"], hidden_dim=6), vocab)
-    cfg = get_preset("sat_soft_flickr8k").override(**{"train.concepts": "c.safetensors"})
-    sized = with_concept_input(cfg, head)
-    dec = sized.model.decoder
-    assert (dec.concepts, dec.concept_hidden, dec.concept_pooling) == (2, 6, "lse")
-    assert with_concept_input(cfg.override(**{"train.concept_input": False}), head) is not None
-    assert with_concept_input(cfg.override(**{"train.concept_input": False}), head).model.decoder.concepts == 0
-    decoder = SATDecoder(vocab_size=len(vocab), feature_dim=1280, concepts=2, concept_hidden=6)
-    install_concepts(decoder, head, vocab)
-    assert decoder.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
+    path = tmp_path / "c.safetensors"
+    save_concepts(head, path)
+    cfg = get_preset("sat_soft_flickr8k").override(**{"train.concepts": str(path)})
+    sized = run_concepts(cfg, vocab)
+    assert sized.head.words == head.words
+    assert dataclasses.astuple(sized.cfg.model.concepts) == (2, 6, "lse", 5.0, False)
+    assert sized.cfg.model.decoder == cfg.model.decoder  # the decoder's own config is not touched
+    assert run_concepts(cfg.override(**{"train.concept_input": False}), vocab).cfg.model.concepts.count == 0
+    decoder = build_model(sized.cfg.model, len(vocab), load_pretrained=False).decoder
+    assert isinstance(decoder.extension, SATConcepts)
+    sized.install(decoder)
+    assert decoder.extension.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
     x = torch.randn(1, 4, 1280)
-    torch.testing.assert_close(decoder.concept_head(x), head(x))
-    transformer = with_concept_input(get_preset("transformer_flickr8k").override(**{"train.concepts": "c.safetensors"}),
-                                     head).model.decoder
-    assert (transformer.name, transformer.concepts, transformer.concept_hidden) == ("transformer", 2, 6)
+    torch.testing.assert_close(decoder.extension.concept_head(x), head(x))
+    transformer = run_concepts(get_preset("transformer_flickr8k").override(**{"train.concepts": str(path)}), vocab)
+    assert (transformer.cfg.model.decoder.name, transformer.cfg.model.concepts.count) == ("transformer", 2)
     decoder = TransformerCaptionDecoder(vocab_size=len(vocab), feature_dim=1280, grid=2, d_model=16, num_heads=4,
-                                        concepts=2, concept_hidden=6)
-    install_concepts(decoder, head, vocab)
-    assert decoder.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
-    torch.testing.assert_close(decoder.concept_head(x), head(x))
+                                        extension=TransformerConcepts(1280, 16, 2, concept_hidden=6))
+    RunConcepts(transformer.cfg, head, vocab).install(decoder)
+    assert decoder.extension.concept_ids.tolist() == [vocab.stoi["dog"], vocab.stoi["ball"]]
+    torch.testing.assert_close(decoder.extension.concept_head(x), head(x))
 
 
 def test_config_checks_the_concept_keys():
@@ -458,12 +462,19 @@ def test_config_checks_the_concept_keys():
         with pytest.raises(ConfigError, match="concept_guide_sharpness must be"):
             get_preset("sat_soft_flickr8k").override(**{"train.concept_guide_sharpness": bad})
     for preset in ("sat_soft_flickr8k", "transformer_flickr8k"):  # both families read concepts
-        assert get_preset(preset).model.decoder.concepts == 0  # by default they do not
-        assert get_preset(preset).override(**{"model.decoder.concepts": 4}).model.decoder.concepts == 4
-        with pytest.raises(ConfigError, match="decoder.concept_pooling"):
-            get_preset(preset).override(**{"model.decoder.concept_pooling": "max"})
-        with pytest.raises(ConfigError, match="decoder.concepts"):
-            get_preset(preset).override(**{"model.decoder.concepts": -1})
+        assert get_preset(preset).model.concepts.count == 0  # by default they do not
+        assert get_preset(preset).override(**{"model.concepts.count": 4}).model.concepts.count == 4
+        with pytest.raises(ConfigError, match="concepts.pooling"):
+            get_preset(preset).override(**{"model.concepts.pooling": "max"})
+        with pytest.raises(ConfigError, match="concepts.count"):
+            get_preset(preset).override(**{"model.concepts.count": -1})
+        with pytest.raises(ConfigError, match="unknown config key"):  # no longer a decoder field
+            get_preset(preset).override(**{"model.decoder.concepts": 4})
+    sat, transformer = get_preset("sat_soft_tiny").model, get_preset("transformer_tiny").model
+    assert build_extension(sat.concepts, sat.decoder, 8) is None
+    assert isinstance(build_extension(dataclasses.replace(sat.concepts, count=3), sat.decoder, 8), SATConcepts)
+    assert isinstance(build_extension(dataclasses.replace(transformer.concepts, count=3), transformer.decoder, 8),
+                      TransformerConcepts)
 
 
 # ----------------------------------------------------------------------------- the Transformer reads concepts
@@ -472,12 +483,14 @@ def test_config_checks_the_concept_keys():
 def _transformer_with_concepts(k: int = 12, seed: int = 0, **kw) -> TransformerCaptionDecoder:
     """A small Transformer reading K concepts (vocabulary ids 3..3+K-1), head weights random."""
     torch.manual_seed(seed)
+    prior = kw.pop("concept_prior", False)
     args = dict(vocab_size=15, feature_dim=D, grid=3, d_model=16, num_layers=2, num_heads=4, ff_dim=32,
-                dropout=0.1, max_len=8, concepts=k, concept_hidden=6)
-    decoder = TransformerCaptionDecoder(**{**args, **kw})
-    decoder.concept_ids.copy_(torch.arange(3, 3 + k))
+                dropout=0.1, max_len=8)
+    decoder = TransformerCaptionDecoder(**{**args, **kw}, extension=TransformerConcepts(D, 16, k, prior,
+                                                                                       concept_hidden=6))
+    decoder.extension.concept_ids.copy_(torch.arange(3, 3 + k))
     with torch.no_grad():
-        decoder.concept_head.net[-1].bias.normal_(0.0, 2.0)  # concepts of clearly different probabilities
+        decoder.extension.concept_head.net[-1].bias.normal_(0.0, 2.0)  # concepts of clearly different probabilities
     return decoder
 
 
@@ -501,26 +514,26 @@ def test_transformer_concept_prior_steps_as_it_teacher_forces_and_follows_the_po
     out, steps, attention, _ = _stepped(decoder, x, tokens, use_cache=use_cache)
     torch.testing.assert_close(out.logits.log_softmax(-1), steps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.attention, attention, atol=1e-5, rtol=1e-5)
-    k = decoder.concepts
+    k = decoder.extension.concepts
     assert out.aux["concept_pointer"].shape == (2, 6, k + 1) and out.aux["concept_probs"].shape == (2, k)
     with torch.no_grad():  # the pointer sure of "none": the prior adds nothing, as with lambda = 0
-        decoder.concept_query.weight.zero_()
-        decoder.concept_query.bias.fill_(-50.0)
-        decoder.concept_query.bias[k] = 50.0
+        decoder.extension.concept_query.weight.zero_()
+        decoder.extension.concept_query.bias.fill_(-50.0)
+        decoder.extension.concept_query.bias[k] = 50.0
         none = decoder(x, tokens).attention
-        decoder.prior_scale.fill_(0.0)
+        decoder.extension.prior_scale.fill_(0.0)
         off = decoder(x, tokens).attention
-        decoder.prior_scale.fill_(1.0)
-        decoder.concept_query.bias[k] = -50.0
-        decoder.concept_query.bias[0] = 50.0  # always concept 0: the first step's heads lean to its map
+        decoder.extension.prior_scale.fill_(1.0)
+        decoder.extension.concept_query.bias[k] = -50.0
+        decoder.extension.concept_query.bias[0] = 50.0  # always concept 0: the first step's heads lean to its map
         pointed = decoder(x, tokens).attention
     torch.testing.assert_close(none, off, atol=1e-6, rtol=1e-5)
-    maps = decoder.concept_head.maps(x)[:, 0]  # (B, N)
+    maps = decoder.extension.concept_head.maps(x)[:, 0]  # (B, N)
     assert bool(((pointed[:, 0] * maps).sum(-1) > (off[:, 0] * maps).sum(-1)).all())
     decoder.train()
     decoder(x, tokens).aux["concept_pointer"][..., 0].sum().backward()
-    assert decoder.concept_query.weight.grad.abs().sum() > 0
-    assert all(p.grad is None for p in decoder.concept_head.parameters())
+    assert decoder.extension.concept_query.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in decoder.extension.concept_head.parameters())
 
 
 def test_transformer_reports_attention_over_the_regions_only():
@@ -549,22 +562,22 @@ def test_transformer_reads_the_concept_probabilities_and_keeps_the_head_frozen()
     tokens = torch.randint(1, 15, (2, 5))
     with torch.no_grad():
         before = decoder(x, tokens).logits
-        decoder.concept_head.net[-1].bias += 1.0  # the same three concepts, each found more surely
+        decoder.extension.concept_head.net[-1].bias += 1.0  # the same three concepts, each found more surely
         after = decoder(x, tokens).logits
         assert decoder.init_state(x).static["memory_k"][0].shape[2] == N + 3
     assert not torch.allclose(before, after, atol=1e-4)  # the tokens carry p_t
     many = _transformer_with_concepts(k=12, dropout=0.0).eval()
     with torch.no_grad():
         first = many(x, tokens).logits
-        many.concept_ids.copy_(many.concept_ids.flip(0))  # other words behind the same probabilities
+        many.extension.concept_ids.copy_(many.extension.concept_ids.flip(0))  # other words behind the same probabilities
         assert not torch.allclose(first, many(x, tokens).logits, atol=1e-4)  # the tokens carry the words
     decoder.train()
-    assert decoder.training and not decoder.concept_head.training  # no dropout in the frozen head
+    assert decoder.training and not decoder.extension.concept_head.training  # no dropout in the frozen head
     decoder(x, tokens).logits.sum().backward()
-    assert all(not p.requires_grad and p.grad is None for p in decoder.concept_head.parameters())
-    tokens_module = decoder.concept_tokens
+    assert all(not p.requires_grad and p.grad is None for p in decoder.extension.concept_head.parameters())
+    tokens_module = decoder.extension.concept_tokens
     assert tokens_module.word.weight.grad is not None and float(tokens_module.prob.grad.abs().sum()) > 0
-    assert float(decoder.embed.weight.grad[decoder.concept_ids].abs().sum()) > 0  # E is read for the concepts
+    assert float(decoder.embed.weight.grad[decoder.extension.concept_ids].abs().sum()) > 0  # E is read for the concepts
 
 
 def test_transformer_with_concepts_checkpoint_round_trip_gives_the_same_captions(tmp_path):
@@ -574,18 +587,18 @@ def test_transformer_with_concepts_checkpoint_round_trip_gives_the_same_captions
 
     torch.manual_seed(0)
     vocab = Vocabulary([f"w{i}" for i in range(16)])
-    cfg = get_preset("transformer_tiny", **{"model.decoder.concepts": 12, "model.decoder.concept_hidden": 6})
+    cfg = get_preset("transformer_tiny", **{"model.concepts.count": 12, "model.concepts.hidden": 6})
     model = build_model(cfg.model, len(vocab), load_pretrained=False).eval()
     head = ConceptHead(model.encoder.out_dim, [f"w{i}" for i in range(12)], hidden_dim=6)
     with torch.no_grad():
         head.net[-1].bias.normal_(0.0, 2.0)
-    install_concepts(model.decoder, head, vocab)
+    RunConcepts(cfg, head, vocab).install(model.decoder)
     model.train()  # saving must not depend on the mode
     path = save_checkpoint(tmp_path / "m.safetensors", model, vocab)
     loaded = load_checkpoint(path)
     decoder = loaded.model.decoder
-    assert decoder.concepts == 12 and decoder.concept_ids.tolist() == [vocab.stoi[f"w{i}"] for i in range(12)]
-    assert not decoder.concept_head.training
+    assert decoder.extension.concepts == 12 and decoder.extension.concept_ids.tolist() == [vocab.stoi[f"w{i}"] for i in range(12)]
+    assert not decoder.extension.concept_head.training
     features, grid = model.eval().encode(torch.randn(2, 3, 64, 64))
     options = DecodeOptions(beam_size=2, max_len=6)
     with torch.no_grad():
@@ -621,7 +634,7 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "captioner", "train", *common, "--out", str(run), "--epochs", "1",
                            "--set", f"train.concepts={out}", "--set", "train.concept_guide=0.5",
-                           "--set", "decoder.concept_prior=true",
+                           "--set", "concepts.prior=true",
                            "--set", "train.time_budget=60", "--no-progress"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -630,9 +643,9 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
 
     model = captioner.load(run / "best.safetensors")
     decoder = model.model.decoder
-    assert 0 < decoder.concepts <= 12
+    assert 0 < decoder.extension.concepts <= 12
     assert not any("fold" in key for key in decoder.state_dict())  # the checkpoint holds the full head only
-    assert [model.vocab.itos[i] for i in decoder.concept_ids.tolist()] == [w for w in head.words
+    assert [model.vocab.itos[i] for i in decoder.extension.concept_ids.tolist()] == [w for w in head.words
                                                                          if w in model.vocab.stoi]
     image = sorted((tiny_shapes / "images").glob("*.png"))[0]
     # a minute of training on a busy machine may write few words, or none
@@ -640,7 +653,7 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     assert all(w in model.vocab.stoi for w in caption.words) and caption.attention.shape[0] == len(caption.words)
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "concept_guide" in header and "share_concept_guide" in header
-    assert decoder.concept_prior  # the concept prior and its pointer term, kept by the checkpoint
+    assert decoder.extension.concept_prior  # the concept prior and its pointer term, kept by the checkpoint
     rows = [dict(zip(header, line.split(","))) for line in (run / "metrics.csv").read_text().splitlines()[1:]]
     assert any(row["concept_pointer"] and float(row["concept_pointer"]) > 0 for row in rows)
 
@@ -673,9 +686,9 @@ def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny
     decoder = model.model.decoder
     assert isinstance(decoder, TransformerCaptionDecoder)
     kept = [w for w in words if w in model.vocab.stoi]
-    assert decoder.concepts == len(kept) > CONCEPT_TOKENS
-    assert [model.vocab.itos[i] for i in decoder.concept_ids.tolist()] == kept
-    assert decoder.concept_tokens.count == CONCEPT_TOKENS
+    assert decoder.extension.concepts == len(kept) > CONCEPT_TOKENS
+    assert [model.vocab.itos[i] for i in decoder.extension.concept_ids.tolist()] == kept
+    assert decoder.extension.concept_tokens.count == CONCEPT_TOKENS
     image = sorted((tiny_shapes / "images").glob("*.png"))[0]
     result = model.caption([image], all_heads=True, allow_empty=True)[0]
     g = cfg.model.encoder.grid
@@ -702,7 +715,7 @@ def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny
                           timeout=300)
     assert done.returncode == 0, done.stderr
     again = captioner.load(tmp_path / "scst" / "best.safetensors").model.decoder
-    assert again.concepts == decoder.concepts and again.concept_ids.tolist() == decoder.concept_ids.tolist()
+    assert again.extension.concepts == decoder.extension.concepts and again.extension.concept_ids.tolist() == decoder.extension.concept_ids.tolist()
 
 
 def test_concepts_command_one_line_errors(tmp_path):
@@ -771,17 +784,17 @@ def test_decode_options_check_the_repeat_settings():
 
 
 def test_captions_list_the_photos_top_concepts_with_their_maps():
-    from captioner.inference import caption_features, top_concepts
+    from captioner.inference import caption_features
 
     torch.manual_seed(0)
     vocab = Vocabulary(["a", "dog", "ball", "grass"])
     decoder = SATDecoder(vocab_size=len(vocab), feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7,
-                         dropout=0.0, concepts=3, concept_hidden=6).eval()
-    decoder.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in ("dog", "ball", "grass")]))
+                         dropout=0.0, extension=SATConcepts(D, 10, 3, 8, concept_hidden=6)).eval()
+    decoder.extension.concept_ids.copy_(torch.tensor([vocab.stoi[w] for w in ("dog", "ball", "grass")]))
     with torch.no_grad():
-        decoder.concept_head.net[-1].bias.copy_(torch.tensor([6.0, -12.0, 2.0]))  # dog surely, ball never
+        decoder.extension.concept_head.net[-1].bias.copy_(torch.tensor([6.0, -12.0, 2.0]))  # dog surely, ball never
     x = torch.randn(2, N, D)
-    found = top_concepts(decoder, x, vocab, (3, 3))
+    found = photo_tags(decoder.extension, x, vocab, (3, 3))
     words = [w for w, _ in found[0][0]]
     assert words == ["dog", "grass"] and found[0][1].shape == (2, 3, 3)
     torch.testing.assert_close(found[0][1].sum((1, 2)), torch.ones(2))
@@ -790,7 +803,7 @@ def test_captions_list_the_photos_top_concepts_with_their_maps():
     caption = caption_features(model, x, vocab, DecodeOptions(beam_size=1, max_len=3), grid=(3, 3))[0]
     assert [w for w, _ in caption.concepts] == ["dog", "grass"] and caption.concept_maps.shape == (2, 3, 3)
     plain = SATDecoder(vocab_size=len(vocab), feature_dim=D, embed_dim=8, hidden_dim=10, attention_dim=7).eval()
-    assert top_concepts(plain, x, vocab, (3, 3)) == [(None, None), (None, None)]
+    assert photo_tags(plain.extension, x, vocab, (3, 3)) == [(None, None), (None, None)]
 
 
 # ----------------------------------------------------------------------------- the command's checks come first
@@ -817,14 +830,14 @@ def test_concepts_numbers_are_checked_while_parsing(tmp_path, capsys, option, va
 
 
 def learn_concepts_checks(**kwargs):
-    from captioner.training.detectors import check_concept_options
+    from captioner.concepts.training import check_concept_options
 
     check_concept_options(**{"k": 10, "epochs": 1, "hidden": 0, **kwargs})
 
 
 def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_path, capsys, monkeypatch):
     from captioner.cli import main
-    from captioner.training import detectors
+    from captioner.concepts import training as detectors
 
     monkeypatch.setattr(detectors, "build_encoder", lambda *a, **k: pytest.fail("work started"))
     common = ["--preset", "sat_soft_demo", "--data", str(tiny_shapes), "--set", "encoder.fine_tune=false"]
@@ -845,7 +858,7 @@ def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_
 
 def test_concepts_without_a_preset_say_what_they_download(tmp_path, capsys, caplog, monkeypatch):
     from captioner.cli import main
-    from captioner.training import detectors
+    from captioner.concepts import training as detectors
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing downloaded there
     monkeypatch.setenv("CAPTIONER_OFFLINE", "1")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,13 @@ from captioner.config import (
     TransformerConfig,
     get_preset,
     list_presets,
-    model_config_from_dict,
     resolve_config,
 )
 from captioner.config.parse import from_dict
 from captioner.errors import ConfigError
+from captioner.models.model import resolve_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
-PARSE_LOG = "captioner.config.parse"
 SNAPSHOT = json.loads((FIXTURES / "presets_v1.json").read_text())
 # train fields added after the snapshot was taken: every preset keeps their defaults
 ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": False,
@@ -46,10 +44,8 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
 ADDED_DATA_FIELDS = {"shared_feature_cache": False}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"dilate": False}
-# decoder fields added after the snapshot, to both families (ConceptReaderConfig, after the shared fields):
-# no concept input and no concept prior by default
-ADDED_DECODER_FIELDS = {"concepts": 0, "concept_hidden": 512, "concept_pooling": "lse", "concept_sharpness": 5.0,
-                        "concept_prior": False}
+# the model section added after the snapshot: the decoder's extension (no concepts, no concept prior by default)
+ADDED_CONCEPTS_SECTION = {"count": 0, "hidden": 512, "pooling": "lse", "sharpness": 5.0, "prior": False}
 
 
 def _flat_scst(train: dict) -> dict:
@@ -61,8 +57,8 @@ TRANSFORMER_KEYS = ["name", "dropout", "max_len", "d_model", "num_layers", "num_
 
 
 def _listed(keys: list[str]) -> str:
-    """A family's keys as an error lists them: the shared ones, the concept fields, then the family's own."""
-    return ", ".join([*keys[:3], *ADDED_DECODER_FIELDS, *keys[3:]])
+    """A family's keys as an error lists them: the shared ones, then the family's own."""
+    return ", ".join(keys)
 
 
 def _old_config(name: str) -> dict:
@@ -87,12 +83,13 @@ def test_preset_names_are_the_snapshots() -> None:
 
 @pytest.mark.parametrize("name", sorted(SNAPSHOT))
 def test_every_preset_equals_the_old_preset_function(name: str) -> None:
-    new, old = _as_json(get_preset(name).to_dict()), SNAPSHOT[name]
+    preset = get_preset(name)  # its encoder's preprocessing as the registry fills it when the model is built
+    new, old = _as_json(dataclasses.replace(preset, model=resolve_model(preset.model)).to_dict()), SNAPSHOT[name]
     new["train"] = _flat_scst(new["train"])  # the same values; the section's keys, as the snapshot names them
     assert new.pop("decoding") == _as_json(dataclasses.asdict(DecodeOptions()))  # the new section: defaults
     dec, old_dec = new["model"].pop("decoder"), old["model"].pop("decoder")
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
-    assert {k: dec.pop(k) for k in ADDED_DECODER_FIELDS} == ADDED_DECODER_FIELDS
+    assert new["model"].pop("concepts") == ADDED_CONCEPTS_SECTION
     assert {k: new["model"]["encoder"].pop(k) for k in ADDED_ENCODER_FIELDS} == ADDED_ENCODER_FIELDS
     assert {k: new["data"].pop(k) for k in ADDED_DATA_FIELDS} == ADDED_DATA_FIELDS
     assert new == old  # encoder, data, train: identical
@@ -103,7 +100,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert dec == {k: old_dec[k] for k in dec}
     rest = {k: v for k, v in old_dec.items() if k not in dec}
     assert rest == {k: v for k, v in dataclasses.asdict(other()).items() if k in rest}
-    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"} - set(ADDED_DECODER_FIELDS)
+    assert set(rest) == {f.name for f in dataclasses.fields(other)} - {"name", "dropout", "max_len"}
 
 
 def test_gpu_presets_scale_their_base_preset() -> None:
@@ -197,15 +194,14 @@ def test_setting_the_name_switches_family_keeping_dropout_and_max_len(sets: list
     assert same == get_preset("transformer_tiny")  # naming the same family changes nothing
 
 
-def test_a_config_file_can_switch_family(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_config_file_can_switch_family(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  decoder:\n    d_model: 64\n    name: transformer\n    num_heads: 4\n")
     cfg = resolve_config("sat_soft_tiny", path, [])
     assert cfg.model.decoder == TransformerConfig(d_model=64, num_heads=4, dropout=0.0)
-    path.write_text("model:\n  decoder:\n    d_model: 64\n")  # without the name it is a SAT config
-    caplog.set_level(logging.WARNING, logger=PARSE_LOG)
-    assert resolve_config("sat_soft_tiny", path, []) == get_preset("sat_soft_tiny")
-    assert caplog.messages == ["model.decoder: ignoring d_model=64: keys of another decoder family, not of sat"]
+    path.write_text("model:\n  decoder:\n    d_model: 64\n")  # without the name it is a SAT config: refused
+    with pytest.raises(ConfigError, match=r"^unknown config key\(s\): model.decoder.d_model \(the sat decoder's keys"):
+        resolve_config("sat_soft_tiny", path, [])
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -267,29 +263,35 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- written before the split
 
 
+def _resolved(name: str) -> Config:
+    """The preset as a run saves it: its encoder's preprocessing filled from the registry."""
+    preset = get_preset(name)
+    return dataclasses.replace(preset, model=resolve_model(preset.model))
+
+
 @pytest.mark.parametrize("name", ["sat_soft_tiny", "transformer_tiny"])
-def test_old_config_json_loads(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_config_json_of_the_flat_decoder_is_refused_in_one_line(name: str, tmp_path: Path) -> None:
     old = _old_config(name)
     assert "decoding" not in old and {"d_model", "hidden_dim"} <= set(old["model"]["decoder"])  # really old
-    caplog.set_level(logging.DEBUG, logger=PARSE_LOG)
-    assert Config.from_dict(old) == get_preset(name)
-    assert [(r.levelno, "the other decoder family's keys" in r.message) for r in caplog.records] == [
-        (logging.DEBUG, True)]  # one debug line: those keys held the other family's defaults
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(old)
+    assert str(err.value).startswith("unknown config key(s): model.decoder.") and "\n" not in str(err.value)
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert resolve_config(None, tmp_path / "config.json", []) == get_preset(name)
-    assert resolve_config("sat_hard_tiny", tmp_path / "config.json", []) == get_preset(name)
+    with pytest.raises(ConfigError, match="unknown config key"):
+        resolve_config(None, tmp_path / "config.json", [])
 
 
 @pytest.mark.parametrize("name,fmt", [("sat_soft_tiny", "safetensors"), ("transformer_tiny", "torch")])
-def test_old_checkpoint_with_the_flat_decoder_config_loads(name: str, fmt: str, tmp_path: Path) -> None:
+def test_a_checkpoint_of_format_1_is_refused_in_one_line(name: str, fmt: str, tmp_path: Path) -> None:
     from captioner.checkpoint.store import load_checkpoint
+    from captioner.errors import CheckpointError
     from captioner.models.model import build_model
     from captioner.text import Vocabulary
 
     vocab = Vocabulary([f"w{i}" for i in range(6)])
     torch.manual_seed(0)
     model = build_model(get_preset(name).model, vocab_size=len(vocab)).eval()
-    # the header as the code before the split wrote it: dataclasses.asdict of the flat ModelConfig
+    # the header as format 1 wrote it: the flat decoder config
     header = {"format": "captioner", "format_version": "1", "config": json.dumps(_old_config(name)["model"]),
               "vocab": json.dumps(vocab.to_dict()), "vocab_size": str(len(vocab)), "aliases": "{}",
               "metadata": json.dumps({"epoch": 3})}
@@ -299,13 +301,10 @@ def test_old_checkpoint_with_the_flat_decoder_config_loads(name: str, fmt: str, 
         torch.save({**header, "state_dict": state}, path)
     else:
         save_file(state, str(path), metadata=header)
-    loaded = load_checkpoint(path)
-    assert loaded.config == get_preset(name).model and loaded.metadata == {"epoch": 3}
-    assert type(loaded.config.decoder) is (SATConfig if name.startswith("sat") else TransformerConfig)
-    images = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    tokens = torch.randint(4, len(vocab), (2, 5), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.model(images, tokens).logits, model(images, tokens).logits, rtol=0, atol=0)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value) == (f"{path}: checkpoint format version 1 is older than this captioner reads (2); save it "
+                              "again with the captioner that wrote it, or retrain")
 
 
 OLD_SCST = {"scst_samples": 3, "scst_temperature": 0.7, "scst_baseline": "greedy", "scst_bleu_weight": 0.25,
@@ -313,40 +312,21 @@ OLD_SCST = {"scst_samples": 3, "scst_temperature": 0.7, "scst_baseline": "greedy
 NEW_SCST = {"samples": 3, "temperature": 0.7, "baseline": "greedy", "bleu_weight": 0.25, "xe_weight": 0.5}
 
 
-def test_old_flat_scst_keys_load_from_files_mappings_and_overrides(tmp_path: Path) -> None:
+def test_flat_scst_keys_are_refused_and_the_section_round_trips(tmp_path: Path) -> None:
     new = get_preset("sat_soft_tiny", **{f"train.scst.{k}": v for k, v in NEW_SCST.items()})
     assert dataclasses.asdict(new.train.scst) == NEW_SCST
-    # --set train.scst_samples=3 ...
-    assert resolve_config("sat_soft_tiny", None, [f"train.{k}={json.dumps(v)}" for k, v in OLD_SCST.items()]) == new
-    assert get_preset("sat_soft_tiny", **{f"train.{k}": v for k, v in OLD_SCST.items()}) == new
-    # a config file (a partial mapping merged over the preset) and a whole config.json, both flat
+    with pytest.raises(ConfigError, match=r"^unknown config key: train.scst_samples$"):
+        resolve_config("sat_soft_tiny", None, ["train.scst_samples=3"])
     (tmp_path / "partial.json").write_text(json.dumps({"train": OLD_SCST}))
-    assert resolve_config("sat_soft_tiny", tmp_path / "partial.json", []) == new
-    old = _as_json(new.to_dict())
-    old["train"] = _flat_scst(old["train"])
-    assert "scst" not in old["train"] and Config.from_dict(old) == new
-    (tmp_path / "config.json").write_text(json.dumps(old))
-    assert resolve_config(None, tmp_path / "config.json", []) == new
-    # written today: nested
+    with pytest.raises(ConfigError, match=r"unknown config key: train.scst_"):
+        resolve_config("sat_soft_tiny", tmp_path / "partial.json", [])
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): train.scst_"):
+        Config.from_dict({**_as_json(new.to_dict()), "train": _flat_scst(_as_json(new.to_dict())["train"])})
     new.save(tmp_path / "new.json")
     assert json.loads((tmp_path / "new.json").read_text())["train"]["scst"] == NEW_SCST
-
-
-def test_an_old_scst_key_and_its_new_place_together_are_refused() -> None:
-    data = _as_json(get_preset("sat_soft_tiny").to_dict())
-    data["train"]["scst_samples"] = 3
-    with pytest.raises(ConfigError, match=r"train.scst_samples and train.scst.samples are one setting, given twice"):
-        Config.from_dict(data)
+    assert resolve_config(None, tmp_path / "new.json", []) == new
     with pytest.raises(ConfigError, match=r"unknown config key: train.scst.sample$"):
         resolve_config("sat_soft_tiny", None, ["train.scst.sample=3"])
-
-
-def test_old_flat_model_config_with_a_changed_foreign_key_warns(caplog: pytest.LogCaptureFixture) -> None:
-    data = _old_config("sat_soft_tiny")["model"]
-    data["decoder"]["num_layers"] = 6  # meaningless for SAT; dropped, but said
-    caplog.set_level(logging.WARNING, logger=PARSE_LOG)
-    assert model_config_from_dict(data) == get_preset("sat_soft_tiny").model
-    assert caplog.messages == ["model.decoder: ignoring num_layers=6: keys of another decoder family, not of sat"]
 
 
 def test_family_properties_replace_name_branches():

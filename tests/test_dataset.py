@@ -17,6 +17,7 @@ from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                     image_loader)
 from captioner.data.transforms import ImageTransform, crop_box, denormalize
+from captioner.models.registry import resolve_encoder
 from captioner.errors import ImageLoadError
 from captioner.text import Vocabulary
 
@@ -30,7 +31,8 @@ def to_pil(x: torch.Tensor, cfg: EncoderConfig) -> Image.Image:
 
 
 def enc(**kw) -> EncoderConfig:
-    return EncoderConfig(name="tiny", pretrained=False, image_size=kw.pop("image_size", 16), **kw)
+    """A tiny encoder's config at 16 px, its preprocessing filled in as when the model is built."""
+    return resolve_encoder(EncoderConfig(name="tiny", pretrained=False, image_size=kw.pop("image_size", 16), **kw))
 
 
 def stripes(width: int, height: int, colors: list[tuple[int, int, int]], vertical: bool = True) -> Image.Image:
@@ -120,7 +122,7 @@ def tiny_set(tmp_path: Path):
 def test_image_loader(tiny_set) -> None:
     cs, _ = tiny_set
     cfg = enc(image_size=16)
-    load = image_loader(cs, ImageTransform(cfg))
+    load = image_loader(cs, ImageTransform(resolve_encoder(cfg)))
     x = load(1)
     assert x.shape == (3, 16, 16)
     assert to_pil(x, cfg).getpixel((8, 8)) == GREEN
@@ -168,7 +170,7 @@ def test_collate_images() -> None:
 def test_dataloader_end_to_end(tiny_set) -> None:
     cs, vocab = tiny_set
     cfg = enc(image_size=16)
-    ds = CaptionTrainDataset(cs, vocab, image_loader(cs, ImageTransform(cfg)), max_len=10)
+    ds = CaptionTrainDataset(cs, vocab, image_loader(cs, ImageTransform(resolve_encoder(cfg))), max_len=10)
     batches = list(DataLoader(ds, batch_size=2, collate_fn=collate_captions))
     assert [b[0].shape[0] for b in batches] == [2, 2, 1]
     x, tokens, index = batches[0]

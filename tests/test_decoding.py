@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from captioner.concepts.model import SATConcepts
 from captioner.config import get_preset
 from captioner.inference import caption_features
 from captioner.decoding.search import (DecodeOptions, beam_search, decode, greedy_search, length_penalty,
@@ -278,7 +279,7 @@ def _sat_concepts_tiny():
     from captioner.models.lstm import SATDecoder
     torch.manual_seed(0)
     return SATDecoder(vocab_size=20, feature_dim=8, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.0,
-                      concepts=3, concept_hidden=6, concept_prior=True).eval()
+                      extension=SATConcepts(8, 10, 3, 8, True, concept_hidden=6)).eval()
 
 
 @pytest.mark.parametrize("which", ["sat_soft_tiny", "sat_hard_tiny", "sat_hard_argmax", "sat_concepts", "ensemble"])

@@ -320,3 +320,18 @@ def test_a_hub_file_over_the_limit_is_refused_before_it_is_fetched(monkeypatch: 
             resolve_checkpoint("hf://org/big")
         assert handler.sent == 0
     assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []
+
+
+@pytest.mark.parametrize(("progress", "tty", "drawn"), [(None, False, False), (None, True, True), (True, False, True),
+                                                        (False, True, False)])
+def test_progress_bar_only_on_a_terminal_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], progress: bool | None,
+                                                      tty: bool, drawn: bool) -> None:
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x" * 5000)
+    monkeypatch.setattr(dl.sys.stderr, "isatty", lambda: tty, raising=False)
+    assert dl.show_progress(progress) is drawn
+    dest = download(source.as_uri(), tmp_path / "copy.bin", progress=progress)
+    assert dest.read_bytes() == source.read_bytes()
+    bar = "copy.bin" in capsys.readouterr().err  # tqdm's bar is labelled with the file's name
+    assert bar is drawn

@@ -137,17 +137,12 @@ def test_the_wrong_zip_is_refused(tmp_path: Path) -> None:
         df.extract(bad, tmp_path / "out", text)
 
 
-def test_the_old_script_and_the_command_are_one(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
+def test_download_command_dry_run_names_each_extraction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from captioner.commands import download as command
 
     root = tmp_path / "f8k"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "download_flickr8k.py"
-    done = subprocess.run([sys.executable, str(script), "--root", str(root), "--dry-run"], capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0 and f"extract Flickr8k_text.zip -> {root}/Flickr8k_text/" in done.stdout
+    assert captioner_main(["download", "flickr8k", "--root", str(root), "--dry-run"]) == 0
+    assert f"extract Flickr8k_text.zip -> {root}/Flickr8k_text/" in capsys.readouterr().out
     assert not root.exists()
     assert command.FLICKR8K_KEYS == tuple(a.key for a in df.ARCHIVES)
 

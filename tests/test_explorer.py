@@ -135,6 +135,12 @@ def test_the_explorer_opens_on_the_first_tag_word_or_noun_not_on_a():
     assert opening_word("a dog runs".split(), ["cat"]) == 1  # no tag in the caption: the first noun
     assert opening_word("a picture of a group of people on a beach".split()) == 6  # not the framing nouns
     assert opening_word(["a", "the", "<unk>"]) == 0 and opening_word([]) == 0
+    # a model trained on the synthetic scenes opens on the shape, not its colour (any of the scenes' colours)
+    from captioner.data.shapes import COLORS, SIZES
+
+    for colour in COLORS:
+        for size in SIZES:
+            assert opening_word(["a", size, colour, "circle", "to", "the", "left", "of", "a", "star"]) == 3
     record = make_caption(["a", "red", "circle", "below"], np.full((4, 3, 3), 1 / 9, np.float32))
     data = _payload(render_explorer(Image.new("RGB", (30, 20)), record))
     assert data["start"] == 2 and data["floor"] == pytest.approx(UNIFORM_FLOOR / 9)

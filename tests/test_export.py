@@ -86,7 +86,7 @@ def test_export_keeps_existing_files_and_reads_what_it_is_given(run_dir: Path, t
     assert "Not evaluated yet" in readme and "YOUR-NAME/f8k_sat" in readme
 
     (run_dir / "metrics_test.json").write_text("{broken")
-    with pytest.raises(DataError, match="metrics_test.json: not valid JSON"):
+    with pytest.raises(DataError, match="metrics_test.json: invalid JSON at line 1"):
         from captioner.share.model_card import metrics_rows
 
         metrics_rows(run_dir)

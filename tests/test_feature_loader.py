@@ -2,7 +2,7 @@
 
 * ``FeatureCache.loader()`` rows, the DataLoader's batches (workers included) are float16 or
   bfloat16, as stored: half the bytes of float32 to move through workers, collate and pinned memory.
-* ``model_input`` (the training step's ``_batch_on_device``, validation) widens them to float32 on
+* ``model_input`` (the training step's ``on_device``, validation) widens them to float32 on
   the device, equal to ``cache[i]`` (the float32 decode of the stored rows).
 * The in-memory path still gives the model the same values as the DataLoader path.
 """
@@ -26,7 +26,7 @@ from captioner.text import Vocabulary
 from captioner.training import loop as validation
 from captioner.training.data import features_in_memory, train_loader, val_loader
 from captioner.training.distributed import DistInfo
-from captioner.training.step import _batch_on_device
+from captioner.training.step import on_device
 
 COUNT, N, D = 12, 4, 8
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -65,11 +65,11 @@ def test_loader_batches_keep_the_stored_dtype_and_reach_the_model_as_the_float32
     vocab = Vocabulary.build(cs.all_captions(), min_freq=1)
     cfg = get_preset("sat_soft_tiny", **{"train.batch_size": 5, "data.num_workers": workers})
     dataset = CaptionTrainDataset(cs, vocab, cache.loader(), max_len=30)
-    run = SimpleNamespace(info=CPU)  # what _batch_on_device reads
+    run = SimpleNamespace(info=CPU)  # what on_device reads
     seen = 0
     for x, tokens, image_index in train_loader(dataset, cfg, 0, CPU):
         assert x.dtype == stored and x.element_size() == 2  # 2 bytes a value through workers and collate
-        batch = _batch_on_device(run, (x, tokens, image_index))  # where a batch enters the model
+        batch = on_device(run, (x, tokens, image_index))  # where a batch enters the model
         assert batch.x.dtype == torch.float32
         assert torch.equal(batch.x, decoded[image_index])
         assert torch.equal(batch.x, torch.stack([cache[int(i)] for i in image_index]))

@@ -23,11 +23,12 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
+from captioner.models.registry import resolve_encoder
 from captioner.errors import CaptionerError, DataError
 from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache
 from captioner.features.dtype import FLOAT16_MAX
 from captioner.models.encoder import build_encoder
-from captioner.training.step import first_loss_cause
+from captioner.training.run import first_loss_cause
 
 COUNT = 10
 
@@ -68,7 +69,7 @@ def setup(tmp_path: Path):
         Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(path)
         records.append(ImageRecord(i + 1, path.name, path, 64, 48))
     cs = CaptionSet("toy", "train", records, {r.image_id: ["a caption"] for r in records}, folder)
-    return cfg, build_encoder(cfg.encoder), cs, ImageTransform(cfg.encoder)
+    return cfg, build_encoder(cfg.encoder), cs, ImageTransform(resolve_encoder(cfg.encoder))
 
 
 def _reference(encoder: torch.nn.Module, cs: CaptionSet, transform: ImageTransform) -> torch.Tensor:

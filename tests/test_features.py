@@ -20,6 +20,7 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.transforms import ImageTransform
+from captioner.models.registry import resolve_encoder
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
 from captioner.models.encoder import build_encoder
@@ -47,7 +48,7 @@ def setup(tmp_path: Path):
     encoder = build_encoder(cfg.encoder)
     encoder.train()  # build must switch to eval itself (BatchNorm running statistics)
     cs = _caption_set(tmp_path / "images")
-    return cfg, encoder, cs, ImageTransform(cfg.encoder)
+    return cfg, encoder, cs, ImageTransform(resolve_encoder(cfg.encoder))
 
 
 def _reference(encoder, cs, transform) -> torch.Tensor:

@@ -19,7 +19,6 @@ from captioner.evaluation.attention_metrics import attention_mass, bind_mentions
 from captioner.text import Vocabulary, tokenize
 from captioner.training.attention_terms import GroundingTargets, grounding_loss
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 # ----------------------------------------------------------------------------- targets on the grid
@@ -191,10 +190,10 @@ def test_batch_targets_from_the_scenes_boxes(tiny_shapes: Path) -> None:
     assert missing.coverage(tokens, torch.tensor([index, index])).sum() == 0  # no instances entry: unsupervised
 
 
-def test_old_configs_without_the_key_load_unchanged() -> None:
-    for name in ("config_v1_sat_soft_tiny.json", "config_v1_transformer_tiny.json"):
-        old = json.loads((FIXTURES / name).read_text())
-        assert "attention_supervision" not in old["train"]
+def test_configs_without_the_key_load_unchanged() -> None:
+    for name in ("sat_soft_tiny", "transformer_tiny"):
+        old = json.loads(json.dumps(get_preset(name).to_dict()))
+        del old["train"]["attention_supervision"], old["train"]["attention_supervision_form"]
         cfg = Config.from_dict(old)
         assert cfg.train.attention_supervision == 0.0 and cfg.train.attention_supervision_form == "cross_entropy"
     with pytest.raises(ConfigError, match="train.attention_supervision must be a number >= 0"):

@@ -134,9 +134,12 @@ def test_only_the_cli_imports_the_commands():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-LOWER = ("captioner.data", "captioner.models", "captioner.decoding", "captioner.checkpoint", "captioner.features")
+# captioner.concepts is a vertical slice: its model side (the head, the decoder extension, the tags) sits with the
+# lower layers; its training side (the ``captioner concepts`` job, the run's hook, the loss terms) with training
+LOWER = ("captioner.data", "captioner.models", "captioner.decoding", "captioner.checkpoint", "captioner.features",
+         "captioner.concepts.model")
 UPPER = ("captioner.training", "captioner.evaluation", "captioner.demo", "captioner.viz", "captioner.commands",
-         "captioner.inference")
+         "captioner.inference", "captioner.concepts.training")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
@@ -155,6 +158,30 @@ def test_upward_import_check_sees_each_upper_layer():
         for lower in LOWER:
             assert upward_imports({f"{lower}.x": {f"{upper}.y"}}) == {f"{lower}.x": [f"{upper}.y"]}
     assert upward_imports({"captioner.training.x": {"captioner.data.y"}, "captioner.data.y": set()}) == {}
+
+
+PAPERS = ("captioner.models.base", "captioner.models.lstm", "captioner.models.transformer", "captioner.models.attention")
+
+
+def test_the_papers_decoders_never_import_the_concepts():
+    graph = import_graph()
+    assert {name: sorted(t for t in graph[name] if t.startswith("captioner.concepts")) for name in PAPERS} == {
+        name: [] for name in PAPERS}
+    assert "captioner.concepts.model" in graph["captioner.models.model"]  # the registry builds the extension
+
+
+def test_the_concepts_slice_keeps_its_inner_order():
+    graph = import_graph()
+    assert "captioner.concepts.training" not in graph["captioner.concepts.model"]
+    assert {name for name in graph if name.startswith("captioner.concepts")} == {
+        "captioner.concepts", "captioner.concepts.model", "captioner.concepts.training"}
+
+
+def test_the_papers_decoders_hardly_mention_concepts():
+    text = "".join((PACKAGE / "models" / f"{name}.py").read_text(encoding="utf-8").lower()
+                   for name in ("lstm", "transformer", "base"))
+    assert text.count("concept") <= 3
+    assert "__getattr__" not in (PACKAGE / "models" / "base.py").read_text(encoding="utf-8")
 
 
 # Function-level imports of the package's own modules are allowed only in the command front ends

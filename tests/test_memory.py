@@ -20,11 +20,13 @@ from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import CaptionTrainDataset, collate_captions, image_loader
 from captioner.data.transforms import ImageTransform
+from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
 from captioner.training.data import MemoryStore, padded_tokens, pixels_in_memory, train_loader, val_loader
 from captioner.training.distributed import DistInfo
 from captioner.training.loop import train
-from captioner.training.objective import DeviceStats, LossResult, term_shares
+from captioner.training.objective import LossResult, term_shares
+from captioner.training.run import DeviceStats
 
 
 def _dataset(root: Path, store_or_loader, vocab: Vocabulary) -> CaptionTrainDataset:
@@ -35,7 +37,7 @@ def test_memory_batches_equal_the_dataloader_batches_on_pixels(tiny_shapes: Path
     cfg = get_preset("sat_soft_tiny", **{"data.root": str(tiny_shapes), "train.batch_size": 7})
     cs = load_caption_set(tiny_shapes, "train")
     vocab = Vocabulary.build(cs.all_captions())
-    transform = ImageTransform(cfg.model.encoder)
+    transform = ImageTransform(resolve_encoder(cfg.model.encoder))
     store = pixels_in_memory(cs, transform, limit_mb=64, what="train")
     assert store is not None and store.rows.dtype == torch.uint8
     streamed = _dataset(tiny_shapes, image_loader(cs, transform), vocab)
@@ -77,7 +79,7 @@ def test_pixels_that_do_not_fit_or_cannot_be_read_stay_on_disk(tiny_shapes: Path
     import shutil
 
     cfg = get_preset("sat_soft_tiny")
-    transform = ImageTransform(cfg.model.encoder)
+    transform = ImageTransform(resolve_encoder(cfg.model.encoder))
     cs = load_caption_set(tiny_shapes, "train")
     assert pixels_in_memory(cs, transform, limit_mb=0.01, what="train") is None  # over the limit
     assert pixels_in_memory(cs, transform, limit_mb=0, what="train") is None  # disabled
@@ -148,7 +150,7 @@ def test_training_warns_once_when_the_penalty_outweighs_the_cross_entropy(
 
 
 def test_budget_decay_scales_the_scheduled_lr_linearly_to_a_floor() -> None:
-    from captioner.training.step import BUDGET_DECAY_FLOOR, budget_decay
+    from captioner.training.optim import BUDGET_DECAY_FLOOR, budget_decay
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.Adam([param], lr=1e-3)

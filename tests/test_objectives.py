@@ -47,7 +47,7 @@ def test_build_objective_picks_the_class_by_name(tiny_shapes: Path) -> None:
     cfg = get_preset("sat_hard_tiny", **{"data.root": str(tiny_shapes), "train.alpha_c": 0.5})
     xe = build_objective(cfg, train_set, VOCAB, torch.device("cpu"))
     assert type(xe) is CrossEntropy and (xe.alpha_c, xe.entropy_weight) == (0.5, cfg.train.entropy_weight)
-    scst = build_objective(cfg.override(**{"train.objective": "scst", "train.scst_samples": 3}), train_set, VOCAB,
+    scst = build_objective(cfg.override(**{"train.objective": "scst", "train.scst.samples": 3}), train_set, VOCAB,
                            torch.device("cpu"))
     assert type(scst) is SelfCritical and scst.samples == 3 and scst.baseline_kind == cfg.train.scst.baseline
 

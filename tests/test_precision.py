@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioner.concepts.model import SATConcepts
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.precision import FusedSATSteps, decoder_for
+from captioner.decoding.precision import decoder_for
 from captioner.decoding.search import decode
 from captioner.errors import ConfigError
 from captioner.models.base import State
-from captioner.models.lstm import SATDecoder
+from captioner.models.lstm import FusedSATSteps, SATDecoder
 from captioner.models.model import build_model
 
 BOS, EOS = 1, 2
@@ -110,11 +111,11 @@ def test_bfloat16_copy_for_decoders_the_fused_steps_do_not_cover():
 
     torch.manual_seed(0)
     concepts = SATDecoder(vocab_size=20, feature_dim=8, embed_dim=8, hidden_dim=10, attention_dim=7, dropout=0.0,
-                          concepts=3, concept_hidden=6, concept_prior=True).eval()
+                          extension=SATConcepts(8, 10, 3, 8, True, concept_hidden=6)).eval()
     low = decoder_for(concepts, "bfloat16")
     assert not isinstance(low, FusedSATSteps) and next(low.parameters()).dtype == torch.bfloat16
     assert next(concepts.parameters()).dtype == torch.float32
-    assert all(p.dtype == torch.float32 for p in low.concept_head.parameters())  # reads float32 features
+    assert all(p.dtype == torch.float32 for p in low.extension.concept_head.parameters())  # reads float32 features
     feats = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(2))
     for (h,) in decode(concepts, feats, BOS, EOS, DecodeOptions(beam_size=2, max_len=6, precision="bfloat16")):
         assert h.attention.dtype == torch.float32 and len(h.tokens) <= 6

@@ -190,7 +190,7 @@ def test_release_file_refuses_another_wheel(tmp_path, monkeypatch):
     assert "\n" not in str(info.value) and "installed wheel's file has ffffffffffffffff" in str(info.value)
 
 
-def test_teacher_dataset_adds_captions_to_training_images_only(tmp_path):
+def test_teacher_dataset_adds_captions_to_training_images_only(tmp_path, capsys):
     from captioner.data.coco import load_caption_set
     from captioner.training.distill import teacher_dataset
 
@@ -219,9 +219,17 @@ def test_teacher_dataset_adds_captions_to_training_images_only(tmp_path):
     assert {rec.image_id: train.references(rec.image_id) for rec in train.images} == {1: ["a dog runs"], 2: ["a cat"]}
     dev = load_caption_set(tmp_path / "teacher_only" / "flickr8k", "dev")
     assert [len(dev.references(rec.image_id)) for rec in dev.images] == [2]  # scored on the human ones
+    assert main(["distill", "captions", str(data), str(results), "--out", str(tmp_path / "cli"), "--teacher-only"]) == 0
+    assert json.loads(capsys.readouterr().out) == only  # the command is the function, its summary one JSON line
+    cli = load_caption_set(tmp_path / "cli" / "flickr8k", "train")
+    assert {rec.image_id: cli.references(rec.image_id) for rec in cli.images} == {1: ["a dog runs"], 2: ["a cat"]}
     results.write_text(json.dumps([{"image_id": 3, "caption": "a dev photo"}]))
     with pytest.raises(DataError, match="image_id 3 is not a train image"):
         teacher_dataset(data, results, tmp_path / "again")
+    assert main(["distill", "captions", str(data), str(results), "--out", str(tmp_path / "again")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("captioner distill: error: ") and "image_id 3 is not a train image" in err
+    assert err.count("\n") == 1
 
 
 def test_init_from_a_shipped_model_adds_the_new_words(shipped, tiny_shapes, tmp_path, caplog):

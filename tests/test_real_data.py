@@ -12,6 +12,7 @@ from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import load_image
 from captioner.data.transforms import ImageTransform, crop_box
+from captioner.models.registry import resolve_encoder
 from captioner.errors import DataError
 from captioner.text import Vocabulary
 
@@ -46,7 +47,7 @@ def test_real_images_through_transform(shared_data: Path) -> None:
     coco = load_caption_set(shared_data / "coco2017-mini", "train2017")
     flickr = load_caption_set(shared_data / "flickr8k-subset", "dev")
     cfg = EncoderConfig(name="tiny", pretrained=False, image_size=64, resize="center_crop")
-    transform = ImageTransform(cfg)
+    transform = ImageTransform(resolve_encoder(cfg))
     for record in coco.images[:4] + flickr.images[:4]:
         image = load_image(record.path)
         assert image.mode == "RGB"

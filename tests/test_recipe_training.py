@@ -147,57 +147,16 @@ def _metadata(path: Path) -> dict:
     return read_checkpoint_metadata(path)["metadata"]
 
 
-# ----------------------------------------------------------------------------- runs saved before this
-
-
-def _make_old_run(run: Path) -> None:
-    """Rewrite a fresh run folder the way the previous version wrote it: no selection metric or
-    per-group schedule in train_state.pt, no recipe keys in config.json, no CIDEr-D column."""
-    state = torch.load(run / "train_state.pt", weights_only=True)
-    progress = state["progress"]
-    for key in ("best_score", "select_metric"):
-        del progress[key]
-    sched = state["scheduler"]
-    state["scheduler"] = {"base_lrs": [3e-3], "last_epoch": sched["last_epoch"], "verbose": False,
-                          "_step_count": sched["_step_count"], "_get_lr_called_within_step": False,
-                          "_last_lr": sched["_last_lr"], "lr_lambdas": [None]}
-    torch.save(state, run / "train_state.pt")
-    config = json.loads((run / "config.json").read_text())
-    for key in ("betas", "encoder_schedule", "decay_factor", "decay_patience", "decay_every", "select_metric",
-                "val_max_len", "init"):
-        del config["train"][key]
-    (run / "config.json").write_text(json.dumps(config))
-
-
-def test_resume_of_an_old_run_keeps_selecting_on_bleu4(tiny_shapes: Path, tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    train(tiny_cfg(tiny_shapes), tmp_path, progress=False)
-    _make_old_run(tmp_path)
-    from captioner.cli import main
-
-    with caplog.at_level("WARNING", logger="captioner.training.run"):
-        assert main(["train", "--out", str(tmp_path), "--resume", "--epochs", "2", "--no-progress"]) == 0
-    assert any("selects its best checkpoint on BLEU-4" in r.getMessage() for r in caplog.records)
-    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
-    assert state["progress"]["select_metric"] == "BLEU-4" and state["progress"]["epoch"] == 2
-    assert state["scheduler"]["decay_factor"] == 1.0 and state["scheduler"]["last_epoch"] == 2 * STEPS
-    assert json.loads((tmp_path / "config.json").read_text())["train"]["select_metric"] == "BLEU-4"
-    assert _metadata(tmp_path / "latest.safetensors")["select_metric"] == "BLEU-4"
-    epochs = rows(tmp_path, "epoch")
-    assert len(epochs) == 2 and epochs[1]["CIDEr-D"] != ""
-
-
-def test_progress_state_migration() -> None:
+def test_progress_state_round_trips() -> None:
     from captioner.training.run import Progress
 
-    old = Progress().state_dict()
-    for key in ("best_score", "select_metric", "skipped"):
-        del old[key]
-    old["best_bleu4"], old["best_epoch"] = 0.25, 3
-    prog = Progress()
-    prog.load_state_dict(old)
-    assert (prog.select_metric, prog.best_score, prog.best_bleu4, prog.best_epoch) == ("BLEU-4", 0.25, 0.25, 3)
-    assert prog.skipped == 0 and "best_score" not in old  # the saved dict is left alone
+    prog = Progress(select_metric="BLEU-4", best_score=0.25, best_bleu4=0.25, best_epoch=3, skipped=2,
+                    history=[{"epoch": 1, "BLEU-4": 0.25}])
+    prog.epoch_meter.add({"loss": 2.0}, 4)
+    again = Progress()
+    again.load_state_dict(prog.state_dict())
+    assert again.state_dict() == prog.state_dict() and again.epoch_meter.means() == {"loss": 2.0}
+    assert again.history is not prog.history  # a copy, not the saved list
 
 
 # ----------------------------------------------------------------------------- --init: two stages

@@ -447,6 +447,7 @@ from pathlib import Path
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.transforms import ImageTransform
+from captioner.models.registry import resolve_encoder
 from captioner.features.cache import get_feature_cache
 from captioner.models.encoder import build_encoder
 
@@ -454,7 +455,7 @@ root, cache_dir, started = sys.argv[1:4]
 cfg = get_preset("sat_soft_tiny").model
 torch.manual_seed(0)
 encoder = build_encoder(cfg.encoder, load_pretrained=False)
-transform = ImageTransform(cfg.encoder)
+transform = ImageTransform(resolve_encoder(cfg.encoder))
 
 def slow(image):  # a slow disk: the build takes a few seconds, and says when it has begun
     Path(started).touch()
@@ -471,6 +472,7 @@ print(cache.path)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set
     from captioner.data.transforms import ImageTransform
+    from captioner.models.registry import resolve_encoder
     from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
     from captioner.models.encoder import build_encoder
 
@@ -494,10 +496,10 @@ def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path,
         with pytest.raises(CaptionerError, match="being written by another process"):
             FeatureCache.open(path, key=None, lock_timeout=0)
         with pytest.raises(CaptionerError, match="being written by another process"):
-            get_feature_cache(cfg, encoder, cs, ImageTransform(cfg.encoder), cache_dir, progress=False)
+            get_feature_cache(cfg, encoder, cs, ImageTransform(resolve_encoder(cfg.encoder)), cache_dir, progress=False)
         still_writing = writer.poll() is None
 
-        cache = get_feature_cache(cfg, encoder, cs, ImageTransform(cfg.encoder), cache_dir, lock_timeout=150,
+        cache = get_feature_cache(cfg, encoder, cs, ImageTransform(resolve_encoder(cfg.encoder)), cache_dir, lock_timeout=150,
                                   progress=False)  # waits for the writer, then opens its file
         out, err = writer.communicate(timeout=150)
     finally:
@@ -506,7 +508,7 @@ def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path,
     assert writer.returncode == 0, err
     assert still_writing, "the writer finished before the second process could test waiting"
     assert Path(out.strip()) == path == cache.path and cache.count == len(cs)
-    reference = FeatureCache.build(encoder, cs, ImageTransform(cfg.encoder), tmp_path / "ref.feats",
+    reference = FeatureCache.build(encoder, cs, ImageTransform(resolve_encoder(cfg.encoder)), tmp_path / "ref.feats",
                                    progress=False)
     assert torch.equal(cache[0], reference[0]) and torch.equal(cache[len(cs) - 1], reference[len(cs) - 1])
     assert not list(cache_dir.glob("*.partial"))

@@ -96,7 +96,7 @@ def test_1_train_refuses_a_folder_holding_an_earlier_run(tiny_shapes: Path, tmp_
 
 
 def test_1_overwrite_moves_the_earlier_run_aside_never_deletes(tmp_path: Path) -> None:
-    from captioner.training.run import check_run_folder, move_aside
+    from captioner.training.loop import check_run_folder, move_aside
 
     run = fake_run(tmp_path / "run")
     check_run_folder(run, resume=False, overwrite=True)  # allowed, and nothing changed yet

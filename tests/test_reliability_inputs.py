@@ -468,11 +468,12 @@ def test_image_loader_skip_bad_drops_unreadable_items_from_batches(spoiled_shape
     from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                         image_loader)
     from captioner.data.transforms import ImageTransform
+    from captioner.models.registry import resolve_encoder
     from captioner.text import Vocabulary
 
     root, kinds = spoiled_shapes
     cs = load_caption_set(root, "train")
-    transform = ImageTransform(get_preset("sat_soft_tiny").model.encoder)
+    transform = ImageTransform(resolve_encoder(get_preset("sat_soft_tiny").model.encoder))
     bad = [i for i, r in enumerate(cs.images) if r.file_name in kinds]
     assert len(bad) == 5
     with pytest.raises(ImageLoadError):

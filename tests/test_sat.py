@@ -139,6 +139,25 @@ def _assert_forward_equals_stepping(decoder: SATDecoder, features: torch.Tensor,
     torch.testing.assert_close(out.attention, attention_steps, atol=1e-6, rtol=1e-5)
 
 
+def test_stepping_reads_the_weights_as_they_are_after_a_change():
+    torch.manual_seed(0)
+    decoder = _decoder().eval()
+    features, tokens = _batch(b=2, t=4)
+    with torch.no_grad():
+        before, _ = _step_all(decoder, features, tokens)  # the step's fused weights are kept between steps
+        for weight in (decoder.lstm.weight_hh, decoder.attention.hidden_proj.weight, decoder.gate.bias):
+            weight.add_(0.5)  # in place, as an optimizer step: the kept weights must not be read again
+            after, _ = _step_all(decoder, features, tokens)
+            assert not torch.allclose(after, before)
+            torch.testing.assert_close(decoder(features, tokens).logits.log_softmax(-1), after, atol=1e-5, rtol=1e-5)
+            before = after
+    with torch.enable_grad():  # training (self-critical sampling): a fresh product with its graph, never kept
+        decoder.train()
+        lp, _, _ = decoder.step(tokens[:, 0], decoder.init_state(features))
+        lp.sum().backward()
+        assert decoder.lstm.weight_hh.grad is not None and decoder.gate.weight.grad is not None
+
+
 def test_region_positions_tell_regions_apart_and_keep_forward_equal_to_stepping():
     """N = 9 regions = a 3 x 3 grid: with ``region_positions`` two identical region features get
     different attention scores (their rows and columns differ); without it they cannot."""

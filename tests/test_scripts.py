@@ -13,10 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-HELP_SCRIPTS = ("benchmark.py", "download_coco.py", "download_flickr8k.py", "flickr8k_results.py",
+HELP_SCRIPTS = ("benchmark.py", "flickr8k_results.py",
                 "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
                 "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
-                "experiments/reading_step_attention.py")
+                "experiments/reading_step_attention.py",
+                "experiments/dev_captions.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("gpu_summary.py", "benchmarks/timing.py")
 
@@ -221,5 +222,5 @@ def test_reproduce_flickr8k_self_critical_stage_starts_from_the_better_sat(tmp_p
     assert len(trains) == 1, trains  # everything else was scored already
     assert f"--init {root}/{expected}/best.safetensors" in trains[0]
     assert f"--out {root}/{expected}_scst " in trains[0]
-    assert ("decoder.concept_prior=true" in trains[0]) == (expected == "sat_soft_concepts")
+    assert ("concepts.prior=true" in trains[0]) == (expected == "sat_soft_concepts")
     assert (f"train.concepts={root}/concepts.safetensors" in trains[0]) == (expected == "sat_soft_concepts")

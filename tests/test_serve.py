@@ -239,3 +239,86 @@ def test_a_model_with_concepts_answers_with_the_photos_tags_and_their_chips(tmp_
         assert "concepts" not in answer["captions"][0]["record"]
         assert 'class="chip"' not in answer["captions"][0]["explorer"]
         assert CONCEPTS_LABEL not in answer["captions"][0]["explorer"]
+
+
+def test_examples_follow_the_models_training_data_and_keep_their_bytes(tmp_path: Path, untrained_checkpoint) -> None:
+    import captioner
+    from captioner.errors import ImageLoadError
+    from captioner.pretrained import PHOTOS
+    from captioner.share.examples import default_examples, folder_examples, reads_scenes
+
+    shipped = captioner.load("flickr8k", device="cpu")
+    scenes_model = captioner.load(untrained_checkpoint(tmp_path, "sat_soft_tiny"), device="cpu")
+    assert not reads_scenes(shipped.vocab.itos) and reads_scenes(scenes_model.vocab.itos)
+    assert not reads_scenes(["<pad>", "<bos>"]) and not reads_scenes("a dog on the grass".split())
+    photos = sorted(PHOTOS.glob("*.jpg"))
+    # any photo model keeps the photos (two shipped models named with -c too); a scenes model gets scenes
+    for vocabularies in ([shipped.vocab.itos], [shipped.vocab.itos, shipped.vocab.itos]):
+        examples = default_examples(vocabularies, PHOTOS)
+        assert [e.info() for e in examples] == [{"name": p.stem, "file": p.name} for p in photos]
+        assert [e.data for e in examples] == [p.read_bytes() for p in photos]  # not re-encoded
+        assert {e.media_type for e in examples} == {"image/jpeg"}
+    assert [e.info()["file"] for e in default_examples([scenes_model.vocab.itos], PHOTOS)] == \
+        ["scene_1.png", "scene_2.png", "scene_3.png"]
+    mixed = default_examples([shipped.vocab.itos, scenes_model.vocab.itos], PHOTOS)
+    assert len(mixed) == len(photos) + 3
+    # --examples DIR: the files as they are (a PNG stays a PNG), a bad one named
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    scene(3, (40, 30)).save(folder / "b.png")
+    (folder / "a.jpg").write_bytes((PHOTOS / photos[0].name).read_bytes())
+    mine = folder_examples(folder)
+    assert [(e.name, e.media_type, e.info()["file"]) for e in mine] == [("a", "image/jpeg", "a.jpg"),
+                                                                         ("b", "image/png", "b.png")]
+    assert mine[1].data == (folder / "b.png").read_bytes()
+    (folder / "c.png").write_bytes(b"not a picture")
+    with pytest.raises(ImageLoadError, match="c.png"):
+        folder_examples(folder)
+
+
+def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_path: Path,
+                                                                              untrained_checkpoint) -> None:
+    import captioner
+    from captioner.commands.serve import model_card_of
+    from captioner.share.server import ServedModel, card_summary, create_app, running
+
+    card = model_card_of("flickr8k")
+    assert card_summary(card) == "Show, Attend and Tell on Flickr8k: photos mostly of people and dogs outdoors"
+    assert card_summary("# `x`: A model\n\nsome text") == "A model"
+    ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
+    assert model_card_of(str(ckpt)) is None  # no card beside it
+    (tmp_path / "README.md").write_text("# a project\n")
+    assert model_card_of(str(ckpt)) is None  # any README is not a model card
+    (tmp_path / "README.md").write_text("---\nlibrary_name: captioner\n---\n# `me/tiny`: Tiny shapes\n")
+    assert model_card_of(str(ckpt)).endswith("# `me/tiny`: Tiny shapes\n") and model_card_of(str(tmp_path))
+    assert model_card_of("https://example.org/model.safetensors") is None
+    model = captioner.load(ckpt, device="cpu")
+    plain = ServedModel("tiny", model).info()
+    assert plain["about"] == "sat decoder over tiny, 12 words, trained on synthetic scenes" and not plain["card"]
+    app = create_app([ServedModel("tiny", model), ServedModel("carded", model, card="# `c`: Carded <b>\n")])
+    with running(app) as base:
+        with urllib.request.urlopen(f"{base}/api/models", timeout=30) as r:
+            assert [m["about"] for m in json.loads(r.read())][1] == "Carded <b>"
+        with urllib.request.urlopen(f"{base}/", timeout=30) as r:
+            page = r.read().decode()
+        assert '<a href="/cards/1"' in page and '<a href="/cards/0"' not in page and "Carded &lt;b&gt;" in page
+        with urllib.request.urlopen(f"{base}/cards/1", timeout=30) as r:
+            assert "# `c`: Carded &lt;b&gt;" in r.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{base}/cards/0", timeout=30)
+        assert missing.value.code == 404 and json.loads(missing.value.read()) == {"error": "no model card for model 0"}
+
+
+def test_an_example_photo_scores_as_captioner_caption_scores_its_file(server, capsys, tmp_path: Path,
+                                                                       untrained_checkpoint) -> None:
+    base, _ = server
+    from captioner.pretrained import PHOTOS
+
+    ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")  # the served model's weights (the same seed)
+    photo = sorted(PHOTOS.glob("*.jpg"))[0]  # a JPEG: decoded at the scale the encoder needs, as caption does
+    status, answer = post(base, photo.read_bytes(), photo.name, model="sat_soft_tiny", beam=3, n_best=1)
+    assert status == 200, answer
+    assert main(["caption", str(photo), "--json", "-c", str(ckpt)]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert answer["captions"][0]["text"] == row["caption"]
+    assert answer["captions"][0]["score"] == pytest.approx(row["score"], abs=1e-4)

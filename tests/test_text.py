@@ -97,7 +97,7 @@ def test_vocabulary_load_errors(tmp_path) -> None:
         Vocabulary.load(missing)
     bad = tmp_path / "bad.json"
     bad.write_text('{"itos": [')
-    with pytest.raises(DataError, match=f"^{bad}: cannot read vocabulary"):
+    with pytest.raises(DataError, match=f"^{bad}: invalid JSON at line 1, column 11 \\(Expecting value\\)$"):
         Vocabulary.load(bad)
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"itos": ["a", "b"]}))

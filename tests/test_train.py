@@ -7,6 +7,7 @@ captions, batch 16 -> 15 steps per epoch) with validation capped at 4 images.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from captioner.config import Config, get_preset
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
+from captioner.models.registry import resolve_encoder
 from captioner.training.loop import train
 
 STEPS_PER_EPOCH = 15
@@ -73,12 +75,16 @@ def test_run_folder_has_every_artifact_and_checkpoint_loads(tiny_shapes: Path, t
     for name in ("config.json", "vocab.json", "best.safetensors", "latest.safetensors", "train_state.pt",
                  "metrics.csv"):
         assert (tmp_path / name).is_file(), name
-    assert Config.from_dict(json.loads((tmp_path / "config.json").read_text())) == cfg
+    saved = Config.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    # the run saves its encoder's preprocessing, filled from the registry where the preset left it unset
+    assert cfg.model.encoder.mean is None and saved.model.encoder == resolve_encoder(cfg.model.encoder)
+    assert saved.model.encoder.mean == (0.485, 0.456, 0.406) and saved.model.encoder.interpolation == "bilinear"
+    assert dataclasses.replace(saved, model=cfg.model) == cfg
     vocab = Vocabulary.load(tmp_path / "vocab.json")
     assert {"a", "circle", "red"} <= set(vocab.itos)
 
     loaded = load_checkpoint(result.best_checkpoint)
-    assert loaded.vocab == vocab and loaded.config == cfg.model
+    assert loaded.vocab == vocab and loaded.config == saved.model
     assert loaded.metadata["epoch"] == 1 and loaded.metadata["step"] == STEPS_PER_EPOCH
     assert loaded.metadata["select_metric"] == "CIDEr-D" and loaded.metadata["val_cider_d"] >= 0.0
     assert_same_weights(result.best_checkpoint, result.latest_checkpoint)  # one epoch: best is latest

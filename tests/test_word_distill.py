@@ -1,4 +1,4 @@
-"""Word-level distillation: the teacher's top-k words along the training captions (``word_targets``)
+"""Word-level distillation: the teacher's top-k words along the training captions (``write_word_targets``)
 and the KL term that trains a student on them (``train.word_distill``)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from captioner.data.coco import load_caption_set
 from captioner.errors import ConfigError, DataError
 from captioner.models.base import DecoderOutput
 from captioner.text import Vocabulary
-from captioner.training.distill import WordDistillation, read_word_targets, word_targets
+from captioner.training.distill import WordDistillation, read_word_targets, write_word_targets
 from captioner.training.objective import Batch
 
 
@@ -34,7 +34,7 @@ def teacher(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture(scope="module")
 def targets(teacher: Path, tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("targets") / "words.safetensors"
-    summary = word_targets(teacher, tiny_shapes, out, top_k=4, batch_size=7, progress=False)
+    summary = write_word_targets(teacher, tiny_shapes, out, top_k=4, batch_size=7, progress=False)
     cs = load_caption_set(tiny_shapes, "train")
     assert summary["images"] == len(cs) and summary["captions"] == cs.num_captions and summary["top_k"] == 4
     assert 0.0 < summary["mass"] <= 1.0
@@ -49,6 +49,18 @@ def teacher_log_probs(teacher: Path, tiny_shapes: Path, image: int, caption: str
     with torch.no_grad():
         out = model.model.eval().decoder(features, torch.tensor([ids[:-1]]))
     return torch.log_softmax(out.logits.float(), dim=-1)[0], ids  # (T-1, V)
+
+
+def test_distill_words_command_writes_the_same_file(teacher, targets, tiny_shapes, tmp_path, capsys):
+    out = tmp_path / "words.safetensors"
+    assert main(["distill", "words", str(teacher), "--data", str(tiny_shapes), "--out", str(out), "--top-k", "4",
+                 "--batch-size", "7", "--device", "cpu", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["top_k"] == 4 and summary["captions"] == load_caption_set(tiny_shapes, "train").num_captions
+    (mine, meta), (ref, ref_meta) = read_word_targets(out), read_word_targets(targets)
+    assert meta == ref_meta and mine.keys() == ref.keys()
+    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert main(["distill", "words", str(teacher), "--data", str(tiny_shapes), "--out", str(out), "--top-k", "0"]) == 2
 
 
 def test_word_targets_hold_the_teachers_top_words_of_every_step(teacher, targets, tiny_shapes):

@@ -121,7 +121,9 @@ def refusal_reason(path: Path) -> str:
 
 
 FORMAT = "captioner"
-FORMAT_VERSION = 1
+# 2: the decoder's extension under ``extension.`` in the state dict and its config in ``model.concepts``;
+# a file of another version is refused (no migration on load)
+FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 # the largest checkpoint or training state read (safetensors loads every tensor into memory): a
 # fine-tuned ResNet-101 captioner is about 0.3 GB, its train_state.pt with Adam's moments about 1 GB
@@ -246,6 +248,9 @@ def check_header(path: Path, header: Mapping[str, str]) -> None:
     if int(version) > FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {version!r} is newer than this "
                               f"captioner reads ({FORMAT_VERSION}); upgrade captioner")
+    if int(version) < FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {int(version)} is older than this captioner "
+                              f"reads ({FORMAT_VERSION}); save it again with the captioner that wrote it, or retrain")
     missing = [k for k in ("config", "vocab", "vocab_size") if k not in header]
     if missing:
         raise CheckpointError(f"{path}: checkpoint header lacks {', '.join(missing)}")

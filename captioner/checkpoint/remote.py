@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import re
-import sys
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ import torch
 from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC, check_header, parse_header
 from captioner.checkpoint.release import REFERENCE_KEY, TRUNK
 from captioner.config import model_config_from_dict
-from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact
+from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact, show_progress
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file, release_lock_file
 from captioner.models.model import build_model
@@ -286,10 +285,6 @@ def cached_hint(spec: object, path: Path) -> str:
            f"or delete {path}"
 
 
-def _show_progress(progress: bool | None) -> bool:
-    return sys.stderr.isatty() if progress is None else progress
-
-
 def _fetch_url(url: str, sha256: str | None, progress: bool | None, refresh: bool = False) -> Path:
     dest, shown = url_cache_path(url), redact(url)
     if dest.is_file() and refresh and not offline():
@@ -319,7 +314,7 @@ def _fetch_url(url: str, sha256: str | None, progress: bool | None, refresh: boo
                 return _fetch_url(url, sha256, progress)
             log.info("downloading %s -> %s", shown, dest)
             try:
-                download(url, dest, checksum=sha256, algorithm="sha256", progress=_show_progress(progress),
+                download(url, dest, checksum=sha256, algorithm="sha256", progress=show_progress(progress),
                          error=CheckpointError, retries=URL_RETRIES, bounds=URL_BOUNDS, inspect=checkpoint_head)
             except DownloadError as exc:
                 raise CheckpointError(f"{exc}; nothing is cached at {dest}: fetch the file there by hand "

@@ -1,11 +1,11 @@
 """Self-contained checkpoints: model config + vocabulary + weights in one file, written atomically.
 
-Layout (format "captioner", version 1). The default is one ``.safetensors`` file: the tensors are the
+Layout (format "captioner", version 2). The default is one ``.safetensors`` file: the tensors are the
 model's ``state_dict`` (contiguous; a tensor shared under several names, e.g. tied embeddings, is
 stored once and the other names are listed in ``aliases``) and the string->string header metadata is
 
     format          "captioner"
-    format_version  "1"
+    format_version  "2" (files of another version are refused)
     config          JSON of dataclasses.asdict(model.config)  (ModelConfig)
     vocab           JSON of Vocabulary.to_dict()
     vocab_size      decimal string
@@ -122,27 +122,28 @@ def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch
 
 
 def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """How to recompute each non-persistent buffer of a meta-device model from its (meta) value.
+    """How to recompute each non-persistent buffer of a meta-device model from its (meta) value, by name.
 
     None when the model holds tensors that ``to_empty`` + ``load_state_dict`` would leave wrong
     and that we cannot recompute: a non-persistent buffer its decoder does not list in
-    ``derived_buffers()``, a buffer shared under two names, or a tensor kept as a plain module attribute.
+    ``derived_buffers()``, a buffer registered under two names, or a tensor kept as a plain module attribute.
     """
-    persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}  # by identity: saved names may differ
+    persistent = set(model.state_dict(keep_vars=True))
+    every = [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    if len(every) != len(dict(model.named_buffers())):
+        return None
     recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    seen: set[int] = set()
     for prefix, module in model.named_modules():
         if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
             return None
         known = module.derived_buffers() if isinstance(module, CaptionDecoder) else {}
         for attr, buf in module.named_buffers(recurse=False):
             name = f"{prefix}.{attr}" if prefix else attr
-            if buf is None or id(buf) in persistent:
+            if buf is None or name in persistent:
                 continue
             recipe = known.get(attr)
-            if recipe is None or id(buf) in seen:
+            if recipe is None:
                 return None
-            seen.add(id(buf))
             recipes[name] = recipe
     return recipes
 

@@ -11,12 +11,12 @@ OFFLINE_PRESET = "sat_soft_lite"  # EfficientNet-Lite0: its ImageNet weights are
 
 NAME = "concepts"
 HELP = ("learn concept detectors (which caption words each region shows) from the training captions, over the "
-        "frozen encoder's feature cache; a decoder can read them (decoder.concepts) and be guided by their maps "
+        "frozen encoder's feature cache; a decoder can read them (model.concepts) and be guided by their maps "
         "(train.concept_guide)")
 EXAMPLES = """
-  captioner concepts --preset sat_soft_flickr8k --data ../shared/data/flickr8k --out runs/flickr8k/concepts.safetensors
+  captioner concepts --preset sat_soft_flickr8k --data data/flickr8k --out runs/flickr8k/concepts.safetensors
   captioner concepts --preset sat_soft_flickr8k --data data/flickr8k --out c.safetensors --concepts 1000 --epochs 10
-  captioner concepts ... --boxes ../shared/data/coco2017-mini    # also: do COCO words' maps peak in their boxes?
+  captioner concepts ... --boxes data/coco2017-mini    # also: do COCO words' maps peak in their boxes?
   captioner concepts ... --folds 3    # also 3 fold heads: a decoder trains on concepts of heads that never saw the photo
 """
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pooling", choices=("lse", "noisy_or"), default="lse",
                         help="how region scores make an image score (default lse, a soft maximum)")
     parser.add_argument("--boxes", metavar="DIR",
-                        help="a COCO folder with instances_<split>.json (e.g. ../shared/data/coco2017-mini): report "
+                        help="a COCO folder with instances_<split>.json (e.g. data/coco2017-mini): report "
                              "how often a COCO word's map peaks inside its object's box")
     parser.add_argument("--boxes-split", default="train2017", metavar="SPLIT", help="the split of --boxes")
     parser.add_argument("--folds", type=int_range(0, MAX_FOLDS), default=0, metavar="F",
@@ -80,7 +80,7 @@ def say_what_downloads(cfg, preset: str | None) -> None:  # noqa: ANN001 - a Con
 
 def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
-    from captioner.training.detectors import check_output_file, learn_concepts
+    from captioner.concepts.training import check_output_file, learn_concepts
 
     cfg = resolve_config(args.preset, args.config, list(args.overrides))
     if args.data:

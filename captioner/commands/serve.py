@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port (default: 8000; 0: any free port, printed)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
     parser.add_argument("--examples", metavar="DIR", default=None,
-                        help="offer the images in DIR as examples (default: three built-in synthetic scenes)")
+                        help="offer the images in DIR as examples (default: the package's example photos, and "
+                             "synthetic scenes for a model trained on them)")
     parser.add_argument("--max-upload-mb", type=float_range(0, 1024, low_open=True), default=20.0,
                         help="largest upload in MiB, over 0 and at most 1024 (default: 20)")
     parser.add_argument("--max-beam", type=int_range(1, MAX_BEAM), default=5,
@@ -59,6 +60,28 @@ def model_name(spec: str, taken: set[str]) -> tuple[str, str]:
         n += 1
         name = f"{stem}-{n}"
     return name, spec
+
+
+def model_card_of(spec: str) -> str | None:
+    """The model card of a checkpoint: a shipped model's own, or the card ``captioner export`` writes
+    (``README.md`` beside the checkpoint file, or in the folder named); None when there is none."""
+    from pathlib import Path
+
+    from captioner.errors import CaptionerError
+    from captioner.files import read_text
+    from captioner.pretrained import is_model_name, model_card
+
+    if is_model_name(spec):
+        return model_card(spec)
+    if "://" in spec:
+        return None
+    path = Path(spec)
+    readme = (path if path.is_dir() else path.parent) / "README.md"
+    try:
+        text = read_text(readme, 1 << 20) if readme.is_file() else ""
+    except CaptionerError:
+        return None
+    return text if "library_name: captioner" in text else None  # a card export wrote, not any README
 
 
 def is_loopback(host: str) -> bool:
@@ -112,21 +135,19 @@ def run(args: argparse.Namespace) -> int:
     from captioner.inference import load
     from captioner.commands.caption import default_model
     from captioner.pretrained import PHOTOS
-    from captioner.share.examples import example_scenes, folder_examples
+    from captioner.share.examples import default_examples, folder_examples
 
-    shipped = not args.checkpoint
     specs = args.checkpoint or [default_model()]
-    if args.examples:
-        examples = folder_examples(args.examples)
-    else:  # the shipped model reads real photos: the package's example photos; else the synthetic scenes
-        examples = folder_examples(PHOTOS) if shipped else example_scenes()
+    user_examples = folder_examples(args.examples) if args.examples else None  # checked before any model loads
     device = resolve_device(args.device, option="--device")
     models, taken = [], set()
     for spec in specs:
         name, spec = model_name(spec, taken)
         taken.add(name)
-        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh)))
+        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh), card=model_card_of(spec)))
         log.info("loaded %s as %r", spec, name)
+    # photo models get the example photos, models trained on the synthetic scenes get scenes (by vocabulary)
+    examples = user_examples or default_examples([m.captioner.vocab.itos for m in models], PHOTOS)
     limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_beam=args.max_beam, host=args.host)
     app = create_app(models, examples, limits)
     with _listen(args.host, args.port) as sock:  # bound here: --port 0 gets its port before it is printed

@@ -20,7 +20,7 @@ EXAMPLES = """
   captioner train --preset sat_soft --data data/coco --out runs/sat_ft \
       --init runs/sat/best.safetensors --set encoder.fine_tune=true --set train.seed=1  # stage 2
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
-  captioner train --preset sat_soft_flickr8k --data ../shared/data/flickr8k --out runs/flickr8k/sat_soft  # docs/flickr8k.md
+  captioner train --preset sat_soft_flickr8k --data data/flickr8k --out runs/flickr8k/sat_soft  # docs/flickr8k.md
   captioner train --init flickr8k --data my_photos --epochs 3       # adapt the shipped model to your captions
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """

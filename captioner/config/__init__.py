@@ -14,6 +14,7 @@ mappings, overrides, files), ``presets`` (the preset table, ``resolve_config``).
 from captioner.config.decoders import (
     DECODER_FAMILIES,
     DECODERS,
+    ConceptsConfig,
     DecoderConfig,
     SATConfig,
     TransformerConfig,
@@ -22,11 +23,7 @@ from captioner.config.decoders import (
 from captioner.config.parse import load_config_file, parse_override
 from captioner.config.presets import GPU_BATCH, PRESETS, get_preset, list_presets, resolve_config
 from captioner.config.schema import (
-    ENCODERS,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    LITE_MEAN,
-    LITE_STD,
+    PREPROCESSING_FIELDS,
     SELECT_METRICS,
     Config,
     DataConfig,
@@ -39,8 +36,8 @@ from captioner.config.schema import (
 )
 
 __all__ = [
-    "DECODERS", "DECODER_FAMILIES", "ENCODERS", "GPU_BATCH", "IMAGENET_MEAN", "IMAGENET_STD", "LITE_MEAN",
-    "LITE_STD", "PRESETS", "SELECT_METRICS", "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
+    "DECODERS", "DECODER_FAMILIES", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
+    "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
     "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_family",
     "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",

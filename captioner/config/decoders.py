@@ -1,13 +1,12 @@
 """Decoder configs, one dataclass per family, chosen by ``name``.
 
-``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``ConceptReaderConfig``
-adds the concept input both built-in families share; ``SATConfig`` (Show, Attend and Tell LSTM) and
+``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``SATConfig`` (Show, Attend and Tell LSTM) and
 ``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
 holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
 picks (``SATConfig`` when no name is given).
 
-A flat mapping with both families' fields (the header of an older checkpoint) is read by
-:func:`split_family_keys`, which sets the other family's fields apart so parsing can drop them.
+``ConceptsConfig`` is the model's ``concepts`` section: the one optional addition to either family
+(``captioner.concepts``), built beside the decoder, never a field of it.
 
 The families by name (:data:`DECODER_FAMILIES`) are the config layer's: parsing needs them before any
 model code is imported. A family's name is its class's ``name`` default. The decoder builders live in
@@ -19,7 +18,6 @@ model code is imported. A family's name is its class's ``name`` default. The dec
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +25,7 @@ from captioner.errors import ConfigError
 
 SAT_ATTENTIONS = ("soft", "hard")  # decoder.attention
 HARD_TEST_MODES = ("expectation", "argmax")  # decoder.hard_test_mode
-CONCEPT_POOLINGS = ("lse", "noisy_or")  # decoder.concept_pooling: how a concept head pools its regions
+CONCEPT_POOLINGS = ("lse", "noisy_or")  # concepts.pooling: how a concept head pools its regions
 
 
 def check_hard_test_mode(mode: Any) -> str:
@@ -86,44 +84,32 @@ class DecoderConfig(metaclass=_FamilyByName):
 
 
 @dataclass
-class ConceptReaderConfig(DecoderConfig):
-    """The fields of a decoder family that can read a photo's concepts (SAT and the Transformer).
+class ConceptsConfig:
+    """``model.concepts``: what a decoder reads of a photo's concept detectors (``captioner.concepts``).
 
-    The decoder holds a frozen concept head over the regions (``captioner.models.concepts.ConceptReading``);
-    training sets these fields from ``train.concepts``' file (``captioner.training.detectors.with_concept_input``),
-    with the head's shape. ``concepts=0``: the decoder reads no concepts.
+    The registry builds the decoder's extension from this section alone (``count=0``: none, the papers'
+    decoders); training sets it from ``train.concepts``' file (``captioner.concepts.training``), with the
+    head's shape.
     """
 
-    concepts: int = 0  # K, the concepts read (0: none)
-    concept_hidden: int = 512  # the head's hidden width
-    concept_pooling: str = "lse"  # the head's pooling over regions: "lse" or "noisy_or"
-    concept_sharpness: float = 5.0  # r of the "lse" pooling
+    count: int = 0  # K, the concepts read (0: none)
+    hidden: int = 512  # the head's hidden width
+    pooling: str = "lse"  # the head's pooling over regions: "lse" or "noisy_or"
+    sharpness: float = 5.0  # r of the "lse" pooling
     # the concept prior: the attention at each step is multiplied by the maps of the concepts the decoder
-    # expects to name next (a pointer over the photo's concepts, read from its state); needs concepts
-    concept_prior: bool = False
+    # expects to name next (a pointer over the photo's concepts, read from its state); needs count > 0 when built
+    prior: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.concepts < 0 or self.concept_hidden < 0:
-            raise ConfigError(f"decoder.concepts and decoder.concept_hidden must be >= 0, got {self.concepts} "
-                              f"and {self.concept_hidden}")
-        if self.concept_pooling not in CONCEPT_POOLINGS:
-            raise ConfigError(f"decoder.concept_pooling={self.concept_pooling!r}: use {' or '.join(CONCEPT_POOLINGS)}")
-
-    def reading_options(self) -> dict[str, Any]:
-        """The decoder's keyword arguments that build its concept reading (``captioner.models.concepts``)."""
-        return {key: getattr(self, key) for key in ("concepts", "concept_hidden", "concept_pooling",
-                                                    "concept_sharpness", "concept_prior")}
+        if self.count < 0 or self.hidden < 0:
+            raise ConfigError(f"concepts.count and concepts.hidden must be >= 0, got {self.count} and {self.hidden}")
+        if self.pooling not in CONCEPT_POOLINGS:
+            raise ConfigError(f"concepts.pooling={self.pooling!r}: use {' or '.join(CONCEPT_POOLINGS)}")
 
 
 @dataclass
-class SATConfig(ConceptReaderConfig):
-    """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions.
-
-    With concepts (``ConceptReaderConfig``) their K probabilities go into the LSTM's initial state and
-    its deep output, and ``concept_prior`` lets the concepts' maps shape the attention
-    (``captioner.models.lstm``).
-    """
+class SATConfig(DecoderConfig):
+    """Show, Attend and Tell (Xu et al. 2015): an LSTM with soft or hard attention over the regions."""
 
     name: str = "sat"
     embed_dim: int = 512  # word embedding size
@@ -159,13 +145,8 @@ class SATConfig(ConceptReaderConfig):
 
 
 @dataclass
-class TransformerConfig(ConceptReaderConfig):
-    """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward.
-
-    With concepts (``ConceptReaderConfig``) the photo's top concepts become memory tokens beside the
-    regions, and ``concept_prior`` lets the concepts' maps shape the last layer's cross-attention
-    (``captioner.models.transformer``).
-    """
+class TransformerConfig(DecoderConfig):
+    """A Transformer decoder: masked self-attention, cross-attention to the regions, feed-forward."""
 
     name: str = "transformer"
     d_model: int = 512  # token and region width
@@ -228,24 +209,6 @@ def decoder_family(name: Any) -> type[DecoderConfig]:
 def family_keys(family: type[DecoderConfig]) -> list[str]:
     """Every field of a family, shared ones first."""
     return [f.name for f in dataclasses.fields(family)]
-
-
-def split_family_keys(family: type[DecoderConfig], keys: Iterable[str]) -> tuple[list[str], list[str]]:
-    """``keys`` that belong to another family (old flat configs carry them), and keys of no family at all."""
-    own = set(family_keys(family))
-    known = {key for other in DECODER_FAMILIES.values() for key in family_keys(other)}
-    foreign = [k for k in keys if k not in own and k in known]
-    unknown = sorted(k for k in keys if k not in known)
-    return foreign, unknown
-
-
-def is_family_default(key: str, value: Any) -> bool:
-    """Whether ``value`` is the default of ``key`` in the family that has it (old flat configs carry those)."""
-    for family in DECODER_FAMILIES.values():
-        for f in dataclasses.fields(family):
-            if f.name == key and f.default == value:
-                return True
-    return False
 
 
 def keys_help(family: type[DecoderConfig], key: str) -> str:

@@ -2,11 +2,8 @@
 
 The nesting comes from the dataclasses themselves: a field whose type hint is a dataclass is a
 section, parsed from a nested mapping; any other field is a value. A field typed ``DecoderConfig``
-is parsed as the family its ``name`` picks (``captioner.config.decoders``): the keys of the other
-family, which a flat decoder mapping carries, are dropped (a debug log line; a warning when the
-dropped value is not that family's default). A section's flat spellings of a sub-section's keys
-(``RENAMED_KEYS`` of its class: ``train.scst_samples`` for ``train.scst.samples``) are read at their
-place, in mappings, files and ``key=value`` overrides alike. Keys that no dataclass has are errors.
+is parsed as the family its ``name`` picks (``captioner.config.decoders``); a key of another family is
+an error that says which family has it. Keys that no dataclass has are errors.
 
 Per-key type checks of config values, derived from the dataclass field types.
 
@@ -27,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import math
 import reprlib
 import types
@@ -35,12 +31,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from captioner.config.decoders import (DEFAULT_DECODER, DecoderConfig, decoder_family, is_family_default, keys_help,
-                                       split_family_keys, switched_family)
+from captioner.config.decoders import DEFAULT_DECODER, DecoderConfig, decoder_family, keys_help, switched_family
 from captioner.errors import ConfigError
 from captioner.files import MiB, read_text
-
-log = logging.getLogger(__name__)
 
 
 _NAMES = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
@@ -170,60 +163,13 @@ def _where(prefix: str) -> str:
     return prefix.rstrip(".") or "config"
 
 
-def renamed_keys(cls: type) -> dict[str, str]:
-    """``{old key: its dotted place now}`` of a section's keys that moved (``{"scst_samples": "scst.samples"}``)."""
-    return getattr(cls, "RENAMED_KEYS", {})
-
-
-def move_renamed(cls: type, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A section's mapping with its moved keys at their new places (a copy when any moved; ``data`` is kept).
-
-    Raises:
-        ConfigError: an old key and its new place both given.
-    """
-    moves = {old: new for old, new in renamed_keys(cls).items() if old in data}
-    if not moves:
-        return data
-    data = dict(data)
-    for old, new in moves.items():
-        *path, last = new.split(".")
-        node = data
-        for part in path:
-            child = node.get(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{prefix}{part} must be a mapping, got {type(child).__name__}")
-            node[part] = node = dict(child)
-        if last in node:
-            raise ConfigError(f"{prefix}{old} and {prefix}{new} are one setting, given twice: keep {prefix}{new}")
-        node[last] = data.pop(old)
-    return data
-
-
-def current_key(cls: type, key: str) -> str:
-    """A dotted key as it is named now: ``train.scst_samples`` -> ``train.scst.samples``; others unchanged."""
-    *path, last = key.split(".")
-    node_cls = cls
-    for part in path:
-        node_cls = sections(node_cls).get(part)
-        if node_cls is None:
-            return key
-    new = renamed_keys(node_cls).get(last)
-    return key if new is None else ".".join([*path, new])
-
-
-def _drop_other_family(family: type[DecoderConfig], data: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``data`` without the keys of the other decoder family; ConfigError for keys no family has."""
-    foreign, unknown = split_family_keys(family, data)
+def _check_family_keys(family: type[DecoderConfig], data: dict[str, Any], prefix: str) -> None:
+    """ConfigError for a decoder key the family lacks, naming its keys (and the family that has it)."""
+    names = {f.name for f in dataclasses.fields(family)}
+    unknown = sorted(k for k in data if k not in names)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)} "
                           f"({keys_help(family, unknown[0])})")
-    if foreign:
-        changed = [k for k in foreign if not is_family_default(k, data[k])]
-        log.debug("%s: ignoring the other decoder family's keys %s", _where(prefix), ", ".join(foreign))
-        if changed:
-            log.warning("%s: ignoring %s: keys of another decoder family, not of %s", _where(prefix),
-                        ", ".join(f"{k}={data[k]!r}" for k in changed), data.get("name", DEFAULT_DECODER))
-    return {k: v for k, v in data.items() if k not in foreign}
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
@@ -243,8 +189,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         raise ConfigError(f"{_where(prefix)} must be a mapping, got {type(data).__name__}")
     if cls is DecoderConfig:
         cls = decoder_family(data.get("name", DEFAULT_DECODER))
-        data = _drop_other_family(cls, data, prefix)
-    data = move_renamed(cls, data, prefix)
+        _check_family_keys(cls, data, prefix)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -267,10 +212,9 @@ def set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
     """Set ``key`` (``"train.lr"``) in the mapping ``data`` of dataclass ``cls``, in place.
 
     Setting ``model.decoder.name`` to another family replaces the decoder mapping by that family's
-    defaults, keeping ``dropout`` and ``max_len``. A key that moved (:func:`current_key`) is set at its
-    new place. Raises ConfigError for a key ``cls`` does not have.
+    defaults, keeping ``dropout`` and ``max_len``. Raises ConfigError for a key ``cls`` does not have.
     """
-    parts = current_key(cls, key).split(".")
+    parts = key.split(".")
     node, node_cls = data, cls
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict) or part not in sections(node_cls):
@@ -294,7 +238,7 @@ def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: st
     """Merge the (partial) mapping ``new``, e.g. from a config file, into the full mapping ``base`` of ``cls``.
 
     A decoder section that names another family switches ``base`` to it first (as :func:`set_dotted`);
-    the other family's keys are dropped, as :func:`from_dict` does, so old ``config.json`` files merge.
+    a key of another family is refused, as :func:`from_dict` does.
     """
     if cls is DecoderConfig and isinstance(new, dict):
         if "name" in new:
@@ -302,9 +246,7 @@ def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: st
             base.clear()
             base.update(switched)
         if isinstance(base.get("name"), str):
-            new = _drop_other_family(decoder_family(base["name"]), new, prefix)
-    if isinstance(new, dict):
-        new = move_renamed(cls, new, prefix)
+            _check_family_keys(decoder_family(base["name"]), new, prefix)
     subs = sections(cls)
     for key, value in new.items():
         if key not in base:
@@ -324,7 +266,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like key=value")
     key, raw = text.split("=", 1)
     key = key.strip()
-    if key.startswith(("encoder.", "decoder.")):
+    if key.startswith(("encoder.", "decoder.", "concepts.")):
         key = "model." + key
     try:
         value = json.loads(raw)

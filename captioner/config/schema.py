@@ -14,25 +14,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from captioner.config.decoders import DecoderConfig, SATConfig
+from captioner.config.decoders import ConceptsConfig, DecoderConfig, SATConfig
 from captioner.config.parse import family_first, from_dict, set_dotted
 from captioner.errors import CaptionerError, ConfigError
 from captioner.files import atomic_write
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-# efficientnet-lite (TF port) expects (x * 255 - 127) / 128, i.e. mean 127/255 and std 128/255.
-LITE_MEAN = (127.0 / 255.0,) * 3
-LITE_STD = (128.0 / 255.0,) * 3
-
-# encoder.name: the built-in encoders, each an entry of captioner.models.registry (trunk, stride, feature
-# width, weights), whose register_encoder adds any encoder registered later. Listed here in full, so a
-# config validates whatever has been imported.
-ENCODERS: list[str] = ["tiny", "resnet50", "resnet101", "efficientnet_lite0", "efficientnet_lite1",
-                       "efficientnet_lite2"]
-TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives feature maps (features_only)
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.decoding.precision
@@ -41,17 +29,17 @@ SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
 
-def check_encoder_name(name: str) -> str:
-    """``name`` when it is an encoder the package can build (:data:`ENCODERS`, or ``timm/<model>``);
-    ConfigError otherwise."""
-    if name not in ENCODERS and not (name.startswith(TIMM_PREFIX) and len(name) > len(TIMM_PREFIX)):
-        raise ConfigError(f"encoder.name={name!r} is not one of {', '.join(ENCODERS)}, or timm/<model>")
-    return name
+# The encoder's preprocessing: None (the default) takes the value of the encoder's registry entry, the one
+# its weights were trained with (captioner.models.registry.resolve_encoder, when the model is built); the
+# model's config, and so every checkpoint, then holds the values themselves.
+PREPROCESSING_FIELDS = ("image_size", "interpolation", "mean", "std")
 
 
 @dataclass
 class EncoderConfig:
-    name: str = "resnet101"  # one of ENCODERS (registered encoders), or timm/<model> (any timm model, timm installed)
+    # a registered encoder (captioner.models.registry: tiny, resnet50, resnet101, efficientnet_lite0/1/2) or
+    # timm/<model> (any timm model, timm installed); checked when the model is built
+    name: str = "resnet101"
     grid: int = 14  # features are adaptive-pooled to grid x grid regions (N = grid**2)
     pretrained: bool = True  # load ImageNet weights when the model is first built
     weights: str | None = None  # local weights file (offline) or torchvision weights name (online)
@@ -59,32 +47,43 @@ class EncoderConfig:
     fine_tune: bool = False  # train the upper stages; otherwise the encoder is frozen
     fine_tune_stages: int = 2  # how many top stages are trainable when fine_tune is set
     width: int = 64  # channel width of the tiny CNN (ignored by the pretrained backbones)
-    image_size: int = 224  # the encoder sees image_size x image_size pixels
+    image_size: int | None = None  # the encoder sees image_size x image_size pixels (None: the weights')
     resize: str = "stretch"  # "stretch" (whole image, aspect undone in overlays) or "center_crop"
-    interpolation: str = "bilinear"  # "bilinear" or "bicubic"
-    mean: tuple[float, float, float] = IMAGENET_MEAN  # per-channel normalisation of [0,1] pixels
-    std: tuple[float, float, float] = IMAGENET_STD
+    interpolation: str | None = None  # "bilinear" or "bicubic" (None: the weights')
+    mean: tuple[float, float, float] | None = None  # per-channel normalisation of [0,1] pixels (None: the weights')
+    std: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
-        self.mean = tuple(float(x) for x in self.mean)  # JSON round trips give lists
-        self.std = tuple(float(x) for x in self.std)
-        check_encoder_name(self.name)
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"encoder.name must be an encoder's name, got {self.name!r}")
         if self.grid < 1:
             raise ConfigError(f"encoder.grid must be >= 1, got {self.grid}")
-        if self.image_size < 16:
+        if self.image_size is not None and self.image_size < 16:
             raise ConfigError(f"encoder.image_size must be >= 16, got {self.image_size}")
         if self.resize not in ("stretch", "center_crop"):
             raise ConfigError(f"encoder.resize={self.resize!r}: use 'stretch' or 'center_crop'")
-        if self.interpolation not in ("bilinear", "bicubic"):
+        if self.interpolation not in (None, "bilinear", "bicubic"):
             raise ConfigError(f"encoder.interpolation={self.interpolation!r}: use bilinear or bicubic")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ConfigError("encoder.mean and encoder.std need 3 values, std > 0")
+        for field_name in ("mean", "std"):
+            value = getattr(self, field_name)
+            if value is None:
+                continue
+            value = tuple(float(x) for x in value)  # JSON round trips give lists
+            if len(value) != 3 or (field_name == "std" and min(value) <= 0):
+                raise ConfigError("encoder.mean and encoder.std need 3 values, std > 0")
+            setattr(self, field_name, value)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every preprocessing field holds a value (see :data:`PREPROCESSING_FIELDS`)."""
+        return all(getattr(self, f) is not None for f in PREPROCESSING_FIELDS)
 
 
 @dataclass
 class ModelConfig:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     decoder: DecoderConfig = field(default_factory=SATConfig)  # SATConfig or TransformerConfig
+    concepts: ConceptsConfig = field(default_factory=ConceptsConfig)  # the decoder's extension (count 0: none)
 
 
 @dataclass
@@ -202,7 +201,6 @@ class ScstConfig:
             raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
 
 
-SCST_KEYS = tuple(f.name for f in dataclasses.fields(ScstConfig))
 
 
 @dataclass
@@ -271,20 +269,18 @@ class TrainConfig:
     # the guide's target is the concept's map raised to this power and renormalised (1: the map as it is;
     # 2: its peak twice as sharp, as if the head's sharpness were doubled)
     concept_guide_sharpness: float = 1.0
-    # weight of the concept prior's pointer term (decoder.concept_prior): the pointer learns to name the
+    # weight of the concept prior's pointer term (concepts.prior): the pointer learns to name the
     # concept of the word each step predicts ("none" for other words)
     concept_pointer: float = 1.0
     # when the concepts file holds fold heads (captioner concepts --folds F): while the decoder trains, each
     # photo's concepts come from the fold head that never saw it (validation and decoding: the full head)
     concept_cross_fit: bool = True
     # --- word-level distillation (captioner.training.distill) ---
-    # a file of a teacher's top-k next words along the training captions (distill.word_targets): each cached
+    # a file of a teacher's top-k next words along the training captions (distill.write_word_targets): each cached
     # caption's steps add word_distill_weight x KL(teacher || student) to the cross-entropy; None = off
     word_distill: str | None = None
     word_distill_weight: float = 1.0
 
-    # The flat ``scst_<key>`` spelling of the ``scst`` section's keys, read at their place in the section.
-    RENAMED_KEYS: ClassVar[dict[str, str]] = {f"scst_{key}": f"scst.{key}" for key in SCST_KEYS}
 
     def __post_init__(self) -> None:
         self._check_optimisation()
@@ -425,9 +421,5 @@ class Config:
 
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    """Rebuild a ``ModelConfig`` (e.g. from a checkpoint), validating every field.
-
-    A decoder mapping written before the per-family split (both families' fields) is accepted: the
-    other family's fields are dropped.
-    """
+    """Rebuild a ``ModelConfig`` (e.g. from a checkpoint), validating every field."""
     return from_dict(ModelConfig, data, "model.")

@@ -99,6 +99,7 @@ __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INS
            "prepare_flickr8k", "record_digest", "select_coco_archives", "select_flickr8k_archives", "write_members"]
 
 log = logging.getLogger("captioner.download")
+_flickr8k_log = logging.getLogger("captioner.download.flickr8k")
 MARKER = ".extracted"  # in an extracted folder: its archive was extracted completely
 
 
@@ -300,7 +301,7 @@ def _remove_empty(folders: Sequence[Path]) -> None:
 
 
 def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = False, keep_archives: bool = False,
-            progress: bool = True, force: bool = False) -> list[str]:
+            progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, check and extract each archive not yet present (``root/downloads/`` holds the zips).
 
     A file under ``root`` that captioner did not write (a user's, not in the folder's manifest) is
@@ -464,7 +465,7 @@ def extract_coco(zip_path: Path, root: Path, archive: CocoArchive, outputs: Outp
     return written
 
 
-def _fetch_coco(zip_path: Path, root: Path, a: CocoArchive, progress: bool) -> None:
+def _fetch_coco(zip_path: Path, root: Path, a: CocoArchive, progress: bool | None) -> None:
     if not zip_path.exists():
         download(a.url, zip_path, a.size, a.md5, progress=progress)
 
@@ -475,14 +476,13 @@ COCO_STEPS = Steps(is_present=coco_is_present, where=lambda root, a: f"{root}/{{
 
 
 def prepare_coco(root: Path, archives: Sequence[CocoArchive], dry_run: bool = False, keep_archives: bool = False,
-                 progress: bool = True, force: bool = False) -> list[str]:
+                 progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, verify and extract each archive not yet present; returns the actions (done or planned)."""
     return prepare(root, archives, COCO_STEPS, dry_run, keep_archives, progress, force)
 
 
 # --- Flickr8k ---
 
-_flickr8k_log = logging.getLogger("captioner.download.flickr8k")
 FLICKR8K_BASE = "https://github.com/jbrownlee/Datasets/releases/download/Flickr8k"
 FLICKR8K_RECORD = "Flickr8k.sha256"
 # the mirror states no sizes: bounds a few times over the real ones (1.1 GB and 2.3 MB)
@@ -602,7 +602,7 @@ def record_digest(root: Path, name: str, digest: str) -> None:
     path.write_text("\n".join(sorted(lines, key=lambda line: line.split("  ", 1)[-1])) + "\n")
 
 
-def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bool) -> None:
+def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bool | None) -> None:
     """Download (unless kept from an earlier run) and check the SHA-256 when one is known."""
     if not zip_path.exists():
         download(a.url, zip_path, progress=progress, bounds=FLICKR8K_BOUNDS[a.key])
@@ -616,7 +616,7 @@ FLICKR8K_STEPS = Steps(is_present=flickr8k_is_present, where=lambda root, a: f"{
 
 
 def prepare_flickr8k(root: Path, archives: Sequence[Flickr8kArchive], dry_run: bool = False,
-                     keep_archives: bool = False, progress: bool = True, force: bool = False) -> list[str]:
+                     keep_archives: bool = False, progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, check and extract each archive not yet present; returns the actions (done or planned)."""
     return prepare(root, archives, FLICKR8K_STEPS, dry_run, keep_archives, progress, force)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -22,12 +21,12 @@ from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, 
                                         build_caption_set)
 from captioner.data.caption_set import SAMPLE, pick_image_dir
 from captioner.errors import DataError
-from captioner.files import MiB, check_regular, read_bytes, read_text
+from captioner.files import MiB, check_regular, read_json, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
            "Layout", "ObjectBox", "TokenFile", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
            "coco_index", "is_flickr8k", "is_karpathy", "karpathy_splits", "load_caption_set", "load_flickr8k",
-           "load_instances", "parse_token_lines", "read_json", "read_split_list", "read_token_file", "validate_coco"]
+           "load_instances", "parse_token_lines", "read_annotations", "read_split_list", "read_token_file", "validate_coco"]
 
 # the largest annotation file read (COCO's instances_train2014.json is 0.45 GB; Karpathy's dataset_coco.json 0.15 GB)
 MAX_ANNOTATION_BYTES = 1024 * MiB
@@ -87,14 +86,14 @@ class Layout:
 
 def _load_flat(root: Path, split: str, images: Path | None, _: bool) -> CaptionSet:
     path = root / f"captions_{split}.json"
-    data = read_json(path)
+    data = read_annotations(path)
     image_dir = images or pick_image_dir(data, root / "images", root / split, root)
     return caption_set_from_coco(path, data, split, image_dir, root.name)
 
 
 def _load_official(root: Path, split: str, images: Path | None, _: bool) -> CaptionSet:
     path = root / "annotations" / f"captions_{split}.json"
-    data = read_json(path)
+    data = read_annotations(path)
     image_dir = images or pick_image_dir(data, root / split, root / "images" / split)
     return caption_set_from_coco(path, data, split, image_dir, root.name)
 
@@ -115,7 +114,7 @@ LAYOUTS = (
            lambda root, s: (root / "annotations" / f"captions_{s}.json").is_file(), _load_official),
     Layout("Flickr8k in COCO format", lambda s: f"{FLICKR_JSON} + {FLICKR_SPLITS}",
            lambda root, s: (root / FLICKR_JSON).is_file() and (root / FLICKR_SPLITS).is_file(),
-           lambda root, s, images, _: _load_flickr(root / FLICKR_JSON, read_json(root / FLICKR_JSON), s, images,
+           lambda root, s, images, _: _load_flickr(root / FLICKR_JSON, read_annotations(root / FLICKR_JSON), s, images,
                                                    root.name)),
     Layout("Karpathy split file", lambda s: "dataset_*.json",
            lambda root, s: any(root.glob("dataset_*.json")), _load_karpathy_folder),
@@ -147,7 +146,7 @@ def available_splits(root: str | Path) -> list[str]:
 
 
 def _load_file(path: Path, split: str, images_dir: Path | None, include_restval: bool) -> CaptionSet:
-    data = read_json(path)
+    data = read_annotations(path)
     if is_karpathy(data):
         return caption_set_from_karpathy(path, data, split, images_dir, include_restval)
     if not (isinstance(data, dict) and "images" in data and "annotations" in data):
@@ -190,20 +189,9 @@ def _read_splits_tsv(path: Path) -> dict[str, str]:
     return splits
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; DataError naming the file (and line) when it is missing or invalid.
-
-    Only a regular file of at most :data:`MAX_ANNOTATION_BYTES` is read.
-    """
-    raw = read_bytes(path, MAX_ANNOTATION_BYTES, DataError, "annotation file")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg})") from None
-    except ValueError as exc:  # undecodable bytes
-        raise DataError(f"{path}: invalid JSON ({str(exc)[:120]})") from None
-    except RecursionError:  # e.g. "[[[[..." nested deeper than the parser's recursion limit
-        raise DataError(f"{path}: invalid JSON (nested too deeply)") from None
+def read_annotations(path: Path) -> Any:
+    """A JSON annotation file (:func:`captioner.files.read_json`, at most :data:`MAX_ANNOTATION_BYTES`)."""
+    return read_json(path, MAX_ANNOTATION_BYTES, DataError, "annotation file")
 
 
 # ----------------------------------------------------------------------------- Karpathy split files
@@ -551,7 +539,7 @@ def load_instances(
     path = next((c for c in candidates if c.is_file()), None)
     if path is None:
         return None
-    data = read_json(path)
+    data = read_annotations(path)
     validate_coco(path, data, ann_keys=("id", "image_id", "category_id", "bbox"))
     categories = data.get("categories")
     if not isinstance(categories, list) or not all(isinstance(c, dict) and _is_int(c.get("id")) and "name" in c

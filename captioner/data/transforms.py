@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.config import EncoderConfig
+from captioner.config import PREPROCESSING_FIELDS, EncoderConfig
+from captioner.errors import ConfigError
 
 _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 
@@ -48,6 +49,10 @@ class ImageTransform:
     """
 
     def __init__(self, cfg: EncoderConfig) -> None:
+        if not cfg.resolved:
+            unset = ", ".join(f"encoder.{f}" for f in PREPROCESSING_FIELDS if getattr(cfg, f) is None)
+            raise ConfigError(f"{unset} not set: the {cfg.name} encoder's entry gives them when the model is built "
+                              "(captioner.models.model.resolve_model)")
         self.cfg = cfg
         self.size = cfg.image_size
         self.resample = _RESAMPLE[cfg.interpolation]

@@ -99,13 +99,20 @@ CAPTURE_AFTER = 2  # a shape gets its buffers and graph on its second use (one s
 
 
 @dataclass
-class DecodeGraphStats:
-    """What a :class:`GraphedSteps` did."""
+class GraphCounts:
+    """What a wrapper that replays CUDA graphs did: graphs captured, replays, steps run eagerly (a shape
+    not captured, or a failed capture), and failed captures. Decoding and training both keep them."""
 
     captures: int = 0
     replays: int = 0
     eager_steps: int = 0
     failed: int = 0
+
+
+@dataclass
+class DecodeGraphStats(GraphCounts):
+    """What a :class:`GraphedSteps` did."""
+
     shapes: int = 0
     static_copies: int = 0  # per-image constants copied into the buffers (a new State.static dict)
 

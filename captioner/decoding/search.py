@@ -26,6 +26,8 @@ from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
 from captioner.text import STOP_WORDS, Vocabulary
 
+logger = logging.getLogger(__name__)
+
 
 NEG_INF = float("-inf")
 
@@ -280,9 +282,6 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
                           f"{size_text(MEMORY_LIMIT)}): lower --beam or --max-len")
     per_chunk = max(1, MEMORY_LIMIT // max(one, 1))
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
-
-
-logger = logging.getLogger(__name__)
 
 
 def decode(

@@ -26,6 +26,8 @@ from captioner.errors import DataError
 from captioner.grids import Box, as_array, attention_entropy, cell_centre, cell_weights, interval_overlap
 from captioner.text import tokenize
 
+logger = logging.getLogger(__name__)
+
 
 VOCABULARIES = ("shapes", "coco")
 
@@ -249,8 +251,6 @@ def _adjectival(words: Sequence[str], i: int, n: int) -> bool:
         return False
     return i + 1 < len(words) and words[i + 1] not in _FUNCTION_WORDS
 
-
-logger = logging.getLogger(__name__)
 
 MAX_CANVAS_SIDE = 256  # the image is rasterised at most this large (scale-invariant shares)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.errors import DataError, one_line
-from captioner.files import MiB, atomic_write, read_text
+from captioner.errors import DataError
+from captioner.files import MiB, atomic_write, read_json
 from captioner.text import tokenize
 
 
@@ -335,14 +335,7 @@ def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mappi
 
 def read_coco_results(path: str | Path) -> list[tuple[int, str]]:
     """Read a COCO captioning results file back as ``(image_id, caption)`` pairs."""
-    if not os.path.lexists(path):
-        raise DataError(f"{path}: results file not found")
-    try:
-        data = json.loads(read_text(path, 1024 * MiB, DataError, "results file"))
-    except (ValueError, RecursionError) as exc:
-        raise DataError(f"{path}: cannot read results JSON ({one_line(str(exc))[:200]})") from None
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of {{image_id, caption}} objects")
+    data = read_json(path, 1024 * MiB, DataError, "results file", expect=list)
     out = []
     for i, row in enumerate(data):
         if not (isinstance(row, dict) and isinstance(row.get("image_id"), int)

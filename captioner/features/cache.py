@@ -89,6 +89,7 @@ from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
 from captioner.files import hold_lock, lock_file, lock_is_free, read_text, release_lock_file
+from captioner.models.registry import resolve_encoder
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
     Returns:
         A hex SHA-256 digest.
     """
-    enc = model_config.encoder
+    enc = resolve_encoder(model_config.encoder)  # the preprocessing the encoder really sees, not "unset"
     h = hashlib.sha256()
     conf = {
         "format": FORMAT_VERSION,

@@ -42,6 +42,13 @@ class AdditiveAttention(nn.Module):
         self.hidden_proj = nn.Linear(hidden_dim, attention_dim)  # W_h
         self.score = nn.Linear(attention_dim, 1, bias=False)  # w
 
+    def doubled(self) -> dict[str, torch.Tensor]:
+        """The layers times 2, as this module computes with them (module docstring): ``w_f``, ``b_f`` (2 W_f),
+        ``w_h``, ``b_h`` (2 W_h) and ``w_s`` (2 w), for a step that fuses them into its own products:
+        ``log alpha = log_softmax(w_s . sigmoid(w_f f + b_f + w_h h + b_h))``."""
+        return {"w_f": 2.0 * self.feature_proj.weight, "b_f": 2.0 * self.feature_proj.bias,
+                "w_h": 2.0 * self.hidden_proj.weight, "b_h": 2.0 * self.hidden_proj.bias, "w_s": 2.0 * self.score.weight}
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """features (B,N,D) -> 2 W_f f (B,N,A); compute once per image."""
         return F.linear(features, 2.0 * self.feature_proj.weight, 2.0 * self.feature_proj.bias)  # (B, N, A)

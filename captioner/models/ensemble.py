@@ -112,7 +112,7 @@ class EnsembleDecoder(CaptionDecoder):
         self.log_count = math.log(len(members))
         self.extension = None  # the photo's tags: the first member that can name them
         for member, (start, end) in zip(members, self.slices):
-            if member.concepts:
+            if getattr(member.extension, "concepts", 0):
                 self.extension = _SlicedConcepts(member.extension, start, end)
                 break
 

@@ -12,14 +12,17 @@ At step t, with h, c the LSTM state after step t-1 and y the previous word:
     h, c   = LSTMCell([E y; beta z], (h, c))
     p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
 
-An optional addition (the concept reading, ``captioner.models.concepts.SATConcepts``) is one
-component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`), called at named points:
-the initial state, rows read from h at every step, an attention filter, the deep output, ``aux``.
+An optional addition is one component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`,
+built by the registry from its own config section), called at named points: the initial state, rows read
+from h at every step, an attention filter, the deep output, ``aux``.
 
-``step`` is the readable one-step reference; ``forward`` computes the same thing for all steps,
-with the time-independent work hoisted out of the loop: ``W_f f`` once per image, the
-embedding half of the LSTM input projection for all steps in one matmul, one fused matmul of
-``h`` with ``[W_hh; W_h; f_beta]`` per step, and the deep output over all steps after the loop.
+One time step, :meth:`SATDecoder._recurrence`, serves both ``forward`` (teacher forcing, every word)
+and ``step`` (search and sampling, one word): one fused matmul of ``h`` with ``[W_hh; W_h; f_beta]``,
+the attention, the gate and the LSTM update. ``forward`` hoists the time-independent work out of the
+loop: ``W_f f`` once per image, the embedding half of the LSTM input projection for all steps in one
+matmul, and the deep output over all steps after the loop. :class:`FusedSATSteps` is the same step in
+eval mode with its products fused further and its weights in a low precision (bfloat16 decoding,
+``captioner.decoding.precision``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from captioner.errors import ConfigError
 from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
                                         soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State, expand_groups
-from captioner.models.concepts import SATConcepts
 from captioner.models.registry import register_decoder
 
 
@@ -65,8 +67,8 @@ class SATDecoder(CaptionDecoder):
             caption and step, of using the expected (soft) context instead of a sampled region.
         grid: regions per side (for ``region_positions``).
         region_positions: add learned row and column embeddings to the region features.
-        extension: an optional addition joined at the named points (:class:`SATExtension`).
-        **reading: the options of ``SATConcepts`` (``concepts=K``, ``concept_prior``, ...), built as the extension.
+        extension: an optional addition joined at the named points (:class:`SATExtension`); None: the paper's
+            decoder (a ``SATExtension`` whose every point leaves it unchanged).
 
     The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
     """
@@ -74,7 +76,7 @@ class SATDecoder(CaptionDecoder):
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, dropout: float = 0.5, attention: str = "soft",
                  hard_test_mode: str = "expectation", hard_soft_prob: float = 0.5, grid: int | None = None,
-                 region_positions: bool = False, extension: SATExtension | None = None, **reading: Any) -> None:
+                 region_positions: bool = False, extension: SATExtension | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.feature_dim = feature_dim
@@ -105,9 +107,7 @@ class SATDecoder(CaptionDecoder):
             nn.init.normal_(self.row.weight, std=0.1)
             nn.init.normal_(self.col.weight, std=0.1)
         self.region_positions = region_positions
-        if reading:
-            extension = SATConcepts.build(feature_dim, hidden_dim, embed_dim=embed_dim, **reading)
-        self.extension = extension
+        self.extension = extension if extension is not None else SATExtension()  # default: every point a no-op
         self._compiled_recurrence = None  # set by compile_recurrence()
 
     @property
@@ -136,7 +136,7 @@ class SATDecoder(CaptionDecoder):
         """h0, c0 (B,H) from the mean region feature (plus what the extension adds before the tanh)."""
         mean = features.mean(dim=1)  # (B, D)
         h, c = self.init_h(mean), self.init_c(mean)  # (B, H) each
-        added = self.extension.initial_state(extra) if self.extension is not None else None
+        added = self.extension.initial_state(extra)
         if added is not None:
             ph, pc = added.chunk(2, dim=-1)
             h, c = h + ph, c + pc
@@ -178,11 +178,13 @@ class SATDecoder(CaptionDecoder):
 
     def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
                     features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
-                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None):
-        """One teacher-forced time step: everything that depends on ``h_{t-1}``.
+                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None), group: int = 1):
+        """One time step, the one both ``forward`` (per word) and ``step`` run: everything that depends on
+        ``h_{t-1}``, given the previous word's half of the LSTM input product ``x_gate`` (B,4H).
 
-        ``extra``: the extension's constants and what it read of this step's word (when there is an
-        extension; then ``w_query`` ends with its R rows).
+        ``extra``: the extension's constants and what it read of this step's word (``w_query`` ends with the
+        R rows it reads of h, R = 0 for the paper's decoder). ``group``: decoder rows per row of ``projected``
+        and ``features`` (a grouped state's beams).
 
         Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
         training the sampled log-prob and region (B,) (else None), and the extension's record (else None).
@@ -190,11 +192,9 @@ class SATDecoder(CaptionDecoder):
         H, A = self.hidden_dim, self.attention_dim
         query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+R])
         h_gates, att_query, gate_logit, rows = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
-        log_alpha = self.attention.log_weights(projected, att_query)  # (B, N)
-        record = None
-        if extra is not None:
-            log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
-        context, log_prob, region = self._context(log_alpha, features)  # (B, D)
+        log_alpha = self.attention.log_weights(projected, att_query, group)  # (B, N)
+        log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
+        context, log_prob, region = self._context(log_alpha, features, group)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
         gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
         h, c = lstm_update(gates, c)  # (B, H)
@@ -215,7 +215,7 @@ class SATDecoder(CaptionDecoder):
         """Everything that reads h_{t-1} in one matmul: W_hh, the attention's W_h, f_beta [, the extension's rows]."""
         weights = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
         biases = [self.lstm.bias_hh.new_zeros(4 * self.hidden_dim), self.attention.hidden_proj.bias, self.gate.bias]
-        rows = self.extension.query_weights() if self.extension is not None else None
+        rows = self.extension.query_weights()
         if rows is not None:
             weights.append(rows[0])
             biases.append(rows[1])
@@ -237,7 +237,7 @@ class SATDecoder(CaptionDecoder):
             and the extension's ``aux``.
         """
         ext = self.extension
-        extra = ext.read(features) if ext is not None else {}  # from the regions as the encoder gave them
+        extra = ext.read(features)  # from the regions as the encoder gave them
         features = self._regions(features)  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -254,10 +254,10 @@ class SATDecoder(CaptionDecoder):
         context = torch.stack(steps["context"], dim=1)  # (B, T, D)
         log_alpha = torch.stack(steps["log_alpha"], dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
-        added = ext.output(extra) if ext is not None else None  # (B, M)
+        added = ext.output(extra)  # (B, M) or None
         logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
                                    None if added is None else added.unsqueeze(1))  # (B, T, V)
-        aux = {"beta": beta, "context": context, **(ext.aux(extra, steps["record"]) if ext is not None else {})}
+        aux = {"beta": beta, "context": context, **ext.aux(extra, steps["record"])}
         sample_log_probs = None
         if steps["log_prob"]:
             sample_log_probs = torch.stack(steps["log_prob"], dim=1)  # (B, T)
@@ -284,13 +284,12 @@ class SATDecoder(CaptionDecoder):
         if low is not None:
             w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
             extra = {k: v.to(low) for k, v in extra.items()}
-        words = self.extension.word_query(emb) if self.extension is not None else None  # (B, T, R)
+        words = self.extension.word_query(emb)  # (B, T, R) or None
         steps: dict[str, list[Any]] = {key: [] for key in ("h", "context", "beta", "log_alpha", "log_prob", "region",
                                                            "record")}
         recurrence = self._compiled_recurrence or self._recurrence
         for t in range(x_gates.shape[1]):
             h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
-                                        None if self.extension is None else
                                         (extra, None if words is None else words[:, t]))
             steps["h"].append(h)
             for key, value in zip(("context", "beta", "log_alpha", "log_prob", "region", "record"), outputs):
@@ -304,11 +303,11 @@ class SATDecoder(CaptionDecoder):
         """features (B,N,D) -> State(static {features (B,N,D), projected (B,N,A), the extension's constants},
         dynamic {h, c (B,H)})."""
         ext = self.extension
-        extra = ext.read(features) if ext is not None else {}
+        extra = ext.read(features)
         features = self._regions(features)
         h, c = self._initial_hc(features, extra)
         static = {"features": features, "projected": self.attention.project(features), **extra}
-        added = ext.output(extra) if ext is not None else None
+        added = ext.output(extra)
         if added is not None:
             static["extension_output"] = added  # (B, M)
         return State(static=static, dynamic={"h": h, "c": c})
@@ -316,33 +315,144 @@ class SATDecoder(CaptionDecoder):
     groups_rows = True  # step reads one copy of an image's regions for all its beams
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)).
+        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)), through the same
+        :meth:`_recurrence` as ``forward``.
 
         A grouped state (``state.group`` g > 1) holds the regions and their projection once per
         image, (B/g, N, D), read by its g consecutive rows; the extension's constants are repeated
         per row for it (they are small).
         """
         emb = self.embedding(prev_tokens)  # (B, M)
-        h, c = state.dynamic["h"], state.dynamic["c"]  # (B, H)
-        group = state.group
-        static = state.static
-        if self.extension is not None and group > 1:
-            static = {**expand_groups({k: v for k, v in static.items() if k not in ("features", "projected")}, group),
-                      "features": static["features"], "projected": static["projected"]}
-        log_alpha = self.attention(static["projected"], h, group)  # (B, N)
-        if self.extension is not None:
-            rows = self.extension.query_weights()
-            log_alpha, _ = self.extension.filter_attention(log_alpha, None if rows is None else F.linear(h, *rows),
-                                                           self.extension.word_query(emb), static)
-        context, _, _ = self._context(log_alpha, static["features"], group)  # (B, D)
-        gated = torch.sigmoid(self.gate(h)) * context  # (B, D)
-        h, c = self.lstm(torch.cat([emb, gated], dim=-1), (h, c))  # (B, H)
-        log_probs = F.log_softmax(self._deep_output(emb, h, gated, static.get("extension_output")), dim=-1)
+        group, static = state.group, state.static
+        own = {k: v for k, v in static.items() if k not in ("features", "projected")}  # the extension's constants
+        if own and group > 1:
+            static = {**expand_groups(own, group), "features": static["features"], "projected": static["projected"]}
+        w_x, b_x, w_query, b_query, w_ctx = self._step_weights()
+        extra = (static, self.extension.word_query(emb))
+        h, c, context, beta, log_alpha, *_ = self._recurrence(
+            F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
+            w_query, b_query, w_ctx, extra, group)
+        log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static.get("extension_output")), dim=-1)
         return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
+
+    def _step_weights(self) -> tuple[torch.Tensor, ...]:
+        """The products one step reads: the embedding half of W_ih and b_ih + b_hh, the fused rows that read
+        h (:meth:`_query_weights`) and the context half of W_ih; kept between steps while no weight changes
+        and no gradient is recorded (decoding), built afresh otherwise, and inside a CUDA graph's capture (a
+        replay then reads the weights as they are at replay time, as the unfused products would)."""
+        params = [*self.parameters()]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        keep = not torch.is_grad_enabled() and not (params[0].is_cuda and torch.cuda.is_current_stream_capturing())
+        cached = self.__dict__.get("_step_cache")
+        if keep and cached is not None and cached[0] == key:
+            return cached[1]
+        M = self.embed_dim
+        weights = (self.lstm.weight_ih[:, :M], self.lstm.bias_ih + self.lstm.bias_hh, *self._query_weights(),
+                   self.lstm.weight_ih[:, M:])
+        if keep:
+            self.__dict__["_step_cache"] = (key, weights)
+        return weights
+
+    def fuses(self) -> bool:
+        """Whether :class:`FusedSATSteps` computes this decoder's eval-mode step: no extension, and a test-time
+        context that is the expectation (soft, or hard with ``expectation``)."""
+        plain = type(self.extension) is SATExtension  # the default: every point a no-op
+        return plain and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
+
+    def fused_steps(self, dtype: torch.dtype) -> FusedSATSteps | None:
+        """This decoder's eval-mode stepping with its products fused, in ``dtype`` (a snapshot of the weights), or
+        None where :meth:`fuses` says it does not apply."""
+        return FusedSATSteps(self, dtype) if self.fuses() else None
+
+
+class FusedSATSteps(CaptionDecoder):
+    """The stepping of a :class:`SATDecoder` (soft attention, or hard attention at test time with the
+    expected context, no extension) with its products fused, in ``dtype`` (``SATDecoder.fused_steps``).
+
+    At step t, with ``q`` the products of h_{t-1} the step needs (W_hh h, the attention's W_h h,
+    f_beta h; computed at the end of the step before) and y the previous word:
+
+        alpha        = softmax_i(w . tanh(W_f f_i + W_h h))          # as AdditiveAttention
+        z            = beta * sum_i alpha_i f_i,   beta = sigmoid(f_beta h)
+        [Wz z; Lz z] = [W_ih[:, M:]; L_z] z                          # one product
+        gates        = T[y] + W_hh h + Wz z,   T = E W_ih[:, :M]^T + b_ih + b_hh (a table, V x 4H)
+        h', c'       = LSTM update
+        [Lh h'; q']  = [L_h; W_hh; W_h; f_beta] h'                   # one product: this step's output, the next step's q
+        p(y')        = softmax(L_o(E y + Lh h' + Lz z))
+
+    The same function as ``SATDecoder.step`` in eval mode; only the order of the sums differs. The
+    attention's B*g*N*A sums and sigmoids run in float32 whatever ``dtype`` is (on a CPU they are
+    faster there than in bfloat16, and the maps closer to float32 decoding's).
+    Weights are a snapshot taken at construction (``captioner.decoding.precision.decoder_for`` rebuilds it when
+    they change).
+    """
+
+    groups_rows = True
+
+    def __init__(self, decoder: SATDecoder, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not decoder.fuses():
+            raise ValueError("FusedSATSteps takes a SAT decoder with soft (or expected hard) attention and no extension")
+        self.decoder = [decoder]  # a list: not a submodule (the snapshot below is what steps read)
+        self.vocab_size = decoder.vocab_size
+        self.dtype = dtype
+        H, M, A = decoder.hidden_dim, decoder.embed_dim, decoder.attention_dim
+        self.sizes = (H, M, A)
+        lstm = decoder.lstm
+        with torch.no_grad():
+            att = decoder.attention.doubled()  # 2 W_f, 2 W_h, 2 w
+            table = F.linear(decoder.embedding.weight, lstm.weight_ih[:, :M], lstm.bias_ih + lstm.bias_hh)  # (V, 4H)
+            zeros = lstm.bias_hh.new_zeros(M + 4 * H)
+            w_h = torch.cat([decoder.out_hidden.weight, lstm.weight_hh, att["w_h"], decoder.gate.weight])
+            b_h = torch.cat([zeros, att["b_h"], decoder.gate.bias])
+            weights = {
+                "table": table, "embedding": decoder.embedding.weight,
+                "w_h": w_h, "b_h": b_h,  # (M + 4H + A + 1, H)
+                "w_z": torch.cat([lstm.weight_ih[:, M:], decoder.out_context.weight]),  # (4H + M, D)
+                "w_o": decoder.out_word.weight, "b_o": decoder.out_word.bias,
+                "w_s": att["w_s"], "w_f": att["w_f"], "b_f": att["b_f"],
+            }
+            self.weights = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+            self.weights["w_s32"] = weights["w_s"].detach().float().contiguous()
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False):  # noqa: ANN201
+        raise TypeError("FusedSATSteps only decodes step by step; train the SATDecoder itself")
+
+    def init_state(self, features: torch.Tensor) -> State:
+        """features (B,N,D) -> static {features in ``dtype``, projected in float32}, dynamic {q (B, 4H+A+1),
+        c (B,H)} in ``dtype``."""
+        decoder, (H, M, _) = self.decoder[0], self.sizes
+        regions = decoder._regions(features)
+        h, c = decoder._initial_hc(regions, {})  # (B, H) each, in the features' dtype
+        low = regions.to(self.dtype)
+        w = self.weights
+        projected = F.linear(low, w["w_f"], w["b_f"]).float()  # (B, N, A): 2 W_f f, kept in float32 (below)
+        q = F.linear(h.to(self.dtype), w["w_h"][M:], w["b_h"][M:])  # (B, 4H + A + 1)
+        return State({"features": low, "projected": projected}, {"q": q, "c": c.to(self.dtype)})
+
+    def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
+        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32)."""
+        (H, M, A), w, group = self.sizes, self.weights, state.group
+        q, c = state.dynamic["q"], state.dynamic["c"]
+        hh, query, gate = q.split([4 * H, A, 1], dim=-1)  # (R, 4H), (R, A): 2 W_h h, (R, 1)
+        projected, features = state.static["projected"], state.static["features"]
+        b, n, a = projected.shape
+        # the attention's B*g*N*A sums and sigmoids in float32: on a CPU faster than in bfloat16
+        gates = (projected.unsqueeze(1) + query.float().view(b, group, 1, a)).sigmoid_().view(b * group, n, a)
+        log_alpha = F.log_softmax(F.linear(gates, w["w_s32"]).squeeze(-1), dim=-1)  # (R, N)
+        alpha = log_alpha.exp()
+        gated = torch.sigmoid(gate) * soft_context(alpha.to(self.dtype), features, group)  # (R, D)
+        z_gates, z_out = F.linear(gated, w["w_z"]).split([4 * H, M], dim=-1)
+        h, c = lstm_update(w["table"][prev_tokens] + hh + z_gates, c)  # (R, H)
+        h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)
+        deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
+        log_probs = F.log_softmax(F.linear(deep, w["w_o"], w["b_o"]).float(), dim=-1)  # (R, V)
+        return log_probs, State(state.static, {"q": q, "c": c}, group), alpha
 
 
 @register_decoder(SATConfig)
-def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int) -> SATDecoder:
+def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int,
+                      extension: SATExtension | None = None) -> SATDecoder:
     """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
     return SATDecoder(
         vocab_size=vocab_size,
@@ -356,5 +466,5 @@ def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: i
         hard_soft_prob=cfg.hard_soft_prob,
         grid=grid,
         region_positions=cfg.region_positions,
-        **cfg.reading_options(),
+        extension=extension,
     )

@@ -1,25 +1,30 @@
 """The full model: encoder + decoder, built from a ``ModelConfig`` (both by name: ``registry``).
 
-Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments.
+Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments. The
+decoder's optional extension is built from the config's own ``concepts`` section
+(``captioner.concepts.model.build_extension``) and handed to the decoder as one argument.
 Importing this module registers the built-in encoders and decoders (their modules register
 themselves when imported).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
+from captioner.concepts.model import build_extension
 from captioner.config import ModelConfig
 from captioner.errors import ConfigError
 from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.models.encoder import build_encoder
-from captioner.models.registry import build_decoder
+from captioner.models.registry import build_decoder, resolve_encoder
 
 
 class CaptionModel(nn.Module):
-    """Encoder + decoder. ``config`` travels with the model into checkpoints.
+    """Encoder + decoder. ``config`` (its encoder's preprocessing filled in) travels with the model into checkpoints.
 
     Args:
         encoder: maps images (B,3,H,W) to (features (B,N,D), grid (g,g)).
@@ -44,6 +49,13 @@ class CaptionModel(nn.Module):
         return self.decoder(features, tokens, need_all_attention=need_all_attention)
 
 
+def resolve_model(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its encoder's name checked and its preprocessing filled from the encoder's registry
+    entry (:func:`captioner.models.registry.resolve_encoder`); ``cfg`` itself is left as it is."""
+    encoder = resolve_encoder(cfg.encoder)
+    return cfg if encoder is cfg.encoder else dataclasses.replace(cfg, encoder=encoder)
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> CaptionModel:
     """Build encoder and decoder from config.
 
@@ -55,6 +67,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
     """
     if vocab_size < 5:
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
+    cfg = resolve_model(cfg)
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
-    decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid)
+    extension = build_extension(cfg.concepts, cfg.decoder, feature_dim=encoder.out_dim)
+    decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid,
+                            extension=extension)
     return CaptionModel(encoder, decoder, cfg, vocab_size)

@@ -1,20 +1,21 @@
 """Components by name: one entry per encoder and per decoder family, filled beside each component.
 
-Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...)``
-holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``, ``resnet50``,
-``resnet101``, ``efficientnet_lite0/1/2``, and the family ``timm/<model>`` through
-``register_encoder_family``). Decoders:
-``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g) ->
-CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
+Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...,
+preprocessing=...)`` holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``,
+``resnet50``, ``resnet101``, ``efficientnet_lite0/1/2``, and the family ``timm/<model>`` through
+``register_encoder_family``), its weights' preprocessing included, as timm's ``pretrained_cfg`` and
+torchvision's ``Weights.transforms()`` do. An encoder's name is checked here, when the model is built
+(:func:`resolve_encoder`), and the preprocessing fields a config leaves unset are filled from its entry.
+Decoders: ``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g,
+extension=None) -> CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
 
-The config layer sits below this one and holds the names it validates against
-(``captioner.config.schema.ENCODERS``, ``captioner.config.decoders.DECODER_FAMILIES``); registering
-a new component adds its name there, so a config naming it parses. The components register when
-their modules are imported, which ``captioner.models.model`` (``build_model``) does.
+The components register when their modules are imported, which ``captioner.models.model``
+(``build_model``) does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from captioner.config import DecoderConfig, EncoderConfig
+from captioner.config import PREPROCESSING_FIELDS, DecoderConfig, EncoderConfig
 from captioner.config.decoders import register_family
-from captioner.config.schema import ENCODERS
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -48,6 +48,30 @@ class Download:
     cached: Path | None = None
 
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """The pixels a trunk's weights were trained on: what :class:`captioner.data.transforms.ImageTransform` makes.
+
+    Attributes:
+        mean: per-channel mean of [0, 1] pixels, subtracted.
+        std: per-channel standard deviation, divided by.
+        image_size: the side of the square input.
+        interpolation: the resampling filter of the resize, ``"bilinear"`` or ``"bicubic"``.
+    """
+
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    image_size: int = 224
+    interpolation: str = "bilinear"
+
+
+IMAGENET = Preprocessing()  # torchvision's ImageNet weights (and the random tiny CNN, which has none)
+
+
 @dataclass(frozen=True)
 class EncoderEntry:
     """Everything about one encoder trunk.
@@ -65,6 +89,7 @@ class EncoderEntry:
             any network is built, so a bad setting fails at once.
         dilatable: whether the trunk can run its last stage dilated at half the stride
             (``encoder.dilate``: a map twice as fine from the same weights).
+        preprocessing: the pixels its pretrained weights expect (:class:`Preprocessing`).
     """
 
     name: str
@@ -74,17 +99,16 @@ class EncoderEntry:
     read_file: Callable[[Path], StateDict]
     pretrained: Callable[[EncoderConfig], Path | Download | None]
     dilatable: bool = False
+    preprocessing: Preprocessing = IMAGENET
 
 
 _ENCODERS: dict[str, EncoderEntry] = {}
 
 
 def register_encoder(name: str, **entry: object) -> EncoderEntry:
-    """Register an encoder under ``name`` (the fields of :class:`EncoderEntry`) and let the config accept it."""
+    """Register an encoder under ``name`` (the fields of :class:`EncoderEntry`)."""
     registered = EncoderEntry(name=name, **entry)  # type: ignore[arg-type]
     _ENCODERS[name] = registered
-    if name not in ENCODERS:
-        ENCODERS.append(name)
     return registered
 
 
@@ -105,6 +129,18 @@ def encoder_entry(name: str) -> EncoderEntry:
             return entry_for(name[len(prefix):])
     raise ConfigError(f"encoder.name={name!r} is not a known encoder; registered: "
                       f"{', '.join([*_ENCODERS, *(f'{p}<model>' for p in _FAMILIES)])}")
+
+
+def resolve_encoder(cfg: EncoderConfig) -> EncoderConfig:
+    """``cfg`` with its name checked and each preprocessing field it leaves unset (None) taken from its
+    registry entry: the mean, std, image size and interpolation the encoder's weights were trained with.
+
+    Raises:
+        ConfigError: ``cfg.name`` is not a registered encoder (the message lists them).
+    """
+    entry = encoder_entry(cfg.name)
+    unset = {f: getattr(entry.preprocessing, f) for f in PREPROCESSING_FIELDS if getattr(cfg, f) is None}
+    return dataclasses.replace(cfg, **unset) if unset else cfg
 
 
 DecoderBuilder = Callable[..., CaptionDecoder]
@@ -131,8 +167,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
     return wrap
 
 
-def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int) -> CaptionDecoder:
-    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map."""
+def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int,
+                  extension: nn.Module | None = None) -> CaptionDecoder:
+    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map, joined by
+    ``extension`` (built from its own config section; None: the paper's decoder)."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid)
+    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid,
+                                     extension=extension)

@@ -18,7 +18,7 @@ keeps a key/value cache of the self-attention (``State.dynamic``), so one step c
 of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
 causal attention never lets a real token see a later one.
 
-An optional addition (the concept reading, ``captioner.models.concepts.TransformerConcepts``) is one
+An optional addition, built by the registry from its own config section, is one
 component, ``self.extension`` (a :class:`~captioner.models.base.TransformerExtension`), called at named
 points: tokens appended to the memory after the N regions (the attention the decoder reports stays a
 distribution over the regions: :meth:`TransformerCaptionDecoder.region_weights`), a bias of the last
@@ -51,7 +51,6 @@ from captioner.config import TransformerConfig
 from captioner.errors import ConfigError
 from captioner.grids import attention_entropy
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, TransformerExtension
-from captioner.models.concepts import CONCEPT_TOKENS, TransformerConcepts  # noqa: F401 (the tokens it adds)
 from captioner.models.registry import register_decoder
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
@@ -246,8 +245,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
         max_len: longest caption in words; sets the precomputed position table (longer inputs
             still work, the sinusoids are extended on the fly).
         tie_embeddings: share the token embedding with the output projection.
-        extension: an optional addition joined at the named points (:class:`TransformerExtension`).
-        **reading: ``TransformerConcepts``' options (``concepts=K``, ``concept_prior``, ...), built as the extension.
+        extension: an optional addition joined at the named points (:class:`TransformerExtension`); None: the
+            paper's decoder (a ``TransformerExtension`` whose every point leaves it unchanged).
     """
 
     def __init__(
@@ -263,7 +262,6 @@ class TransformerCaptionDecoder(CaptionDecoder):
         max_len: int = 50,
         tie_embeddings: bool = False,
         extension: TransformerExtension | None = None,
-        **reading: Any,
     ) -> None:
         super().__init__()
         if d_model % num_heads:
@@ -285,9 +283,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         self.out = nn.Linear(d_model, vocab_size)
         if tie_embeddings:
             self.out.weight = self.embed.weight
-        if reading:
-            extension = TransformerConcepts.build(feature_dim, d_model, **reading)
-        self.extension = extension
+        self.extension = extension if extension is not None else TransformerExtension()  # default: every point a no-op
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """``positions`` is not stored in checkpoints: the sinusoidal table of its shape."""
@@ -310,7 +306,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         S = N regions, then the extension's memory tokens, if any (``extra``: its constants).
         """
         memory = self.regions(features)  # (B, N, d)
-        tokens = self.extension.memory(extra, self.embed) if self.extension is not None else None  # (B, T, d)
+        tokens = self.extension.memory(extra, self.embed)  # (B, T, d) or None
         if tokens is not None:
             memory = torch.cat([memory, tokens.to(memory.dtype)], dim=1)  # (B, N + T, d)
         memory = self.drop(memory)
@@ -347,7 +343,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         for i, block in enumerate(self.blocks):
             last = i == self.num_layers - 1
             x, w, kv = block(x, memory[i], None if pasts is None else pasts[i], need_weights=need_all or last,
-                             cross_bias=extension_bias if last and self.extension is not None else None)
+                             cross_bias=extension_bias if last else None)
             if w is not None:
                 weights.append(self.region_weights(w))
             presents.append(kv)
@@ -368,7 +364,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
             and all_attention (B, T, L, H, N) when asked, over the regions only (:meth:`region_weights`);
             the extension's ``aux``.
         """
-        extra = self.extension.read(features) if self.extension is not None else {}  # from the regions as given
+        extra = self.extension.read(features)  # from the regions as given
         memory = self._memory(features, extra)  # L x (B, H, S, dh)
         h, weights, _, records = self._run(self._embed(tokens, 0), memory, None, need_all_attention, extra)  # (B,T,d)
         logits = self.out(h)  # (B, T, V)
@@ -376,7 +372,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         all_attention = None
         if need_all_attention:
             all_attention = torch.stack(weights, dim=1).permute(0, 3, 1, 2, 4)  # (B, T, L, H, N)
-        aux = self.extension.aux(extra, records) if self.extension is not None else {}
+        aux = self.extension.aux(extra, records)
         return DecoderOutput(logits=logits, attention=attention, all_attention=all_attention,
                              attention_entropy=attention_entropy(attention), aux=aux)
 
@@ -394,7 +390,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
             ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
             tokens consumed).
         """
-        extra = self.extension.read(features) if self.extension is not None else {}
+        extra = self.extension.read(features)
         memory = self._memory(features, extra)
         b = features.shape[0]
         static = {"memory_k": [k for k, _ in memory], "memory_v": [v for _, v in memory], **extra}
@@ -442,7 +438,8 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
 @register_decoder(TransformerConfig)
 def build_transformer_decoder(
-    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int
+    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int,
+    extension: TransformerExtension | None = None,
 ) -> TransformerCaptionDecoder:
     """Registry builder: a ``TransformerCaptionDecoder`` from a ``TransformerConfig``."""
     return TransformerCaptionDecoder(
@@ -456,5 +453,5 @@ def build_transformer_decoder(
         dropout=cfg.dropout,
         max_len=cfg.max_len,
         tie_embeddings=cfg.tie_embeddings,
-        **cfg.reading_options(),
+        extension=extension,
     )

@@ -34,7 +34,7 @@ from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
-from captioner.files import Outputs, atomic_write, read_text, size_text, writable_folder
+from captioner.files import MiB, Outputs, atomic_write, read_json, size_text, writable_folder
 from captioner.inference import load
 from captioner.share.examples import example_scenes
 from captioner.viz.overlays import render_grid
@@ -86,16 +86,6 @@ def guess_dataset(*texts: str) -> DataCard:
     return UNKNOWN_DATA
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(read_text(path, 16 << 20, DataError, "JSON file"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return data
-
-
 _REPO_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?")
 _SAFE_TEXT = re.compile(r"[A-Za-z0-9_.,:;'+=@ ()/-]{0,200}")
 
@@ -143,7 +133,7 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     """
     rows = []
     for path in sorted(run_dir.glob("metrics_*.json")):
-        m = _read_json(path)
+        m = read_json(path, 16 * MiB, DataError, expect=dict)
         rows.append({"file": path.name, "split": _text(path, "split", m.get("split", path.stem[len("metrics_"):])),
                      "images": _number(path, "num_images", m.get("num_images"), int),
                      "beam": _number(path, "beam_size", m.get("beam_size"), int),
@@ -307,7 +297,7 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
     outputs = Outputs(out, force=overwrite, option="--out", replace_own=False, error=DataError)
     outputs.check(targets.values())
     info = read_checkpoint_metadata(checkpoint)
-    run_config = _read_json(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
+    run_config = read_json(run_dir / "config.json", 16 * MiB, DataError, expect=dict) if (run_dir / "config.json").is_file() else {}
     data_root = str(run_config.get("data", {}).get("root", "")) if isinstance(run_config.get("data"), dict) else ""
     card = DATASETS.get(dataset or "") or guess_dataset(data_root, *(str(r["data"]) for r in rows))
     writable_folder(out, DataError)

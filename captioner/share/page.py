@@ -1,21 +1,24 @@
 """The ``captioner serve`` page: one HTML document, inline CSS and JS, nothing fetched from elsewhere.
 
-Drop a photo anywhere on the page, choose one, or click an example; the page posts it to
-``/api/caption`` and shows, under the photo's name and thumbnail, the captions (best first, each with
-its score: the log-probability per word, and the caption's total) and, in an iframe that follows
-its content's height, the explorer page the server rendered for it (:mod:`captioner.viz.explorer`:
-it opens on the caption's first tag-word or noun; hover, focus or tap a word, or one of the photo's
-tags for a model with concept detectors; a heat map or attention as light; layer and head selectors
-for a Transformer). Changing the model, the beam or the number of captions, or pressing "Run again",
-captions the same photo again, and the page stays where it is (no scrolling: the upload box and the
-focused control stay in view). With several models, "all models" (the default) shows them side by
-side: the photo once above the columns, each column's map at its full size (no photo beside it;
-on a phone the columns stay side by side), the same word lit in each, and a column whose caption lacks the
-word says so and shows its tag of that name or its nearest word. Buttons download the
-map on show with the caption and the word under it (PNG) and the attention record (JSON). An
-error is shown in one line and clears the old result; a new photo marks it as the previous one's
-until its own answer arrives. A file larger than the server's limit is refused before it is sent.
-The script and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
+At the top, each model said in one line from its model card (the card at ``/cards/<index>``). Drop a
+photo anywhere on the page, choose one, or click an example (a drop of text says it was no photo);
+the page posts it to ``/api/caption`` and shows the first result on one screen: the photo's name
+(once), the caption as text to copy, its score always (the log-probability in all, and per word,
+its words counted), said in a line, the n-best list when more than one caption is asked for, the
+downloads, and in an iframe that follows its content's height the explorer page the server rendered
+for it (:mod:`captioner.viz.explorer`: the word strip of small maps, play-through, the map as large as
+the window allows, its legend; it opens on the caption's first tag-word or noun). On a wide screen
+the caption, score and downloads stand beside the map; on a narrow one above and under it. A skip link
+leads to the words. Changing the model, the beam or the number of captions, or pressing "Run again",
+captions the same photo again, keeping the strength, style and chosen caption; stepping through a
+closed select with the arrow keys asks once, when the keys rest. The page stays where it is (no
+scrolling, nothing moves while a new photo is busy: a note over the old result marks it as the previous
+photo's). With several models, "all models" (the default) shows them side by side, their maps level,
+the same word lit in each, and a column whose caption lacks the word says so over its map and shows its
+tag of that name or its nearest word. An error is shown in one line, clears the old result and turns
+"Run again" off. A file larger than the server's limit is refused before it is sent. Beside the
+downloads each column keeps an empty place (``data-slot="labels"``) for the photo's labels. The script
+and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
 
 The document sets ``data-state`` on ``<body>`` (``idle``, ``busy``, ``done``, ``error``), counts
 answers in ``data-answers`` and the last upload-to-map time in ``data-ms``: what the browser tests
@@ -32,12 +35,13 @@ from captioner.files import size_text
 __all__ = ["PAGE_CSS", "PAGE_JS", "render_page"]
 
 
-def render_page(models: list[dict], examples: list[str], max_beam: int, max_bytes: int) -> str:
+def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int) -> str:
     """The page as one HTML string.
 
     Args:
-        models: ``[{"name", "decoder", "encoder", ...}]``, the first selected.
-        examples: the examples' names (``/examples/<index>`` serves each).
+        models: ``[{"name", "decoder", "encoder", "about", "card", ...}]``, the first selected; ``about`` is
+            the one line said of it, ``card`` whether ``/cards/<index>`` serves its model card.
+        examples: the examples' ``{"name", "file"}`` (``/examples/<index>`` serves each).
         max_beam: largest beam offered.
         max_bytes: largest upload (checked in the page before sending, and by the server).
     """
@@ -45,6 +49,10 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
               "max_text": size_text(max_bytes)}
     payload = json.dumps(config, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     names = html.escape(", ".join(m["name"] for m in models))
+    about = "".join(
+        f'<li><strong>{html.escape(m["name"])}</strong>: {html.escape(m.get("about", ""))}'
+        + (f' <a href="/cards/{i}" target="_blank" rel="noopener">model card</a>' if m.get("card") else "")
+        + "</li>" for i, m in enumerate(models))
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -55,25 +63,24 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 <style>{PAGE_CSS}</style>
 </head>
 <body data-state="loading" data-answers="0">
+<a class="skip" id="skip" href="#result">Skip to the caption's words</a>
 <main>
-<h1>Where does each word look? <small>captioner serve</small></h1>
+<header class="top"><h1>Where does each word look?</h1><ul id="about" aria-label="models">{about}</ul></header>
 <div class="bar">
   <div id="drop"><label for="file">Drop a photo on the page, or choose one:</label> <input type="file" id="file" accept="image/*"></div>
   <div id="examples"><span>or an example:</span></div>
 </div>
-<div class="bar">
-  <div id="current" hidden><img id="thumb" alt="" hidden><span id="file-name"></span></div>
+<div class="bar settings">
   <label id="model-label">model<select id="model"></select></label>
   <label>beam<select id="beam"></select></label>
   <label>captions<select id="nbest-count"></select></label>
   <button type="button" id="again" disabled>Run again</button>
+  <p id="status" aria-live="polite"></p>
 </div>
 <p id="error" role="alert" hidden></p>
-<p id="status" aria-live="polite"></p>
 <section id="result" hidden aria-label="result">
-  <p id="stale-note" hidden></p>
-  <div id="result-head" class="bar"><img id="result-thumb" alt="" width="40" height="40" hidden>
-    <span>Result for <strong id="result-file"></strong></span></div>
+  <div id="result-head"><span>Photo: <strong id="file-name"></strong></span>
+    <span id="stale-note" hidden></span></div>
   <div id="columns"></div>
 </section>
 </main>
@@ -85,59 +92,83 @@ def render_page(models: list[dict], examples: list[str], max_beam: int, max_byte
 
 
 # --- the page's stylesheet and script (embedded inline by render_page) ---
-# The script keeps the last photo (its bytes, name and a thumbnail) and captions it again whenever a
-# setting changes or "Run again" is pressed; a new photo marks the shown result as the old one's until
-# its own answer arrives, and an error clears it. With "all models" chosen it asks every model at once
-# and shows one column each; a word (or tag) hovered, focused or pinned in one column is shown in the others
-# (with its map, for a column that lacks the word), and one style holds for all. The page never scrolls by
-# itself: the old columns' height is kept until the new ones are drawn, so nothing jumps.
+# The script keeps the last photo (its bytes and name) and captions it again whenever a setting changes or
+# "Run again" is pressed; a new photo marks the shown result as the old one's until its own answer arrives,
+# and an error clears it. With "all models" chosen it asks every model at once and shows one column each; a
+# word (or tag) hovered, focused or pinned in one column is shown in the others (with its map, for a column
+# that lacks the word), and one style and strength hold for all. The page never scrolls by itself: the old
+# columns' height is kept until the new ones are drawn, so nothing jumps.
 
 PAGE_CSS = """
-body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .8em auto; max-width: 1360px;
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .5em auto; max-width: 1360px;
        padding: 0 1em; color: #1d1d1f; background: #fafafa; }
-h1 { font-size: 1.2em; margin: 0 0 .4em; font-weight: 600; }
-h1 small { font-weight: 400; color: #555; }
-.bar { display: flex; flex-wrap: wrap; gap: .6em 1.2em; align-items: center; margin: .3em 0 .6em; }
+.skip { position: absolute; left: .5em; top: -3em; background: #fff; padding: .3em .8em; border-radius: 6px; z-index: 5; }
+.skip:focus { top: .4em; }
+.top { display: flex; flex-wrap: wrap; align-items: baseline; gap: 0 1.2em; }
+h1 { font-size: 1.2em; margin: 0; font-weight: 600; }
+#about { list-style: none; margin: 0; padding: 0; color: #444; font-size: .9em; }
+#about a { color: #1f47b8; }
+.bar { display: flex; flex-wrap: wrap; gap: .4em 1.2em; align-items: center; margin: .3em 0 .4em; }
 .bar select { margin-left: .35em; }
 button, select, input { font: inherit; }
 button { padding: .25em .8em; border: 1px solid #8a94a6; border-radius: 6px; background: #fff; color: #1d1d1f;
          cursor: pointer; }
 button:disabled { color: #6b6b6b; cursor: default; }
 :focus-visible { outline: 3px solid #e0a800; outline-offset: 2px; }
-#drop { border: 2px dashed #8a94a6; border-radius: 8px; padding: .6em 1em; color: #333; background: #fff;
+#drop { border: 2px dashed #8a94a6; border-radius: 8px; padding: .4em 1em; color: #333; background: #fff;
         flex: 1 1 320px; }
 body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
-#examples { display: flex; gap: .5em; flex-wrap: wrap; align-items: center; }
+#examples { display: flex; gap: .4em; flex-wrap: wrap; align-items: center; }
 #examples button { padding: 0; border: 2px solid transparent; border-radius: 6px; background: none; }
 #examples button:hover { border-color: #1f47b8; }
-#examples img { width: 56px; height: 56px; object-fit: cover; border-radius: 4px; display: block; }
-#current { display: flex; align-items: center; gap: .6em; }
-#thumb { width: 56px; height: 56px; object-fit: cover; border-radius: 4px; box-shadow: 0 1px 3px #0004; }
-#file-name { font-weight: 600; overflow-wrap: anywhere; }
-#error { color: #8a0000; background: #fdecec; border-radius: 6px; padding: .5em .8em; }
-#status { color: #444; min-height: 1.4em; margin: .2em 0; }
+#examples img { width: 48px; height: 48px; object-fit: cover; border-radius: 4px; display: block; }
+/* one line, always there: a status that comes and goes moves nothing */
+#status { color: #444; margin: 0; flex: 1 1 12em; min-width: 0; white-space: nowrap; overflow: hidden;
+          text-overflow: ellipsis; }
+#error { color: #8a0000; background: #fdecec; border-radius: 6px; padding: .4em .8em; margin: .2em 0; }
+#columns { overflow-anchor: none; }  /* replaced on every answer: never the browser's scroll anchor */
+#result-head { position: relative; margin: 0 0 .3em; overflow-wrap: anywhere; }
+/* over the old result, not above it: marking it stale moves nothing */
+#stale-note { position: absolute; left: 0; right: 0; top: 100%; z-index: 2; color: #6b4e00; background: #fff4d6;
+              border-radius: 6px; padding: .3em .8em; box-shadow: 0 1px 4px #0003; }
 #result.stale .column { opacity: .4; }
-#stale-note { color: #6b4e00; background: #fff4d6; border-radius: 6px; padding: .3em .8em; }
-#columns { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 440px), 1fr)); gap: 1.2em; }
-/* models side by side: one column each, side by side at any width (a phone too), the photo once above them */
-#columns.many { grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr)); gap: .8em; }
-#result.many #result-thumb { width: auto; height: 120px; max-width: 100%; object-fit: contain; border-radius: 4px; }
-@media (max-width: 600px) {
-  body { padding: 0 .4em; }
-  #columns.many { gap: .4em; }
-  #result.many #result-thumb { height: 72px; }
-  .column h2 .meta { display: block; margin-left: 0; }
-  .downloads button { font-size: .85em; }
+/* one model: the caption, its score and the downloads beside the map; the map as large as the window allows */
+.column { min-width: 0; display: grid; grid-template-columns: minmax(0, 1fr); grid-template-areas: "head" "map" "more";
+          align-content: start; }
+.column .head { grid-area: head; } .column .map { grid-area: map; min-width: 0; } .column .more { grid-area: more; }
+@media (min-width: 900px) {
+  #columns:not(.many) .column { grid-template-columns: minmax(240px, 340px) minmax(0, 1fr);
+                                grid-template-rows: auto 1fr; grid-template-areas: "head map" "more map"; gap: 0 1.2em; }
 }
-.column { min-width: 0; }
+/* models side by side: one column each, their maps level (the rows of every column are the same rows) */
+#columns.many { display: grid; grid-template-columns: repeat(var(--n, 2), minmax(0, 1fr));
+                grid-template-rows: auto auto auto; gap: 0 .8em; }
+#columns.many .column { grid-row: span 3; grid-template-rows: subgrid; }
+#columns:not(.many) .column h2 { display: none; }
 .column h2 { font-size: 1em; margin: .2em 0; font-weight: 600; }
 .column .meta { color: #444; font-size: .85em; font-weight: 400; margin-left: .4em; }
+.chosen { font-size: 1.25em; margin: .1em 0 .2em; overflow-wrap: anywhere; }
+.chosen .text { user-select: text; }
+.chosen .copy { font-size: .65em; margin-left: .5em; vertical-align: middle; }
+.score { margin: 0; font-variant-numeric: tabular-nums; }
+.explain { margin: 0 0 .4em; color: #444; font-size: .85em; }
 .nbest { list-style: none; margin: .2em 0 .4em; padding: 0; display: flex; flex-direction: column; gap: .2em; }
 .nbest button { text-align: left; width: 100%; border-color: #c5cbd6; }
 .nbest button[aria-pressed="true"] { background: #dfe6f7; border-color: #1f47b8; box-shadow: inset 3px 0 #1f47b8; }
 .nbest .score { color: #444; font-size: .85em; margin-left: .6em; white-space: nowrap; }
+.labels:empty { display: none; }
 iframe { width: 100%; border: 0; min-height: 200px; background: #fafafa; display: block; }
-.downloads { display: flex; flex-wrap: wrap; gap: .6em; margin: .3em 0; }
+.downloads { display: flex; flex-wrap: wrap; gap: .5em; margin: .3em 0; }
+@media (max-width: 600px) {
+  body { padding: 0 .4em; font-size: 14px; }
+  #about { font-size: .8em; }
+  #drop { padding: .3em .6em; flex-basis: 100%; }
+  #examples img { width: 40px; height: 40px; }
+  .chosen { font-size: 1.1em; }
+  #columns.many { gap: .4em; }
+  .column h2 .meta { display: block; margin-left: 0; }
+  .downloads button { font-size: .85em; }
+}
 [hidden] { display: none !important; }
 """
 
@@ -147,7 +178,8 @@ PAGE_JS = r"""
   const CFG = JSON.parse(document.getElementById("serve-config").textContent);
   const $ = function (id) { return document.getElementById(id); };
   const body = document.body, errorBox = $("error"), statusLine = $("status"), columns = $("columns");
-  let last = null, run = 0, style = null, thumbUrl = null, started = 0;  // style: as the explorer opens, until chosen
+  // last: the photo; style, strength: as the explorer opens, until chosen; chosen: the caption picked per model
+  let last = null, run = 0, style = null, strength = null, started = 0, chosen = {}, chosenFor = null;
 
   if (CFG.models.length > 1) $("model").add(new Option("all models, side by side", ""));
   CFG.models.forEach(function (m) {
@@ -166,12 +198,14 @@ PAGE_JS = r"""
 
   function setState(state) { body.dataset.state = state; }
   function answered() { body.dataset.answers = String(+(body.dataset.answers || 0) + 1); }
-  function fail(message) {
+  function fail(message) {  // the photo's error: no old result under it, and nothing to run again
     errorBox.textContent = message; errorBox.hidden = false;
-    statusLine.textContent = ""; $("result").hidden = true; columns.innerHTML = "";  // no stale result under it
+    statusLine.textContent = ""; $("result").hidden = true; columns.innerHTML = "";
     columns.style.minHeight = "";
+    last = null; $("again").disabled = true;
     setState("error"); answered();
   }
+  function notice(message) { errorBox.textContent = message; errorBox.hidden = false; }  // the result stays
   function chosenModels() {
     return $("model").value ? [$("model").value] : CFG.models.map(function (m) { return m.name; });
   }
@@ -182,40 +216,74 @@ PAGE_JS = r"""
     const a = document.createElement("a"); a.href = href; a.download = filename;
     document.body.appendChild(a); a.click(); a.remove();
   }
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
 
-  function column(data, many) {  // one model's answer: heading, n-best list, downloads, explorer
-    const col = document.createElement("section"), frame = document.createElement("iframe");
-    col.className = "column"; col.dataset.model = data.model;
-    let shown = 0;
-    const h = document.createElement("h2"), meta = document.createElement("span");
-    h.textContent = data.model + " ";
-    meta.className = "meta"; meta.textContent = "beam " + data.beam + " \u00b7 " + data.seconds.toFixed(2) + " s";
-    h.appendChild(meta); col.appendChild(h);
-    const list = document.createElement("ol"); list.className = "nbest";
+  function scoreParts(c) {  // the search's score: the caption's log-probability (its words and its end)
+    const n = c.words.length, per = n ? c.score / n : c.score;  // per word: the words alone are counted
+    return { total: c.score.toFixed(2), per: per.toFixed(2), n: n };
+  }
+
+  function column(data, many, keep) {  // one model's answer: the caption, its score, the n-best list, the map
+    const col = el("section", "column"), frame = document.createElement("iframe");
+    col.dataset.model = data.model;
+    let shown = Math.min(keep, data.captions.length - 1);
+    const head = el("div", "head"), more = el("div", "more"), map = el("div", "map");
+    const h = el("h2", "", data.model + " ");
+    h.appendChild(el("span", "meta", "beam " + data.beam + " \u00b7 " + data.seconds.toFixed(2) + " s"));
+    head.appendChild(h);
+    const line = el("p", "chosen"), text = el("span", "text"), copy = el("button", "copy", "Copy");
+    copy.type = "button";
+    copy.setAttribute("aria-label", "copy the caption");
+    line.appendChild(text); line.appendChild(copy); head.appendChild(line);
+    const score = el("p", "score");
+    head.appendChild(score);
+    head.appendChild(el("p", "explain", "How likely the model finds this caption (its log-probability): 0 would " +
+                        "be certain, closer to 0 is more likely."));
+    function pick(k) {  // caption k of the list: its text, its score, its map
+      shown = k;
+      const c = data.captions[k], s = scoreParts(c);
+      text.textContent = c.text || "(empty caption)";
+      score.textContent = "";
+      score.appendChild(document.createTextNode("log-probability "));
+      score.appendChild(el("strong", "", s.total));
+      score.appendChild(document.createTextNode(" in all \u00b7 "));
+      score.appendChild(el("strong", "", s.per));
+      score.appendChild(document.createTextNode(" per word (" + s.n + (s.n === 1 ? " word)" : " words)")));
+      list.querySelectorAll("button").forEach(function (o, j) { o.setAttribute("aria-pressed", String(j === k)); });
+      chosen[data.model] = k;
+    }
+    const list = el("ol", "nbest");
     list.setAttribute("aria-label", data.model + ": captions, best first");
     list.hidden = data.captions.length < 2;
     data.captions.forEach(function (c, k) {
-      const li = document.createElement("li"), b = document.createElement("button");
-      b.type = "button"; b.className = "nbest-item"; b.id = "nbest-" + (many ? data.model + "-" : "") + k;
-      b.setAttribute("aria-pressed", String(k === 0));
-      const t = document.createElement("span"); t.className = "text"; t.textContent = c.text || "(empty caption)";
-      const s = document.createElement("span"); s.className = "score";
-      s.textContent = scoreText(c);
-      s.title = "how likely the model finds this caption: the log-probability of its words and of its end, " +
-        "per word and in all (0 would be certain; closer to 0 is more likely)";
-      b.appendChild(t); b.appendChild(s);
-      b.addEventListener("click", function () {
-        shown = k;
-        list.querySelectorAll("button").forEach(function (o, j) { o.setAttribute("aria-pressed", String(j === k)); });
-        load(frame, c.explorer, false);
-      });
+      const li = document.createElement("li"), b = el("button", "nbest-item");
+      b.type = "button"; b.id = "nbest-" + (many ? data.model + "-" : "") + k;
+      const s = scoreParts(c);
+      b.appendChild(el("span", "text", c.text || "(empty caption)"));
+      b.appendChild(el("span", "score", s.per + " per word \u00b7 " + s.total + " in all"));
+      b.addEventListener("click", function () { pick(k); load(frame, c.explorer, false); });
       li.appendChild(b); list.appendChild(li);
     });
-    col.appendChild(list);
-    const dl = document.createElement("div"); dl.className = "downloads";
-    const png = document.createElement("button"), json = document.createElement("button");
-    png.type = json.type = "button"; png.className = "download-png"; json.className = "download-json";
-    png.textContent = "Download this map (PNG)"; json.textContent = "Download attention (JSON)";
+    more.appendChild(list);
+    copy.addEventListener("click", function () {
+      const done = function () { copy.textContent = "Copied"; setTimeout(function () { copy.textContent = "Copy"; }, 1500); };
+      const t = text.textContent;
+      if (navigator.clipboard && navigator.clipboard.writeText) navigator.clipboard.writeText(t).then(done, select);
+      else select();
+      function select() {  // no clipboard here: the text selected, for Ctrl+C
+        const r = document.createRange(); r.selectNodeContents(text);
+        const sel = window.getSelection(); sel.removeAllRanges(); sel.addRange(r);
+      }
+    });
+    const dl = el("div", "downloads");
+    const png = el("button", "download-png", "Download this map (PNG)");
+    const json = el("button", "download-json", "Download attention (JSON)");
+    png.type = json.type = "button";
     png.addEventListener("click", function () {
       const w = frame.contentWindow;
       if (!w || !w.captionerSnapshot) return;
@@ -230,25 +298,35 @@ PAGE_JS = r"""
       save(url, stem() + "_" + data.model + "_caption" + (shown + 1) + "_attention.json");
       setTimeout(function () { URL.revokeObjectURL(url); }, 1000);
     });
-    dl.appendChild(png); dl.appendChild(json);
+    dl.appendChild(png); dl.appendChild(json); more.appendChild(dl);
+    // the photo's top labels, each with its map, join here when a model reports them
+    const labels = el("div", "labels"); labels.dataset.slot = "labels"; more.appendChild(labels);
     frame.title = data.model + ": where each word looked";
-    col.appendChild(frame); col.appendChild(dl);
-    return { element: col, frame: frame, first: data.captions[0].explorer };
+    map.appendChild(frame);
+    col.appendChild(head); col.appendChild(map); col.appendChild(more);
+    pick(shown);
+    return { element: col, frame: frame, first: data.captions[shown].explorer };
   }
 
-  function scoreText(c) {  // the search's score is the caption's log-probability (its words and its end)
-    const tokens = c.words.length + (c.finished ? 1 : 0), per = tokens ? c.score / tokens : c.score;
-    return "log-probability " + per.toFixed(2) + " per word \u00b7 " + c.score.toFixed(2) + " in all";
-  }
-  function fit(frame) {  // the frame as high as what it holds: it grows and shrinks with the window
+  function fit(frame) {  // the frame as high as what it holds (it follows the window); the map fits the window
     const doc = frame.contentDocument;
-    if (doc && doc.body) frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
+    if (!doc || !doc.body) return;
+    const view = doc.getElementById("view"), said = doc.getElementById("summary");
+    if (view && said) {  // room for the map: the window less what is above it, and its legend and sentence under it
+      const top = frame.getBoundingClientRect().top + window.scrollY + view.getBoundingClientRect().top;
+      const under = said.getBoundingClientRect().bottom - view.getBoundingClientRect().bottom;
+      const room = Math.max(200, Math.floor(window.innerHeight - top - under - 10));
+      if (doc.documentElement.style.getPropertyValue("--map-max") !== room + "px")
+        doc.documentElement.style.setProperty("--map-max", room + "px");
+    }
+    frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
   }
   function load(frame, html, counted) {
     frame.onload = function () {
       const w = frame.contentWindow, doc = frame.contentDocument;
       if (doc && doc.body) doc.body.classList.toggle("compare", columns.classList.contains("many"));
       if (w && w.captionerSetStyle && style) w.captionerSetStyle(style);
+      if (w && w.captionerSetStrength && strength !== null) w.captionerSetStrength(strength);
       fit(frame); setTimeout(function () { fit(frame); }, 50);
       if (w && w.ResizeObserver && doc && doc.body) new w.ResizeObserver(function () { fit(frame); }).observe(doc.body);
       if (counted) counted();
@@ -256,7 +334,6 @@ PAGE_JS = r"""
     };
     frame.srcdoc = html;
   }
-
 
   async function ask(model, form) {
     form.set("model", model);
@@ -271,23 +348,24 @@ PAGE_JS = r"""
 
   async function send() {
     if (!last) return;
-    const mine = ++run, models = chosenModels();
+    const mine = ++run, models = chosenModels(), photo = last;
     errorBox.hidden = true;
-    if (last.blob.size > CFG.max_bytes) {
-      fail(last.name + ": too large (" + (last.blob.size / 1048576).toFixed(1) + " MiB; the limit is " +
+    if (photo.blob.size > CFG.max_bytes) {
+      fail(photo.name + ": too large (" + (photo.blob.size / 1048576).toFixed(1) + " MiB; the limit is " +
            CFG.max_text + ")");
       return;
     }
     setState("busy"); started = performance.now();
     $("again").disabled = false;
-    statusLine.textContent = "captioning " + last.name + "\u2026";
-    if (!$("result").hidden && $("result").dataset.file !== last.name + "#" + last.serial) {
+    statusLine.textContent = "captioning\u2026";
+    $("file-name").textContent = photo.name;
+    if (!$("result").hidden && $("result").dataset.file !== photo.name + "#" + photo.serial) {
       $("result").classList.add("stale");
-      $("stale-note").textContent = "Below: the previous photo, " + $("result").dataset.name + ", until this one is done.";
+      $("stale-note").textContent = "Below: the previous photo's result, until this one's is done.";
       $("stale-note").hidden = false;
     }
     const form = new FormData();
-    form.append("image", last.blob, last.name);
+    form.append("image", photo.blob, photo.name);
     form.append("beam", $("beam").value);
     form.append("n_best", $("nbest-count").value);
     const answers = await Promise.all(models.map(function (m) {
@@ -299,14 +377,14 @@ PAGE_JS = r"""
     if (!$("result").hidden) columns.style.minHeight = columns.offsetHeight + "px";  // no jump while redrawn
     columns.innerHTML = "";
     $("result").classList.remove("stale"); $("stale-note").hidden = true;
-    $("result").dataset.file = last.name + "#" + last.serial; $("result").dataset.name = last.name;
-    $("result-file").textContent = last.name;
-    $("result-thumb").src = thumbUrl; $("result-thumb").alt = many(answers) ? "the photo: " + last.name : "";
+    if (chosenFor !== photo.serial) chosen = {};  // a re-run of the same photo keeps the captions chosen
+    chosenFor = photo.serial;
+    $("result").dataset.file = photo.name + "#" + photo.serial;
     $("result").hidden = false;
-    const several = many(answers);
+    const several = answers.length > 1;
     $("result").classList.toggle("many", several); columns.classList.toggle("many", several);
     columns.style.setProperty("--n", String(answers.length));
-    const built = answers.map(function (a) { return column(a, several); });
+    const built = answers.map(function (a) { return column(a, several, chosen[a.model] || 0); });
     let loaded = 0;
     built.forEach(function (b) {
       columns.appendChild(b.element);
@@ -314,32 +392,21 @@ PAGE_JS = r"""
         if (++loaded < built.length || mine !== run) return;
         const ms = performance.now() - started;
         body.dataset.ms = ms.toFixed(0);
-        statusLine.textContent = last.name + ": " + models.length + (models.length > 1 ? " models" : " model") +
-          " \u00b7 " + (ms / 1000).toFixed(2) + " s from upload to map";
+        statusLine.textContent = models.length + (models.length > 1 ? " models" : " model") + " \u00b7 " +
+          (ms / 1000).toFixed(2) + " s from upload to map";
         columns.style.minHeight = "";
         setState("done"); answered();
       });
     });
   }
 
-  function many(answers) { return answers.length > 1; }
-  ["thumb", "result-thumb"].forEach(function (id) {  // a file that is no picture shows no broken image
-    $(id).addEventListener("load", function () { $(id).hidden = false; });
-    $(id).addEventListener("error", function () { $(id).hidden = true; });
-  });
-
   let serial = 0;
   function choose(blob, name) {
-    if (thumbUrl) URL.revokeObjectURL(thumbUrl);
-    thumbUrl = URL.createObjectURL(blob);
     last = { blob: blob, name: name, serial: ++serial };
-    $("thumb").hidden = true;
-    $("thumb").src = thumbUrl; $("thumb").alt = "the photo being captioned: " + name;
-    $("file-name").textContent = name; $("current").hidden = false;
     send();
   }
 
-  window.addEventListener("message", function (e) {  // one explorer's word or style, shown in the others
+  window.addEventListener("message", function (e) {  // one explorer's word, style or strength, shown in the others
     const msg = e.data || {};
     const ours = frames().some(function (f) { return f.contentWindow === e.source; });
     if (!ours) return;
@@ -349,17 +416,38 @@ PAGE_JS = r"""
       if (!w || w === e.source) return;
       if (msg.captioner === "word" && w.captionerShowWord) w.captionerShowWord(msg.word, msg.kind, msg.map);
       if (msg.captioner === "style" && w.captionerSetStyle) w.captionerSetStyle(msg.style);
+      if (msg.captioner === "strength" && w.captionerSetStrength) w.captionerSetStrength(msg.value);
     });
     if (msg.captioner === "style") style = msg.style;
+    if (msg.captioner === "strength") strength = msg.value;
   });
   window.addEventListener("resize", function () { frames().forEach(fit); });
 
-  $("beam").addEventListener("change", function () { fillNbest(); send(); });
-  $("nbest-count").addEventListener("change", send);
-  $("model").addEventListener("change", send);
+  // a setting captions the photo again; stepping through a closed select with the arrow keys asks once, when
+  // the keys rest (or the select is left), not at every step
+  function setting(select, before) {
+    let keyed = false, timer = null;
+    function now() { clearTimeout(timer); timer = null; send(); }
+    select.addEventListener("keydown", function () { keyed = true; });
+    select.addEventListener("pointerdown", function () { keyed = false; });
+    select.addEventListener("change", function () {
+      if (before) before();
+      if (!keyed) { now(); return; }
+      clearTimeout(timer); timer = setTimeout(now, 800);
+    });
+    select.addEventListener("blur", function () { keyed = false; if (timer !== null) now(); });
+  }
+  setting($("beam"), fillNbest);
+  setting($("nbest-count"));
+  setting($("model"));
   $("again").addEventListener("click", send);
   $("file").addEventListener("change", function () {
     if (this.files.length) choose(this.files[0], this.files[0].name);
+  });
+  $("skip").addEventListener("click", function (e) {  // to the words of the (first) caption: its strip's Tab stop
+    const f = frames()[0], doc = f && f.contentDocument, word = doc && doc.querySelector(".word[tabindex='0']");
+    if (!word) return;
+    e.preventDefault(); f.focus(); word.focus();
   });
   // a photo dropped anywhere on the page is captioned (not opened by the browser in place of the page)
   let dragDepth = 0;
@@ -372,18 +460,21 @@ PAGE_JS = r"""
   });
   document.addEventListener("drop", function (e) {
     e.preventDefault(); dragDepth = 0; body.classList.remove("dragging");
-    const files = e.dataTransfer && e.dataTransfer.files;
-    if (files && files.length) choose(files[0], files[0].name);
+    const data = e.dataTransfer, files = data && data.files;
+    if (files && files.length) { choose(files[0], files[0].name); return; }
+    const types = data ? Array.prototype.slice.call(data.types || []) : [];
+    notice(types.indexOf("text/uri-list") >= 0 ? "That was a link, not a photo: save the picture, then drop the file."
+           : "That was text, not a photo: drop an image file (JPEG, PNG, ...), or choose one.");
   });
-  CFG.examples.forEach(function (name, i) {
+  CFG.examples.forEach(function (example, i) {
     const b = document.createElement("button"), img = document.createElement("img");
-    b.type = "button"; b.id = "example-" + i; b.title = name; b.setAttribute("aria-label", "example: " + name);
+    b.type = "button"; b.id = "example-" + i; b.title = example.name;
+    b.setAttribute("aria-label", "example: " + example.name);
     img.src = "/examples/" + i; img.alt = "";
     b.appendChild(img);
     b.addEventListener("click", async function () {
       const r = await fetch("/examples/" + i);
-      const png = r.headers.get("content-type") === "image/png";
-      choose(await r.blob(), name.replace(/\s+/g, "_") + (png ? ".png" : ".jpg"));
+      choose(await r.blob(), example.file);  // the file's own bytes: the score `captioner caption` gives it
     });
     $("examples").appendChild(b);
   });

@@ -21,13 +21,17 @@ Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are 
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
+import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -37,14 +41,15 @@ from captioner.data.images import decode_image
 from captioner.errors import CaptionerError, ConfigError, ImageLoadError, one_line
 from captioner.files import MiB, size_text
 from captioner.inference import Captioner
-from captioner.share.examples import Example
+from captioner.share.examples import Example, reads_scenes
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
+from captioner.text import SPECIALS
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
-__all__ = ["ServeLimits", "ServedModel", "caption_upload", "create_app", "running"]
+__all__ = ["ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,8 @@ FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around th
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
        "base-uri 'none'")
+CARD_CSS = ("body { font: 15px/1.5 system-ui, sans-serif; margin: 1em auto; max-width: 60em; padding: 0 1em; "
+            "color: #1d1d1f; background: #fafafa; } pre { white-space: pre-wrap; font: inherit; }")
 
 
 @dataclass(frozen=True)
@@ -105,13 +112,30 @@ class ServedModel:
 
     name: str
     captioner: Captioner
+    card: str | None = field(default=None, repr=False)  # its model card (Markdown), when it has one
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "captioner-model"), repr=False)
 
     def info(self) -> dict:
+        """What the page shows of the model: its name, family, vocabulary and one line about it."""
         cfg = self.captioner.config
+        about = card_summary(self.card) if self.card else ""
+        if not about:
+            words = len(self.captioner.vocab) - len(SPECIALS)
+            data = "synthetic scenes" if reads_scenes(self.captioner.vocab.itos) else "photos"
+            about = f"{cfg.decoder.name} decoder over {cfg.encoder.name}, {words:,} words, trained on {data}"
         return {"name": self.name, "decoder": cfg.decoder.name, "encoder": cfg.encoder.name,
-                "vocab": len(self.captioner.vocab)}
+                "vocab": len(self.captioner.vocab), "about": about, "card": self.card is not None}
+
+
+def card_summary(card: str) -> str:
+    """One line about a model from its card (Markdown): the title's text after the model's name, and what
+    its photos are when the card says (a sentence starting "The photos are ...", up to its first comma)."""
+    title = next((line[2:].strip() for line in card.splitlines() if line.startswith("# ")), "")
+    title = re.sub(r"^`[^`]*`\s*:\s*", "", title).replace("`", "")
+    photos = re.search(r"\bThe photos are ([^,.;]+)", card)
+    about = f"photos {photos.group(1).strip()}" if photos else ""
+    return one_line(": ".join(part for part in (title, about) if part))[:200]
 
 
 def _check_choice(name: str, value: int, low: int, high: int) -> int:
@@ -148,10 +172,13 @@ def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, b
 
 def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, limits: ServeLimits,
                    t0: float) -> dict:
-    image = decode_image(data, filename, limits.max_pixels)
-    with served.lock:
-        captions = served.worker.submit(served.captioner.caption_nbest, image, n_best=n_best, beam=beam,
-                                        max_len=limits.max_len, all_heads=True).result()
+    image = decode_image(data, filename, limits.max_pixels)  # checked here; drawn by the explorer
+    with tempfile.TemporaryDirectory(prefix="captioner-serve-") as folder:
+        upload = Path(folder) / "upload"  # captioned from a file, as `captioner caption FILE` does: the same
+        upload.write_bytes(data)          # decoding (a JPEG at the scale the encoder needs), the same score
+        with served.lock:
+            captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best, beam=beam,
+                                            max_len=limits.max_len, all_heads=True).result()
     out = []
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
@@ -175,7 +202,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     if len(by_name) != len(models):
         raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
-    page = render_page([m.info() for m in models], [e.name for e in examples], limits.max_beam, limits.max_bytes)
+    page = render_page([m.info() for m in models], [e.info() for e in examples], limits.max_beam, limits.max_bytes)
     install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.body_seconds)
     app.state.limits = limits
 
@@ -204,6 +231,16 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     @app.get("/api/models")
     def list_models() -> list[dict]:
         return [m.info() for m in models]
+
+    @app.get("/cards/{index}", response_class=HTMLResponse)
+    def card(index: int) -> Response:
+        if not 0 <= index < len(models) or models[index].card is None:
+            return _error(404, f"no model card for model {index}")
+        name = html.escape(models[index].name)
+        return HTMLResponse(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{name}: model card'
+                            f'</title><link rel="icon" href="data:,"><style>{CARD_CSS}</style></head><body><main>'
+                            f'<p><a href="/">back to the page</a></p><pre>{html.escape(models[index].card)}</pre>'
+                            "</main></body></html>")
 
     @app.get("/examples/{index}")
     def example(index: int) -> Response:

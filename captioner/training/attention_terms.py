@@ -1,11 +1,9 @@
-"""The attention terms of cross-entropy training: boxes, and concept detectors.
+"""The attention terms of cross-entropy training: a word's attention onto the box of its object.
 
-Each is a ``LossTerm`` of ``CrossEntropy`` built for a run by its ``build_*`` function (None when
-the run does not ask for it): ``AttentionSupervision`` (``train.attention_supervision``: a word's
-attention onto the box of the object it names, Liu et al. 2017), ``ConceptGuide``
-(``train.concept_guide``: towards the map of the concept it names) and ``ConceptPointer``
-(``train.concept_pointer``: the concept prior's pointer names the next word's concept).
-docs/grounding.md explains the terms.
+``AttentionSupervision`` (``train.attention_supervision``: a word's attention onto the box of the
+object it names, Liu et al. 2017) is a ``LossTerm`` of ``CrossEntropy`` built for a run by
+:func:`build_attention_supervision` (None when the run does not ask for it); :func:`grounding_loss` is
+shared with the concept guide (``captioner.concepts.training``). docs/grounding.md explains the terms.
 
 Shape legend: B batch, T caption steps, N regions.
 """
@@ -22,11 +20,10 @@ import torch
 
 from captioner.data.coco import load_instances
 from captioner.data.transforms import crop_box
-from captioner.errors import ConfigError, DataError
+from captioner.errors import ConfigError
 from captioner.evaluation.attention_metrics import (WordTable, bind_mentions, box_coverage, detect_vocabulary,
                                                     find_mentions, word_table)
 from captioner.models.base import DecoderOutput
-from captioner.models.concepts import ConceptHead, read_concepts
 from captioner.text import Vocabulary
 
 log = logging.getLogger(__name__)
@@ -193,7 +190,7 @@ class AttentionSupervision:
         return term.loss
 
 
-def _cross_entropy_only(key: str, objective: str) -> bool:
+def cross_entropy_only(key: str, objective: str) -> bool:
     """Whether a term of cross-entropy training applies under ``train.objective``; warns when it does not."""
     if objective != "xe":
         log.warning("%s applies to cross-entropy training only; train.objective=%s trains without it", key, objective)
@@ -213,7 +210,7 @@ def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> 
     t = cfg.train
     if not t.attention_supervision:
         return None
-    if not _cross_entropy_only("train.attention_supervision", t.objective):
+    if not cross_entropy_only("train.attention_supervision", t.objective):
         return None
     split = cfg.data.train_split
     instances = load_instances(cfg.data.root, split, cfg.data.images)
@@ -232,139 +229,3 @@ def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> 
              "as %s", t.attention_supervision, t.attention_supervision_form, with_boxes, len(train_set.images),
              targets.table.name)
     return AttentionSupervision(targets, t.attention_supervision, t.attention_supervision_form, vocab.pad_id)
-
-
-def concept_table(words: Sequence[str], vocab: Vocabulary) -> torch.Tensor:
-    """vocabulary id -> index of its concept in ``words``, -1 for a word that is no concept: (V,) long."""
-    table = torch.full((len(vocab),), -1, dtype=torch.long)
-    for k, word in enumerate(words):
-        if word in vocab.stoi:
-            table[vocab.stoi[word]] = k
-    return table
-
-
-class ConceptGuide:
-    """The concept-guide term of cross-entropy training (a ``LossTerm``, ``train.concept_guide``).
-
-    For every target word that is a concept, the decoder's attention at the step that predicts it
-    is pulled towards that concept's map in the image (KL divergence to the map, as box
-    supervision's ``cross_entropy`` form; logged as ``concept_guide`` and ``concept_guided_words``).
-
-    Args:
-        head: the trained concept head (frozen here).
-        vocab: the decoder's vocabulary (concept words outside it are never targets).
-        weight: the term's weight.
-        min_prob: a step is guided only where the head finds the concept in the image with at least
-            this probability (a map of a concept it cannot see is noise).
-        sharpness: the target is the map raised to this power, renormalised (1: the map itself).
-    """
-
-    name = "concept_guide"
-
-    def __init__(self, head: ConceptHead, vocab: Vocabulary, weight: float, min_prob: float = 0.1,
-                 sharpness: float = 1.0) -> None:
-        self.head = head.eval().requires_grad_(False)
-        self.weight = weight
-        self.min_prob = min_prob
-        self.sharpness = sharpness
-        self.pad_id = vocab.pad_id
-        self.table = concept_table(head.words, vocab)
-        self.stats: dict[str, torch.Tensor] = {}
-
-    def targets(self, features: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """features (B,N,D), target words (B,T) -> soft targets (B,T,N); all-zero rows are not guided."""
-        with torch.no_grad():
-            self.head.to(features.device)
-            probs, maps = self.head.read(features)  # (B, K), (B, K, N)
-            present = probs >= self.min_prob  # (B, K)
-            k = self.table.to(words.device)[words]  # (B, T)
-            guided = k >= 0
-            kk = k.clamp(min=0)
-            target = maps.gather(1, kk.unsqueeze(-1).expand(-1, -1, maps.shape[-1]))  # (B, T, N)
-            if self.sharpness != 1.0:  # in log space: a sharp power of small values underflows
-                target = torch.softmax(self.sharpness * target.clamp(min=1e-30).log(), dim=-1)
-            keep = guided & present.gather(1, kk)  # (B, T)
-            return target * keep.unsqueeze(-1).to(target.dtype)
-
-    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
-        if batch.x.dim() != 3:
-            raise DataError("train.concept_guide needs cached region features (a frozen encoder and "
-                            "data.feature_cache=true)")
-        words = batch.tokens[:, 1:]  # (B, T-1)
-        target = self.targets(batch.x, words)
-        term = grounding_loss(output.attention, target, "cross_entropy")
-        real = (words != self.pad_id).sum().clamp(min=1).to(term.words.dtype)
-        self.stats = {"concept_guided_words": term.words / real}
-        return term.loss
-
-
-class ConceptPointer:
-    """The concept prior's pointer term of cross-entropy training (a ``LossTerm``, ``train.concept_pointer``).
-
-    A SAT decoder with ``decoder.concept_prior`` reads, at every step, a pointer q over the photo's K
-    concepts and "none" (``aux["concept_pointer"]``, log q (B,T,K+1)); its attention is multiplied by
-    the maps of the concepts q points at (``captioner.models.lstm``). This term teaches q to name the
-    concept of the word the step predicts: the cross-entropy of q against that concept where the word is
-    one and the head finds it in the photo (P >= ``min_prob``, as the guide), against "none" elsewhere.
-    Logged as ``concept_pointer`` and ``concept_pointer_words`` (the share of words pointed at a concept).
-
-    Args:
-        words: the decoder's K concept words, in its order.
-        vocab: the decoder's vocabulary.
-        weight: the term's weight.
-        min_prob: below this P(concept in image) a concept word's target is "none".
-    """
-
-    name = "concept_pointer"
-
-    def __init__(self, words: Sequence[str], vocab: Vocabulary, weight: float, min_prob: float = 0.1) -> None:
-        self.table = concept_table(words, vocab)
-        self.weight = weight
-        self.min_prob = min_prob
-        self.pad_id = vocab.pad_id
-        self.stats: dict[str, torch.Tensor] = {}
-
-    def targets(self, words: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """Target words (B,T), P(concept in image) (B,K) -> the pointer's targets (B,T): a concept index, K ("none")."""
-        none = probs.shape[1]
-        k = self.table.to(words.device)[words]  # (B, T), -1: no concept
-        kk = k.clamp(min=0)
-        found = (k >= 0) & (probs.gather(1, kk) >= self.min_prob)
-        return torch.where(found, kk, torch.full_like(kk, none))
-
-    def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
-        log_q = output.aux.get("concept_pointer")
-        if log_q is None:
-            raise ConfigError("train.concept_pointer trains the pointer of decoder.concept_prior; this decoder has none")
-        words = batch.tokens[:, 1:]  # (B, T-1)
-        target = self.targets(words, output.aux["concept_probs"])
-        real = words != self.pad_id
-        nll = -log_q.float().gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-        count = real.sum().clamp(min=1)
-        self.stats = {"concept_pointer_words": ((target < log_q.shape[-1] - 1) & real).sum() / count}
-        return (nll * real).sum() / count
-
-
-def build_concept_pointer(cfg: Any, vocab: Vocabulary) -> ConceptPointer | None:
-    """The ``train.concept_pointer`` term, for a decoder with ``decoder.concept_prior`` trained by cross-entropy."""
-    t = cfg.train
-    if not getattr(cfg.model.decoder, "concept_prior", False) or not t.concept_pointer:
-        return None
-    if not _cross_entropy_only("train.concept_pointer", t.objective):
-        return None
-    head = read_concepts(t.concepts, cfg.model.encoder, vocab)
-    log.info("concept prior: pointer over %d concepts (weight %g)", head.size, t.concept_pointer)
-    return ConceptPointer(head.words, vocab, t.concept_pointer, t.concept_guide_min_prob)
-
-
-def build_concept_guide(cfg: Any, vocab: Vocabulary) -> ConceptGuide | None:
-    """The ``train.concept_guide`` term of cross-entropy training, or None when it is off."""
-    t = cfg.train
-    if not t.concept_guide:
-        return None
-    if not _cross_entropy_only("train.concept_guide", t.objective):
-        return None
-    head = read_concepts(t.concepts, cfg.model.encoder, vocab)
-    log.info("concept guide (weight %g, sharpness %g): %d concepts of %s", t.concept_guide,
-             t.concept_guide_sharpness, head.size, t.concepts)
-    return ConceptGuide(head, vocab, t.concept_guide, t.concept_guide_min_prob, t.concept_guide_sharpness)

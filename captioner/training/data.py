@@ -47,6 +47,7 @@ from captioner.errors import ConfigError, DataError, ImageLoadError
 from captioner.features.cache import get_feature_cache
 from captioner.features.dtype import stored_rows
 from captioner.models.model import CaptionModel
+from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
 from captioner.training.distributed import DistInfo, barrier
 
@@ -289,7 +290,7 @@ def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, i
     kwargs = dict(batch_size=max(cfg.train.batch_size, MIN_INFERENCE_BATCH), device=info.device,
                   skip_bad=cfg.data.skip_missing,
                   progress=progress and info.is_main, num_workers=cfg.data.num_workers)
-    transform = ImageTransform(cfg.model.encoder)
+    transform = ImageTransform(resolve_encoder(cfg.model.encoder))
     if info.is_main:
         cache = get_feature_cache(cfg.model, model.encoder, cs, transform, cache_dir, **kwargs)
     barrier(info)
@@ -330,7 +331,7 @@ def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set:
         train_load, train_set, train_store = _cached_loader(model, cfg, train_set, cache_dir, info, progress)
         val_load, val_set, val_store = _cached_loader(model, cfg, val_set, cache_dir, info, progress)
     else:
-        transform = ImageTransform(cfg.model.encoder)
+        transform = ImageTransform(resolve_encoder(cfg.model.encoder))
         skip = cfg.data.skip_missing
         limit = cfg.data.in_memory_mb
         train_store = pixels_in_memory(train_set, transform, limit, f"{train_set.split} split", progress and info.is_main)

@@ -8,7 +8,7 @@ only, so validation and scores are unchanged. A student trained on it learns the
 captions at one model's cost. The images are linked, not copied, and the folder keeps the
 source's name, so a feature cache built for the source serves the student too.
 
-**Word level.** ``word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
+**Word level.** ``write_word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
 word by word and keeps, at each step, its ``top_k`` next words and their probabilities (an
 ensemble's: the mean of its members'), in one safetensors file. ``train.word_distill`` names that
 file: :class:`WordDistillation` then adds ``train.word_distill_weight`` x KL(teacher top-k ||
@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
-from captioner.data.coco import load_caption_set, read_json
+from captioner.data.coco import load_caption_set, read_annotations
 from captioner.data.dataset import collate_captions
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
+from captioner.network import show_progress
 from captioner.text import Vocabulary
-from captioner.training.attention_terms import _cross_entropy_only
+from captioner.training.attention_terms import cross_entropy_only
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
         DataError: a missing or malformed file, or a teacher caption of an image outside ``split``.
     """
     data, results = Path(data), Path(results)
-    source = read_json(data / CAPTIONS)
-    rows = read_json(results)
+    source = read_annotations(data / CAPTIONS)
+    rows = read_annotations(results)
     if not isinstance(source, dict) or not isinstance(source.get("images"), list) \
             or not isinstance(source.get("annotations"), list):
         raise DataError(f"{data / CAPTIONS}: not a COCO caption file (needs 'images' and 'annotations' lists)")
@@ -127,7 +127,7 @@ def _chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
+def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
                  top_k: int = 8, batch_size: int = 32, progress: bool | None = None) -> dict[str, float]:
     """Write ``out`` (safetensors): the teacher's top-k next words along every caption of ``split``.
 
@@ -150,7 +150,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     """
     for name, value in (("top_k", top_k), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"word_targets: {name} must be an integer >= 1, got {value!r}")
+            raise ConfigError(f"write_word_targets: {name} must be an integer >= 1, got {value!r}")
     model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
     vocab: Vocabulary = model.vocab
     k = min(top_k, len(vocab))
@@ -162,7 +162,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
     top_ids: list[torch.Tensor] = []
     top_probs: list[torch.Tensor] = []
     mass, steps = 0.0, 0
-    show = sys.stderr.isatty() if progress is None else progress
+    show = show_progress(progress)
     decoder = model.model.decoder
     with eval_mode(model.model), torch.no_grad(), \
             tqdm(total=len(cs), unit="img", desc="teacher words", disable=not show) as bar:
@@ -208,7 +208,7 @@ def word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, 
 
 
 def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a :func:`word_targets` file.
+    """The tensors and metadata of a :func:`write_word_targets` file.
 
     Raises:
         DataError: the file is missing, not safetensors, or not a word-targets file (one line naming it).
@@ -216,7 +216,7 @@ def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: word-distillation targets not found (write them with "
-                        "captioner.training.distill.word_targets)")
+                        "captioner.training.distill.write_word_targets)")
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -240,7 +240,7 @@ class WordDistillation:
     teacher's top-k probabilities are renormalised over the words the student's vocabulary has.
 
     Args:
-        path: a :func:`word_targets` file.
+        path: a :func:`write_word_targets` file.
         train_set: the training ``CaptionSet`` (batch ``image_index`` indexes its images).
         vocab: the student's vocabulary.
         weight: the term's weight beside the cross-entropy.
@@ -334,6 +334,6 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
     t = cfg.train
     if not t.word_distill or not t.word_distill_weight:
         return None
-    if not _cross_entropy_only("train.word_distill", t.objective):
+    if not cross_entropy_only("train.word_distill", t.objective):
         return None
     return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import math
-import re
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,38 +24,191 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from captioner import inference
-from captioner.checkpoint.store import load_checkpoint, load_train_state, save_checkpoint, save_train_state
+from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
+                                        save_train_state)
+from captioner.concepts.training import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.decoding.search import DecodeOptions
-from captioner.errors import CaptionerError, CheckpointError, ConfigError, ImageLoadError
+from captioner.errors import CaptionerError, CheckpointError, ConfigError, ImageLoadError, one_line
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
-from captioner.files import read_text
+from captioner.files import read_text, writable_folder
 from captioner.grids import attention_entropy
-from captioner.models.model import CaptionModel, build_model
+from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training import distributed as ddp
-from captioner.training.detectors import (install_concept_folds, install_concepts, read_run_concepts,
-                                          with_concept_input)
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
-from captioner.training.run import (Clock, Learner, MetricsLogger, Progress, Run, RunFolder, TrainForward, capture_rng,
-                                    check_resume_config, check_resume_vocab, check_run_folder, config_diff,
-                                    earlier_run_files, keep_select_metric, make_run_folder, move_aside,
-                                    remove_stale_temp_files, restore_rng, restore_train_state, seed_everything,
-                                    train_state)
+from captioner.training.run import (Learner, Run, TrainForward, capture_rng, image_error, keep_select_metric,
+                                    name_list, open_run, restore_rng, seed_everything, train_state)
 from captioner.training.scst import build_self_critical
-from captioner.training.step import GraphedStep, check_cuda_graph, name_list, read_stats, step_function
+from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epoch
 
 log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- the run folder
+
+
+# Files the run folder writes atomically (``captioner.files.atomic_write``: ``.<name>.*.tmp``).
+_ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
+
+
+# What a run writes: a folder holding any of these holds an earlier run.
+RUN_FILES = ("train_state.pt", "latest.safetensors", "best.safetensors", "config.json", "vocab.json", "metrics.csv")
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{key}.")
+        elif (list(va) if isinstance(va, tuple) else va) != (list(vb) if isinstance(vb, tuple) else vb):
+            out.append(f"{prefix}{key}")
+    return out
+
+
+# Settings a resumed run may change without breaking exact reproduction.
+_RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.device", "train.log_every",
+                "data.num_workers", "train.skip_nonfinite", "data.feature_cache_dir", "data.in_memory_mb",
+                "data.shared_feature_cache"}
+
+def check_resume_config(cfg: Config, run_dir: Path) -> None:
+    """Refuse a resume whose model config differs from the run's ``config.json``; warn on other changes."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; cannot resume this run")
+    text = read_text(path, MAX_CONFIG_BYTES, CheckpointError, "config file")
+    try:
+        saved = Config.from_dict(json.loads(text))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({one_line(str(exc))[:200]})") from None
+    diff = config_diff(saved.to_dict(), cfg.to_dict())
+    model_diff = [k for k in diff if k.startswith("model.")]
+    if model_diff:
+        raise ConfigError(f"--resume: the model config differs from {path} ({', '.join(model_diff[:4])}); "
+                          "use another --out for a new model")
+    other = [k for k in diff if k not in _RESUME_FREE]
+    if other:
+        log.warning("resuming with changed settings (%s): the run will not match an uninterrupted one",
+                    ", ".join(other))
+
+
+def remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """Delete temporary files left in ``run_dir`` by a checkpoint write that was killed (resume only)."""
+    removed = []
+    for name in _ATOMIC_FILES:
+        for tmp in run_dir.glob(f".{name}.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError as exc:
+                log.debug("cannot remove stale temporary file %s (%s)", tmp, exc)
+                continue
+            log.debug("removed %s, left by an interrupted checkpoint write", tmp)
+            removed.append(tmp)
+    return removed
+
+
+def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
+    """Refuse a resume whose ``vocab.json`` is not the vocabulary ``latest.safetensors`` was trained with.
+
+    The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
+    is left for loading ``train_state.pt`` to report.
+    """
+    latest = run_dir / "latest.safetensors"
+    if not latest.exists():
+        return
+    try:
+        saved = Vocabulary.from_dict(read_checkpoint_metadata(latest)["vocab"])
+    except (CaptionerError, KeyError, TypeError) as exc:
+        log.debug("cannot compare vocabularies with %s (%s)", latest, exc)
+        return
+    if saved == vocab:
+        return
+    path = run_dir / "vocab.json"
+    if len(saved) != len(vocab):
+        raise CheckpointError(f"{path} has {len(vocab)} tokens but {latest} was trained with {len(saved)}; "
+                              "put back the run's vocab.json or train into a new --out")
+    index = next(i for i, (a, b) in enumerate(zip(vocab.itos, saved.itos)) if a != b)
+    raise CheckpointError(f"{path} differs from the vocabulary {latest} was trained with (token {index} is "
+                          f"{vocab.itos[index]!r}, was {saved.itos[index]!r}); put back the run's vocab.json "
+                          "or train into a new --out")
+
+
+def earlier_run_files(run_dir: Path) -> list[str]:
+    """The files of :data:`RUN_FILES` that ``run_dir`` holds (none when it is not a folder)."""
+    if not run_dir.is_dir():
+        return []
+    return [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+
+
+def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a run folder this run must not write into; writes nothing.
+
+    Args:
+        run_dir: the run folder (``--out``).
+        resume: the run continues the one in ``run_dir``.
+        overwrite: the run starts over; an earlier run there is moved aside (:func:`move_aside`).
+
+    Raises:
+        ConfigError: both ``resume`` and ``overwrite``; ``run_dir`` (or a parent) is a file; the
+            folder cannot be written; or it holds an earlier run and neither flag is given.
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite moves it aside to start over: "
+                          "pass one of them")
+    writable_folder(run_dir, ConfigError)
+    found = earlier_run_files(run_dir)
+    if found and not resume:
+        if overwrite:
+            writable_folder(run_dir.parent, ConfigError)  # the earlier run is renamed there
+            return
+        raise ConfigError(f"{run_dir} holds an earlier run ({', '.join(found[:3])}); pass --resume to continue it, "
+                          f"--overwrite to move it to {run_dir.name}.old-<time> and start over, or another --out")
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """Rename a folder holding an earlier run to ``<name>.old-<YYYYmmdd-HHMMSS>`` (``-2``... if taken).
+
+    Returns:
+        The new name, or None when ``run_dir`` holds no earlier run (nothing is moved).
+
+    Raises:
+        ConfigError: the rename failed (the earlier run is then where it was).
+    """
+    if not earlier_run_files(run_dir):
+        return None
+    base = f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    target, n = run_dir.with_name(base), 1
+    while os.path.lexists(target):
+        n += 1
+        target = run_dir.with_name(f"{base}-{n}")
+    try:
+        os.rename(run_dir, target)
+    except OSError as exc:
+        raise ConfigError(f"{run_dir}: cannot move the earlier run aside to {target} "
+                          f"({exc.strerror or exc}); nothing was changed") from None
+    log.warning("moved the earlier run in %s to %s (--overwrite); starting a new run", run_dir, target)
+    return target
+
+
+def make_run_folder(run_dir: Path) -> None:
+    """Create the run folder (and its parents); one ConfigError line when that fails."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{run_dir}: cannot create the run folder ({exc.strerror or exc})") from None
+
+
 
 
 @torch.inference_mode()
@@ -146,9 +299,10 @@ def _show(value: Any) -> str:
 
 
 def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig) -> None:
-    """Refuse, in one line, a run whose model differs from the checkpoint's beyond :data:`INIT_FREE`."""
-    a = {"model": dataclasses.asdict(saved)}
-    b = {"model": dataclasses.asdict(wanted)}
+    """Refuse, in one line, a run whose model differs from the checkpoint's beyond :data:`INIT_FREE` (the
+    encoder's preprocessing compared as the registry fills it in)."""
+    a = {"model": dataclasses.asdict(resolve_model(saved))}
+    b = {"model": dataclasses.asdict(resolve_model(wanted))}
     diff = [k for k in config_diff(a, b) if k not in INIT_FREE]
     if not diff:
         return
@@ -157,7 +311,7 @@ def check_init_config(path: str | Path, saved: ModelConfig, wanted: ModelConfig)
     first = _lookup(a, key), _lookup(b, key)
     more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
     hint = (" (a decoder that reads concepts takes the concepts file it was trained with: --set train.concepts=FILE)"
-            if "model.decoder.concepts" in diff and not getattr(wanted.decoder, "concepts", 0) else "")
+            if "model.concepts.count" in diff and not wanted.concepts.count else "")
     raise ConfigError(f"--init {path}: {key} is {_show(first[0])} in the checkpoint but {_show(first[1])} in this "
                       f"run{more}; the architecture must match (only {', '.join(sorted(k[6:] for k in INIT_FREE))} "
                       f"may change){hint}")
@@ -312,71 +466,6 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def image_error(run: Run, exc: ImageLoadError, where: str) -> ImageLoadError:
-    """One line naming the unreadable file (a DataLoader worker wraps the message in its traceback)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    message = lines[-1] if lines else "unreadable image"
-    if len(lines) > 1:  # "...ImageLoadError: <path>: <reason>", the last line of the worker's traceback
-        message = re.sub(r"^[\w.]*(Error|Exception): ", "", message)
-    return ImageLoadError(f"{message} (found {where}; pass --skip-missing to train without unreadable images; "
-                          f"{run.folder.last_good()})")
-
-
-def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
-    """Train over ``loader`` (the rest of epoch ``epoch``), logging every ``train.log_every`` steps.
-
-    A batch that is skipped (non-finite with ``train.skip_nonfinite``, or without a readable
-    image with ``data.skip_missing``) still counts as a step of the epoch, so a resumed run
-    starts at the same batch.
-
-    Returns:
-        ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
-        the epoch's last batch was trained.
-
-    Raises:
-        ImageLoadError: an unreadable image without ``data.skip_missing`` (one line naming it).
-    """
-    cfg, info, prog, learner = run.cfg, run.info, run.progress, run.learner
-    params = learner.params()
-    train_step = step_function(run)
-    learner.forward.train()
-    learner.objective.train()
-    bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", unit="batch", leave=False,
-               initial=prog.batch_in_epoch, total=prog.batch_in_epoch + len(loader),
-               disable=True if not (run.show_progress and info.is_main) else None)
-    window_start = time.monotonic()
-    window_captions = 0.0
-    remaining = len(loader)
-    try:
-        for batch in bar:
-            remaining -= 1
-            prog.step += 1
-            prog.batch_in_epoch += 1
-            time_up, captions = train_step(run, batch, params, epoch)
-            window_captions += captions
-            if prog.step % cfg.train.log_every == 0:
-                read_stats(run, epoch)
-                speed = window_captions / max(time.monotonic() - window_start, 1e-9)
-                means = prog.window_meter.means()
-                if run.folder.logger is not None:
-                    run.folder.logger.write("step", {"epoch": epoch + 1, "step": prog.step, **means,
-                                                     **term_shares(means), "lr": run.session.last_lr,
-                                                     "captions_per_s": speed, "seconds": run.clock.elapsed()})
-                loss = means.get("loss")
-                bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
-                prog.window_meter = type(prog.window_meter)()
-                window_start, window_captions = time.monotonic(), 0.0
-            if time_up:
-                read_stats(run, epoch)
-                return True, remaining == 0
-    except ImageLoadError as exc:
-        raise image_error(run, exc, f"in the training data at epoch {epoch + 1} step {prog.step + 1}") from None
-    finally:
-        bar.close()
-    read_stats(run, epoch)
-    return False, True
-
-
 def _validate_all(run: Run, data: TrainData) -> dict[str, float]:
     """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere.
 
@@ -524,6 +613,8 @@ def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool
             architecture differs, or a non-finite loss. Nothing is written before these checks.
     """
     start = time.monotonic()
+    # the encoder's name checked and its weights' preprocessing written into the config the run saves
+    cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     check_run_folder(Path(out_dir), resume, overwrite)  # before anything is read, computed or written
     info = ddp.setup(cfg.train.device)
     try:
@@ -552,8 +643,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            concepts = read_run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
-            cfg = with_concept_input(cfg, concepts)
+            concepts = run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
+            cfg = concepts.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
             if replay and info.is_main:
@@ -568,8 +659,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        concepts = read_run_concepts(cfg, vocab)  # train.concepts: checked before the first write
-        cfg = with_concept_input(cfg, concepts)
+        concepts = run_concepts(cfg, vocab)  # train.concepts: checked before the first write
+        cfg = concepts.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
@@ -583,8 +674,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
-    install_concepts(model.decoder, concepts, vocab)
-    install_concept_folds(model.decoder, cfg, vocab, info.device)  # train.concept_cross_fit: training photos only
+    concepts.install(model.decoder, info.device)  # train.concepts: the head's weights (and fold heads)
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None
@@ -597,22 +687,16 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
         model.decoder.compile_recurrence()
     forward = TrainForward(model, data.on_features)
     precision = setup_precision(t.amp, info.device, t.skip_nonfinite)
-    run = Run(cfg, info, Learner(model, forward, objective, optimizer, scheduler, precision), RunFolder(run_dir),
-              Clock(start, t.time_budget), Progress(select_metric=t.select_metric), show_progress=progress)
+    learner = Learner(model, forward, objective, optimizer, scheduler, precision)
     if t.cuda_graph:
-        run.learner.graphed = GraphedStep(model.decoder, objective, vocab.pad_id, precision.dtype)
-    if saved is not None:
-        restore_train_state(run, saved)
-        run.clock.seconds_before = run.progress.seconds
-        del saved
-    elif info.rank > 0:
-        seed_everything(t.seed + ddp.RANK_SEED_STRIDE * info.rank)  # own dropout / attention-sampling stream per rank
+        learner.graphed = GraphedStep(model.decoder, objective, vocab.pad_id, precision.dtype)
+    run = open_run(cfg, info, learner, run_dir, start, progress, saved)
+    del saved
     if info.distributed:
         run.learner.forward = nn.parallel.DistributedDataParallel(
             forward, device_ids=[info.device.index] if info.device.type == "cuda" else None,
             forward_sync_buffers=forward.encoder_trainable)  # BatchNorm stats of a fine-tuned encoder
     if info.is_main:
-        run.folder.logger = MetricsLogger(run_dir, keep_until_step=run.progress.step if resume else None)
         log.info("training %s/%s on %s (%s, %d process%s): %d captions of %d images, %s, vocabulary %d",
                  cfg.model.encoder.name, cfg.model.decoder.name, info.device, precision.name, info.world_size,
                  "es" if info.world_size > 1 else "", len(data.train_dataset), len(data.train_set),

@@ -2,7 +2,7 @@
 
 Main names: the interface (``Objective``, ``Batch``, ``LossResult``), ``CrossEntropy`` with its
 regularisers (``CaptionLoss``: label smoothing, the doubly stochastic penalty, REINFORCE for hard
-attention), ``LossTerm`` and ``DeviceStats``. Self-critical training is ``captioner.training.scst``;
+attention), ``LossTerm``, and the terms' weighted shares. Self-critical training is ``captioner.training.scst``;
 docs/training.md explains each term.
 
 Shape legend: B batch rows (caption items), T caption steps (with ``<bos>``/``<eos>``), N regions,
@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from captioner.concepts.training import concept_terms
 from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput
 from captioner.text import Vocabulary
-from captioner.training.attention_terms import build_attention_supervision, build_concept_guide, build_concept_pointer
+from captioner.training.attention_terms import build_attention_supervision
 from captioner.training.distill import build_word_distillation
 
 log = logging.getLogger(__name__)
@@ -125,11 +126,6 @@ class CaptionLoss(nn.Module):
                    reinforce_weight=t.reinforce_weight, entropy_weight=t.entropy_weight,
                    baseline_decay=t.baseline_decay)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        # States saved before ``advantage_var`` existed resume with a fresh scale.
-        state_dict.setdefault(prefix + "advantage_var", torch.ones(()))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def forward(self, output: DecoderOutput, targets: torch.Tensor) -> LossResult:
         """output.logits (B,T,V), targets (B,T) -> LossResult.
 
@@ -192,7 +188,6 @@ class CaptionLoss(nn.Module):
             if self.entropy_weight > 0:
                 stats["weighted_entropy"] = self.entropy_weight * entropy.detach()
         return term, bonus, stats
-
 
 
 class Batch(NamedTuple):
@@ -289,68 +284,6 @@ class CrossEntropy(Objective, CaptionLoss):
                                    captions=int(tokens.size(0)))
 
 
-@dataclass
-class StatsReading:
-    """What ``DeviceStats.read`` returns.
-
-    Attributes:
-        means: caption-weighted means of ``loss`` (the objective) and every loss term.
-        captions: captions added since the last read.
-        bad_loss: ``(step, value)`` of the first non-finite loss, or None.
-        bad_grad_step: the first step whose gradient norm was not finite, or None.
-    """
-
-    means: dict[str, float]
-    captions: float
-    bad_loss: tuple[int, float] | None
-    bad_grad_step: int | None
-
-
-class DeviceStats:
-    """Caption-weighted sums of the loss terms on the device, read in one go."""
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self.keys: list[str] | None = None
-        self.sums: torch.Tensor | None = None
-        self.captions = 0.0
-        self.bad: torch.Tensor | None = None  # (3,) first bad-loss step, its value, first bad-grad step (-1: none)
-
-    def add(self, result: LossResult, captions: int, step: int, grad_norm: torch.Tensor | float | None) -> None:
-        """Add one step's terms (no host sync)."""
-        terms = {"loss": result.objective, **result.terms}
-        if self.keys is None:
-            self.keys = sorted(terms)
-        vec = torch.stack([terms[k].float() for k in self.keys]) * float(captions)
-        self.sums = vec if self.sums is None else self.sums + vec
-        self.captions += captions
-        total = result.total.detach().float()
-        if self.bad is None:
-            self.bad = torch.tensor([-1.0, 0.0, -1.0], dtype=torch.float64, device=total.device)
-        loss_bad = ~torch.isfinite(total) & (self.bad[0] < 0)
-        grad_bad = (self.bad[2] < 0) & ~torch.isfinite(torch.as_tensor(grad_norm if grad_norm is not None else 0.0,
-                                                                       device=total.device, dtype=torch.float32))
-        self.bad = torch.stack([torch.where(loss_bad, float(step), self.bad[0]),
-                                torch.where(loss_bad, total.double(), self.bad[1]),
-                                torch.where(grad_bad, float(step), self.bad[2])])
-
-    def read(self) -> StatsReading:
-        """Means since the last read and the first non-finite steps (one host sync); then reset."""
-        if self.sums is None or self.keys is None:
-            self._reset()
-            return StatsReading({}, 0.0, None, None)
-        sums = self.sums.double().cpu().tolist()
-        bad = self.bad.cpu().tolist() if self.bad is not None else [-1.0, 0.0, -1.0]
-        n = self.captions
-        means = {k: v / n for k, v in zip(self.keys, sums)} if n else {}
-        reading = StatsReading(means, n, (int(bad[0]), bad[1]) if bad[0] >= 0 else None,
-                               int(bad[2]) if bad[2] >= 0 else None)
-        self._reset()
-        return reading
-
-
 def weighted_terms(means: dict[str, float]) -> dict[str, float]:
     """The regularisers as they enter the objective: ``{name: |weighted_<name>|}``."""
     return {k[len("weighted_"):]: abs(v) for k, v in means.items() if k.startswith("weighted_")}
@@ -371,12 +304,11 @@ def term_shares(means: dict[str, float]) -> dict[str, float]:
     return {"share_ce": ce / whole, **{f"share_{k}": v / whole for k, v in weighted.items()}}
 
 
-
 def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> CrossEntropy:
     """``train.objective = "xe"``: teacher forcing with the decoder's regularisers, the attention
     supervision by object boxes when ``train.attention_supervision`` asks for it (and boxes exist),
     the concept terms, and word-level distillation when ``train.word_distill`` names a file."""
-    terms = [build_attention_supervision(cfg, train_set, vocab), build_concept_guide(cfg, vocab),
-             build_concept_pointer(cfg, vocab), build_word_distillation(cfg, train_set, vocab)]
+    terms = [build_attention_supervision(cfg, train_set, vocab), *concept_terms(cfg, vocab),
+             build_word_distillation(cfg, train_set, vocab)]
     return CrossEntropy.from_config(cfg.train, cfg.model.decoder, vocab.pad_id,
                                     extra_terms=[term for term in terms if term is not None])

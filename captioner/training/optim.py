@@ -379,3 +379,21 @@ def decay_after_epoch(cfg: TrainConfig, progress: Any, scheduler: GroupSchedule,
         log.info("learning rate x%g after epoch %d (%s): %s", cfg.decay_factor ** len(reasons), epoch + 1,
                  "; ".join(reasons), lrs)
     return len(reasons)
+
+
+BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the time budget runs out
+
+
+def budget_decay(optimizer: torch.optim.Optimizer, t: TrainConfig, seconds: float) -> None:
+    """``train.budget_decay``: scale the lrs the schedule just set by ``1 - seconds / budget`` (floored).
+
+    Args:
+        optimizer: its param groups' ``lr`` are scaled in place.
+        t: ``train.budget_decay`` and ``train.time_budget`` decide; nothing happens without both.
+        seconds: time since this call of ``train`` began.
+    """
+    if not t.budget_decay or not t.time_budget:
+        return
+    factor = max(BUDGET_DECAY_FLOOR, 1.0 - seconds / t.time_budget)
+    for group in optimizer.param_groups:
+        group["lr"] *= factor

@@ -11,13 +11,13 @@ Shape legend: B batch, T caption steps, N regions, D feature width, S image side
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import os
 import random
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,16 +26,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from captioner.checkpoint.store import read_checkpoint_metadata
-from captioner.config import SELECT_METRICS, Config
-from captioner.config.parse import MAX_CONFIG_BYTES
-from captioner.errors import CaptionerError, CheckpointError, ConfigError, one_line
-from captioner.files import check_regular, read_text, writable_folder
+from tqdm import tqdm
+
+from captioner.config import SELECT_METRICS, Config, EncoderConfig
+from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
+from captioner.files import check_regular
 from captioner.models.model import CaptionModel
-from captioner.text import Vocabulary
 from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
-from captioner.training.objective import DeviceStats, Objective, TrainModel
-from captioner.training.optim import Precision
+from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
+from captioner.training.optim import Precision, nonfinite_tensors
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ COLUMNS = (
     "share_ce", "share_doubly_stochastic", "share_entropy",
     "grounding", "grounded_words", "grounding_in_box", "share_grounding",  # train.attention_supervision
     "concept_guide", "concept_guided_words", "share_concept_guide",  # train.concept_guide
-    "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # decoder.concept_prior
+    "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # concepts.prior
     "word_distill", "word_distill_rows", "share_word_distill",  # train.word_distill
     "scst_reward", "scst_baseline_reward", "scst_better", "scst_greedy_reward", "scst_better_than_greedy", "scst_xe",
     "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "attention_entropy",
@@ -217,8 +216,7 @@ class Progress:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved state, including those of older versions (see :func:`migrate_progress`)."""
-        state = migrate_progress(state)
+        """Restore a state saved by :meth:`state_dict`."""
         for f in fields(self):
             if f.name in ("epoch_meter", "window_meter"):
                 getattr(self, f.name).load_state_dict(state[f.name])
@@ -226,174 +224,6 @@ class Progress:
                 self.history = [dict(h) for h in state["history"]]
             else:
                 setattr(self, f.name, type(f.default)(state[f.name]))
-
-
-def migrate_progress(state: dict[str, Any]) -> dict[str, Any]:
-    """A saved ``Progress`` state in the current layout (a copy; the input is left alone).
-
-    States from before selection metrics selected on BLEU-4 alone: they have ``best_bleu4`` and no
-    ``best_score``, so their ``select_metric`` is BLEU-4 and their best score is that BLEU-4. States
-    from before ``skipped`` count no skipped batches.
-    """
-    state = dict(state)
-    if "best_score" not in state:
-        state["select_metric"] = "BLEU-4"
-        state["best_score"] = state["best_bleu4"]
-    state.setdefault("skipped", 0)
-    return state
-
-
-def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested config dicts."""
-    out = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_diff(va, vb, f"{prefix}{key}.")
-        elif (list(va) if isinstance(va, tuple) else va) != (list(vb) if isinstance(vb, tuple) else vb):
-            out.append(f"{prefix}{key}")
-    return out
-
-
-# Settings a resumed run may change without breaking exact reproduction.
-_RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.device", "train.log_every",
-                "data.num_workers", "train.skip_nonfinite", "data.feature_cache_dir", "data.in_memory_mb",
-                "data.shared_feature_cache"}
-
-
-def check_resume_config(cfg: Config, run_dir: Path) -> None:
-    """Refuse a resume whose model config differs from the run's ``config.json``; warn on other changes."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing; cannot resume this run")
-    text = read_text(path, MAX_CONFIG_BYTES, CheckpointError, "config file")
-    try:
-        saved = Config.from_dict(json.loads(text))
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({one_line(str(exc))[:200]})") from None
-    diff = config_diff(saved.to_dict(), cfg.to_dict())
-    model_diff = [k for k in diff if k.startswith("model.")]
-    if model_diff:
-        raise ConfigError(f"--resume: the model config differs from {path} ({', '.join(model_diff[:4])}); "
-                          "use another --out for a new model")
-    other = [k for k in diff if k not in _RESUME_FREE]
-    if other:
-        log.warning("resuming with changed settings (%s): the run will not match an uninterrupted one",
-                    ", ".join(other))
-
-
-# Files the run folder writes atomically (``captioner.files.atomic_write``: ``.<name>.*.tmp``).
-_ATOMIC_FILES = ("latest.safetensors", "best.safetensors", "train_state.pt", "config.json", "vocab.json")
-
-
-def remove_stale_temp_files(run_dir: Path) -> list[Path]:
-    """Delete temporary files left in ``run_dir`` by a checkpoint write that was killed (resume only)."""
-    removed = []
-    for name in _ATOMIC_FILES:
-        for tmp in run_dir.glob(f".{name}.*.tmp"):
-            try:
-                tmp.unlink()
-            except OSError as exc:
-                log.debug("cannot remove stale temporary file %s (%s)", tmp, exc)
-                continue
-            log.debug("removed %s, left by an interrupted checkpoint write", tmp)
-            removed.append(tmp)
-    return removed
-
-
-def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
-    """Refuse a resume whose ``vocab.json`` is not the vocabulary ``latest.safetensors`` was trained with.
-
-    The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
-    is left for loading ``train_state.pt`` to report.
-    """
-    latest = run_dir / "latest.safetensors"
-    if not latest.exists():
-        return
-    try:
-        saved = Vocabulary.from_dict(read_checkpoint_metadata(latest)["vocab"])
-    except (CaptionerError, KeyError, TypeError) as exc:
-        log.debug("cannot compare vocabularies with %s (%s)", latest, exc)
-        return
-    if saved == vocab:
-        return
-    path = run_dir / "vocab.json"
-    if len(saved) != len(vocab):
-        raise CheckpointError(f"{path} has {len(vocab)} tokens but {latest} was trained with {len(saved)}; "
-                              "put back the run's vocab.json or train into a new --out")
-    index = next(i for i, (a, b) in enumerate(zip(vocab.itos, saved.itos)) if a != b)
-    raise CheckpointError(f"{path} differs from the vocabulary {latest} was trained with (token {index} is "
-                          f"{vocab.itos[index]!r}, was {saved.itos[index]!r}); put back the run's vocab.json "
-                          "or train into a new --out")
-
-
-# What a run writes: a folder holding any of these holds an earlier run.
-RUN_FILES = ("train_state.pt", "latest.safetensors", "best.safetensors", "config.json", "vocab.json", "metrics.csv")
-
-
-def earlier_run_files(run_dir: Path) -> list[str]:
-    """The files of :data:`RUN_FILES` that ``run_dir`` holds (none when it is not a folder)."""
-    if not run_dir.is_dir():
-        return []
-    return [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
-
-
-def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a run folder this run must not write into; writes nothing.
-
-    Args:
-        run_dir: the run folder (``--out``).
-        resume: the run continues the one in ``run_dir``.
-        overwrite: the run starts over; an earlier run there is moved aside (:func:`move_aside`).
-
-    Raises:
-        ConfigError: both ``resume`` and ``overwrite``; ``run_dir`` (or a parent) is a file; the
-            folder cannot be written; or it holds an earlier run and neither flag is given.
-    """
-    if resume and overwrite:
-        raise ConfigError("--resume continues the run in --out and --overwrite moves it aside to start over: "
-                          "pass one of them")
-    writable_folder(run_dir, ConfigError)
-    found = earlier_run_files(run_dir)
-    if found and not resume:
-        if overwrite:
-            writable_folder(run_dir.parent, ConfigError)  # the earlier run is renamed there
-            return
-        raise ConfigError(f"{run_dir} holds an earlier run ({', '.join(found[:3])}); pass --resume to continue it, "
-                          f"--overwrite to move it to {run_dir.name}.old-<time> and start over, or another --out")
-
-
-def move_aside(run_dir: Path) -> Path | None:
-    """Rename a folder holding an earlier run to ``<name>.old-<YYYYmmdd-HHMMSS>`` (``-2``... if taken).
-
-    Returns:
-        The new name, or None when ``run_dir`` holds no earlier run (nothing is moved).
-
-    Raises:
-        ConfigError: the rename failed (the earlier run is then where it was).
-    """
-    if not earlier_run_files(run_dir):
-        return None
-    base = f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
-    target, n = run_dir.with_name(base), 1
-    while os.path.lexists(target):
-        n += 1
-        target = run_dir.with_name(f"{base}-{n}")
-    try:
-        os.rename(run_dir, target)
-    except OSError as exc:
-        raise ConfigError(f"{run_dir}: cannot move the earlier run aside to {target} "
-                          f"({exc.strerror or exc}); nothing was changed") from None
-    log.warning("moved the earlier run in %s to %s (--overwrite); starting a new run", run_dir, target)
-    return target
-
-
-def make_run_folder(run_dir: Path) -> None:
-    """Create the run folder (and its parents); one ConfigError line when that fails."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{run_dir}: cannot create the run folder ({exc.strerror or exc})") from None
 
 
 STATE_FORMAT = "captioner-train-state"
@@ -503,6 +333,68 @@ class Clock:
 
 
 @dataclass
+class StatsReading:
+    """What ``DeviceStats.read`` returns.
+
+    Attributes:
+        means: caption-weighted means of ``loss`` (the objective) and every loss term.
+        captions: captions added since the last read.
+        bad_loss: ``(step, value)`` of the first non-finite loss, or None.
+        bad_grad_step: the first step whose gradient norm was not finite, or None.
+    """
+
+    means: dict[str, float]
+    captions: float
+    bad_loss: tuple[int, float] | None
+    bad_grad_step: int | None
+
+
+class DeviceStats:
+    """Caption-weighted sums of the loss terms on the device, read in one go."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.keys: list[str] | None = None
+        self.sums: torch.Tensor | None = None
+        self.captions = 0.0
+        self.bad: torch.Tensor | None = None  # (3,) first bad-loss step, its value, first bad-grad step (-1: none)
+
+    def add(self, result: LossResult, captions: int, step: int, grad_norm: torch.Tensor | float | None) -> None:
+        """Add one step's terms (no host sync)."""
+        terms = {"loss": result.objective, **result.terms}
+        if self.keys is None:
+            self.keys = sorted(terms)
+        vec = torch.stack([terms[k].float() for k in self.keys]) * float(captions)
+        self.sums = vec if self.sums is None else self.sums + vec
+        self.captions += captions
+        total = result.total.detach().float()
+        if self.bad is None:
+            self.bad = torch.tensor([-1.0, 0.0, -1.0], dtype=torch.float64, device=total.device)
+        loss_bad = ~torch.isfinite(total) & (self.bad[0] < 0)
+        grad_bad = (self.bad[2] < 0) & ~torch.isfinite(torch.as_tensor(grad_norm if grad_norm is not None else 0.0,
+                                                                       device=total.device, dtype=torch.float32))
+        self.bad = torch.stack([torch.where(loss_bad, float(step), self.bad[0]),
+                                torch.where(loss_bad, total.double(), self.bad[1]),
+                                torch.where(grad_bad, float(step), self.bad[2])])
+
+    def read(self) -> StatsReading:
+        """Means since the last read and the first non-finite steps (one host sync); then reset."""
+        if self.sums is None or self.keys is None:
+            self._reset()
+            return StatsReading({}, 0.0, None, None)
+        sums = self.sums.double().cpu().tolist()
+        bad = self.bad.cpu().tolist() if self.bad is not None else [-1.0, 0.0, -1.0]
+        n = self.captions
+        means = {k: v / n for k, v in zip(self.keys, sums)} if n else {}
+        reading = StatsReading(means, n, (int(bad[0]), bad[1]) if bad[0] >= 0 else None,
+                               int(bad[2]) if bad[2] >= 0 else None)
+        self._reset()
+        return reading
+
+
+@dataclass
 class SessionState:
     """What this process noticed since it started; not saved (a resume starts afresh).
 
@@ -544,6 +436,24 @@ class Run:
     progress: Progress
     session: SessionState = field(default_factory=SessionState)
     show_progress: bool = True
+
+
+def open_run(cfg: Config, info: DistInfo, learner: Learner, run_dir: Path, start: float, show_progress: bool,
+             saved: dict[str, Any] | None = None) -> Run:
+    """The run that trains ``learner``: a new one, or the one a ``train_state.pt`` (``saved``) resumes
+    exactly. Each rank > 0 of a new run gets its own random stream (dropout, attention sampling), and
+    rank 0 opens ``metrics.csv`` (a resume keeps its rows up to the saved step)."""
+    t = cfg.train
+    run = Run(cfg, info, learner, RunFolder(run_dir), Clock(start, t.time_budget),
+              Progress(select_metric=t.select_metric), show_progress=show_progress)
+    if saved is not None:
+        restore_train_state(run, saved)
+        run.clock.seconds_before = run.progress.seconds
+    elif info.rank > 0:
+        seed_everything(t.seed + RANK_SEED_STRIDE * info.rank)
+    if info.is_main:
+        run.folder.logger = MetricsLogger(run_dir, keep_until_step=run.progress.step if saved is not None else None)
+    return run
 
 
 def train_state(run: Run, rngs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -602,7 +512,7 @@ def saved_select_metric(saved: dict[str, Any]) -> str | None:
     progress = saved.get("progress")
     if not isinstance(progress, dict):
         return None
-    metric = progress.get("select_metric") if "best_score" in progress else "BLEU-4"
+    metric = progress.get("select_metric")
     return metric if metric in SELECT_METRICS else None
 
 
@@ -615,3 +525,195 @@ def keep_select_metric(cfg: Config, saved: dict[str, Any], announce: bool = True
         log.warning("this run selects its best checkpoint on %s (since it started); a resume keeps that, not "
                     "train.select_metric=%s (train into a new --out to select on it)", metric, cfg.train.select_metric)
     return cfg.override(**{"train.select_metric": metric})
+
+
+# ----------------------------------------------------------------------------- bookkeeping of a step
+
+
+MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
+HUGE = 1e3  # a pretrained encoder's features stay well below this after pooling
+
+
+def _encoder_name(enc: EncoderConfig) -> str:
+    return enc.name if enc.pretrained else f"{enc.name} with random weights (model.encoder.pretrained=false)"
+
+
+def first_loss_cause(inputs: torch.Tensor | None, encoder: EncoderConfig, autocast: torch.dtype | None) -> str:
+    """The likely cause of a non-finite loss at the first step, in a few words for one error line.
+
+    Args:
+        inputs: the batch the loss came from: features (B, N, D) or images (B, 3, S, S).
+        encoder: the run's encoder configuration.
+        autocast: the run's autocast dtype (None for fp32).
+
+    Returns:
+        A clause naming the largest input value and what to change.
+    """
+    fp16 = "; train.amp=fp16 overflows beyond 65504, try train.amp=bf16" if autocast == torch.float16 else ""
+    if inputs is None or inputs.numel() == 0:
+        return f"check the input data and the encoder {_encoder_name(encoder)}{fp16}"
+    top = float(inputs.detach().abs().amax())
+    if inputs.dim() != 3:  # images: the features are made inside the model
+        if not math.isfinite(top):
+            return f"the batch's input images hold {top} values"
+        return (f"the input images are finite, so the encoder {_encoder_name(encoder)} may produce huge "
+                f"activations, or the decoder's initialisation is at fault{fp16}")
+    if not math.isfinite(top):
+        return (f"the batch's input features hold {top} values: delete the feature cache (in "
+                f"data.feature_cache_dir, $CAPTIONER_FEATURE_CACHE or the run's features/) so that it is rebuilt and checked")
+    if top > HUGE:
+        return (f"the batch's input features reach {top:.3g}, far beyond a pretrained encoder's: the encoder "
+                f"{_encoder_name(encoder)} produces huge activations that overflow the decoder{fp16}")
+    return (f"the batch's input features are finite (largest |value| {top:.3g}), so look at the decoder's "
+            f"initialisation and the model config{fp16}")
+
+
+def name_list(keys: list[str]) -> str:
+    """``"a"``, or ``"a and 2 more"``: tensor names in a one-line error."""
+    return keys[0] + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+
+
+def nonfinite_error(run: Run, value: float, epoch: int, step: int | None = None,
+                    inputs: torch.Tensor | None = None) -> CaptionerError:
+    """The one-line error for a non-finite loss ``value`` at ``step`` (default: the current step).
+
+    At step 1 (before any weight update) it names the likely cause from the batch ``inputs``.
+    """
+    step = run.progress.step if step is None else step
+    last_good = run.folder.last_good()
+    if step == 1:  # before any weight update: the inputs or the model as built, never the lr
+        return CaptionerError(f"non-finite loss ({value}) at the first step (epoch {epoch + 1} step 1), before any "
+                              f"weight update, so neither the learning rate nor skipping batches can help: "
+                              f"{first_loss_cause(inputs, run.cfg.model.encoder, run.learner.precision.dtype)}; "
+                              f"{last_good}")
+    bad_grad_step = run.session.bad_grad_step
+    note = "" if bad_grad_step is None else f"; the gradient norm was non-finite at step {bad_grad_step}"
+    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {step}; "
+                          f"{last_good} (set train.skip_nonfinite=true to skip such batches{note})")
+
+
+def skip_batch(run: Run, epoch: int, why: str, objective_state: dict[str, torch.Tensor] | None) -> None:
+    """``train.skip_nonfinite``: count and report a skipped batch, and stop when skipping cannot help."""
+    prog, session = run.progress, run.session
+    prog.skipped += 1
+    session.skipped_in_a_row += 1
+    if objective_state is not None:
+        run.learner.objective.load_state_dict(objective_state)  # e.g. a REINFORCE baseline updated from this batch
+    if run.info.is_main:
+        log.warning("skipping batch at step %d: %s", prog.step, why)
+    bad = nonfinite_tensors(run.learner.model)
+    if bad:
+        raise CaptionerError(f"non-finite weights ({name_list(bad)}) at epoch {epoch + 1} step {prog.step}: "
+                             f"skipping batches cannot help; {run.folder.last_good()}")
+    if session.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise CaptionerError(f"{session.skipped_in_a_row} batches in a row were non-finite (last at epoch "
+                             f"{epoch + 1} step {prog.step}); stopping; {run.folder.last_good()}")
+
+
+def add_means(run: Run, means: dict[str, float], captions: float) -> None:
+    """Add a reading to the epoch and log-window meters; warn once when a regulariser outweighs the CE."""
+    if not captions:
+        return
+    run.progress.epoch_meter.add(means, captions)
+    run.progress.window_meter.add(means, captions)
+    ce = means.get("ce", math.nan)
+    heavy = {name: value for name, value in weighted_terms(means).items() if value > ce}
+    if heavy and not run.session.warned_regulariser and run.info.is_main:
+        run.session.warned_regulariser = True
+        name, value = max(heavy.items(), key=lambda kv: kv[1])
+        hint = {"doubly_stochastic": "lower train.alpha_c or use train.ds_form=excess",
+                "entropy": "lower train.entropy_weight",
+                "grounding": "lower train.attention_supervision"}.get(name, "lower its weight")
+        log.warning("the weighted %s term (%.3g) outweighs the cross-entropy (%.3g) at step %d: it, not the "
+                    "captions, now drives the attention (%s)", name.replace("_", " "), value, ce,
+                    run.progress.step, hint)
+
+
+def read_stats(run: Run, epoch: int, inputs: torch.Tensor | None = None) -> None:
+    """Bring the device-side loss statistics to the meters; stop on a non-finite loss among them."""
+    session = run.session
+    reading = session.stats.read()
+    if reading.bad_grad_step is not None and session.bad_grad_step is None:
+        session.bad_grad_step = reading.bad_grad_step
+        if run.info.is_main:
+            log.warning("non-finite gradient norm at step %d (set train.skip_nonfinite=true to skip such batches)",
+                        reading.bad_grad_step)
+    if reading.bad_loss is not None:
+        step, value = reading.bad_loss
+        raise nonfinite_error(run, value, epoch, step, inputs if step == 1 else None)
+    add_means(run, reading.means, reading.captions)
+
+
+def skip_empty(run: Run, time_up: bool) -> tuple[bool, float]:
+    """A batch of which no image could be read (``data.skip_missing``): nothing is trained."""
+    if run.info.is_main:
+        log.warning("skipping batch at step %d: none of its images could be read", run.progress.step)
+    return time_up, 0.0
+
+
+def image_error(run: Run, exc: ImageLoadError, where: str) -> ImageLoadError:
+    """One line naming the unreadable file (a DataLoader worker wraps the message in its traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    message = lines[-1] if lines else "unreadable image"
+    if len(lines) > 1:  # "...ImageLoadError: <path>: <reason>", the last line of the worker's traceback
+        message = re.sub(r"^[\w.]*(Error|Exception): ", "", message)
+    return ImageLoadError(f"{message} (found {where}; pass --skip-missing to train without unreadable images; "
+                          f"{run.folder.last_good()})")
+
+
+class EpochLog:
+    """The bookkeeping around one epoch's batches, so that the step itself reads as forward, loss,
+    backward, step: the progress bar, the step counters (a batch counts as a step before it is trained,
+    skipped or not, so a resumed run starts at the same batch), a step row of ``metrics.csv`` every
+    ``train.log_every`` steps, and the device-side loss statistics read when the epoch ends.
+
+    Use as ``with EpochLog(run, loader, epoch) as batches: for batch in batches: ...``; an unreadable
+    image in the loader becomes one line naming it (:func:`image_error`).
+    """
+
+    def __init__(self, run: Run, loader: Any, epoch: int) -> None:
+        self.run, self.epoch = run, epoch
+        prog = run.progress
+        self.bar = tqdm(loader, desc=f"epoch {epoch + 1}/{run.cfg.train.epochs}", unit="batch", leave=False,
+                        initial=prog.batch_in_epoch, total=prog.batch_in_epoch + len(loader),
+                        disable=True if not (run.show_progress and run.info.is_main) else None)
+        self.remaining = len(loader)  # batches of the loader not yet taken
+        self.window_start, self.window_captions = time.monotonic(), 0.0
+
+    def __enter__(self) -> "EpochLog":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: Any) -> None:
+        self.bar.close()
+        if kind is None:
+            read_stats(self.run, self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        prog = self.run.progress
+        try:
+            for batch in self.bar:
+                self.remaining -= 1
+                prog.step += 1
+                prog.batch_in_epoch += 1
+                yield batch
+        except ImageLoadError as exc:
+            raise image_error(self.run, exc, f"in the training data at epoch {self.epoch + 1} "
+                                             f"step {prog.step + 1}") from None
+
+    def trained(self, captions: float) -> None:
+        """A step trained ``captions`` captions; every ``train.log_every`` steps, write a step row."""
+        run, prog = self.run, self.run.progress
+        self.window_captions += captions
+        if prog.step % run.cfg.train.log_every:
+            return
+        read_stats(run, self.epoch)
+        speed = self.window_captions / max(time.monotonic() - self.window_start, 1e-9)
+        means = prog.window_meter.means()
+        if run.folder.logger is not None:
+            run.folder.logger.write("step", {"epoch": self.epoch + 1, "step": prog.step, **means, **term_shares(means),
+                                             "lr": run.session.last_lr, "captions_per_s": speed,
+                                             "seconds": run.clock.elapsed()})
+        loss = means.get("loss")
+        self.bar.set_postfix(loss="-" if loss is None else f"{loss:.3f}", cap_s=f"{speed:.0f}", refresh=False)
+        prog.window_meter = type(prog.window_meter)()
+        self.window_start, self.window_captions = time.monotonic(), 0.0

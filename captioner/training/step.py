@@ -1,8 +1,10 @@
-"""One training step: forward, loss, optimizer step, and what to do with non-finite values.
+"""The training step: ``train_one_epoch`` runs forward, loss, backward and step over an epoch's batches.
 
-``step_function`` picks ``step_deferred`` (never waits for the device) or ``step_synchronised``
-(under torchrun or with ``train.skip_nonfinite``); ``nonfinite_error`` names what a non-finite loss
-points to. docs/training.md explains both.
+Each batch goes through ``step_deferred`` (never waits for the device) or ``step_synchronised``
+(under torchrun or with ``train.skip_nonfinite``, which see the loss before the optimizer steps);
+``train.cuda_graph`` replays forward, loss and backward as one captured graph (``GraphedStep``). The
+bookkeeping around them (counters, meters, logs, non-finite values) is ``captioner.training.run``'s.
+docs/training.md explains both steps.
 
 Shape legend: B batch, T caption steps (with ``<bos>``/``<eos>``), V vocabulary.
 """
@@ -12,60 +14,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from captioner.config import EncoderConfig, TrainConfig
-from captioner.decoding.graphs import record_graph
-from captioner.errors import CaptionerError, ConfigError
+from captioner.decoding.graphs import GraphCounts, record_graph
+from captioner.errors import ConfigError
 from captioner.features.dtype import model_input
 from captioner.training import distributed as ddp
-from captioner.training.objective import Batch, LossResult, TrainModel, weighted_terms
-from captioner.training.optim import clip_and_step, nonfinite_tensors
-from captioner.training.run import Run
+from captioner.training.objective import Batch, LossResult, TrainModel
+from captioner.training.optim import budget_decay, clip_and_step
+from captioner.training.run import (EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch,
+                                    skip_empty)
 
 log = logging.getLogger(__name__)
-
-
-HUGE = 1e3  # a pretrained encoder's features stay well below this after pooling
-
-
-def _encoder_name(enc: EncoderConfig) -> str:
-    return enc.name if enc.pretrained else f"{enc.name} with random weights (model.encoder.pretrained=false)"
-
-
-def first_loss_cause(inputs: torch.Tensor | None, encoder: EncoderConfig, autocast: torch.dtype | None) -> str:
-    """The likely cause of a non-finite loss at the first step, in a few words for one error line.
-
-    Args:
-        inputs: the batch the loss came from: features (B, N, D) or images (B, 3, S, S).
-        encoder: the run's encoder configuration.
-        autocast: the run's autocast dtype (None for fp32).
-
-    Returns:
-        A clause naming the largest input value and what to change.
-    """
-    fp16 = "; train.amp=fp16 overflows beyond 65504, try train.amp=bf16" if autocast == torch.float16 else ""
-    if inputs is None or inputs.numel() == 0:
-        return f"check the input data and the encoder {_encoder_name(encoder)}{fp16}"
-    top = float(inputs.detach().abs().amax())
-    if inputs.dim() != 3:  # images: the features are made inside the model
-        if not math.isfinite(top):
-            return f"the batch's input images hold {top} values"
-        return (f"the input images are finite, so the encoder {_encoder_name(encoder)} may produce huge "
-                f"activations, or the decoder's initialisation is at fault{fp16}")
-    if not math.isfinite(top):
-        return (f"the batch's input features hold {top} values: delete the feature cache (in "
-                f"data.feature_cache_dir, $CAPTIONER_FEATURE_CACHE or the run's features/) so that it is rebuilt and checked")
-    if top > HUGE:
-        return (f"the batch's input features reach {top:.3g}, far beyond a pretrained encoder's: the encoder "
-                f"{_encoder_name(encoder)} produces huge activations that overflow the decoder{fp16}")
-    return (f"the batch's input features are finite (largest |value| {top:.3g}), so look at the decoder's "
-            f"initialisation and the model config{fp16}")
 
 
 BUCKET_MULTIPLE = 8  # decoder steps are padded up to a multiple of this
@@ -81,13 +45,9 @@ def bucket_steps(steps: int, multiple: int = BUCKET_MULTIPLE) -> int:
 
 
 @dataclass
-class GraphStats:
-    """What a :class:`GraphedStep` did: graphs captured, replays, eager steps, failed captures."""
+class GraphStats(GraphCounts):
+    """What a :class:`GraphedStep` did, by shape too."""
 
-    captures: int = 0
-    replays: int = 0
-    eager_steps: int = 0
-    failed: int = 0
     buckets: dict[tuple[int, ...], int] = field(default_factory=dict)  # shape key -> steps run with it
 
     def as_dict(self) -> dict[str, Any]:
@@ -293,103 +253,10 @@ def check_cuda_graph(train_cfg: Any, decoder_name: str, on_features: bool, devic
         raise ConfigError("train.cuda_graph does not capture fp16 with a gradient scaler; use train.amp=bf16 or off")
 
 
-MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
-BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the time budget runs out
 
 
-def name_list(keys: list[str]) -> str:
-    """``"a"``, or ``"a and 2 more"``: tensor names in a one-line error."""
-    return keys[0] + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
-
-
-def nonfinite_error(run: Run, value: float, epoch: int, step: int | None = None,
-                    inputs: torch.Tensor | None = None) -> CaptionerError:
-    """The one-line error for a non-finite loss ``value`` at ``step`` (default: the current step).
-
-    At step 1 (before any weight update) it names the likely cause from the batch ``inputs``.
-    """
-    step = run.progress.step if step is None else step
-    last_good = run.folder.last_good()
-    if step == 1:  # before any weight update: the inputs or the model as built, never the lr
-        return CaptionerError(f"non-finite loss ({value}) at the first step (epoch {epoch + 1} step 1), before any "
-                              f"weight update, so neither the learning rate nor skipping batches can help: "
-                              f"{first_loss_cause(inputs, run.cfg.model.encoder, run.learner.precision.dtype)}; "
-                              f"{last_good}")
-    bad_grad_step = run.session.bad_grad_step
-    note = "" if bad_grad_step is None else f"; the gradient norm was non-finite at step {bad_grad_step}"
-    return CaptionerError(f"non-finite loss ({value}) at epoch {epoch + 1} step {step}; "
-                          f"{last_good} (set train.skip_nonfinite=true to skip such batches{note})")
-
-
-def skip_batch(run: Run, epoch: int, why: str, objective_state: dict[str, torch.Tensor] | None) -> None:
-    """``train.skip_nonfinite``: count and report a skipped batch, and stop when skipping cannot help."""
-    prog, session = run.progress, run.session
-    prog.skipped += 1
-    session.skipped_in_a_row += 1
-    if objective_state is not None:
-        run.learner.objective.load_state_dict(objective_state)  # e.g. a REINFORCE baseline updated from this batch
-    if run.info.is_main:
-        log.warning("skipping batch at step %d: %s", prog.step, why)
-    bad = nonfinite_tensors(run.learner.model)
-    if bad:
-        raise CaptionerError(f"non-finite weights ({name_list(bad)}) at epoch {epoch + 1} step {prog.step}: "
-                             f"skipping batches cannot help; {run.folder.last_good()}")
-    if session.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise CaptionerError(f"{session.skipped_in_a_row} batches in a row were non-finite (last at epoch "
-                             f"{epoch + 1} step {prog.step}); stopping; {run.folder.last_good()}")
-
-
-def budget_decay(optimizer: torch.optim.Optimizer, t: TrainConfig, seconds: float) -> None:
-    """``train.budget_decay``: scale the lrs the schedule just set by ``1 - seconds / budget`` (floored).
-
-    Args:
-        optimizer: its param groups' ``lr`` are scaled in place.
-        t: ``train.budget_decay`` and ``train.time_budget`` decide; nothing happens without both.
-        seconds: time since this call of ``train`` began.
-    """
-    if not t.budget_decay or not t.time_budget:
-        return
-    factor = max(BUDGET_DECAY_FLOOR, 1.0 - seconds / t.time_budget)
-    for group in optimizer.param_groups:
-        group["lr"] *= factor
-
-
-def add_means(run: Run, means: dict[str, float], captions: float) -> None:
-    """Add a reading to the epoch and log-window meters; warn once when a regulariser outweighs the CE."""
-    if not captions:
-        return
-    run.progress.epoch_meter.add(means, captions)
-    run.progress.window_meter.add(means, captions)
-    ce = means.get("ce", math.nan)
-    heavy = {name: value for name, value in weighted_terms(means).items() if value > ce}
-    if heavy and not run.session.warned_regulariser and run.info.is_main:
-        run.session.warned_regulariser = True
-        name, value = max(heavy.items(), key=lambda kv: kv[1])
-        hint = {"doubly_stochastic": "lower train.alpha_c or use train.ds_form=excess",
-                "entropy": "lower train.entropy_weight",
-                "grounding": "lower train.attention_supervision"}.get(name, "lower its weight")
-        log.warning("the weighted %s term (%.3g) outweighs the cross-entropy (%.3g) at step %d: it, not the "
-                    "captions, now drives the attention (%s)", name.replace("_", " "), value, ce,
-                    run.progress.step, hint)
-
-
-def read_stats(run: Run, epoch: int, inputs: torch.Tensor | None = None) -> None:
-    """Bring the device-side loss statistics to the meters; stop on a non-finite loss among them."""
-    session = run.session
-    reading = session.stats.read()
-    if reading.bad_grad_step is not None and session.bad_grad_step is None:
-        session.bad_grad_step = reading.bad_grad_step
-        if run.info.is_main:
-            log.warning("non-finite gradient norm at step %d (set train.skip_nonfinite=true to skip such batches)",
-                        reading.bad_grad_step)
-    if reading.bad_loss is not None:
-        step, value = reading.bad_loss
-        raise nonfinite_error(run, value, epoch, step, inputs if step == 1 else None)
-    add_means(run, reading.means, reading.captions)
-
-
-def _optimizer_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult
-    """Clip and step, then advance the schedule (and the budget decay) when the optimizer stepped."""
+def backward_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult
+    """Backward (unless a captured step ran it), clip and step, then advance the schedule (and the budget decay) when the optimizer stepped."""
     learner = run.learner
     step = clip_and_step(loss, learner.optimizer, params, run.cfg.train.grad_clip, learner.precision,
                          backward=learner.graphed is None)  # a captured step has run its backward
@@ -399,7 +266,7 @@ def _optimizer_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) ->
     return step
 
 
-def _batch_on_device(run: Run, batch: Any) -> Batch:
+def on_device(run: Run, batch: Any) -> Batch:
     """The loader's ``(x, tokens, image_index)`` with ``x`` and ``tokens`` moved to the run's device.
 
     Cached features arrive in their stored float16/bfloat16 and become float32 here, on the device
@@ -410,8 +277,8 @@ def _batch_on_device(run: Run, batch: Any) -> Batch:
     return Batch(model_input(x, device), tokens.to(device, non_blocking=True), image_index)  # tokens (B, T)
 
 
-def _loss(run: Run, batch: Batch) -> LossResult:
-    """The objective's loss of ``batch`` under the run's precision, gradients cleared for the backward."""
+def forward_loss(run: Run, batch: Batch) -> LossResult:
+    """Forward and the objective's loss of ``batch`` under the run's precision, gradients cleared for the backward."""
     learner = run.learner
     if learner.graphed is not None:  # train.cuda_graph: forward, loss and backward replayed as one graph
         return learner.graphed(batch.x, batch.tokens, batch.image_index)
@@ -419,13 +286,6 @@ def _loss(run: Run, batch: Batch) -> LossResult:
         result = learner.objective.loss(learner.train_model(), batch)
     learner.optimizer.zero_grad(set_to_none=True)
     return result
-
-
-def _skip_empty(run: Run, time_up: bool) -> tuple[bool, float]:
-    """A batch of which no image could be read (``data.skip_missing``): nothing is trained."""
-    if run.info.is_main:
-        log.warning("skipping batch at step %d: none of its images could be read", run.progress.step)
-    return time_up, 0.0
 
 
 def step_deferred(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
@@ -446,12 +306,12 @@ def step_deferred(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) 
         ``(time_up, captions)``: the time budget ran out, and the captions trained (0 when skipped).
     """
     if batch is None:
-        return _skip_empty(run, run.clock.time_up())
+        return skip_empty(run, run.clock.time_up())
     prog, learner, session = run.progress, run.learner, run.session
-    batch = _batch_on_device(run, batch)
-    result = _loss(run, batch)
+    batch = on_device(run, batch)
+    result = forward_loss(run, batch)
     last_lr = learner.optimizer.param_groups[0]["lr"]
-    step = _optimizer_step(run, result.total, params)
+    step = backward_step(run, result.total, params)
     session.stats.add(result, result.captions, prog.step, step.grad_norm if learner.precision.scaler is None else None)
     session.last_lr = last_lr
     if prog.step == 1:  # a first-step failure is diagnosed from its own batch
@@ -475,13 +335,13 @@ def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: i
                              device=reduce_on)
         flags = ddp.all_reduce_sum(flags, info).cpu()
         if flags[0] > 0:
-            return _skip_empty(run, bool(flags[1] > 0))
+            return skip_empty(run, bool(flags[1] > 0))
     elif batch is None:
-        return _skip_empty(run, not info.distributed and run.clock.time_up())
-    batch = _batch_on_device(run, batch)
+        return skip_empty(run, not info.distributed and run.clock.time_up())
+    batch = on_device(run, batch)
     objective_state = ({k: v.detach().clone() for k, v in learner.objective.state_dict().items()}
                        if cfg.train.skip_nonfinite else None)
-    result = _loss(run, batch)
+    result = forward_loss(run, batch)
     n = float(result.captions)
     keys = sorted(result.terms)
     stats = torch.stack([result.total.detach().float() * n, result.total.new_tensor(n),
@@ -497,7 +357,7 @@ def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: i
         skip_batch(run, epoch, f"non-finite loss ({loss})", objective_state)
         return time_up, 0.0
     last_lr = learner.optimizer.param_groups[0]["lr"]  # the lr this step uses
-    step = _optimizer_step(run, result.total, params)
+    step = backward_step(run, result.total, params)
     if getattr(step, "skipped_nonfinite", False):  # optimizer, its state and the schedule untouched
         skip_batch(run, epoch, f"non-finite gradient norm ({step.grad_norm})", objective_state)
         return time_up, 0.0
@@ -513,7 +373,29 @@ def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: i
     return time_up, float(stats[1])
 
 
-def step_function(run: Run) -> Callable[[Run, Any, list[nn.Parameter], int], tuple[bool, float]]:
-    """The step this run takes: :func:`step_synchronised` under torchrun or with ``train.skip_nonfinite``
-    (which must decide before the optimizer steps), else :func:`step_deferred`."""
-    return step_synchronised if run.info.distributed or run.cfg.train.skip_nonfinite else step_deferred
+def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
+    """Train over ``loader`` (the rest of epoch ``epoch``): forward, loss, backward and step for each batch.
+
+    The step is :func:`step_synchronised` under torchrun or with ``train.skip_nonfinite`` (which must
+    see the loss before the optimizer steps), else :func:`step_deferred`; the bar, the counters and the
+    step rows are :class:`~captioner.training.run.EpochLog`'s.
+
+    Returns:
+        ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
+        the epoch's last batch was trained.
+
+    Raises:
+        ImageLoadError: an unreadable image without ``data.skip_missing`` (one line naming it).
+    """
+    learner = run.learner
+    learner.forward.train()
+    learner.objective.train()
+    params = learner.params()
+    step = step_synchronised if run.info.distributed or run.cfg.train.skip_nonfinite else step_deferred
+    with EpochLog(run, loader, epoch) as batches:
+        for batch in batches:
+            time_up, captions = step(run, batch, params, epoch)
+            batches.trained(captions)
+            if time_up:
+                return True, batches.remaining == 0
+    return False, True

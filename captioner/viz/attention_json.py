@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from captioner.errors import DataError, one_line
-from captioner.files import MiB, read_text
+from captioner.errors import DataError
+from captioner.files import MiB, read_json
 from captioner.grids import as_array
 from captioner.inference import Caption
 
@@ -137,12 +136,7 @@ def write_attention_json(path: str | Path, caption: Caption) -> Path:
 
 def read_attention_json(path: str | Path) -> Caption:
     """Read a file written by :func:`write_attention_json` / :func:`write_overlays`."""
-    if not os.path.lexists(path):
-        raise DataError(f"{path}: attention file not found")
-    try:
-        data = json.loads(read_text(path, 256 * MiB, DataError, "attention file"))
-    except (ValueError, RecursionError) as exc:
-        raise DataError(f"{path}: cannot read attention JSON ({one_line(str(exc))[:200]})") from None
+    data = read_json(path, 256 * MiB, DataError, "attention file")
     try:
         return caption_from_dict(data)
     except DataError as exc:

@@ -1,22 +1,27 @@
 """The HTML attention explorer: one self-contained file (inline CSS/JS, image as a data: URI).
 
-The caption's words are buttons: hovering, focusing (Tab) or tapping one draws its attention, and
-a click, Enter or Space keeps it (the arrow keys step); the word shown is marked the same way
-however it was chosen and is written large above the map. The map is drawn over the photo on a
-<canvas>, the photo itself beside it on a wide screen (under it on a narrow one); its long side is at least ``MIN_DISPLAY_SIDE`` pixels (a 128-px scene is
-upscaled to be readable) and at most ``max_side``. Heat maps are rendered client-side from the raw
-g x g weights embedded as JSON (bilinear upsampling with half-pixel centres, a Gaussian blur of
-``BLUR_CELLS`` grid cells, placement on the encoder's crop box, dimming outside it, then the
-style's layer: ``heat``, the default, lays the colour map (a 256-entry lookup table) over the photo
-with a transparent low end and darkens the photo a little where the word did not look, ``light``
-darkens where the word did not look), the same rule as :mod:`captioner.viz.heatmaps`. Each map is on
-its own scale (``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the
-uniform weight), so the region the word looked at most is drawn at the top on any photo; the
-legend names the top "strongest region, 42%" and the sentence under it gives the same share. Its
-figures (peak share, grid cell, entropy against log N) are one click away.
+The caption's words form a strip, each word under its own small map (the overview ``attention.png``
+gives): hovering, focusing or tapping one draws its attention large, and a click, Enter or Space keeps
+it. The strip is one Tab stop (a roving tabindex: the word shown); the arrow keys step, Home and End
+go to the ends. "Play" shows the words in turn, as the GIF does, and "Photo without the map" shows
+the photo bare. The word shown is marked the same way however it was chosen and is written above the
+map. The map is drawn over the photo on a <canvas>; its long side is at least ``MIN_DISPLAY_SIDE``
+pixels (a 128-px scene is upscaled to be readable) and at most ``max_side``; inside a page it grows to
+the width of its frame and to ``--map-max`` high (the page sets it, so the map and its legend fit the
+window). Heat maps are rendered client-side from the raw g x g weights embedded as JSON (bilinear
+upsampling with half-pixel centres, a Gaussian blur of ``BLUR_CELLS`` grid cells, placement on the
+encoder's crop box, dimming outside it, then the style's layer: ``heat``, the default, lays the colour
+map (a 256-entry lookup table) over the photo with a transparent low end and darkens the photo a
+little where the word did not look, ``light`` darkens where the word did not look), the same rule as
+:mod:`captioner.viz.heatmaps`; on a dark photo ``light`` also lights the photo up where the word looked
+(its brightness raised towards a mid grey), so the peak can be seen. Each map is on its own scale
+(``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the uniform weight),
+so the region the word looked at most is drawn at the top on any photo; the legend names the top
+"strongest region, 42%" and the sentence under it gives the same share. Its figures (peak share, grid
+cell, entropy against log N) are one click away.
 
 The explorer opens on the caption's first tag-word (a word of the caption that is one of the
-photo's tags) or else its first noun (:func:`opening_word`), not on "a".
+photo's tags) or else its first noun (:func:`opening_word`), not on "a" or a colour.
 
 For a model with concept detectors (``Caption.concepts``) the photo's top concepts (at most
 ``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
@@ -24,13 +29,13 @@ sees in this photo": a chip is hovered, focused, tapped and kept as a word is, a
 concept is (``Caption.concept_maps``) in the same view and style, written large as ``tag: dog 0.91``.
 Without concepts there is no row.
 
-Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map)
-and which style is chosen (``postMessage``), passes a photo dropped on it to the parent, and offers
-``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption lacks is
-said so above the map, which then shows the photo's tag of that name, or else the caption's word
-whose map is most like ``map`` (labelled); ``captionerSetStyle`` and ``captionerSnapshot()`` (the map
-with the caption and the word under it, as a PNG data URL). With ``compare`` on ``<body>`` (models side
-by side) the photo beside the map is left out: the page shows it once. A hover needs a pointer that
+Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map),
+which style and strength are chosen (``postMessage``), passes a photo dropped on it to the parent, and
+offers ``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption
+lacks is said so over the top of the map, which then shows the photo's tag of that name, or else the
+caption's word whose map is most like ``map`` (labelled); ``captionerSetStyle``,
+``captionerSetStrength`` and ``captionerSnapshot()`` (the map with the caption and the word under it,
+as a PNG data URL). ``compare`` on ``<body>`` marks models side by side. A hover needs a pointer that
 moves: a caption that loads under a still pointer keeps its opening word.
 
 Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
@@ -76,7 +81,8 @@ a an the this that these those some two three four five six seven eight nine ten
 in on at to into onto over under above below near next beside behind by with without from for through across
 along around up down out off while and or but as its his her their there here who which
 is are was were be being been has have had does do it they he she we i you them
-red orange yellow green blue purple pink brown black white grey gray dark light bright colorful colourful
+red orange yellow green blue purple pink brown black white grey gray dark light bright colorful colourful cyan
+magenta violet beige golden silver
 small big large little tiny huge tall short long young old older smiling happy wet dry other different
 left right top bottom middle front back another each very
 picture image photo photograph view scene group pair bunch kind sort side
@@ -210,8 +216,11 @@ def render_explorer(
 </head>
 <body>
 <h1>{heading}</h1>
-<p class="caption" id="caption" aria-label="caption: choose a word to see where the model looked"></p>
+<p class="hint" id="hint">Each word with its map: hover, tap or Tab to the words, the arrow keys step.</p>
+<div class="caption" id="caption" role="toolbar" aria-label="the caption's words, each with its map" aria-describedby="hint"></div>
 {chips}<div class="controls">
+  <button type="button" id="play" aria-pressed="false">&#9654; Play</button>
+  <button type="button" id="bare" aria-pressed="false">Photo without the map</button>
   <label>style<select id="style"><option value="heat">heat map</option>
     <option value="light">attention as light</option></select></label>
   <span id="selectors" hidden>
@@ -222,20 +231,17 @@ def render_explorer(
 </div>
 <div class="views">
   <figure>
-    <p id="missing" hidden></p>
     <p id="shown-word" aria-live="polite"></p>
-    <canvas id="view" role="img" aria-label="where the model looked for the chosen word"></canvas>
+    <div class="stage"><canvas id="view" role="img" aria-label="where the model looked for the chosen word"></canvas>
+      <p id="missing" hidden></p></div>
     <div class="legend"><span>none</span><span class="bar" id="legend-bar"></span><span id="legend-top"></span></div>
     <p id="summary"></p>
     <details><summary>figures</summary><span id="info"></span></details>
   </figure>
-  <figure class="photo-figure">
-    <figcaption class="big">the photo</figcaption>
-    <img id="photo" alt="the photo as given" width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
-  </figure>
+  <img id="photo" alt="" hidden width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
 </div>
 <p class="help">Hover, tap or Tab to a word to see where the model looked{tag_where}; Enter, Space or a click keeps it;
-the arrow keys step through the words{tag_help}.
+the arrow keys step through the words{tag_help}; Play shows them in turn.
 Outside the region the encoder saw, the image is dimmed.</p>
 <script type="application/json" id="explorer-data">{payload}</script>
 <script>{EXPLORER_JS}</script>
@@ -263,11 +269,15 @@ EXPLORER_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 1180px;
        padding: 0 1em; color: #1d1d1f; background: #fafafa; }
 h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
-.caption { font-size: 1.35em; margin: .3em 0 .7em; display: flex; flex-wrap: wrap; gap: .15em .2em; }
-.word { font: inherit; color: inherit; background: none; border: 0; padding: .05em .3em; border-radius: .3em;
-        cursor: pointer; }
+/* the word strip: every word under its own small map; one Tab stop, the arrow keys step */
+.hint { color: #444; font-size: .85em; margin: 0 0 .2em; }
+.caption { display: flex; gap: .3em; margin: 0 0 .5em; padding: 2px 2px 4px; overflow-x: auto; }
+.word { font: inherit; font-size: 1.05em; color: inherit; background: none; border: 2px solid transparent;
+        padding: 2px 2px 0; border-radius: 6px; cursor: pointer; display: flex; flex-direction: column;
+        align-items: center; flex: 0 0 auto; }
+.word .mini { display: block; height: 44px; width: auto; border-radius: 3px; background: #ddd; }
 .word:hover { background: #e3e8f4; }
-.word.active { background: #1f47b8; color: #fff; }
+.word.active { background: #1f47b8; color: #fff; border-color: #1f47b8; }
 .word.pinned, .chip.pinned { text-decoration: underline; text-decoration-thickness: .12em; text-underline-offset: .2em; }
 .concepts { display: flex; flex-wrap: wrap; align-items: center; gap: .35em .45em; margin: -.2em 0 .8em; }
 .concepts-label { color: #444; font-size: .9em; margin-right: .2em; }
@@ -280,30 +290,40 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
 .chip.active .prob { color: #e4e9f7; }
 .word:focus-visible, .chip:focus-visible, select:focus-visible, input:focus-visible, summary:focus-visible {
   outline: 3px solid #e0a800; outline-offset: 2px; }
-.controls { display: flex; flex-wrap: wrap; gap: 1.2em; align-items: center; margin-bottom: .7em; font-size: .92em; }
+.controls { display: flex; flex-wrap: wrap; gap: .5em 1.2em; align-items: center; margin-bottom: .5em; font-size: .92em; }
+.controls button { font: inherit; padding: .15em .7em; border: 1px solid #8a94a6; border-radius: 6px; background: #fff;
+                   color: #1d1d1f; cursor: pointer; }
+.controls button[aria-pressed="true"] { background: #dfe6f7; border-color: #1f47b8; }
+.controls button:focus-visible { outline: 3px solid #e0a800; outline-offset: 2px; }
 .controls select, .controls input { margin-left: .35em; }
-.views { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
-.views figure { margin: 0; flex: 1 1 320px; min-width: 0; }
-.views figcaption { color: #555; font-size: .9em; margin: .2em 0; }
-#shown-word, .views figcaption.big { font-size: 1.9em; font-weight: 600; margin: 0 0 .15em; line-height: 1.2;
-  overflow-wrap: anywhere; }
-.views figcaption.big { font-weight: 400; color: #555; }  /* level with the word, so both pictures line up */
+.views figure { margin: 0; min-width: 0; }
+#shown-word { font-size: 1.5em; font-weight: 600; margin: 0 0 .15em; line-height: 1.2; overflow-wrap: anywhere; }
+.stage { position: relative; width: fit-content; max-width: 100%; }
 #summary { margin: .3em 0; }
 #info { color: #555; font-variant-numeric: tabular-nums; }
-/* the canvas is drawn at display_size and shrinks (never grows) on narrow screens */
-canvas, #photo { display: block; max-width: 100%; height: auto; border-radius: 4px; box-shadow: 0 1px 4px #0003; }
+/* the canvas is drawn at display_size and shrinks (never grows) on narrow screens, and to --map-max high (a page
+   that holds the explorer sets it, so the map and its legend fit its window) */
+#view { display: block; max-width: 100%; max-height: var(--map-max, none); width: auto; height: auto;
+        border-radius: 4px; box-shadow: 0 1px 4px #0003; }
 .legend { display: flex; align-items: center; gap: .5em; font-size: .85em; color: #444; margin: .4em 0; }
 .legend .bar { flex: 0 1 220px; height: 12px; border-radius: 3px; border: 1px solid #bbb; }
 .help { color: #555; font-size: .85em; }
-body.embedded { margin: 0; padding: 0 4px; max-width: none; }  /* inside a page: it gives the heading */
-body.embedded h1 { display: none; }
-#missing { margin: 0 0 .2em; padding: .2em .6em; border-radius: 6px; background: #fff4d6; color: #5c4300; }
-/* models side by side: the page shows the photo once, so each column gives the map all its width */
-body.compare .photo-figure, body.compare .help { display: none; }
-body.compare .views figure { flex-basis: 100%; }
+body.embedded { margin: 0; padding: 0 4px; max-width: none; display: flex; flex-direction: column; }
+body.embedded h1, body.embedded .help { display: none; }  /* inside a page: it gives the heading and the help */
+body.embedded #shown-word { font-size: 1.2em; }
+body.embedded .stage { width: auto; }
+body.embedded #view { width: 100%; max-width: min(100%, calc(var(--map-max, 100vh) * var(--aspect, 1))); }
+/* a word another column shows and this caption lacks: said over the map's top, which stays where it is */
+#missing { position: absolute; left: 0; right: 0; top: 0; margin: 0; padding: .2em .6em; border-radius: 4px 4px 0 0;
+           background: #fff4d6e8; color: #5c4300; font-size: .9em; }
+@media (max-width: 600px) {  /* a narrow window: the map right under the words, the settings after it */
+  body.embedded .controls { order: 1; }
+  body.embedded .hint { display: none; }
+}
 @media (max-width: 420px) {  /* a phone's column: the map first, small print around it */
-  .caption { font-size: 1em; margin-bottom: .4em; }
-  #shown-word { font-size: 1.3em; }
+  .word { font-size: .9em; }
+  .word .mini { height: 34px; }
+  #shown-word { font-size: 1.1em; }
   .controls { gap: .4em .8em; font-size: .85em; margin-bottom: .4em; }
   .legend .bar { flex-basis: 80px; }
   body.compare .concepts-label, body.compare .controls .strength { display: none; }
@@ -327,6 +347,7 @@ EXPLORER_JS = r"""
   const g = D.grid[0];
   canvas.width = D.display_size[0];  // small images are upscaled, large ones bounded (Python decides)
   canvas.height = D.display_size[1];
+  canvas.style.setProperty && canvas.style.setProperty("--aspect", String(canvas.width / canvas.height));
   const sx = canvas.width / D.image_size[0], sy = canvas.height / D.image_size[1];
   const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
   // what can be shown: the caption's words (0 .. L-1), then the photo's tags (L .. L+C-1); buttons[i] is item i
@@ -393,9 +414,10 @@ EXPLORER_JS = r"""
     return out;
   }
 
-  function layerCanvas(m) {  // the style's RGBA layer at a working resolution of the box (heatmaps.style_layer)
-    const bw = box[2] - box[0], bh = box[3] - box[1];
-    const f = Math.min(1, 240 / Math.max(bw, bh));
+  function layerCanvas(m, side, bx) {  // the style's RGBA layer at a working resolution (at most side px) of the
+    bx = bx || box;                      // box (heatmaps.style_layer)
+    const bw = bx[2] - bx[0], bh = bx[3] - bx[1];
+    const f = Math.min(1, (side || 240) / Math.max(bw, bh));
     const w = Math.max(1, Math.round(bw * f)), h = Math.max(1, Math.round(bh * f));
     const ax = axis(w, w / g), ay = axis(h, h / g);
     let a = new Float32Array(w * h);
@@ -425,7 +447,53 @@ EXPLORER_JS = r"""
       }
     }
     lctx.putImageData(img, 0, 0);
+    if (light) layer.lit = litLayer(a, w, h, lo, hi, strength);
     return layer;
+  }
+
+  // "attention as light" on a dark photo: where the word looked, the photo is also lit up (its brightness raised
+  // towards a mid grey), so the peak can be seen however dark the photo is; elsewhere it is only darkened
+  let gain = null;
+  function photoGain() {  // how much a photo this dark is brightened where the word looked (1: not at all)
+    if (gain !== null) return gain;
+    gain = 1;
+    const probe = document.createElement("canvas");
+    probe.width = probe.height = 32;
+    const p = probe.getContext("2d");
+    if (!p || !p.getImageData) return gain;
+    try {
+      p.drawImage(photo, 0, 0, 32, 32);
+      const px = p.getImageData(0, 0, 32, 32).data;
+      let sum = 0;
+      for (let k = 0; k < px.length; k += 4) sum += 0.299 * px[k] + 0.587 * px[k + 1] + 0.114 * px[k + 2];
+      gain = Math.min(8, Math.max(1, 0.45 * 255 / Math.max(1, sum / (px.length / 4))));
+    } catch (e) { gain = 1; }
+    return gain;
+  }
+  function litLayer(a, w, h, lo, hi, strength) {  // the lit photo's mask: opaque where the word looked most
+    if (photoGain() < 1.05) return null;
+    const mask = document.createElement("canvas");
+    mask.width = w; mask.height = h;
+    const mctx = mask.getContext("2d"), img = mctx.createImageData(w, h);
+    for (let p = 0; p < a.length; p++) {
+      const v = hi - lo > 1e-12 ? Math.min(1, Math.max(0, (a[p] - lo) / (hi - lo))) : 0;
+      img.data[4 * p + 3] = Math.round(255 * strength * v * v);
+    }
+    mctx.putImageData(img, 0, 0);
+    return mask;
+  }
+  function drawLit(target, mask, bx) {  // the photo brightened by photoGain, through the mask, over the box
+    const lit = document.createElement("canvas");
+    lit.width = target.canvas.width; lit.height = target.canvas.height;
+    const l = lit.getContext("2d");
+    l.filter = "brightness(" + photoGain().toFixed(2) + ")";
+    l.drawImage(photo, 0, 0, lit.width, lit.height);
+    l.filter = "none";
+    l.globalCompositeOperation = "destination-in";
+    l.imageSmoothingEnabled = true;
+    l.drawImage(mask, bx[0], bx[1], bx[2] - bx[0], bx[3] - bx[1]);
+    l.globalCompositeOperation = "source-over";
+    target.drawImage(lit, 0, 0);
   }
 
   function heat(v, strength) {  // heatmaps.style_layer "heat" at level v (0..255): [r, g, b, opacity 0..1]
@@ -475,20 +543,38 @@ EXPLORER_JS = r"""
     info.textContent = "word " + (i + 1) + "/" + L + " \u201c" + D.words[i] + "\u201d" + figures;
   }
 
+  function paint(target, w, h, bx, m, side) {  // the photo, dimmed outside the box, and map m's layer over it
+    target.globalAlpha = 1;
+    target.drawImage(photo, 0, 0, w, h);
+    target.fillStyle = "rgba(0,0,0," + (1 - D.dim) + ")";  // dim what the encoder did not see
+    target.fillRect(0, 0, w, bx[1]);
+    target.fillRect(0, bx[3], w, h - bx[3]);
+    target.fillRect(0, bx[1], bx[0], bx[3] - bx[1]);
+    target.fillRect(bx[2], bx[1], w - bx[2], bx[3] - bx[1]);
+    if (!m) return;
+    target.imageSmoothingEnabled = true;
+    target.imageSmoothingQuality = "high";
+    const layer = layerCanvas(m, side, bx);
+    target.drawImage(layer, bx[0], bx[1], bx[2] - bx[0], bx[3] - bx[1]);
+    if (layer.lit) drawLit(target, layer.lit, bx);
+  }
+
+  const bare = document.getElementById("bare");
+  let bareOn = false;  // the photo without the map
   function draw(i) {
-    ctx.globalAlpha = 1;
-    ctx.drawImage(photo, 0, 0, canvas.width, canvas.height);
-    ctx.fillStyle = "rgba(0,0,0," + (1 - D.dim) + ")";  // dim what the encoder did not see
-    ctx.fillRect(0, 0, canvas.width, box[1]);
-    ctx.fillRect(0, box[3], canvas.width, canvas.height - box[3]);
-    ctx.fillRect(0, box[1], box[0], box[3] - box[1]);
-    ctx.fillRect(box[2], box[1], canvas.width - box[2], box[3] - box[1]);
-    if (i < 0 || i >= L + C) { legend(null); info.textContent = "empty caption"; return; }
-    const m = weights(i);
-    ctx.imageSmoothingEnabled = true;
-    ctx.imageSmoothingQuality = "high";
-    ctx.drawImage(layerCanvas(m), box[0], box[1], box[2] - box[0], box[3] - box[1]);
-    describe(i, m);
+    const none = i < 0 || i >= L + C;
+    paint(ctx, canvas.width, canvas.height, box, none || bareOn ? null : weights(i));
+    if (none) { legend(null); info.textContent = "empty caption"; return; }
+    describe(i, weights(i));
+  }
+
+  function drawMinis() {  // the strip: each word's map, small, in the style and strength chosen
+    spans.forEach(function (s, i) {
+      const mini = s.firstChild;
+      if (!mini || !mini.getContext) return;
+      const c = mini.getContext("2d"), f = mini.width / canvas.width;
+      paint(c, mini.width, mini.height, [box[0] * f, box[1] * f, box[2] * f, box[3] * f], weights(i), 48);
+    });
   }
 
   function id(i) { return isTag(i) ? "tag-" + (i - L) : String(i); }  // data-shown, data-word: "3" or "tag-0"
@@ -511,6 +597,7 @@ EXPLORER_JS = r"""
     buttons.forEach(function (s, k) {
       s.classList.toggle("pinned", k === current); s.setAttribute("aria-pressed", String(k === current));
     });
+    if (i < L) spans.forEach(function (s, k) { s.tabIndex = k === i ? 0 : -1; });  // the strip: one Tab stop
     document.body.dataset.word = id(current);
     show(current, quiet);
   }
@@ -527,9 +614,15 @@ EXPLORER_JS = r"""
   }
 
   const cap = document.getElementById("caption");
+  const miniH = 88, miniW = Math.max(1, Math.round(miniH * canvas.width / canvas.height));
   D.words.forEach(function (word, i) {
-    const s = document.createElement("button");
-    s.type = "button"; s.className = "word"; s.textContent = word; s.id = "word-" + i;
+    const s = document.createElement("button"), mini = document.createElement("canvas");
+    const text = document.createElement("span");
+    s.type = "button"; s.className = "word"; s.id = "word-" + i; s.tabIndex = -1;
+    mini.className = "mini"; mini.width = miniW; mini.height = miniH;
+    mini.setAttribute("aria-hidden", "true");
+    text.textContent = word;
+    s.appendChild(mini); s.appendChild(text);
     bind(s, i);
     cap.appendChild(s);
     spans.push(s);
@@ -537,25 +630,57 @@ EXPLORER_JS = r"""
   for (let k = 0; k < C; k++) bind(document.getElementById("tag-" + k), L + k);  // the chips are in the page
   document.addEventListener("keydown", function (e) {
     if (e.target && (e.target.tagName === "SELECT" || e.target.tagName === "INPUT")) return;  // their own arrows
+    const ends = e.key === "Home" || e.key === "End";
     const step = e.key === "ArrowRight" || e.key === "ArrowDown" ? 1 : e.key === "ArrowLeft" || e.key === "ArrowUp" ? -1 : 0;
-    if (!step) return;
     const list = e.target && e.target.classList;
     const onItem = list && (list.contains("word") || list.contains("chip"));
+    if (!step && !(ends && onItem)) return;
+    stop();
     const from = onItem ? shown : current;  // step through the words, or through the tags from a tag
     if (from < 0) return;
     const lo = isTag(from) ? L : 0, n = isTag(from) ? C : L;
-    select(lo + ((from - lo + step) % n + n) % n);
+    select(ends ? lo + (e.key === "Home" ? 0 : n - 1) : lo + ((from - lo + step) % n + n) % n);
     if (onItem) buttons[current].focus();
     e.preventDefault();
   });
   [layerSel, headSel, alphaIn].forEach(function (el) {
     el.addEventListener("input", function () { draw(shown); });
-    el.addEventListener("change", function () { draw(shown); });
+    el.addEventListener("change", function () { draw(shown); drawMinis(); });
+  });
+  alphaIn.addEventListener("change", function () {  // the page keeps the strength for the next answer
+    if (window.parent !== window) window.parent.postMessage({ captioner: "strength", value: +alphaIn.value }, "*");
   });
   styleSel.addEventListener("change", function () {
-    draw(shown);
+    draw(shown); drawMinis();
     if (window.parent !== window) window.parent.postMessage({ captioner: "style", style: styleSel.value }, "*");
   });
+  bare.addEventListener("click", function () {  // the photo as it is, without the map, and back
+    bareOn = !bareOn;
+    bare.setAttribute("aria-pressed", String(bareOn));
+    draw(shown);
+  });
+  // Play: each word in turn, as the GIF shows them; any other choice stops it
+  const play = document.getElementById("play");
+  let timer = null;
+  function stop() {
+    if (timer === null) return;
+    clearInterval(timer); timer = null;
+    play.setAttribute("aria-pressed", "false"); play.textContent = "\u25b6 Play";
+    document.body.dataset.playing = "";
+  }
+  play.addEventListener("click", function () {
+    if (timer !== null) { stop(); return; }
+    if (!L) return;
+    let k = 0;
+    play.setAttribute("aria-pressed", "true"); play.textContent = "\u275a\u275a Pause";
+    document.body.dataset.playing = "1";
+    select(0);
+    timer = setInterval(function () {
+      if (++k >= L) { stop(); return; }
+      select(k);
+    }, D.play_ms || 900);
+  });
+  cap.addEventListener("click", function () { stop(); });
 
   // for a page that holds several explorers: the same word in each, one style, a picture to save
   function overlap(a, b) {  // heatmaps.map_overlap: histogram intersection of two maps, each summing to 1
@@ -585,7 +710,10 @@ EXPLORER_JS = r"""
       ": its nearest word, the one that looked most alike (" + (100 * most).toFixed(0) + "% overlap).");
   };
   window.captionerSetStyle = function (style) {
-    if (styleSel.value !== style) { styleSel.value = style; draw(shown); }
+    if (styleSel.value !== style) { styleSel.value = style; draw(shown); drawMinis(); }
+  };
+  window.captionerSetStrength = function (value) {
+    if (+alphaIn.value !== +value) { alphaIn.value = String(value); draw(shown); drawMinis(); }
   };
   window.captionerSnapshot = function () {  // the map with the caption and the word under it
     const band = 56, out = document.createElement("canvas");
@@ -612,6 +740,7 @@ EXPLORER_JS = r"""
   }
   function start() {
     if (L) select(D.start, true); else { current = -1; show(-1, true); }  // an empty caption: the photo, and a line saying so
+    drawMinis();
     document.body.dataset.ready = "1";
   }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);

@@ -317,18 +317,11 @@ def render_grid(
                          alpha, style, panel_side=panel_side, columns=columns)
 
 
-def render_tags(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    panel_side: int = 224,
-    columns: int = 5,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image | None:
-    """The photo's tags as the PNG grid draws words: the image titled with the caption, then one panel per
-    concept titled ``tag: dog 0.91`` and its figures, each on its own scale; None for a caption
-    without concepts (a model without concept detectors)."""
+def render_tags(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                panel_side: int = 224, columns: int = 5, style: str = DEFAULT_STYLE) -> Image.Image | None:
+    """The photo's tags as :func:`render_grid` draws words (the same options): the image titled with the
+    caption, then one panel per concept titled ``tag: dog 0.91`` and its figures, each on its own scale;
+    None for a caption without concepts (a model without concept detectors)."""
     caption = on_image(caption, image)
     if not caption.concepts:
         return None
@@ -338,14 +331,8 @@ def render_tags(
                          columns=columns)
 
 
-def render_gif_frames(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    max_side: int = 360,
-    style: str = DEFAULT_STYLE,
-) -> list[Image.Image]:
+def render_gif_frames(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                      max_side: int = 360, style: str = DEFAULT_STYLE) -> list[Image.Image]:
     """One frame per word: the overlay (on the word's own scale) with "i/L word" and the
     word's figures in a band of ``GIF_BAND`` pixels below (the image alone for L = 0)."""
     caption = on_image(caption, image)

@@ -14,7 +14,7 @@ workers, pinned memory; ``loader_dataset`` names the path): the path a COCO cach
 ``loader_scale`` (CPU is enough) times the loader alone, no model: items/s through ``train_loader``
 (``LOADER_WORKERS`` workers, default 2) over a synthetic cache of ``LOADER_IMAGES`` images (default
 2,000 x 196 x 2048 float16, 1.5 GiB, in ``SCALE_DIR`` or /tmp, deleted afterwards), for rows decoded
-to float32 in the worker (``float32_in_worker``, what the loader did before #25), for rows kept in
+to float32 in the worker (``float32_in_worker``, the older loader), for rows kept in
 their stored float16 read one by one and stacked by the collate (``stored_dtype``, which
 ``model_input`` widens on the device), and for whole batches gathered from the map in one copy into
 shared memory (``batch_gather``, what ``train_loader`` does over ``FeatureCache.loader()``), in turn
@@ -207,7 +207,7 @@ class _RowByRow:
 
 
 class _Float32Rows:
-    """``load(index)``: a cache row decoded to float32 in the worker (the loader before #25; picklable)."""
+    """``load(index)``: a cache row decoded to float32 in the worker (the older loader; picklable)."""
 
     def __init__(self, cache: FeatureCache) -> None:
         self.cache = cache

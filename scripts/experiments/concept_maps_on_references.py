@@ -8,7 +8,7 @@ with the concept detectors' own map of that word in the photo (the target the co
 attention towards). Prints both ratios with their 95% intervals and pointing accuracies: the gap
 between them is how far the decoder falls short of the maps it was guided by.
 
-With ``decoder.concept_prior`` it also says how well the pointer foresees the concept: at every
+With ``concepts.prior`` it also says how well the pointer foresees the concept: at every
 reference word that is a concept the head finds in the photo, the share of steps whose pointer puts
 the most weight on that concept, its mean weight there and on "none", beside the decoder's own
 probability of the word and how often the word is its first choice; and the decoder's attention on the
@@ -30,13 +30,13 @@ from captioner.errors import CaptionerError
 def pointer_report(engine, cs, load, concept_of: dict[str, int], min_prob: float = 0.1) -> str:  # noqa: ANN001
     """How well the concept prior's pointer foresees the concept words of the reference captions."""
     decoder, vocab = engine.model.decoder, engine.vocab
-    none = decoder.concepts
+    none = decoder.extension.concepts
     steps = first = 0
     on_concept = on_none = word_prob = word_first = 0.0
     with torch.no_grad():
         for i, record in enumerate(cs.images):
             features, _ = engine.model.encode(load(i).unsqueeze(0))
-            probs = decoder.concept_probs(features)[0]  # (K,)
+            probs = decoder.extension.concept_probs(features)[0]  # (K,)
             for caption in cs.captions.get(record.image_id, []):
                 ids = vocab.encode(caption)
                 out = decoder(features, torch.tensor([ids[:-1]]))
@@ -63,9 +63,9 @@ def pointer_report(engine, cs, load, concept_of: dict[str, int], min_prob: float
 def oracle_pointer(decoder, vocab_size: int):  # noqa: ANN001, ANN201
     """Within it, the concept prior's pointer always names the concept of the word each step predicts
     ("none" for other words): its logits are replaced by the truth before the prior is formed."""
-    none = decoder.concepts
+    none = decoder.extension.concepts
     table = torch.full((vocab_size,), none, dtype=torch.long)  # vocabulary id -> its concept, else "none"
-    table[decoder.concept_ids] = torch.arange(none)
+    table[decoder.extension.concept_ids] = torch.arange(none)
     reading = decoder.extension  # the concept reading: its prior_map forms the prior
     own_forward, own_map = decoder.forward, reading.prior_map
     truth: dict[str, object] = {}
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         instances = load_instances(args.data, args.split, None)
         if instances is None:
             raise CaptionerError(f"{args.data} [{args.split}]: no instances file, so no boxes to score against")
-        concept_of = {engine.vocab.itos[i]: k for k, i in enumerate(decoder.concept_ids.tolist())}
+        concept_of = {engine.vocab.itos[i]: k for k, i in enumerate(decoder.extension.concept_ids.tolist())}
         forced = reference_attention(engine, cs, progress=False)
         prior = getattr(decoder, "concept_prior", False)
         if prior:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             for i, refs in enumerate(forced):
                 features, grid = engine.model.encode(load(i).unsqueeze(0))
-                maps = decoder.concept_head.maps(features)[0].reshape(-1, int(grid[0]), int(grid[1]))  # (K, g, g)
+                maps = decoder.extension.concept_head.maps(features)[0].reshape(-1, int(grid[0]), int(grid[1]))  # (K, g, g)
                 uniform = torch.full(maps.shape[1:], 1.0 / maps[0].numel())
                 mine, theirs, oracle = [], [], []
                 for r, ref in enumerate(refs):  # words that are not concepts are hidden from the scorer

@@ -5,7 +5,7 @@
 
 Captions the split's photos in batches through the public API (``captioner.load(CKPT).caption(...,
 attention=True)``). The nouns of a caption are chosen without a part-of-speech tagger: the words that
-are concept words of the model when it has concept detectors (``decoder.concepts``), else the words
+are concept words of the model when it has concept detectors (``model.concepts``), else the words
 of a built-in list of common Flickr8k nouns (``--nouns`` gives another list), never a stop word,
 colour, number, common adjective, ``-ing`` form or common verb; a noun counts only where the model
 looked somewhere in particular for it (its map is not spread "all over", ``heatmaps.spread_words``).
@@ -55,7 +55,7 @@ def noun_words(model) -> tuple[frozenset[str], str]:
 
     decoder = model.model.decoder
     if getattr(decoder, "concepts", 0) and getattr(decoder, "concept_ids", None) is not None:
-        words = {model.vocab.itos[int(i)] for i in decoder.concept_ids.tolist()}
+        words = {model.vocab.itos[int(i)] for i in decoder.extension.concept_ids.tolist()}
         source = "concept words of the model"
     else:
         words, source = set(COMMON_NOUNS), "built-in list of common nouns"

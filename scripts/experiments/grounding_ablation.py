@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""With and without attention supervision (issue 24), on the demo's scenes and frozen encoder, at a
+"""With and without attention supervision, on the demo's scenes and frozen encoder, at a
 fixed number of epochs: the comparison a time-budgeted ``captioner demo`` cannot give on a busy machine.
 
     python scripts/experiments/grounding_ablation.py --out runs/grounding --decoders sat_soft,transformer --epochs 4 \\

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Attention supervision on real COCO boxes (issue 24): fine-tune a checkpoint on half of coco2017-mini
+"""Attention supervision on real COCO boxes: fine-tune a checkpoint on half of coco2017-mini
 with and without ``train.attention_supervision``, and score the attention on the other half's boxes.
 
     python scripts/experiments/grounding_coco.py runs/flickr8k/transformer/best.safetensors --out runs/grounding_coco \\

@@ -13,7 +13,7 @@
 # over the 14 x 14 cache (captioner concepts ... --set encoder.dilate=true --set encoder.grid=14). The
 # *_sharp configurations guide attention towards the concept maps raised to the power SHARPNESS (default 3).
 # The *_prior configurations multiply the attention by the maps of the concepts the decoder expects to name
-# next (decoder.concept_prior). With a CONCEPTS file holding fold heads (captioner concepts --folds F), every
+# next (concepts.prior). With a CONCEPTS file holding fold heads (captioner concepts --folds F), every
 # configuration trains on cross-fitted concepts; a0_input_guide_prior_no_cross_fit is the same run without.
 # The doubly stochastic penalty: base keeps the recipe's (weight 1, excess form), a0 drops it, ds_small
 # weighs it 0.3, ds_sum uses the paper's sum form; input reads the concepts with the penalty kept.
@@ -36,9 +36,9 @@ declare -A SETTINGS=(
     [a0_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [a0_input_guide]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
     [a0_input_guide_sharp]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
-    [a0_input_guide_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set decoder.concept_prior=true"
-    [a0_input_guide_prior_no_cross_fit]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set decoder.concept_prior=true --set train.concept_cross_fit=false"
-    [a0_input_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set decoder.concept_prior=true"
+    [a0_input_guide_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set concepts.prior=true"
+    [a0_input_guide_prior_no_cross_fit]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1 --set concepts.prior=true --set train.concept_cross_fit=false"
+    [a0_input_prior]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set concepts.prior=true"
     [hard_a0]="--preset sat_hard_flickr8k --set train.alpha_c=0"
     [hard_a0_input_guide]="--preset sat_hard_flickr8k --set train.alpha_c=0 --set train.concepts=$CONCEPTS --set train.concept_guide=1"
     [a0_fine]="--preset sat_soft_flickr8k --set train.alpha_c=0 --set encoder.dilate=true --set encoder.grid=14"
@@ -48,7 +48,7 @@ declare -A SETTINGS=(
     [tf]="--preset transformer_flickr8k"
     [tf_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_input=false --set train.concept_guide=1"
     [tf_input_guide]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3"
-    [tf_input_guide_prior]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set decoder.concept_prior=true"
+    [tf_input_guide_prior]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set concepts.prior=true"
     [tf_input_guide_sharp]="--preset transformer_flickr8k --set train.concepts=$CONCEPTS --set train.concept_guide=0.3 --set train.concept_guide_sharpness=${SHARPNESS:-3}"
 )
 NAMES=("$@")

@@ -1,17 +1,20 @@
-"""Concept detectors over a frozen encoder's regions (Fang et al. 2015), and what a decoder reads of them.
+"""Concept detectors over a frozen encoder's regions (Fang et al. 2015), what a decoder reads of them, and
+the tags a caption shows.
 
 Shape legend: B images, N regions (grid*grid), D feature width, K concepts, F hidden width.
 
 :class:`ConceptHead` scores K concepts (frequent caption words) at every region and pools them into
 P(concept in image), trained from captions alone by multiple-instance learning
-(``captioner.training.detectors``); its pooling weights are each concept's map over the regions.
+(``captioner.concepts.training``); its pooling weights are each concept's map over the regions.
 :func:`save_concepts` / :func:`load_concepts` keep a head in one safetensors file, with optional
 cross-fitting fold heads (:func:`feature_fold`, :class:`OutOfFoldConcepts`).
 
 :class:`SATConcepts` and :class:`TransformerConcepts` are the optional decoder extension
 (``captioner.models.base.DecoderExtension``) that reads a photo's concepts: a frozen copy of the head,
-the probabilities as an input or as memory tokens, and the concept prior's pointer. docs/grounding.md
-and docs/models_sat.md explain the method.
+the probabilities as an input or as memory tokens, and the concept prior's pointer. The registry builds
+one from the model config's ``concepts`` section (:func:`build_extension`); the decoders never import
+this module. :func:`photo_tags` gives a photo's top concepts and their maps, the tags every output shows.
+docs/grounding.md and docs/models_sat.md explain the method.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from captioner.config.decoders import CONCEPT_POOLINGS
+from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig, SATConfig, TransformerConfig
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
 from captioner.text import STOP_WORDS, Vocabulary
 
 FORMAT = "captioner-concepts"
-POOLINGS = CONCEPT_POOLINGS  # the config layer checks decoder.concept_pooling against the same names
+POOLINGS = CONCEPT_POOLINGS  # the config layer checks concepts.pooling against the same names
 INITIAL_BIAS = -4.0  # of the region logits: sigmoid(-4) = 1.8%
 MAX_WIDTH = 65_536  # a head's feature and hidden widths (a larger one could not be allocated)
 MAX_CONCEPTS = 100_000  # concept words in one head
@@ -309,7 +312,7 @@ class ConceptReading(DecoderExtension):
 
     Holds a frozen :class:`ConceptHead` over the raw regions (``concept_head``: never trains, always in
     eval mode) and the vocabulary id of each of its K concepts (``concept_ids``, a buffer); both start
-    blank and are filled from a concepts file (``captioner.training.detectors.install_concepts``), then
+    blank and are filled from a concepts file (``captioner.concepts.training.RunConcepts.install``), then
     from the checkpoint. With ``concept_prior`` it also holds the prior's pointer over the K concepts and
     "none", read from a decoder state of ``width`` (``concept_query``, W_q), and its learned weight lambda
     (``prior_scale``, from 1).
@@ -319,9 +322,8 @@ class ConceptReading(DecoderExtension):
         concepts: K.
         concept_hidden, concept_pooling, concept_sharpness: the head's shape (:class:`ConceptHead`).
 
-    A family's reading (:class:`SATConcepts`, :class:`TransformerConcepts`) is built by :meth:`build`
-    from a decoder's options: ``concepts`` (0: no reading) and ``concept_prior`` (reshape the attention by
-    the maps of the concepts a pointer expects next, read from a decoder state of ``width``).
+    A family's reading (:class:`SATConcepts`, :class:`TransformerConcepts`) is built by
+    :func:`build_extension` from the model config's ``concepts`` section.
     """
 
     def __init__(self, feature_dim: int, concepts: int, concept_hidden: int = 512, concept_pooling: str = "lse",
@@ -332,15 +334,6 @@ class ConceptReading(DecoderExtension):
                                         sharpness=concept_sharpness).requires_grad_(False).eval()
         self.register_buffer("concept_ids", torch.zeros(concepts, dtype=torch.long))  # vocab id of each concept
         self.concept_prior = False
-
-    @classmethod
-    def build(cls, feature_dim: int, width: int, concepts: int = 0, concept_prior: bool = False,
-              **options: Any) -> ConceptReading | None:
-        """The reading of ``concepts`` (K) concepts, or None for K = 0 (``options``: the subclass's and the head's)."""
-        if concept_prior and not concepts:
-            raise ConfigError("decoder.concept_prior needs a decoder that reads concepts (train.concepts=FILE, "
-                              "train.concept_input=true)")
-        return cls(feature_dim, width, concepts, concept_prior=concept_prior, **options) if concepts else None
 
     def _add_prior(self, width: int, concept_prior: bool) -> None:
         self.concept_prior = concept_prior
@@ -516,3 +509,52 @@ class TransformerConcepts(ConceptReading, TransformerExtension):
 
     def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
         return self._aux(static, records[0] if records else None)
+
+
+READERS = (SATConfig, TransformerConfig)  # the decoder families whose extension reads concepts
+
+
+def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int) -> DecoderExtension | None:
+    """The decoder's extension from the model config's ``concepts`` section: None when it reads no concepts.
+
+    Args:
+        cfg: ``model.concepts`` (K = ``cfg.count``; 0: none).
+        decoder: the decoder's config (its family picks the reading; its widths size it).
+        feature_dim: D of the regions the concept head reads.
+
+    Raises:
+        ConfigError: concepts for a decoder family that cannot read them.
+    """
+    if not cfg.count:
+        if cfg.prior:
+            raise ConfigError("concepts.prior needs a decoder that reads concepts (train.concepts=FILE, "
+                              "train.concept_input=true)")
+        return None
+    head = {"concept_hidden": cfg.hidden, "concept_pooling": cfg.pooling, "concept_sharpness": cfg.sharpness}
+    if isinstance(decoder, SATConfig):
+        return SATConcepts(feature_dim, decoder.hidden_dim, cfg.count, decoder.embed_dim, cfg.prior, **head)
+    if isinstance(decoder, TransformerConfig):
+        return TransformerConcepts(feature_dim, decoder.d_model, cfg.count, cfg.prior, **head)
+    raise ConfigError(f"the {decoder.name} decoder cannot read concepts (concepts.count={cfg.count}): "
+                      "set concepts.count=0")
+
+
+TOP_CONCEPTS = 8  # concepts listed per photo
+MIN_CONCEPT_PROB = 0.05  # ... found with at least this probability
+
+
+def photo_tags(extension: Any, features: torch.Tensor, vocab: Vocabulary, grid: tuple[int, int],
+               k: int = TOP_CONCEPTS, min_prob: float = MIN_CONCEPT_PROB
+               ) -> list[tuple[list[tuple[str, float]] | None, torch.Tensor | None]]:
+    """Per image, the top concepts ``[(word, probability)]`` and their maps (C, g, g) of a decoder's
+    extension (anything with ``concept_head.read`` and ``concept_ids``), or ``(None, None)`` without one."""
+    if getattr(extension, "concept_head", None) is None:
+        return [(None, None)] * features.size(0)
+    with torch.no_grad():
+        probs, maps = extension.concept_head.read(features)  # (B, K), (B, K, N)
+    out = []
+    for b in range(features.size(0)):
+        top = [int(i) for i in probs[b].argsort(descending=True)[:k] if float(probs[b, i]) >= min_prob]
+        words = [(vocab.itos[int(extension.concept_ids[i])], round(float(probs[b, i]), 4)) for i in top]
+        out.append((words, maps[b, top].reshape(len(top), *grid).float().cpu()))
+    return out

@@ -1,0 +1,365 @@
+"""The first look of the ``captioner serve`` page in headless Chromium, as a new user meets it.
+
+With the shipped model and an example photo: at 1280x900 with three captions the map, its legend and
+the downloads are in the window; on a 390x844 phone the map starts in the first screen; the score is
+always shown and said in words, and equals ``captioner caption``'s on the same file. The word strip
+(every word's small map, one Tab stop, arrow keys, a skip link), the play-through, the caption as
+copyable text, the model said from its card, the examples ``-c a=flickr8k -c b=flickr8k`` offers, the
+light style on a dark photo, re-runs that keep the user's choices, a keyed select that asks once, a
+drop of text, and no jump while a new photo is busy. Skips where selenium or chromium is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_browser_serve import (_DROP, _answers, _axe_audit, _dark_photo, _in_frame, _pixels, _scene, _serve_page,  # noqa: F401
+                                _upload, _wait, _words_in, a_model, driver, peaked_model)
+
+pytestmark = pytest.mark.slow  # starts a browser and a server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    import captioner
+
+    return captioner.load("flickr8k", device="cpu")
+
+
+def _png(data_url: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data_url.split(",", 1)[1]))).convert("RGB"), dtype=np.int16)
+
+
+def _viewport(driver, width: int, height: int) -> None:
+    """Make the page's window (innerWidth x innerHeight) exactly ``width`` x ``height``."""
+    driver.set_window_size(width, height)
+    inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
+    driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])
+    assert driver.execute_script("return [window.innerWidth, window.innerHeight];") == [width, height]
+
+
+def _shipped_page(driver, shipped):
+    """The shipped model served as ``captioner serve`` serves it (its card, the example photos)."""
+    import contextlib
+
+    from captioner.commands.serve import model_card_of
+    from captioner.pretrained import PHOTOS
+    from captioner.share.examples import default_examples
+    from captioner.share.server import ServedModel, create_app, running
+
+    @contextlib.contextmanager
+    def opened():
+        app = create_app([ServedModel("flickr8k", shipped, card=model_card_of("flickr8k"))],
+                         default_examples([shipped.vocab.itos], PHOTOS))
+        with running(app) as base:
+            driver.get(base + "/")
+            _wait(driver, "return document.body.dataset.state === 'idle';")
+            yield base
+
+    return opened()
+
+
+def _example(driver, index: int = 0) -> None:
+    before = _answers(driver)
+    driver.find_element("id", f"example-{index}").click()
+    _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';", 60)
+
+
+_RECT = """const f = document.querySelector('#columns iframe'), r = f.getBoundingClientRect(), doc = f.contentDocument;
+const v = doc.getElementById('view').getBoundingClientRect(), l = doc.querySelector('.legend').getBoundingClientRect();
+const d = document.querySelector('.downloads').getBoundingClientRect();
+return {map_top: r.top + v.top, map_bottom: r.top + v.bottom, map_width: v.width, legend_bottom: r.top + l.bottom,
+        downloads_bottom: d.bottom, height: window.innerHeight, scroll: window.scrollY};"""
+
+
+def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high_on_a_phone(driver, shipped):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    size = driver.get_window_size()
+    try:
+        with _shipped_page(driver, shipped):
+            _viewport(driver, 1280, 900)
+            Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
+            _example(driver)
+            _wait(driver, "return document.querySelector('#columns iframe').offsetHeight > 300;")
+            time.sleep(0.3)  # the frame fitted to the window
+            box = driver.execute_script(_RECT)
+            assert box["scroll"] == 0
+            assert box["map_bottom"] <= box["height"] and box["legend_bottom"] <= box["height"], box
+            assert box["downloads_bottom"] <= box["height"], box
+            assert box["map_width"] >= 600, box  # the map, not a thumbnail: no photo beside it
+            assert len(driver.find_elements(By.CSS_SELECTOR, ".nbest .text")) == 3
+            # the file name once on the page, the photo once (in the map; no thumbnails)
+            name = driver.find_element(By.ID, "file-name").text
+            assert name == "family_table.jpg"
+            assert driver.execute_script("return document.body.innerText;").count(name) == 1
+            assert driver.find_elements(By.CSS_SELECTOR, "#result img") == []
+            # the model said in one line from its card, the card one click away
+            about = driver.find_element(By.CSS_SELECTOR, "#about li").text
+            assert about.startswith("flickr8k: Show, Attend and Tell on Flickr8k: photos mostly of people and dogs")
+            card = driver.find_element(By.CSS_SELECTOR, "#about a").get_attribute("href")
+            import urllib.request
+
+            with urllib.request.urlopen(card, timeout=30) as r:
+                assert "Show, Attend and Tell on Flickr8k" in r.read().decode()
+            _viewport(driver, 390, 844)
+            driver.execute_script("window.scrollTo(0, 0);")
+            Select(driver.find_element(By.ID, "nbest-count")).select_by_value("1")
+            _wait(driver, "return document.body.dataset.state === 'done' && "
+                          "document.querySelectorAll('.nbest .text').length === 1;", 60)
+            time.sleep(0.3)
+            box = driver.execute_script(_RECT)
+            assert box["map_top"] <= 500, box
+            assert driver.execute_script("return document.documentElement.scrollWidth <= "
+                                         "document.documentElement.clientWidth;"), "the page scrolls sideways"
+    finally:
+        driver.set_window_size(size["width"], size["height"])
+
+
+def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_file(driver, shipped, capsys):
+    from selenium.webdriver.common.by import By
+
+    from captioner.cli import main
+    from captioner.pretrained import PHOTOS
+
+    photo = sorted(PHOTOS.glob("*.jpg"))[1]
+    assert main(["caption", str(photo), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with _shipped_page(driver, shipped):
+        driver.execute_script("window.answers = []; window.fetch = (function (real) { return function () {"
+                              " return real.apply(null, arguments).then(function (r) {"
+                              " r.clone().json().then(function (j) { window.answers.push(j); }); return r; }); }; })"
+                              "(window.fetch);")
+        _example(driver, 1)  # the default view: one caption
+        assert driver.find_element(By.ID, "file-name").text == photo.name
+        answer = driver.execute_script("return window.answers[window.answers.length - 1];")
+        best = answer["captions"][0]
+        assert best["text"] == cli["caption"] and best["score"] == pytest.approx(cli["score"], abs=1e-4)
+        score = driver.find_element(By.CSS_SELECTOR, ".column .score")
+        assert score.is_displayed()
+        words = len(cli["tokens"])
+        assert score.text == (f"log-probability {cli['score']:.2f} in all \u00b7 {cli['score'] / words:.2f} per word "
+                              f"({words} words)")
+        explain = driver.find_element(By.CSS_SELECTOR, ".column .explain")
+        assert explain.is_displayed() and "closer to 0 is more likely" in explain.text
+        assert not driver.find_element(By.CSS_SELECTOR, ".nbest").is_displayed()  # one caption: no list
+        # the caption as text to copy
+        assert driver.find_element(By.CSS_SELECTOR, ".column .chosen .text").text == cli["caption"]
+        driver.find_element(By.CSS_SELECTOR, ".column .chosen .copy").click()
+        _wait(driver, "const s = window.getSelection().toString(), b = document.querySelector('.chosen .copy');"
+                      f" return s === {json.dumps(cli['caption'])} || b.textContent === 'Copied';")
+
+
+def test_two_shipped_models_named_on_the_command_line_keep_the_example_photos(driver):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "captioner", "serve", "-c", "a=flickr8k", "-c", "b=flickr8k",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving a, b on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        driver.get(line.split(" on ", 1)[1].split()[0] + "/")
+        _wait(driver, "return document.body.dataset.state === 'idle';")
+        labels = [b.get_attribute("aria-label") for b in driver.find_elements("css selector", "#examples button")]
+        assert labels == ["example: family_table", "example: phone_call", "example: skateboarder", "example: tennis"]
+        assert "scene" not in " ".join(labels)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_the_word_strip_is_one_tab_stop_with_arrow_keys_small_maps_and_a_play_through(driver, peaked_model,
+                                                                                      tmp_path: Path) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, _scene(tmp_path, seed=3)[1])
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        words = _words_in(driver, frame)
+        assert len(words) > 3
+        # the skip link: the first Tab stop of the page, and it leads to the words
+        driver.execute_script("if (document.activeElement) document.activeElement.blur(); window.scrollTo(0, 0);")
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+        assert driver.switch_to.active_element.get_attribute("id") == "skip"
+        ActionChains(driver).send_keys(Keys.ENTER).perform()
+        driver.switch_to.frame(frame)
+        opened = driver.execute_script("return document.body.dataset.word;")
+        assert driver.switch_to.active_element.get_attribute("id") == f"word-{opened}"
+        # one Tab stop: the pinned word alone is reachable with Tab; the next Tab leaves the strip
+        tabbable = driver.execute_script("return Array.prototype.filter.call(document.querySelectorAll('.word'),"
+                                         " function (w) { return w.tabIndex === 0; }).map(function (w) { return w.id; });")
+        assert tabbable == [f"word-{opened}"]
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+        assert "word" not in (driver.switch_to.active_element.get_attribute("class") or "")
+        ActionChains(driver).key_down(Keys.SHIFT).send_keys(Keys.TAB).key_up(Keys.SHIFT).perform()
+        assert driver.switch_to.active_element.get_attribute("id") == f"word-{opened}"
+        # arrows step, pin and carry the Tab stop; Home and End go to the ends
+        ActionChains(driver).send_keys(Keys.ARROW_RIGHT).perform()
+        step = (int(opened) + 1) % len(words)
+        assert driver.switch_to.active_element.get_attribute("id") == f"word-{step}"
+        assert driver.execute_script("return document.body.dataset.word;") == str(step)
+        assert driver.find_element(By.ID, f"word-{step}").get_attribute("tabindex") == "0"
+        ActionChains(driver).send_keys(Keys.END).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == str(len(words) - 1)
+        ActionChains(driver).send_keys(Keys.HOME).perform()
+        assert driver.execute_script("return document.body.dataset.word;") == "0"
+        # every word's small map, each its own (the maps differ), under its word; a click selects
+        minis = driver.find_elements(By.CSS_SELECTOR, ".word .mini")
+        assert len(minis) == len(words)
+        shots = [_png(driver.execute_script("return arguments[0].toDataURL('image/png');", m)) for m in minis]
+        assert all(s.std() > 5 for s in shots), "a blank small map"
+        assert max(np.abs(s - shots[0]).mean() for s in shots[1:]) > 3, "the small maps are all alike"
+        minis[-1].click()
+        assert driver.execute_script("return document.body.dataset.word;") == str(len(words) - 1)
+        # the play-through: every word in turn, then it stops
+        driver.execute_script("window.seen = []; new MutationObserver(function () {"
+                              " if (window.seen[window.seen.length - 1] !== document.body.dataset.word)"
+                              " window.seen.push(document.body.dataset.word); })"
+                              ".observe(document.body, { attributes: true, attributeFilter: ['data-word'] });")
+        driver.find_element(By.ID, "play").click()
+        assert driver.find_element(By.ID, "play").get_attribute("aria-pressed") == "true"
+        _wait(driver, "return document.body.dataset.playing === '';", timeout=len(words) * 2 + 10)
+        assert driver.execute_script("return window.seen;") == [str(i) for i in range(len(words))]
+        assert driver.find_element(By.ID, "play").get_attribute("aria-pressed") == "false"
+        # the photo without the map, and back
+        with_map = _pixels(driver.find_element(By.ID, "view"))
+        driver.find_element(By.ID, "bare").click()
+        bare = _pixels(driver.find_element(By.ID, "view"))
+        assert np.abs(bare - with_map).sum(-1).__gt__(30).mean() > 0.02
+        driver.find_element(By.ID, "bare").click()
+        assert np.abs(_pixels(driver.find_element(By.ID, "view")) - with_map).sum(-1).__gt__(30).mean() < 0.01
+        driver.switch_to.default_content()
+
+
+def test_the_light_style_shows_the_peak_on_a_dark_photo(driver, a_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from captioner.viz.attention_json import on_image
+    from test_browser_serve import _cell_pixels
+
+    image, photo = _dark_photo(tmp_path, "scene")
+    assert np.asarray(image).mean() < 40  # dark
+    expected = a_model.caption(image, beam=3, attention=True)[0]
+    with _serve_page(driver, [("a", a_model)]):
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        driver.switch_to.frame(frame)
+        Select(driver.find_element(By.ID, "style")).select_by_value("light")
+        opened = int(driver.execute_script("return document.body.dataset.word;"))
+        shot = _pixels(driver.find_element(By.ID, "view")).astype(np.float64)
+        driver.switch_to.default_content()
+    att = expected.attention[opened].numpy()
+    peak = np.unravel_index(int(att.argmax()), att.shape)
+    box = on_image(expected, image).box
+    region = _cell_pixels(shot, image, box, att.shape[0], [peak]).mean()
+    assert region >= 3 * shot.mean(), (region, shot.mean())
+    assert region >= 60, region  # bright enough to see
+
+
+def test_a_rerun_keeps_strength_and_caption_and_a_keyed_select_asks_once(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    _, photo = _scene(tmp_path, seed=5)
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
+        _upload(driver, photo)
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        driver.switch_to.frame(frame)
+        driver.execute_script("const a = document.getElementById('alpha'); a.value = '0.4';"
+                              "a.dispatchEvent(new Event('input')); a.dispatchEvent(new Event('change'));")
+        driver.switch_to.default_content()
+        driver.find_element(By.ID, "nbest-2").click()
+        _wait(driver, "return document.body.dataset.state === 'done';")
+        second = driver.find_element(By.CSS_SELECTOR, ".chosen .text").text
+        before = _answers(driver)
+        driver.find_element(By.ID, "again").click()
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
+        assert driver.find_element(By.ID, "nbest-2").get_attribute("aria-pressed") == "true"
+        assert driver.find_element(By.CSS_SELECTOR, ".chosen .text").text == second
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        assert _in_frame(driver, frame, "return document.getElementById('alpha').value;") == "0.4"
+        # ArrowDown twice on the closed beam select: one request, when the keys rest
+        driver.execute_script("window.asked = 0; window.fetch = (function (real) { return function () {"
+                              " window.asked++; return real.apply(null, arguments); }; })(window.fetch);")
+        beam = driver.find_element(By.ID, "beam")
+        driver.execute_script("arguments[0].focus();", beam)
+        beam.send_keys(Keys.ARROW_DOWN)
+        beam.send_keys(Keys.ARROW_DOWN)
+        time.sleep(0.3)
+        assert driver.execute_script("return window.asked;") == 0  # not at every step
+        _wait(driver, "return window.asked === 1 && document.body.dataset.state === 'done';")
+        time.sleep(1.0)
+        assert driver.execute_script("return window.asked;") == 1
+        assert beam.get_attribute("value") == "5"
+        # a new photo: its own first caption again, the strength kept
+        _upload(driver, _scene(tmp_path, seed=6, name="other.png")[1])
+        assert driver.find_element(By.ID, "nbest-0").get_attribute("aria-pressed") == "true"
+        frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+        _words_in(driver, frame)
+        assert _in_frame(driver, frame, "return document.getElementById('alpha').value;") == "0.4"
+
+
+def test_a_drop_of_text_says_so_and_a_busy_photo_moves_nothing(driver, peaked_model, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    _, first = _scene(tmp_path, seed=3, name="first.png")
+    _, second = _scene(tmp_path, seed=6, name="second.png")
+    with _serve_page(driver, [("peaked", peaked_model)]):
+        _upload(driver, first)
+        text_drop = ("const data = new DataTransfer(); data.setData('text/plain', 'a dog');"
+                     "for (const type of ['dragenter', 'dragover', 'drop']) document.body.dispatchEvent("
+                     "new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true }));")
+        driver.execute_script(text_drop)
+        error = driver.find_element(By.ID, "error")
+        assert error.is_displayed() and error.text.startswith("That was text, not a photo")
+        assert driver.find_element(By.ID, "result").is_displayed()  # the result stays
+        where = ("const f = document.querySelector('#columns iframe').getBoundingClientRect(),"
+                 " c = document.getElementById('columns').getBoundingClientRect();"
+                 " return [Math.round(c.top), Math.round(f.top), Math.round(f.height), Math.round(f.width)];")
+        driver.execute_script("window.fetch = (function (real) { return function () { const a = arguments;"
+                              " return new Promise(function (ok) { setTimeout(function () { ok(real.apply(null, a)); },"
+                              " 1500); }); }; })(window.fetch);")  # a slow answer, to look at the page meanwhile
+        error_shown = driver.execute_script(where)
+        driver.find_element(By.ID, "file").send_keys(str(second))
+        _wait(driver, "return document.body.dataset.state === 'busy';")
+        busy = driver.execute_script(where)
+        assert driver.find_element(By.ID, "stale-note").is_displayed()
+        # the error line of the text drop goes, and nothing below it moves by more than that line
+        line = error_shown[0] - busy[0]
+        assert busy[1:] == [error_shown[1] - line, *error_shown[2:]], (error_shown, busy)
+        time.sleep(0.5)
+        assert driver.execute_script(where) == busy  # still: the old result waits where it was
+        _wait(driver, "return document.body.dataset.state === 'done';")
+
+
+def test_the_page_has_no_accessibility_violations(driver, peaked_model, tmp_path: Path) -> None:
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+
+    _, photo = _scene(tmp_path, seed=3, side=300)
+    with _serve_page(driver, [("peaked", peaked_model)], examples=2):
+        _upload(driver, photo)
+        results = _axe_audit(axe, driver, driver.find_elements(By.CSS_SELECTOR, "#columns iframe"))
+        assert results["passes"], "axe checked nothing"
