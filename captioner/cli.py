@@ -16,6 +16,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -76,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (0 ok, 1 failure, 2 usage error)."""
+    """Run the CLI; returns the process exit code (0 ok, 1 failure, 2 usage error).
+
+    With ``argv`` None (the console script: the process's own command line), a Ctrl-C that comes after
+    the command has returned, while the interpreter shuts down, prints one line and exits 130 instead
+    of a traceback from an exit handler (:func:`interrupt_quietly_at_exit`)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -89,7 +94,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s" if not args.verbose else "%(levelname)s %(name)s: %(message)s",
     )
-    return run_reporting_errors(f"captioner {args.command}", lambda: int(args._run(args) or 0), args._interrupted)
+    prog = f"captioner {args.command}"
+    code = run_reporting_errors(prog, lambda: int(args._run(args) or 0), args._interrupted)
+    if argv is None:
+        interrupt_quietly_at_exit(prog, code)
+    return code
+
+
+def interrupt_quietly_at_exit(prog: str, code: int) -> None:
+    """From now on (the command is done), Ctrl-C flushes the output, prints one line and exits 130 at once.
+
+    Python runs exit handlers (multiprocessing's, logging's, torch's) after ``main`` returns; a
+    ``KeyboardInterrupt`` raised in one of them is printed as a traceback ("Exception ignored in atexit
+    callback"). Only for the process's own command line: never in a program that calls :func:`main`.
+    """
+    def handler(signum: int, frame: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, RuntimeError):  # closed, or a reentrant call during a flush
+                pass
+        os.write(2, f"{prog}: interrupted while exiting (the command had finished with exit code {code})\n"
+                    .encode("utf-8", "replace"))
+        os._exit(130)
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
 
 
 MAX_MESSAGE = 1000  # characters of an error line: a bad value is quoted by a prefix, never whole

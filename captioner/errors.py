@@ -29,6 +29,11 @@ class ImageLoadError(DataError):
     """An image file that is missing, empty, truncated or not an image."""
 
 
+class EmptyCaptionError(CaptionerError):
+    """The model wrote no word for a photo (``<eos>`` first): a failure to caption it, not a caption.
+    The message names the photo and the beam size."""
+
+
 class CheckpointError(CaptionerError):
     """A checkpoint that is truncated, foreign, unsafe or does not match."""
 

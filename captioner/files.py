@@ -10,6 +10,13 @@ Every file written into a run folder or next to a checkpoint goes through :func:
 temporary ``.<name>.*.tmp`` in the same folder, fsync'ed, renamed over the target with
 ``os.replace``, then the folder itself fsync'ed so the rename survives a power cut.
 
+Every command that writes into a folder a user names (``--out``, ``--overlay``, ``--root``) goes
+through :class:`Outputs`: before any work it refuses to replace a file that captioner did not write
+there (unless ``--force``), and after writing it adds the files to the folder's manifest,
+``.captioner-files.json`` (:data:`MANIFEST`), which records each file's size and modification time.
+A file is captioner's own when the manifest lists it with the size and time it has now: a user's
+file of the same name, or one of captioner's files that a user has since edited, is not.
+
 Two processes that would write the same file (a feature cache, a downloaded checkpoint) take turns
 with :func:`hold_lock`, a ``filelock`` lock on ``<path>.lock`` (:func:`lock_file`) that the operating
 system drops when its holder dies, so a crash never leaves a file locked.
@@ -24,16 +31,18 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from filelock import FileLock, Timeout
 
-from captioner.errors import CaptionerError, CheckpointError
+from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
-__all__ = ["MiB", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file", "lock_is_free", "read_bytes",
-           "read_json", "read_text", "release_lock_file", "safe_name", "size_text", "writable_folder"]
+__all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
+           "lock_is_free", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name", "size_text",
+           "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
@@ -342,16 +351,18 @@ def lock_is_free(lock: str | os.PathLike, timeout: float) -> bool:
         return False
 
 
-def release_lock_file(lock: str | os.PathLike) -> None:
-    """Remove a lock file nobody holds, and its folder when that is left empty (after a failed write)."""
+def release_lock_file(lock: str | os.PathLike, remove_folder: bool = True) -> None:
+    """Remove a lock file nobody holds, and (``remove_folder``) its folder when that is left empty (after a
+    failed write into a folder of the cache's own)."""
     lock = Path(lock)
     try:
         with hold_lock(lock, 0.0):
             lock.unlink(missing_ok=True)  # a waiter that opened it sees an unlinked file and opens a new one
     except (CaptionerError, OSError):
         return
-    with contextlib.suppress(OSError):
-        lock.parent.rmdir()
+    if remove_folder:
+        with contextlib.suppress(OSError):
+            lock.parent.rmdir()
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -361,3 +372,114 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+MANIFEST = ".captioner-files.json"  # in a folder a command wrote into: the files it wrote there
+MAX_MANIFEST = 256 * MiB  # a manifest larger than this is not read (nothing in the folder counts as captioner's)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files one command writes into a folder the user named, and the rule that protects the rest.
+
+    Every writer builds one, calls :meth:`check` with the paths it will write before any work, and
+    :meth:`record` with the paths it wrote.
+
+    Attributes:
+        root: the folder the user named (``--out``, ``--overlay``, ``--root``); the manifest lives there.
+        force: replace any file (``--force``).
+        option: how the user named ``root``, for the messages (``"--out"``).
+        replace_own: replace captioner's own earlier files without ``--force`` (overlays, a dataset's
+            extracted files); False where an earlier result is work to keep (an evaluation, a run).
+        error: the exception raised.
+    """
+
+    root: Path
+    force: bool = False
+    option: str = "--out"
+    replace_own: bool = True
+    error: type[CaptionerError] = ConfigError
+
+    @property
+    def manifest(self) -> Path:
+        return Path(self.root) / MANIFEST
+
+    def owned(self) -> dict[str, list[int]]:
+        """The manifest's ``{path relative to root: [size, mtime_ns]}`` (empty when there is none or it is bad)."""
+        try:
+            data = json.loads(read_text(self.manifest, MAX_MANIFEST))
+        except (CaptionerError, ValueError):
+            return {}
+        files = data.get("files") if isinstance(data, dict) else None
+        return {k: v for k, v in files.items() if isinstance(v, list)} if isinstance(files, dict) else {}
+
+    def _key(self, path: str | os.PathLike) -> str:
+        path, root = Path(path), Path(self.root)
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            rel = Path(os.path.relpath(path.resolve(), root.resolve()))
+        return rel.as_posix()
+
+    def check(self, paths: Iterable[str | os.PathLike]) -> list[Path]:
+        """Refuse, in one line naming the first such file, to replace what captioner did not write.
+
+        Args:
+            paths: the files the command will write (under :attr:`root`).
+
+        Returns:
+            Those of ``paths`` that exist now (they will be replaced).
+
+        Raises:
+            error: a path is a folder; or it exists, ``force`` is off, and it is not captioner's own file
+                (or it is, and ``replace_own`` is off).
+        """
+        owned = None
+        present, refused = [], []
+        for path in map(Path, paths):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise self.error(f"{path}: cannot be checked before writing ({exc.strerror or exc})") from None
+            if stat.S_ISDIR(st.st_mode):
+                raise self.error(f"{path}: is a folder where a file is to be written; choose another {self.option}")
+            present.append(path)
+            if self.force:
+                continue
+            if owned is None:
+                owned = self.owned()
+            mine = owned.get(self._key(path)) == [st.st_size, st.st_mtime_ns] and stat.S_ISREG(st.st_mode)
+            if not mine or not self.replace_own:
+                refused.append((path, mine))
+        if refused:
+            path, mine = refused[0]
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            whose = "written by an earlier run" if mine else "not written by captioner"
+            raise self.error(f"{path}: already exists, {whose}{more}; choose another {self.option} or pass "
+                             "--force to replace it")
+        return present
+
+    def record(self, paths: Iterable[str | os.PathLike]) -> None:
+        """Add ``paths`` (written by this command) to the manifest; entries whose file is gone are dropped."""
+        new = {}
+        for path in map(Path, paths):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                new[self._key(path)] = [st.st_size, st.st_mtime_ns]
+        if not new:
+            return
+        lock = lock_file(self.manifest)
+        try:
+            with hold_lock(lock):  # two writers into one folder never lose each other's entries
+                files = {k: v for k, v in self.owned().items() if (Path(self.root) / k).is_file()}
+                files.update(new)
+                text = json.dumps({"format": "captioner-files", "version": 1, "files": files}, indent=0,
+                                  sort_keys=True)
+                atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error)
+        finally:
+            release_lock_file(lock, remove_folder=False)

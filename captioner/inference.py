@@ -40,14 +40,14 @@ from captioner.data.images import ImageSource, image_sources, load_for_encoder, 
 from captioner.data.transforms import ImageTransform, crop_box
 from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
 from captioner.device import resolve_device
-from captioner.errors import CheckpointError, ConfigError, DataError, ImageLoadError
+from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import Vocabulary
 
-__all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "grid_of",
-           "load", "search_features", "teacher_forced_attention"]
+__all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
+           "grid_of", "load", "search_features", "teacher_forced_attention"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
@@ -231,6 +231,12 @@ def decode_options(options: DecodeOptions | None = None, **overrides: object) ->
     return dataclasses.replace(options, **overrides)
 
 
+def empty_caption(name: str, options: DecodeOptions) -> EmptyCaptionError:
+    """The error for an image the model wrote no word for, naming it (its path) and the beam size."""
+    return EmptyCaptionError(f"{name}: the model wrote an empty caption (no word before <eos>) at beam "
+                             f"{options.beam_size}; a smaller beam, or a model trained longer, may say something")
+
+
 class Captioner:
     """A trained captioning model ready for inference: network, vocabulary, transform and device.
 
@@ -267,6 +273,7 @@ class Captioner:
         all_heads: bool = False,
         batch_size: int = 8,
         labels: int = 0,
+        allow_empty: bool = False,
         **decoding: object,
     ) -> list[Caption]:
         """Caption one image or several.
@@ -281,6 +288,8 @@ class Captioner:
             batch_size: images encoded and searched together.
             labels: also the photo's K most probable words of the encoder's ImageNet head
                 (``Caption.labels``); 0: none. Needs an EfficientNet-Lite encoder.
+            allow_empty: return a caption with no words (the model wrote ``<eos>`` first) instead of
+                raising ``EmptyCaptionError`` (scoring a split counts it as a wrong answer).
             **decoding: ``DecodeOptions`` fields that replace those of ``options``: ``beam_size``
                 (or its short name ``beam``; 1 = greedy), ``max_len``, ``length_penalty``, ``n_best``,
                 ``allow_unk``. For example ``caption(photo, beam=5, max_len=16)``.
@@ -298,28 +307,31 @@ class Captioner:
             ConfigError: bad search options (an unknown one, or a search that could not fit in
                 memory, see :mod:`captioner.decoding.search`), batch size or flags; labels asked of
                 an encoder without an ImageNet head.
+            EmptyCaptionError: the model wrote no word for an image (unless ``allow_empty``): the
+                message names the image (its path, or its place in the input) and the beam size.
         """
         options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        for flag, value in (("attention", attention), ("all_heads", all_heads)):
+        for flag, value in (("attention", attention), ("all_heads", all_heads), ("allow_empty", allow_empty)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{flag} must be True or False, got {value!r}")
         sources = self._flatten(images)
         out: list[Caption] = []
         for result in self.caption_stream(sources, options, attention=attention, all_heads=all_heads,
-                                          batch_size=batch_size, labels=labels):
+                                          batch_size=batch_size, labels=labels, allow_empty=allow_empty):
             if isinstance(result, Exception):
                 raise result
             out.append(result)
         return out
 
     def caption_stream(self, sources: Sequence[ImageSource], options: DecodeOptions, *, attention: bool = False,
-                       all_heads: bool = False, batch_size: int = 8, labels: int = 0
-                       ) -> Iterator[Caption | ImageLoadError]:
+                       all_heads: bool = False, batch_size: int = 8, labels: int = 0, allow_empty: bool = False
+                       ) -> Iterator[Caption | ImageLoadError | EmptyCaptionError]:
         """:meth:`caption` as a pipeline over checked sources (``image_sources``), one result per
-        source in input order: its :class:`Caption`, or the ``ImageLoadError`` of a file that could
-        not be read (the others are still captioned).
+        source in input order: its :class:`Caption`, the ``ImageLoadError`` of a file that could
+        not be read, or (unless ``allow_empty``) the ``EmptyCaptionError`` of an image the model
+        wrote no word for (the others are still captioned).
 
         While the search runs on one chunk of ``batch_size`` images (this thread), the next chunk
         is read by :data:`LOADER_THREADS` threads and encoded by one more: at most two chunks of
@@ -355,8 +367,17 @@ class Captioner:
                 if k + 1 < len(starts):
                     pending = encoder.submit(encode, starts[k + 1])
                 found = iter(self._search(prepared, features, grid, options, keep, all_heads, head, labels))
-                for item in prepared:
-                    yield item if isinstance(item, ImageLoadError) else next(found)
+                for i, item in enumerate(prepared, start=starts[k]):
+                    if isinstance(item, ImageLoadError):
+                        yield item
+                        continue
+                    result = next(found)
+                    if result.words or allow_empty:
+                        yield result
+                    else:
+                        source = sources[i]
+                        yield empty_caption(str(source) if isinstance(source, Path) else f"image {i} of the input",
+                                            options)
 
     def label_head(self) -> ImageNetLabels:
         """The encoder's ImageNet head as a detector of caption words (:func:`captioner.concepts.labels.label_head`),
@@ -539,9 +560,10 @@ def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | 
     members = [load(c, device, None, progress, refresh) for c in checkpoints]
     names = [str(c) for c in checkpoints]
     for member, name in zip(members[1:], names[1:]):
-        if member.vocab.itos != members[0].vocab.itos:
+        differs = member.vocab.first_difference(members[0].vocab)
+        if differs is not None:
             raise ConfigError(f"{name}: its vocabulary ({len(member.vocab)} words) differs from that of {names[0]} "
-                              f"({len(members[0].vocab)} words); the models of an ensemble must be trained "
-                              "with one vocabulary (the same data and data.min_freq)")
+                              f"({len(members[0].vocab)} words): {differs}; the models of an ensemble must be "
+                              "trained with one vocabulary (the same data and data.min_freq)")
     model = build_ensemble([m.model for m in members], names)
     return Captioner(model, members[0].vocab, members[0].device)

@@ -62,8 +62,20 @@ def available_models() -> list[str]:
 
 
 def is_model_name(spec: object) -> bool:
-    """Whether ``spec`` names a shipped model (a path that exists wins over a name)."""
-    return isinstance(spec, str) and spec in MODELS and not os.path.exists(spec)
+    """Whether ``spec`` names a shipped model rather than a path.
+
+    Raises:
+        CheckpointError: ``spec`` is a shipped model's name and also a path that exists here (a run or a
+            dataset folder named ``flickr8k``): which one is meant cannot be told, so neither is used.
+    """
+    if not (isinstance(spec, str) and spec in MODELS):
+        return False
+    if os.path.lexists(spec):
+        kind = "folder" if os.path.isdir(spec) else "file"
+        raise CheckpointError(f"{spec!r} is both a shipped model's name and a {kind} here "
+                              f"({os.path.abspath(spec)}); write ./{spec} for the {kind}, or run from another "
+                              "folder for the shipped model")
+    return True
 
 
 def _entry(name: str) -> PretrainedModel:

@@ -111,6 +111,22 @@ class Vocabulary:
     def __repr__(self) -> str:
         return f"Vocabulary(size={len(self)})"
 
+    def first_difference(self, other: "Vocabulary") -> str | None:
+        """Where ``other`` first differs from this vocabulary, in words (None when they are equal).
+
+        ``"word 12 is 'dog' here and 'cat' there"``, or ``"word 38 is 'zebra' here and missing there"``
+        when one is a prefix of the other.
+        """
+        for i, (mine, theirs) in enumerate(zip(self.itos, other.itos)):
+            if mine != theirs:
+                return f"word {i} is {mine!r} here and {theirs!r} there"
+        if len(self.itos) == len(other.itos):
+            return None
+        i = min(len(self.itos), len(other.itos))
+        if i < len(self.itos):
+            return f"word {i} is {self.itos[i]!r} here and missing there"
+        return f"word {i} is missing here and {other.itos[i]!r} there"
+
     def encode(self, caption: str | Sequence[str], max_len: int | None = None) -> list[int]:
         """Caption -> ``[<bos>, w1 .. wn, <eos>]`` ids; words beyond ``max_len`` are dropped.
 

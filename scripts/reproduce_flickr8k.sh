@@ -19,8 +19,9 @@
 # RESUME=1: go on from where an earlier call stopped: a run already scored is kept as it is, a run with
 #   a train_state.pt resumes its training (captioner train --resume), and the rest start afresh.
 #
-# On a 2-core CPU: about 6 minutes of feature cache (once, shared by the three decoders in
-# runs/flickr8k/features), then at most 45 minutes per decoder, and a minute or two of scoring each.
+# On a 2-core CPU: about 6 minutes of feature cache (once, shared by the three decoders in the cache
+# root's features/: $CAPTIONER_CACHE, else ~/.cache/captioner), then at most 45 minutes per decoder, and a
+# minute or two of scoring each.
 # Existing run folders are moved aside (--overwrite), never deleted, unless RESUME=1 keeps them.
 set -euo pipefail
 DATA=${1:?usage: bash scripts/reproduce_flickr8k.sh DATA [COCO_MINI]}

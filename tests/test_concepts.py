@@ -648,7 +648,8 @@ def test_concepts_command_then_a_run_that_reads_and_follows_them(tiny_shapes, tm
     assert [model.vocab.itos[i] for i in decoder.extension.concept_ids.tolist()] == [w for w in head.words
                                                                          if w in model.vocab.stoi]
     image = sorted((tiny_shapes / "images").glob("*.png"))[0]
-    caption = model.caption([image], attention=True)[0]  # a minute of training on a busy machine may write few words
+    # a minute of training on a busy machine may write few words, or none
+    caption = model.caption([image], attention=True, allow_empty=True)[0]
     assert all(w in model.vocab.stoi for w in caption.words) and caption.attention.shape[0] == len(caption.words)
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert "concept_guide" in header and "share_concept_guide" in header
@@ -689,7 +690,7 @@ def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny
     assert [model.vocab.itos[i] for i in decoder.extension.concept_ids.tolist()] == kept
     assert decoder.extension.concept_tokens.count == CONCEPT_TOKENS
     image = sorted((tiny_shapes / "images").glob("*.png"))[0]
-    result = model.caption([image], all_heads=True)[0]
+    result = model.caption([image], all_heads=True, allow_empty=True)[0]
     g = cfg.model.encoder.grid
     assert result.attention.shape == (len(result.words), g, g)  # 30 s of training may write few words
     # every layer's and head's maps over a given caption (teacher-forced, whatever the model writes): over
@@ -846,7 +847,7 @@ def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_
     existing.write_bytes(b"mine")
     assert main(["concepts", *common, "--out", str(existing)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "already exists; choose another --out or pass --force" in err
+    assert err.count("\n") == 1 and "already exists, not written by captioner; choose another --out or pass --force" in err
     assert existing.read_bytes() == b"mine"
     assert main(["concepts", *common, "--out", str(tmp_path / "new.safetensors"), "--boxes",
                  str(tmp_path / "nowhere")]) == 1

@@ -40,6 +40,8 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1,
                       "concept_guide_sharpness": 1.0, "concept_pointer": 1.0,
                       "concept_cross_fit": True, "word_distill": None, "word_distill_weight": 1.0}
+# data fields added after the snapshot: run-local feature caches by default
+ADDED_DATA_FIELDS = {"shared_feature_cache": False}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"dilate": False}
 # the model section added after the snapshot: the decoder's extension (no concepts, no concept prior by default)
@@ -89,6 +91,7 @@ def test_every_preset_equals_the_old_preset_function(name: str) -> None:
     assert {k: new["train"].pop(k) for k in ADDED_TRAIN_FIELDS} == ADDED_TRAIN_FIELDS
     assert new["model"].pop("concepts") == ADDED_CONCEPTS_SECTION
     assert {k: new["model"]["encoder"].pop(k) for k in ADDED_ENCODER_FIELDS} == ADDED_ENCODER_FIELDS
+    assert {k: new["data"].pop(k) for k in ADDED_DATA_FIELDS} == ADDED_DATA_FIELDS
     assert new == old  # encoder, data, train: identical
     # the decoder: the family's fields identical; the old flat dict held the other family's defaults besides
     family = SATConfig if old_dec["name"] == "sat" else TransformerConfig

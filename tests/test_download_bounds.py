@@ -51,7 +51,7 @@ def test_a_stream_of_zeros_stops_after_its_first_bytes(isolated: Path) -> None:
     with hostile(limit=256 << 20) as (url, handler):
         start = time.monotonic()
         with pytest.raises(CheckpointError, match=r"/zeros/model\.safetensors: not a checkpoint \(its first bytes "
-                                                  r"000000000000000000 are neither a safetensors header"):
+                                                  r"000000000000000000 are not a safetensors header\)"):
             resolve_checkpoint(f"{url}/zeros/model.safetensors")
         assert time.monotonic() - start < 3
     assert handler.sent < 32 << 20 and _files(isolated) == []
@@ -76,13 +76,13 @@ def test_first_bytes_are_checked_against_what_the_loader_accepts(ckpt: bytes, is
     big = _safetensors_head({"__metadata__": _metadata(ckpt),
                              "w": {"dtype": "U8", "shape": [announced], "data_offsets": [0, announced]}})
     cases = {  # path -> (first bytes, then zeros up to 256 MiB; the error)
-        "pickle": (b"\x80\x02", r"refused: not a checkpoint \(pickle data without torch.save's magic number\)"),
+        "pickle": (b"\x80\x02", r"refused: not a safetensors checkpoint \(pickle data, which can run code when "
+                               r"loaded: only safetensors files are downloaded\)"),
         "foreign": (_safetensors_head({"w": {"dtype": "U8", "shape": [announced], "data_offsets": [0, announced]}}),
                     r"not a captioner checkpoint \(format='None'\)"),
         "zip": (b"PK\x03\x04" + bytes(22) + (8).to_bytes(2, "little") + bytes(2) + b"evil.exe",
-                r"a zip whose first member is not torch.save's data.pkl\)"),
-        "big": (big, rf"too large: {len(big) + announced} bytes where its header states it, the limit is "
-                     r"67108864 bytes"),
+                r"refused: not a safetensors checkpoint \(a zip \(torch.save's format\), which can run code.*"),
+        "big": (big, r"not a checkpoint of the model its config builds \(tensor 'w' is not one of the model's\)"),
     }
     remote.URL_BOUNDS = Bounds(max_bytes=64 << 20, timeout=5, window=0.5)  # restored by the fixture
     for name, (prefix, message) in cases.items():
@@ -93,6 +93,56 @@ def test_first_bytes_are_checked_against_what_the_loader_accepts(ckpt: bytes, is
             assert time.monotonic() - start < 5
         assert handler.sent < 32 << 20, name  # stopped at its first bytes, not at the 64 MiB cap
         assert not (isolated / "urls").exists(), name  # no file, no lock, not even an empty folder
+
+
+def _tensors(ckpt: bytes) -> dict:
+    import json
+
+    length = int.from_bytes(ckpt[:8], "little")
+    return {k: v for k, v in json.loads(ckpt[8:8 + length]).items() if k != "__metadata__"}
+
+
+def test_a_lying_checkpoint_stops_at_its_header_under_the_real_bound(ckpt: bytes, isolated: Path) -> None:
+    """Each of these announces or streams about 1 GB (under the real 1.x GB bound): refused from the first
+    bytes, with nothing left in the cache, not even its folder."""
+    announced = 1000 << 20
+    meta, tensors = _metadata(ckpt), _tensors(ckpt)
+    first = next(k for k in sorted(tensors, key=lambda k: tensors[k]["data_offsets"])
+                 if tensors[k]["dtype"] == "F32" and len(tensors[k]["shape"]) == 2)  # a weight matrix
+    n = tensors[first]["data_offsets"][1] - tensors[first]["data_offsets"][0]  # its bytes
+    wrong_shape = {**tensors, first: {**tensors[first], "shape": [7, 7]}}  # its bytes no longer match its shape
+    model_shape = {**tensors, first: {**tensors[first], "shape": [n // 4]}}  # consistent, but not the model's shape
+    cases = {
+        "unknown_name": (_safetensors_head({"__metadata__": meta, "lm_head.weight": {
+            "dtype": "F32", "shape": [announced // 4], "data_offsets": [0, announced]}}),
+            r"not a checkpoint of the model its config builds \(tensor 'lm_head\.weight' is not one of the model's\)"),
+        "shape_vs_data": (_safetensors_head({"__metadata__": meta, **wrong_shape}),
+                          rf"tensor '{first}': F32 of shape \[7, 7\] is 196 bytes, its data spans {n}\)"),
+        "shape_vs_model": (_safetensors_head({"__metadata__": meta, **model_shape}),
+                           rf"tensor '{first}' has shape \({n // 4},\), the model's \("),
+        "missing": (_safetensors_head({"__metadata__": meta, first: {**tensors[first], "data_offsets": [0, n]}}), r"the model's tensor '.*' is "
+                                                                                      r"not in the file"),
+        "legacy_torch": (remote_magic(), r"refused: not a safetensors checkpoint \(pickle data"),
+        "zip_data_pkl": (b"PK\x03\x04" + bytes(22) + (13).to_bytes(2, "little") + bytes(2) + b"arch/data.pkl",
+                         r"refused: not a safetensors checkpoint \(a zip"),
+    }
+    for name, (prefix, message) in cases.items():
+        with hostile(limit=announced + len(prefix), prefix=prefix) as (url, handler):
+            with pytest.raises(CheckpointError, match=message + r".*; nothing was kept"):
+                resolve_checkpoint(f"{url}/prefixed/{name}.safetensors", progress=False)
+        assert handler.sent < 32 << 20, name  # stopped at the header, not after 1 GB
+        assert not (isolated / "urls").exists(), name
+
+
+def remote_magic() -> bytes:
+    """The first bytes of a legacy ``torch.save`` file (its magic number), as a stream of zeros follows."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"x": 1}, buf, _use_new_zipfile_serialization=False)
+    return buf.getvalue()[:32]
 
 
 def test_a_length_that_differs_from_the_header_is_refused_at_once(ckpt: bytes, isolated: Path) -> None:

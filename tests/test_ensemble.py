@@ -109,6 +109,14 @@ def test_members_that_do_not_fit_together_are_named(members, tmp_path):
     save_checkpoint(other, loaded.model, Vocabulary(words))
     with pytest.raises(ConfigError, match=r"other_vocab\.safetensors: its vocabulary .* one vocabulary"):
         captioner.load([members["transformer_tiny"], other], device="cpu")
+    swapped = tmp_path / "swapped_vocab.safetensors"  # the same words, two of them in another order
+    words = list(loaded.vocab.itos[4:])
+    words[0], words[1] = words[1], words[0]
+    save_checkpoint(swapped, loaded.model, Vocabulary(words))
+    first, second = loaded.vocab.itos[4], loaded.vocab.itos[5]
+    with pytest.raises(ConfigError, match=rf"swapped_vocab\.safetensors: its vocabulary \({len(loaded.vocab)} words\) "
+                                          rf".*: word 4 is '{second}' here and '{first}' there;"):
+        captioner.load([members["transformer_tiny"], swapped], device="cpu")
     with pytest.raises(ConfigError, match=r"coarse.*encoder\.grid is 2 but .* has 4"):
         captioner.load([members["transformer_tiny"], members["coarse"]], device="cpu")
     with pytest.raises(CheckpointError, match="at least one checkpoint"):

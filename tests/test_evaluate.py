@@ -221,8 +221,8 @@ def test_command_prints_table_and_json(checkpoint: Path, tiny_shapes: Path, tmp_
     before = (tmp_path / "metrics_test.json").read_bytes()
     assert main(base + ["--json", "--beam", "2"]) == 1  # an earlier evaluation is not replaced silently
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "already holds metrics_test.json and captions_test_results.json" in err
-    assert "pass --force to replace them" in err and (tmp_path / "metrics_test.json").read_bytes() == before
+    assert err.count("\n") == 1 and "metrics_test.json: already exists, written by an earlier run (and 1 more)" in err
+    assert "choose another --out or pass --force to replace it" in err and (tmp_path / "metrics_test.json").read_bytes() == before
     assert main(base + ["--json", "--force"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["BLEU-4"] == saved["BLEU-4"] and printed["num_images"] == 6

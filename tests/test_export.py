@@ -71,7 +71,8 @@ def test_export_keeps_existing_files_and_reads_what_it_is_given(run_dir: Path, t
     out.mkdir()
     (out / "README.md").write_text("my own notes")
     assert main(["export", str(run_dir), "--out", str(out)]) == 1
-    assert "already holds README.md; choose another --out or pass --force" in capsys.readouterr().err
+    assert (f"{out / 'README.md'}: already exists, not written by captioner; choose another --out or pass --force"
+            in capsys.readouterr().err)
     assert (out / "README.md").read_text() == "my own notes"
 
     photo = tmp_path / "photo.png"
@@ -112,7 +113,8 @@ def test_trained_exported_served_by_url_captions_like_the_local_file(tiny_shapes
     local = captioner.load(run / "best.safetensors", device="cpu")
     with serve(files, "models/tiny") as (base, _):
         remote = captioner.load(f"{base}/model.safetensors#sha256={digest}", device="cpu", progress=False)
-    for a, b in zip(local.caption(images, attention=True), remote.caption(images, attention=True)):
+    both = [m.caption(images, attention=True, allow_empty=True) for m in (local, remote)]  # beam 3: often empty
+    for a, b in zip(*both):
         assert a.text == b.text and torch.equal(a.attention, b.attention)
     assert any(c.text for c in local.caption(images, beam=1))  # a trained model writes words (greedy: after one
     # epoch a beam still prefers the empty caption)

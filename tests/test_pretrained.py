@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,10 +61,30 @@ def test_a_missing_file_names_it(shipped):
         captioner.load("flickr8k", device="cpu")
 
 
-def test_an_existing_path_wins_over_a_name(shipped, tmp_path):
-    (tmp_path / "flickr8k").mkdir()
-    assert not pretrained.is_model_name("flickr8k")
-    (tmp_path / "flickr8k").rmdir()
+def test_a_name_that_is_also_a_path_here_is_refused(shipped, tmp_path, capsys):
+    """A run (or an empty dataset folder) named like a shipped model shadows nothing: both readings
+    are refused in one line that says how to pick each."""
+    run = tmp_path / "flickr8k"
+    run.mkdir()
+    shutil.copy(shipped, run / "best.safetensors")  # a run folder that holds a checkpoint
+    with pytest.raises(CheckpointError, match=r"^'flickr8k' is both a shipped model's name and a folder here "
+                                              rf"\({re.escape(str(run))}\); write \./flickr8k for the folder"):
+        captioner.load("flickr8k", device="cpu")
+    assert captioner.load("./flickr8k", device="cpu").vocab is not None  # the folder, spelt as a path
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (40, 30), (90, 140, 60)).save(photo)
+    assert main(["caption", str(photo), "-c", "flickr8k"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "both a shipped model's name and a folder here" in err
+    shutil.rmtree(run)  # an empty dataset folder, and a file, are refused alike
+    run.mkdir()
+    with pytest.raises(CheckpointError, match="both a shipped model's name and a folder here"):
+        pretrained.is_model_name("flickr8k")
+    run.rmdir()
+    run.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="both a shipped model's name and a file here"):
+        pretrained.is_model_name("flickr8k")
+    run.unlink()
     assert pretrained.is_model_name("flickr8k") and not pretrained.is_model_name("other")
 
 
@@ -78,7 +100,8 @@ def test_commands_without_checkpoint_use_the_default_model(shipped, tmp_path, ca
     assert main(["attend", "--out", str(tmp_path / "examples"), "--max-len", "3"]) == 0
     out, _ = capsys.readouterr()
     stems = sorted(p.stem for p in captioner.example_photos())
-    assert len(stems) >= 3 and sorted(p.name for p in (tmp_path / "examples").iterdir()) == stems
+    assert len(stems) >= 3 and sorted(p.name for p in (tmp_path / "examples").iterdir()
+                                       if p.name != ".captioner-files.json") == stems
     for stem in stems:
         assert (tmp_path / "examples" / stem / "attention.png").is_file()
     assert "CREDITS.md" in out

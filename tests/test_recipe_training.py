@@ -320,7 +320,8 @@ def test_the_flickr8k_presets_share_one_feature_cache_and_are_listed_in_train_he
 
     configs = [get_preset(f"{d}_flickr8k") for d in ("sat_soft", "sat_hard", "transformer")]
     assert len({json.dumps(dataclasses.asdict(c.model.encoder)) for c in configs}) == 1  # one cache key ...
-    assert len({c.data.feature_cache_dir for c in configs}) == 1  # ... in one folder
+    # ... in one folder, the cache root's (never one beside the working directory)
+    assert {(c.data.feature_cache_dir, c.data.shared_feature_cache) for c in configs} == {(None, True)}
     assert {c.model.decoder.attention_kind for c in configs} == {"soft", "hard", "cross"}
     assert main(["train", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())

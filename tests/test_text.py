@@ -107,3 +107,11 @@ def test_vocabulary_load_errors(tmp_path) -> None:
     foreign.write_text("[1, 2, 3]")
     with pytest.raises(DataError, match="not a captioner vocabulary"):
         Vocabulary.load(foreign)
+
+
+def test_first_difference_names_the_first_word_that_differs():
+    a, b = Vocabulary(["dog", "cat", "tree"]), Vocabulary(["dog", "tree", "cat"])
+    assert a.first_difference(a) is None
+    assert a.first_difference(b) == "word 5 is 'cat' here and 'tree' there"
+    assert a.first_difference(Vocabulary(["dog"])) == "word 5 is 'cat' here and missing there"
+    assert Vocabulary(["dog"]).first_difference(a) == "word 5 is missing here and 'cat' there"

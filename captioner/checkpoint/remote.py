@@ -20,8 +20,11 @@ What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (pl
 changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
 SHA-256 is logged so that it can be pinned next time), and redirects, also to other hosts (as
 release downloads use them). A download is limited to :data:`MAX_URL_BYTES` and abandoned when it
-stalls (:class:`captioner.network.Bounds`); its first bytes must be a safetensors header (or
-``torch.save`` data), and its length the one that header states, before it is kept. A cached file
+stalls (:class:`captioner.network.Bounds`). Only safetensors files are downloaded: pickle-based
+files (``torch.save``) are refused at their first bytes, and the header is checked before the body
+is fetched: a captioner checkpoint's metadata, each tensor's data span the size its dtype and shape
+give, and the names, shapes and dtypes those of the model its config builds (on the meta device).
+A refused download leaves nothing in the cache, not even its folder. A cached file
 that fails to load names itself: delete it, or load again with ``refresh=True`` (``--refresh``).
 User names and passwords in a URL are never shown in messages.
 
@@ -35,19 +38,26 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC, check_header
+import torch
+
+from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC, check_header, parse_header
+from captioner.checkpoint.release import REFERENCE_KEY, TRUNK
+from captioner.config import model_config_from_dict
 from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact, show_progress
-from captioner.errors import CheckpointError, ConfigError, DataError
+from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file, release_lock_file
+from captioner.models.model import build_model
+from captioner.text import Vocabulary
 
 __all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "MAX_URL_BYTES", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec",
-           "cache_root", "cached_hint", "checkpoint_head", "is_remote", "offline", "parse_hub", "resolve_checkpoint",
+           "cache_root", "cached_hint", "check_tensors_fit", "checkpoint_head", "is_remote", "offline", "parse_hub", "resolve_checkpoint",
            "split_sha256", "url_cache_path"]
 
 log = logging.getLogger(__name__)
@@ -151,53 +161,120 @@ def parse_hub(spec: str) -> HubSpec:
     return HubSpec(f"{parts[0]}/{repo}", filename, revision or None)
 
 
-TORCH_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."  # the first pickle of a legacy torch.save file
+# bytes per element of each safetensors dtype, and which torch dtypes a tensor stored so may load into
+SAFETENSORS_DTYPES = {"BOOL": (1, "bool"), "U8": (1, "int"), "I8": (1, "int"), "I16": (2, "int"), "U16": (2, "int"),
+                      "I32": (4, "int"), "U32": (4, "int"), "I64": (8, "int"), "U64": (8, "int"),
+                      "F8_E4M3": (1, "float"), "F8_E5M2": (1, "float"), "F16": (2, "float"), "BF16": (2, "float"),
+                      "F32": (4, "float"), "F64": (8, "float")}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "int"
 
 
 def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
-    """The :data:`captioner.network.Inspect` of a checkpoint, from its first bytes: a safetensors header
-    that is a captioner checkpoint's (its tensor offsets give the file's size), a ``torch.save`` zip
-    whose first member is its ``data.pkl``, or a legacy ``torch.save`` stream (its magic number)."""
+    """The :data:`captioner.network.Inspect` of a downloaded checkpoint, from its first bytes.
+
+    Only a safetensors file is taken from a URL: pickle-based files (a ``torch.save`` zip, a legacy
+    ``torch.save`` stream, any pickle) are refused at their first bytes. The header must be a
+    captioner checkpoint's (:func:`check_header`), each tensor's data span must be the size its
+    dtype and shape give, the spans must lie end to end, and the names, shapes and dtypes must be
+    those of the model its config builds (:func:`check_tensors_fit`): all before the body is fetched.
+    Returns ``(done, the file's size from its header)``.
+    """
     if len(head) < 9:
         return False, None
-    if head[:4] == ZIP_MAGIC:
-        if len(head) < 30:
-            return False, None
-        name_len = int.from_bytes(head[26:28], "little")
-        if len(head) < 30 + name_len:
-            return False, None
-        if not head[30:30 + name_len].endswith(b"/data.pkl"):
-            raise Refused("not a checkpoint (a zip whose first member is not torch.save's data.pkl)")
-        return True, None
-    if head[0] == 0x80 and 2 <= head[1] <= 5:
-        if len(head) < len(TORCH_MAGIC):
-            return False, None
-        if not head.startswith(TORCH_MAGIC):
-            raise Refused("refused: not a checkpoint (pickle data without torch.save's magic number)")
-        return True, None
+    if head[:4] == ZIP_MAGIC or (head[0] == 0x80 and 2 <= head[1] <= 5):
+        kind = "a zip (torch.save's format)" if head[:4] == ZIP_MAGIC else "pickle data"
+        raise Refused(f"refused: not a safetensors checkpoint ({kind}, which can run code when loaded: only "
+                      "safetensors files are downloaded)")
     length = int.from_bytes(head[:8], "little")
     if head[8:9] != b"{" or length > MAX_HEADER_BYTES:
-        raise Refused(f"not a checkpoint (its first bytes {head[:9].hex()} are neither a safetensors header "
-                      "nor torch.save data)")
+        raise Refused(f"not a checkpoint (its first bytes {head[:9].hex()} are not a safetensors header)")
     if len(head) < 8 + length:
         return False, None
     try:
         header = json.loads(head[8:8 + length])
-        spans = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]))
-                       for k, v in header.items() if k != "__metadata__")
         meta = header.get("__metadata__") or {}
         check_header(Path("the download"), meta)
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        spans = sorted((_span(name, entry), name) for name, entry in tensors.items())
     except CheckpointError as exc:
         reason = str(exc).removeprefix("the download: ")
         raise Refused(reason if reason.startswith("not a") else f"not a captioner checkpoint ({reason})") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise Refused(f"not a checkpoint (a corrupt safetensors header: {type(exc).__name__})") from None
     end = 0
-    for start, stop in spans:  # safetensors lays tensors end to end, from offset 0
-        if start != end or stop < start:
+    for (start, stop), _name in spans:  # safetensors lays tensors end to end, from offset 0
+        if start != end:
             raise Refused("not a checkpoint (its safetensors header has gaps or overlaps between tensors)")
         end = stop
+    check_tensors_fit(meta, tensors)
     return True, 8 + length + end
+
+
+def _span(name: str, entry: object) -> tuple[int, int]:
+    """A header entry's ``data_offsets``, checked against the bytes its dtype and shape take."""
+    if not isinstance(entry, dict):
+        raise Refused(f"not a checkpoint (tensor {name[:80]!r}: its header entry is not an object)")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise Refused(f"not a checkpoint (tensor {name[:80]!r}: unknown dtype {str(dtype)[:20]!r})")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in shape):
+        raise Refused(f"not a checkpoint (tensor {name[:80]!r}: its shape is not a list of sizes)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) and n >= 0 for n in offsets)
+            and offsets[0] <= offsets[1]):
+        raise Refused(f"not a checkpoint (tensor {name[:80]!r}: bad data_offsets)")
+    size = SAFETENSORS_DTYPES[dtype][0] * math.prod(shape)
+    if offsets[1] - offsets[0] != size:
+        raise Refused(f"not a checkpoint (tensor {name[:80]!r}: {dtype} of shape {shape} is {size} bytes, its data "
+                      f"spans {offsets[1] - offsets[0]})")
+    return offsets[0], offsets[1]
+
+
+def check_tensors_fit(meta: dict, tensors: dict) -> None:
+    """Refuse a checkpoint header whose tensors are not those of the model its config builds.
+
+    The model is built on the meta device (no memory, no weights) from the header's config; every
+    tensor of its state dict must be stored (or be an alias, or a release file's encoder trunk
+    stored by reference), and every stored tensor must be one of them, of its shape and of its kind
+    (floating point, integer or bool).
+
+    Raises:
+        Refused: a config that does not build, or the first name, shape or dtype that differs.
+    """
+    where = Path("the download")
+    try:
+        info = parse_header(where, meta)
+        config = model_config_from_dict(info["config"])
+        words = len(Vocabulary.from_dict(info["vocab"]))
+        if words != info["vocab_size"]:
+            raise CheckpointError(f"its vocabulary has {words} words, its vocab_size says {info['vocab_size']}")
+        with torch.device("meta"):
+            expected = build_model(config, vocab_size=info["vocab_size"], load_pretrained=False).state_dict()
+    except (CaptionerError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        reason = str(exc).removeprefix("the download: ").splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise Refused(f"not a checkpoint (its config does not build a model: {reason})") from None
+    by_reference = TRUNK if meta.get(REFERENCE_KEY) else None
+    unexpected = [k for k in tensors if k not in expected]
+    if unexpected:
+        raise Refused(f"not a checkpoint of the model its config builds (tensor {unexpected[0][:120]!r} is not one "
+                      f"of the model's{f', +{len(unexpected) - 1} more' if len(unexpected) > 1 else ''})")
+    aliases = info["aliases"]
+    missing = [k for k in expected if k not in tensors and aliases.get(k) not in tensors
+               and not (by_reference and k.startswith(by_reference))]
+    if missing:
+        raise Refused(f"not a checkpoint of the model its config builds (the model's tensor {missing[0][:120]!r} "
+                      "is not in the file)")
+    for name, entry in tensors.items():
+        want = expected[name]
+        if tuple(entry["shape"]) != tuple(want.shape):
+            raise Refused(f"not a checkpoint of the model its config builds (tensor {name[:120]!r} has shape "
+                          f"{tuple(entry['shape'])}, the model's {tuple(want.shape)})")
+        if SAFETENSORS_DTYPES[entry["dtype"]][1] != _kind(want.dtype):
+            raise Refused(f"not a checkpoint of the model its config builds (tensor {name[:120]!r} is "
+                          f"{entry['dtype']}, the model's is {want.dtype})")
 
 
 def cached_hint(spec: object, path: Path) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from captioner.commands.caption import add_common_arguments, add_style_arguments, checkpoints
+from captioner.commands.caption import add_common_arguments, add_force_argument, add_style_arguments, checkpoints
 from captioner.commands.options import decoding_overrides, int_range
 
 NAME = "attend"
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="image file (default: the example photos shipped with the package)")
     add_common_arguments(parser)
     parser.add_argument("--out", default="overlays", metavar="DIR", help="output folder (created; default: overlays)")
+    add_force_argument(parser, "--out")
     add_style_arguments(parser)
     parser.add_argument("--layer", type=int_range(1, 1000), default=None,
                         help="Transformer: decoder layer shown in the PNG/GIF, 1-based (default: the last)")
@@ -73,27 +74,38 @@ def run(args: argparse.Namespace) -> int:
     writable_folder(args.out, ConfigError)  # before the model loads
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
-    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
-    if args.image is not None:
-        return _attend(model, args, args.image, args.out, decoding)
     from pathlib import Path
 
+    from captioner.files import Outputs
     from captioner.pretrained import PHOTOS, example_photos
+    from captioner.viz.overlays import overlay_paths
 
-    for photo in example_photos():  # each into its own folder: overlays/skateboarder/attention.png ...
-        _attend(model, args, photo, Path(args.out) / photo.stem, decoding)
-    print(f"credits of the example photos: {PHOTOS / 'CREDITS.md'}")
+    # each example photo into its own folder: overlays/skateboarder/attention.png ...
+    jobs = [(args.image, Path(args.out))] if args.image is not None else \
+        [(photo, Path(args.out) / photo.stem) for photo in example_photos()]
+    outputs = Outputs(Path(args.out), force=args.force, option="--out")
+    outputs.check([p for _, out in jobs for p in overlay_paths(out, args.stem).values()])  # before any work
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    for path, out in jobs:
+        outputs.record(_attend(model, args, path, out, decoding))
+    if args.image is None:
+        print(f"credits of the example photos: {PHOTOS / 'CREDITS.md'}")
     return 0
 
 
-def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> int:
-    """Caption ``path`` and write its overlays, GIF, JSON and explorer to ``out``."""
+def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> list:
+    """Caption ``path`` and write its overlays, GIF, JSON and explorer to ``out``; the files written.
+
+    An empty caption is an error (``EmptyCaptionError``, from the model): nothing is drawn for it."""
     from captioner.data.images import load_image
     from captioner.errors import ConfigError
+    from captioner.inference import decode_options, empty_caption
     from captioner.viz.overlays import write_overlays
 
     image = load_image(path)
-    result = model.caption(image, all_heads=True, labels=args.labels, **decoding)[0]
+    result = model.caption(image, all_heads=True, labels=args.labels, allow_empty=True, **decoding)[0]
+    if not result.words:  # nothing to draw: an error naming the file
+        raise empty_caption(str(path), decode_options(None, **decoding))
     all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)
     attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
     if args.layer is not None or args.head is not None:
@@ -109,4 +121,4 @@ def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> int:
     print(f"{path}\t{result.text}")
     for written in paths.values():  # png, gif, json, html (and the tags' and labels' png when there are some)
         print(f"wrote {written}")
-    return 0
+    return list(paths.values())

@@ -94,7 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='JSON lines: {"path", "caption", "score", "tokens", "seconds"} (+ "labels" with --labels)')
     parser.add_argument("--overlay", metavar="DIR", default=None,
                         help="also write attention overlays (PNG grid, GIF, JSON, HTML) to DIR/<image stem>/")
+    add_force_argument(parser, "--overlay")
     add_style_arguments(parser)
+
+
+def add_force_argument(parser: argparse.ArgumentParser, option: str) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help=f"replace files in {option} that captioner did not write (its own earlier files are "
+                             "replaced without it)")
 
 
 def add_style_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,36 +222,59 @@ def _error(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.errors import ConfigError, ImageLoadError
+    from captioner.errors import ConfigError
+    from captioner.files import MANIFEST, Outputs
 
     decoding = decoding_overrides(args)
     check_positive(args, "batch_size")
     if not 0.0 <= args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {args.alpha}")
     if args.overlay:  # matplotlib (colour maps) loads only when overlays are asked for
-        from captioner.viz.overlays import colormap_lut, write_overlays
+        from captioner.viz.overlays import colormap_lut
 
         colormap_lut(args.cmap)  # a bad colour map name fails before any work
         from captioner.files import writable_folder
 
         writable_folder(args.overlay, ConfigError)  # so does a folder that cannot be written
-    from captioner.data.images import load_image
     from captioner.device import resolve_device
     from captioner.inference import decode_options, load
 
+    files, problems = expand_paths(args.paths)
+    used_dirs: set[str] = {MANIFEST}  # a photo named .captioner-files.json.png gets a folder of another name
+    out_dirs = [unique_dir(Path(args.overlay), path.stem, used_dirs) for path in files] if args.overlay else []
+    outputs = Outputs(Path(args.overlay or "."), force=args.force, option="--overlay")
+    if args.overlay:  # a user's file in the way is refused before any work
+        from captioner.viz.overlays import overlay_paths
+
+        outputs.check([p for d in out_dirs for p in overlay_paths(d).values()])
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
     options = decode_options(None, **decoding)
-    files, problems = expand_paths(args.paths)
     for problem in problems:
         _error(problem)
-    failed = bool(problems)
-    used_dirs: set[str] = set()
+    written: list[Path] = []
+    try:
+        failed = _caption_files(args, model, options, files, out_dirs, written) or bool(problems)
+    finally:  # also after an error or Ctrl-C: the overlays written so far are known as captioner's
+        if args.overlay:
+            outputs.record(written)
+    return 1 if failed else 0
+
+
+def _caption_files(args: argparse.Namespace, model: Any, options: Any, files: list[Path], out_dirs: list[Path],
+                   written: list[Path]) -> bool:
+    """Caption ``files`` (and write their overlays into ``out_dirs``, adding them to ``written``), one line
+    each; True when any failed."""
+    from captioner.data.images import load_image
+    from captioner.errors import EmptyCaptionError, ImageLoadError
+    from captioner.viz.overlays import write_overlays
+
+    failed = False
     t0, done = time.perf_counter(), 0
     # files are read, encoded and searched in an overlapping pipeline (Captioner.caption_stream)
     results = model.caption_stream(files, options, attention=bool(args.overlay), batch_size=args.batch_size,
                                    labels=args.labels)
-    for path, result in zip(files, results):
-        if isinstance(result, ImageLoadError):
+    for index, (path, result) in enumerate(zip(files, results)):
+        if isinstance(result, (ImageLoadError, EmptyCaptionError)):
             _error(str(result))
             failed = True
             continue
@@ -263,9 +293,10 @@ def run(args: argparse.Namespace) -> int:
                 _error(str(exc))
                 failed = True
                 continue
-            out_dir = unique_dir(Path(args.overlay), path.stem, used_dirs)
-            write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha, style=args.style)
+            out_dir = out_dirs[index]
+            written.extend(write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha,
+                                                  style=args.style).values())
             row["overlay"] = str(out_dir)
         line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
         print(line, flush=True)
-    return 1 if failed else 0
+    return failed

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoders", default="sat_soft,sat_hard,transformer",
                         help="comma-separated decoders to train (default: sat_soft,sat_hard,transformer)")
     parser.add_argument("--out", default="runs/demo", help="output folder for runs and the report (default: runs/demo)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a report.html or report.json in --out that captioner did not write")
     parser.add_argument("--overlays", type=int_range(0, 1000), default=4, help="test images shown with overlays per decoder (default: 4)")
     parser.add_argument("--beam", type=int_range(1, MAX_BEAM), default=None, help="beam size for the test captions (default: 3, as everywhere)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
@@ -62,8 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from captioner.demo.pipeline import DemoOptions, run_demo
     from captioner.demo.report import format_table
+    from captioner.files import Outputs
 
     data = args.data or ("data/shapes" if not args.unseen_pairs else f"data/shapes_unseen{args.unseen_pairs}")
     options = DemoOptions.from_args(
@@ -73,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         attention_supervision=not args.no_attention_supervision, unseen_pairs=args.unseen_pairs,
         encoder_boxes=not args.encoder_from_captions,
     )
+    outputs = Outputs(Path(args.out), force=args.force, option="--out")  # an earlier demo's report is replaced
+    outputs.check([Path(args.out) / "report.html", Path(args.out) / "report.json"])  # a user's is not
     report = run_demo(options)
+    outputs.record([report["paths"]["html"], report["paths"]["json"]])
     print()
     print(format_table(report["table"]))
     print()

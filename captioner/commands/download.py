@@ -32,6 +32,8 @@ def _common(p: argparse.ArgumentParser, default_root: str, keys: tuple[str, ...]
     p.add_argument("--keep-archives", action="store_true", help="keep the zip files after extraction")
     p.add_argument("--dry-run", action="store_true", help="list what would be done, do nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (they are drawn only when stderr is a terminal)")
+    p.add_argument("--force", action="store_true",
+                   help="replace files under --root that captioner did not write (by default they are refused)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,6 @@ def run(args: argparse.Namespace) -> int:
 
         archives = dataset.select_archives(args.only, args.mirror, args.instances)
     actions = dataset.prepare(Path(args.root), archives, dry_run=args.dry_run, keep_archives=args.keep_archives,
-                              progress=False if args.no_progress else None)
+                              progress=False if args.no_progress else None, force=args.force)
     print(("would do:\n  " if args.dry_run else "done:\n  ") + "\n  ".join(actions))
     return 0

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
                                       read_concepts, read_concepts_with_folds, save_concepts)
+from captioner.checkpoint.remote import cache_root
 from captioner.device import resolve_device
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
@@ -40,7 +41,7 @@ from captioner.data.transforms import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache
-from captioner.files import writable_folder
+from captioner.files import Outputs, writable_folder
 from captioner.models.base import DecoderOutput
 from captioner.models.encoder import build_encoder
 from captioner.models.registry import resolve_encoder
@@ -187,7 +188,7 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
 
 def _cache(cfg: Any, encoder: Any, caption_set: Any, progress: bool) -> Any:
     """The feature cache of ``caption_set`` (shared with training: same folder, same key)."""
-    cache_dir = feature_cache_dir(cfg, Path("runs/features"))
+    cache_dir = feature_cache_dir(cfg, cache_root() / "features")  # never beside the working directory
     return get_feature_cache(cfg.model, encoder, caption_set, ImageTransform(resolve_encoder(cfg.model.encoder)),
                              cache_dir,
                              batch_size=ENCODE_BATCH, progress=progress, skip_bad=cfg.data.skip_missing,
@@ -295,17 +296,23 @@ def check_concept_options(k: int, epochs: int, hidden: int) -> None:
 
 
 def check_output_file(out: str | os.PathLike, overwrite: bool, option: str) -> Path:
-    """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``,
-    in a folder that exists and can be written (checked with a temporary file)."""
+    """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``
+    (:class:`captioner.files.Outputs`, its folder's manifest records it once written), in a folder that
+    exists and can be written (checked with a temporary file)."""
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"{option} {out}: is a folder; give the file to write (e.g. {out / 'concepts.safetensors'})")
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{option} {out}: already exists; choose another {option} or pass --force to replace it")
+    concepts_output(out, overwrite, option).check([out])
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
     writable_folder(out.parent, ConfigError)
     return out
+
+
+def concepts_output(out: Path, overwrite: bool, option: str) -> Outputs:
+    """The writer rule for a concept file: an existing file is replaced only with ``--force`` (even one
+    captioner wrote: a trained head is work to keep)."""
+    return Outputs(out.parent, force=overwrite, option=option, replace_own=False)
 
 
 def _cross_fit(make_head: Any, train_rows: Any, train_targets: torch.Tensor, dev_rows: Any, dev_targets: torch.Tensor,
@@ -415,6 +422,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     if boxes:
         lines.append(_box_report(cfg, encoder, head, boxes, boxes_split, progress, extra))
     save_concepts(head, out, extra, folds=fold_heads)
+    concepts_output(out, overwrite, "--out").record([out])
     lines.append(f"wrote {out}")
     return "\n".join(lines)
 

@@ -74,8 +74,7 @@ def _warmup(batch_size: int, warmup_steps: int, lr: float) -> dict[str, Any]:
 # Chosen on the dev split (docs/flickr8k.md has every run): words seen at least 5 times (2,600 of 7,375: the
 # output layer a third as wide), batches of captions of similar length (13 steps instead of 22), and a cosine
 # schedule over a fixed number of epochs, so the run ends annealed after the same steps on any machine.
-FLICKR8K: Layer = {"data": dict(root="data/flickr8k", val_split="dev", min_freq=5,
-                                feature_cache_dir="runs/flickr8k/features"),
+FLICKR8K: Layer = {"data": dict(root="data/flickr8k", val_split="dev", min_freq=5, shared_feature_cache=True),
                    **_train(epochs=6, batch_size=32, schedule="cosine", warmup_steps=100, length_buckets=50,
                             patience=0, decay_patience=0)}
 

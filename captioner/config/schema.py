@@ -98,8 +98,12 @@ class DataConfig:
     skip_missing: bool = False  # skip images that are missing or unreadable instead of failing
     num_workers: int = 0  # DataLoader workers
     feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
-    # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else <run>/features
+    # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else (with
+    # shared_feature_cache) <cache root>/features, else <run>/features: never a folder beside the working directory
     feature_cache_dir: str | None = None
+    # feature caches in the cache root ($CAPTIONER_CACHE, else ~/.cache/captioner) under features/, shared by
+    # every run with the same encoder and photos (a cache's key is theirs), wherever --out is
+    shared_feature_cache: bool = False
     # hold a split's cached features (or, training the encoder, its resized uint8 pixels) in one tensor
     # in memory when it takes at most this many MiB: no decoding or copying per item (0 disables)
     in_memory_mb: float = 4096.0

@@ -91,10 +91,11 @@ from typing import Any
 
 from captioner.network import CHUNK, Bounds, download, file_digest, verify
 from captioner.errors import DataError
+from captioner.files import Outputs
 
 __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
            "CocoArchive", "Flickr8kArchive", "Steps", "coco", "coco_is_present", "extract_coco", "extract_flickr8k",
-           "flickr8k", "flickr8k_is_present", "open_zip", "parse_sha256", "prepare", "prepare_coco",
+           "flickr8k", "flickr8k_is_present", "mirror_url", "open_zip", "parse_sha256", "prepare", "prepare_coco",
            "prepare_flickr8k", "record_digest", "select_coco_archives", "select_flickr8k_archives", "write_members"]
 
 log = logging.getLogger("captioner.download")
@@ -261,23 +262,74 @@ class Steps:
         where: ``(root, archive) -> str``: what it fills, for the messages.
         describe: ``archive -> str``: what the download knows or checks (size, checksum).
         fetch: ``(zip_path, root, archive, progress) -> None``: download and check it.
-        extract: ``(zip_path, root, archive) -> Any``: take its files out.
+        extract: ``(zip_path, root, archive, outputs) -> list[Path]``: take its files out, first
+            checking with ``outputs`` (:class:`captioner.files.Outputs`) that none replaces a user's file;
+            the files written.
+        writes: ``(root, archive) -> list[Path]``: the files it will write that are known before the
+            download (checked before anything is fetched).
     """
 
     is_present: Callable[[Path, Any], bool]
     where: Callable[[Path, Any], str]
     describe: Callable[[Any], str]
     fetch: Callable[[Path, Path, Any, bool], None]
-    extract: Callable[[Path, Path, Any], Any]
+    extract: Callable[[Path, Path, Any, Outputs], list[Path]]
+    writes: Callable[[Path, Any], list[Path]]
+
+
+def mirror_url(mirror: str | None, archive_url: str) -> str:
+    """``archive_url``, or ``MIRROR/<its file name>`` with ``--mirror``: an ``http(s)://`` or ``file://`` URL.
+
+    Raises:
+        DataError: ``mirror`` is empty or not such a URL (an empty one never falls back to the real URLs).
+    """
+    if mirror is None:
+        return archive_url
+    scheme = mirror.partition("://")[0].lower() if "://" in mirror else ""
+    if scheme not in ("http", "https", "file") or not mirror.partition("://")[2].strip("/ ") and scheme != "file":
+        raise DataError(f"--mirror {mirror[:200]!r}: not a mirror URL; give http(s)://HOST/PATH or file:///FOLDER")
+    return f"{mirror.rstrip('/')}/{archive_url.rsplit('/', 1)[-1]}"
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) that is empty: what a failed run created and left unused."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = False, keep_archives: bool = False,
-            progress: bool | None = None) -> list[str]:
+            progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, check and extract each archive not yet present (``root/downloads/`` holds the zips).
+
+    A file under ``root`` that captioner did not write (a user's, not in the folder's manifest) is
+    never replaced unless ``force``: the files known in advance are checked before any download,
+    the archive's members before extraction (the zip is then kept for the next run). A failure
+    leaves no empty folder it created.
 
     Returns:
         The actions, done or (``dry_run``) planned, one line each.
+
+    Raises:
+        ConfigError: a user's file is in the way. DataError: a download or an archive failed.
     """
+    outputs = Outputs(root, force=force, option="--root")
+    for a in archives:
+        if not steps.is_present(root, a):
+            outputs.check(steps.writes(root, a))
+    downloads = root / "downloads"
+    made = [d for d in (downloads, root, *root.parents) if not d.exists()]  # deepest first
+    try:
+        return _prepare(root, archives, steps, dry_run, keep_archives, progress, outputs)
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def _prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool, keep_archives: bool, progress: bool,
+             outputs: Outputs) -> list[str]:
     actions = []
     downloads = root / "downloads"
     for a in archives:
@@ -300,7 +352,7 @@ def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = F
         steps.fetch(zip_path, root, a, progress)
         log.info("extracting %s", zip_path)
         try:
-            steps.extract(zip_path, root, a)
+            outputs.record(steps.extract(zip_path, root, a, outputs))
         except DataError as exc:  # kept, it would fail the same way on every run
             zip_path.unlink(missing_ok=True)
             raise DataError(f"{exc}; {zip_path} was removed: run again to download it again") from None
@@ -364,7 +416,7 @@ def select_coco_archives(only: Sequence[str] | None = None, mirror: str | None =
     for a in COCO_ARCHIVES:
         if only and a.key not in only:
             continue
-        url = f"{mirror.rstrip('/')}/{a.name}" if mirror else a.url
+        url = mirror_url(mirror, a.url)
         members = a.members + INSTANCE_MEMBERS if instances and a.key == "annotations" else a.members
         out.append(CocoArchive(a.key, url, a.size, a.md5, members, a.target))
     return out
@@ -378,8 +430,23 @@ def coco_is_present(root: Path, archive: CocoArchive) -> bool:
     return all((root / dest).exists() for _, dest in archive.members)
 
 
-def extract_coco(zip_path: Path, root: Path, archive: CocoArchive) -> list[Path]:
-    """Extract the archive's members under ``root``; folders get a completion marker."""
+def coco_writes(root: Path, archive: CocoArchive) -> list[Path]:
+    """The files known before the download: single members (a folder's files are known from the zip)."""
+    return [root / dest for prefix, dest in archive.members if not prefix.endswith("/")] + _coco_marker(root, archive)
+
+
+def _coco_marker(root: Path, archive: CocoArchive) -> list[Path]:
+    """The completion marker of an archive extracted into a folder (``train2014/.extracted``), if it has one."""
+    return [root / archive.target / MARKER] if any(p.endswith("/") for p, _ in archive.members) else []
+
+
+def extract_coco(zip_path: Path, root: Path, archive: CocoArchive, outputs: Outputs | None = None) -> list[Path]:
+    """Extract the archive's members under ``root``; folders get a completion marker. Returns the files written.
+
+    Raises:
+        ConfigError: a destination is a file ``outputs`` may not replace (a user's).
+    """
+    outputs = outputs or Outputs(root, option="--root")
     with open_zip(zip_path) as zf:
         names = zf.namelist()
         pairs = []
@@ -389,10 +456,12 @@ def extract_coco(zip_path: Path, root: Path, archive: CocoArchive) -> list[Path]
                 raise DataError(f"{zip_path}: has no {prefix!r} (is it the right archive?)")
             pairs += [(name, dest + name[len(prefix):] if prefix.endswith("/") else dest)
                       for name in matched if not name.endswith("/")]
+        outputs.check([root / dest for _, dest in pairs] + _coco_marker(root, archive))
         written = write_members(zf, zip_path, root, pairs)
     target = root / archive.target
     if target.is_dir():
         (target / MARKER).write_text(f"extracted from {zip_path.name}\n")
+        written.append(target / MARKER)
     return written
 
 
@@ -403,13 +472,13 @@ def _fetch_coco(zip_path: Path, root: Path, a: CocoArchive, progress: bool | Non
 
 COCO_STEPS = Steps(is_present=coco_is_present, where=lambda root, a: f"{root}/{{{', '.join(d for _, d in a.members)}}}",
                    describe=lambda a: f"{a.size / 1e9:.2f} GB" if a.size else "size unknown",
-                   fetch=_fetch_coco, extract=extract_coco)
+                   fetch=_fetch_coco, extract=extract_coco, writes=coco_writes)
 
 
 def prepare_coco(root: Path, archives: Sequence[CocoArchive], dry_run: bool = False, keep_archives: bool = False,
-                 progress: bool | None = None) -> list[str]:
+                 progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, verify and extract each archive not yet present; returns the actions (done or planned)."""
-    return prepare(root, archives, COCO_STEPS, dry_run, keep_archives, progress)
+    return prepare(root, archives, COCO_STEPS, dry_run, keep_archives, progress, force)
 
 
 # --- Flickr8k ---
@@ -471,7 +540,7 @@ def select_flickr8k_archives(only: Sequence[str] | None = None, mirror: str | No
     for a in FLICKR8K_ARCHIVES:
         if only and a.key not in only:
             continue
-        url = f"{mirror.rstrip('/')}/{a.name}" if mirror else a.url
+        url = mirror_url(mirror, a.url)
         out.append(replace(a, url=url, sha256=(sha256 or {}).get(a.key, a.sha256)))
     return out
 
@@ -493,18 +562,33 @@ def _flickr8k_members(names: Sequence[str], archive: Flickr8kArchive) -> list[tu
     return [(member, f"{archive.folder}/{base}") for base, member in sorted(pairs.items())]
 
 
-def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive) -> list[Path]:
+def flickr8k_writes(root: Path, archive: Flickr8kArchive) -> list[Path]:
+    """The files known before the download: the folder's marker, the needed file and the SHA-256 record."""
+    folder = root / archive.folder
+    return [folder / MARKER, root / FLICKR8K_RECORD] + ([folder / archive.needed] if archive.needed else [])
+
+
+def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive, outputs: Outputs | None = None
+                     ) -> list[Path]:
     """Extract the archive into ``root/<folder>/`` (flattened), mark the folder complete and record
-    the zip's SHA-256 (only now: a zip that cannot be extracted is not recorded as good)."""
+    the zip's SHA-256 (only now: a zip that cannot be extracted is not recorded as good). Returns the
+    files written.
+
+    Raises:
+        ConfigError: a destination is a file ``outputs`` may not replace (a user's).
+    """
+    outputs = outputs or Outputs(root, option="--root")
     with open_zip(zip_path) as zf:
         pairs = _flickr8k_members(zf.namelist(), archive)
         what = archive.needed or f"*{archive.suffix}"
         if not pairs or (archive.needed and archive.needed not in {PurePosixPath(d).name for _, d in pairs}):
             raise DataError(f"{zip_path}: has no {what} (is it the right archive?)")
+        outputs.check([root / dest for _, dest in pairs] + flickr8k_writes(root, archive))
         written = write_members(zf, zip_path, root, pairs)
     (root / archive.folder / MARKER).write_text(f"extracted from {zip_path.name}\n")
     digest = archive.sha256 or file_digest(zip_path, "sha256")
     record_digest(root, zip_path.name, digest)
+    written += [root / archive.folder / MARKER, root / FLICKR8K_RECORD]
     _flickr8k_log.info("%s: %d bytes, SHA-256 %s%s", zip_path.name, zip_path.stat().st_size, digest,
                        " (checked)" if archive.sha256 else f" (recorded in {root / FLICKR8K_RECORD})")
     return written
@@ -528,13 +612,13 @@ def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bo
 
 FLICKR8K_STEPS = Steps(is_present=flickr8k_is_present, where=lambda root, a: f"{root / a.folder}/",
                        describe=lambda a: "SHA-256 checked" if a.sha256 else "SHA-256 recorded, not checked",
-                       fetch=_fetch_flickr8k, extract=extract_flickr8k)
+                       fetch=_fetch_flickr8k, extract=extract_flickr8k, writes=flickr8k_writes)
 
 
 def prepare_flickr8k(root: Path, archives: Sequence[Flickr8kArchive], dry_run: bool = False,
-                     keep_archives: bool = False, progress: bool | None = None) -> list[str]:
+                     keep_archives: bool = False, progress: bool | None = None, force: bool = False) -> list[str]:
     """Download, check and extract each archive not yet present; returns the actions (done or planned)."""
-    return prepare(root, archives, FLICKR8K_STEPS, dry_run, keep_archives, progress)
+    return prepare(root, archives, FLICKR8K_STEPS, dry_run, keep_archives, progress, force)
 
 
 # --- each dataset's names under the names the command and the tests use (``flickr8k.prepare``...) ---

@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from captioner.errors import ConfigError, DataError
-from captioner.files import atomic_write, writable_folder
+from captioner.files import Outputs, atomic_write, writable_folder
 
 log = logging.getLogger(__name__)
 
@@ -330,10 +330,11 @@ def make_shapes(
     out = Path(out)
     image_dir = out / "images"
     owned = dataset_files(out)
-    if owned and not overwrite:
-        shown = ", ".join(str(p.relative_to(out)) for p in owned[:3]) + (", ..." if len(owned) > 3 else "")
-        raise DataError(f"{out}: already holds a dataset ({shown}); choose another --out or pass --force "
-                        "to replace it")
+    width = max(5, len(str(images)))
+    planned = [out / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in SPLITS] + \
+        [image_dir / f"{i + 1:0{width}d}.png" for i in range(images)]
+    outputs = Outputs(out, force=overwrite, option="--out", replace_own=False, error=DataError)
+    outputs.check(sorted(set(planned) | set(owned)))  # an earlier dataset, a larger one too, or a user's file
     writable_folder(out, DataError)
     for path in owned:  # --force: the old dataset goes first, so none of its images is left orphaned
         path.unlink()
@@ -345,7 +346,6 @@ def make_shapes(
     order = np.random.default_rng([seed, images, 7]).permutation(images)
     bounds = np.cumsum([0] + _split_sizes(images, split_fractions))
     test_rank = {int(k): r for r, k in enumerate(sorted(order[bounds[2]:]))}  # test scenes, in image order
-    width = max(5, len(str(images)))
     records, counts = [], {1: 0, 2: 0, 3: 0}
     for i in range(images):
         rng = np.random.default_rng([seed, i])
@@ -385,6 +385,7 @@ def make_shapes(
     stats = {"out": str(out), "images": images, "captions": images * CAPTIONS_PER_IMAGE,
              "objects": sum(len(r[2]) for r in records), "splits": sizes, "objects_per_image": counts,
              "seconds": round(time.perf_counter() - start, 2), "unseen_pairs": [list(p) for p in held]}
+    outputs.record(planned)
     log.info("shapes: wrote %d images (%s) to %s in %.1fs", images, sizes, out, stats["seconds"])
     return stats
 

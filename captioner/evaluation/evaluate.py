@@ -52,7 +52,7 @@ from captioner.evaluation.metrics import COCO_KEYS, coco_caption_metrics
 from captioner.evaluation.attention_metrics import compositional_scores
 from captioner.evaluation.chair import chair_scores
 from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
-from captioner.files import atomic_write, safe_name, writable_folder
+from captioner.files import Outputs, atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, decode_options, load
 from captioner.pretrained import is_model_name
 from captioner.models.base import eval_mode
@@ -115,7 +115,8 @@ def caption_split(
         for pixels, indices, errors in batches:
             check_batch_errors(errors, skip_bad, f"{caption_set.name}/{caption_set.split}")
             if pixels is not None:
-                results += engine.caption(pixels, options=options, attention=True, batch_size=batch_size)
+                results += engine.caption(pixels, options=options, attention=True, batch_size=batch_size,
+                                          allow_empty=True)  # scored as a caption with no word
                 kept += [i for i, error in zip(indices, errors) if error is None]
             bar.update(len(indices))
     skipped = [caption_set.images[i].file_name for i in sorted(set(range(len(data))) - set(kept))]
@@ -277,11 +278,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     checkpoint, out_dir, ensemble = _output_folder(checkpoint, settings.out_dir)
     loaded = model if model is not None else load(checkpoint, device=settings.device)
     name = safe_name(split, "split")
-    earlier = [p.name for p in (Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json")
-               if p.exists()]
-    if earlier and not settings.overwrite:
-        raise DataError(f"{out_dir}: already holds {' and '.join(earlier)} (an earlier evaluation of split {split!r}); "
-                        "choose another --out or pass --force to replace them")
+    outputs = Outputs(Path(out_dir), force=settings.overwrite, option="--out", replace_own=False, error=DataError)
+    outputs.check([Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json"])
     cs = load_caption_set(data_root, split, settings.images_dir)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=settings.skip_missing)
@@ -330,6 +328,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     write_coco_results(results_path, [(rec.image_id, r.text) for rec, r in zip(cs.images, results)])
     text = json.dumps(report, indent=2) + "\n"
     atomic_write(metrics_path, lambda f: f.write(text.encode()))
+    outputs.record([metrics_path, results_path])
     log.info("wrote %s and %s", metrics_path, results_path)
     report["results"] = results
     report["caption_set"] = cs

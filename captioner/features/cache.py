@@ -88,7 +88,7 @@ from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe,
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
-from captioner.files import hold_lock, lock_file, lock_is_free, read_text
+from captioner.files import hold_lock, lock_file, lock_is_free, read_text, release_lock_file
 from captioner.models.registry import resolve_encoder
 
 log = logging.getLogger(__name__)
@@ -169,12 +169,15 @@ def busy_error(path: Path) -> CaptionerError:
 @contextlib.contextmanager
 def write_lock(path: Path, timeout: float) -> Iterator[None]:
     """Hold an exclusive lock on ``<path>.lock`` (holding this process's pid); wait up to ``timeout`` s, then raise."""
-    with hold_lock(lock_path(path), timeout, busy=lambda: busy_error(path)) as lock:
-        lock.write_text(str(os.getpid()))
-        try:
-            yield
-        finally:
-            lock.write_text("")
+    try:
+        with hold_lock(lock_path(path), timeout, busy=lambda: busy_error(path)) as lock:
+            lock.write_text(str(os.getpid()))
+            try:
+                yield
+            finally:
+                lock.write_text("")
+    finally:  # no 0-byte lock file is left behind
+        release_lock_file(lock_path(path), remove_folder=False)
 
 
 def wait_unlocked(path: Path, timeout: float) -> bool:

@@ -34,7 +34,7 @@ from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
-from captioner.files import MiB, atomic_write, read_json, size_text, writable_folder
+from captioner.files import MiB, Outputs, atomic_write, read_json, size_text, writable_folder
 from captioner.inference import load
 from captioner.share.examples import example_scenes
 from captioner.viz.overlays import render_grid
@@ -294,9 +294,8 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
                             "keep one of them (or correct its \"split\") and run again")
         seen[r["split"]] = r["file"]
     targets.update({f"metrics:{r['split']}": out / r["file"] for r in rows})
-    present = [p.name for p in targets.values() if p.exists()]
-    if present and not overwrite:
-        raise DataError(f"{out}: already holds {', '.join(present)}; choose another --out or pass --force")
+    outputs = Outputs(out, force=overwrite, option="--out", replace_own=False, error=DataError)
+    outputs.check(targets.values())
     info = read_checkpoint_metadata(checkpoint)
     run_config = read_json(run_dir / "config.json", 16 * MiB, DataError, expect=dict) if (run_dir / "config.json").is_file() else {}
     data_root = str(run_config.get("data", {}).get("root", "")) if isinstance(run_config.get("data"), dict) else ""
@@ -319,6 +318,7 @@ def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None,
             except OSError:
                 break
         raise
+    outputs.record(targets.values())
     return targets
 
 
@@ -332,7 +332,8 @@ def _write_export(checkpoint: Path, targets: dict[str, Path], rows: list[dict], 
         _copy_into(run_dir / row["file"], targets[f"metrics:{row['split']}"])
     model = load(targets["checkpoint"], device="cpu")
     picture = image if image is not None else Image.open(io.BytesIO(example_scenes(1)[0].data))
-    result = model.caption(picture.convert("RGB"), beam=beam, attention=True)[0]
+    # the card shows what the model says, also nothing (a model exported after too little training)
+    result = model.caption(picture.convert("RGB"), beam=beam, attention=True, allow_empty=True)[0]
     grid = render_grid(picture.convert("RGB"), result)
     atomic_write(targets["overlay"], lambda f: grid.save(f, format="PNG"))
     text = render_card(repo_id, info, card, rows, digest, targets["checkpoint"].stat().st_size, result.text)

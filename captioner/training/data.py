@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from tqdm import tqdm
 
+from captioner.checkpoint.remote import cache_root
 from captioner.config import Config
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set
@@ -306,8 +307,12 @@ def _cached_loader(model: CaptionModel, cfg: Config, cs: Any, cache_dir: Path, i
 
 
 def feature_cache_dir(cfg: Config, default: Path) -> Path:
-    """Where feature caches live: ``data.feature_cache_dir``, else ``$CAPTIONER_FEATURE_CACHE``, else ``default``."""
-    return Path(cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE") or default)
+    """Where feature caches live: ``data.feature_cache_dir``, else ``$CAPTIONER_FEATURE_CACHE``, else (with
+    ``data.shared_feature_cache``) ``<cache root>/features``, else ``default`` (the run's ``features/``)."""
+    chosen = cfg.data.feature_cache_dir or os.environ.get("CAPTIONER_FEATURE_CACHE")
+    if chosen:
+        return Path(chosen)
+    return cache_root() / "features" if cfg.data.shared_feature_cache else Path(default)
 
 
 def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set: Any, val_set: Any,
@@ -315,7 +320,8 @@ def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set:
     """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
 
     Caches live in ``data.feature_cache_dir`` when set, else in the folder the
-    ``CAPTIONER_FEATURE_CACHE`` environment variable names, else in ``run_dir/features``. On
+    ``CAPTIONER_FEATURE_CACHE`` environment variable names, else (``data.shared_feature_cache``)
+    in the cache root's ``features/``, else in ``run_dir/features``. On
     pixels with ``data.skip_missing`` an image found unreadable mid-epoch is dropped from its
     batch (a warning names it; a batch left empty comes out as ``None``).
     """

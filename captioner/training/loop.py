@@ -79,7 +79,8 @@ def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[
 
 # Settings a resumed run may change without breaking exact reproduction.
 _RESUME_FREE = {"train.epochs", "train.time_budget", "train.patience", "train.device", "train.log_every",
-                "data.num_workers", "train.skip_nonfinite", "data.feature_cache_dir", "data.in_memory_mb"}
+                "data.num_workers", "train.skip_nonfinite", "data.feature_cache_dir", "data.in_memory_mb",
+                "data.shared_feature_cache"}
 
 def check_resume_config(cfg: Config, run_dir: Path) -> None:
     """Refuse a resume whose model config differs from the run's ``config.json``; warn on other changes."""

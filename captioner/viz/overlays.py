@@ -52,7 +52,7 @@ from captioner.viz.heatmaps import (
 
 __all__ = [
     "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
-    "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
+    "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap", "overlay_paths",
     "read_attention_json", "render_gif_frames", "render_grid", "render_labels", "render_panels", "render_tags", "word_overlays", "word_scale", "word_titles", "write_attention_json",
     "write_overlays",
 ]
@@ -389,6 +389,17 @@ def check_stem(stem: str, option: str = "stem") -> None:
                           "characters, not '.' or '..')")
 
 
+def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Path]:
+    """The files :func:`write_overlays` may write in ``out_dir``: ``{"png", "gif", "json", "html", "tags", "labels"}``
+    -> path (``tags``, ``<stem>_tags.png``, only for a caption with concepts; ``labels``, ``<stem>_labels.png``,
+    only for a caption with labels)."""
+    out = Path(out_dir)
+    paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
+    paths["tags"] = out / f"{stem}_tags.png"
+    paths["labels"] = out / f"{stem}_labels.png"
+    return paths
+
+
 def write_overlays(
     image: Image.Image,
     caption: Caption,
@@ -429,16 +440,17 @@ def write_overlays(
     image = image.convert("RGB")
     record = on_image(dataclasses.replace(caption, image_size=image.size), image)  # the picture drawn on
     out = Path(out_dir)
-    paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
+    paths = overlay_paths(out, stem)
+    tags_path, labels_path = paths.pop("tags"), paths.pop("labels")
     grid = render_grid(image, record, cmap, alpha, style=style)
     frames = [f.quantize(256, method=Image.Quantize.FASTOCTREE)  # ~20x faster than median cut
               for f in render_gif_frames(image, record, cmap, alpha, style=style)]
     tags = render_tags(image, record, cmap, alpha, style=style)
     if tags is not None:
-        paths["tags"] = out / f"{stem}_tags.png"
+        paths["tags"] = tags_path
     labels = render_labels(image, record, cmap, alpha, style=style)
     if labels is not None:
-        paths["labels"] = out / f"{stem}_labels.png"
+        paths["labels"] = labels_path
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
