@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.config import DECODER_FAMILIES, Config, DecoderConfig, EncoderConfig, SATConfig, get_preset
+from captioner.config import Config, DecoderConfig, EncoderConfig, SATConfig, TransformerConfig, get_preset
 from captioner.data.transforms import ImageTransform
 from captioner.errors import ConfigError
 from captioner.models import registry
@@ -34,7 +34,8 @@ def test_the_registry_holds_each_encoder_once_with_its_weights_preprocessing() -
     for name in ("tiny", "resnet50", "resnet101"):
         assert registry._ENCODERS[name].preprocessing == registry.Preprocessing(
             (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224, "bilinear")
-    assert {name: e.config for name, e in registry._DECODERS.items()} == DECODER_FAMILIES
+    assert {name: e.config for name, e in registry._DECODERS.items()} == {"sat": SATConfig,
+                                                                         "transformer": TransformerConfig}
     with pytest.raises(ConfigError, match=r"encoder.name='vgg' is not a known encoder; registered: "):
         trunk_map_size("vgg", 224)
 
@@ -66,12 +67,10 @@ def test_an_unknown_encoder_parses_and_is_refused_when_built() -> None:
 
 @pytest.fixture
 def clean_registries():
-    encoders, families, decoders = dict(registry._ENCODERS), dict(DECODER_FAMILIES), dict(registry._DECODERS)
+    encoders, decoders = dict(registry._ENCODERS), dict(registry._DECODERS)
     yield
     registry._ENCODERS.clear()
     registry._ENCODERS.update(encoders)
-    DECODER_FAMILIES.clear()
-    DECODER_FAMILIES.update(families)
     registry._DECODERS.clear()
     registry._DECODERS.update(decoders)
 
@@ -96,14 +95,16 @@ class SATTwinConfig(SATConfig):
     name: str = "sat_twin"
 
 
-def test_a_decoder_registers_its_config_class_and_builder_once(clean_registries) -> None:
-    with pytest.raises(ConfigError, match="decoder.name='sat_twin' is not one of sat, transformer"):
-        DecoderConfig(name="sat_twin")
-    registry.register_decoder(SATTwinConfig)(build_sat_decoder)
+def test_a_decoder_family_parses_by_its_class_and_builds_once_registered(clean_registries) -> None:
+    with pytest.raises(ConfigError, match="decoder.name='sat_trio' is not one of sat, transformer, sat_twin"):
+        DecoderConfig(name="sat_trio")
     cfg = get_preset("sat_soft_tiny").to_dict()
     cfg["model"]["decoder"]["name"] = "sat_twin"
-    parsed = Config.from_dict(cfg)
-    assert type(parsed.model.decoder) is SATTwinConfig
+    parsed = Config.from_dict(cfg)  # the config layer knows the family by its class, and keeps no list of names
+    assert type(parsed.model.decoder) is SATTwinConfig and type(DecoderConfig(name="sat_twin")) is SATTwinConfig
+    with pytest.raises(ConfigError, match="^decoder.name='sat_twin' is not registered; available: sat, transformer$"):
+        build_model(parsed.model, 10)  # the name is checked when the model is built
+    registry.register_decoder(SATTwinConfig)(build_sat_decoder)
     torch.manual_seed(0)
     twin = build_model(parsed.model, 10)
     torch.manual_seed(0)

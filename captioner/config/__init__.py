@@ -12,12 +12,12 @@ mappings, overrides, files), ``presets`` (the preset table, ``resolve_config``).
 """
 
 from captioner.config.decoders import (
-    DECODER_FAMILIES,
     DECODERS,
     ConceptsConfig,
     DecoderConfig,
     SATConfig,
     TransformerConfig,
+    decoder_families,
     decoder_family,
 )
 from captioner.config.parse import load_config_file, parse_override
@@ -36,9 +36,9 @@ from captioner.config.schema import (
 )
 
 __all__ = [
-    "DECODERS", "DECODER_FAMILIES", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
+    "DECODERS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
     "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_family",
+    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
     "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from captioner.config import PREPROCESSING_FIELDS, DecoderConfig, EncoderConfig
-from captioner.config.decoders import register_family
+from captioner.config.decoders import family_name
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -161,7 +161,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
     """Decorator: register a builder for the family of ``config`` (its config class), under that class's name."""
 
     def wrap(fn: DecoderBuilder) -> DecoderBuilder:
-        _DECODERS[register_family(config)] = DecoderEntry(config, fn)
+        if not (isinstance(config, type) and issubclass(config, DecoderConfig)) or config is DecoderConfig:
+            raise ConfigError(f"{config!r} is not a DecoderConfig family")
+        name = family_name(config)
+        if _DECODERS.setdefault(name, DecoderEntry(config, fn)).config is not config:
+            raise ConfigError(f"decoder.name={name!r} is already {_DECODERS[name].config.__name__}'s")
         return fn
 
     return wrap
