@@ -53,6 +53,11 @@ from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epo
 
 log = logging.getLogger(__name__)
 
+# The one hook through which the model's optional extension joins a run: (cfg, vocab) -> its setup, whose
+# ``cfg`` is the run's config sized to the extension's files (checked before the first write) and whose
+# ``install(decoder, device)`` fills the built decoder's extension from them.
+JOIN_EXTENSION = run_concepts
+
 
 # ----------------------------------------------------------------------------- the run folder
 
@@ -642,8 +647,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            concepts = run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
-            cfg = concepts.cfg
+            extension = JOIN_EXTENSION(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
+            cfg = extension.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
             if replay and info.is_main:
@@ -658,8 +663,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        concepts = run_concepts(cfg, vocab)  # train.concepts: checked before the first write
-        cfg = concepts.cfg
+        extension = JOIN_EXTENSION(cfg, vocab)  # checked before the first write
+        cfg = extension.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
@@ -673,7 +678,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
-    concepts.install(model.decoder, info.device)  # train.concepts: the head's weights (and fold heads)
+    extension.install(model.decoder, info.device)  # the extension's weights, from its files
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None
