@@ -58,7 +58,7 @@ def test_large_images_are_rasterised_downscaled_with_the_same_shares() -> None:
 
 
 def test_center_crop_geometry_maps_cells_inside_the_crop() -> None:
-    from captioner.data.transforms import crop_box
+    from captioner.data.images import crop_box
 
     w, h = 100, 50
     view = crop_box(w, h, EncoderConfig(name="tiny", resize="center_crop"))

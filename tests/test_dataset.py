@@ -16,7 +16,7 @@ from captioner.config import EncoderConfig
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                     image_loader)
-from captioner.data.transforms import ImageTransform, crop_box, denormalize
+from captioner.data.images import ImageTransform, crop_box, denormalize
 from captioner.models.registry import resolve_encoder
 from captioner.errors import ImageLoadError
 from captioner.text import Vocabulary

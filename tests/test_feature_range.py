@@ -22,7 +22,7 @@ from PIL import Image
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.models.registry import resolve_encoder
 from captioner.errors import CaptionerError, DataError
 from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache

@@ -13,7 +13,7 @@ from PIL import Image
 
 import captioner
 import captioner.pretrained as pretrained
-from captioner.checkpoint.release import pack_release
+from captioner.checkpoint.format import pack_release
 from captioner.files import file_sha256
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
@@ -149,7 +149,7 @@ def test_release_file_stores_a_fine_tuned_top_stage(tmp_path):
 
 
 def test_release_file_refuses_another_wheel(tmp_path, monkeypatch):
-    import captioner.checkpoint.release as release
+    import captioner.checkpoint.format as release
     from captioner.config import get_preset
     from captioner.models.model import build_model
     from captioner.text import Vocabulary

@@ -11,7 +11,7 @@ from captioner.config import EncoderConfig
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import load_image
-from captioner.data.transforms import ImageTransform, crop_box
+from captioner.data.images import ImageTransform, crop_box
 from captioner.models.registry import resolve_encoder
 from captioner.errors import DataError
 from captioner.text import Vocabulary

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from captioner.config import Config, DecoderConfig, EncoderConfig, SATConfig, TransformerConfig, get_preset
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError
 from captioner.models import registry
 from captioner.models.encoder import LITE_STAGES, build_encoder, tiny_trunk, trunk_map_size

@@ -463,7 +463,7 @@ def test_image_loader_skip_bad_drops_unreadable_items_from_batches(spoiled_shape
     from captioner.data.coco import load_caption_set
     from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                         image_loader)
-    from captioner.data.transforms import ImageTransform
+    from captioner.data.images import ImageTransform
     from captioner.models.registry import resolve_encoder
     from captioner.text import Vocabulary
 

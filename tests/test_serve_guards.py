@@ -30,7 +30,7 @@ PER_CLIENT = 6
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
     import captioner
-    from captioner.share.examples import example_scenes
+    from captioner.share.server import example_scenes
     from captioner.share.server import ServedModel, ServeLimits, create_app, running
 
     model = captioner.load(untrained_checkpoint(tmp_path_factory.mktemp("guards"), "sat_soft_tiny"), device="cpu")

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from captioner.config import EncoderConfig
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError, DataError
 from captions import make_caption as caption
 from captioner.viz.heatmaps import (

@@ -11,7 +11,7 @@ import torch
 
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize

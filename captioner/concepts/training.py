@@ -36,7 +36,7 @@ from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, c
 from captioner.device import resolve_device
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.transforms import ImageTransform, crop_box
+from captioner.data.images import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache

@@ -23,7 +23,7 @@ from captioner.files import atomic_write
 
 SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
-DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.decoding.precision
+DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.decoding.search
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
@@ -135,7 +135,7 @@ class DecodeOptions:
             one caption ("a baby baby in a bib").
         precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as
             fast a search on a CPU with native bfloat16; a near tie can fall the other way, so a few
-            captions differ: :mod:`captioner.decoding.precision`).
+            captions differ: :mod:`captioner.decoding.search`).
     """
 
     beam_size: int = 3

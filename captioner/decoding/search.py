@@ -12,19 +12,23 @@ N regions (g*g), D feature width, V vocabulary, L words of a caption.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from captioner.config import DecodeOptions
-from captioner.decoding.precision import prepare
+from captioner.config.schema import DECODE_PRECISIONS
 from captioner.errors import ConfigError
 from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
+from captioner.models.lstm import FusedSATSteps
 from captioner.text import STOP_WORDS, Vocabulary
+
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +305,7 @@ def decode(
         bos_id: id fed at the first step.
         eos_id: id that ends a caption.
         options: search options; default ``DecodeOptions()`` (beam 3, 20 words, float32;
-            ``precision="bfloat16"`` steps :func:`captioner.decoding.precision.decoder_for` instead).
+            ``precision="bfloat16"`` steps :func:`captioner.decoding.search.decoder_for` instead).
         banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
             :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
             renormalised.
@@ -586,3 +590,59 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             tokens[:, max_len] = torch.where(forced, torch.full_like(tokens[:, max_len], pad_id), tokens[:, max_len])
             tokens = tokens[:, :max_len]
     return SampledCaptions(tokens, lengths, finished)
+
+
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DecodeOptions.precision -> dtype
+assert tuple(PRECISIONS) == DECODE_PRECISIONS
+
+
+def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
+    """The decoder a search in ``precision`` steps: ``decoder`` itself for float32; for bfloat16 its own
+    fused steps (``decoder.fused_steps(dtype)``, where it has them) or else a bfloat16 copy, kept on
+    ``decoder`` until a weight changes.
+
+    Raises:
+        ValueError: a precision that is not in :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {sorted(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    if dtype == torch.float32:
+        return decoder
+    tensors = [*decoder.parameters(), *decoder.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    key = (dtype, device, getattr(decoder, "hard_test_mode", None),
+           tuple((t.data_ptr(), t._version) for t in tensors))
+    cached = decoder.__dict__.get("_low_precision")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    fused = getattr(decoder, "fused_steps", None)
+    low = (fused(dtype) if fused is not None else None) or _copy_in(decoder, dtype)
+    low.eval()
+    decoder.__dict__["_low_precision"] = (key, low)
+    return low
+
+
+def prepare(decoder: nn.Module, features: torch.Tensor, precision: str) -> tuple[nn.Module, torch.Tensor]:
+    """(the decoder to step, the features to give its ``init_state``) for a search in ``precision``:
+    fused steps take the float32 features (it computes the initial state from them in
+    float32), a bfloat16 copy takes them in bfloat16."""
+    stepper = decoder_for(decoder, precision)
+    if stepper is decoder or isinstance(stepper, FusedSATSteps):
+        return stepper, features
+    return stepper, features.to(PRECISIONS[precision])
+
+
+def _copy_in(decoder: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``decoder`` with its floating-point weights in ``dtype`` (the original untouched), but
+    for the submodules that declare ``runs_in_float32`` (the concept head)."""
+    caches = ("_low_precision", "_step_cache")  # what the decoder keeps of its weights: not copied into the copy
+    saved = {key: decoder.__dict__.pop(key) for key in caches if key in decoder.__dict__}
+    try:
+        low = copy.deepcopy(decoder).to(dtype)
+        for module in low.modules():
+            if getattr(module, "runs_in_float32", False):
+                module.float()
+        return low
+    finally:
+        decoder.__dict__.update(saved)

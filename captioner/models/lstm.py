@@ -22,7 +22,7 @@ the attention, the gate and the LSTM update. ``forward`` hoists the time-indepen
 loop: ``W_f f`` once per image, the embedding half of the LSTM input projection for all steps in one
 matmul, and the deep output over all steps after the loop. :class:`FusedSATSteps` is the same step in
 eval mode with its products fused further and its weights in a low precision (bfloat16 decoding,
-``captioner.decoding.precision``).
+``captioner.decoding.search``).
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ class FusedSATSteps(CaptionDecoder):
     The same function as ``SATDecoder.step`` in eval mode; only the order of the sums differs. The
     attention's B*g*N*A sums and sigmoids run in float32 whatever ``dtype`` is (on a CPU they are
     faster there than in bfloat16, and the maps closer to float32 decoding's).
-    Weights are a snapshot taken at construction (``captioner.decoding.precision.decoder_for`` rebuilds it when
+    Weights are a snapshot taken at construction (``captioner.decoding.search.decoder_for`` rebuilds it when
     they change).
     """
 

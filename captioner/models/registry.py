@@ -54,7 +54,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """The pixels a trunk's weights were trained on: what :class:`captioner.data.transforms.ImageTransform` makes.
+    """The pixels a trunk's weights were trained on: what :class:`captioner.data.images.ImageTransform` makes.
 
     Attributes:
         mean: per-channel mean of [0, 1] pixels, subtracted.

@@ -36,7 +36,7 @@ from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
 from captioner.files import MiB, atomic_write, read_json, size_text, writable_folder
 from captioner.inference import load
-from captioner.share.examples import example_scenes
+from captioner.share.server import example_scenes
 from captioner.viz.overlays import render_grid
 
 __all__ = ["DATASETS", "DataCard", "check_repo_id", "default_repo_id", "export_run", "guess_dataset", "metrics_rows",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_instances
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError
 from captioner.evaluation.attention_metrics import (WordTable, bind_mentions, box_coverage, detect_vocabulary,
                                                     find_mentions, word_table)

@@ -41,7 +41,7 @@ from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
 from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError, DataError, ImageLoadError
 from captioner.features.cache import get_feature_cache
 from captioner.features.dtype import stored_rows

@@ -27,7 +27,7 @@ from captioner.config import Config
 from captioner.data.checks import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
