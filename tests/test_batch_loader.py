@@ -25,7 +25,7 @@ from captioner.errors import ImageLoadError
 from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training.data import Remap, train_loader
-from captioner.training.distributed import DistInfo
+from captioner.device import DistInfo
 
 COUNT, N, D = 14, 4, 8
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

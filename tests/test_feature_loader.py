@@ -25,7 +25,7 @@ from captioner.features.dtype import model_input
 from captioner.text import Vocabulary
 from captioner.training import loop as validation
 from captioner.training.data import features_in_memory, train_loader, val_loader
-from captioner.training.distributed import DistInfo
+from captioner.device import DistInfo
 from captioner.training.step import on_device
 
 COUNT, N, D = 12, 4, 8

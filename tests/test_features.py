@@ -260,7 +260,7 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
     """
     from captioner.models.model import build_model
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
-    from captioner.training.distributed import DistInfo
+    from captioner.device import DistInfo
     from captioner.training.objective import CaptionLoss
     from captioner.training.run import TrainForward
 

@@ -23,7 +23,7 @@ from captioner.data.images import ImageTransform
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
 from captioner.training.data import MemoryStore, padded_tokens, pixels_in_memory, train_loader, val_loader
-from captioner.training.distributed import DistInfo
+from captioner.device import DistInfo
 from captioner.training.loop import train
 from captioner.training.objective import LossResult, term_shares
 from captioner.training.run import DeviceStats

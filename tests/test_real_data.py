@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from captioner.config import EncoderConfig
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import load_image
 from captioner.data.images import ImageTransform, crop_box

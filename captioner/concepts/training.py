@@ -34,7 +34,7 @@ from tqdm import tqdm
 from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
                                       read_concepts, read_concepts_with_folds, save_concepts)
 from captioner.device import resolve_device
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import ImageTransform, crop_box
 from captioner.errors import ConfigError, DataError

@@ -7,8 +7,8 @@ A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkp
 **{"train.lr": 1e-3})``. Config files (JSON or YAML) hold the same nested structure; command-line
 ``--set key=value`` flags override them.
 
-Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass), ``parse`` (nested
-mappings, overrides, files), ``presets`` (the preset table, ``resolve_config``).
+Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass, the preset table,
+``resolve_config``), ``parse`` (nested mappings, overrides, files).
 """
 
 from captioner.config.decoders import (
@@ -21,8 +21,9 @@ from captioner.config.decoders import (
     decoder_family,
 )
 from captioner.config.parse import load_config_file, parse_override
-from captioner.config.presets import GPU_BATCH, PRESETS, get_preset, list_presets, resolve_config
 from captioner.config.schema import (
+    GPU_BATCH,
+    PRESETS,
     PREPROCESSING_FIELDS,
     SELECT_METRICS,
     Config,
@@ -32,7 +33,10 @@ from captioner.config.schema import (
     ModelConfig,
     ScstConfig,
     TrainConfig,
+    get_preset,
+    list_presets,
     model_config_from_dict,
+    resolve_config,
 )
 
 __all__ = [

@@ -52,7 +52,7 @@ def load_caption_set(
 
     Returns:
         The caption set (``root`` as given); image paths are resolved but not checked (see
-        :func:`captioner.data.checks.check_images`).
+        :func:`captioner.data.caption_set.check_images`).
 
     Raises:
         DataError: no layout matches, the split is unknown (the message lists the available

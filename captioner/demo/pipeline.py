@@ -49,7 +49,7 @@ from captioner.inference import Captioner, decode_options, load
 from captioner.models.model import build_model
 from captioner.training.data import load_caption_sets, prepare_data, training_vocabulary
 from captioner.training.detectors import pretrain_word_detectors
-from captioner.training.distributed import DistInfo
+from captioner.device import DistInfo
 from captioner.training.loop import train
 from captioner.viz.overlays import write_overlays
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.checkpoint.remote import is_remote
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
 from captioner.decoding.search import DecodeOptions

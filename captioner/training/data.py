@@ -36,7 +36,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 from tqdm import tqdm
 
 from captioner.config import Config
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
@@ -48,7 +48,7 @@ from captioner.features.dtype import stored_rows
 from captioner.models.model import CaptionModel
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
-from captioner.training.distributed import DistInfo, barrier
+from captioner.device import DistInfo, barrier
 
 log = logging.getLogger(__name__)
 

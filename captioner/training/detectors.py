@@ -24,7 +24,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from captioner.config import Config
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
 from captioner.data.images import ImageTransform

@@ -40,7 +40,7 @@ from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
-from captioner.training import distributed as ddp
+from captioner import device as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares

@@ -32,7 +32,7 @@ from captioner.config import SELECT_METRICS, Config, EncoderConfig
 from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
 from captioner.files import check_regular
 from captioner.models.model import CaptionModel
-from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
+from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
 from captioner.training.optim import Precision, nonfinite_tensors
 

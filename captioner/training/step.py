@@ -23,7 +23,7 @@ from torch import nn
 from captioner.decoding.graphs import GraphCounts, record_graph
 from captioner.errors import ConfigError
 from captioner.features.dtype import model_input
-from captioner.training import distributed as ddp
+from captioner import device as ddp
 from captioner.training.objective import Batch, LossResult, TrainModel
 from captioner.training.optim import budget_decay, clip_and_step
 from captioner.training.run import (EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch,

@@ -54,7 +54,7 @@ from captioner.features.cache import FeatureCache, cache_header, write_cache_fil
 from captioner.features.dtype import model_input  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.training.data import train_loader, training_vocabulary  # noqa: E402
-from captioner.training.distributed import DistInfo  # noqa: E402
+from captioner.device import DistInfo  # noqa: E402
 from captioner.training.objective import CaptionLoss  # noqa: E402
 from captioner.training.step import GraphedStep  # noqa: E402
 
