@@ -13,7 +13,7 @@ from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError
 from captioner.models import registry
 from captioner.models.encoder import LITE_STAGES, build_encoder, tiny_trunk, trunk_map_size
-from captioner.models.lstm import build_sat_decoder
+from captioner.models.lstm import SATDecoder
 from captioner.models.model import build_model
 from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_positions
 
@@ -104,14 +104,14 @@ def test_a_decoder_family_parses_by_its_class_and_builds_once_registered(clean_r
     assert type(parsed.model.decoder) is SATTwinConfig and type(DecoderConfig(name="sat_twin")) is SATTwinConfig
     with pytest.raises(ConfigError, match="^decoder.name='sat_twin' is not registered; available: sat, transformer$"):
         build_model(parsed.model, 10)  # the name is checked when the model is built
-    registry.register_decoder(SATTwinConfig)(build_sat_decoder)
+    registry.register_decoder(SATTwinConfig)(SATDecoder)
     torch.manual_seed(0)
     twin = build_model(parsed.model, 10)
     torch.manual_seed(0)
     sat = build_model(get_preset("sat_soft_tiny").model, 10)
     assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), sat.state_dict().values()))
     with pytest.raises(ConfigError, match="already SATTwinConfig's"):
-        registry.register_decoder(type("Other", (SATTwinConfig,), {}))(build_sat_decoder)
+        registry.register_decoder(type("Other", (SATTwinConfig,), {}))(SATDecoder)
 
 
 def test_decoders_name_the_buffers_checkpoints_do_not_store() -> None:

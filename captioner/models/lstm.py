@@ -135,6 +135,7 @@ def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, tor
     return h, c
 
 
+@register_decoder(SATConfig)
 class SATDecoder(CaptionDecoder):
     """LSTM decoder with soft or hard additive attention over regions.
 
@@ -533,23 +534,3 @@ class FusedSATSteps(CaptionDecoder):
         deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
         log_probs = F.log_softmax(F.linear(deep, w["w_o"], w["b_o"]).float(), dim=-1)  # (R, V)
         return log_probs, State(state.static, {"q": q, "c": c}, group), alpha
-
-
-@register_decoder(SATConfig)
-def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int,
-                      extension: SATExtension | None = None) -> SATDecoder:
-    """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
-    return SATDecoder(
-        vocab_size=vocab_size,
-        feature_dim=feature_dim,
-        embed_dim=cfg.embed_dim,
-        hidden_dim=cfg.hidden_dim,
-        attention_dim=cfg.attention_dim,
-        dropout=cfg.dropout,
-        attention=cfg.attention,
-        hard_test_mode=cfg.hard_test_mode,
-        hard_soft_prob=cfg.hard_soft_prob,
-        grid=grid,
-        region_positions=cfg.region_positions,
-        extension=extension,
-    )

@@ -6,8 +6,9 @@ preprocessing=...)`` holds everything about one trunk (``captioner.models.encode
 ``register_encoder_family``), its weights' preprocessing included, as timm's ``pretrained_cfg`` and
 torchvision's ``Weights.transforms()`` do. An encoder's name is checked here, when the model is built
 (:func:`resolve_encoder`), and the preprocessing fields a config leaves unset are filled from its entry.
-Decoders: ``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g,
-extension=None) -> CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
+Decoders: ``@register_decoder(ConfigClass)`` on a decoder class (or builder) that takes ``feature_dim=D,
+vocab_size=V, grid=g, extension=None`` and, by name, the config fields it reads (``captioner.models.lstm``:
+``sat``; ``captioner.models.transformer``: ``transformer``).
 
 The components register when their modules are imported, which ``captioner.models.model``
 (``build_model``) does.
@@ -16,6 +17,7 @@ The components register when their modules are imported, which ``captioner.model
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,8 +176,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
 def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int,
                   extension: nn.Module | None = None) -> CaptionDecoder:
     """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map, joined by
-    ``extension`` (built from its own config section; None: the paper's decoder)."""
+    ``extension`` (built from its own config section; None: the paper's decoder). The builder takes each
+    field of ``cfg`` that it has a parameter of the same name for."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid,
-                                     extension=extension)
+    build = _DECODERS[cfg.name].build
+    params = inspect.signature(build).parameters
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in params}
+    return build(feature_dim=feature_dim, vocab_size=vocab_size, grid=grid, extension=extension, **options)
