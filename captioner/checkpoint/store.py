@@ -21,18 +21,9 @@ modules, and encoder weights are never downloaded on load.
 
 Files are recognised by content, not by name (:mod:`captioner.checkpoint.format`). Loading builds
 the model on the meta device, checks every tensor name and shape against the file, and only then
-allocates (uninitialised) storage and copies the weights in (:mod:`captioner.checkpoint.store`): a
-header with absurd sizes is refused before anything big is allocated, and no time is spent on a
-random initialisation. Every write is atomic (:func:`captioner.files.atomic_write`).
-
-Rebuild a model from a checkpoint's config and weights, on the meta device first.
-
-Used by :func:`captioner.checkpoint.store.load_checkpoint`.
-
-The model is built on the meta device (no storage, random initialisation skipped), every tensor
-name and shape is checked against the file, and only then is real, uninitialised storage
-allocated and the weights copied in: a header with absurd sizes is refused before anything big is
-allocated, and no time is spent on a random initialisation that would be overwritten.
+allocates (uninitialised) storage and copies the weights in: a header with absurd sizes is refused
+before anything big is allocated, and no time is spent on a random initialisation. Every write is
+atomic (:func:`captioner.files.atomic_write`).
 """
 
 from __future__ import annotations
@@ -201,9 +192,7 @@ def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
 
 def build_model_from_state(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str, torch.Tensor],
                            device: torch.device) -> torch.nn.Module:
-    """The model with the file's weights. Built on the meta device first: nothing is allocated until
-    the file's tensors are known to match, so an absurd config cannot exhaust memory, and the real
-    tensors are never randomly initialised only to be overwritten.
+    """The model with the file's weights, built on the meta device first (the module's docstring).
 
     Args:
         path: the checkpoint file (named in every error).
