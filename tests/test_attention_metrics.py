@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.evaluation.attention_metrics import (attention_correctness, attention_correctness_for_results,
-                                                    attention_entropy_summary, attention_mass, caption_object_accuracy,
-                                                    summarize, WordScore, WordScores)
 from captioner.config import EncoderConfig
 from captioner.data.coco import ObjectBox
 from captioner.errors import DataError
-from captioner.evaluation.attention_metrics import find_mentions
+from captioner.evaluation.attention_metrics import (WordScore, WordScores, attention_correctness,
+                                                    attention_correctness_for_results, attention_entropy_summary,
+                                                    attention_mass, caption_object_accuracy, find_mentions, summarize)
 from captioner.text import tokenize
 
 SQUARE = (64, 64)

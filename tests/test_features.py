@@ -20,10 +20,10 @@ from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
 from captioner.data.images import ImageTransform
-from captioner.models.registry import resolve_encoder
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
 from captioner.models.encoder import build_encoder
+from captioner.models.registry import resolve_encoder
 
 COUNT = 10
 

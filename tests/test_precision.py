@@ -9,8 +9,7 @@ import torch
 
 from captioner.concepts.model import SATConcepts
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.search import decoder_for
-from captioner.decoding.search import decode
+from captioner.decoding.search import decode, decoder_for
 from captioner.errors import ConfigError
 from captioner.models.base import State
 from captioner.models.lstm import FusedSATSteps, SATDecoder

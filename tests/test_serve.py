@@ -25,8 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-from captioner.cli import main  # noqa: E402
-from captioner.commands.serve import is_loopback, model_name  # noqa: E402
+from captioner.cli import main
+from captioner.commands.serve import is_loopback, model_name
 
 
 def png_bytes(image: Image.Image) -> bytes:

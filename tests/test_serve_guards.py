@@ -19,8 +19,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-from captioner.cli import main  # noqa: E402
-from captioner.share import guards, server as server_module  # noqa: E402
+from captioner.cli import main
+from captioner.share import guards, server as server_module
 from test_serve import png_bytes, post, scene  # noqa: E402
 
 IDLE = 1.0  # the deadlines for a request head and body

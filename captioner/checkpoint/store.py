@@ -43,9 +43,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as _st_save
 
-from captioner.checkpoint.format import (FORMAT, FORMAT_VERSION, describe, first_line, parse_header, read_file,
-                                         torch_load)
-from captioner.checkpoint.format import fill_references
+from captioner.checkpoint.format import (FORMAT, FORMAT_VERSION, describe, fill_references, first_line, parse_header,
+                                         read_file, torch_load)
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write

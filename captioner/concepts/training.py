@@ -33,10 +33,10 @@ from tqdm import tqdm
 
 from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
                                       read_concepts, read_concepts_with_folds, save_concepts)
-from captioner.device import resolve_device
 from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.images import ImageTransform, crop_box
+from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
-                                        build_caption_set)
-from captioner.data.caption_set import SAMPLE, pick_image_dir
+from captioner.data.caption_set import (SAMPLE, CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
+                                        build_caption_set, pick_image_dir)
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_json, read_text
 

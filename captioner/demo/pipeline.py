@@ -42,14 +42,13 @@ from captioner.data.images import load_image
 from captioner.data.shapes import MAX_UNSEEN_PAIRS, make_shapes
 from captioner.demo.report import (LABELS, format_value, pace_notes, read_metrics_csv, steps_of_reference, table_row,
                                    write_report)
-from captioner.device import resolve_device
+from captioner.device import DistInfo, resolve_device
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.evaluate import evaluate_checkpoint
 from captioner.inference import Captioner, decode_options, load
 from captioner.models.model import build_model
 from captioner.training.data import load_caption_sets, prepare_data, training_vocabulary
 from captioner.training.detectors import pretrain_word_detectors
-from captioner.device import DistInfo
 from captioner.training.loop import train
 from captioner.viz.overlays import write_overlays
 

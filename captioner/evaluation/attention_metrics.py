@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from captioner.data.shapes import COLORS, SHAPES, SIZES
 from captioner.data.images import crop_box
+from captioner.data.shapes import COLORS, SHAPES, SIZES
 from captioner.errors import DataError
 from captioner.grids import Box, as_array, attention_entropy, cell_centre, cell_weights, interval_overlap
 from captioner.text import tokenize

@@ -32,10 +32,10 @@ from PIL import Image
 
 from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
-from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
 from captioner.files import MiB, atomic_write, read_json, size_text, writable_folder
 from captioner.inference import load
+from captioner.network import file_digest
 from captioner.share.server import example_scenes
 from captioner.viz.overlays import render_grid
 

@@ -40,15 +40,14 @@ from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
-from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
-from captioner.data.images import ImageTransform
+from captioner.data.images import DEFAULT_MAX_PIXELS, ImageTransform, load_image
+from captioner.device import DistInfo, barrier
 from captioner.errors import ConfigError, DataError, ImageLoadError
 from captioner.features.cache import get_feature_cache
 from captioner.features.dtype import stored_rows
 from captioner.models.model import CaptionModel
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
-from captioner.device import DistInfo, barrier
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.data import pixels_in_memory
 from captioner.training.attention_terms import GroundingTargets
+from captioner.training.data import pixels_in_memory
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from captioner import device as ddp
 from captioner import inference
 from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
                                         save_train_state)
@@ -40,14 +41,13 @@ from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
-from captioner import device as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
-from captioner.training.run import (Learner, Run, TrainForward, capture_rng, image_error, keep_select_metric,
-                                    name_list, open_run, restore_rng, seed_everything, train_state)
+from captioner.training.run import (Learner, Run, TrainForward, capture_rng, image_error, keep_select_metric, name_list,
+                                    open_run, restore_rng, seed_everything, train_state)
 from captioner.training.scst import build_self_critical
 from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epoch
 

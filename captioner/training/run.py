@@ -29,10 +29,10 @@ from torch import nn
 from tqdm import tqdm
 
 from captioner.config import SELECT_METRICS, Config, EncoderConfig
+from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
 from captioner.files import check_regular
 from captioner.models.model import CaptionModel
-from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
 from captioner.training.optim import Precision, nonfinite_tensors
 

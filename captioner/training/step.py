@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from captioner import device as ddp
 from captioner.decoding.graphs import GraphCounts, record_graph
 from captioner.errors import ConfigError
 from captioner.features.dtype import model_input
-from captioner import device as ddp
 from captioner.training.objective import Batch, LossResult, TrainModel
 from captioner.training.optim import budget_decay, clip_and_step
-from captioner.training.run import (EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch,
-                                    skip_empty)
+from captioner.training.run import EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch, skip_empty
 
 log = logging.getLogger(__name__)
 
