@@ -105,12 +105,9 @@ class CaptionLoss(nn.Module):
             raise ConfigError(f"alpha_c must be >= 0, got {alpha_c}")
         if ds_form not in DS_FORMS:
             raise ConfigError(f"ds_form={ds_form!r}: use one of {', '.join(DS_FORMS)}")
-        self.pad_id = pad_id
-        self.label_smoothing = label_smoothing
-        self.alpha_c = alpha_c
-        self.ds_form = ds_form
-        self.reinforce_weight = reinforce_weight
-        self.entropy_weight = entropy_weight
+        self.pad_id, self.label_smoothing = pad_id, label_smoothing
+        self.alpha_c, self.ds_form = alpha_c, ds_form  # the doubly stochastic penalty
+        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight  # hard attention's terms
         self.baseline_decay = baseline_decay
         self.register_buffer("baseline", torch.zeros(()))  # moving-average reward
         self.register_buffer("advantage_var", torch.ones(()))  # moving average of (r - b)^2
