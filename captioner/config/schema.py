@@ -3,8 +3,13 @@
 A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
 ``train`` and ``decoding`` (how captions are searched). The decoder section is one dataclass per
 family (``captioner.config.decoders``). Nested mappings (config files, ``config.json``, checkpoint
-headers) become these classes through ``captioner.config.parse``; named presets live in
-``captioner.config.schema``.
+headers) become these classes through ``captioner.config.parse``.
+
+Named presets are a table (:data:`PRESETS`): each row lists layers merged in order onto ``Config()``,
+each layer a partial config in the nested shape of ``config.json`` or the name of another preset; a
+decoder layer naming another family starts from that family's defaults. ``get_preset(name,
+**overrides)`` returns a fresh copy with dotted overrides applied; ``resolve_config`` is the CLI's
+preset -> config file -> ``--set`` resolution.
 """
 
 from __future__ import annotations

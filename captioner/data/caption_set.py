@@ -1,4 +1,5 @@
-"""The in-memory caption set every layout loads into (``coco.load_caption_set``), and its records.
+"""The in-memory caption set every layout loads into (``coco.load_caption_set``), its records, and the
+image-file checks made before anything trains (:func:`check_images`).
 
 ``CaptionSet`` holds one split's images and their reference captions; ``build_caption_set`` is
 the one place where empty captions and uncaptioned images are dropped, whatever the layout.

@@ -20,7 +20,11 @@ one line naming the input (``image 2``) and the problem:
 * finiteness: a tensor holding NaN or infinity;
 * size: a PIL image with no pixels, or more than ``max_pixels`` (what ``load_image`` refuses).
 
-Paths are checked when they are read (:func:`captioner.data.images.load_image`).
+Paths are checked when they are read (:func:`load_image`).
+
+The encoder's input: :class:`ImageTransform` (PIL RGB -> normalised tensor) and :func:`crop_box`, the
+one account of which part of the original image the encoder sees, which overlays use to map
+attention back onto the photo.
 """
 
 from __future__ import annotations

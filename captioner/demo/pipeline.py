@@ -21,6 +21,9 @@
 6. writes ``out/report.html`` (self-contained) and ``out/report.json``.
 
 The three decoders see the same frozen encoder, so the table compares decoders, not CNNs.
+``run_parallel`` runs the decoders' jobs (``run_decoder``: train, score, overlays), one process each
+with its own torch threads, logging one progress line every ``PROGRESS_SECONDS`` (each worker's own
+log goes to ``<run>/demo.log``).
 """
 
 from __future__ import annotations

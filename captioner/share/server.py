@@ -4,7 +4,9 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
 
 * ``GET /``: the page (:mod:`captioner.share.page`), one HTML document with inline CSS and JS;
 * ``GET /api/models``: the models served, ``[{"name", "decoder", "encoder", "vocab"}]``;
-* ``GET /examples/{i}``: example picture ``i`` (:mod:`captioner.share.server`);
+* ``GET /examples/{i}``: example picture ``i``: the package's example photos or ``--examples DIR``
+  (each checked like an upload, served as its file's own bytes), or, only to a model whose vocabulary
+  is the synthetic scenes' words (:func:`reads_scenes`), scenes drawn from fixed seeds at start-up;
 * ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
   captions of the picture, each with the photo's concepts (``[{"word", "prob"}]``, or null for a model
   without concept detectors) and its attention record (the ``attention.json`` format of
