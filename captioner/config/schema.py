@@ -204,8 +204,6 @@ class ScstConfig:
             raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
 
 
-
-
 @dataclass
 class TrainConfig:
     epochs: int = 20

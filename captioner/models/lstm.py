@@ -16,13 +16,13 @@ An optional addition is one component, ``self.extension`` (a :class:`~captioner.
 built by the registry from its own config section), called at named points: the initial state, rows read
 from h at every step, an attention filter, the deep output, ``aux``.
 
-One time step, :meth:`SATDecoder._recurrence`, serves both ``forward`` (teacher forcing, every word)
-and ``step`` (search and sampling, one word): one fused matmul of ``h`` with ``[W_hh; W_h; f_beta]``,
-the attention, the gate and the LSTM update. ``forward`` hoists the time-independent work out of the
-loop: ``W_f f`` once per image, the embedding half of the LSTM input projection for all steps in one
-matmul, and the deep output over all steps after the loop. :class:`FusedSATSteps` is the same step in
-eval mode with its products fused further and its weights in a low precision (bfloat16 decoding,
-``captioner.decoding.search``).
+One step, :meth:`SATDecoder._update` (the attention from the products of h, the gate, the context
+product, the LSTM update), serves ``forward`` (teacher forcing), ``step`` (search and sampling) and
+:class:`FusedSATSteps` (bfloat16 decoding: the same step with its products fused further and its
+weights in a low precision). ``forward`` hoists the time-independent work out of the loop: ``W_f f``
+once per image, the embedding half of the LSTM input product for all steps in one matmul, and the
+deep output over all steps after the loop.
+
 The attention (Bahdanau): scores ``e_i = w . tanh(W_f f_i + W_h h)``, ``alpha = softmax(e)``. ``W_f f``
 does not depend on the step: it is computed once per image (``AdditiveAttention.project``). Computed
 exactly, but faster: ``tanh(x) = 2 sigmoid(2x) - 1`` and softmax ignores a constant added to every score,

@@ -82,7 +82,6 @@ def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = 
     return GroundingTerm(loss, words.detach(), in_box)
 
 
-
 class GroundingTargets:
     """Box coverages for the target words of training batches.
 

@@ -213,8 +213,6 @@ def make_run_folder(run_dir: Path) -> None:
         raise ConfigError(f"{run_dir}: cannot create the run folder ({exc.strerror or exc})") from None
 
 
-
-
 @torch.inference_mode()
 def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
              device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:

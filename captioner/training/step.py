@@ -252,8 +252,6 @@ def check_cuda_graph(train_cfg: Any, decoder_name: str, on_features: bool, devic
         raise ConfigError("train.cuda_graph does not capture fp16 with a gradient scaler; use train.amp=bf16 or off")
 
 
-
-
 def backward_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult
     """Backward (unless a captured step ran it), clip and step, then advance the schedule (and the budget decay) when the optimizer stepped."""
     learner = run.learner
