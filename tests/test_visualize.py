@@ -322,3 +322,26 @@ def test_render_panels_draws_chosen_maps_with_large_titles_and_the_caption_under
     assert (band < 100).all(-1).sum() > 100, "no caption drawn under the panels"
     with pytest.raises(DataError, match="2 maps need as many titles"):
         render_panels(image, maps, [("dog", "")], "a dog")
+
+
+def test_attention_json_round_trips_labels_and_overlays_draw_them(tmp_path):
+    import dataclasses
+
+    rng = np.random.default_rng(1)
+    maps = rng.random((2, 4, 4)).astype(np.float32)
+    maps /= maps.sum((1, 2), keepdims=True)
+    plain = caption(["a", "bear"], np.stack([corner_attention(), corner_attention(4, 3, 3)]), image_size=(200, 100))
+    labelled = dataclasses.replace(plain, labels=[("bear", 0.9968123, torch.from_numpy(maps[0])),
+                                                  ("dog", 0.0003, torch.from_numpy(maps[1]))])
+    paths = write_overlays(photo(), labelled, tmp_path / "labelled")
+    back = read_attention_json(paths["json"])
+    assert [(w, p) for w, p, _ in back.labels] == [("bear", 0.996812), ("dog", 0.0003)]
+    np.testing.assert_allclose(np.stack([m.numpy() for _, _, m in back.labels]), maps, atol=1e-6)
+    with Image.open(paths["labels"]) as drawn:  # a PNG of the labels, laid out as the grid of the words
+        assert paths["labels"].name == "attention_labels.png" and drawn.size == grid_layout(2, (200, 100)).canvas_size
+    assert "labels" not in caption_to_dict(plain) and read_attention_json(
+        write_overlays(photo(), plain, tmp_path / "plain")["json"]).labels is None
+    with pytest.raises(DataError, match=r"the map of label 'dog' must be \(g, g\) = \(4, 4\), got \(2, 8\)"):
+        on_image(dataclasses.replace(labelled, labels=[("dog", 0.1, torch.zeros(2, 8))]))
+    with pytest.raises(DataError, match=r"labels must be \(word, probability, map\) triples"):
+        on_image(dataclasses.replace(labelled, labels=[("dog", 0.1)]))

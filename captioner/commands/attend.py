@@ -93,7 +93,7 @@ def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> int:
     from captioner.viz.overlays import write_overlays
 
     image = load_image(path)
-    result = model.caption(image, all_heads=True, **decoding)[0]
+    result = model.caption(image, all_heads=True, labels=args.labels, **decoding)[0]
     all_att = result.all_attention.numpy() if result.all_attention is not None else None  # (L, layers, heads, g, g)
     attention = result.attention.numpy()  # (L, g, g): the decoder's overlay view
     if args.layer is not None or args.head is not None:
@@ -107,6 +107,6 @@ def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> int:
         head=None if args.head is None else args.head - 1,
     )
     print(f"{path}\t{result.text}")
-    for written in paths.values():  # png, gif, json, html (and the tags' png for a model with concepts)
+    for written in paths.values():  # png, gif, json, html (and the tags' and labels' png when there are some)
         print(f"wrote {written}")
     return 0

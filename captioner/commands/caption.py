@@ -38,6 +38,7 @@ EXAMPLES = """
   captioner caption photos/ 'more/*.png' --checkpoint best.safetensors --beam 5 --json > captions.jsonl
   captioner caption photo.jpg --checkpoint best.safetensors --overlay overlays/   # overlays/photo/attention.*
   captioner caption photos/ --checkpoint best.safetensors --device auto --batch-size 32
+  captioner caption photo.jpg --labels --json          # + the words the encoder's ImageNet head sees
 """
 
 CHECKPOINT_HELP = ("checkpoint: a shipped model's name (captioner.available_models(); default: the shipped "
@@ -47,6 +48,7 @@ _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _AMBIGUOUS = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")  # control characters (tab, newline) and raw bytes
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
 _GLOB_CHARS = frozenset("*?[")
+MAX_LABELS = 50  # --labels K at most
 
 
 def add_refresh_argument(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +80,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_refresh_argument(parser)
     add_decoding_arguments(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto (GPU when present)")
+    parser.add_argument("--labels", type=int_range(0, MAX_LABELS), nargs="?", const=5, default=0, metavar="K",
+                        help="also the K words (default 5) the encoder's ImageNet head sees in each photo, with their "
+                             "probability and map: in --json, attention.json and a <stem>_labels.png overlay")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int_range(1, 4096), default=8,
                         help="images per decoding batch, 1 to 4096 (default: 8)")
     parser.add_argument("--json", action="store_true",
-                        help='JSON lines: {"path", "caption", "score", "tokens", "seconds"}')
+                        help='JSON lines: {"path", "caption", "score", "tokens", "seconds"} (+ "labels" with --labels)')
     parser.add_argument("--overlay", metavar="DIR", default=None,
                         help="also write attention overlays (PNG grid, GIF, JSON, HTML) to DIR/<image stem>/")
     add_style_arguments(parser)
@@ -236,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     used_dirs: set[str] = set()
     t0, done = time.perf_counter(), 0
     # files are read, encoded and searched in an overlapping pipeline (Captioner.caption_stream)
-    results = model.caption_stream(files, options, attention=bool(args.overlay), batch_size=args.batch_size)
+    results = model.caption_stream(files, options, attention=bool(args.overlay), batch_size=args.batch_size,
+                                   labels=args.labels)
     for path, result in zip(files, results):
         if isinstance(result, ImageLoadError):
             _error(str(result))
@@ -248,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
                                "seconds": round((time.perf_counter() - t0) / done, 4)}  # mean per photo so far
         if result.concepts is not None:  # a model with concept detectors: the photo's tags
             row["concepts"] = [{"word": w, "prob": p} for w, p in result.concepts]
+        if result.labels is not None:  # --labels: what the encoder's ImageNet head sees
+            row["labels"] = [{"word": w, "prob": p} for w, p, _ in result.labels]
         if args.overlay:
             try:  # overlays are drawn on the full-size photo
                 image = load_image(path)

@@ -69,6 +69,20 @@ def _correctness_lines(title: str, pointing: str, corr: dict[str, Any]) -> list[
             + (f" (95% interval {spread[0]:.2f}-{spread[1]:.2f})" if spread else "")]
 
 
+def _chair_lines(chair: dict[str, Any]) -> list[str]:
+    """CHAIR-s, CHAIR-i and object coverage, and what they were counted over."""
+    if not chair:
+        return []
+
+    def share(key: str) -> str:
+        return "n/a" if chair.get(key) is None else f"{100 * chair[key]:.1f}%"
+
+    return [f"object hallucination (CHAIR, COCO's 80 categories; objects present from the {chair['objects']}):",
+            f"  CHAIR-s {share('CHAIR-s')} (captions naming an absent object), CHAIR-i {share('CHAIR-i')} "
+            f"({chair['hallucinated']} of {chair['mentions']} object mentions absent), "
+            f"object coverage {share('coverage')} (of the objects the references name)"]
+
+
 def format_report(report: dict) -> str:
     """A readable table of the scores, the counts and the files written."""
     from captioner.evaluation.metrics import COCO_KEYS, LABEL, METRIC_KEYS, format_metrics
@@ -95,6 +109,7 @@ def format_report(report: dict) -> str:
     if att.get("attention_entropy") is not None:
         lines.append(f"  attention entropy: {_num(att['attention_entropy'], 3)} nats "
                      f"(uniform {_num(att.get('uniform_entropy'), 3)})")
+    lines += _chair_lines(report.get("chair") or {})
     corr = report.get("attention_correctness") or {}
     if corr and not corr.get("words_scored"):
         names = {"shapes": "shape nouns", "coco": "COCO category names and synonyms",

@@ -10,6 +10,10 @@ search, and scores the captions against **all** raw references of each image:
   ``coco/CIDEr-D``: PTB tokenisation and pycocoevalcap's scorers, :mod:`.coco_caption`) when
   pycocoevalcap and Java are present, else None with a one-line ``coco_caption_note``;
 * the mean attention entropy per generated word (nats; log N is uniform attention);
+* object hallucination (:mod:`.chair`, Rohrbach et al. 2018): CHAIR-s, CHAIR-i and object coverage
+  over COCO's 80 categories, the objects present taken from the boxes when the split has an
+  instances file and from the reference captions always, with the captions that name an absent
+  object listed (``"chair"``);
 * attention correctness when the dataset has object boxes (``instances_<split>.json``): of the
   generated words, and of the reference captions' words fed to the decoder (teacher forcing,
   :func:`reference_attention`: every model judged on the same words, five captions an image); and on a
@@ -44,6 +48,7 @@ from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import (attention_correctness_for_results, attention_entropy_summary,
                                                     compositional_scores, reference_correctness)
+from captioner.evaluation.chair import chair_scores
 from captioner.evaluation.metrics import (COCO_KEYS, METRIC_KEYS, SCALE_NOTE, caption_metrics, coco_caption_metrics,
                                           write_coco_results)
 from captioner.files import atomic_write, safe_name, writable_folder
@@ -288,7 +293,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     cs, results = decoded.caption_set, decoded.results
     references = [cs.references(rec.image_id) for rec in cs.images]
     report: dict[str, Any] = _scores([r.text for r in results], references, settings)
-    correctness = _attention_scores(loaded, cs, results, data_root, split, settings)
+    instances = load_instances(data_root, split, settings.images_dir)
+    correctness = _attention_scores(loaded, cs, results, instances, settings)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -313,6 +319,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
         "unreadable_images": decoded.skipped,
         "unfinished_captions": sum(not getattr(r, "finished", True) for r in results),
         "attention": attention_entropy_summary(results),
+        "chair": _hallucination(cs, [r.text for r in results], references, instances),
         **correctness,
         "decoder": loaded.config.decoder.name,
         "attention_type": loaded.config.decoder.attention_kind,
@@ -366,10 +373,21 @@ def _scores(hypotheses: list[str], references: list[list[str]], settings: Evalua
     return report
 
 
-def _attention_scores(loaded: Captioner, cs: Any, results: list[Any], data_root: str | os.PathLike, split: str,
+def _hallucination(cs: Any, captions: list[str], references: list[list[str]], instances: Any) -> dict[str, Any]:
+    """CHAIR-s, CHAIR-i and coverage (:func:`.chair.chair_scores`), and the captions naming an absent object."""
+    boxes = None if instances is None else [[b.category for b in instances.get(rec.image_id, [])] for rec in cs.images]
+    scores = chair_scores(captions, references, boxes)
+    report = scores.as_dict()
+    report["hallucinations"] = [
+        {"image_id": rec.image_id, "file_name": rec.file_name, "caption": text, "absent": seen["absent"],
+         "present": seen["present"]}
+        for rec, text, seen in zip(cs.images, captions, scores.per_image) if seen["absent"]]
+    return report
+
+
+def _attention_scores(loaded: Captioner, cs: Any, results: list[Any], instances: Any,
                       settings: EvaluateOptions) -> dict[str, Any]:
     """Attention correctness of the captions (and along the references) where the split has boxes."""
-    instances = load_instances(data_root, split, settings.images_dir)
     correctness = on_references = None
     if instances is not None:
         correctness = attention_correctness_for_results(results, cs, instances, loaded.config.encoder)

@@ -7,8 +7,10 @@ Shape legend: L words, g grid size.
 decoders with several layers/heads (the Transformer), ``"layers"``, ``"heads"`` and
 ``"all_attention"`` (L x layers x heads x g x g), and for a model with concept detectors
 ``"concepts"`` (the photo's top concepts, ``[{"word", "prob"}]``, most probable first) and
-``"concept_maps"`` (C x g x g, where each concept is). Floats are rounded to 6 decimals; a file
-without the optional keys (an older one included) reads back with them None.
+``"concept_maps"`` (C x g x g, where each concept is), and for a caption asked for labels (the words
+the encoder's ImageNet head sees, ``Caption.labels``) ``"labels"`` (``[{"word", "prob"}]``, most
+probable first) and ``"label_maps"`` (K x g x g). Floats are rounded to 6 decimals; a file without
+the optional keys (an older one included) reads back with them None.
 
 The drawing functions take a ``Caption`` placed on its image (:func:`on_image`: the image's size,
 and the whole image as the box when the caption came from a tensor); the file holds the caption's
@@ -61,6 +63,7 @@ def on_image(caption: Caption, image: Image.Image | None = None) -> Caption:
             raise DataError(f"all_attention must be (L, layers, heads, g, g) with L={words} and "
                             f"g={attention.shape[-1]}, got {tuple(all_attention.shape)}")
     concepts, concept_maps = _checked_concepts(caption, attention.shape[1:])
+    labels = _checked_labels(caption.labels, attention.shape[1:])
     size = caption.image_size if caption.image_size is not None else (image.size if image is not None else None)
     if size is None:
         raise DataError("the caption has no image size (it came from a tensor); pass the image")
@@ -68,7 +71,7 @@ def on_image(caption: Caption, image: Image.Image | None = None) -> Caption:
     box = caption.box if caption.box is not None else (0, 0, size[0], size[1])
     return dataclasses.replace(caption, attention=attention, all_attention=all_attention, image_size=size,
                                box=tuple(float(v) for v in box), grid=tuple(attention.shape[1:]), concepts=concepts,
-                               concept_maps=concept_maps)
+                               concept_maps=concept_maps, labels=labels)
 
 
 def _checked_concepts(caption: Caption, grid: tuple[int, int]
@@ -88,6 +91,20 @@ def _checked_concepts(caption: Caption, grid: tuple[int, int]
     return concepts, maps
 
 
+def _checked_labels(labels: object, grid: tuple[int, int]) -> list[tuple[str, float, torch.Tensor]] | None:
+    """The caption's labels as ``[(word, probability, (g, g) float32 map)]``, or None."""
+    if labels is None:
+        return None
+    try:
+        checked = [(str(w), float(p), _tensor(m)) for w, p, m in labels]
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"labels must be (word, probability, map) triples ({one_line(str(exc))})") from None
+    for word, _, grid_map in checked:
+        if tuple(grid_map.shape) != tuple(grid):
+            raise DataError(f"the map of label {word!r} must be (g, g) = {tuple(grid)}, got {tuple(grid_map.shape)}")
+    return checked
+
+
 def caption_to_dict(caption: Caption, decimals: int = 6) -> dict:
     """The JSON object of the file format above (``caption`` placed with :func:`on_image` first)."""
     caption = on_image(caption)
@@ -102,6 +119,9 @@ def caption_to_dict(caption: Caption, decimals: int = 6) -> dict:
     if caption.concepts is not None:
         data["concepts"] = [{"word": w, "prob": round(p, decimals)} for w, p in caption.concepts]
         data["concept_maps"] = np.round(caption.concept_maps.numpy().astype(np.float64), decimals).tolist()
+    if caption.labels is not None:
+        data["labels"] = [{"word": w, "prob": round(p, decimals)} for w, p, _ in caption.labels]
+        data["label_maps"] = [np.round(m.numpy().astype(np.float64), decimals).tolist() for _, _, m in caption.labels]
     return data
 
 
@@ -117,11 +137,15 @@ def caption_from_dict(data: dict) -> Caption:
         if concepts is not None:
             concepts = [(str(c["word"]), float(c["prob"])) for c in concepts]
             maps = _tensor(np.asarray(data["concept_maps"], dtype=np.float32).reshape(len(concepts), *data["grid"]))
+        labels = data.get("labels")
+        if labels is not None:
+            label_maps = np.asarray(data["label_maps"], dtype=np.float32).reshape(len(labels), *data["grid"])
+            labels = [(str(c["word"]), float(c["prob"]), _tensor(m)) for c, m in zip(labels, label_maps)]
         caption = Caption(str(data["caption"]), words, [], float("nan"), tuple(int(g) for g in data["grid"]),
                           attention=_tensor(attention),
                           all_attention=None if all_att is None else _tensor(np.asarray(all_att, dtype=np.float32)),
                           image_size=tuple(data["image_size"]), box=tuple(data["box"]), concepts=concepts,
-                          concept_maps=None if concepts is None else maps)
+                          concept_maps=None if concepts is None else maps, labels=labels)
         return on_image(caption)
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"malformed attention record ({type(exc).__name__}: {exc})") from None

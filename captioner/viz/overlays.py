@@ -53,7 +53,7 @@ from captioner.viz.heatmaps import (
 __all__ = [
     "BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "GIF_BAND", "STYLES", "GridLayout", "as_array",
     "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "grid_layout", "on_image", "overlay_heatmap",
-    "read_attention_json", "render_gif_frames", "render_grid", "render_panels", "render_tags", "word_overlays", "word_scale", "word_titles", "write_attention_json",
+    "read_attention_json", "render_gif_frames", "render_grid", "render_labels", "render_panels", "render_tags", "word_overlays", "word_scale", "word_titles", "write_attention_json",
     "write_overlays",
 ]
 
@@ -325,8 +325,35 @@ def render_tags(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, 
     caption = on_image(caption, image)
     if not caption.concepts:
         return None
-    maps = caption.concept_maps.numpy()
-    titles = [(f"tag: {word} {prob:.2f}", stats_label(m)) for (word, prob), m in zip(caption.concepts, maps)]
+    return _render_named_maps(image, caption, "tag", caption.concepts, caption.concept_maps.numpy(), cmap, alpha,
+                              panel_side, columns, style)
+
+
+def render_labels(
+    image: Image.Image,
+    caption: Caption,
+    cmap: str = DEFAULT_CMAP,
+    alpha: float = DEFAULT_ALPHA,
+    panel_side: int = 224,
+    columns: int = 5,
+    style: str = DEFAULT_STYLE,
+) -> Image.Image | None:
+    """The words the encoder's ImageNet head sees (``Caption.labels``) as :func:`render_tags` draws tags,
+    each panel titled ``label: bear 0.99``; None for a caption without labels."""
+    caption = on_image(caption, image)
+    if not caption.labels:
+        return None
+    maps = np.stack([m.numpy() for _, _, m in caption.labels])  # (K, g, g)
+    return _render_named_maps(image, caption, "label", [(w, p) for w, p, _ in caption.labels], maps, cmap, alpha,
+                              panel_side, columns, style)
+
+
+def _render_named_maps(image: Image.Image, caption: Caption, kind: str, named: list[tuple[str, float]],
+                       maps: np.ndarray, cmap: str, alpha: float, panel_side: int, columns: int,
+                       style: str) -> Image.Image:
+    """The image titled with the caption, then one panel per ``(word, probability)`` of ``named`` titled
+    ``<kind>: word 0.91`` with its map (K, g, g) and figures, each on its own scale."""
+    titles = [(f"{kind}: {word} {prob:.2f}", stats_label(m)) for (word, prob), m in zip(named, maps)]
     return render_panels(image, maps, titles, caption.text, caption.box, cmap, alpha, style, panel_side=panel_side,
                          columns=columns)
 
@@ -374,7 +401,8 @@ def write_overlays(
     style: str = DEFAULT_STYLE,
 ) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image, and
-    for a caption with concepts (a model with concept detectors) the PNG of the photo's tags.
+    for a caption with concepts (a model with concept detectors) the PNG of the photo's tags, for a
+    caption with labels (``Caption.labels``) the PNG of its labels.
 
     Args:
         image: the ORIGINAL RGB image (not the encoder input).
@@ -391,7 +419,7 @@ def write_overlays(
 
     Returns:
         ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``<stem>_tags.png``, for a caption with
-        concepts) -> written paths.
+        concepts; ``"labels"``, ``<stem>_labels.png``, for a caption with labels) -> written paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
@@ -408,6 +436,9 @@ def write_overlays(
     tags = render_tags(image, record, cmap, alpha, style=style)
     if tags is not None:
         paths["tags"] = out / f"{stem}_tags.png"
+    labels = render_labels(image, record, cmap, alpha, style=style)
+    if labels is not None:
+        paths["labels"] = out / f"{stem}_labels.png"
     try:
         out.mkdir(parents=True, exist_ok=True)
         grid.save(paths["png"])
@@ -416,6 +447,8 @@ def write_overlays(
         write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
         if tags is not None:
             tags.save(paths["tags"])
+        if labels is not None:
+            labels.save(paths["labels"])
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
     log.debug("overlays for %r written to %s", record.text, out)

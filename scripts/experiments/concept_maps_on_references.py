@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = captioner.load(args.checkpoint, device="cpu")
         decoder = engine.model.decoder
-        if not getattr(decoder, "concepts", 0):
+        if not getattr(decoder.extension, "concepts", 0):
             raise CaptionerError(f"{args.checkpoint}: its decoder reads no concepts (train it with train.concepts)")
         cs = load_caption_set(args.data, args.split)
         instances = load_instances(args.data, args.split, None)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CaptionerError(f"{args.data} [{args.split}]: no instances file, so no boxes to score against")
         concept_of = {engine.vocab.itos[i]: k for k, i in enumerate(decoder.extension.concept_ids.tolist())}
         forced = reference_attention(engine, cs, progress=False)
-        prior = getattr(decoder, "concept_prior", False)
+        prior = getattr(decoder.extension, "concept_prior", False)
         if prior:
             with oracle_pointer(decoder, len(engine.vocab)):
                 foreseen = reference_attention(engine, cs, progress=False)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: no reference word is both a concept and a box's category")
                 continue
             print(f"{name}: {ratio_line(r)}")
-        if getattr(decoder, "concept_prior", False):
+        if getattr(decoder.extension, "concept_prior", False):
             print(pointer_report(engine, cs, load, concept_of))
     except CaptionerError as exc:
         print(f"concept_maps_on_references: error: {exc}", file=sys.stderr)

@@ -53,9 +53,9 @@ def noun_words(model) -> tuple[frozenset[str], str]:
     """The words that count as nouns, and where they come from (the model's concepts or the built-in list)."""
     from captioner.text import STOP_WORDS
 
-    decoder = model.model.decoder
-    if getattr(decoder, "concepts", 0) and getattr(decoder, "concept_ids", None) is not None:
-        words = {model.vocab.itos[int(i)] for i in decoder.extension.concept_ids.tolist()}
+    extension = model.model.decoder.extension
+    if getattr(extension, "concepts", 0) and getattr(extension, "concept_ids", None) is not None:
+        words = {model.vocab.itos[int(i)] for i in extension.concept_ids.tolist()}
         source = "concept words of the model"
     else:
         words, source = set(COMMON_NOUNS), "built-in list of common nouns"

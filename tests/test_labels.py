@@ -1,0 +1,183 @@
+"""The ImageNet lexicon (package data) and the encoder's ImageNet head read as a label detector."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import captioner
+from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, label_head,
+                                       read_lexicon)
+from captioner.config import EncoderConfig
+from captioner.data.images import ImageTransform, load_image
+from captioner.errors import ConfigError, DataError
+from captioner.evaluation.chair import CHAIR_SYNONYMS, named_objects
+from captioner.models.encoder import build_encoder
+from captioner.models.registry import resolve_encoder
+
+DOG_BREEDS = range(151, 269)  # Chihuahua .. Mexican hairless
+BEAR_PHOTO = "coco2014-val168/val2014/COCO_val2014_000000000285.jpg"  # a grizzly bear in the grass
+
+
+@pytest.fixture(scope="module")
+def lexicon() -> Lexicon:
+    return read_lexicon()
+
+
+# ----------------------------------------------------------------------------- the lexicon
+
+
+def test_the_lexicon_has_the_1000_classes_in_the_classifiers_order(lexicon):
+    assert len(lexicon.wnids) == len(lexicon.names) == len(lexicon.word_index) == IMAGENET_CLASSES
+    assert (lexicon.wnids[0], lexicon.names[0]) == ("n01440764", "tench")
+    assert (lexicon.wnids[-1], lexicon.names[-1]) == ("n15075141", "toilet tissue")
+    assert lexicon.wnids == tuple(sorted(lexicon.wnids))  # ImageNet-1k's outputs are in WordNet-id order
+    timm_data = pytest.importorskip("timm.data")
+    info = timm_data.ImageNetInfo()
+    assert lexicon.wnids == tuple(info.index_to_label_name(i) for i in range(IMAGENET_CLASSES))
+
+
+def test_known_classes_map_to_the_words_captions_use(lexicon):
+    assert {lexicon.word_of(i) for i in DOG_BREEDS} == {"dog"}
+    assert lexicon.classes_of("dog") == [*DOG_BREEDS, 273, 274, 275]  # + dingo, dhole, African hunting dog
+    assert [lexicon.word_of(i) for i in range(281, 286)] == ["cat"] * 5  # tabby .. Egyptian cat
+    known = {"wall clock": "clock", "analog clock": "clock", "digital clock": "clock", "broccoli": "broccoli",
+             "ram": "sheep", "cheeseburger": "burger", "racket": "racket", "laptop": "laptop",
+             "notebook": "laptop", "warplane": "airplane", "airliner": "airplane", "hotdog": "hot dog",
+             "teddy": "teddy bear", "American black bear": "bear", "Granny Smith": "apple", "tabby": "cat"}
+    for name, word in known.items():
+        assert lexicon.word_of(lexicon.names.index(name)) == word, name
+    # traps: the carpenter's plane is no airplane, the kite (21) is a bird, the crane (134) a bird too
+    assert lexicon.word_of(726) is None and lexicon.names[726] == "plane"
+    assert lexicon.word_of(21) == "bird" and lexicon.word_of(134) == "bird" and lexicon.word_of(517) == "crane"
+    assert lexicon.word_of(lexicon.names.index("abacus")) is None
+    assert sum(i >= 0 for i in lexicon.word_index) == 776
+
+
+def test_every_word_is_a_plain_lowercase_word(lexicon):
+    assert all(re.fullmatch(r"[a-z]+( [a-z]+)?", w) for w in lexicon.words)
+    assert len(lexicon.words) == len(set(lexicon.words)) == 382
+    assert lexicon.matrix().sum() == 776 and lexicon.matrix().sum(dim=1).max() == 1
+
+
+def test_the_lexicon_reaches_63_of_the_80_coco_categories(lexicon):
+    reached = {c for w in lexicon.words for c in named_objects(w)}
+    assert len(reached) == 63
+    # those without an ImageNet class
+    assert set(CHAIR_SYNONYMS) - reached == {
+        "baseball bat", "baseball glove", "cake", "carrot", "donut", "fire hydrant", "fork", "frisbee", "giraffe",
+        "kite", "scissors", "skateboard", "snowboard", "stop sign", "suitcase", "surfboard", "toothbrush"}
+
+
+def test_the_lexicon_is_package_data():
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["captioner"]
+    assert LEXICON_FILE.relative_to(LEXICON_FILE.parents[1]).as_posix() in {p.replace("*.tsv", LEXICON_FILE.name)
+                                                                           for p in patterns}
+
+
+def _write(path, rows, header="index\twnid\tname\tword"):
+    path.write_text("# a comment\n" + header + "\n" + "".join(r + "\n" for r in rows))
+    return path
+
+
+def _rows(n=IMAGENET_CLASSES):
+    return [f"{i}\tn{i:08d}\tclass {i}\t" for i in range(n)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda rows: rows[:999], r": 999 classes, expected 1000"),
+    (lambda rows: rows[:5] + rows[6:] + rows[5:6], r":8: index '6', expected 5 \(the classifier's order\)"),
+    (lambda rows: rows[:3] + ["3\tn00000003\tclass 3\tDog"] + rows[4:], r":6: word 'Dog' is not one or two plain"),
+    (lambda rows: rows[:3] + ["3\tn00000003\tclass 3\thot dog stand"] + rows[4:], r":6: word 'hot dog stand'"),
+    (lambda rows: rows[:3] + ["3\tx3\tclass 3\tdog"] + rows[4:], r":6: WordNet id 'x3'"),
+    (lambda rows: rows[:3] + ["3\tn00000003\tdog"] + rows[4:], r":6: 3 fields, expected 4"),
+])
+def test_a_bad_lexicon_is_one_line_naming_file_and_line(tmp_path, change, message):
+    path = _write(tmp_path / "lex.tsv", change(_rows()))
+    with pytest.raises(DataError, match=re.escape(str(path)) + message):
+        read_lexicon(path)
+
+
+def test_a_lexicon_without_its_header_or_missing_is_refused(tmp_path):
+    with pytest.raises(DataError, match="the first row must be the header 'index wnid name word'"):
+        read_lexicon(_write(tmp_path / "lex.tsv", _rows(), header="i\tw\tn\tword"))
+    with pytest.raises(DataError, match="nothing.tsv"):
+        read_lexicon(tmp_path / "nothing.tsv")
+    good = read_lexicon(_write(tmp_path / "ok.tsv", _rows()[:2] + ["2\tn00000002\tx\thot dog"] + _rows()[3:]))
+    assert good.words == ("hot dog",) and good.word_of(2) == "hot dog" and good.word_of(0) is None
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def _toy_head() -> ImageNetLabels:
+    """3 classes over D=3 features: class 0 and 1 are "dog", class 2 has no word."""
+    lexicon = Lexicon(("n1", "n2", "n3"), ("terrier", "poodle", "abacus"), ("dog",), (0, 0, -1))
+    return ImageNetLabels(torch.eye(3) * 4.0, torch.zeros(3), lexicon)
+
+
+def test_a_words_probability_is_the_sum_of_its_classes_and_its_map_peaks_where_they_are():
+    head = _toy_head()
+    features = torch.zeros(1, 4, 3)  # 4 regions, a 2x2 grid
+    features[0, 0, 0] = 1.0  # region 0 looks like class 0 (terrier)
+    features[0, 3, 1] = 1.0  # region 3 like class 1 (poodle)
+    features[0, 1, 2] = 1.0  # region 1 like class 2 (no word)
+    pooled = torch.softmax(features.mean(dim=1) @ (torch.eye(3) * 4.0).T, dim=-1)  # (1, 3)
+    probs, top, maps = head(features, k=1)
+    assert torch.allclose(probs, pooled[:, :2].sum(dim=1, keepdim=True))
+    assert top.tolist() == [[0]] and maps.shape == (1, 1, 4)
+    assert torch.allclose(maps.sum(dim=-1), torch.ones(1, 1))
+    # both dog classes equally probable: the map is theirs, mixed equally: a softmax of the mixed logits
+    logits = torch.tensor([2.0, 0.0, 0.0, 2.0])  # 0.5 * 4 where a dog class is, else 0
+    assert torch.allclose(maps[0, 0], torch.softmax(logits, dim=0))
+    [[(word, p, grid_map)]] = head.top(features, (2, 2), k=3)
+    assert word == "dog" and p == round(float(probs[0, 0]), 4) and grid_map.shape == (2, 2)
+
+
+def test_a_photo_the_same_everywhere_has_uniform_maps_and_min_prob_filters():
+    head = _toy_head()
+    [[(_, p, grid_map)]] = head.top(torch.zeros(1, 4, 3), (2, 2))
+    assert p == round(2 / 3, 4) and torch.allclose(grid_map, torch.full((2, 2), 0.25))
+    assert head.top(torch.zeros(2, 4, 3), (2, 2), min_prob=0.7) == [[], []]
+    with pytest.raises(ConfigError, match="k must be an integer >= 1, got 0"):
+        head.top(torch.zeros(1, 4, 3), (2, 2), k=0)
+    with pytest.raises(ConfigError, match=r"needs a \(3, D\) weight and a bias"):
+        ImageNetLabels(torch.eye(2), torch.zeros(2), head.lexicon)
+
+
+def test_label_head_reads_the_wheels_classifier_and_refuses_encoders_without_one():
+    head = label_head(EncoderConfig(name="efficientnet_lite0"))
+    assert head.weight.shape == (IMAGENET_CLASSES, 1280) and head.bias.shape == (IMAGENET_CLASSES,)
+    assert head.to_words.shape == (IMAGENET_CLASSES, len(head.words))
+    with pytest.raises(ConfigError, match="encoder 'tiny' has no shipped ImageNet classifier"):
+        label_head(EncoderConfig(name="tiny"))
+
+
+def test_the_imagenet_encoder_sees_the_bear(shared_data):
+    """Known answer: the wheel's trunk and head name the grizzly of a COCO photo (class order = lexicon order)."""
+    cfg = resolve_encoder(EncoderConfig(name="efficientnet_lite0", grid=7, resize="stretch"))  # the wheel's preprocessing
+    encoder = build_encoder(cfg).eval()
+    pixels = ImageTransform(cfg)(load_image(shared_data / BEAR_PHOTO)).unsqueeze(0)
+    with torch.no_grad():
+        features, grid = encoder(pixels)
+    [labels] = label_head(cfg).top(features, grid, k=3)
+    assert labels[0][0] == "bear" and labels[0][1] > 0.5
+
+
+def test_captioner_returns_labels_on_request(shared_data):
+    model = captioner.load("flickr8k", device="cpu")
+    photo = shared_data / BEAR_PHOTO
+    plain, labelled = model.caption(photo)[0], model.caption(photo, labels=3)[0]
+    assert plain.labels is None and labelled.text == plain.text
+    assert [w for w, _, _ in labelled.labels][0] == "bear" and len(labelled.labels) == 3
+    probs = [p for _, p, _ in labelled.labels]
+    assert probs == sorted(probs, reverse=True) and probs[0] > 0.5
+    for _, _, grid_map in labelled.labels:
+        assert grid_map.shape == (7, 7) and abs(float(grid_map.sum()) - 1) < 1e-4
+    with pytest.raises(ConfigError, match="labels must be an integer >= 0"):
+        model.caption(photo, labels=-1)
