@@ -24,7 +24,10 @@ Paths are checked when they are read (:func:`load_image`).
 
 The encoder's input: :class:`ImageTransform` (PIL RGB -> normalised tensor) and :func:`crop_box`, the
 one account of which part of the original image the encoder sees, which overlays use to map
-attention back onto the photo.
+attention back onto the photo. The regions' grid on that part (:func:`cell_weights`, :func:`cell_centre`,
+:class:`Box`, :func:`interval_overlap`) is the one placement that heat maps, attention metrics and box
+targets share, so a word's attention, its overlay and the box it is scored against agree cell for cell;
+:func:`attention_entropy` is the one entropy of an attention map.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 import torch
@@ -477,3 +480,72 @@ def denormalize(x: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
     mean = torch.tensor(cfg.mean, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
     std = torch.tensor(cfg.std, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
     return (x * std + mean).clamp(0.0, 1.0)  # (..., 3, S, S)
+
+
+class Box(NamedTuple):
+    """A box in original image pixels as ``(left, top, right, bottom)``: the part of an image an
+    encoder sees (``crop_box``), or an object box read from COCO's ``(x, y, w, h)`` by :meth:`from_xywh`."""
+
+    left: float
+    top: float
+    right: float
+    bottom: float
+
+    @classmethod
+    def from_xywh(cls, box: Sequence[float]) -> "Box":
+        """The box of a COCO ``(x, y, w, h)``."""
+        x, y, w, h = box
+        return cls(x, y, x + w, y + h)
+
+
+def interval_overlap(lo: Any, hi: Any, box_lo: float, box_hi: float) -> np.ndarray:
+    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet).
+
+    The one overlap of boxes and grid cells (or pixels), one axis at a time: the box targets divide it
+    by the cell's length, the attention-correctness canvas by the pixel's.
+    """
+    return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None)
+
+
+def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
+    """numpy copy or view of an array or (CPU/GPU, grad or not) tensor, without importing torch."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()  # type: ignore[union-attr]
+    return np.asarray(x, dtype=dtype)
+
+
+def attention_entropy(weights: Any, eps: float = 1e-12) -> Any:
+    """Entropy (nats) of attention distributions over the last axis: (..., N) -> (...).
+
+    The one definition, ``-sum_n w_n log(w_n + eps)``, for a torch tensor (the decoders' outputs,
+    training's validation) or a numpy array (the attention metrics), returned as the same kind.
+    """
+    if isinstance(weights, np.ndarray):
+        return -(weights * np.log(weights + eps)).sum(-1)
+    return -(weights * (weights + eps).log()).sum(-1)  # type: ignore[operator]
+
+
+def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) -> np.ndarray:
+    """(n, g) 0/1 matrix taking each of ``n`` pixels to the grid cell it falls in (nearest).
+
+    The grid's g cells split ``[start, stop)`` (original pixels) evenly; pixel i has its centre at
+    ``(i + 0.5) / scale`` in original pixels (``scale`` < 1 for a downscaled canvas). Pixels
+    outside the interval get an all-zero row.
+    """
+    centres = (np.arange(n) + 0.5) / scale  # pixel centres in original coordinates
+    pos = (centres - start) / max(stop - start, 1e-9) * g  # position in grid units, 0..g
+    inside = (pos >= 0) & (pos < g)
+    cells = np.clip(np.floor(pos).astype(int), 0, g - 1)
+    weights = np.zeros((n, g))
+    weights[np.arange(n)[inside], cells[inside]] = 1.0
+    return weights
+
+
+def cell_centre(flat_index: int, g: int, view: Sequence[float]) -> tuple[float, float]:
+    """Centre (x, y) of grid cell ``flat_index`` (row-major) of a g x g grid over ``view``.
+
+    ``view`` is ``(left, top, right, bottom)`` in original pixels (the encoder's crop box).
+    """
+    r, c = divmod(int(flat_index), g)
+    left, top, right, bottom = view
+    return left + (c + 0.5) * (right - left) / g, top + (r + 0.5) * (bottom - top) / g

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.config import TransformerConfig
+from captioner.data.images import attention_entropy
 from captioner.errors import ConfigError
-from captioner.grids import attention_entropy
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, TransformerExtension
 from captioner.models.registry import register_decoder
 

@@ -32,12 +32,12 @@ from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_
 from captioner.concepts.training import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
+from captioner.data.images import attention_entropy
 from captioner.decoding.search import DecodeOptions
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, ImageLoadError, one_line
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text, writable_folder
-from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary

@@ -26,9 +26,9 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from captioner.data.images import as_array
 from captioner.errors import ConfigError, DataError
 from captioner.files import safe_name
-from captioner.grids import as_array
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image, read_attention_json, write_attention_json
 from captioner.viz.explorer import write_explorer
