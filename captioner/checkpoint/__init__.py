@@ -1,1 +1,1 @@
-"""Saving and loading checkpoints: the safetensors format (``format``), atomic writes, the weights + config + vocabulary (``store``)."""
+"""Saving and loading checkpoints: the safetensors format and release files (``format``), atomic writes, the weights + config + vocabulary (``store``)."""
