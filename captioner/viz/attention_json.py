@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from captioner.data.images import as_array
-from captioner.errors import DataError
+from captioner.errors import DataError, one_line
 from captioner.files import MiB, read_json
 from captioner.inference import Caption
 
