@@ -70,21 +70,13 @@ RANK_SEED_STRIDE = 1_000_003
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the job.
+    """Where this process sits in the job."""
 
-    Attributes:
-        rank: global rank (0 writes files, logs and progress bars).
-        world_size: number of processes (1 without torchrun).
-        local_rank: rank on this machine (picks the GPU).
-        device: the torch device this rank trains on.
-        initialized: True when this call joined a process group (and must leave it).
-    """
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    initialized: bool = False
+    rank: int  # global rank (0 writes files, logs and progress bars)
+    world_size: int  # number of processes (1 without torchrun)
+    local_rank: int  # rank on this machine (picks the GPU)
+    device: torch.device  # the torch device this rank trains on
+    initialized: bool = False  # True when this call joined a process group (and must leave it)
 
     @property
     def is_main(self) -> bool:

@@ -127,28 +127,25 @@ class DecodeOptions:
     """How to search.
 
     Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every
-            caller shares: ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo
-            and (through the config's ``decoding`` section) training's validation.
-        max_len: most words in a caption (``<eos>`` not counted).
-        length_penalty: alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum.
-        n_best: hypotheses returned per image, best first (at most ``beam_size``).
-        allow_unk: let captions contain ``<unk>``; by default
-            it is banned like ``<pad>`` and ``<bos>`` (a caption saying "unknown" is never the
-            better answer, and COCO's min_freq 5 makes ``<unk>`` one of the most frequent targets).
-        no_repeat_ngram: n > 1: never write an n-gram a caption already holds (3: "a blue shirt and a
-            blue shirt" stops before the second "shirt"); 0 = off.
-        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in
-            one caption ("a baby baby in a bib").
-        precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as
-            fast a search on a CPU with native bfloat16; a near tie can fall the other way, so a few
-            captions differ: :mod:`captioner.decoding.search`).
+        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every caller shares:
+            ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo and (through the
+            config's ``decoding`` section) training's validation.
+        allow_unk: let captions contain ``<unk>``; by default it is banned like ``<pad>`` and ``<bos>`` (a
+            caption saying "unknown" is never the better answer, and COCO's min_freq 5 makes ``<unk>`` one of
+            the most frequent targets).
+        no_repeat_ngram: n > 1: never write an n-gram a caption already holds (3: "a blue shirt and a blue
+            shirt" stops before the second "shirt"); 0 = off.
+        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in one caption
+            ("a baby baby in a bib").
+        precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as fast a
+            search on a CPU with native bfloat16; a near tie can fall the other way, so a few captions differ:
+            :mod:`captioner.decoding.search`).
     """
 
     beam_size: int = 3
-    max_len: int = 20
-    length_penalty: float = 0.0
-    n_best: int = 1
+    max_len: int = 20  # most words in a caption (``<eos>`` not counted)
+    length_penalty: float = 0.0  # alpha of the GNMT penalty ``((5 + L) / 6) ** alpha``; 0 = raw log-prob sum
+    n_best: int = 1  # hypotheses returned per image, best first (at most ``beam_size``)
     allow_unk: bool = False
     no_repeat_ngram: int = 0
     no_repeat_words: bool = False

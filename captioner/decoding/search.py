@@ -47,19 +47,15 @@ class Hypothesis:
     """One decoded caption.
 
     Attributes:
-        tokens: emitted word ids, without ``<bos>``/``<eos>``.
-        score: ``log_prob`` normalised by the length penalty (the ranking key).
-        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at
-            the step that emitted that word, for this beam.
-        log_prob: raw sum of log-probabilities (including ``<eos>`` when finished).
-        finished: False when ``<eos>`` never came within ``max_len`` words.
+        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at the step
+            that emitted that word, for this beam.
     """
 
-    tokens: list[int]
-    score: float
+    tokens: list[int]  # emitted word ids, without ``<bos>``/``<eos>``
+    score: float  # ``log_prob`` normalised by the length penalty (the ranking key)
     attention: torch.Tensor
-    log_prob: float = 0.0
-    finished: bool = True
+    log_prob: float = 0.0  # raw sum of log-probabilities (including ``<eos>`` when finished)
+    finished: bool = True  # False when ``<eos>`` never came within ``max_len`` words
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -519,17 +515,11 @@ def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -
 
 @dataclass
 class SampledCaptions:
-    """What :func:`sample_captions` returns (row r is sample ``r % K`` of image ``r // K``).
+    """What :func:`sample_captions` returns (row r is sample ``r % K`` of image ``r // K``)."""
 
-    Attributes:
-        tokens: (R, L) sampled ids: words, then ``<eos>`` when the caption finished, then ``pad_id``.
-        lengths: (R,) number of words (``<eos>`` not counted).
-        finished: (R,) whether ``<eos>`` was sampled.
-    """
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    finished: torch.Tensor
+    tokens: torch.Tensor  # (R, L) sampled ids: words, then ``<eos>`` when the caption finished, then ``pad_id``
+    lengths: torch.Tensor  # (R,) number of words (``<eos>`` not counted)
+    finished: torch.Tensor  # (R,) whether ``<eos>`` was sampled
 
     def words(self) -> list[list[int]]:
         """Per row, the word ids without ``<eos>`` and padding (one host sync)."""

@@ -89,47 +89,34 @@ class DemoOptions:
     """What the demo does.
 
     Attributes:
-        data: synthetic-scenes folder (generated when it holds no scenes).
-        images: scenes to generate.
-        seed: seed of the scenes and of training.
         budgets: decoder -> training seconds (``train.time_budget``); see ``DEFAULT_BUDGETS``.
-        encoder_budget: seconds of word-detector pretraining of the shared CNN.
-        decoders: which of ``DEMO_DECODERS`` to train, in order.
-        out: output folder (runs, report).
-        overlays: test images written with overlays and explorers per decoder.
-        beam_size: beam size of the test captions; None: ``DecodeOptions()``'s (3).
-        device: ``"cpu"``, ``"cuda"``, ``"auto"``.
-        image_size: side of generated scenes in pixels (the encoder sees its own ``image_size``).
         presets: decoder -> preset name (default ``<decoder>_demo``).
         overrides: dotted config overrides applied to every decoder (e.g. ``{"train.epochs": 1}``).
-        jobs: decoders trained at the same time, each in its own process (None: ``default_jobs``).
-        progress: show tqdm bars (runs in this process; worker processes log a progress line instead).
-        scst: add a self-critical stage after each decoder's cross-entropy budget (``<decoder>+scst`` rows).
-        scst_budgets: decoder -> seconds of that stage (default ``SCST_BUDGET_SHARE`` of ``budgets``).
+        scst_budgets: decoder -> seconds of the self-critical stage (default ``SCST_BUDGET_SHARE`` of ``budgets``).
         attention_supervision: supervise each decoder's attention with the object boxes
             (``train.attention_supervision`` = ``ATTENTION_SUPERVISION[decoder]``); False trains without.
-        unseen_pairs: generate a compositional split (``make_shapes(unseen_pairs=K)``): K colour-shape
-            pairs only in test; the table then has objects right for seen and unseen pairs apart.
-        encoder_boxes: pretrain the CNN's word detectors on the object boxes too, and on recoloured
-            images (``ENCODER_RECOLOUR``); False: multiple-instance learning from the captions alone.
+        unseen_pairs: generate a compositional split (``make_shapes(unseen_pairs=K)``): K colour-shape pairs
+            only in test; the table then has objects right for seen and unseen pairs apart.
+        encoder_boxes: pretrain the CNN's word detectors on the object boxes too, and on recoloured images
+            (``ENCODER_RECOLOUR``); False: multiple-instance learning from the captions alone.
     """
 
-    data: Path = Path("data/shapes")
-    images: int = 3000
-    seed: int = 0
+    data: Path = Path("data/shapes")  # synthetic-scenes folder (generated when it holds no scenes)
+    images: int = 3000  # scenes to generate
+    seed: int = 0  # seed of the scenes and of training
     budgets: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS))
-    encoder_budget: float = DEFAULT_ENCODER_BUDGET
-    decoders: tuple[str, ...] = DEMO_DECODERS
-    out: Path = Path("runs/demo")
-    overlays: int = 4
-    beam_size: int | None = None
-    device: str = "cpu"
-    image_size: int = 128
+    encoder_budget: float = DEFAULT_ENCODER_BUDGET  # seconds of word-detector pretraining of the shared CNN
+    decoders: tuple[str, ...] = DEMO_DECODERS  # which of ``DEMO_DECODERS`` to train, in order
+    out: Path = Path("runs/demo")  # output folder (runs, report)
+    overlays: int = 4  # test images written with overlays and explorers per decoder
+    beam_size: int | None = None  # beam size of the test captions; None: ``DecodeOptions()``'s (3)
+    device: str = "cpu"  # ``"cpu"``, ``"cuda"``, ``"auto"``
+    image_size: int = 128  # side of generated scenes in pixels (the encoder sees its own ``image_size``)
     presets: dict[str, str] = field(default_factory=lambda: dict(DEMO_PRESETS))
     overrides: dict[str, Any] = field(default_factory=dict)
-    jobs: int | None = None
-    progress: bool = True
-    scst: bool = False
+    jobs: int | None = None  # decoders trained at the same time, each in its own process (None: ``default_jobs``)
+    progress: bool = True  # show tqdm bars (runs in this process; worker processes log a progress line instead)
+    scst: bool = False  # add a self-critical stage after each decoder's cross-entropy budget (``<decoder>+scst`` rows)
     scst_budgets: dict[str, float] = field(default_factory=dict)
     attention_supervision: bool = True
     unseen_pairs: int = 0

@@ -35,19 +35,12 @@ StateDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Download:
-    """Pretrained weights fetched when the encoder is built (after its network, which they then fill).
+    """Pretrained weights fetched when the encoder is built (after its network, which they then fill)."""
 
-    Attributes:
-        label: names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``).
-        fetch: downloads them: the trunk's state dict.
-        url: where they come from ("" when unknown).
-        cached: the file they are kept in once downloaded (None when unknown).
-    """
-
-    label: str
-    fetch: Callable[[], StateDict]
-    url: str = ""
-    cached: Path | None = None
+    label: str  # names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``)
+    fetch: Callable[[], StateDict]  # downloads them: the trunk's state dict
+    url: str = ""  # where they come from ("" when unknown)
+    cached: Path | None = None  # the file they are kept in once downloaded (None when unknown)
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -56,19 +49,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """The pixels a trunk's weights were trained on: what :class:`captioner.data.images.ImageTransform` makes.
+    """The pixels a trunk's weights were trained on: what :class:`captioner.data.images.ImageTransform` makes."""
 
-    Attributes:
-        mean: per-channel mean of [0, 1] pixels, subtracted.
-        std: per-channel standard deviation, divided by.
-        image_size: the side of the square input.
-        interpolation: the resampling filter of the resize, ``"bilinear"`` or ``"bicubic"``.
-    """
-
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    image_size: int = 224
-    interpolation: str = "bilinear"
+    mean: tuple[float, float, float] = IMAGENET_MEAN  # per-channel mean of [0, 1] pixels, subtracted
+    std: tuple[float, float, float] = IMAGENET_STD  # per-channel standard deviation, divided by
+    image_size: int = 224  # the side of the square input
+    interpolation: str = "bilinear"  # the resampling filter of the resize, ``"bilinear"`` or ``"bicubic"``
 
 
 IMAGENET = Preprocessing()  # torchvision's ImageNet weights (and the random tiny CNN, which has none)
@@ -79,29 +65,25 @@ class EncoderEntry:
     """Everything about one encoder trunk.
 
     Attributes:
-        name: ``encoder.name``.
-        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names,
-            bottom first), randomly initialised.
-        stride: the trunk's total downsampling: its map is ``ceil(S / stride)`` cells a side.
-        feature_dim: cfg -> D, the trunk's output channels.
-        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns)
-            -> the trunk's state dict.
-        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a
-            file: a local file, a :class:`Download`, or None (random initialisation). Called before
-            any network is built, so a bad setting fails at once.
-        dilatable: whether the trunk can run its last stage dilated at half the stride
-            (``encoder.dilate``: a map twice as fine from the same weights).
-        preprocessing: the pixels its pretrained weights expect (:class:`Preprocessing`).
+        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names, bottom first),
+            randomly initialised.
+        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns) -> the
+            trunk's state dict.
+        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a file: a
+            local file, a :class:`Download`, or None (random initialisation). Called before any network is
+            built, so a bad setting fails at once.
+        dilatable: whether the trunk can run its last stage dilated at half the stride (``encoder.dilate``: a
+            map twice as fine from the same weights).
     """
 
-    name: str
+    name: str  # ``encoder.name``
     trunk: Callable[[EncoderConfig], tuple[nn.Module, list[list[str]]]]
-    stride: int
-    feature_dim: Callable[[EncoderConfig], int]
+    stride: int  # the trunk's total downsampling: its map is ``ceil(S / stride)`` cells a side
+    feature_dim: Callable[[EncoderConfig], int]  # cfg -> D, the trunk's output channels
     read_file: Callable[[Path], StateDict]
     pretrained: Callable[[EncoderConfig], Path | Download | None]
     dilatable: bool = False
-    preprocessing: Preprocessing = IMAGENET
+    preprocessing: Preprocessing = IMAGENET  # the pixels its pretrained weights expect (:class:`Preprocessing`)
 
 
 _ENCODERS: dict[str, EncoderEntry] = {}

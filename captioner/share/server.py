@@ -71,34 +71,20 @@ CARD_CSS = ("body { font: 15px/1.5 system-ui, sans-serif; margin: 1em auto; max-
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """What one upload may ask for.
+    """What one upload may ask for."""
 
-    Attributes:
-        max_bytes: largest upload accepted.
-        max_pixels: largest image accepted (from its header, before decoding: decompression bombs).
-        max_beam: largest beam size (the n-best list is at most the beam).
-        max_len: longest caption in words.
-        display_side: largest side of the picture in the explorer.
-        host: the address served (the Host and Origin checks of :mod:`captioner.share.guards`).
-        head_seconds: the deadline for a whole request line and headers.
-        body_seconds: the deadline for a whole request body.
-        max_connections: connections at once; per_client: from one client address.
-        decode_bytes: the budget of decoded images held at once (None: from the memory available).
-        queue_seconds: how long an upload may wait for the budget before a 503.
-    """
-
-    max_bytes: int = 20 * MiB
-    max_pixels: int = 40_000_000
-    max_beam: int = 5
-    max_len: int = 20
-    display_side: int = 720
-    host: str = "127.0.0.1"
-    head_seconds: float = DEFAULT_HEAD
-    body_seconds: float = DEFAULT_BODY
-    max_connections: int = MAX_CONNECTIONS
+    max_bytes: int = 20 * MiB  # largest upload accepted
+    max_pixels: int = 40_000_000  # largest image accepted (from its header, before decoding: decompression bombs)
+    max_beam: int = 5  # largest beam size (the n-best list is at most the beam)
+    max_len: int = 20  # longest caption in words
+    display_side: int = 720  # largest side of the picture in the explorer
+    host: str = "127.0.0.1"  # the address served (the Host and Origin checks of :mod:`captioner.share.guards`)
+    head_seconds: float = DEFAULT_HEAD  # the deadline for a whole request line and headers
+    body_seconds: float = DEFAULT_BODY  # the deadline for a whole request body
+    max_connections: int = MAX_CONNECTIONS  # connections at once; per_client: from one client address
     per_client: int = PER_CLIENT
-    decode_bytes: int | None = None
-    queue_seconds: float = QUEUE_SECONDS
+    decode_bytes: int | None = None  # the budget of decoded images held at once (None: from the memory available)
+    queue_seconds: float = QUEUE_SECONDS  # how long an upload may wait for the budget before a 503
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side", "head_seconds",

@@ -35,17 +35,11 @@ _EPS = 1e-6  # floor of the in-box mass (a box outside the grid's view has cover
 
 @dataclass
 class GroundingTerm:
-    """What :func:`grounding_loss` returns.
+    """What :func:`grounding_loss` returns."""
 
-    Attributes:
-        loss: the unweighted term, mean over supervised words (0 when none; keeps the graph).
-        words: supervised words in the batch (0-d tensor).
-        in_box: mean attention mass inside the box over the supervised words (detached).
-    """
-
-    loss: torch.Tensor
-    words: torch.Tensor
-    in_box: torch.Tensor
+    loss: torch.Tensor  # the unweighted term, mean over supervised words (0 when none; keeps the graph)
+    words: torch.Tensor  # supervised words in the batch (0-d tensor)
+    in_box: torch.Tensor  # mean attention mass inside the box over the supervised words (detached)
 
 
 def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "cross_entropy") -> GroundingTerm:

@@ -192,22 +192,14 @@ MIN_INFERENCE_BATCH = 32
 
 @dataclass
 class TrainData:
-    """Everything the loop reads from disk.
-
-    Attributes:
-        train_set, val_set: caption sets (``val_set`` capped at ``train.val_max_images``).
-        vocab: the vocabulary (from the training captions, or from the run folder on resume).
-        train_dataset: one item per training caption -> (x, tokens, image_index).
-        val_dataset: one item per validation image -> (x, image_index).
-        on_features: True when ``x`` is cached region features, False for pixels.
-    """
+    """Everything the loop reads from disk."""
 
     train_set: Any
     val_set: Any
-    vocab: Vocabulary
-    train_dataset: Dataset
-    val_dataset: Dataset
-    on_features: bool
+    vocab: Vocabulary  # the vocabulary (from the training captions, or from the run folder on resume)
+    train_dataset: Dataset  # one item per training caption -> (x, tokens, image_index)
+    val_dataset: Dataset  # one item per validation image -> (x, image_index)
+    on_features: bool  # True when ``x`` is cached region features, False for pixels
     train_store: Any = None  # MemoryStore of the training images' inputs (``data.in_memory_mb``), or None
     val_store: Any = None  # the same for validation
 

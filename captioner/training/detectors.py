@@ -49,22 +49,14 @@ SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r
 
 @dataclass
 class PretrainResult:
-    """What ``pretrain_word_detectors`` returns.
+    """What ``pretrain_word_detectors`` returns."""
 
-    Attributes:
-        weights: the trunk's weights file (for ``encoder.weights``).
-        steps: optimizer steps taken.
-        first_loss, last_loss: mean BCE of the first and the last 20 steps.
-        seconds: wall time of the training loop.
-        grounded_images: training images whose words were also trained region by region (``boxes``).
-    """
-
-    weights: Path
-    steps: int
+    weights: Path  # the trunk's weights file (for ``encoder.weights``)
+    steps: int  # optimizer steps taken
     first_loss: float
     last_loss: float
-    seconds: float
-    grounded_images: int = 0
+    seconds: float  # wall time of the training loop
+    grounded_images: int = 0  # training images whose words were also trained region by region (``boxes``)
 
 
 def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001

@@ -279,21 +279,13 @@ INIT_FREE = frozenset({
 
 @dataclass
 class InitWeights:
-    """What a run takes from its ``--init`` checkpoint.
+    """What a run takes from its ``--init`` checkpoint."""
 
-    Attributes:
-        path: the checkpoint file.
-        state: its model ``state_dict`` (CPU tensors).
-        vocab: its vocabulary (the run must use it).
-        config: its model config.
-        metadata: its training metadata (epoch, step, validation scores, ...).
-    """
-
-    path: Path
-    state: dict[str, torch.Tensor]
-    vocab: Vocabulary
-    config: ModelConfig
-    metadata: dict[str, Any]
+    path: Path  # the checkpoint file
+    state: dict[str, torch.Tensor]  # its model ``state_dict`` (CPU tensors)
+    vocab: Vocabulary  # its vocabulary (the run must use it)
+    config: ModelConfig  # its model config
+    metadata: dict[str, Any]  # its training metadata (epoch, step, validation scores, ...)
 
 
 def _show(value: Any) -> str:
@@ -571,24 +563,17 @@ class TrainResult:
     """What ``train`` returns.
 
     Attributes:
-        best_checkpoint: ``best.safetensors`` (highest validation ``select_metric``).
-        latest_checkpoint: ``latest.safetensors`` (weights after the last trained batch).
-        best_bleu4: validation BLEU-4 of the best checkpoint, 0-1 scale.
         history: one dict per validation (epoch rows of ``metrics.csv``).
-        seconds: wall time of this call.
-        select_metric: the metric the best checkpoint was selected on ("CIDEr-D" or "BLEU-4").
-        best_score: its value for the best checkpoint.
-        best_epoch: 1-based epoch of the best checkpoint.
     """
 
-    best_checkpoint: Path
-    latest_checkpoint: Path
-    best_bleu4: float
+    best_checkpoint: Path  # ``best.safetensors`` (highest validation ``select_metric``)
+    latest_checkpoint: Path  # ``latest.safetensors`` (weights after the last trained batch)
+    best_bleu4: float  # validation BLEU-4 of the best checkpoint, 0-1 scale
     history: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-    select_metric: str = "CIDEr-D"
-    best_score: float = 0.0
-    best_epoch: int = 0
+    seconds: float = 0.0  # wall time of this call
+    select_metric: str = "CIDEr-D"  # the metric the best checkpoint was selected on ("CIDEr-D" or "BLEU-4")
+    best_score: float = 0.0  # its value for the best checkpoint
+    best_epoch: int = 0  # 1-based epoch of the best checkpoint
 
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
