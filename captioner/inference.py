@@ -36,8 +36,8 @@ from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
 from captioner.concepts.labels import ImageNetLabels, label_head
 from captioner.checkpoint.store import load_checkpoint
 from captioner.concepts.model import photo_tags
-from captioner.data.images import ImageSource, image_sources, load_for_encoder, pil_image, token_ids
-from captioner.data.transforms import ImageTransform, crop_box
+from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
+                                   token_ids)
 from captioner.decoding.search import DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError

@@ -54,7 +54,7 @@ echo "recipe: ${SECONDS}s" | tee -a "$OUT/recipe.log"
 python3 - "$ROOT" "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import csv, sys
 from pathlib import Path
-from captioner.checkpoint.release import pack_release
+from captioner.checkpoint.store import pack_release
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 rows = {}
 for run in sorted(p for p in root.iterdir() if p.is_dir() and (p / "metrics.csv").exists()):

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from captioner.commands.caption import default_model
     from captioner.commands.serve import model_card_of, model_name
     from captioner.pretrained import PHOTOS
-    from captioner.share.examples import default_examples
+    from captioner.share.server import default_examples
     from captioner.share.server import ServedModel, create_app, running
 
     served, used = [], set()

@@ -133,7 +133,7 @@ log "release"
 python - "$ROOT" <<'EOF'
 import csv, json, sys
 from pathlib import Path
-from captioner.checkpoint.release import pack_release
+from captioner.checkpoint.store import pack_release
 root = Path(sys.argv[1])
 def cider(run):
     rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r.get("CIDEr-D")]

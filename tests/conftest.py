@@ -85,7 +85,7 @@ class UntrainedCheckpoints:
         else (max weight 0.3-0.7)."""
         import captioner
         from captioner.checkpoint.store import save_checkpoint
-        from captioner.models.attention import AdditiveAttention
+        from captioner.models.lstm import AdditiveAttention
 
         model = captioner.load(path, device="cpu")
         with torch.no_grad():

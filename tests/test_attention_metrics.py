@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.evaluation.attention_metrics import (attention_correctness, attention_correctness_for_results,
-                                                    attention_entropy_summary, attention_mass, caption_object_accuracy,
-                                                    summarize, WordScore, WordScores)
 from captioner.config import EncoderConfig
 from captioner.data.coco import ObjectBox
 from captioner.errors import DataError
-from captioner.evaluation.attention_metrics import find_mentions
+from captioner.evaluation.attention_metrics import (WordScore, WordScores, attention_correctness,
+                                                    attention_correctness_for_results, attention_entropy_summary,
+                                                    attention_mass, caption_object_accuracy, find_mentions, summarize)
 from captioner.text import tokenize
 
 SQUARE = (64, 64)
@@ -58,7 +57,7 @@ def test_large_images_are_rasterised_downscaled_with_the_same_shares() -> None:
 
 
 def test_center_crop_geometry_maps_cells_inside_the_crop() -> None:
-    from captioner.data.transforms import crop_box
+    from captioner.data.images import crop_box
 
     w, h = 100, 50
     view = crop_box(w, h, EncoderConfig(name="tiny", resize="center_crop"))

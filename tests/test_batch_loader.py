@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader, Dataset
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionBatchDataset, CaptionTrainDataset
+from captioner.device import DistInfo
 from captioner.errors import ImageLoadError
 from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.text import Vocabulary
 from captioner.training.data import Remap, train_loader
-from captioner.training.distributed import DistInfo
 
 COUNT, N, D = 14, 4, 8
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

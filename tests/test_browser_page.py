@@ -58,7 +58,7 @@ def _shipped_page(driver, shipped):
 
     from captioner.commands.serve import model_card_of
     from captioner.pretrained import PHOTOS
-    from captioner.share.examples import default_examples
+    from captioner.share.server import default_examples
     from captioner.share.server import ServedModel, create_app, running
 
     @contextlib.contextmanager

@@ -93,7 +93,7 @@ def _serve_page(driver, models: list, examples: int = 0):
     """Serve ``models`` ((name, Captioner) pairs) and open the page; a context manager yielding the base URL."""
     import contextlib
 
-    from captioner.share.examples import example_scenes
+    from captioner.share.server import example_scenes
     from captioner.share.server import ServedModel, create_app, running
 
     @contextlib.contextmanager

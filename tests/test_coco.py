@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import CaptionSet, load_caption_set, load_instances
 from captioner.errors import DataError
 

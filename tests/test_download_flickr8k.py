@@ -12,9 +12,9 @@ from range_server import RangeHandler, serve
 from PIL import Image
 
 from captioner.cli import main as captioner_main
-from captioner.data.checks import check_images
-from captioner.data.coco import load_caption_set
 from captioner.data.archives import flickr8k as df
+from captioner.data.caption_set import check_images
+from captioner.data.coco import load_caption_set
 from captioner.errors import DataError
 
 

@@ -20,12 +20,12 @@ import torch
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import CaptionEvalDataset, CaptionTrainDataset
+from captioner.device import DistInfo
 from captioner.features.cache import FeatureCache, cache_header, write_cache_file
 from captioner.features.dtype import model_input
 from captioner.text import Vocabulary
 from captioner.training import loop as validation
 from captioner.training.data import features_in_memory, train_loader, val_loader
-from captioner.training.distributed import DistInfo
 from captioner.training.step import on_device
 
 COUNT, N, D = 12, 4, 8

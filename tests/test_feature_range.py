@@ -22,12 +22,12 @@ from PIL import Image
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
-from captioner.models.registry import resolve_encoder
+from captioner.data.images import ImageTransform
 from captioner.errors import CaptionerError, DataError
 from captioner.features.cache import MAGIC, FeatureCache, get_feature_cache
 from captioner.features.dtype import FLOAT16_MAX
 from captioner.models.encoder import build_encoder
+from captioner.models.registry import resolve_encoder
 from captioner.training.run import first_loss_cause
 
 COUNT = 10

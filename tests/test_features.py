@@ -19,11 +19,11 @@ from PIL import Image
 from captioner.config import get_preset
 from captioner.data.coco import CaptionSet, ImageRecord
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
-from captioner.models.registry import resolve_encoder
+from captioner.data.images import ImageTransform
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
 from captioner.models.encoder import build_encoder
+from captioner.models.registry import resolve_encoder
 
 COUNT = 10
 
@@ -260,7 +260,7 @@ def test_first_epoch_losses_equal_on_cached_and_image_paths(tiny_shapes: Path, t
     """
     from captioner.models.model import build_model
     from captioner.training.data import load_caption_sets, load_or_build_vocab, prepare_data, train_loader
-    from captioner.training.distributed import DistInfo
+    from captioner.device import DistInfo
     from captioner.training.objective import CaptionLoss
     from captioner.training.run import TrainForward
 

@@ -13,7 +13,7 @@ import torch
 
 from captioner.config import Config, EncoderConfig, get_preset
 from captioner.data.coco import ObjectBox, load_caption_set, load_instances
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError
 from captioner.evaluation.attention_metrics import attention_mass, bind_mentions, box_coverage, find_mentions
 from captioner.text import Vocabulary, tokenize

@@ -13,8 +13,7 @@ import captioner
 from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, label_head,
                                        read_lexicon)
 from captioner.config import EncoderConfig
-from captioner.data.images import load_image
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform, load_image
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.chair import CHAIR_SYNONYMS, named_objects
 from captioner.models.encoder import build_encoder

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import CaptionTrainDataset, collate_captions, image_loader
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
+from captioner.device import DistInfo
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
 from captioner.training.data import MemoryStore, padded_tokens, pixels_in_memory, train_loader, val_loader
-from captioner.training.distributed import DistInfo
 from captioner.training.loop import train
 from captioner.training.objective import LossResult, term_shares
 from captioner.training.run import DeviceStats

@@ -1,4 +1,4 @@
-"""Decoding in bfloat16 (captioner.decoding.precision): the fused SAT steps compute the decoder's own
+"""Decoding in bfloat16 (captioner.decoding.search): the fused SAT steps compute the decoder's own
 step, bfloat16 search returns well-formed captions close to float32's, and the low-precision decoder
 follows the weights."""
 
@@ -9,8 +9,7 @@ import torch
 
 from captioner.concepts.model import SATConcepts
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.precision import decoder_for
-from captioner.decoding.search import decode
+from captioner.decoding.search import decode, decoder_for
 from captioner.errors import ConfigError
 from captioner.models.base import State
 from captioner.models.lstm import FusedSATSteps, SATDecoder

@@ -15,7 +15,7 @@ from PIL import Image
 
 import captioner
 import captioner.pretrained as pretrained
-from captioner.checkpoint.release import pack_release
+from captioner.checkpoint.store import pack_release
 from captioner.files import file_sha256
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
@@ -143,7 +143,7 @@ def test_release_file_is_half_and_references_the_wheel(tmp_path):
         elif value.is_floating_point():
             assert ours[key].dtype == value.dtype
             torch.testing.assert_close(ours[key], value.half().float(), rtol=0, atol=0)
-    from captioner.checkpoint.format import read_file
+    from captioner.checkpoint.store import read_file
     head, _ = read_file(tmp_path / "release.safetensors", want_tensors=False)
     refs = json.loads(head["by_reference"])
     assert list(refs) == ["encoder.trunk."] and refs["encoder.trunk."]["source"] == "efficientnet_lite0"
@@ -172,7 +172,7 @@ def test_release_file_stores_a_fine_tuned_top_stage(tmp_path):
 
 
 def test_release_file_refuses_another_wheel(tmp_path, monkeypatch):
-    import captioner.checkpoint.release as release
+    import captioner.checkpoint.store as release
     from captioner.config import get_preset
     from captioner.models.model import build_model
     from captioner.text import Vocabulary

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from captioner.config import EncoderConfig
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.images import load_image
-from captioner.data.transforms import ImageTransform, crop_box
-from captioner.models.registry import resolve_encoder
+from captioner.data.images import ImageTransform, crop_box, load_image
 from captioner.errors import DataError
+from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.config import DECODER_FAMILIES, Config, DecoderConfig, EncoderConfig, SATConfig, get_preset
-from captioner.data.transforms import ImageTransform
+from captioner.config import Config, DecoderConfig, EncoderConfig, SATConfig, TransformerConfig, get_preset
+from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError
 from captioner.models import registry
 from captioner.models.encoder import LITE_STAGES, build_encoder, tiny_trunk, trunk_map_size
-from captioner.models.lstm import build_sat_decoder
+from captioner.models.lstm import SATDecoder
 from captioner.models.model import build_model
 from captioner.models.transformer import TransformerCaptionDecoder, sinusoidal_positions
 
@@ -34,7 +34,8 @@ def test_the_registry_holds_each_encoder_once_with_its_weights_preprocessing() -
     for name in ("tiny", "resnet50", "resnet101"):
         assert registry._ENCODERS[name].preprocessing == registry.Preprocessing(
             (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224, "bilinear")
-    assert {name: e.config for name, e in registry._DECODERS.items()} == DECODER_FAMILIES
+    assert {name: e.config for name, e in registry._DECODERS.items()} == {"sat": SATConfig,
+                                                                         "transformer": TransformerConfig}
     with pytest.raises(ConfigError, match=r"encoder.name='vgg' is not a known encoder; registered: "):
         trunk_map_size("vgg", 224)
 
@@ -66,12 +67,10 @@ def test_an_unknown_encoder_parses_and_is_refused_when_built() -> None:
 
 @pytest.fixture
 def clean_registries():
-    encoders, families, decoders = dict(registry._ENCODERS), dict(DECODER_FAMILIES), dict(registry._DECODERS)
+    encoders, decoders = dict(registry._ENCODERS), dict(registry._DECODERS)
     yield
     registry._ENCODERS.clear()
     registry._ENCODERS.update(encoders)
-    DECODER_FAMILIES.clear()
-    DECODER_FAMILIES.update(families)
     registry._DECODERS.clear()
     registry._DECODERS.update(decoders)
 
@@ -96,21 +95,23 @@ class SATTwinConfig(SATConfig):
     name: str = "sat_twin"
 
 
-def test_a_decoder_registers_its_config_class_and_builder_once(clean_registries) -> None:
-    with pytest.raises(ConfigError, match="decoder.name='sat_twin' is not one of sat, transformer"):
-        DecoderConfig(name="sat_twin")
-    registry.register_decoder(SATTwinConfig)(build_sat_decoder)
+def test_a_decoder_family_parses_by_its_class_and_builds_once_registered(clean_registries) -> None:
+    with pytest.raises(ConfigError, match="decoder.name='sat_trio' is not one of sat, transformer, sat_twin"):
+        DecoderConfig(name="sat_trio")
     cfg = get_preset("sat_soft_tiny").to_dict()
     cfg["model"]["decoder"]["name"] = "sat_twin"
-    parsed = Config.from_dict(cfg)
-    assert type(parsed.model.decoder) is SATTwinConfig
+    parsed = Config.from_dict(cfg)  # the config layer knows the family by its class, and keeps no list of names
+    assert type(parsed.model.decoder) is SATTwinConfig and type(DecoderConfig(name="sat_twin")) is SATTwinConfig
+    with pytest.raises(ConfigError, match="^decoder.name='sat_twin' is not registered; available: sat, transformer$"):
+        build_model(parsed.model, 10)  # the name is checked when the model is built
+    registry.register_decoder(SATTwinConfig)(SATDecoder)
     torch.manual_seed(0)
     twin = build_model(parsed.model, 10)
     torch.manual_seed(0)
     sat = build_model(get_preset("sat_soft_tiny").model, 10)
     assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), sat.state_dict().values()))
     with pytest.raises(ConfigError, match="already SATTwinConfig's"):
-        registry.register_decoder(type("Other", (SATTwinConfig,), {}))(build_sat_decoder)
+        registry.register_decoder(type("Other", (SATTwinConfig,), {}))(SATDecoder)
 
 
 def test_decoders_name_the_buffers_checkpoints_do_not_store() -> None:

@@ -446,7 +446,7 @@ import sys, time, torch
 from pathlib import Path
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.models.registry import resolve_encoder
 from captioner.features.cache import get_feature_cache
 from captioner.models.encoder import build_encoder
@@ -471,7 +471,7 @@ print(cache.path)
 @pytest.mark.timeout(240)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set
-    from captioner.data.transforms import ImageTransform
+    from captioner.data.images import ImageTransform
     from captioner.models.registry import resolve_encoder
     from captioner.features.cache import FeatureCache, cache_key, cache_path, get_feature_cache
     from captioner.models.encoder import build_encoder

@@ -423,7 +423,7 @@ def test_broken_val_split_is_found_before_training(tiny_shapes: Path, tmp_path: 
 
 def test_some_empty_captions_are_dropped_with_one_warning(tiny_shapes: Path, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    from captioner.data.checks import check_images
+    from captioner.data.caption_set import check_images
     from captioner.data.coco import load_caption_set
 
     doc = json.loads((tiny_shapes / "captions_train.json").read_text())
@@ -442,7 +442,7 @@ def test_some_empty_captions_are_dropped_with_one_warning(tiny_shapes: Path, tmp
 
 
 def test_check_images_names_unreadable_files_before_training(spoiled_shapes) -> None:
-    from captioner.data.checks import check_images
+    from captioner.data.caption_set import check_images
     from captioner.data.coco import load_caption_set
 
     root, kinds = spoiled_shapes
@@ -467,7 +467,7 @@ def test_image_loader_skip_bad_drops_unreadable_items_from_batches(spoiled_shape
     from captioner.data.coco import load_caption_set
     from captioner.data.dataset import (CaptionEvalDataset, CaptionTrainDataset, collate_captions, collate_images,
                                         image_loader)
-    from captioner.data.transforms import ImageTransform
+    from captioner.data.images import ImageTransform
     from captioner.models.registry import resolve_encoder
     from captioner.text import Vocabulary
 

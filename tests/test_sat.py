@@ -7,9 +7,8 @@ import torch
 
 from captioner.config import get_preset
 from captioner.errors import ConfigError
-from captioner.models.attention import AdditiveAttention
 from captioner.models.base import DecoderOutput
-from captioner.models.lstm import SATDecoder
+from captioner.models.lstm import AdditiveAttention, SATDecoder
 from captioner.models.model import build_decoder, build_model
 from captioner.training.objective import CaptionLoss
 

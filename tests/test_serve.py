@@ -25,8 +25,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-from captioner.cli import main  # noqa: E402
-from captioner.commands.serve import is_loopback, model_name  # noqa: E402
+from captioner.cli import main
+from captioner.commands.serve import is_loopback, model_name
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -68,7 +68,7 @@ def post(base: str, data: bytes, filename: str = "photo.png", **fields: object) 
 def server(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
     import captioner
     from captioner.files import MiB
-    from captioner.share.examples import example_scenes
+    from captioner.share.server import example_scenes
     from captioner.share.server import ServedModel, ServeLimits, create_app, running
 
     root = tmp_path_factory.mktemp("serve")
@@ -245,7 +245,7 @@ def test_examples_follow_the_models_training_data_and_keep_their_bytes(tmp_path:
     import captioner
     from captioner.errors import ImageLoadError
     from captioner.pretrained import PHOTOS
-    from captioner.share.examples import default_examples, folder_examples, reads_scenes
+    from captioner.share.server import default_examples, folder_examples, reads_scenes
 
     shipped = captioner.load("flickr8k", device="cpu")
     scenes_model = captioner.load(untrained_checkpoint(tmp_path, "sat_soft_tiny"), device="cpu")

@@ -19,8 +19,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-from captioner.cli import main  # noqa: E402
-from captioner.share import guards, server as server_module  # noqa: E402
+from captioner.cli import main
+from captioner.share import guards, server as server_module
 from test_serve import png_bytes, post, scene  # noqa: E402
 
 IDLE = 1.0  # the deadlines for a request head and body
@@ -30,7 +30,7 @@ PER_CLIENT = 6
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint):
     import captioner
-    from captioner.share.examples import example_scenes
+    from captioner.share.server import example_scenes
     from captioner.share.server import ServedModel, ServeLimits, create_app, running
 
     model = captioner.load(untrained_checkpoint(tmp_path_factory.mktemp("guards"), "sat_soft_tiny"), device="cpu")

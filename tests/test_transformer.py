@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from captioner.config import get_preset
 from captioner.errors import ConfigError
 from captioner.models.base import State
-from captioner.models.transformer import MultiHeadAttention, TransformerCaptionDecoder, build_transformer_decoder
+from captioner.models.registry import build_decoder
+from captioner.models.transformer import MultiHeadAttention, TransformerCaptionDecoder
 
 V, D, G = 13, 12, 3  # vocabulary, feature width, grid (N = 9)
 N = G * G
@@ -203,7 +204,7 @@ def test_bad_features_raise_config_error() -> None:
 
 def test_builder_reads_the_config() -> None:
     cfg = get_preset("transformer_tiny", **{"model.decoder.tie_embeddings": True}).model.decoder
-    dec = build_transformer_decoder(cfg, feature_dim=D, vocab_size=V, grid=G)
+    dec = build_decoder(cfg, feature_dim=D, vocab_size=V, grid=G)
     assert isinstance(dec, TransformerCaptionDecoder)
     assert (dec.d_model, dec.num_layers, dec.num_heads, dec.max_len) == (32, 2, 4, cfg.max_len)
     assert dec.blocks[0].ff[0].out_features == cfg.ff_dim

@@ -8,36 +8,15 @@ import torch
 from PIL import Image
 
 from captioner.config import EncoderConfig
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError, DataError
 from captions import make_caption as caption
-from captioner.viz.heatmaps import (
-    DEFAULT_STYLE,
-    HEAT_DIM,
-    UNIFORM_FLOOR,
-    attention_stats,
-    legend_top,
-    map_peaks,
-    spread_words,
-    word_scale,
-)
 from captioner.viz.attention_json import caption_to_dict
-from captioner.viz.overlays import (
-    BACKGROUND,
-    DIM,
-    GIF_BAND,
-    attention_to_image_map,
-    color_scale,
-    colormap_lut,
-    grid_layout,
-    on_image,
-    overlay_heatmap,
-    read_attention_json,
-    render_gif_frames,
-    render_grid,
-    word_titles,
-    write_overlays,
-)
+from captioner.viz.heatmaps import (DEFAULT_STYLE, HEAT_DIM, UNIFORM_FLOOR, attention_stats, legend_top, map_peaks,
+                                    spread_words, word_scale)
+from captioner.viz.overlays import (BACKGROUND, DIM, GIF_BAND, attention_to_image_map, color_scale, colormap_lut,
+                                    grid_layout, on_image, overlay_heatmap, read_attention_json, render_gif_frames,
+                                    render_grid, word_titles, write_overlays)
 
 
 def corner_attention(g: int = 4, row: int = 0, col: int = 0) -> np.ndarray:

@@ -11,13 +11,13 @@ import torch
 
 from captioner.config import get_preset
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError
 from captioner.models.encoder import build_encoder
 from captioner.text import Vocabulary, tokenize
 from captioner.training.attention_terms import GroundingTargets
 from captioner.training.detectors import (PERMUTATIONS, RegionTargets, colour_words, image_word_scores,
-                                                pretrain_word_detectors, recolour_batch, region_loss, word_targets)
+                                          pretrain_word_detectors, recolour_batch, region_loss, word_targets)
 
 
 def test_word_targets_mark_every_word_of_any_caption_of_the_image(tiny_shapes: Path) -> None:

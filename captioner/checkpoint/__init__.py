@@ -1,1 +1,1 @@
-"""Saving and loading checkpoints: the safetensors format (``format``), atomic writes, the weights + config + vocabulary (``store``)."""
+"""Saving and loading checkpoints: one file of weights + config + vocabulary, recognised by content, written atomically, and release files (``store``); where a checkpoint named by a user lives (``remote``)."""

@@ -2,7 +2,7 @@
 
 :func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and every ``--checkpoint`` accept
 into a local file, which is then read exactly as any local checkpoint is (safetensors, or the
-weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.format`):
+weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.store`):
 
 * ``path/to/model.safetensors`` (or ``.pt``): that file;
 * a run folder: its ``best.safetensors``, else ``latest.safetensors``, else an exported
@@ -47,13 +47,13 @@ from pathlib import Path
 
 import torch
 
-from captioner.checkpoint.format import MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, ZIP_MAGIC, check_header, parse_header
-from captioner.checkpoint.release import REFERENCE_KEY, TRUNK
+from captioner.checkpoint.store import (MAX_CHECKPOINT_BYTES, MAX_HEADER_BYTES, REFERENCE_KEY, TRUNK, ZIP_MAGIC,
+                                        check_header, parse_header)
 from captioner.config import model_config_from_dict
-from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact, show_progress
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file, release_lock_file
 from captioner.models.model import build_model
+from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact, show_progress
 from captioner.text import Vocabulary
 
 __all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "MAX_URL_BYTES", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec",

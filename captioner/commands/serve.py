@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.inference import load
     from captioner.commands.caption import default_model
     from captioner.pretrained import PHOTOS
-    from captioner.share.examples import default_examples, folder_examples
+    from captioner.share.server import default_examples, folder_examples
 
     specs = args.checkpoint or [default_model()]
     user_examples = folder_examples(args.examples) if args.examples else None  # checked before any model loads

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from captioner.commands.options import float_range, int_range
-from captioner.config.presets import list_presets
+from captioner.config.schema import list_presets
 
 NAME = "train"
 HELP = "train a caption model (checkpoints, metrics.csv and resume state go to the run folder)"

@@ -34,10 +34,10 @@ from tqdm import tqdm
 from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
                                       read_concepts, read_concepts_with_folds, save_concepts)
 from captioner.checkpoint.remote import cache_root
-from captioner.device import resolve_device
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
-from captioner.data.transforms import ImageTransform, crop_box
+from captioner.data.images import ImageTransform, crop_box
+from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import attention_correctness, coco_word_table, summarize
 from captioner.features.cache import get_feature_cache
@@ -89,21 +89,17 @@ class ConceptReport:
     """What :func:`train_concepts` measured.
 
     Attributes:
-        epochs: passes over the training images.
-        seconds: wall time of the training loop.
-        first_loss, last_loss: mean training loss of the first and the last epoch.
-        dev_map: mean average precision on the held-out images, over concepts with a positive there
-            (a concept counts as present when at least one of the image's captions uses it).
-        dev_map_by_epoch: the same after each epoch.
+        dev_map: mean average precision on the held-out images, over concepts with a positive there (a concept
+            counts as present when at least one of the image's captions uses it).
         per_word_ap: the final average precision of each concept word (NaN: no positive).
     """
 
-    epochs: int
-    seconds: float
+    epochs: int  # passes over the training images
+    seconds: float  # wall time of the training loop
     first_loss: float
     last_loss: float
     dev_map: float
-    dev_map_by_epoch: list[float] = field(default_factory=list)
+    dev_map_by_epoch: list[float] = field(default_factory=list)  # the same after each epoch
     per_word_ap: list[float] = field(default_factory=list)
 
 
@@ -435,14 +431,12 @@ class RunConcepts:
     """What ``train.concepts`` brings to a training run (:func:`run_concepts`).
 
     Attributes:
-        cfg: the run's config, its ``model.concepts`` sized to read ``head`` (``train.concept_input``).
         head: the concepts file's head restricted to the run's vocabulary, or None (no ``train.concepts``).
-        vocab: that vocabulary.
     """
 
-    cfg: Any
+    cfg: Any  # the run's config, its ``model.concepts`` sized to read ``head`` (``train.concept_input``)
     head: ConceptHead | None
-    vocab: Vocabulary
+    vocab: Vocabulary  # that vocabulary
 
     def install(self, decoder: Any, device: Any = "cpu") -> None:
         """Fill a freshly built decoder's extension with the head's weights and its words' vocabulary ids, and

@@ -7,22 +7,23 @@ A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkp
 **{"train.lr": 1e-3})``. Config files (JSON or YAML) hold the same nested structure; command-line
 ``--set key=value`` flags override them.
 
-Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass), ``parse`` (nested
-mappings, overrides, files), ``presets`` (the preset table, ``resolve_config``).
+Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass, the preset table,
+``resolve_config``), ``parse`` (nested mappings, overrides, files).
 """
 
 from captioner.config.decoders import (
-    DECODER_FAMILIES,
     DECODERS,
     ConceptsConfig,
     DecoderConfig,
     SATConfig,
     TransformerConfig,
+    decoder_families,
     decoder_family,
 )
 from captioner.config.parse import load_config_file, parse_override
-from captioner.config.presets import GPU_BATCH, PRESETS, get_preset, list_presets, resolve_config
 from captioner.config.schema import (
+    GPU_BATCH,
+    PRESETS,
     PREPROCESSING_FIELDS,
     SELECT_METRICS,
     Config,
@@ -32,13 +33,16 @@ from captioner.config.schema import (
     ModelConfig,
     ScstConfig,
     TrainConfig,
+    get_preset,
+    list_presets,
     model_config_from_dict,
+    resolve_config,
 )
 
 __all__ = [
-    "DECODERS", "DECODER_FAMILIES", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
+    "DECODERS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
     "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_family",
+    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
     "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]

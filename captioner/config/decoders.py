@@ -8,11 +8,11 @@ picks (``SATConfig`` when no name is given).
 ``ConceptsConfig`` is the model's ``concepts`` section: the one optional addition to either family
 (``captioner.concepts``), built beside the decoder, never a field of it.
 
-The families by name (:data:`DECODER_FAMILIES`) are the config layer's: parsing needs them before any
-model code is imported. A family's name is its class's ``name`` default. The decoder builders live in
-``captioner.models.registry``, whose ``register_decoder(config_cls)`` also adds a new family here
-(:func:`register_family`). Every option is validated here, once; the decoders trust their config
-(the one run-time switch, ``SATDecoder.hard_test_mode``, goes through :func:`check_hard_test_mode`).
+A family is a subclass of ``DecoderConfig``: defining the class is what lets parsing read its section
+(:func:`decoder_families`), and its name is its ``name`` default. The builders live in
+``captioner.models.registry``, which checks a name when the model is built. Every option is validated
+here, once; the decoders trust their config (the one run-time switch, ``SATDecoder.hard_test_mode``,
+goes through :func:`check_hard_test_mode`).
 """
 
 from __future__ import annotations
@@ -175,34 +175,28 @@ def family_name(family: type[DecoderConfig]) -> str:
     return next(f.default for f in dataclasses.fields(family) if f.name == "name")
 
 
-DECODER_FAMILIES: dict[str, type[DecoderConfig]] = {family_name(c): c for c in (SATConfig, TransformerConfig)}
-DECODERS = tuple(DECODER_FAMILIES)  # the built-in families
+def decoder_families() -> dict[str, type[DecoderConfig]]:
+    """The decoder config classes by name: every subclass of ``DecoderConfig``, the first class of a name."""
+    families: dict[str, type[DecoderConfig]] = {}
+    todo = list(DecoderConfig.__subclasses__())
+    while todo:
+        family = todo.pop(0)
+        families.setdefault(family_name(family), family)
+        todo.extend(family.__subclasses__())
+    return families
+
+
+DECODERS = ("sat", "transformer")  # the built-in families
 DEFAULT_DECODER = "sat"  # the family of a decoder mapping without a name
 SHARED_KEYS = tuple(f.name for f in dataclasses.fields(DecoderConfig))  # name, dropout, max_len
 
 
-def register_family(family: type[DecoderConfig]) -> str:
-    """Add a decoder config class under its name (``captioner.models.registry.register_decoder`` calls this).
-
-    Returns:
-        Its name.
-
-    Raises:
-        ConfigError: another class already has that name.
-    """
-    if not (isinstance(family, type) and issubclass(family, DecoderConfig)) or family is DecoderConfig:
-        raise ConfigError(f"{family!r} is not a DecoderConfig family")
-    name = family_name(family)
-    if DECODER_FAMILIES.setdefault(name, family) is not family:
-        raise ConfigError(f"decoder.name={name!r} is already {DECODER_FAMILIES[name].__name__}'s")
-    return name
-
-
 def decoder_family(name: Any) -> type[DecoderConfig]:
     """The config class of decoder family ``name``; ConfigError naming the families otherwise."""
-    family = DECODER_FAMILIES.get(name) if isinstance(name, str) else None
+    families = decoder_families()
+    family = families.get(name) if isinstance(name, str) else None
     if family is None:
-        raise ConfigError(f"decoder.name={name!r} is not one of {', '.join(DECODER_FAMILIES)}")
+        raise ConfigError(f"decoder.name={name!r} is not one of {', '.join(families)}")
     return family
 
 
@@ -213,8 +207,9 @@ def family_keys(family: type[DecoderConfig]) -> list[str]:
 
 def keys_help(family: type[DecoderConfig], key: str) -> str:
     """One clause for an error about ``key``: the family's keys, and which other family has ``key``."""
-    name = next(n for n, cls in DECODER_FAMILIES.items() if cls is family)
-    owners = [n for n, other in DECODER_FAMILIES.items() if other is not family and key in family_keys(other)]
+    families = decoder_families()
+    name = family_name(family)
+    owners = [n for n, other in families.items() if other is not family and key in family_keys(other)]
     switch = f"; {key} belongs to the {owners[0]} decoder: set model.decoder.name={owners[0]} first" if owners else ""
     return f"the {name} decoder's keys are {', '.join(family_keys(family))}{switch}"
 
@@ -232,8 +227,9 @@ def switched_family(section: dict[str, Any], name: Any) -> dict[str, Any]:
     Returns:
         The new mapping (``section`` itself is not changed).
     """
-    if name == section.get("name") or not isinstance(name, str) or name not in DECODER_FAMILIES:
+    families = decoder_families()
+    if name == section.get("name") or not isinstance(name, str) or name not in families:
         return {**section, "name": name}
-    new = dataclasses.asdict(DECODER_FAMILIES[name]())
+    new = dataclasses.asdict(families[name]())
     new.update({k: section[k] for k in SHARED_KEYS if k in section and k != "name"})
     return new

@@ -1,8 +1,8 @@
 """Data layer: image loading, encoder transforms, caption datasets, synthetic scenes.
 
-Modules: ``images`` (``load_image``), ``transforms`` (``ImageTransform``, ``crop_box``),
-``caption_set`` (``CaptionSet``, ``ImageRecord``, boxes), ``coco`` (``load_caption_set``,
-``load_instances``; Karpathy files in ``karpathy``), ``checks`` (``check_images``), ``dataset``
+Modules: ``images`` (``load_image``, ``ImageTransform``, ``crop_box``, the region grid),
+``caption_set`` (``CaptionSet``, ``ImageRecord``, boxes, ``check_images``), ``coco`` (``load_caption_set``,
+``load_instances``; Karpathy files in ``karpathy``), ``dataset``
 (datasets and collate functions), ``shapes`` (``make_shapes``).
 The names below are importable from ``captioner.data`` directly; each submodule is imported on
 first use, so ``import captioner.data`` stays cheap (no torch until a torch-backed name is used).
@@ -15,15 +15,15 @@ from typing import Any
 
 _EXPORTS = {
     "load_image": "images",
-    "ImageTransform": "transforms",
-    "crop_box": "transforms",
-    "denormalize": "transforms",
+    "ImageTransform": "images",
+    "crop_box": "images",
+    "denormalize": "images",
     "ImageRecord": "caption_set",
     "CaptionSet": "caption_set",
     "ObjectBox": "caption_set",
     "InstanceBoxes": "caption_set",
     "load_caption_set": "coco",
-    "check_images": "checks",
+    "check_images": "caption_set",
     "load_instances": "coco",
     "image_loader": "dataset",
     "CaptionTrainDataset": "dataset",

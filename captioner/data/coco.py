@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioner.data.caption_set import (CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
-                                        build_caption_set)
-from captioner.data.caption_set import SAMPLE, pick_image_dir
+from captioner.data.caption_set import (SAMPLE, CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
+                                        build_caption_set, pick_image_dir)
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_json, read_text
 
@@ -52,7 +51,7 @@ def load_caption_set(
 
     Returns:
         The caption set (``root`` as given); image paths are resolved but not checked (see
-        :func:`captioner.data.checks.check_images`).
+        :func:`captioner.data.caption_set.check_images`).
 
     Raises:
         DataError: no layout matches, the split is unknown (the message lists the available
@@ -72,15 +71,12 @@ class Layout:
     """One folder layout ``load_caption_set`` reads.
 
     Attributes:
-        name: what it is called in messages.
-        looks_for: ``looks_for(split)``, the files it needs, for the "no caption data" error.
-        detect: ``detect(root, split)``, true when ``root`` is this layout.
         load: ``load(root, split, images_dir, include_restval)``, the caption set.
     """
 
-    name: str
-    looks_for: Callable[[str], str]
-    detect: Callable[[Path, str], bool]
+    name: str  # what it is called in messages
+    looks_for: Callable[[str], str]  # ``looks_for(split)``, the files it needs, for the "no caption data" error
+    detect: Callable[[Path, str], bool]  # ``detect(root, split)``, true when ``root`` is this layout
     load: Callable[[Path, str, Path | None, bool], CaptionSet]
 
 
@@ -313,14 +309,12 @@ class TokenFile:
 
     Attributes:
         captions: ``{image name: [caption, ...]}``, names in first-seen order, captions in file order.
-        malformed: lines skipped as malformed.  first_malformed: ``(line number, text)`` of the first.
-        duplicates: captions dropped because the same image already had that exact caption.
     """
 
     captions: dict[str, list[str]] = field(default_factory=dict)
-    malformed: int = 0
+    malformed: int = 0  # lines skipped as malformed.  first_malformed: ``(line number, text)`` of the first
     first_malformed: tuple[int, str] | None = None
-    duplicates: int = 0
+    duplicates: int = 0  # captions dropped because the same image already had that exact caption
 
 
 def _text_lines(path: Path, what: str) -> list[str]:

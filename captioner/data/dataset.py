@@ -73,7 +73,7 @@ def image_loader(cs: CaptionSet, transform: Callable[[Image.Image], torch.Tensor
 
     Args:
         cs: the caption set whose images are loaded.
-        transform: e.g. :class:`captioner.data.transforms.ImageTransform`.
+        transform: e.g. :class:`captioner.data.images.ImageTransform`.
         max_pixels: passed to :func:`load_image`.
         skip_bad: return ``None`` for an unreadable image (logged once) instead of raising; the
             collate functions drop those items (``data.skip_missing`` in training).

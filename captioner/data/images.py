@@ -20,7 +20,14 @@ one line naming the input (``image 2``) and the problem:
 * finiteness: a tensor holding NaN or infinity;
 * size: a PIL image with no pixels, or more than ``max_pixels`` (what ``load_image`` refuses).
 
-Paths are checked when they are read (:func:`captioner.data.images.load_image`).
+Paths are checked when they are read (:func:`load_image`).
+
+The encoder's input: :class:`ImageTransform` (PIL RGB -> normalised tensor) and :func:`crop_box`, the
+one account of which part of the original image the encoder sees, which overlays use to map
+attention back onto the photo. The regions' grid on that part (:func:`cell_weights`, :func:`cell_centre`,
+:class:`Box`, :func:`interval_overlap`) is the one placement that heat maps, attention metrics and box
+targets share, so a word's attention, its overlay and the box it is scored against agree cell for cell;
+:func:`attention_entropy` is the one entropy of an attention map.
 """
 
 from __future__ import annotations
@@ -32,14 +39,16 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from captioner.errors import DataError, ImageInputError, ImageLoadError
+from captioner.config import PREPROCESSING_FIELDS, EncoderConfig
+from captioner.errors import ConfigError, DataError, ImageInputError, ImageLoadError
 from captioner.files import MiB, check_regular, read_bytes
+
 
 log = logging.getLogger(__name__)
 
@@ -390,3 +399,153 @@ def token_ids(tokens: Sequence[Any], vocab_size: int) -> list[int]:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
             raise DataError(f"tokens must be word ids in [0, {vocab_size}), got {i!r}")
     return ids
+
+
+_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+
+
+def crop_box(width: int, height: int, cfg: EncoderConfig) -> tuple[int, int, int, int]:
+    """The ``(left, top, right, bottom)`` box of a ``width`` x ``height`` image the encoder covers.
+
+    ``"stretch"`` covers the whole image; ``"center_crop"`` covers the centred square whose side is
+    the shorter image side (the image is scaled so that side becomes ``image_size``, then cropped).
+
+    Args:
+        width: original image width in pixels.
+        height: original image height in pixels.
+        cfg: encoder config (``resize`` is read).
+
+    Returns:
+        Integer pixel box in original-image coordinates, right/bottom exclusive.
+    """
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    if cfg.resize == "stretch":
+        return (0, 0, width, height)
+    side = min(width, height)
+    left = (width - side) // 2
+    top = (height - side) // 2
+    return (left, top, left + side, top + side)
+
+
+class ImageTransform:
+    """PIL RGB image -> float tensor (3, S, S), resized per the config and normalised.
+
+    Args:
+        cfg: encoder config; ``image_size``, ``resize``, ``interpolation``, ``mean`` and ``std``
+            are read.
+    """
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        if not cfg.resolved:
+            unset = ", ".join(f"encoder.{f}" for f in PREPROCESSING_FIELDS if getattr(cfg, f) is None)
+            raise ConfigError(f"{unset} not set: the {cfg.name} encoder's entry gives them when the model is built "
+                              "(captioner.models.model.resolve_model)")
+        self.cfg = cfg
+        self.size = cfg.image_size
+        self.resample = _RESAMPLE[cfg.interpolation]
+        self.mean = torch.tensor(cfg.mean, dtype=torch.float32).view(3, 1, 1)  # (3, 1, 1)
+        self.std = torch.tensor(cfg.std, dtype=torch.float32).view(3, 1, 1)  # (3, 1, 1)
+
+    def resize(self, image: Image.Image) -> Image.Image:
+        """Crop to :func:`crop_box` (no pixel outside it leaks in), then antialiased resize to S x S."""
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        box = crop_box(image.width, image.height, self.cfg)
+        if box != (0, 0, image.width, image.height):
+            image = image.crop(box)
+        return image.resize((self.size, self.size), self.resample)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.normalize(self.pixels(image))  # (3, S, S)
+
+    def pixels(self, image: Image.Image) -> torch.Tensor:
+        """The resized image as uint8 (3, S, S), before normalisation (4x smaller to keep in memory)."""
+        pixels = np.asarray(self.resize(image), dtype=np.uint8)  # (S, S, 3)
+        return torch.from_numpy(pixels.copy()).permute(2, 0, 1)  # (3, S, S)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (..., 3, S, S) from :meth:`pixels` -> normalised float, bit-identical to ``__call__``."""
+        x = pixels.float().div_(255.0)  # in [0, 1]
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x - mean) / std
+
+    def __repr__(self) -> str:
+        return (f"ImageTransform(size={self.size}, resize={self.cfg.resize!r}, "
+                f"interpolation={self.cfg.interpolation!r})")
+
+
+def denormalize(x: torch.Tensor, cfg: EncoderConfig) -> torch.Tensor:
+    """Undo the normalisation for display: (3, S, S) or (B, 3, S, S) -> same shape in [0, 1]."""
+    mean = torch.tensor(cfg.mean, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
+    std = torch.tensor(cfg.std, dtype=x.dtype, device=x.device).view(3, 1, 1)  # (3, 1, 1)
+    return (x * std + mean).clamp(0.0, 1.0)  # (..., 3, S, S)
+
+
+class Box(NamedTuple):
+    """A box in original image pixels as ``(left, top, right, bottom)``: the part of an image an
+    encoder sees (``crop_box``), or an object box read from COCO's ``(x, y, w, h)`` by :meth:`from_xywh`."""
+
+    left: float
+    top: float
+    right: float
+    bottom: float
+
+    @classmethod
+    def from_xywh(cls, box: Sequence[float]) -> "Box":
+        """The box of a COCO ``(x, y, w, h)``."""
+        x, y, w, h = box
+        return cls(x, y, x + w, y + h)
+
+
+def interval_overlap(lo: Any, hi: Any, box_lo: float, box_hi: float) -> np.ndarray:
+    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet).
+
+    The one overlap of boxes and grid cells (or pixels), one axis at a time: the box targets divide it
+    by the cell's length, the attention-correctness canvas by the pixel's.
+    """
+    return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None)
+
+
+def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
+    """numpy copy or view of an array or (CPU/GPU, grad or not) tensor, without importing torch."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy()  # type: ignore[union-attr]
+    return np.asarray(x, dtype=dtype)
+
+
+def attention_entropy(weights: Any, eps: float = 1e-12) -> Any:
+    """Entropy (nats) of attention distributions over the last axis: (..., N) -> (...).
+
+    The one definition, ``-sum_n w_n log(w_n + eps)``, for a torch tensor (the decoders' outputs,
+    training's validation) or a numpy array (the attention metrics), returned as the same kind.
+    """
+    if isinstance(weights, np.ndarray):
+        return -(weights * np.log(weights + eps)).sum(-1)
+    return -(weights * (weights + eps).log()).sum(-1)  # type: ignore[operator]
+
+
+def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) -> np.ndarray:
+    """(n, g) 0/1 matrix taking each of ``n`` pixels to the grid cell it falls in (nearest).
+
+    The grid's g cells split ``[start, stop)`` (original pixels) evenly; pixel i has its centre at
+    ``(i + 0.5) / scale`` in original pixels (``scale`` < 1 for a downscaled canvas). Pixels
+    outside the interval get an all-zero row.
+    """
+    centres = (np.arange(n) + 0.5) / scale  # pixel centres in original coordinates
+    pos = (centres - start) / max(stop - start, 1e-9) * g  # position in grid units, 0..g
+    inside = (pos >= 0) & (pos < g)
+    cells = np.clip(np.floor(pos).astype(int), 0, g - 1)
+    weights = np.zeros((n, g))
+    weights[np.arange(n)[inside], cells[inside]] = 1.0
+    return weights
+
+
+def cell_centre(flat_index: int, g: int, view: Sequence[float]) -> tuple[float, float]:
+    """Centre (x, y) of grid cell ``flat_index`` (row-major) of a g x g grid over ``view``.
+
+    ``view`` is ``(left, top, right, bottom)`` in original pixels (the encoder's crop box).
+    """
+    r, c = divmod(int(flat_index), g)
+    left, top, right, bottom = view
+    return left + (c + 0.5) * (right - left) / g, top + (r + 0.5) * (bottom - top) / g

@@ -8,23 +8,33 @@ batching.
 
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
 N regions (g*g), D feature width, V vocabulary, L words of a caption.
+
+``DecodeOptions(precision="bfloat16")`` searches with :func:`decoder_for`: the SAT decoder's fused steps
+in bfloat16 where they apply (``SATDecoder.fused_steps``: three products per word instead of eight,
+what halves the search's time on a CPU), else a bfloat16 copy of the decoder, kept beside it until a
+weight changes. Beams are still ranked in float64 and attention returned in float32; on Flickr8k dev
+40 of the 1,000 captions differ from float32 decoding, the reference (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from captioner.config import DecodeOptions
-from captioner.decoding.precision import prepare
+from captioner.config.schema import DECODE_PRECISIONS
 from captioner.errors import ConfigError
 from captioner.files import size_text
 from captioner.models.base import CaptionDecoder, State
+from captioner.models.lstm import FusedSATSteps
 from captioner.text import STOP_WORDS, Vocabulary
+
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +47,15 @@ class Hypothesis:
     """One decoded caption.
 
     Attributes:
-        tokens: emitted word ids, without ``<bos>``/``<eos>``.
-        score: ``log_prob`` normalised by the length penalty (the ranking key).
-        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at
-            the step that emitted that word, for this beam.
-        log_prob: raw sum of log-probabilities (including ``<eos>`` when finished).
-        finished: False when ``<eos>`` never came within ``max_len`` words.
+        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at the step
+            that emitted that word, for this beam.
     """
 
-    tokens: list[int]
-    score: float
+    tokens: list[int]  # emitted word ids, without ``<bos>``/``<eos>``
+    score: float  # ``log_prob`` normalised by the length penalty (the ranking key)
     attention: torch.Tensor
-    log_prob: float = 0.0
-    finished: bool = True
+    log_prob: float = 0.0  # raw sum of log-probabilities (including ``<eos>`` when finished)
+    finished: bool = True  # False when ``<eos>`` never came within ``max_len`` words
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -301,7 +307,7 @@ def decode(
         bos_id: id fed at the first step.
         eos_id: id that ends a caption.
         options: search options; default ``DecodeOptions()`` (beam 3, 20 words, float32;
-            ``precision="bfloat16"`` steps :func:`captioner.decoding.precision.decoder_for` instead).
+            ``precision="bfloat16"`` steps :func:`captioner.decoding.search.decoder_for` instead).
         banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
             :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
             renormalised.
@@ -509,17 +515,11 @@ def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -
 
 @dataclass
 class SampledCaptions:
-    """What :func:`sample_captions` returns (row r is sample ``r % K`` of image ``r // K``).
+    """What :func:`sample_captions` returns (row r is sample ``r % K`` of image ``r // K``)."""
 
-    Attributes:
-        tokens: (R, L) sampled ids: words, then ``<eos>`` when the caption finished, then ``pad_id``.
-        lengths: (R,) number of words (``<eos>`` not counted).
-        finished: (R,) whether ``<eos>`` was sampled.
-    """
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    finished: torch.Tensor
+    tokens: torch.Tensor  # (R, L) sampled ids: words, then ``<eos>`` when the caption finished, then ``pad_id``
+    lengths: torch.Tensor  # (R,) number of words (``<eos>`` not counted)
+    finished: torch.Tensor  # (R,) whether ``<eos>`` was sampled
 
     def words(self) -> list[list[int]]:
         """Per row, the word ids without ``<eos>`` and padding (one host sync)."""
@@ -586,3 +586,59 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
             tokens[:, max_len] = torch.where(forced, torch.full_like(tokens[:, max_len], pad_id), tokens[:, max_len])
             tokens = tokens[:, :max_len]
     return SampledCaptions(tokens, lengths, finished)
+
+
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DecodeOptions.precision -> dtype
+assert tuple(PRECISIONS) == DECODE_PRECISIONS
+
+
+def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
+    """The decoder a search in ``precision`` steps: ``decoder`` itself for float32; for bfloat16 its own
+    fused steps (``decoder.fused_steps(dtype)``, where it has them) or else a bfloat16 copy, kept on
+    ``decoder`` until a weight changes.
+
+    Raises:
+        ValueError: a precision that is not in :data:`PRECISIONS`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {sorted(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    if dtype == torch.float32:
+        return decoder
+    tensors = [*decoder.parameters(), *decoder.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    key = (dtype, device, getattr(decoder, "hard_test_mode", None),
+           tuple((t.data_ptr(), t._version) for t in tensors))
+    cached = decoder.__dict__.get("_low_precision")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    fused = getattr(decoder, "fused_steps", None)
+    low = (fused(dtype) if fused is not None else None) or _copy_in(decoder, dtype)
+    low.eval()
+    decoder.__dict__["_low_precision"] = (key, low)
+    return low
+
+
+def prepare(decoder: nn.Module, features: torch.Tensor, precision: str) -> tuple[nn.Module, torch.Tensor]:
+    """(the decoder to step, the features to give its ``init_state``) for a search in ``precision``:
+    fused steps take the float32 features (it computes the initial state from them in
+    float32), a bfloat16 copy takes them in bfloat16."""
+    stepper = decoder_for(decoder, precision)
+    if stepper is decoder or isinstance(stepper, FusedSATSteps):
+        return stepper, features
+    return stepper, features.to(PRECISIONS[precision])
+
+
+def _copy_in(decoder: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``decoder`` with its floating-point weights in ``dtype`` (the original untouched), but
+    for the submodules that declare ``runs_in_float32`` (the concept head)."""
+    caches = ("_low_precision", "_step_cache")  # what the decoder keeps of its weights: not copied into the copy
+    saved = {key: decoder.__dict__.pop(key) for key in caches if key in decoder.__dict__}
+    try:
+        low = copy.deepcopy(decoder).to(dtype)
+        for module in low.modules():
+            if getattr(module, "runs_in_float32", False):
+                module.float()
+        return low
+    finally:
+        decoder.__dict__.update(saved)

@@ -245,7 +245,7 @@ over N regions. The Transformer's maps are its last layer's cross-attention aver
 <b>train s</b>: wall time of training (features, training, validation).</p>"""
 
 
-def _overlay_section(name: str, label: str, run: dict[str, Any], out_dir: Path) -> str:
+def _overlay_section(label: str, run: dict[str, Any], out_dir: Path) -> str:
     parts = [f"<h2>{html.escape(label)}</h2>"]
     metrics_file = run.get("metrics_file")
     if metrics_file:
@@ -300,7 +300,7 @@ def render_html(report: dict[str, Any], out_dir: str | os.PathLike) -> str:
     if curves:
         parts.append(f'<h2>Training</h2><img src="{data_uri(curves)}" alt="training curves" style="max-width:100%">')
     for name, run in runs.items():
-        parts.append(_overlay_section(name, LABELS.get(name, name), run, out_dir))
+        parts.append(_overlay_section(LABELS.get(name, name), run, out_dir))
     parts.append("</body></html>")
     return "\n".join(parts)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from captioner.data.images import (Box, as_array, attention_entropy, cell_centre, cell_weights, crop_box,
+                                   interval_overlap)
 from captioner.data.shapes import COLORS, SHAPES, SIZES
-from captioner.data.transforms import crop_box
 from captioner.errors import DataError
-from captioner.grids import Box, as_array, attention_entropy, cell_centre, cell_weights, interval_overlap
 from captioner.text import tokenize
 
 logger = logging.getLogger(__name__)

@@ -41,21 +41,20 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.checkpoint.remote import is_remote
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
 from captioner.decoding.search import DecodeOptions
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.attention_metrics import (attention_correctness_for_results, attention_entropy_summary,
-                                                    reference_correctness)
-from captioner.evaluation.metrics import COCO_KEYS, coco_caption_metrics
-from captioner.evaluation.attention_metrics import compositional_scores
+                                                    compositional_scores, reference_correctness)
 from captioner.evaluation.chair import chair_scores
-from captioner.evaluation.metrics import METRIC_KEYS, SCALE_NOTE, caption_metrics, write_coco_results
+from captioner.evaluation.metrics import (COCO_KEYS, METRIC_KEYS, SCALE_NOTE, caption_metrics, coco_caption_metrics,
+                                          write_coco_results)
 from captioner.files import Outputs, atomic_write, safe_name, writable_folder
 from captioner.inference import Captioner, decode_options, load
-from captioner.pretrained import is_model_name
 from captioner.models.base import eval_mode
+from captioner.pretrained import is_model_name
 from captioner.text import tokenize
 
 log = logging.getLogger(__name__)

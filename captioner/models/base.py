@@ -43,7 +43,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass
 class DecoderOutput:
     """What ``forward`` returns.

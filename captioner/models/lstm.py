@@ -16,13 +16,21 @@ An optional addition is one component, ``self.extension`` (a :class:`~captioner.
 built by the registry from its own config section), called at named points: the initial state, rows read
 from h at every step, an attention filter, the deep output, ``aux``.
 
-One time step, :meth:`SATDecoder._recurrence`, serves both ``forward`` (teacher forcing, every word)
-and ``step`` (search and sampling, one word): one fused matmul of ``h`` with ``[W_hh; W_h; f_beta]``,
-the attention, the gate and the LSTM update. ``forward`` hoists the time-independent work out of the
-loop: ``W_f f`` once per image, the embedding half of the LSTM input projection for all steps in one
-matmul, and the deep output over all steps after the loop. :class:`FusedSATSteps` is the same step in
-eval mode with its products fused further and its weights in a low precision (bfloat16 decoding,
-``captioner.decoding.precision``).
+One step, :meth:`SATDecoder._update` (the attention from the products of h, the gate, the context
+product, the LSTM update), serves ``forward`` (teacher forcing), ``step`` (search and sampling) and
+:class:`FusedSATSteps` (bfloat16 decoding: the same step with its products fused further and its
+weights in a low precision). ``forward`` hoists the time-independent work out of the loop: ``W_f f``
+once per image, the embedding half of the LSTM input product for all steps in one matmul, and the
+deep output over all steps after the loop.
+
+The attention (Bahdanau): scores ``e_i = w . tanh(W_f f_i + W_h h)``, ``alpha = softmax(e)``. ``W_f f``
+does not depend on the step: it is computed once per image (``AdditiveAttention.project``). Computed
+exactly, but faster: ``tanh(x) = 2 sigmoid(2x) - 1`` and softmax ignores a constant added to every score,
+so ``alpha = softmax_i(2 w . sigmoid(2 W_f f_i + 2 W_h h))`` (on CPU PyTorch's sigmoid is ~3x cheaper than
+tanh, and this runs over B*N*A values every step): ``project`` returns ``2 W_f f`` and the query is
+``2 W_h h``; ``w`` has no bias (softmax would cancel it). The soft context is ``sum_i alpha_i f_i``; the
+hard one the feature of one region ``s ~ Multinoulli(alpha)`` (training), or at test time the expectation
+or the feature of ``argmax alpha`` (``hard_test_mode``).
 """
 
 from __future__ import annotations
@@ -34,12 +42,89 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.config import SATConfig
-from captioner.config.decoders import check_hard_test_mode
+from captioner.config.decoders import HARD_TEST_MODES, check_hard_test_mode
 from captioner.errors import ConfigError
-from captioner.models.attention import (AdditiveAttention, hard_test_context, region_features, sample_regions,
-                                        soft_context)
 from captioner.models.base import CaptionDecoder, DecoderOutput, SATExtension, State, expand_groups
 from captioner.models.registry import register_decoder
+
+
+class AdditiveAttention(nn.Module):
+    """``alpha = softmax_i(w . tanh(W_f f_i + W_h h))``.
+
+    Args:
+        feature_dim: D, region feature width.
+        hidden_dim: H, width of the query (the LSTM state).
+        attention_dim: A, width of the additive scoring layer.
+    """
+
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
+        super().__init__()
+        self.feature_proj = nn.Linear(feature_dim, attention_dim)  # W_f
+        self.hidden_proj = nn.Linear(hidden_dim, attention_dim)  # W_h
+        self.score = nn.Linear(attention_dim, 1, bias=False)  # w
+
+    def doubled(self) -> dict[str, torch.Tensor]:
+        """The layers times 2, as this module computes with them (the module's docstring): ``w_f``, ``b_f`` (2 W_f),
+        ``w_h``, ``b_h`` (2 W_h) and ``w_s`` (2 w), for a step that fuses them into its own products:
+        ``log alpha = log_softmax(w_s . sigmoid(w_f f + b_f + w_h h + b_h))``."""
+        return {"w_f": 2.0 * self.feature_proj.weight, "b_f": 2.0 * self.feature_proj.bias,
+                "w_h": 2.0 * self.hidden_proj.weight, "b_h": 2.0 * self.hidden_proj.bias, "w_s": 2.0 * self.score.weight}
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B,N,D) -> 2 W_f f (B,N,A); compute once per image."""
+        return F.linear(features, 2.0 * self.feature_proj.weight, 2.0 * self.feature_proj.bias)  # (B, N, A)
+
+    @staticmethod
+    def log_weights(projected: torch.Tensor, query: torch.Tensor, w_s: torch.Tensor, group: int = 1) -> torch.Tensor:
+        """Log attention weights (B*group,N) from ``project(f)`` (B,N,A), the query ``2 W_h h`` (B*group,A) and
+        the score layer ``2 w`` (1,A), summed in ``projected``'s dtype.
+
+        ``group``: queries per image (beams), consecutive rows: query row r reads image ``r // group``.
+        """
+        b, n, a = projected.shape
+        gates = (projected.unsqueeze(1) + query.to(projected.dtype).view(b, group, 1, a)).sigmoid_()  # tanh as sigmoid
+        scores = F.linear(gates.view(b * group, n, a), w_s).squeeze(-1)  # (B*group, N), up to a per-row constant
+        return F.log_softmax(scores, dim=-1)  # (B*group, N)
+
+    def forward(self, projected: torch.Tensor, hidden: torch.Tensor, group: int = 1) -> torch.Tensor:
+        """projected = project(f) (B,N,A), hidden (B*group,H) -> log alpha (B*group,N)."""
+        att = self.doubled()
+        return self.log_weights(projected, F.linear(hidden, att["w_h"], att["b_h"]), att["w_s"], group)
+
+
+def soft_context(alpha: torch.Tensor, features: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """Expected context: alpha (B*group,N), features (B,N,D) -> (B*group,D); row r reads image ``r // group``."""
+    b, n = features.shape[:2]
+    return torch.bmm(alpha.to(features.dtype).view(b, group, n), features).view(b * group, -1)  # (B*group, D)
+
+
+def region_features(features: torch.Tensor, index: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """The feature of one region per row: features (B,N,D), index (B*group,) -> (B*group,D)."""
+    rows = torch.arange(index.shape[0], device=features.device) // group
+    return features[rows, index]  # (B*group, D)
+
+
+def sample_regions(log_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one region per row, ``s ~ Multinoulli(alpha)``.
+
+    Args:
+        log_alpha: (B,N) log attention weights (keeps its graph: the log-probability of the draw
+            is what REINFORCE differentiates).
+
+    Returns:
+        index (B,) of the sampled regions and their log-probability (B,).
+    """
+    index = torch.multinomial(log_alpha.detach().float().exp(), 1).squeeze(1)  # (B,)
+    return index, log_alpha.gather(1, index.unsqueeze(1)).squeeze(1)  # (B,), (B,)
+
+
+def hard_test_context(alpha: torch.Tensor, features: torch.Tensor, mode: str, group: int = 1) -> torch.Tensor:
+    """Deterministic hard-attention context for evaluation: the expectation or the argmax region."""
+    if mode == "expectation":
+        return soft_context(alpha, features, group)  # (B*group, D)
+    if mode == "argmax":
+        return region_features(features, alpha.argmax(dim=-1), group)  # (B*group, D)
+    raise ValueError(f"hard_test_mode={mode!r}: use one of {HARD_TEST_MODES}")
 
 
 def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +135,7 @@ def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, tor
     return h, c
 
 
+@register_decoder(SATConfig)
 class SATDecoder(CaptionDecoder):
     """LSTM decoder with soft or hard additive attention over regions.
 
@@ -176,29 +262,48 @@ class SATDecoder(CaptionDecoder):
 
     # ------------------------------------------------------------------ teacher forcing
 
-    def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
-                    features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_ctx: torch.Tensor,
-                    extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None), group: int = 1):
-        """One time step, the one both ``forward`` (per word) and ``step`` run: everything that depends on
-        ``h_{t-1}``, given the previous word's half of the LSTM input product ``x_gate`` (B,4H).
+    def _update(self, q: torch.Tensor, c: torch.Tensor, x_gate: torch.Tensor, projected: torch.Tensor,
+                features: torch.Tensor, w_s: torch.Tensor, w_z: torch.Tensor,
+                extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None), group: int = 1,
+                context: Any = None):
+        """One SAT step from the products of h_{t-1}: the one function of every step, float32 or fused in a
+        low precision (:class:`FusedSATSteps`), teacher-forced or searched.
 
-        ``extra``: the extension's constants and what it read of this step's word (``w_query`` ends with the
-        R rows it reads of h, R = 0 for the paper's decoder). ``group``: decoder rows per row of ``projected``
-        and ``features`` (a grouped state's beams).
+        Args:
+            q: (B, 4H+A+1 [+R]) ``[W_hh h; 2 W_h h + 2 b_h; f_beta h + b_beta; the extension's R rows]``.
+            c: (B,H) the LSTM cell.
+            x_gate: (B,4H) the previous word's half of the LSTM input product (with b_ih + b_hh).
+            projected, features: (B/group, N, A) ``2 W_f f``, (B/group, N, D) the regions.
+            w_s: (1,A) the score layer ``2 w``.
+            w_z: (4H [+ M], D) ``W_ih[:, M:]`` [with ``L_z`` below it, whose product is returned].
+            extra: the extension's constants and what it read of this step's word.
+            group: decoder rows per row of ``projected`` and ``features`` (a grouped state's beams).
+            context: ``(log_alpha, features, group) -> (context, log-prob, region)``; default :meth:`_context`.
 
-        Returns ``h, c`` (B,H), context (B,D), beta (B,1), log alpha (B,N), for hard attention in
-        training the sampled log-prob and region (B,) (else None), and the extension's record (else None).
+        Returns:
+            ``h, c`` (B,H), ``L_z beta z`` (B,M) or (B,0), context (B,D), beta (B,1), log alpha (B,N), for hard
+            attention in training the sampled log-prob and region (B,) (else None), and the extension's record.
         """
         H, A = self.hidden_dim, self.attention_dim
-        query = F.linear(h, w_query, b_query)  # (B, 4H+A+1 [+R])
-        h_gates, att_query, gate_logit, rows = query.split([4 * H, A, 1, query.shape[-1] - 4 * H - A - 1], dim=-1)
-        log_alpha = self.attention.log_weights(projected, att_query, group)  # (B, N)
+        h_gates, query, gate_logit, rows = q.split([4 * H, A, 1, q.shape[-1] - 4 * H - A - 1], dim=-1)
+        log_alpha = self.attention.log_weights(projected, query, w_s, group)  # (B, N)
         log_alpha, record = self.extension.filter_attention(log_alpha, rows, extra[1], extra[0])
-        context, log_prob, region = self._context(log_alpha, features, group)  # (B, D)
+        ctx, log_prob, region = (context or self._context)(log_alpha, features, group)  # (B, D)
         beta = torch.sigmoid(gate_logit)  # (B, 1)
-        gates = x_gate + h_gates + F.linear(beta * context, w_ctx)  # (B, 4H)
-        h, c = lstm_update(gates, c)  # (B, H)
-        return h, c, context, beta, log_alpha, log_prob, region, record
+        z = F.linear(beta * ctx, w_z)  # (B, 4H [+ M])
+        h, c = lstm_update(x_gate + h_gates + z[:, :4 * H], c)  # (B, H)
+        return h, c, z[:, 4 * H:], ctx, beta, log_alpha, log_prob, region, record
+
+    def _recurrence(self, x_gate: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
+                    features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_s: torch.Tensor,
+                    w_ctx: torch.Tensor, extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None),
+                    group: int = 1):
+        """One time step of ``forward`` (per word) and ``step``: the products of ``h_{t-1}`` in one matmul
+        (:meth:`_query_weights`), then :meth:`_update`. Returns ``h, c``, context, beta, log alpha, the sampled
+        log-prob and region (hard attention in training, else None) and the extension's record."""
+        h, c, _, *outputs = self._update(F.linear(h, w_query, b_query), c, x_gate, projected, features, w_s, w_ctx,
+                                         extra, group)
+        return h, c, *outputs
 
     def compile_recurrence(self, backend: str = "inductor", **options) -> None:  # noqa: ANN003
         """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``).
@@ -212,9 +317,10 @@ class SATDecoder(CaptionDecoder):
 
 
     def _query_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything that reads h_{t-1} in one matmul: W_hh, the attention's W_h, f_beta [, the extension's rows]."""
-        weights = [self.lstm.weight_hh, self.attention.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
-        biases = [self.lstm.bias_hh.new_zeros(4 * self.hidden_dim), self.attention.hidden_proj.bias, self.gate.bias]
+        """Everything that reads h_{t-1} in one matmul: W_hh, the attention's 2 W_h, f_beta [, the extension's rows]."""
+        att = self.attention
+        weights = [self.lstm.weight_hh, 2.0 * att.hidden_proj.weight, self.gate.weight]  # (4H+A+1, H)
+        biases = [self.lstm.bias_hh.new_zeros(4 * self.hidden_dim), 2.0 * att.hidden_proj.bias, self.gate.bias]
         rows = self.extension.query_weights()
         if rows is not None:
             weights.append(rows[0])
@@ -280,16 +386,16 @@ class SATDecoder(CaptionDecoder):
         weight cache does in eager mode; so are the extension's constants.
         """
         w_query, b_query = self._query_weights()
-        w_ctx = self.lstm.weight_ih[:, self.embed_dim:]  # (4H, D)
+        w_s, w_ctx = 2.0 * self.attention.score.weight, self.lstm.weight_ih[:, self.embed_dim:]  # (1, A), (4H, D)
         if low is not None:
-            w_query, b_query, w_ctx = w_query.to(low), b_query.to(low), w_ctx.to(low)
+            w_query, b_query, w_s, w_ctx = w_query.to(low), b_query.to(low), w_s.to(low), w_ctx.to(low)
             extra = {k: v.to(low) for k, v in extra.items()}
         words = self.extension.word_query(emb)  # (B, T, R) or None
         steps: dict[str, list[Any]] = {key: [] for key in ("h", "context", "beta", "log_alpha", "log_prob", "region",
                                                            "record")}
         recurrence = self._compiled_recurrence or self._recurrence
         for t in range(x_gates.shape[1]):
-            h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_ctx,
+            h, c, *outputs = recurrence(x_gates[:, t], h, c, projected, features, w_query, b_query, w_s, w_ctx,
                                         (extra, None if words is None else words[:, t]))
             steps["h"].append(h)
             for key, value in zip(("context", "beta", "log_alpha", "log_prob", "region", "record"), outputs):
@@ -327,17 +433,17 @@ class SATDecoder(CaptionDecoder):
         own = {k: v for k, v in static.items() if k not in ("features", "projected")}  # the extension's constants
         if own and group > 1:
             static = {**expand_groups(own, group), "features": static["features"], "projected": static["projected"]}
-        w_x, b_x, w_query, b_query, w_ctx = self._step_weights()
+        w_x, b_x, w_query, b_query, w_s, w_ctx = self._step_weights()
         extra = (static, self.extension.word_query(emb))
         h, c, context, beta, log_alpha, *_ = self._recurrence(
             F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
-            w_query, b_query, w_ctx, extra, group)
+            w_query, b_query, w_s, w_ctx, extra, group)
         log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static.get("extension_output")), dim=-1)
         return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
 
     def _step_weights(self) -> tuple[torch.Tensor, ...]:
         """The products one step reads: the embedding half of W_ih and b_ih + b_hh, the fused rows that read
-        h (:meth:`_query_weights`) and the context half of W_ih; kept between steps while no weight changes
+        h (:meth:`_query_weights`), the score layer 2 w and the context half of W_ih; kept between steps while no weight changes
         and no gradient is recorded (decoding), built afresh otherwise, and inside a CUDA graph's capture (a
         replay then reads the weights as they are at replay time, as the unfused products would)."""
         params = [*self.parameters()]
@@ -348,7 +454,7 @@ class SATDecoder(CaptionDecoder):
             return cached[1]
         M = self.embed_dim
         weights = (self.lstm.weight_ih[:, :M], self.lstm.bias_ih + self.lstm.bias_hh, *self._query_weights(),
-                   self.lstm.weight_ih[:, M:])
+                   2.0 * self.attention.score.weight, self.lstm.weight_ih[:, M:])
         if keep:
             self.__dict__["_step_cache"] = (key, weights)
         return weights
@@ -380,10 +486,11 @@ class FusedSATSteps(CaptionDecoder):
         [Lh h'; q']  = [L_h; W_hh; W_h; f_beta] h'                   # one product: this step's output, the next step's q
         p(y')        = softmax(L_o(E y + Lh h' + Lz z))
 
-    The same function as ``SATDecoder.step`` in eval mode; only the order of the sums differs. The
-    attention's B*g*N*A sums and sigmoids run in float32 whatever ``dtype`` is (on a CPU they are
-    faster there than in bfloat16, and the maps closer to float32 decoding's).
-    Weights are a snapshot taken at construction (``captioner.decoding.precision.decoder_for`` rebuilds it when
+    Its step is ``SATDecoder._update``, the one every step runs; only where the products of h are taken
+    (with L_h, at the end of the step before) and the table differ. The attention's B*g*N*A sums and
+    sigmoids run in float32 whatever ``dtype`` is (on a CPU they are faster there than in bfloat16, and
+    the maps closer to float32 decoding's).
+    Weights are a snapshot taken at construction (``captioner.decoding.search.decoder_for`` rebuilds it when
     they change).
     """
 
@@ -431,40 +538,20 @@ class FusedSATSteps(CaptionDecoder):
         return State({"features": low, "projected": projected}, {"q": q, "c": c.to(self.dtype)})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32)."""
-        (H, M, A), w, group = self.sizes, self.weights, state.group
-        q, c = state.dynamic["q"], state.dynamic["c"]
-        hh, query, gate = q.split([4 * H, A, 1], dim=-1)  # (R, 4H), (R, A): 2 W_h h, (R, 1)
-        projected, features = state.static["projected"], state.static["features"]
-        b, n, a = projected.shape
-        # the attention's B*g*N*A sums and sigmoids in float32: on a CPU faster than in bfloat16
-        gates = (projected.unsqueeze(1) + query.float().view(b, group, 1, a)).sigmoid_().view(b * group, n, a)
-        log_alpha = F.log_softmax(F.linear(gates, w["w_s32"]).squeeze(-1), dim=-1)  # (R, N)
-        alpha = log_alpha.exp()
-        gated = torch.sigmoid(gate) * soft_context(alpha.to(self.dtype), features, group)  # (R, D)
-        z_gates, z_out = F.linear(gated, w["w_z"]).split([4 * H, M], dim=-1)
-        h, c = lstm_update(w["table"][prev_tokens] + hh + z_gates, c)  # (R, H)
-        h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)
+        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32), through
+        ``SATDecoder._update``: the attention's B*g*N*A sums and sigmoids in float32 (``projected`` is float32),
+        the context always the expectation."""
+        (H, M, A), w = self.sizes, self.weights
+        h, c, z_out, _, _, log_alpha, *_ = self.decoder[0]._update(
+            state.dynamic["q"], state.dynamic["c"], w["table"][prev_tokens], state.static["projected"],
+            state.static["features"], w["w_s32"], w["w_z"], group=state.group, context=_expected_context)
+        h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)  # this step's L_h h, next q
         deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
         log_probs = F.log_softmax(F.linear(deep, w["w_o"], w["b_o"]).float(), dim=-1)  # (R, V)
-        return log_probs, State(state.static, {"q": q, "c": c}, group), alpha
+        return log_probs, State(state.static, {"q": q, "c": c}, state.group), log_alpha.exp()
 
 
-@register_decoder(SATConfig)
-def build_sat_decoder(cfg: SATConfig, feature_dim: int, vocab_size: int, grid: int,
-                      extension: SATExtension | None = None) -> SATDecoder:
-    """Registry builder: a ``SATDecoder`` from a ``SATConfig`` (``grid`` sizes the region positions)."""
-    return SATDecoder(
-        vocab_size=vocab_size,
-        feature_dim=feature_dim,
-        embed_dim=cfg.embed_dim,
-        hidden_dim=cfg.hidden_dim,
-        attention_dim=cfg.attention_dim,
-        dropout=cfg.dropout,
-        attention=cfg.attention,
-        hard_test_mode=cfg.hard_test_mode,
-        hard_soft_prob=cfg.hard_soft_prob,
-        grid=grid,
-        region_positions=cfg.region_positions,
-        extension=extension,
-    )
+def _expected_context(log_alpha: torch.Tensor, features: torch.Tensor, group: int
+                      ) -> tuple[torch.Tensor, None, None]:
+    """The fused steps' context: the expectation (soft, or hard at test time), whatever the decoder's mode."""
+    return soft_context(log_alpha.exp(), features, group), None, None

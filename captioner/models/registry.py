@@ -6,8 +6,9 @@ preprocessing=...)`` holds everything about one trunk (``captioner.models.encode
 ``register_encoder_family``), its weights' preprocessing included, as timm's ``pretrained_cfg`` and
 torchvision's ``Weights.transforms()`` do. An encoder's name is checked here, when the model is built
 (:func:`resolve_encoder`), and the preprocessing fields a config leaves unset are filled from its entry.
-Decoders: ``@register_decoder(ConfigClass)`` on a builder ``fn(cfg, feature_dim=D, vocab_size=V, grid=g,
-extension=None) -> CaptionDecoder`` (``captioner.models.lstm``: ``sat``; ``captioner.models.transformer``: ``transformer``).
+Decoders: ``@register_decoder(ConfigClass)`` on a decoder class (or builder) that takes ``feature_dim=D,
+vocab_size=V, grid=g, extension=None`` and, by name, the config fields it reads (``captioner.models.lstm``:
+``sat``; ``captioner.models.transformer``: ``transformer``).
 
 The components register when their modules are imported, which ``captioner.models.model``
 (``build_model``) does.
@@ -16,6 +17,7 @@ The components register when their modules are imported, which ``captioner.model
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from captioner.config import PREPROCESSING_FIELDS, DecoderConfig, EncoderConfig
-from captioner.config.decoders import register_family
+from captioner.config.decoders import family_name
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder
 
@@ -33,19 +35,12 @@ StateDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Download:
-    """Pretrained weights fetched when the encoder is built (after its network, which they then fill).
+    """Pretrained weights fetched when the encoder is built (after its network, which they then fill)."""
 
-    Attributes:
-        label: names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``).
-        fetch: downloads them: the trunk's state dict.
-        url: where they come from ("" when unknown).
-        cached: the file they are kept in once downloaded (None when unknown).
-    """
-
-    label: str
-    fetch: Callable[[], StateDict]
-    url: str = ""
-    cached: Path | None = None
+    label: str  # names the weights in messages (``"resnet101 ResNet101_Weights.IMAGENET1K_V2"``)
+    fetch: Callable[[], StateDict]  # downloads them: the trunk's state dict
+    url: str = ""  # where they come from ("" when unknown)
+    cached: Path | None = None  # the file they are kept in once downloaded (None when unknown)
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -54,19 +49,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Preprocessing:
-    """The pixels a trunk's weights were trained on: what :class:`captioner.data.transforms.ImageTransform` makes.
+    """The pixels a trunk's weights were trained on: what :class:`captioner.data.images.ImageTransform` makes."""
 
-    Attributes:
-        mean: per-channel mean of [0, 1] pixels, subtracted.
-        std: per-channel standard deviation, divided by.
-        image_size: the side of the square input.
-        interpolation: the resampling filter of the resize, ``"bilinear"`` or ``"bicubic"``.
-    """
-
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    image_size: int = 224
-    interpolation: str = "bilinear"
+    mean: tuple[float, float, float] = IMAGENET_MEAN  # per-channel mean of [0, 1] pixels, subtracted
+    std: tuple[float, float, float] = IMAGENET_STD  # per-channel standard deviation, divided by
+    image_size: int = 224  # the side of the square input
+    interpolation: str = "bilinear"  # the resampling filter of the resize, ``"bilinear"`` or ``"bicubic"``
 
 
 IMAGENET = Preprocessing()  # torchvision's ImageNet weights (and the random tiny CNN, which has none)
@@ -77,29 +65,25 @@ class EncoderEntry:
     """Everything about one encoder trunk.
 
     Attributes:
-        name: ``encoder.name``.
-        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names,
-            bottom first), randomly initialised.
-        stride: the trunk's total downsampling: its map is ``ceil(S / stride)`` cells a side.
-        feature_dim: cfg -> D, the trunk's output channels.
-        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns)
-            -> the trunk's state dict.
-        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a
-            file: a local file, a :class:`Download`, or None (random initialisation). Called before
-            any network is built, so a bad setting fails at once.
-        dilatable: whether the trunk can run its last stage dilated at half the stride
-            (``encoder.dilate``: a map twice as fine from the same weights).
-        preprocessing: the pixels its pretrained weights expect (:class:`Preprocessing`).
+        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names, bottom first),
+            randomly initialised.
+        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns) -> the
+            trunk's state dict.
+        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a file: a
+            local file, a :class:`Download`, or None (random initialisation). Called before any network is
+            built, so a bad setting fails at once.
+        dilatable: whether the trunk can run its last stage dilated at half the stride (``encoder.dilate``: a
+            map twice as fine from the same weights).
     """
 
-    name: str
+    name: str  # ``encoder.name``
     trunk: Callable[[EncoderConfig], tuple[nn.Module, list[list[str]]]]
-    stride: int
-    feature_dim: Callable[[EncoderConfig], int]
+    stride: int  # the trunk's total downsampling: its map is ``ceil(S / stride)`` cells a side
+    feature_dim: Callable[[EncoderConfig], int]  # cfg -> D, the trunk's output channels
     read_file: Callable[[Path], StateDict]
     pretrained: Callable[[EncoderConfig], Path | Download | None]
     dilatable: bool = False
-    preprocessing: Preprocessing = IMAGENET
+    preprocessing: Preprocessing = IMAGENET  # the pixels its pretrained weights expect (:class:`Preprocessing`)
 
 
 _ENCODERS: dict[str, EncoderEntry] = {}
@@ -161,7 +145,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
     """Decorator: register a builder for the family of ``config`` (its config class), under that class's name."""
 
     def wrap(fn: DecoderBuilder) -> DecoderBuilder:
-        _DECODERS[register_family(config)] = DecoderEntry(config, fn)
+        if not (isinstance(config, type) and issubclass(config, DecoderConfig)) or config is DecoderConfig:
+            raise ConfigError(f"{config!r} is not a DecoderConfig family")
+        name = family_name(config)
+        if _DECODERS.setdefault(name, DecoderEntry(config, fn)).config is not config:
+            raise ConfigError(f"decoder.name={name!r} is already {_DECODERS[name].config.__name__}'s")
         return fn
 
     return wrap
@@ -170,8 +158,11 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
 def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int,
                   extension: nn.Module | None = None) -> CaptionDecoder:
     """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map, joined by
-    ``extension`` (built from its own config section; None: the paper's decoder)."""
+    ``extension`` (built from its own config section; None: the paper's decoder). The builder takes each
+    field of ``cfg`` that it has a parameter of the same name for."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
-    return _DECODERS[cfg.name].build(cfg, feature_dim=feature_dim, vocab_size=vocab_size, grid=grid,
-                                     extension=extension)
+    build = _DECODERS[cfg.name].build
+    params = inspect.signature(build).parameters
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in params}
+    return build(feature_dim=feature_dim, vocab_size=vocab_size, grid=grid, extension=extension, **options)

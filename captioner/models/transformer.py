@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from captioner.config import TransformerConfig
+from captioner.data.images import attention_entropy
 from captioner.errors import ConfigError
-from captioner.grids import attention_entropy
 from captioner.models.base import CaptionDecoder, DecoderOutput, State, TransformerExtension
 from captioner.models.registry import register_decoder
 
@@ -230,6 +230,7 @@ class DecoderBlock(nn.Module):
         return x, weights, (k, v)
 
 
+@register_decoder(TransformerConfig)
 class TransformerCaptionDecoder(CaptionDecoder):
     """Transformer decoder over g x g image regions.
 
@@ -434,24 +435,3 @@ class TransformerCaptionDecoder(CaptionDecoder):
         log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
         attention = weights[-1][:, :, -1].mean(dim=1)  # (B, N)
         return log_probs, State(state.static, dynamic), attention
-
-
-@register_decoder(TransformerConfig)
-def build_transformer_decoder(
-    cfg: TransformerConfig, feature_dim: int, vocab_size: int, grid: int,
-    extension: TransformerExtension | None = None,
-) -> TransformerCaptionDecoder:
-    """Registry builder: a ``TransformerCaptionDecoder`` from a ``TransformerConfig``."""
-    return TransformerCaptionDecoder(
-        vocab_size=vocab_size,
-        feature_dim=feature_dim,
-        grid=grid,
-        d_model=cfg.d_model,
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        ff_dim=cfg.ff_dim,
-        dropout=cfg.dropout,
-        max_len=cfg.max_len,
-        tie_embeddings=cfg.tie_embeddings,
-        extension=extension,
-    )

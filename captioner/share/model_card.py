@@ -32,11 +32,11 @@ from PIL import Image
 
 from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
-from captioner.network import file_digest
 from captioner.errors import CheckpointError, DataError
 from captioner.files import MiB, Outputs, atomic_write, read_json, size_text, writable_folder
 from captioner.inference import load
-from captioner.share.examples import example_scenes
+from captioner.network import file_digest
+from captioner.share.server import example_scenes
 from captioner.viz.overlays import render_grid
 
 __all__ = ["DATASETS", "DataCard", "check_repo_id", "default_repo_id", "export_run", "guess_dataset", "metrics_rows",

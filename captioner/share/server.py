@@ -4,7 +4,9 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
 
 * ``GET /``: the page (:mod:`captioner.share.page`), one HTML document with inline CSS and JS;
 * ``GET /api/models``: the models served, ``[{"name", "decoder", "encoder", "vocab"}]``;
-* ``GET /examples/{i}``: example picture ``i`` (:mod:`captioner.share.examples`);
+* ``GET /examples/{i}``: example picture ``i``: the package's example photos or ``--examples DIR``
+  (each checked like an upload, served as its file's own bytes), or, only to a model whose vocabulary
+  is the synthetic scenes' words (:func:`reads_scenes`), scenes drawn from fixed seeds at start-up;
 * ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
   captions of the picture, each with the photo's concepts (``[{"word", "prob"}]``, or null for a model
   without concept detectors) and its attention record (the ``attention.json`` format of
@@ -21,33 +23,39 @@ Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import html
+import io
 import logging
+import os
 import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
+from PIL import Image
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from captioner.data.images import decode_image
-from captioner.errors import CaptionerError, ConfigError, ImageLoadError, one_line
-from captioner.files import MiB, size_text
+from captioner.data.images import decode_image, load_image
+from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
+from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
+from captioner.files import MiB, read_bytes, size_text
 from captioner.inference import Captioner
-from captioner.share.examples import Example, reads_scenes
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
-from captioner.text import SPECIALS
+from captioner.text import SPECIALS, tokenize
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
+
 
 __all__ = ["ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
 
@@ -63,34 +71,20 @@ CARD_CSS = ("body { font: 15px/1.5 system-ui, sans-serif; margin: 1em auto; max-
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """What one upload may ask for.
+    """What one upload may ask for."""
 
-    Attributes:
-        max_bytes: largest upload accepted.
-        max_pixels: largest image accepted (from its header, before decoding: decompression bombs).
-        max_beam: largest beam size (the n-best list is at most the beam).
-        max_len: longest caption in words.
-        display_side: largest side of the picture in the explorer.
-        host: the address served (the Host and Origin checks of :mod:`captioner.share.guards`).
-        head_seconds: the deadline for a whole request line and headers.
-        body_seconds: the deadline for a whole request body.
-        max_connections: connections at once; per_client: from one client address.
-        decode_bytes: the budget of decoded images held at once (None: from the memory available).
-        queue_seconds: how long an upload may wait for the budget before a 503.
-    """
-
-    max_bytes: int = 20 * MiB
-    max_pixels: int = 40_000_000
-    max_beam: int = 5
-    max_len: int = 20
-    display_side: int = 720
-    host: str = "127.0.0.1"
-    head_seconds: float = DEFAULT_HEAD
-    body_seconds: float = DEFAULT_BODY
-    max_connections: int = MAX_CONNECTIONS
+    max_bytes: int = 20 * MiB  # largest upload accepted
+    max_pixels: int = 40_000_000  # largest image accepted (from its header, before decoding: decompression bombs)
+    max_beam: int = 5  # largest beam size (the n-best list is at most the beam)
+    max_len: int = 20  # longest caption in words
+    display_side: int = 720  # largest side of the picture in the explorer
+    host: str = "127.0.0.1"  # the address served (the Host and Origin checks of :mod:`captioner.share.guards`)
+    head_seconds: float = DEFAULT_HEAD  # the deadline for a whole request line and headers
+    body_seconds: float = DEFAULT_BODY  # the deadline for a whole request body
+    max_connections: int = MAX_CONNECTIONS  # connections at once; per_client: from one client address
     per_client: int = PER_CLIENT
-    decode_bytes: int | None = None
-    queue_seconds: float = QUEUE_SECONDS
+    decode_bytes: int | None = None  # the budget of decoded images held at once (None: from the memory available)
+    queue_seconds: float = QUEUE_SECONDS  # how long an upload may wait for the budget before a 503
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_beam", "max_len", "display_side", "head_seconds",
@@ -292,3 +286,100 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+__all__ = ["Example", "default_examples", "example_scenes", "folder_examples", "reads_scenes"]
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+MAX_EXAMPLES = 12
+MAX_EXAMPLE_BYTES = 16 * MiB  # a larger example file is re-encoded (a JPEG of at most 2048 px)
+SCENE_SHARE = 0.9  # a vocabulary this much made of the scenes' words is a scenes model's
+MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "BMP": "image/bmp"}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example picture: its name on the page, its file name, and its bytes with their media type."""
+
+    name: str
+    data: bytes
+    media_type: str
+    filename: str = ""
+
+    def info(self) -> dict:
+        """What the page is told: the name shown and the file name an upload of it carries."""
+        ext = {"image/png": ".png", "image/webp": ".webp", "image/bmp": ".bmp"}.get(self.media_type, ".jpg")
+        return {"name": self.name, "file": self.filename or self.name.replace(" ", "_") + ext}
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def example_scenes(count: int = 3, size: int = 256, seed: int = 7) -> list[Example]:
+    """``count`` synthetic scenes (1-3 coloured shapes), the same on every start."""
+    out = []
+    for i in range(count):
+        rng = np.random.default_rng(seed + i)
+        image = render_scene(rng, sample_scene(rng, size), size)
+        out.append(Example(f"scene {i + 1}", _png(image), "image/png", f"scene_{i + 1}.png"))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def scene_words() -> frozenset[str]:
+    """Every word the synthetic scenes' captions use (their colours, shapes, sizes and templates)."""
+    rng = np.random.default_rng(0)
+    words = set(COLORS) | set(SHAPES) | set(SIZES)
+    for _ in range(60):
+        for caption in scene_captions(sample_scene(rng, 128)):
+            words.update(tokenize(caption))
+    return frozenset(words)
+
+
+def reads_scenes(words: Iterable[str]) -> bool:
+    """Whether a model with vocabulary ``words`` (special tokens left out) was trained on synthetic scenes:
+    at least :data:`SCENE_SHARE` of its words are the scenes' words."""
+    words = [w for w in words if not (w.startswith("<") and w.endswith(">"))]
+    return bool(words) and sum(w in scene_words() for w in words) >= SCENE_SHARE * len(words)
+
+
+def _example_file(path: Path) -> Example:
+    """``path`` as an example: its own bytes when small enough, else a JPEG of it at most 2048 px."""
+    image = load_image(path)  # ImageLoadError names the file
+    if path.stat().st_size <= MAX_EXAMPLE_BYTES:
+        data = read_bytes(path, MAX_EXAMPLE_BYTES, ImageLoadError)
+        with Image.open(io.BytesIO(data)) as opened:
+            kind = MEDIA_TYPES.get(opened.format or "")
+        if kind is not None:
+            return Example(path.stem, data, kind, path.name)
+    image.thumbnail((2048, 2048))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=92)
+    return Example(path.stem, buf.getvalue(), "image/jpeg", path.stem + ".jpg")
+
+
+def folder_examples(folder: str | os.PathLike) -> list[Example]:
+    """The image files of ``folder`` (sorted, at most :data:`MAX_EXAMPLES`), as they are on disk.
+
+    Raises:
+        DataError: not a folder, no readable image in it, or a file that is not a readable image.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder}: --examples must be a folder of images")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[:MAX_EXAMPLES]
+    out = [_example_file(path) for path in files]
+    if not out:
+        raise ImageLoadError(f"{folder}: no images ({', '.join(IMAGE_SUFFIXES)}) in the --examples folder")
+    return out
+
+
+def default_examples(vocabularies: Iterable[Iterable[str]], photos: str | os.PathLike) -> list[Example]:
+    """The examples for models with these vocabularies: the photos in ``photos`` when any model reads
+    photos, the synthetic scenes when any was trained on them (both, for a mix)."""
+    scenes = [reads_scenes(words) for words in vocabularies]
+    out = folder_examples(photos) if not all(scenes) else []
+    return out + (example_scenes() if any(scenes) else [])

@@ -8,6 +8,6 @@ values; ``optim`` the optimiser, its learning-rate schedules and decays and mixe
 ``objective`` the objectives' interface, the cross-entropy with its regularisers and the attention
 supervision by object boxes; ``scst`` self-critical training (sampling and the CIDEr-D reward);
 ``data`` caption sets, vocabulary, feature caches, DataLoaders and in-memory batches;
-``distributed`` torchrun and process-group handling; ``detectors`` the encoder's word-detector
-pretraining. The concept detectors' training and their hook into a run are ``captioner.concepts.training``.
+``detectors`` the encoder's word-detector pretraining (torchrun's process group is
+``captioner.device``). The concept detectors' training and their hook into a run are ``captioner.concepts.training``.
 """

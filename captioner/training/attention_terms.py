@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_instances
-from captioner.data.transforms import crop_box
+from captioner.data.images import crop_box
 from captioner.errors import ConfigError
 from captioner.evaluation.attention_metrics import (WordTable, bind_mentions, box_coverage, detect_vocabulary,
                                                     find_mentions, word_table)
@@ -35,17 +35,11 @@ _EPS = 1e-6  # floor of the in-box mass (a box outside the grid's view has cover
 
 @dataclass
 class GroundingTerm:
-    """What :func:`grounding_loss` returns.
+    """What :func:`grounding_loss` returns."""
 
-    Attributes:
-        loss: the unweighted term, mean over supervised words (0 when none; keeps the graph).
-        words: supervised words in the batch (0-d tensor).
-        in_box: mean attention mass inside the box over the supervised words (detached).
-    """
-
-    loss: torch.Tensor
-    words: torch.Tensor
-    in_box: torch.Tensor
+    loss: torch.Tensor  # the unweighted term, mean over supervised words (0 when none; keeps the graph)
+    words: torch.Tensor  # supervised words in the batch (0-d tensor)
+    in_box: torch.Tensor  # mean attention mass inside the box over the supervised words (detached)
 
 
 def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "cross_entropy") -> GroundingTerm:
@@ -80,7 +74,6 @@ def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = 
     loss = (per_word * supervised).sum() / words.clamp(min=1.0)
     in_box = (mass.detach() * supervised).sum() / words.clamp(min=1.0)
     return GroundingTerm(loss, words.detach(), in_box)
-
 
 
 class GroundingTargets:

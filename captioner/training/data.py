@@ -37,19 +37,18 @@ from tqdm import tqdm
 
 from captioner.checkpoint.remote import cache_root
 from captioner.config import Config
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set
 from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
-from captioner.data.images import DEFAULT_MAX_PIXELS, load_image
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import DEFAULT_MAX_PIXELS, ImageTransform, load_image
+from captioner.device import DistInfo, barrier
 from captioner.errors import ConfigError, DataError, ImageLoadError
 from captioner.features.cache import get_feature_cache
 from captioner.features.dtype import stored_rows
 from captioner.models.model import CaptionModel
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
-from captioner.training.distributed import DistInfo, barrier
 
 log = logging.getLogger(__name__)
 
@@ -194,22 +193,14 @@ MIN_INFERENCE_BATCH = 32
 
 @dataclass
 class TrainData:
-    """Everything the loop reads from disk.
-
-    Attributes:
-        train_set, val_set: caption sets (``val_set`` capped at ``train.val_max_images``).
-        vocab: the vocabulary (from the training captions, or from the run folder on resume).
-        train_dataset: one item per training caption -> (x, tokens, image_index).
-        val_dataset: one item per validation image -> (x, image_index).
-        on_features: True when ``x`` is cached region features, False for pixels.
-    """
+    """Everything the loop reads from disk."""
 
     train_set: Any
     val_set: Any
-    vocab: Vocabulary
-    train_dataset: Dataset
-    val_dataset: Dataset
-    on_features: bool
+    vocab: Vocabulary  # the vocabulary (from the training captions, or from the run folder on resume)
+    train_dataset: Dataset  # one item per training caption -> (x, tokens, image_index)
+    val_dataset: Dataset  # one item per validation image -> (x, image_index)
+    on_features: bool  # True when ``x`` is cached region features, False for pixels
     train_store: Any = None  # MemoryStore of the training images' inputs (``data.in_memory_mb``), or None
     val_store: Any = None  # the same for validation
 

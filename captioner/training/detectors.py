@@ -24,17 +24,17 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from captioner.config import Config
-from captioner.data.checks import check_images
+from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import image_loader
-from captioner.data.transforms import ImageTransform
+from captioner.data.images import ImageTransform
 from captioner.errors import ConfigError, DataError
 from captioner.files import atomic_write
 from captioner.models.encoder import build_encoder
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary, tokenize
-from captioner.training.data import pixels_in_memory
 from captioner.training.attention_terms import GroundingTargets
+from captioner.training.data import pixels_in_memory
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +49,14 @@ SHARPNESS = 4.0  # r of the soft maximum over regions (r -> infinity: the max; r
 
 @dataclass
 class PretrainResult:
-    """What ``pretrain_word_detectors`` returns.
+    """What ``pretrain_word_detectors`` returns."""
 
-    Attributes:
-        weights: the trunk's weights file (for ``encoder.weights``).
-        steps: optimizer steps taken.
-        first_loss, last_loss: mean BCE of the first and the last 20 steps.
-        seconds: wall time of the training loop.
-        grounded_images: training images whose words were also trained region by region (``boxes``).
-    """
-
-    weights: Path
-    steps: int
+    weights: Path  # the trunk's weights file (for ``encoder.weights``)
+    steps: int  # optimizer steps taken
     first_loss: float
     last_loss: float
-    seconds: float
-    grounded_images: int = 0
+    seconds: float  # wall time of the training loop
+    grounded_images: int = 0  # training images whose words were also trained region by region (``boxes``)
 
 
 def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001

@@ -25,33 +25,38 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from captioner import device as ddp
 from captioner import inference
 from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
                                         save_train_state)
 from captioner.concepts.training import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
+from captioner.data.images import attention_entropy
 from captioner.decoding.search import DecodeOptions
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, ImageLoadError, one_line
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text, writable_folder
-from captioner.grids import attention_entropy
 from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
-from captioner.training import distributed as ddp
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
-from captioner.training.run import (Learner, Run, TrainForward, capture_rng, image_error, keep_select_metric,
-                                    name_list, open_run, restore_rng, seed_everything, train_state)
+from captioner.training.run import (Learner, Run, TrainForward, capture_rng, image_error, keep_select_metric, name_list,
+                                    open_run, restore_rng, seed_everything, train_state)
 from captioner.training.scst import build_self_critical
 from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epoch
 
 log = logging.getLogger(__name__)
+
+# The one hook through which the model's optional extension joins a run: (cfg, vocab) -> its setup, whose
+# ``cfg`` is the run's config sized to the extension's files (checked before the first write) and whose
+# ``install(decoder, device)`` fills the built decoder's extension from them.
+JOIN_EXTENSION = run_concepts
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -209,8 +214,6 @@ def make_run_folder(run_dir: Path) -> None:
         raise ConfigError(f"{run_dir}: cannot create the run folder ({exc.strerror or exc})") from None
 
 
-
-
 @torch.inference_mode()
 def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
              device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
@@ -277,21 +280,13 @@ INIT_FREE = frozenset({
 
 @dataclass
 class InitWeights:
-    """What a run takes from its ``--init`` checkpoint.
+    """What a run takes from its ``--init`` checkpoint."""
 
-    Attributes:
-        path: the checkpoint file.
-        state: its model ``state_dict`` (CPU tensors).
-        vocab: its vocabulary (the run must use it).
-        config: its model config.
-        metadata: its training metadata (epoch, step, validation scores, ...).
-    """
-
-    path: Path
-    state: dict[str, torch.Tensor]
-    vocab: Vocabulary
-    config: ModelConfig
-    metadata: dict[str, Any]
+    path: Path  # the checkpoint file
+    state: dict[str, torch.Tensor]  # its model ``state_dict`` (CPU tensors)
+    vocab: Vocabulary  # its vocabulary (the run must use it)
+    config: ModelConfig  # its model config
+    metadata: dict[str, Any]  # its training metadata (epoch, step, validation scores, ...)
 
 
 def _show(value: Any) -> str:
@@ -569,24 +564,17 @@ class TrainResult:
     """What ``train`` returns.
 
     Attributes:
-        best_checkpoint: ``best.safetensors`` (highest validation ``select_metric``).
-        latest_checkpoint: ``latest.safetensors`` (weights after the last trained batch).
-        best_bleu4: validation BLEU-4 of the best checkpoint, 0-1 scale.
         history: one dict per validation (epoch rows of ``metrics.csv``).
-        seconds: wall time of this call.
-        select_metric: the metric the best checkpoint was selected on ("CIDEr-D" or "BLEU-4").
-        best_score: its value for the best checkpoint.
-        best_epoch: 1-based epoch of the best checkpoint.
     """
 
-    best_checkpoint: Path
-    latest_checkpoint: Path
-    best_bleu4: float
+    best_checkpoint: Path  # ``best.safetensors`` (highest validation ``select_metric``)
+    latest_checkpoint: Path  # ``latest.safetensors`` (weights after the last trained batch)
+    best_bleu4: float  # validation BLEU-4 of the best checkpoint, 0-1 scale
     history: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-    select_metric: str = "CIDEr-D"
-    best_score: float = 0.0
-    best_epoch: int = 0
+    seconds: float = 0.0  # wall time of this call
+    select_metric: str = "CIDEr-D"  # the metric the best checkpoint was selected on ("CIDEr-D" or "BLEU-4")
+    best_score: float = 0.0  # its value for the best checkpoint
+    best_epoch: int = 0  # 1-based epoch of the best checkpoint
 
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
@@ -643,8 +631,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            concepts = run_concepts(cfg, init.vocab)  # they size the decoder the checkpoint must match
-            cfg = concepts.cfg
+            extension = JOIN_EXTENSION(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
+            cfg = extension.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
             if replay and info.is_main:
@@ -659,8 +647,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        concepts = run_concepts(cfg, vocab)  # train.concepts: checked before the first write
-        cfg = concepts.cfg
+        extension = JOIN_EXTENSION(cfg, vocab)  # checked before the first write
+        cfg = extension.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
@@ -674,7 +662,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
 
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model, len(vocab), load_pretrained=init is None).to(info.device)
-    concepts.install(model.decoder, info.device)  # train.concepts: the head's weights (and fold heads)
+    extension.install(model.decoder, info.device)  # the extension's weights, from its files
     if init is not None:  # before the feature cache: a frozen encoder's features come from these weights
         apply_init(model, init, vocab)
         init = None

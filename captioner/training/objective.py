@@ -44,18 +44,16 @@ class LossResult:
     """The scalar to backpropagate, the objective worth logging and the named parts.
 
     Attributes:
-        total: what to backpropagate (objective + REINFORCE surrogate).
-        objective: ``ce + alpha_c * doubly_stochastic - entropy_weight * entropy`` (detached).
-        terms: named detached 0-d tensors: ``ce``, ``doubly_stochastic`` (unweighted),
-            ``reinforce`` (the surrogate term), ``entropy`` (mean attention entropy, nats),
-            ``baseline``, ``advantage_scale``, and ``weighted_<name>`` for each regulariser as
-            it enters the objective (``alpha_c * doubly_stochastic``, ``entropy_weight * entropy``).
-        captions: how many captions the loss averages over: the weight of this batch's terms in
-            the logged means (set by the training objectives; None from ``CaptionLoss`` alone).
+        terms: named detached 0-d tensors: ``ce``, ``doubly_stochastic`` (unweighted), ``reinforce`` (the
+            surrogate term), ``entropy`` (mean attention entropy, nats), ``baseline``, ``advantage_scale``, and
+            ``weighted_<name>`` for each regulariser as it enters the objective (``alpha_c *
+            doubly_stochastic``, ``entropy_weight * entropy``).
+        captions: how many captions the loss averages over: the weight of this batch's terms in the logged means
+            (set by the training objectives; None from ``CaptionLoss`` alone).
     """
 
-    total: torch.Tensor
-    objective: torch.Tensor
+    total: torch.Tensor  # what to backpropagate (objective + REINFORCE surrogate)
+    objective: torch.Tensor  # ``ce + alpha_c * doubly_stochastic - entropy_weight * entropy`` (detached)
     terms: dict[str, torch.Tensor]
     captions: int | None = None
 
@@ -105,12 +103,9 @@ class CaptionLoss(nn.Module):
             raise ConfigError(f"alpha_c must be >= 0, got {alpha_c}")
         if ds_form not in DS_FORMS:
             raise ConfigError(f"ds_form={ds_form!r}: use one of {', '.join(DS_FORMS)}")
-        self.pad_id = pad_id
-        self.label_smoothing = label_smoothing
-        self.alpha_c = alpha_c
-        self.ds_form = ds_form
-        self.reinforce_weight = reinforce_weight
-        self.entropy_weight = entropy_weight
+        self.pad_id, self.label_smoothing = pad_id, label_smoothing
+        self.alpha_c, self.ds_form = alpha_c, ds_form  # the doubly stochastic penalty
+        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight  # hard attention's terms
         self.baseline_decay = baseline_decay
         self.register_buffer("baseline", torch.zeros(()))  # moving-average reward
         self.register_buffer("advantage_var", torch.ones(()))  # moving average of (r - b)^2
@@ -191,17 +186,11 @@ class CaptionLoss(nn.Module):
 
 
 class Batch(NamedTuple):
-    """One training batch on the device.
+    """One training batch on the device."""
 
-    Attributes:
-        x: images (B,3,S,S) or cached region features (B,N,D), one row per caption item.
-        tokens: (B,T) the rows' reference captions ``[<bos> w.. <eos> pad..]``.
-        image_index: (B,) the training image of each row (an index into the training ``CaptionSet``).
-    """
-
-    x: torch.Tensor
-    tokens: torch.Tensor
-    image_index: torch.Tensor
+    x: torch.Tensor  # images (B,3,S,S) or cached region features (B,N,D), one row per caption item
+    tokens: torch.Tensor  # (B,T) the rows' reference captions ``[<bos> w.. <eos> pad..]``
+    image_index: torch.Tensor  # (B,) the training image of each row (an index into the training ``CaptionSet``)
 
 
 @dataclass(frozen=True)
@@ -211,13 +200,12 @@ class TrainModel:
     Attributes:
         forward: ``forward(x, tokens) -> DecoderOutput`` with gradients: the training module
             (:class:`captioner.training.run.TrainForward`), DDP-wrapped under torchrun.
-        decoder: the bare decoder, for decoding without gradients (sampling, greedy captions).
-        encode: images (B,3,S,S) -> features (B,N,D) through the bare encoder, or None when the
-            batches hold cached features.
+        encode: images (B,3,S,S) -> features (B,N,D) through the bare encoder, or None when the batches hold
+            cached features.
     """
 
     forward: Callable[[torch.Tensor, torch.Tensor], DecoderOutput]
-    decoder: CaptionDecoder
+    decoder: CaptionDecoder  # the bare decoder, for decoding without gradients (sampling, greedy captions)
     encode: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 

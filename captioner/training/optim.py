@@ -216,16 +216,13 @@ class Precision:
     """How one run takes its optimizer steps: mixed precision and non-finite gradients.
 
     Attributes:
-        dtype: autocast dtype, or None for full fp32.
-        device_type: ``"cuda"`` or ``"cpu"``.
-        scaler: a ``GradScaler`` (fp16 only), else None.
-        skip_nonfinite: without a scaler, skip (do not take) an optimizer step whose gradient norm
-            is NaN/inf (``train.skip_nonfinite``); a scaler already skips such steps itself.
+        skip_nonfinite: without a scaler, skip (do not take) an optimizer step whose gradient norm is NaN/inf
+            (``train.skip_nonfinite``); a scaler already skips such steps itself.
     """
 
-    dtype: torch.dtype | None
-    device_type: str
-    scaler: torch.amp.GradScaler | None
+    dtype: torch.dtype | None  # autocast dtype, or None for full fp32
+    device_type: str  # ``"cuda"`` or ``"cpu"``
+    scaler: torch.amp.GradScaler | None  # a ``GradScaler`` (fp16 only), else None
     skip_nonfinite: bool = False
 
     def autocast(self) -> AbstractContextManager:
@@ -264,14 +261,13 @@ class StepResult:
     """What :func:`clip_and_step` did; truthy when the optimizer stepped.
 
     Attributes:
-        stepped: the optimizer took the step (the schedule should advance).
-        grad_norm: total gradient norm before clipping, or None when it was not computed (no
-            clipping and no ``skip_nonfinite``).
-        skipped_nonfinite: the gradient norm was NaN/inf and ``precision.skip_nonfinite`` skipped
-            the step (gradients cleared, optimizer and its state untouched).
+        grad_norm: total gradient norm before clipping, or None when it was not computed (no clipping and no
+            ``skip_nonfinite``).
+        skipped_nonfinite: the gradient norm was NaN/inf and ``precision.skip_nonfinite`` skipped the step
+            (gradients cleared, optimizer and its state untouched).
     """
 
-    stepped: bool
+    stepped: bool  # the optimizer took the step (the schedule should advance)
     grad_norm: float | torch.Tensor | None = None  # a tensor unless skip_nonfinite needed it on the host
     skipped_nonfinite: bool = False
 

@@ -29,10 +29,10 @@ from torch import nn
 from tqdm import tqdm
 
 from captioner.config import SELECT_METRICS, Config, EncoderConfig
+from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
 from captioner.files import check_regular
 from captioner.models.model import CaptionModel
-from captioner.training.distributed import RANK_SEED_STRIDE, DistInfo
 from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
 from captioner.training.optim import Precision, nonfinite_tensors
 
@@ -178,35 +178,24 @@ class Progress:
     """Where a run stands; saved in ``train_state.pt`` and restored on resume.
 
     Attributes:
-        epoch: current epoch, 0-based (== epochs when training has finished).
-        batch_in_epoch: batches of ``epoch`` already trained (> 0 after a mid-epoch stop).
-        step: batches trained in total (the x axis of every log).
-        select_metric: the validation metric this run selects on (``train.select_metric`` when the
-            run started; a resume keeps it).
-        best_score: best ``select_metric`` so far (-1 before the first validation).
-        best_bleu4: validation BLEU-4 (0-1 scale) of that best checkpoint.
-        best_epoch: 1-based epoch of ``best_score``.
-        bad_epochs: epochs since the last improvement (early stopping, plateau decay).
-        seconds: training wall time of all sessions of this run.
-        skipped: batches skipped for a non-finite loss or gradient (``train.skip_nonfinite``).
+        select_metric: the validation metric this run selects on (``train.select_metric`` when the run started;
+            a resume keeps it).
         history: one dict per validation (the epoch rows of ``metrics.csv``).
-        epoch_meter: loss means of the current epoch so far.
-        window_meter: loss means since the last step row.
     """
 
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    step: int = 0
+    epoch: int = 0  # current epoch, 0-based (== epochs when training has finished)
+    batch_in_epoch: int = 0  # batches of ``epoch`` already trained (> 0 after a mid-epoch stop)
+    step: int = 0  # batches trained in total (the x axis of every log)
     select_metric: str = "CIDEr-D"
-    best_score: float = -1.0
-    best_bleu4: float = -1.0
-    best_epoch: int = 0
-    bad_epochs: int = 0
-    seconds: float = 0.0
-    skipped: int = 0
+    best_score: float = -1.0  # best ``select_metric`` so far (-1 before the first validation)
+    best_bleu4: float = -1.0  # validation BLEU-4 (0-1 scale) of that best checkpoint
+    best_epoch: int = 0  # 1-based epoch of ``best_score``
+    bad_epochs: int = 0  # epochs since the last improvement (early stopping, plateau decay)
+    seconds: float = 0.0  # training wall time of all sessions of this run
+    skipped: int = 0  # batches skipped for a non-finite loss or gradient (``train.skip_nonfinite``)
     history: list[dict[str, Any]] = field(default_factory=list)
-    epoch_meter: RunningMean = field(default_factory=RunningMean)
-    window_meter: RunningMean = field(default_factory=RunningMean)
+    epoch_meter: RunningMean = field(default_factory=RunningMean)  # loss means of the current epoch so far
+    window_meter: RunningMean = field(default_factory=RunningMean)  # loss means since the last step row
 
     def state_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -259,24 +248,18 @@ class Learner:
     """What is trained and how.
 
     Attributes:
-        model: the captioner (its ``state_dict`` is what checkpoints hold).
-        module: the :class:`TrainForward` over ``model``.
-        objective: the training objective (:mod:`captioner.training.objective`).
-        optimizer: its param groups (decoder first) hold every trained parameter.
-        scheduler: the lr schedule, stepped once per optimizer step.
-        precision: autocast dtype and gradient scaler.
         forward: the module that runs ``module`` with gradients: ``module`` itself, or its
             ``DistributedDataParallel`` wrapper under torchrun (set by the loop).
         graphed: ``train.cuda_graph``: the captured forward + loss + backward
             (:class:`~captioner.training.step.GraphedStep`), else None.
     """
 
-    model: CaptionModel
-    module: TrainForward
-    objective: Objective
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    precision: Precision
+    model: CaptionModel  # the captioner (its ``state_dict`` is what checkpoints hold)
+    module: TrainForward  # the :class:`TrainForward` over ``model``
+    objective: Objective  # the training objective (:mod:`captioner.training.objective`)
+    optimizer: torch.optim.Optimizer  # its param groups (decoder first) hold every trained parameter
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # the lr schedule, stepped once per optimizer step
+    precision: Precision  # autocast dtype and gradient scaler
     forward: nn.Module | None = None
     graphed: Any = None
 
@@ -308,17 +291,11 @@ class RunFolder:
 
 @dataclass
 class Clock:
-    """Wall time of a run.
+    """Wall time of a run."""
 
-    Attributes:
-        start: ``time.monotonic()`` when this ``train`` call began.
-        budget: ``train.time_budget`` in seconds (None: no budget), counted from ``start``.
-        seconds_before: training seconds of earlier sessions of this run (resume).
-    """
-
-    start: float
-    budget: float | None
-    seconds_before: float = 0.0
+    start: float  # ``time.monotonic()`` when this ``train`` call began
+    budget: float | None  # ``train.time_budget`` in seconds (None: no budget), counted from ``start``
+    seconds_before: float = 0.0  # training seconds of earlier sessions of this run (resume)
 
     def session_seconds(self) -> float:
         """Seconds since this call began."""
@@ -334,19 +311,12 @@ class Clock:
 
 @dataclass
 class StatsReading:
-    """What ``DeviceStats.read`` returns.
+    """What ``DeviceStats.read`` returns."""
 
-    Attributes:
-        means: caption-weighted means of ``loss`` (the objective) and every loss term.
-        captions: captions added since the last read.
-        bad_loss: ``(step, value)`` of the first non-finite loss, or None.
-        bad_grad_step: the first step whose gradient norm was not finite, or None.
-    """
-
-    means: dict[str, float]
-    captions: float
-    bad_loss: tuple[int, float] | None
-    bad_grad_step: int | None
+    means: dict[str, float]  # caption-weighted means of ``loss`` (the objective) and every loss term
+    captions: float  # captions added since the last read
+    bad_loss: tuple[int, float] | None  # ``(step, value)`` of the first non-finite loss, or None
+    bad_grad_step: int | None  # the first step whose gradient norm was not finite, or None
 
 
 class DeviceStats:
@@ -396,46 +366,27 @@ class DeviceStats:
 
 @dataclass
 class SessionState:
-    """What this process noticed since it started; not saved (a resume starts afresh).
+    """What this process noticed since it started; not saved (a resume starts afresh)."""
 
-    Attributes:
-        last_lr: decoder lr of the last optimizer step (logged).
-        skipped_in_a_row: batches skipped for non-finite values since the last good one.
-        bad_grad_step: first step with a non-finite gradient norm (without ``skip_nonfinite``).
-        stats: loss terms since the last read, on the device.
-        warned_regulariser: the "a regulariser outweighs the cross-entropy" line was printed.
-    """
-
-    last_lr: float | None = None
-    skipped_in_a_row: int = 0
-    bad_grad_step: int | None = None
-    stats: DeviceStats = field(default_factory=DeviceStats)
-    warned_regulariser: bool = False
+    last_lr: float | None = None  # decoder lr of the last optimizer step (logged)
+    skipped_in_a_row: int = 0  # batches skipped for non-finite values since the last good one
+    bad_grad_step: int | None = None  # first step with a non-finite gradient norm (without ``skip_nonfinite``)
+    stats: DeviceStats = field(default_factory=DeviceStats)  # loss terms since the last read, on the device
+    warned_regulariser: bool = False  # the "a regulariser outweighs the cross-entropy" line was printed
 
 
 @dataclass
 class Run:
-    """One training run, as every piece of the loop sees it.
+    """One training run, as every piece of the loop sees it."""
 
-    Attributes:
-        cfg: the full configuration (a resume keeps the run's ``select_metric``).
-        info: this process's rank, world size and device.
-        learner: model, objective, optimizer, schedule, precision.
-        folder: the run folder and its logger.
-        clock: start time, time budget, earlier sessions.
-        progress: counters and best-so-far (saved in ``train_state.pt``).
-        session: this process's unsaved bookkeeping.
-        show_progress: tqdm bars on (rank 0 only).
-    """
-
-    cfg: Config
-    info: DistInfo
-    learner: Learner
-    folder: RunFolder
-    clock: Clock
-    progress: Progress
-    session: SessionState = field(default_factory=SessionState)
-    show_progress: bool = True
+    cfg: Config  # the full configuration (a resume keeps the run's ``select_metric``)
+    info: DistInfo  # this process's rank, world size and device
+    learner: Learner  # model, objective, optimizer, schedule, precision
+    folder: RunFolder  # the run folder and its logger
+    clock: Clock  # start time, time budget, earlier sessions
+    progress: Progress  # counters and best-so-far (saved in ``train_state.pt``)
+    session: SessionState = field(default_factory=SessionState)  # this process's unsaved bookkeeping
+    show_progress: bool = True  # tqdm bars on (rank 0 only)
 
 
 def open_run(cfg: Config, info: DistInfo, learner: Learner, run_dir: Path, start: float, show_progress: bool,

@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from captioner import device as ddp
 from captioner.decoding.graphs import GraphCounts, record_graph
 from captioner.errors import ConfigError
 from captioner.features.dtype import model_input
-from captioner.training import distributed as ddp
 from captioner.training.objective import Batch, LossResult, TrainModel
 from captioner.training.optim import budget_decay, clip_and_step
-from captioner.training.run import (EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch,
-                                    skip_empty)
+from captioner.training.run import EpochLog, Run, add_means, nonfinite_error, read_stats, skip_batch, skip_empty
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +250,6 @@ def check_cuda_graph(train_cfg: Any, decoder_name: str, on_features: bool, devic
                           "per batch on the host); set one of them to 0/false")
     if train_cfg.amp == "fp16" or (train_cfg.amp == "auto" and not torch.cuda.is_bf16_supported()):
         raise ConfigError("train.cuda_graph does not capture fp16 with a gradient scaler; use train.amp=bf16 or off")
-
-
 
 
 def backward_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> Any:  # -> StepResult

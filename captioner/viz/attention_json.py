@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from captioner.data.images import as_array
 from captioner.errors import DataError, one_line
 from captioner.files import MiB, read_json
-from captioner.grids import as_array
 from captioner.inference import Caption
 
 __all__ = ["caption_from_dict", "caption_to_dict", "on_image", "read_attention_json", "write_attention_json"]

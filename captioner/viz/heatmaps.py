@@ -42,8 +42,8 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from captioner.data.images import as_array, cell_weights
 from captioner.errors import ConfigError, DataError
-from captioner.grids import as_array, cell_weights
 
 __all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "HEAT_DIM", "STYLES", "UNIFORM_FLOOR",
            "attention_stats", "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "legend_top",
@@ -64,7 +64,7 @@ _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsam
 def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
     """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0.
 
-    ``smooth``: bilinear with a Gaussian blur; else nearest (:func:`captioner.grids.cell_weights`)."""
+    ``smooth``: bilinear with a Gaussian blur; else nearest (:func:`captioner.data.images.cell_weights`)."""
     if not smooth:
         return cell_weights(size, start, stop, g)
     weights = np.zeros((size, g), dtype=np.float64)

@@ -26,9 +26,9 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from captioner.data.images import as_array
 from captioner.errors import ConfigError, DataError
 from captioner.files import safe_name
-from captioner.grids import as_array
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image, read_attention_json, write_attention_json
 from captioner.viz.explorer import write_explorer
@@ -329,15 +329,8 @@ def render_tags(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, 
                               panel_side, columns, style)
 
 
-def render_labels(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    panel_side: int = 224,
-    columns: int = 5,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image | None:
+def render_labels(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                  panel_side: int = 224, columns: int = 5, style: str = DEFAULT_STYLE) -> Image.Image | None:
     """The words the encoder's ImageNet head sees (``Caption.labels``) as :func:`render_tags` draws tags,
     each panel titled ``label: bear 0.99``; None for a caption without labels."""
     caption = on_image(caption, image)

@@ -47,16 +47,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from captioner.config import get_preset  # noqa: E402
-from captioner.data.caption_set import CaptionSet, ImageRecord  # noqa: E402
-from captioner.data.dataset import CaptionTrainDataset  # noqa: E402
-from captioner.features.cache import FeatureCache, cache_header, write_cache_file  # noqa: E402
-from captioner.features.dtype import model_input  # noqa: E402
-from captioner.models.lstm import SATDecoder  # noqa: E402
-from captioner.training.data import train_loader, training_vocabulary  # noqa: E402
-from captioner.training.distributed import DistInfo  # noqa: E402
-from captioner.training.objective import CaptionLoss  # noqa: E402
-from captioner.training.step import GraphedStep  # noqa: E402
+from captioner.config import get_preset
+from captioner.data.caption_set import CaptionSet, ImageRecord
+from captioner.data.dataset import CaptionTrainDataset
+from captioner.device import DistInfo
+from captioner.features.cache import FeatureCache, cache_header, write_cache_file
+from captioner.features.dtype import model_input
+from captioner.models.lstm import SATDecoder
+from captioner.training.data import train_loader, training_vocabulary
+from captioner.training.objective import CaptionLoss
+from captioner.training.step import GraphedStep
 
 WARM_STEPS = 20  # steps left out of the steady-state figures (captures happen here)
 

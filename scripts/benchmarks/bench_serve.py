@@ -70,7 +70,7 @@ def serve_latency(quick: bool) -> dict:
     from captioner.checkpoint.store import save_checkpoint
     from captioner.config import get_preset
     from captioner.models.model import build_model
-    from captioner.share.examples import example_scenes
+    from captioner.share.server import example_scenes
     from captioner.share.server import ServedModel, create_app, running
     from captioner.text import Vocabulary
 

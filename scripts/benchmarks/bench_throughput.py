@@ -8,7 +8,7 @@ the same photos and the same model for every row.
 * ``before_*``: the same captions the way they were made before: NCHW encoder with its BatchNorm
   layers, each batch read, then encoded, then searched, one after the other;
 * ``caption_bf16_*``: the same with ``precision="bfloat16"`` (the decoder's arithmetic in bfloat16:
-  :mod:`captioner.decoding.precision`; the encoder and the reading as above);
+  :mod:`captioner.decoding.search`; the encoder and the reading as above);
 * ``bound_*``: reading + encoding alone (no search), as the caption path now does it: what the caption
   path could reach if the search cost nothing;
 * ``cache_*``: ``FeatureCache.build`` on the 224-px photos, now and as before (NCHW, serial reads).

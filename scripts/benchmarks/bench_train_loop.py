@@ -57,7 +57,7 @@ def _model_captions_per_s(cfg, data_root: str, steps: int, device: torch.device)
     from captioner.models.model import build_model
     from captioner.text import Vocabulary
     from captioner.training.data import load_caption_sets, prepare_data, train_loader
-    from captioner.training.distributed import DistInfo
+    from captioner.device import DistInfo
     from captioner.training.objective import CaptionLoss
     from captioner.training.optim import build_optimizer, setup_precision
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from captioner.config.parse import parse_override
-    from captioner.demo.jobs import _train_and_score, build_feature_caches
+    from captioner.demo.pipeline import _train_and_score, build_feature_caches
     from captioner.demo.pipeline import DemoOptions, demo_config, ensure_scenes, parse_budgets
 
     out = Path(args.out)

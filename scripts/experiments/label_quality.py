@@ -32,10 +32,9 @@ import torch.nn.functional as F
 import captioner
 from captioner.concepts.labels import label_head
 from captioner.data.coco import load_caption_set
-from captioner.data.images import load_image
+from captioner.data.images import crop_box, load_image
 from captioner.models.encoder import efficientnet_lite_state_dict
 from captioner.data.coco import load_instances
-from captioner.data.transforms import crop_box
 from captioner.evaluation.attention_metrics import box_coverage
 from captioner.evaluation.chair import named_objects
 from captioner.text import tokenize
