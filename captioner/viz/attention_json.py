@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.errors import DataError
+from captioner.errors import DataError, one_line
 from captioner.files import MiB, read_json
 from captioner.grids import as_array
 from captioner.inference import Caption
