@@ -174,7 +174,7 @@ def test_the_concepts_slice_keeps_its_inner_order():
     graph = import_graph()
     assert "captioner.concepts.training" not in graph["captioner.concepts.model"]
     assert {name for name in graph if name.startswith("captioner.concepts")} == {
-        "captioner.concepts", "captioner.concepts.model", "captioner.concepts.training"}
+        "captioner.concepts", "captioner.concepts.labels", "captioner.concepts.model", "captioner.concepts.training"}
 
 
 def test_the_papers_decoders_hardly_mention_concepts():
