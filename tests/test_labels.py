@@ -158,8 +158,6 @@ def test_label_head_reads_the_wheels_classifier_and_refuses_encoders_without_one
     assert head.to_words.shape == (IMAGENET_CLASSES, len(head.words))
     with pytest.raises(ConfigError, match="encoder 'tiny' has no shipped ImageNet classifier"):
         label_head(EncoderConfig(name="tiny"))
-    with pytest.raises(ConfigError, match="built without its ImageNet weights"):  # its regions are not the head's
-        label_head(EncoderConfig(name="efficientnet_lite0", pretrained=False))
 
 
 def test_the_imagenet_encoder_sees_the_bear(shared_data):

