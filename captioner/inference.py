@@ -428,7 +428,7 @@ class Captioner:
                                             (int(grid[0]), int(grid[1])))
 
     def caption_nbest(self, image: ImageInput, n_best: int = 3, options: DecodeOptions | None = None, *,
-                      all_heads: bool = False, **decoding: object) -> list[Caption]:
+                      all_heads: bool = False, labels: int = 0, **decoding: object) -> list[Caption]:
         """The ``n_best`` best captions of one image (best first), each with its per-word attention.
 
         Args:
@@ -436,12 +436,19 @@ class Captioner:
             n_best: how many captions (at most the beam size).
             options, **decoding: search options, as in :meth:`caption` (``beam=5``, ``max_len=16``).
             all_heads: also every layer's and head's map of each caption (Transformer).
+            labels: also the photo's K most probable words of the encoder's ImageNet head, as in
+                :meth:`caption` (the same for each caption); 0: none.
 
         Returns:
             Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box`` (and the
-            photo's ``concepts`` and ``concept_maps`` for a model with concept detectors, the same for each).
+            photo's ``concepts`` and ``concept_maps`` for a model with concept detectors, and its ``labels``
+            when asked, the same for each).
+
+        Raises:
+            ConfigError: as :meth:`caption` (labels asked of an encoder without an ImageNet head).
         """
         options = decode_options(options, **decoding, n_best=n_best)
+        head = self.label_head() if self._check_labels(labels) else None
         sources = self._flatten(image)
         if len(sources) != 1:
             raise DataError(f"caption_nbest takes one image, got {len(sources)}")
@@ -453,11 +460,13 @@ class Captioner:
             grid = (int(grid[0]), int(grid[1]))
             concepts, concept_maps = photo_tags(getattr(self.model.decoder, "extension", None), features, self.vocab,
                                                   grid)[0]  # the photo's
+            seen = head.top(features, grid, k=labels)[0] if head is not None else None
             out = []
             for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
                 c = _caption(h, self.vocab, grid)
                 c.image_size, c.box = size, box
                 c.concepts, c.concept_maps = concepts, concept_maps
+                c.labels = None if seen is None else list(seen)
                 if all_heads:
                     c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
                 out.append(c)

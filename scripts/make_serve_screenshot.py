@@ -11,7 +11,8 @@ Serves the checkpoints (default: the shipped model) on 127.0.0.1 in this process
 chromedriver, as the browser tests) with a window of exactly ``--size`` (the page's innerWidth x
 innerHeight), uploads ``--image`` or clicks example ``--example``, keeps the word the page opens on or
 selects word ``--word`` of the first model's best caption (0-based; with several models every column
-shows that word, or says its caption lacks it) and saves a screenshot of the first screen.
+shows that word, or says its caption lacks it) or the photo's label ``--label`` (the chips of a model whose
+encoder has an ImageNet head) and saves a screenshot of the first screen.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", type=int, default=0, help="the example to click when no --image (0-based)")
     parser.add_argument("--word", type=int, default=None,
                         help="word of the best caption to select (0-based; default: the one the page opens on)")
+    parser.add_argument("--label", type=int, default=None,
+                        help="label of the photo to select instead (0-based: the most probable first)")
     parser.add_argument("--n-best", type=int, default=3, help="captions in the n-best list")
     parser.add_argument("--size", default="1280,900", help="the page's window WIDTH,HEIGHT")
     parser.add_argument("--style", choices=("heat", "light"), default="heat", help="style of the maps")
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 Select(driver.find_element(By.ID, "style")).select_by_value(args.style)
             if args.word is not None:
                 driver.find_element(By.ID, f"word-{args.word}").click()
+            if args.label is not None:
+                driver.find_element(By.ID, f"label-{args.label}").click()
             driver.switch_to.default_content()
             if args.scroll:  # the maps' tops at the top of the window
                 driver.execute_script("const f = document.querySelector('#columns iframe'), c = "

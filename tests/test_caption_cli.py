@@ -214,6 +214,8 @@ def test_labels_option_adds_the_imagenet_heads_words_to_json_and_overlays(capsys
     record = read_attention_json(Path(row["overlay"]) / "attention.json")
     assert [w for w, _, _ in record.labels] == [label["word"] for label in row["labels"]]
     assert (Path(row["overlay"]) / "attention_labels.png").is_file()
+    explorer = (Path(row["overlay"]) / "attention.html").read_text(encoding="utf-8")  # its row of label chips
+    assert [f'id="label-{k}"' in explorer for k in range(4)] == [True, True, True, False]
     code, out, _ = _run(capsys, "caption", str(photos / "b_wide.png"), "-c", str(lite), "--json", "--max-len", "2")
     assert code == 0 and "labels" not in json.loads(out[0])  # off by default
 

@@ -17,7 +17,8 @@ from PIL import Image
 from captions import make_caption
 from captioner.errors import ConfigError, DataError
 from captioner.inference import Caption
-from captioner.viz.explorer import CONCEPTS_LABEL, MAX_CONCEPTS, opening_word, render_explorer, write_explorer
+from captioner.viz.explorer import (CONCEPTS_LABEL, LABELS_LABEL, MAX_CONCEPTS, MAX_LABELS, opening_word, render_explorer,
+                                    write_explorer)
 from captioner.viz.heatmaps import UNIFORM_FLOOR, style_layer
 from captioner.viz.overlays import BLUR_CELLS, colormap_lut
 
@@ -192,6 +193,7 @@ for (const args of JSON.parse(process.argv[3])) {
   if (args.head !== undefined) { elements.head.value = args.head; elements.head.handlers.input(); }
   if (args.show !== undefined) window.captionerShowWord(args.show[0], args.show[1], args.show[2]);
   else if (args.tag !== undefined) elements["tag-" + args.tag].handlers[args.event || "click"](moved);
+  else if (args.label !== undefined) elements["label-" + args.label].handlers[args.event || "click"](moved);
   else spans[args.word].handlers[args.event || "click"](moved);
   shot();
 }
@@ -358,3 +360,62 @@ def test_a_word_missing_from_the_caption_is_said_so_and_its_tag_or_nearest_word_
     assert tag["shown"] == "tag-0" and tag["big"] == "tag: dog 0.80"  # the photo's tag of that name
     assert tag["missing"] == "No \u201cdog\u201d in this caption: its tag instead."
     assert tag["pinned"] == same["pinned"]  # shown, not pinned: the column's own choice stays
+
+
+# ----------------------------------------------------------------------------- the labels the encoder sees
+
+
+def _with_labels(record: Caption, labels, maps) -> Caption:
+    return dataclasses.replace(record, labels=[(w, p, torch.as_tensor(np.asarray(m, np.float32)))
+                                               for (w, p), m in zip(labels, maps)])
+
+
+def test_label_chips_list_the_labels_the_encoder_sees_in_their_own_row():
+    rng = np.random.default_rng(3)
+    maps = rng.random((12, 3, 3))
+    maps /= maps.sum((1, 2), keepdims=True)
+    names = [f"l{k}" for k in range(11)] + ["<i>"]
+    record = _with_labels(_record(), [(w, 0.9 - 0.05 * k) for k, w in enumerate(names)], maps)
+    page = render_explorer(Image.new("RGB", (30, 20)), record)
+    chips = re.findall(r'<button type="button" class="chip" id="(label-\d+)"[^>]*>([^<]*) <span class="prob">([^<]*)</span>',
+                       page)
+    assert len(chips) == MAX_LABELS == 10 and chips[:2] == [("label-0", "l0", "0.90"), ("label-1", "l1", "0.85")]
+    assert LABELS_LABEL in page and 'aria-labelledby="labels-label"' in page
+    assert page.index('id="caption"') < page.index('id="labels"') < page.index("<canvas")
+    assert 'id="concepts"' not in page and _chips(page) == []  # no concepts: no row of tags
+    data = _payload(page)
+    assert [c["word"] for c in data["labels"]] == names[:10] and data["labels"][1]["prob"] == 0.85
+    np.testing.assert_allclose(data["label_maps"], maps[:10], atol=1e-5)
+    both = _with_concepts(_with_labels(_record(), [("dog", 0.7)], maps[:1]), [("grass", 0.4)], maps[1:2])
+    page = render_explorer(Image.new("RGB", (30, 20)), both)  # tags, then labels
+    assert page.index('id="concepts"') < page.index('id="labels"') and "to a tag or a label" in page
+    plain = render_explorer(Image.new("RGB", (30, 20)), _record())
+    assert 'id="labels"' not in plain and LABELS_LABEL not in plain and _payload(plain)["labels"] is None
+
+
+def test_the_explorer_script_draws_a_labels_map_and_steps_between_words_tags_and_labels(tmp_path):
+    g = 4
+    corners = np.zeros((3, g, g), np.float32)
+    corners[0, 0, 0] = corners[1, g - 1, g - 1] = corners[2, 0, g - 1] = 1.0  # top left, bottom right, top right
+    record = _with_labels(make_caption(["a", "dog"], corners[[0, 0]]), [("dog", 0.913), ("ball", 0.05)],
+                          corners[[1, 2]])
+    page = render_explorer(Image.new("RGB", (128, 128)), _with_concepts(record, [("grass", 0.3)], corners[2:]),
+                           style="light")
+    steps = [{"word": 1}, {"label": 0, "event": "mousemove"}, {"label": 0, "event": "mouseleave"},
+             {"label": 1, "event": "focus"}, {"label": 1}, {"show": ["ball", "word", None]},
+             {"show": ["grass", "label", None]}, {"show": ["dog", "label", None]}, {"show": ["cat", "label", None]}]
+    out = _run_in_node(tmp_path, page, steps)
+    word, hovered, left, focused, pinned, ball, grass, dog, cat = out["shots"]
+    w, t = _scale_positions(word, "light"), _scale_positions(hovered, "light")
+    assert w[:40, :40].mean() > 200 and w[-40:, -40:].mean() < 60  # the word looked top left
+    assert t[-40:, -40:].mean() > 200 and t[:40, :40].mean() < 60  # the label "dog" lies bottom right
+    assert hovered["big"] == "label: dog 0.91" and hovered["shown"] == "label-0" and hovered["pinned"] == "1"
+    assert hovered["summary"].startswith("The label \u201cdog\u201d (probability 0.91) lies mostly in one place")
+    assert hovered["info"].startswith("label 1/2 \u201cdog\u201d: peak 100% at row 4, column 4")
+    assert left["shown"] == "1" and focused["shown"] == "label-1" and focused["big"] == "label: ball 0.05"
+    assert pinned["pinned"] == "label-1" and _scale_positions(pinned, "light")[:40, -40:].mean() > 200
+    # what another column shows: a word this caption lacks but a label has, a label this photo lacks
+    assert ball["shown"] == "label-1" and ball["missing"] == "No \u201cball\u201d in this caption: its label instead."
+    assert grass["shown"] == "tag-0" and grass["missing"] == "No \u201cgrass\u201d among this photo's labels: its tag instead."
+    assert dog["shown"] == "label-0" and dog["missing"] is None  # its own label of that name
+    assert cat["missing"] == "No \u201ccat\u201d among this photo's labels." and cat["shown"] == "label-1"

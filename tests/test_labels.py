@@ -6,6 +6,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +182,10 @@ def test_captioner_returns_labels_on_request(shared_data):
         assert grid_map.shape == (7, 7) and abs(float(grid_map.sum()) - 1) < 1e-4
     with pytest.raises(ConfigError, match="labels must be an integer >= 0"):
         model.caption(photo, labels=-1)
+    nbest = model.caption_nbest(photo, n_best=2, beam=3, labels=3)  # the server's call: the same labels on each
+    assert nbest[0].text == plain.text and len(nbest) == 2
+    for c in nbest:
+        assert [(w, p) for w, p, _ in c.labels] == [(w, p) for w, p, _ in labelled.labels]
+        np.testing.assert_allclose(np.stack([m.numpy() for _, _, m in c.labels]),
+                                   np.stack([m.numpy() for _, _, m in labelled.labels]), atol=1e-6)
+    assert model.caption_nbest(photo, n_best=1).pop().labels is None

@@ -114,6 +114,8 @@ def test_answer_equals_the_library(server, name: str) -> None:
     assert ("all_attention" in record) == (name == "transformer_tiny")
     explorer = answer["captions"][0]["explorer"]
     assert explorer.startswith("<!DOCTYPE html>") and "explorer-data" in explorer
+    # a tiny encoder has no ImageNet head: no labels, no row of them, no error
+    assert answer["captions"][0]["labels"] is None and "labels" not in record and 'id="labels"' not in explorer
 
 
 def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server) -> None:

@@ -184,9 +184,6 @@ def test_the_peak_is_distinct_on_a_dark_photo_in_the_default_style():
     out = np.asarray(overlay_heatmap(image, attention_to_image_map(att, 120, 120)), dtype=np.float64).mean(-1)
     inside, outside = out[38:52, 68:82], np.concatenate([out[:20].ravel(), out[100:].ravel()])
     assert inside.mean() > 4 * outside.mean() and inside.mean() - outside.mean() > 80
-    lit = np.asarray(overlay_heatmap(image, attention_to_image_map(att, 120, 120), style="light"),
-                     dtype=np.float64).mean(-1)
-    assert lit[38:52, 68:82].mean() - lit[:20].mean() < 30  # why light is not the default: dark stays dark
     assert legend_top(0.42) == "strongest region, 42%" and legend_top(0.042) == "strongest region, 4.2%"
 
 
@@ -345,3 +342,27 @@ def test_attention_json_round_trips_labels_and_overlays_draw_them(tmp_path):
         on_image(dataclasses.replace(labelled, labels=[("dog", 0.1, torch.zeros(2, 8))]))
     with pytest.raises(DataError, match=r"labels must be \(word, probability, map\) triples"):
         on_image(dataclasses.replace(labelled, labels=[("dog", 0.1)]))
+
+
+@pytest.mark.parametrize("photo", ["tennis.jpg", "family_table.jpg"])
+def test_the_light_style_lights_the_peak_of_a_dark_photo_and_only_darkens_a_bright_one(photo):
+    """A photo at 15% brightness: in the light style the peak region is at least 3x the picture's mean
+    brightness (it was darkened with the rest); a photo bright enough is only darkened, never brightened."""
+    from captioner.pretrained import PHOTOS
+    from captioner.viz.heatmaps import LIT_MAX_GAIN, light_gain
+
+    bright = Image.open(PHOTOS / photo).convert("RGB")
+    bright.thumbnail((320, 320))
+    dark = Image.fromarray((np.asarray(bright, dtype=np.float64) * 0.15).round().astype(np.uint8))
+    assert np.asarray(dark).mean() < 25
+    att = spread_peak(0.42, 4, 1, 2)  # the strongest region: row 1, column 2 of 4
+    w, h = dark.size
+    heat = attention_to_image_map(att, w, h)
+    peak = (slice(h // 4 + h // 16, h // 2 - h // 16), slice(w // 2 + w // 16, 3 * w // 4 - w // 16))
+    lit = np.asarray(overlay_heatmap(dark, heat, style="light"), dtype=np.float64).mean(-1)
+    assert lit[peak].mean() >= 3 * lit.mean(), (lit[peak].mean(), lit.mean())
+    assert lit[peak].mean() > 2 * np.asarray(dark, dtype=np.float64).mean(-1)[peak].mean()  # lit up, not only kept
+    bright = Image.fromarray(np.minimum(255, np.asarray(bright, dtype=np.float64) * 1.5).round().astype(np.uint8))
+    assert 1 < light_gain(dark) <= LIT_MAX_GAIN and light_gain(bright) == 1.0
+    kept = np.asarray(overlay_heatmap(bright, heat, style="light"), dtype=np.int16)
+    assert (kept <= np.asarray(bright, dtype=np.int16) + 1).all()  # a bright photo: darkened where it did not look

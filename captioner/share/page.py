@@ -6,18 +6,21 @@ the page posts it to ``/api/caption`` and shows the first result on one screen: 
 (once), the caption as text to copy, its score always (the log-probability in all, and per word,
 its words counted), said in a line, the n-best list when more than one caption is asked for, the
 downloads, and in an iframe that follows its content's height the explorer page the server rendered
-for it (:mod:`captioner.viz.explorer`: the word strip of small maps, play-through, the map as large as
-the window allows, its legend; it opens on the caption's first tag-word or noun). On a wide screen
+for it (:mod:`captioner.viz.explorer`: the word strip of small maps, the photo's tags and labels as chips
+each with its map, hovered, tapped and reached by the keyboard as the words are, play-through, the map as
+large as the window allows, its legend; it opens on the caption's first tag-word or noun). A model whose
+encoder has an ImageNet head shows the photo's top labels (the server asks for them); any other shows
+no row of labels. On a wide screen
 the caption, score and downloads stand beside the map; on a narrow one above and under it. A skip link
 leads to the words. Changing the model, the beam or the number of captions, or pressing "Run again",
 captions the same photo again, keeping the strength, style and chosen caption; stepping through a
 closed select with the arrow keys asks once, when the keys rest. The page stays where it is (no
 scrolling, nothing moves while a new photo is busy: a note over the old result marks it as the previous
-photo's). With several models, "all models" (the default) shows them side by side, their maps level,
+photo's). With several models, "all models" (the default) shows them side by side, their maps level (a column
+with a row of tags or labels above its map moves the others' maps down to it: ``--lead`` in each frame),
 the same word lit in each, and a column whose caption lacks the word says so over its map and shows its
 tag of that name or its nearest word. An error is shown in one line, clears the old result and turns
-"Run again" off. A file larger than the server's limit is refused before it is sent. Beside the
-downloads each column keeps an empty place (``data-slot="labels"``) for the photo's labels. The script
+"Run again" off. A file larger than the server's limit is refused before it is sent. The script
 and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
 
 The document sets ``data-state`` on ``<body>`` (``idle``, ``busy``, ``done``, ``error``), counts
@@ -156,7 +159,6 @@ body.dragging #drop { border-color: #1f47b8; background: #eef2fb; }
 .nbest button { text-align: left; width: 100%; border-color: #c5cbd6; }
 .nbest button[aria-pressed="true"] { background: #dfe6f7; border-color: #1f47b8; box-shadow: inset 3px 0 #1f47b8; }
 .nbest .score { color: #444; font-size: .85em; margin-left: .6em; white-space: nowrap; }
-.labels:empty { display: none; }
 iframe { width: 100%; border: 0; min-height: 200px; background: #fafafa; display: block; }
 .downloads { display: flex; flex-wrap: wrap; gap: .5em; margin: .3em 0; }
 @media (max-width: 600px) {
@@ -287,8 +289,8 @@ PAGE_JS = r"""
     png.addEventListener("click", function () {
       const w = frame.contentWindow;
       if (!w || !w.captionerSnapshot) return;
-      const item = frame.contentDocument.body.dataset.shown || "0", tag = /^tag-(\d+)$/.exec(item);
-      const what = tag ? "_tag" + (+tag[1] + 1) : "_word" + (+item + 1);  // a word of the caption or a tag of the photo
+      const item = frame.contentDocument.body.dataset.shown || "0", chip = /^(tag|label)-(\d+)$/.exec(item);
+      const what = chip ? "_" + chip[1] + (+chip[2] + 1) : "_word" + (+item + 1);  // a word, a tag or a label
       save(w.captionerSnapshot(), stem() + "_" + data.model + "_caption" + (shown + 1) + what + ".png");
     });
     json.addEventListener("click", function () {
@@ -299,8 +301,6 @@ PAGE_JS = r"""
       setTimeout(function () { URL.revokeObjectURL(url); }, 1000);
     });
     dl.appendChild(png); dl.appendChild(json); more.appendChild(dl);
-    // the photo's top labels, each with its map, join here when a model reports them
-    const labels = el("div", "labels"); labels.dataset.slot = "labels"; more.appendChild(labels);
     frame.title = data.model + ": where each word looked";
     map.appendChild(frame);
     col.appendChild(head); col.appendChild(map); col.appendChild(more);
@@ -320,6 +320,22 @@ PAGE_JS = r"""
         doc.documentElement.style.setProperty("--map-max", room + "px");
     }
     frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
+    level();
+  }
+  function level() {  // side by side: every map as far down as the lowest one (rows of chips above a map differ)
+    if (!columns.classList.contains("many")) return;
+    const views = frames().map(function (f) {
+      const doc = f.contentDocument, view = doc && doc.getElementById("view");
+      if (!view) return null;
+      const lead = parseFloat(doc.documentElement.style.getPropertyValue("--lead")) || 0;
+      return { doc: doc, top: f.getBoundingClientRect().top + view.getBoundingClientRect().top - lead };
+    });
+    if (views.some(function (v) { return v === null; })) return;  // not all drawn yet
+    const low = Math.max.apply(null, views.map(function (v) { return v.top; }));
+    views.forEach(function (v) {
+      const lead = Math.round(low - v.top) + "px";
+      if (v.doc.documentElement.style.getPropertyValue("--lead") !== lead) v.doc.documentElement.style.setProperty("--lead", lead);
+    });
   }
   function load(frame, html, counted) {
     frame.onload = function () {

@@ -9,7 +9,8 @@ Routes (all answers come from this process; the page fetches nothing from anywhe
   is the synthetic scenes' words (:func:`reads_scenes`), scenes drawn from fixed seeds at start-up;
 * ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
   captions of the picture, each with the photo's concepts (``[{"word", "prob"}]``, or null for a model
-  without concept detectors) and its attention record (the ``attention.json`` format of
+  without concept detectors), its top ``LABELS`` labels (the words the encoder's ImageNet head sees,
+  ``[{"word", "prob"}]``, or null for an encoder without one) and its attention record (the ``attention.json`` format of
   :mod:`captioner.viz.attention_json`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
   shown in an iframe, so hovering a word, the layer/head selectors of a Transformer, the colour
   scale and the crop box are the explorer's own).
@@ -61,6 +62,7 @@ __all__ = ["ServeLimits", "ServedModel", "caption_upload", "card_summary", "crea
 
 log = logging.getLogger(__name__)
 
+LABELS = 5  # the photo's labels shown, for a model whose encoder has an ImageNet head
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
@@ -102,13 +104,22 @@ class ServeLimits:
 @dataclass
 class ServedModel:
     """A model loaded once, its name on the page, and the one thread its requests take turns on (torch
-    then keeps one set of worker threads for it, not one per request thread)."""
+    then keeps one set of worker threads for it, not one per request thread). ``labels``: how many of the
+    photo's labels it reports, :data:`LABELS` when its encoder has an ImageNet head, else 0."""
 
     name: str
     captioner: Captioner
     card: str | None = field(default=None, repr=False)  # its model card (Markdown), when it has one
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "captioner-model"), repr=False)
+    labels: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        try:
+            self.captioner.label_head()  # built once here (its classifier read from the encoder's wheel)
+            self.labels = LABELS
+        except ConfigError:  # tiny, ResNet, timm names: no ImageNet head, no labels, no error
+            self.labels = 0
 
     def info(self) -> dict:
         """What the page shows of the model: its name, family, vocabulary and one line about it."""
@@ -172,12 +183,14 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
         upload.write_bytes(data)          # decoding (a JPEG at the scale the encoder needs), the same score
         with served.lock:
             captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best, beam=beam,
-                                            max_len=limits.max_len, all_heads=True).result()
+                                            max_len=limits.max_len, all_heads=True,
+                                            labels=served.labels).result()
     out = []
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
         out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
                     "concepts": None if c.concepts is None else [{"word": w, "prob": p} for w, p in c.concepts],
+                    "labels": None if c.labels is None else [{"word": w, "prob": p} for w, p, _ in c.labels],
                     "record": caption_to_dict(c, decimals=5),
                     "explorer": render_explorer(image, c, title=title, max_side=limits.display_side)})
     return {"model": served.name, "file": filename, "beam": beam, "image_size": list(image.size),

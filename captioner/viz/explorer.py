@@ -27,13 +27,16 @@ For a model with concept detectors (``Caption.concepts``) the photo's top concep
 ``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
 sees in this photo": a chip is hovered, focused, tapped and kept as a word is, and shows where its
 concept is (``Caption.concept_maps``) in the same view and style, written large as ``tag: dog 0.91``.
-Without concepts there is no row.
+Without concepts there is no row. A caption asked for labels (``Caption.labels``: the words the
+encoder's ImageNet head sees, :mod:`captioner.concepts.labels`) has a second row the same way, "Labels
+the encoder sees", its chips written large as ``label: dog 0.91``; without labels there is no row.
 
 Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map),
 which style and strength are chosen (``postMessage``), passes a photo dropped on it to the parent, and
-offers ``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept): a word its caption
-lacks is said so over the top of the map, which then shows the photo's tag of that name, or else the
-caption's word whose map is most like ``map`` (labelled); ``captionerSetStyle``,
+offers ``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept, ``"label"`` for a
+label): a word its caption lacks (or a tag or label its photo lacks) is said so over the top of the map,
+which then shows the photo's tag or label of that name (the caption's word, for a tag or label), or else
+the caption's word whose map is most like ``map`` (labelled); ``captionerSetStyle``,
 ``captionerSetStrength`` and ``captionerSnapshot()`` (the map with the caption and the word under it,
 as a PNG data URL). ``compare`` on ``<body>`` marks models side by side. A hover needs a pointer that
 moves: a caption that loads under a still pointer keeps its opening word.
@@ -58,21 +61,14 @@ from PIL import Image
 from captioner.errors import ConfigError, DataError
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image
-from captioner.viz.heatmaps import (
-    BLUR_CELLS,
-    DEFAULT_ALPHA,
-    DEFAULT_CMAP,
-    DEFAULT_STYLE,
-    DIM,
-    HEAT_DIM,
-    UNIFORM_FLOOR,
-    check_style,
-    colormap_lut,
-)
+from captioner.viz.heatmaps import (BLUR_CELLS, DEFAULT_ALPHA, DEFAULT_CMAP, DEFAULT_STYLE, DIM, HEAT_DIM, LIT_MAX_GAIN,
+                                    LIT_TARGET, UNIFORM_FLOOR, check_style, colormap_lut)
 
 MIN_DISPLAY_SIDE = 384  # the canvas's long side is at least this many pixels
 MAX_CONCEPTS = 10  # concept chips shown at most
+MAX_LABELS = 10  # label chips shown at most
 CONCEPTS_LABEL = "Tags the model sees in this photo"
+LABELS_LABEL = "Labels the encoder sees"
 # words that never open the explorer: articles, numbers, prepositions, pronouns, verbs of being, colours,
 # common adjectives and framing nouns (no part-of-speech tagger: a caption's first other word is its first
 # noun nearly always)
@@ -131,16 +127,17 @@ def _image_data_uri(image: Image.Image, max_side: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _concept_chips(concepts: list[dict] | None) -> str:
-    """The row of concept chips under the caption (buttons the script brings to life), or nothing."""
-    if not concepts:
+def _chip_row(row: str, kind: str, heading: str, items: list[dict] | None) -> str:
+    """A row of chips under the caption, ``kind-0``, ``kind-1``, ... (buttons the script brings to life: the
+    photo's tags, ``concepts``, or its labels, ``labels``), or nothing."""
+    if not items:
         return ""
     chips = "".join(
-        f'<button type="button" class="chip" id="tag-{k}" aria-pressed="false" '
-        f'title="tag {html.escape(c["word"])}: probability {c["prob"]:.2f}">{html.escape(c["word"])} '
-        f'<span class="prob">{c["prob"]:.2f}</span></button>' for k, c in enumerate(concepts))
-    return (f'<div class="concepts" id="concepts"><span class="concepts-label" id="concepts-label">{CONCEPTS_LABEL}'
-            f'</span><span class="chips" role="group" aria-labelledby="concepts-label">{chips}</span></div>\n')
+        f'<button type="button" class="chip" id="{kind}-{k}" aria-pressed="false" '
+        f'title="{kind} {html.escape(c["word"])}: probability {c["prob"]:.2f}">{html.escape(c["word"])} '
+        f'<span class="prob">{c["prob"]:.2f}</span></button>' for k, c in enumerate(items))
+    return (f'<div class="chip-row" id="{row}"><span class="chip-row-label" id="{row}-label">{heading}'
+            f'</span><span class="chips" role="group" aria-labelledby="{row}-label">{chips}</span></div>\n')
 
 
 def render_explorer(
@@ -160,8 +157,8 @@ def render_explorer(
 
     Args:
         image: the original RGB image (embedded as JPEG, at most ``max_side`` pixels).
-        caption: the caption with its (L, g, g) attention (and optional all_attention, and for a model
-            with concept detectors its concepts and their maps: the chips); its image size and crop box
+        caption: the caption with its (L, g, g) attention (and optional all_attention, for a model with
+            concept detectors its concepts and their maps, and its labels with their maps: the chips); its image size and crop box
             default to ``image``'s (:func:`~captioner.viz.attention_json.on_image`).
         cmap: matplotlib colour map name of the ``heat`` style (embedded as a lookup table).
         alpha: initial strength (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
@@ -185,12 +182,17 @@ def render_explorer(
         "dim": DIM, "heat_dim": HEAT_DIM, "display_size": list(display_size(record.image_size, min_side, max_side)),
         "floor": UNIFORM_FLOOR / (record.grid[0] * record.grid[1]),
         "start": max(0, min(start, len(record.words) - 1)), "style": check_style(style),
-        "concepts": None, "concept_maps": None,
+        "concepts": None, "concept_maps": None, "labels": None, "label_maps": None,
+        "lit_target": LIT_TARGET, "lit_max": LIT_MAX_GAIN,
     }
     if record.concepts:
         maps = record.concept_maps[:MAX_CONCEPTS]
         data.update(concepts=[{"word": w, "prob": round(p, 4)} for w, p in record.concepts[:MAX_CONCEPTS]],
                     concept_maps=np.round(maps.numpy().astype(np.float64), 5).tolist())
+    if record.labels:
+        labels = record.labels[:MAX_LABELS]
+        data.update(labels=[{"word": w, "prob": round(p, 4)} for w, p, _ in labels],
+                    label_maps=[np.round(m.numpy().astype(np.float64), 5).tolist() for _, _, m in labels])
     if record.all_attention is not None:
         layers, heads = record.all_attention.shape[1:3]
         if not -layers <= layer < layers:
@@ -202,9 +204,11 @@ def render_explorer(
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     size = data["display_size"]
     heading = html.escape(title or "Attention explorer")
-    chips = _concept_chips(data["concepts"])
-    tag_help = " (from a tag, through the tags)" if data["concepts"] else ""
-    tag_where = ", or to a tag to see where the model finds it" if data["concepts"] else ""
+    chips = (_chip_row("concepts", "tag", CONCEPTS_LABEL, data["concepts"])
+             + _chip_row("labels", "label", LABELS_LABEL, data["labels"]))
+    kinds = " or a ".join(k for k, key in (("tag", "concepts"), ("label", "labels")) if data[key])
+    tag_help = f" (from a {kinds}, through its row)" if kinds else ""
+    tag_where = f", or to a {kinds} to see where the model finds it" if kinds else ""
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -279,8 +283,8 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
 .word:hover { background: #e3e8f4; }
 .word.active { background: #1f47b8; color: #fff; border-color: #1f47b8; }
 .word.pinned, .chip.pinned { text-decoration: underline; text-decoration-thickness: .12em; text-underline-offset: .2em; }
-.concepts { display: flex; flex-wrap: wrap; align-items: center; gap: .35em .45em; margin: -.2em 0 .8em; }
-.concepts-label { color: #444; font-size: .9em; margin-right: .2em; }
+.chip-row { display: flex; flex-wrap: wrap; align-items: center; gap: .35em .45em; margin: -.2em 0 .8em; }
+.chip-row-label { color: #444; font-size: .9em; margin-right: .2em; }
 .chips { display: contents; }
 .chip { font: inherit; font-size: .95em; color: #1d1d1f; background: #eef1f7; border: 1px solid #b8c0cf;
         border-radius: 999px; padding: .05em .7em; cursor: pointer; }
@@ -296,7 +300,7 @@ h1 { font-size: 1.15em; margin: 0 0 .6em; font-weight: 600; }
 .controls button[aria-pressed="true"] { background: #dfe6f7; border-color: #1f47b8; }
 .controls button:focus-visible { outline: 3px solid #e0a800; outline-offset: 2px; }
 .controls select, .controls input { margin-left: .35em; }
-.views figure { margin: 0; min-width: 0; }
+.views figure { margin: 0; min-width: 0; padding-top: var(--lead, 0px); }  /* --lead: a page levels its maps */
 #shown-word { font-size: 1.5em; font-weight: 600; margin: 0 0 .15em; line-height: 1.2; overflow-wrap: anywhere; }
 .stage { position: relative; width: fit-content; max-width: 100%; }
 #summary { margin: .3em 0; }
@@ -320,13 +324,14 @@ body.embedded #view { width: 100%; max-width: min(100%, calc(var(--map-max, 100v
   body.embedded .controls { order: 1; }
   body.embedded .hint { display: none; }
 }
-@media (max-width: 420px) {  /* a phone's column: the map first, small print around it */
+@media (max-width: 420px) {  /* a phone's column: the map first, small print around it, the chips after it */
+  body.embedded .chip-row { order: 1; margin: .4em 0 .2em; }
   .word { font-size: .9em; }
   .word .mini { height: 34px; }
   #shown-word { font-size: 1.1em; }
   .controls { gap: .4em .8em; font-size: .85em; margin-bottom: .4em; }
   .legend .bar { flex-basis: 80px; }
-  body.compare .concepts-label, body.compare .controls .strength { display: none; }
+  body.compare .chip-row-label, body.compare .controls .strength { display: none; }
   body.compare #missing { font-size: .85em; }
 }
 [hidden] { display: none !important; }
@@ -350,8 +355,16 @@ EXPLORER_JS = r"""
   canvas.style.setProperty && canvas.style.setProperty("--aspect", String(canvas.width / canvas.height));
   const sx = canvas.width / D.image_size[0], sy = canvas.height / D.image_size[1];
   const box = [D.box[0] * sx, D.box[1] * sy, D.box[2] * sx, D.box[3] * sy];
-  // what can be shown: the caption's words (0 .. L-1), then the photo's tags (L .. L+C-1); buttons[i] is item i
-  const L = D.words.length, C = D.concepts ? D.concepts.length : 0, spans = [], buttons = [];
+  // what can be shown: the caption's words (0 .. L-1), then the photo's tags and labels, the chips (L .. L+C-1):
+  // chips[j] is {kind, word, prob, map, k: its place in its row, first: the row's first chip, n: the row's length}
+  const chips = [];
+  [["tag", D.concepts, D.concept_maps], ["label", D.labels, D.label_maps]].forEach(function (row) {
+    (row[1] || []).forEach(function (c, k) {
+      chips.push({ kind: row[0], word: c.word, prob: c.prob, map: row[2][k], k: k, first: chips.length - k,
+                   n: row[1].length });
+    });
+  });
+  const L = D.words.length, C = chips.length, spans = [], buttons = [];
   let current = 0, shown = 0, over = -1;  // the pinned item | the item drawn now (hovered, focused or pinned); -1:
                                           // none | the item the pointer moved onto
 
@@ -366,14 +379,15 @@ EXPLORER_JS = r"""
   alphaIn.value = String(D.alpha);
   styleSel.value = D.style;
 
-  function isTag(i) { return i >= L; }
+  function isChip(i) { return i >= L; }
   function label(i) {  // what the item is called, large above the map and under a saved picture
-    if (!isTag(i)) return "\u201c" + D.words[i] + "\u201d";
-    return "tag: " + D.concepts[i - L].word + " " + D.concepts[i - L].prob.toFixed(2);
+    if (!isChip(i)) return "\u201c" + D.words[i] + "\u201d";
+    const c = chips[i - L];
+    return c.kind + ": " + c.word + " " + c.prob.toFixed(2);
   }
 
   function weights(i) {  // the g x g map shown for item i
-    if (isTag(i)) return D.concept_maps[i - L];
+    if (isChip(i)) return chips[i - L].map;
     if (!D.all_attention) return D.attention[i];
     const heads = D.all_attention[i][+layerSel.value];
     if (headSel.value !== "mean") return heads[+headSel.value];
@@ -466,12 +480,12 @@ EXPLORER_JS = r"""
       const px = p.getImageData(0, 0, 32, 32).data;
       let sum = 0;
       for (let k = 0; k < px.length; k += 4) sum += 0.299 * px[k] + 0.587 * px[k + 1] + 0.114 * px[k + 2];
-      gain = Math.min(8, Math.max(1, 0.45 * 255 / Math.max(1, sum / (px.length / 4))));
+      gain = Math.min(D.lit_max, Math.max(1, D.lit_target * 255 / Math.max(1, sum / (px.length / 4))));  // light_gain
     } catch (e) { gain = 1; }
     return gain;
   }
   function litLayer(a, w, h, lo, hi, strength) {  // the lit photo's mask: opaque where the word looked most
-    if (photoGain() < 1.05) return null;
+    if (photoGain() < 1.05) return null;  // as heatmaps.overlay_heatmap: not for a photo that is bright enough
     const mask = document.createElement("canvas");
     mask.width = w; mask.height = h;
     const mctx = mask.getContext("2d"), img = mctx.createImageData(w, h);
@@ -528,12 +542,12 @@ EXPLORER_JS = r"""
     const figures = ": peak " + pct + "% at row " + (br + 1) + ", column " + (bc + 1) +
       " \u00b7 H " + entropy.toFixed(1) + "/" + Math.log(g * g).toFixed(1) + " nats";
     document.getElementById("shown-word").textContent = label(i);
-    if (isTag(i)) {
-      const t = D.concepts[i - L], where = spread < 0.5 ? "lies mostly in one place" : spread < 0.85
+    if (isChip(i)) {
+      const t = chips[i - L], where = spread < 0.5 ? "lies mostly in one place" : spread < 0.85
         ? "lies in a few places" : "is spread all over the picture";
-      document.getElementById("summary").textContent = "The tag \u201c" + t.word + "\u201d (probability " +
+      document.getElementById("summary").textContent = "The " + t.kind + " \u201c" + t.word + "\u201d (probability " +
         t.prob.toFixed(2) + ") " + where + "; its strongest region holds " + pct + "% of its map.";
-      info.textContent = "tag " + (i - L + 1) + "/" + C + " \u201c" + t.word + "\u201d" + figures;
+      info.textContent = t.kind + " " + (t.k + 1) + "/" + t.n + " \u201c" + t.word + "\u201d" + figures;
       return;
     }
     const how = spread < 0.5 ? "looked mostly at one place" : spread < 0.85 ? "looked at a few places"
@@ -577,7 +591,7 @@ EXPLORER_JS = r"""
     });
   }
 
-  function id(i) { return isTag(i) ? "tag-" + (i - L) : String(i); }  // data-shown, data-word: "3" or "tag-0"
+  function id(i) { return isChip(i) ? chips[i - L].kind + "-" + chips[i - L].k : String(i); }  // "3", "tag-0", "label-1"
 
   const missing = document.getElementById("missing");
   function show(i, quiet, note) {  // draw item i and mark it: hovered, focused and pinned items look the same
@@ -587,8 +601,8 @@ EXPLORER_JS = r"""
     document.body.dataset.shown = i < 0 ? "" : id(i);
     draw(i);
     if (!quiet && i >= 0 && window.parent !== window) {
-      window.parent.postMessage({ captioner: "word", kind: isTag(i) ? "tag" : "word",
-                                  word: isTag(i) ? D.concepts[i - L].word : D.words[i], map: weights(i) }, "*");
+      window.parent.postMessage({ captioner: "word", kind: isChip(i) ? chips[i - L].kind : "word",
+                                  word: isChip(i) ? chips[i - L].word : D.words[i], map: weights(i) }, "*");
     }
   }
 
@@ -627,7 +641,7 @@ EXPLORER_JS = r"""
     cap.appendChild(s);
     spans.push(s);
   });
-  for (let k = 0; k < C; k++) bind(document.getElementById("tag-" + k), L + k);  // the chips are in the page
+  chips.forEach(function (c, j) { bind(document.getElementById(c.kind + "-" + c.k), L + j); });  // in the page
   document.addEventListener("keydown", function (e) {
     if (e.target && (e.target.tagName === "SELECT" || e.target.tagName === "INPUT")) return;  // their own arrows
     const ends = e.key === "Home" || e.key === "End";
@@ -636,9 +650,9 @@ EXPLORER_JS = r"""
     const onItem = list && (list.contains("word") || list.contains("chip"));
     if (!step && !(ends && onItem)) return;
     stop();
-    const from = onItem ? shown : current;  // step through the words, or through the tags from a tag
+    const from = onItem ? shown : current;  // step through the words, or through a chip's row from a chip
     if (from < 0) return;
-    const lo = isTag(from) ? L : 0, n = isTag(from) ? C : L;
+    const lo = isChip(from) ? L + chips[from - L].first : 0, n = isChip(from) ? chips[from - L].n : L;
     select(ends ? lo + (e.key === "Home" ? 0 : n - 1) : lo + ((from - lo + step) % n + n) % n);
     if (onItem) buttons[current].focus();
     e.preventDefault();
@@ -691,13 +705,18 @@ EXPLORER_JS = r"""
     a.forEach(function (row, r) { row.forEach(function (v, c) { s += Math.min(v / sa, b[r][c] / sb); }); });
     return s;
   }
-  window.captionerShowWord = function (word, kind, map) {  // kind "tag": a tag of the photo, else a word
-    const tags = (D.concepts || []).map(function (t) { return t.word; });
-    const k = kind === "tag" ? tags.indexOf(word) : D.words.indexOf(word);
-    if (k >= 0) { show(kind === "tag" ? L + k : k, true); return; }
-    const what = kind === "tag" ? "tag" : "word";
-    if (kind !== "tag" && tags.indexOf(word) >= 0) {  // not in the caption, but one of the photo's tags
-      show(L + tags.indexOf(word), true, "No \u201c" + word + "\u201d in this caption: its tag instead.");
+  function find(kind, word) {  // the item of that kind and name (a word of the caption, a tag, a label), or -1
+    if (kind === "word") return D.words.indexOf(word);
+    for (let j = 0; j < C; j++) if (chips[j].kind === kind && chips[j].word === word) return L + j;
+    return -1;
+  }
+  window.captionerShowWord = function (word, kind, map) {  // kind "tag" or "label": a chip of the photo, else a word
+    kind = kind === "tag" || kind === "label" ? kind : "word";
+    if (find(kind, word) >= 0) { show(find(kind, word), true); return; }
+    const where = kind === "word" ? "in this caption" : "among this photo's " + kind + "s";
+    const others = { word: ["tag", "label"], tag: ["word", "label"], label: ["word", "tag"] }[kind];
+    for (let o = 0; o < others.length; o++) if (find(others[o], word) >= 0) {  // the same name, of another kind
+      show(find(others[o], word), true, "No \u201c" + word + "\u201d " + where + ": its " + others[o] + " instead.");
       return;
     }
     let best = -1, most = -1;  // else the caption's word whose map is most like the one shown beside
@@ -705,8 +724,8 @@ EXPLORER_JS = r"""
       const o = overlap(weights(j), map);
       if (o > most) { most = o; best = j; }
     }
-    if (best < 0) { show(current, true, "No \u201c" + word + "\u201d " + (what === "tag" ? "among this photo's tags." : "in this caption.")); return; }
-    show(best, true, "No \u201c" + word + "\u201d " + (what === "tag" ? "among this photo's tags" : "in this caption") +
+    if (best < 0) { show(current, true, "No \u201c" + word + "\u201d " + where + "."); return; }
+    show(best, true, "No \u201c" + word + "\u201d " + where +
       ": its nearest word, the one that looked most alike (" + (100 * most).toFixed(0) + "% overlap).");
   };
   window.captionerSetStyle = function (style) {

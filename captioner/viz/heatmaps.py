@@ -16,7 +16,10 @@ weight's share of the peak, so the low end is transparent, and the photo darkene
 black jacket on a dark photo still lights it. ``light`` (as the Show, Attend and Tell figures draw
 attention): the photo keeps its own colours where the word looked and is darkened where it did
 not, by up to ``alpha`` of its brightness (a dark region stays dark: the style for bright photos
-and for checking colours). Both are one RGBA layer (``style_layer``) composited over the photo, the
+and for checking colours); on a dark photo (:func:`light_gain` above 1) ``light`` also lights the photo up
+where the word looked, its brightness raised towards ``LIT_TARGET`` of white (at most ``LIT_MAX_GAIN``
+times) through an opacity of ``alpha * norm ** 2``, so the peak can be seen however dark the photo is.
+Both are one RGBA layer (``style_layer``) composited over the photo, the
 rule the HTML explorer implements in JavaScript.
 
 Each map is drawn on its OWN scale (``word_scale``): from 0 to the highest value its upsampled map
@@ -46,7 +49,8 @@ from captioner.data.images import as_array, cell_weights
 from captioner.errors import ConfigError, DataError
 
 __all__ = ["BLUR_CELLS", "DEFAULT_ALPHA", "DEFAULT_CMAP", "DEFAULT_STYLE", "DIM", "HEAT_DIM", "STYLES", "UNIFORM_FLOOR",
-           "attention_stats", "attention_to_image_map", "check_style", "color_scale", "colormap_lut", "legend_top",
+           "LIT_MAX_GAIN", "LIT_TARGET", "attention_stats", "attention_to_image_map", "check_style", "color_scale",
+           "colormap_lut", "legend_top", "light_gain",
            "map_overlap", "map_peaks", "overlay_heatmap", "peak_cell", "share_text", "spread_words", "stats_label",
            "style_layer", "word_scale"]
 
@@ -58,6 +62,8 @@ DEFAULT_STYLE = "heat"  # shows the strongest region on any photo, dark ones inc
 HEAT_DIM = 0.5  # heat: where the word did not look, the photo is darkened by up to HEAT_DIM * alpha
 DEFAULT_CMAP = "viridis"  # perceptually uniform, readable in grey and by most colour-blind readers
 DEFAULT_ALPHA = 0.75  # light: darkening where the word did not look; heat: opacity at the scale's top
+LIT_TARGET = 0.45  # light on a dark photo: where the word looked, its mean brightness raised to this share of white
+LIT_MAX_GAIN = 8.0  # ... by at most this factor
 _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsampled maps
 
 
@@ -313,6 +319,15 @@ def style_layer(norm: np.ndarray, style: str = DEFAULT_STYLE, cmap: str = DEFAUL
     return (colours * (paint / safe)[..., None]).astype(np.float32), opacity.astype(np.float32)
 
 
+def light_gain(image: Image.Image) -> float:
+    """How much the ``light`` style brightens a photo where the word looked: ``LIT_TARGET`` of white over
+    the photo's mean brightness (luma, on a 32 x 32 copy, as the explorer measures it), between 1 (a photo
+    bright enough: not at all) and ``LIT_MAX_GAIN``."""
+    small = np.asarray(image.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float64)
+    luma = float((small @ np.array([0.299, 0.587, 0.114])).mean())
+    return float(min(LIT_MAX_GAIN, max(1.0, LIT_TARGET * 255 / max(1.0, luma))))
+
+
 def overlay_heatmap(
     image: Image.Image,
     heat_map: np.ndarray,
@@ -347,5 +362,9 @@ def overlay_heatmap(
     norm = (heat_map - lo) / (hi - lo) if hi - lo > 1e-12 else np.zeros_like(heat_map)
     colours, opacity = style_layer(norm, style, cmap, alpha)
     drawn = (1.0 - opacity[..., None]) * rgb + opacity[..., None] * colours
+    gain = light_gain(image) if style == "light" else 1.0
+    if gain >= 1.05:  # a dark photo: lit up where the word looked, so its peak can be seen
+        lit = alpha * np.clip(norm, 0.0, 1.0) ** 2  # (H, W) the lit photo's opacity
+        drawn = (1.0 - lit[..., None]) * drawn + lit[..., None] * np.minimum(255.0, gain * rgb)
     out = np.where(inside[..., None], drawn, DIM * rgb)
     return Image.fromarray(out.clip(0, 255).round().astype(np.uint8))
