@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,19 +14,12 @@ from captioner.cli import main as captioner_main
 from captioner.data.archives import coco as dc
 from captioner.network import download
 from captioner.errors import DataError
+from zips import zip_bytes as _zip
 
 
 def main(argv: list[str]) -> int:
     """``captioner download coco ARGV``'s exit code."""
     return captioner_main(["download", "coco", *argv])
-
-
-def _zip(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
 
 
 ARCHIVE_FILES = {

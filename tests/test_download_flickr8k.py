@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from captioner.data.archives import flickr8k as df
 from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set
 from captioner.errors import DataError
+from zips import zip_bytes as _zip
 
 
 def main(argv: list[str]) -> int:
@@ -29,14 +29,6 @@ NAMES = {"train": ["101_a.jpg", "102_b.jpg", "103_c.jpg"], "dev": ["201_d.jpg"],
 def _jpeg(shade: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (6, 4), (shade, 80, 160)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
-def _zip(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
     return buf.getvalue()
 
 

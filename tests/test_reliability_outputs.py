@@ -9,9 +9,7 @@ photo and the beam size, and ``attend`` draws nothing for it.
 
 from __future__ import annotations
 
-import io
 import os
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import captioner
 from captioner.cli import main
 from captioner.errors import ConfigError, DataError, EmptyCaptionError
 from captioner.files import MANIFEST, Outputs
+from zips import zip_bytes as _zip
 
 USER = b"the user's own file\n"
 
@@ -131,14 +130,6 @@ def test_caption_overlay_refuses_the_users_file_before_any_work(tmp_path, photo,
 
 
 # --- download --root, --mirror ---
-
-def _zip(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
-
 
 @pytest.fixture()
 def text_mirror(tmp_path: Path) -> str:
