@@ -34,6 +34,7 @@ from captioner.config import get_preset
 from captioner.errors import CaptionerError, CheckpointError
 from captioner.models.model import build_model
 from captioner.text import Vocabulary
+from untrained import never_eos_first
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square triangle star small large".split()
@@ -80,10 +81,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, vocab: Vocabulary) -> 
     for name, (preset, overrides, v) in specs.items():
         torch.manual_seed(0)
         model = build_model(get_preset(preset, **overrides).model, len(v), load_pretrained=False).eval()
-        with torch.no_grad():  # never <eos> first: an empty caption is an error, not what this file tests
-            for module in model.decoder.modules():
-                if isinstance(module, torch.nn.Linear) and module.out_features == len(v) and module.bias is not None:
-                    module.bias[v.eos_id] = -30.0
+        never_eos_first(model, v)  # an empty caption is an error, not what this file tests
         out[name] = root / f"{name}.safetensors"
         save_avoiding_sniff_bug(out[name], model, v)
     return out

@@ -31,6 +31,7 @@ from PIL import Image
 from captioner.cli import main
 from captioner.data.images import load_image
 from captioner.errors import CaptionerError, DataError, ImageLoadError
+from untrained import never_eos_first
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "a red blue green circle square triangle star small large".split()
@@ -235,10 +236,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     vocab = Vocabulary(WORDS)
     model = build_model(get_preset("sat_soft_tiny").model, len(vocab), load_pretrained=False).eval()
-    with torch.no_grad():  # never <eos> first: an empty caption is an error, not what this file tests
-        for module in model.decoder.modules():
-            if isinstance(module, torch.nn.Linear) and module.out_features == len(vocab) and module.bias is not None:
-                module.bias[vocab.eos_id] = -30.0
+    never_eos_first(model, vocab)  # an empty caption is an error, not what this file tests
     path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
     # The first header bytes of a safetensors file are its header length; b"\x80" / b"PK" there trip a
     # format-sniffing bug pinned in test_reliability_checkpoints.py, which is not what this file tests.
