@@ -20,7 +20,7 @@ from typing import Any
 from captioner.data.caption_set import (SAMPLE, CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
                                         build_caption_set, pick_image_dir)
 from captioner.errors import DataError
-from captioner.files import MiB, check_regular, read_json, read_text
+from captioner.files import MiB, check_regular, read_bytes, read_json, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
            "Layout", "ObjectBox", "TokenFile", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
@@ -319,12 +319,11 @@ class TokenFile:
 
 def _text_lines(path: Path, what: str) -> list[str]:
     """The lines of a text file (any line ends, BOM dropped); a missing file is a one-line DataError."""
+    if not path.is_symlink() and not path.exists():
+        raise DataError(f"{path}: file not found ({what})")
+    data = read_bytes(path, MAX_ANNOTATION_BYTES, DataError, what)  # regular files only, bounded
     try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found ({what})") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
