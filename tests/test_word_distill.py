@@ -264,6 +264,15 @@ def test_special_files_are_refused_before_opening(tmp_path):
     link.symlink_to("/dev/zero")
     with pytest.raises(DataError, match="zero.safetensors: is a character device, not a regular file"):
         read_word_targets(link)
+    from captioner.training.distill import teacher_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "captions_coco_format.json").write_text('{"images": [], "annotations": []}')
+    (tmp_path / "results.json").write_text("[]")
+    os.mkfifo(data / "splits.tsv")
+    with pytest.raises(DataError, match="splits.tsv: is a named pipe, not a regular file"):
+        teacher_dataset(data, tmp_path / "results.json", tmp_path / "out")
 
 
 def test_the_command_and_the_library_share_the_top_k_cap(tmp_path):

@@ -22,6 +22,7 @@ cached captions.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -36,10 +37,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
-from captioner.data.coco import load_caption_set, read_annotations
+from captioner.data.coco import MAX_ANNOTATION_BYTES, load_caption_set, read_annotations
 from captioner.data.dataset import collate_captions
 from captioner.errors import ConfigError, DataError
-from captioner.files import atomic_write, check_regular
+from captioner.files import atomic_write, check_regular, read_text
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
 from captioner.network import show_progress
@@ -61,11 +62,10 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _train_names(splits: Path, split: str) -> set[str]:
-    try:
-        with open(splits, newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f, delimiter="\t"))
-    except FileNotFoundError:
-        raise DataError(f"{splits}: split file not found (the layout needs {SPLITS} beside {CAPTIONS})") from None
+    if not os.path.lexists(splits):
+        raise DataError(f"{splits}: split file not found (the layout needs {SPLITS} beside {CAPTIONS})")
+    rows = list(csv.reader(io.StringIO(read_text(splits, MAX_ANNOTATION_BYTES, DataError, "split file"), newline=""),
+                           delimiter="\t"))
     return {row[0] for row in rows[1:] if len(row) >= 2 and row[1] == split}
 
 
@@ -112,7 +112,7 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
     human = [a for a in source["annotations"] if keep_human or a.get("image_id") not in in_split]
     merged = dict(source, annotations=human + teacher)
     _write_text(target / CAPTIONS, json.dumps(merged))
-    _write_text(target / SPLITS, (data / SPLITS).read_text(encoding="utf-8"))
+    _write_text(target / SPLITS, read_text(data / SPLITS, MAX_ANNOTATION_BYTES, DataError, "split file"))
     images = target / "images"
     if images.is_symlink() or images.exists():
         if images.resolve() != (data / "images").resolve():
