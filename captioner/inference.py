@@ -546,15 +546,27 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    if is_model_name(checkpoint):  # a model shipped with the package, its SHA-256 checked
-        path = pretrained_path(str(checkpoint))
-    else:
-        path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress, refresh=refresh)
+    path = checkpoint_path(checkpoint, sha256, progress, refresh)
     try:
         loaded = load_checkpoint(path, device=str(dev))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{cached_hint(checkpoint, path)}") from None
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
+
+
+def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
+                    refresh: bool = False) -> Path:
+    """The local file behind a checkpoint spec, as ``-c`` and ``--init`` take it: a shipped model's name
+    (its SHA-256 checked), a file, a run folder (its best, else latest checkpoint), an ``https://`` URL or
+    ``hf://`` id (fetched into the cache). Not yet read: loading checks the content.
+
+    Raises:
+        CheckpointError: as :func:`captioner.pretrained.pretrained_path` and
+            :func:`captioner.checkpoint.remote.resolve_checkpoint`.
+    """
+    if is_model_name(spec):  # a model shipped with the package
+        return pretrained_path(str(spec))
+    return resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,

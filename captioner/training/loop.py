@@ -39,7 +39,6 @@ from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text, writable_folder
 from captioner.models.model import CaptionModel, build_model, resolve_model
-from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
@@ -418,10 +417,11 @@ def read_init_checkpoint(path: str | Path) -> InitWeights:
     Raises:
         CheckpointError: the file is missing or not a readable checkpoint.
     """
-    if is_model_name(str(path)):  # a model shipped with the package, its SHA-256 checked
-        path = pretrained_path(str(path))
-    path = Path(path)
-    if not path.is_file():
+    try:  # a shipped model's name, a file, a run folder or a URL, as -c takes them
+        path = inference.checkpoint_path(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init {exc}") from None
+    if not os.path.lexists(path):
         raise CheckpointError(f"--init {path}: checkpoint not found")
     try:
         loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
