@@ -638,6 +638,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             if replay and info.is_main:
                 log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
+    if val_set.split != cfg.data.val_split:  # the data's own name for it (dev, val, validation): recorded
+        cfg = cfg.override(**{"data.val_split": val_set.split})
     if init is not None:  # the checkpoint's words keep their rows; the data's new words are appended
         vocab, added = grown_vocabulary(init.vocab, train_set, cfg.data.min_freq, cfg.data.max_caption_len)
         if info.is_main:
