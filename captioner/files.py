@@ -432,6 +432,14 @@ class Outputs:
         files = data.get("files") if isinstance(data, dict) else None
         return {k: v for k, v in files.items() if isinstance(v, list)} if isinstance(files, dict) else {}
 
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a regular file captioner wrote there: in the manifest with its size and time."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and self.owned().get(self._key(path)) == [st.st_size, st.st_mtime_ns]
+
     def _key(self, path: str | os.PathLike) -> str:
         path, root = Path(path), Path(self.root)
         try:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.errors import CaptionerError, ConfigError, DataError
+from captioner.files import open_regular
 
 __all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "redact", "verify"]
 
@@ -357,25 +358,31 @@ def _remove(path: Path) -> None:
 
 
 def file_digest(path: Path, algorithm: str = "sha256") -> str:
-    """Hex digest of a file, read in chunks."""
+    """Hex digest of a regular file (never a device or a pipe: :func:`captioner.files.open_regular`), read in chunks."""
     digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open_regular(path, None, DataError) as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def verify(path: Path, size: int | None, checksum: str | None, label: str | None = None,
-           algorithm: str = "md5", error: type[CaptionerError] = DataError) -> None:
-    """Check size and checksum; on mismatch delete ``path`` and raise a one-line ``error``."""
+           algorithm: str = "md5", error: type[CaptionerError] = DataError, remove: bool = True) -> None:
+    """Check size and checksum; on mismatch delete ``path`` (unless ``remove`` is False: a file captioner did
+    not write, which it never deletes) and raise a one-line ``error``."""
     label = label or path.name
+    kept = f"; {path} is not a file captioner wrote, so it was left in place: replace or remove it"
     actual = path.stat().st_size
     if size is not None and actual != size:
+        if not remove:
+            raise error(f"{label}: got {actual} bytes, expected {size}{kept}")
         path.unlink()
         raise error(f"{label}: got {actual} bytes, expected {size}; the partial file was removed, run again")
     if checksum is not None:
         got = file_digest(path, algorithm)
         if got != checksum.lower():
+            if not remove:
+                raise error(f"{label}: {algorithm.upper()} {got} does not match {checksum}{kept}")
             path.unlink()
             raise error(f"{label}: {algorithm.upper()} {got} does not match {checksum}; "
                         "the file was removed, run again")
