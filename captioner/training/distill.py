@@ -304,7 +304,7 @@ def _check_values(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int,
     bad = (~probs.isfinite() | (probs < 0) | (probs > 1)).nonzero()
     if len(bad):
         at = tuple(int(i) for i in bad[0])
-        raise DataError(f"{path}: tensor 'top_probs' holds {float(probs[at])} at {at}; probabilities are finite "
+        raise DataError(f"{path}: tensor 'top_probs' holds {float(probs[at]):.4g} at {at}; probabilities are finite "
                         "and within [0, 1]")
     over = (probs.sum(dim=1) > 1 + _PROB_SLACK).nonzero()
     if len(over):
@@ -453,3 +453,15 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
     if not cross_entropy_only("train.word_distill", t.objective):
         return None
     return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)
+
+
+def check_word_targets(cfg: Any) -> None:
+    """The run's ``train.word_distill`` file, checked before the run writes anything (a bad file leaves no run
+    folder behind); :func:`build_word_distillation` reads it again once the training set is final.
+
+    Raises:
+        DataError: as :func:`read_word_targets`.
+    """
+    t = cfg.train
+    if t.word_distill and t.word_distill_weight and t.objective == "xe":
+        read_word_targets(t.word_distill)

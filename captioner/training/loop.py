@@ -42,6 +42,7 @@ from captioner.models.model import CaptionModel, build_model, resolve_model
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
+from captioner.training.distill import check_word_targets
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
@@ -638,6 +639,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             if replay and info.is_main:
                 log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
+    check_word_targets(cfg)  # before the first write, as the data and the init checkpoint are
     if val_set.split != cfg.data.val_split:  # the data's own name for it (dev, val, validation): recorded
         cfg = cfg.override(**{"data.val_split": val_set.split})
     if init is not None:  # the checkpoint's words keep their rows; the data's new words are appended
