@@ -463,5 +463,5 @@ def check_word_targets(cfg: Any) -> None:
         DataError: as :func:`read_word_targets`.
     """
     t = cfg.train
-    if t.word_distill and t.word_distill_weight and t.objective == "xe":
+    if t.word_distill and t.word_distill_weight:  # named, so checked (even where the objective ignores it)
         read_word_targets(t.word_distill)
