@@ -1,8 +1,9 @@
 """Reading and writing files a user names: regular files only, every read bounded, writes atomic.
 
 Every file the package reads on a user's behalf (images, config and annotation files,
-vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` / :func:`read_json` or
-is checked with :func:`check_regular` first, so a named pipe cannot block, a device such as ``/dev/zero`` cannot
+vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` / :func:`read_json`, is
+opened with :func:`open_regular`, or is checked with :func:`check_regular` first (a library that opens
+the path itself), so a named pipe cannot block, a device such as ``/dev/zero`` cannot
 fill memory and a huge file is refused from its size before it is read. The kind of file is named
 in the one-line error (``photo.jpg: is a named pipe, not a regular file``).
 
@@ -41,7 +42,7 @@ from filelock import FileLock, Timeout
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
 __all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
-           "lock_is_free", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name", "size_text",
+           "lock_is_free", "open_regular", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name", "size_text",
            "writable_folder"]
 
 MiB = 1 << 20
@@ -126,16 +127,16 @@ def _check_stat(path: Path, st: os.stat_result, limit: int | None, error: type[C
         raise error(f"{path}: {what} too large ({size_text(st.st_size)}, limit {size_text(limit)})")
 
 
-def read_bytes(path: str | os.PathLike, limit: int, error: type[CaptionerError] = CaptionerError,
-               what: str = "file") -> bytes:
-    """The content of a regular file of at most ``limit`` bytes.
+def open_regular(path: str | os.PathLike, limit: int | None, error: type[CaptionerError] = CaptionerError,
+                 what: str = "file") -> IO[bytes]:
+    """Open a regular file for reading in binary, refusing anything else before a byte is read.
 
-    The file is opened without blocking (a named pipe with no writer cannot hang the call), checked
-    to be a regular file through the open descriptor, and read in chunks that stop one byte past
-    ``limit`` (a file that grows while it is read is still refused, not read whole).
+    The one way an input file is opened: checked with :func:`check_regular`, opened without blocking
+    (a named pipe with no writer cannot hang the call), checked again through the open descriptor
+    (the file opened, not the one statted before), then handed back as a blocking file object.
 
     Raises:
-        error: as :func:`check_regular`, or a read error (one line naming the file).
+        error: as :func:`check_regular`, or the open failing (one line naming the file).
     """
     path = Path(path)
     check_regular(path, limit, error, what)  # names sockets and links before open() gets in the way
@@ -145,18 +146,36 @@ def read_bytes(path: str | os.PathLike, limit: int, error: type[CaptionerError] 
     except OSError as exc:
         raise error(_os_reason(path, exc)) from None
     try:
-        _check_stat(path, os.fstat(fd), limit, error, what)  # the file opened, not the one statted before
-        chunks, total = [], 0
-        while total <= limit:
-            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as exc:
-        raise error(f"{path}: cannot read file ({exc.strerror or exc})") from None
-    finally:
+        _check_stat(path, os.fstat(fd), limit, error, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_bytes(path: str | os.PathLike, limit: int, error: type[CaptionerError] = CaptionerError,
+               what: str = "file") -> bytes:
+    """The content of a regular file of at most ``limit`` bytes (opened with :func:`open_regular`).
+
+    Read in chunks that stop one byte past ``limit``: a file that grows while it is read is still
+    refused, not read whole.
+
+    Raises:
+        error: as :func:`open_regular`, or a read error (one line naming the file).
+    """
+    path = Path(path)
+    with open_regular(path, limit, error, what) as f:
+        chunks, total = [], 0
+        try:
+            while total <= limit:
+                chunk = f.read(min(_CHUNK, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+        except OSError as exc:
+            raise error(f"{path}: cannot read file ({exc.strerror or exc})") from None
     if total > limit:
         raise error(f"{path}: {what} too large (more than {size_text(limit)})")
     return b"".join(chunks)
@@ -365,10 +384,10 @@ def release_lock_file(lock: str | os.PathLike, remove_folder: bool = True) -> No
             lock.parent.rmdir()
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of a file, read in 1 MiB blocks."""
+def file_sha256(path: str | os.PathLike, error: type[CaptionerError] = CaptionerError) -> str:
+    """The SHA-256 of a regular file (:func:`open_regular`: never a device or a pipe), read in 1 MiB blocks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, None, error) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -412,6 +431,14 @@ class Outputs:
             return {}
         files = data.get("files") if isinstance(data, dict) else None
         return {k: v for k, v in files.items() if isinstance(v, list)} if isinstance(files, dict) else {}
+
+    def owns(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a regular file captioner wrote there: in the manifest with its size and time."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and self.owned().get(self._key(path)) == [st.st_size, st.st_mtime_ns]
 
     def _key(self, path: str | os.PathLike) -> str:
         path, root = Path(path), Path(self.root)

@@ -428,7 +428,8 @@ class Captioner:
                                             (int(grid[0]), int(grid[1])))
 
     def caption_nbest(self, image: ImageInput, n_best: int = 3, options: DecodeOptions | None = None, *,
-                      all_heads: bool = False, labels: int = 0, **decoding: object) -> list[Caption]:
+                      all_heads: bool = False, labels: int = 0, allow_empty: bool = False,
+                      **decoding: object) -> list[Caption]:
         """The ``n_best`` best captions of one image (best first), each with its per-word attention.
 
         Args:
@@ -438,6 +439,9 @@ class Captioner:
             all_heads: also every layer's and head's map of each caption (Transformer).
             labels: also the photo's K most probable words of the encoder's ImageNet head, as in
                 :meth:`caption` (the same for each caption); 0: none.
+            allow_empty: keep hypotheses with no words (the model wrote ``<eos>`` first); by default a
+                lower-ranked one is dropped (no caption), and an empty best one is the error below, as
+                :meth:`caption` gives for the same image and beam.
 
         Returns:
             Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box`` (and the
@@ -446,6 +450,7 @@ class Captioner:
 
         Raises:
             ConfigError: as :meth:`caption` (labels asked of an encoder without an ImageNet head).
+            EmptyCaptionError: the best hypothesis is empty (unless ``allow_empty``), naming the image and the beam.
         """
         options = decode_options(options, **decoding, n_best=n_best)
         head = self.label_head() if self._check_labels(labels) else None
@@ -462,8 +467,12 @@ class Captioner:
                                                   grid)[0]  # the photo's
             seen = head.top(features, grid, k=labels)[0] if head is not None else None
             out = []
-            for h in search_features(self.model.decoder, features, self.vocab, options)[0]:
+            for rank, h in enumerate(search_features(self.model.decoder, features, self.vocab, options)[0]):
                 c = _caption(h, self.vocab, grid)
+                if not c.words and not allow_empty:
+                    if rank == 0:  # the model's best answer is no caption: as caption() says at this beam
+                        raise empty_caption(str(sources[0]) if isinstance(sources[0], Path) else "the image", options)
+                    continue  # a lower-ranked empty hypothesis is no caption: dropped
                 c.image_size, c.box = size, box
                 c.concepts, c.concept_maps = concepts, concept_maps
                 c.labels = None if seen is None else list(seen)
@@ -546,15 +555,27 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
     if not isinstance(device, (str, torch.device)):
         raise ConfigError(f"device must be a name such as 'cpu' or 'cuda:0', got {type(device).__name__}")
     dev = resolve_device(device)
-    if is_model_name(checkpoint):  # a model shipped with the package, its SHA-256 checked
-        path = pretrained_path(str(checkpoint))
-    else:
-        path = resolve_checkpoint(checkpoint, sha256=sha256, progress=progress, refresh=refresh)
+    path = checkpoint_path(checkpoint, sha256, progress, refresh)
     try:
         loaded = load_checkpoint(path, device=str(dev))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{cached_hint(checkpoint, path)}") from None
     return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
+
+
+def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
+                    refresh: bool = False) -> Path:
+    """The local file behind a checkpoint spec, as ``-c`` and ``--init`` take it: a shipped model's name
+    (its SHA-256 checked), a file, a run folder (its best, else latest checkpoint), an ``https://`` URL or
+    ``hf://`` id (fetched into the cache). Not yet read: loading checks the content.
+
+    Raises:
+        CheckpointError: as :func:`captioner.pretrained.pretrained_path` and
+            :func:`captioner.checkpoint.remote.resolve_checkpoint`.
+    """
+    if is_model_name(spec):  # a model shipped with the package
+        return pretrained_path(str(spec))
+    return resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,

@@ -31,13 +31,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.errors import CaptionerError, ConfigError, DataError
+from captioner.files import open_regular
 
-__all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "redact", "verify"]
+__all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "read_head", "redact", "verify"]
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20
@@ -349,6 +350,58 @@ def download(url: str, dest: Path, size: int | None = None, checksum: str | None
     return dest
 
 
+def read_head(url: str, inspect: Inspect, headers: Mapping[str, str] | None = None, label: str | None = None,
+              bounds: Bounds | None = None, opener: Callable[..., object] = urllib.request.urlopen,
+              error: type[CaptionerError] = DataError) -> int | None:
+    """Read only as much of ``url`` as ``inspect`` needs to judge the file, then close the connection.
+
+    For a file another client will download (a Hub file): its header is checked first, and a lying
+    or pickled file is refused before its body is fetched. Nothing is written to disk.
+
+    Args:
+        url: what to read (``http(s)://``); redirects are followed.
+        inspect: the check of the file's first bytes (:data:`Inspect`).
+        headers: request headers (an ``Authorization`` header is not sent on to another host after a redirect).
+        label: the file's name in messages (default: ``url`` with any password hidden).
+        bounds: the time limits of :func:`download`.
+
+    Returns:
+        The file's size as its header states it (None when ``inspect`` names none).
+
+    Raises:
+        DownloadError: the server could not be reached or answered with an HTTP error.
+        error: a header ``inspect`` refused, a file that ends inside its header, or a stalled transfer.
+    """
+    bounds, shown = bounds or Bounds(), label or redact(url)
+    moved = _Progress(bounds)
+    request = _request(url, 0)
+    for key, value in (headers or {}).items():
+        if key.lower() == "authorization":
+            request.add_unredirected_header(key, value)
+        else:
+            request.add_header(key, value)
+    try:
+        response = opener(request, timeout=moved.read_timeout())
+    except urllib.error.HTTPError as exc:
+        raise DownloadError(f"{shown}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        raise DownloadError(f"{shown}: download failed ({_reason(exc)})") from None
+    head = _Head(inspect, Path(), 0)
+    try:
+        with response:
+            while head.inspect is not None:
+                chunk = _read(response, CHUNK)
+                if not chunk:
+                    head.finish()
+                moved.add(len(chunk))
+                head.feed(chunk)
+    except Refused as exc:
+        raise error(f"{shown}: {exc}; nothing was fetched") from None
+    except (http.client.HTTPException, OSError, _Stalled) as exc:
+        raise error(f"{shown}: reading its header failed ({_reason(exc)}); nothing was fetched") from None
+    return head.size
+
+
 def _remove(path: Path) -> None:
     try:
         path.unlink()
@@ -357,25 +410,31 @@ def _remove(path: Path) -> None:
 
 
 def file_digest(path: Path, algorithm: str = "sha256") -> str:
-    """Hex digest of a file, read in chunks."""
+    """Hex digest of a regular file (never a device or a pipe: :func:`captioner.files.open_regular`), read in chunks."""
     digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
+    with open_regular(path, None, DataError) as f:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def verify(path: Path, size: int | None, checksum: str | None, label: str | None = None,
-           algorithm: str = "md5", error: type[CaptionerError] = DataError) -> None:
-    """Check size and checksum; on mismatch delete ``path`` and raise a one-line ``error``."""
+           algorithm: str = "md5", error: type[CaptionerError] = DataError, remove: bool = True) -> None:
+    """Check size and checksum; on mismatch delete ``path`` (unless ``remove`` is False: a file captioner did
+    not write, which it never deletes) and raise a one-line ``error``."""
     label = label or path.name
+    kept = f"; {path} is not a file captioner wrote, so it was left in place: replace or remove it"
     actual = path.stat().st_size
     if size is not None and actual != size:
+        if not remove:
+            raise error(f"{label}: got {actual} bytes, expected {size}{kept}")
         path.unlink()
         raise error(f"{label}: got {actual} bytes, expected {size}; the partial file was removed, run again")
     if checksum is not None:
         got = file_digest(path, algorithm)
         if got != checksum.lower():
+            if not remove:
+                raise error(f"{label}: {algorithm.upper()} {got} does not match {checksum}{kept}")
             path.unlink()
             raise error(f"{label}: {algorithm.upper()} {got} does not match {checksum}; "
                         "the file was removed, run again")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.errors import CheckpointError
-from captioner.files import file_sha256
+from captioner.files import file_kind, file_sha256
 
 __all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "example_photos", "is_model_name",
            "model_card", "pretrained_path"]
@@ -89,7 +89,7 @@ def _entry(name: str) -> PretrainedModel:
 @functools.lru_cache(maxsize=None)
 def _checked(path: Path, sha256: str, size: int, mtime: float) -> None:
     """Hash the file once per process (per size and modification time)."""
-    actual = file_sha256(path)
+    actual = file_sha256(path, CheckpointError)
     if actual != sha256:
         raise CheckpointError(f"{path}: SHA-256 {actual[:16]}... differs from the registry's {sha256[:16]}... "
                               "(a damaged or replaced file); reinstall captioner")
@@ -99,8 +99,8 @@ def pretrained_path(name: str) -> Path:
     """The file of shipped model ``name``, after checking its SHA-256.
 
     Raises:
-        CheckpointError: an unknown name, a missing file (a broken install), or a file whose
-            SHA-256 differs from the registry's; one line each.
+        CheckpointError: an unknown name, a missing file (a broken install), a path that is not a
+            regular file (a device, a named pipe, a folder), or a file whose SHA-256 differs from the registry's; one line each.
     """
     entry = _entry(name)
     path = entry.path
@@ -108,6 +108,10 @@ def pretrained_path(name: str) -> Path:
         st = path.stat()
     except OSError:
         raise CheckpointError(f"shipped model {name!r}: its file {path} is missing; reinstall captioner") from None
+    kind = file_kind(st.st_mode)  # a link to /dev/zero or a named pipe would never finish hashing
+    if kind is not None:
+        raise CheckpointError(f"shipped model {name!r}: its file {path} is a {kind}, not a regular file; "
+                              "reinstall captioner")
     _checked(path, entry.sha256, st.st_size, st.st_mtime)
     return path
 

@@ -352,3 +352,17 @@ def test_every_name_captioner_data_exports_resolves_and_check_images_works(tmp_p
     write_images(tmp_path / "images", ["img1.png", "img2.png", "img3.png"])
     cs = captioner.data.load_caption_set(tmp_path, "train")
     assert captioner.data.check_images(cs) is cs
+
+
+def test_the_validation_split_is_found_by_any_of_its_names(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from captioner.data.coco import load_validation_set
+
+    data = {"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [{"id": 1, "image_id": 1, "caption": "a"}]}
+    (tmp_path / "captions_train.json").write_text(json.dumps(data))
+    (tmp_path / "captions_validation.json").write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="captioner"):
+        assert load_validation_set(tmp_path, "val").split == "validation"
+    assert any("has no 'val' split: validating on its 'validation' split" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DataError, match=r"unknown split 'holdout'; available: train, validation; name the validation "
+                                        r"split with --set data.val_split=NAME$"):
+        load_validation_set(tmp_path, "holdout")  # a name of the user's own: not replaced by a guess

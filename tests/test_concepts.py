@@ -4,6 +4,7 @@ guide term, the ``captioner concepts`` command, and decoding that does not repea
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import subprocess
@@ -890,3 +891,63 @@ def test_a_concepts_file_with_bad_extra_metadata_is_one_line(tmp_path, extra, me
     save_file(load_file(str(path)), str(path), metadata={**meta, "extra": extra})
     with pytest.raises(CheckpointError, match=re.escape(f"concepts file {path} cannot be read: {message}")):
         load_concepts(path)
+
+
+def _head_meta(**change: object) -> dict[str, str]:
+    spec = {"feature_dim": D, "words": ["dog", "ball"], "hidden_dim": 6, "dropout": 0.3, "pooling": "lse",
+            "sharpness": 5.0}
+    return {"head": json.dumps({k: v for k, v in {**spec, **change}.items() if v is not _DROP})}
+
+
+_DROP = object()
+_NAN = float("nan")
+
+
+@pytest.mark.parametrize("meta, tensors, message", [
+    ({"head": "[1, 2]"}, {}, "its 'head' metadata must be a JSON object, not a list"),
+    ({"head": "{"}, {}, "its 'head' metadata is not JSON ('{'...)"),
+    (_head_meta(feature_dim="x"), {}, f"its head's 'feature_dim' must be an integer from 1 to 65536, got 'x'"),
+    (_head_meta(feature_dim=8.5), {}, "its head's 'feature_dim' must be an integer from 1 to 65536, got 8.5"),
+    (_head_meta(hidden_dim=True), {}, "its head's 'hidden_dim' must be an integer from 0 to 65536, got True"),
+    (_head_meta(dropout="x"), {}, "its head's 'dropout' must be a number from 0 to 1, got 'x'"),
+    (_head_meta(sharpness=_NAN), {}, "its head's 'sharpness' must be a number from 1e-06 to 1e+06, got nan"),
+    (_head_meta(words="dog"), {}, "its head's 'words' must be a list of 1 to 100000 words, got 'dog'"),
+    (_head_meta(words=[1, 2]), {}, "its head's 'words' must be a list of 1 to 100000 words, got [1, 2]"),
+    (_head_meta(pooling=_DROP), {}, "its head's 'pooling' must be one of lse, noisy_or, got None"),
+    (_head_meta(feature_dim=D + 1), {}, f"tensor 'net.0.weight' has shape ({D},); its head's widths and words need "
+                                        f"({D + 1},)"),
+    ({"head": None}, {}, "it has no 'head' metadata (the head's words and widths)"),
+    ({"folds": "two"}, {}, "its 'folds' metadata must be a whole number from 0 to 100, got 'two'"),
+    ({"folds": "-1"}, {}, "its 'folds' metadata must be a whole number from 0 to 100, got '-1'"),
+    ({"folds": "1"}, {}, "it lacks tensor 'fold0.net.0.weight' of its head"),
+    ({}, {"fold0.net.0.weight": torch.ones(D)}, "it holds tensor 'fold0.net.0.weight', but its 'folds' metadata says 0 fold heads"),
+    ({}, {"net.4.weight": None}, "it lacks tensor 'net.4.weight' of its head"),
+    ({}, {"net.4.weight": torch.zeros(3, 6)}, "tensor 'net.4.weight' has shape (3, 6); its head's widths and words "
+                                               "need (2, 6)"),
+    ({}, {"bogus": torch.zeros(1)}, "it holds tensor 'bogus', which its head does not have"),
+    ({}, {"net.4.bias": torch.tensor([0.0, _NAN])}, "tensor 'net.4.bias' holds NaN or infinite values"),
+    ({"extra": '{"grid": "7"}'}, {}, "its 'extra' field 'grid' must be a whole number >= 1, got '7'"),
+    ({"extra": '{"encoder": 3}'}, {}, "its 'extra' field 'encoder' must be an encoder's name, got 3"),
+])
+def test_each_bad_field_of_a_concepts_file_is_one_line_in_words(tmp_path, meta, tensors, message):
+    """The file and the field in words: never "list indices must be integers", "invalid literal for int()"
+    or "Error(s) in loading state_dict for ConceptHead" (issue 54, item 7)."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    path = save_concepts(ConceptHead(D, ["dog", "ball"], hidden_dim=6).eval(), tmp_path / "c.safetensors", {})
+    with safe_open(str(path), "pt") as f:
+        header = {k: v for k, v in {**f.metadata(), **meta}.items() if v is not None}
+    state = {k: v for k, v in {**load_file(str(path)), **tensors}.items() if v is not None}
+    save_file(state, str(path), metadata=header)
+    with pytest.raises(CheckpointError) as info:
+        load_concepts(path)
+    assert str(info.value) == f"concepts file {path} cannot be read: {message}"
+
+
+def test_a_concepts_path_that_is_a_pipe_is_refused_before_opening(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "c.safetensors")
+    with pytest.raises(CheckpointError, match="c.safetensors: is a named pipe, not a regular file$"):
+        load_concepts(tmp_path / "c.safetensors")

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import http.server
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -319,6 +320,63 @@ def test_a_hub_file_over_the_limit_is_refused_before_it_is_fetched(monkeypatch: 
                                                   r"the limit is 100 bytes; nothing was fetched$"):
             resolve_checkpoint("hf://org/big")
         assert handler.sent == 0
+    assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []
+
+
+def test_a_lying_hub_file_is_refused_at_its_header_like_a_url(ckpt: bytes, monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """hf:// gets the check https:// has: the header is read (and the connection closed) before the Hub client
+    fetches the body; a pickle or a header that is not the model's config's leaves nothing in the Hub's cache."""
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+    from range_server import serve_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    announced = 1000 << 20
+    meta, tensors = _metadata(ckpt), _tensors(ckpt)
+    first = next(k for k in sorted(tensors, key=lambda k: tensors[k]["data_offsets"])
+                 if tensors[k]["dtype"] == "F32" and len(tensors[k]["shape"]) == 2)
+    n = tensors[first]["data_offsets"][1] - tensors[first]["data_offsets"][0]
+    cases = {  # repo -> (first bytes, followed by 4 MiB of zeros; the error)
+        "org/unknown_name": (_safetensors_head({"__metadata__": meta, "lm_head.weight": {
+            "dtype": "F32", "shape": [announced // 4], "data_offsets": [0, announced]}}),
+            r"not a checkpoint of the model its config builds \(tensor 'lm_head\.weight' is not one of the model's\)"),
+        "org/shape_vs_data": (_safetensors_head({"__metadata__": meta, **{**tensors, first: {**tensors[first],
+                                                                                               "shape": [7, 7]}}}),
+                              rf"tensor '{first}': F32 of shape \[7, 7\] is 196 bytes, its data spans {n}\)"),
+        "org/legacy_torch": (remote_magic(), r"refused: not a safetensors checkpoint \(pickle data"),
+        "org/zip_data_pkl": (b"PK\x03\x04" + bytes(22) + (13).to_bytes(2, "little") + bytes(2) + b"arch/data.pkl",
+                             r"refused: not a safetensors checkpoint \(a zip"),
+    }
+    repos = {repo: {"model.safetensors": prefix + bytes(4 << 20)} for repo, (prefix, _) in cases.items()}
+    with serve_hub(repos) as (endpoint, handler):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        for repo, (_, message) in cases.items():
+            handler.log.clear()
+            with pytest.raises(CheckpointError) as info:
+                resolve_checkpoint(f"hf://{repo}")
+            text = str(info.value)
+            assert text.startswith(f"hf://{repo}/model.safetensors: ") and text.endswith("; nothing was fetched")
+            assert re.search(message, text) and "\n" not in text, text
+            assert len(handler.log) == 2, handler.log  # the size (HEAD) and the header (one GET), never the download
+    assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []
+
+
+def test_a_hub_file_whose_size_differs_from_its_header_is_refused(ckpt: bytes, monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+    from range_server import serve_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with serve_hub({"org/long": {"model.safetensors": ckpt + bytes(1 << 20)}}) as (endpoint, _):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        with pytest.raises(CheckpointError, match=rf"^hf://org/long/model\.safetensors: the server sends "
+                                                  rf"{len(ckpt) + (1 << 20)} bytes, the file's header says {len(ckpt)}; "
+                                                  r"nothing was fetched$"):
+            resolve_checkpoint("hf://org/long")
     assert not (tmp_path / "hf").exists() or _files(tmp_path / "hf") == []
 
 

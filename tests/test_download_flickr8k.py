@@ -145,3 +145,49 @@ def test_download_help_lists_both_datasets(capsys: pytest.CaptureFixture[str]) -
     assert "flickr8k" in out and "coco" in out
     assert captioner_main(["download"]) == 2
 
+
+
+def test_a_users_zip_in_downloads_is_read_but_never_replaced_or_deleted(mirror: str, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The writer rule for --root/downloads/: a zip captioner did not write is used as it is (checked, extracted),
+    and left in place whether it works or not; nothing is fetched over it."""
+    name = "Flickr8k_text.zip"
+    root = tmp_path / "f8k"
+    (root / "downloads").mkdir(parents=True)
+    users = root / "downloads" / name
+    users.write_bytes(FILES[name])
+    assert main(["--root", str(root), "--mirror", mirror, "--only", "text", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"use {users} (not downloaded by captioner: read, checked, never deleted)" in out
+    assert f"delete {users}" not in out and _Handler.log == []  # nothing fetched
+    assert users.read_bytes() == FILES[name] and (root / "Flickr8k_text" / "Flickr8k.token.txt").is_file()
+
+    other = tmp_path / "other"
+    (other / "downloads").mkdir(parents=True)
+    broken = other / "downloads" / name
+    broken.write_bytes(b"my own notes, not a zip")
+    assert main(["--root", str(other), "--mirror", mirror, "--only", "text", "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (f"captioner download: error: {broken}: not a valid zip archive (BadZipFile: File is not a zip "
+                   f"file); {broken} is not a file captioner wrote, so it was left in place: replace or remove it")
+    assert broken.read_bytes() == b"my own notes, not a zip"
+    wrong = "0" * 64
+    assert main(["--root", str(other), "--mirror", mirror, "--only", "text", "--sha256", f"text={wrong}",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"does not match {wrong}; {broken} is not a file captioner wrote, so it was left in place" in err
+    assert broken.read_bytes() == b"my own notes, not a zip" and _Handler.log == []
+
+
+def test_a_zip_captioner_downloaded_and_kept_is_its_own(mirror: str, tmp_path: Path) -> None:
+    """A kept archive is in the folder's manifest: a later run may use it, and delete it once extracted."""
+    root, name = tmp_path / "f8k", "Flickr8k_text.zip"
+    assert main(["--root", str(root), "--mirror", mirror, "--only", "text", "--no-progress", "--keep-archives"]) == 0
+    kept = root / "downloads" / name
+    assert kept.read_bytes() == FILES[name]
+    import shutil
+
+    shutil.rmtree(root / "Flickr8k_text")
+    assert main(["--root", str(root), "--mirror", mirror, "--only", "text", "--no-progress"]) == 0
+    assert not kept.exists() and (root / "Flickr8k_text" / "Flickr8k.token.txt").is_file()
+    assert [n for n, _ in _Handler.log] == [name]  # fetched once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -59,6 +60,27 @@ def test_a_missing_file_names_it(shipped):
     shipped.unlink()
     with pytest.raises(CheckpointError, match="its file .* is missing; reinstall captioner"):
         captioner.load("flickr8k", device="cpu")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["a link to /dev/zero", "a named pipe"])
+def test_a_shipped_file_that_is_not_a_regular_file_is_refused_before_it_is_read(shipped, tmp_path, capsys, kind):
+    """Hashing /dev/zero never ends and opening a pipe blocks: either is refused from its kind, in one line."""
+    shipped.unlink()
+    if kind == "a named pipe":
+        os.mkfifo(shipped)
+    else:
+        shipped.symlink_to("/dev/zero")
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (40, 30), (90, 140, 60)).save(photo)
+    assert main(["caption", str(photo)]) == 1
+    out, err = capsys.readouterr()
+    what = "named pipe" if kind == "a named pipe" else "character device"
+    assert out == "" and err.splitlines()[-1] == (
+        f"captioner caption: error: shipped model 'flickr8k': its file {shipped} is a {what}, not a regular file; "
+        "reinstall captioner")
+    with pytest.raises(CheckpointError, match=f"is a {what}, not a regular file"):
+        file_sha256(shipped, CheckpointError)  # the hash itself never opens one either
 
 
 def test_a_name_that_is_also_a_path_here_is_refused(shipped, tmp_path, capsys):

@@ -267,6 +267,7 @@ def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes
         (["--init", str(stage1), "--set", "encoder.grid=2"], "model.encoder.grid is 4 in the checkpoint but 2"),
         (["--init", str(tmp_path / "absent.safetensors")], "checkpoint not found"),
         (["--init", str(junk)], f"--init {junk}: "),
+        (["--init", str(tmp_path)], f"--init {tmp_path}: a folder, and it holds no checkpoint"),
         (["--preset", "transformer_tiny", "--init", str(stage1)], "model.decoder.name is 'sat' in the checkpoint"),
         (["--init", str(stage1), "--resume"], "--init starts a new run"),
     ]
@@ -275,6 +276,20 @@ def test_init_refuses_another_architecture_in_one_line(stage1: Path, tiny_shapes
         err = capsys.readouterr().err.strip()
         assert err.startswith("captioner train: error: ") and message in err and "\n" not in err, err
     assert not (tmp_path / "run" / "train_state.pt").exists()
+
+
+def test_init_takes_a_run_folder_as_c_does(stage1: Path, tiny_shapes: Path, tmp_path: Path) -> None:
+    """--init runs/a: the help says a file, run folder or shipped model name; the folder's best checkpoint is read
+    through the resolver -c uses (issue 54, item 8)."""
+    from captioner.training.loop import read_init_checkpoint
+
+    assert read_init_checkpoint(stage1.parent).path == stage1
+    out = tmp_path / "from_folder"
+    assert _cli(["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out), "--init", str(stage1.parent),
+                 "--set", "train.lr=1e-9", "--set", "train.val_max_images=4", "--set", "train.seed=1",
+                 "--batch-size", "16", "--epochs", "1", "--no-progress"]) == 0
+    before, after = load_file(str(stage1)), load_file(str(out / "latest.safetensors"))
+    torch.testing.assert_close(after["decoder.out_word.weight"], before["decoder.out_word.weight"], atol=1e-5, rtol=0)
 
 
 def test_apply_init_refuses_another_vocabulary(stage1: Path) -> None:

@@ -291,6 +291,42 @@ def test_3_config_annotation_and_checkpoint_pipes_are_refused(tmp_path: Path) ->
         load_caption_set(tmp_path / "captions_train.json", "train")
 
 
+@pytest.mark.timeout(60)
+def test_3_every_input_opened_for_reading_refuses_pipes_and_devices(tmp_path: Path) -> None:
+    """open_regular is the one way an input file is opened: the weights-only loader, the checkpoint
+    sniffer, hashes, a Flickr8k token file and a feature cache's sampled images all refuse a pipe
+    and /dev/zero from their kind instead of blocking or reading forever (issue 54, item 6)."""
+    from captioner.checkpoint.store import torch_load
+    from captioner.data.coco import load_flickr8k
+    from captioner.features.cache import _sample_digest
+    from captioner.files import file_sha256, open_regular
+
+    pipe = tmp_path / "pipe.pt"
+    os.mkfifo(pipe)
+    zero = tmp_path / "zero.pt"
+    zero.symlink_to("/dev/zero")
+    for path, kind in ((pipe, "named pipe"), (zero, "character device")):
+        with pytest.raises(CheckpointError, match=f"^{path}: is a {kind}, not a regular file$"):
+            torch_load(path, "cpu", "training state")
+        with pytest.raises(DataError, match=f"^{path}: is a {kind}, not a regular file$"):
+            open_regular(path, None, DataError)
+        with pytest.raises(CheckpointError, match=f"is a {kind}"):
+            file_sha256(path, CheckpointError)
+        assert _sample_digest(path) == b"missing\n"
+    root = tmp_path / "flickr8k"
+    (root / "Flickr8k_text").mkdir(parents=True)
+    (root / "Flickr8k_Dataset").mkdir()
+    os.mkfifo(root / "Flickr8k_text" / "Flickr8k.token.txt")
+    (root / "Flickr8k_text" / "Flickr_8k.trainImages.txt").write_text("a.jpg\n")
+    with pytest.raises(DataError, match="Flickr8k.token.txt: is a named pipe, not a regular file$"):
+        load_flickr8k(root, "train")
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"abc")
+    with open_regular(plain, 10) as f:
+        assert f.read() == b"abc"
+    assert file_sha256(plain) == hashlib.sha256(b"abc").hexdigest()
+
+
 # ----------------------------------------------------------------------------- 4: search memory
 
 

@@ -221,6 +221,44 @@ def test_the_commands_fail_on_an_empty_caption_and_draw_nothing(mute, tiny, phot
     assert main(["caption", str(photo), "-c", str(tiny), "--max-len", "2"]) == 0  # words: a caption
 
 
+def test_the_n_best_drop_an_empty_hypothesis_and_refuse_an_empty_best(mute, tiny, photo) -> None:
+    """caption_nbest, the server's call: a lower-ranked empty hypothesis is no caption (dropped); an empty best
+    one is the error caption() gives for the same photo and beam."""
+    model = captioner.load(tiny, device="cpu")
+    with torch.no_grad():  # "red" most probable at every step, <eos> next: the bare "<eos>" ranks among the best
+        for module in model.model.decoder.modules():
+            if isinstance(module, torch.nn.Linear) and module.out_features == len(model.vocab) \
+                    and module.bias is not None:
+                module.bias.zero_()
+                module.bias[model.vocab.eos_id] = 5.0
+                module.bias[model.vocab.stoi["red"]] = 6.0
+    longer = {"n_best": 4, "beam": 4, "max_len": 2, "length_penalty": 1.5}  # longer captions rank first
+    kept = model.caption_nbest(photo, allow_empty=True, **longer)
+    assert [c.text for c in kept][:3] == ["red red", "red", ""]
+    assert [c.text for c in model.caption_nbest(photo, **longer)] == [c.text for c in kept if c.words]  # dropped
+    with pytest.raises(EmptyCaptionError, match=rf"^{photo}: .* at beam 3;"):  # here the empty one is the best
+        model.caption_nbest(photo, n_best=3, beam=3)
+    with pytest.raises(EmptyCaptionError, match=rf"^{photo}: .* at beam 3;"):  # as caption() says
+        model.caption(photo, beam=3)
+    with pytest.raises(EmptyCaptionError, match=rf"^{photo}: the model wrote an empty caption \(no word before "
+                                                r"<eos>\) at beam 4;"):
+        captioner.load(mute, device="cpu").caption_nbest(photo, n_best=2, beam=4)
+
+
+def test_the_server_answers_an_all_empty_n_best_with_json_400(mute, photo) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from captioner.share.server import ServedModel, create_app
+
+    app = create_app([ServedModel("mute", captioner.load(mute, device="cpu"))])
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        answer = client.post("/api/caption", files={"image": ("photo.png", photo.read_bytes(), "image/png")},
+                             data={"beam": "3", "n_best": "2"})
+    assert answer.status_code == 400
+    assert "the model wrote an empty caption (no word before <eos>) at beam 3" in answer.json()["error"]
+
+
 # --- Ctrl-C as a command exits ---
 
 LATE_INTERRUPT = """

@@ -289,6 +289,37 @@ def test_cli_reports_user_errors_in_one_line(tiny_shapes: Path, tmp_path: Path, 
         assert err.startswith("captioner train: error: ") and message in err and "\n" not in err, err
 
 
+def test_training_validates_on_the_split_the_data_has(tiny_shapes: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A Flickr8k setting (data.val_split=dev) on a COCO folder with train/val/test validates on its 'val',
+    says so in one line and records it; a folder with no validation split names the option (issue 54, item 9)."""
+    import logging
+    import shutil
+
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="captioner"):
+        assert cli(["--preset", "sat_soft_tiny", "--data", str(tiny_shapes), "--out", str(out), "--epochs", "1",
+                    "--no-progress", "--set", "data.val_split=dev", "--set", "train.val_max_images=4",
+                    "--set", "train.time_budget=3"]) == 0
+    said = [r.getMessage() for r in caplog.records if "validating on" in r.getMessage()]
+    assert said == [f"{tiny_shapes} has no 'dev' split: validating on its 'val' split "
+                    "(--set data.val_split=NAME picks another)"]
+    assert json.loads((out / "config.json").read_text())["data"]["val_split"] == "val"
+    bare = tmp_path / "no_val"
+    bare.mkdir()
+    for name in ("captions_train.json", "captions_test.json"):
+        shutil.copy(tiny_shapes / name, bare / name)
+    (bare / "images").symlink_to(tiny_shapes / "images")
+    capsys.readouterr()
+    assert cli(["--preset", "sat_soft_tiny", "--data", str(bare), "--out", str(tmp_path / "r2"), "--no-progress",
+                "--set", "data.val_split=dev"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"captioner train: error: {bare}: unknown split 'dev'; available: test, train; name the "
+                   "validation split with --set data.val_split=NAME\n")
+    assert not (tmp_path / "r2").exists()
+
+
 def test_fine_tuning_trains_the_encoder_with_its_own_lr(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.models.model import build_model
     from captioner.text import Vocabulary

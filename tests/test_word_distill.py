@@ -4,6 +4,8 @@ and the KL term that trains a student on them (``train.word_distill``)."""
 from __future__ import annotations
 
 import csv
+import os
+import re
 import json
 from pathlib import Path
 
@@ -163,3 +165,120 @@ def test_bad_targets_are_refused_in_one_line(targets, tiny_shapes, tmp_path, cap
         assert f.metadata()["format"] == "captioner-word-targets"
     with pytest.raises(ConfigError, match="word_distill_weight must be a number >= 0"):
         get_preset("sat_soft_tiny", **{"train.word_distill_weight": -1.0})
+
+
+# ----------------------------------------------------------------------------- crafted targets files
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "a", "red", "square"]
+
+
+def crafted(path: Path, meta: dict[str, str] | None = None, **tensors: torch.Tensor) -> Path:
+    """A well-formed two-caption targets file (top_k 2), with ``meta`` and ``tensors`` replacing its own."""
+    from safetensors.torch import save_file
+
+    good = {"tokens": torch.tensor([1, 4, 5, 6, 2, 1, 6, 2], dtype=torch.int32),  # <bos> a red square <eos>, <bos> square <eos>
+            "offsets": torch.tensor([0, 5, 8]), "step_offsets": torch.tensor([0, 4, 6]),
+            "image": torch.tensor([0, 1], dtype=torch.int32),
+            "top_ids": torch.tensor([[4, 5]] * 6, dtype=torch.int32),
+            "top_probs": torch.tensor([[0.6, 0.3]] * 6, dtype=torch.float16)}
+    header = {"format": "captioner-word-targets", "version": "1", "split": "train", "top_k": "2",
+              "vocab": json.dumps(WORDS), "images": json.dumps(["one.png", "two.png"]), "teacher": "t"}
+    save_file({**good, **tensors}, str(path), {**header, **(meta or {})})
+    return path
+
+
+BAD_TARGETS = {  # name: (meta, tensors, the field and the fault the one line names)
+    "tokens 2-D": ({}, {"tokens": torch.ones(2, 4, dtype=torch.int32)}, r"tensor 'tokens' has shape \(2, 4\); it must have 1 dimension"),
+    "top_ids of another width": ({}, {"top_ids": torch.ones(6, 3, dtype=torch.int32)},
+                                 r"tensor 'top_ids' has shape \(6, 3\); .* top_k 2 it must be \(6, 2\)"),
+    "offsets too short": ({}, {"offsets": torch.tensor([0, 8])}, r"tensor 'offsets' has shape \(2,\); with 2 captions"),
+    "float tokens": ({}, {"tokens": torch.ones(8)}, "tensor 'tokens' is F32; it must be an integer type"),
+    "integer probabilities": ({}, {"top_probs": torch.ones(6, 2, dtype=torch.int32)},
+                              "tensor 'top_probs' is I32; it must be a floating type"),
+    "id beyond the vocabulary": ({}, {"top_ids": torch.tensor([[4, 5]] * 5 + [[4, 70]], dtype=torch.int32)},
+                                 r"tensor 'top_ids' holds 70 at \(5, 1\), outside 0..6 \(the ids of the 7-word vocabulary\)"),
+    "negative id": ({}, {"top_ids": torch.tensor([[4, -1]] * 6, dtype=torch.int32)},
+                    r"tensor 'top_ids' holds -1 at \(0, 1\), outside 0..6"),
+    "token beyond the vocabulary": ({}, {"tokens": torch.tensor([1, 4, 5, 99, 2, 1, 6, 2], dtype=torch.int32)},
+                                    "tensor 'tokens' holds 99 at 3, outside 0..6"),
+    "image beyond the list": ({}, {"image": torch.tensor([0, 2], dtype=torch.int32)},
+                              "tensor 'image' holds 2 at 1, outside 0..1 .indices into the metadata's 2 images"),
+    "offsets past the tokens": ({}, {"offsets": torch.tensor([0, 5, 9])}, "tensor 'offsets' runs from 0 to 9; it must run from 0 to 8"),
+    "offsets going back": ({}, {"offsets": torch.tensor([0, 9, 8]), "step_offsets": torch.tensor([0, 4, 6])},
+                           "tensor 'offsets' gives caption 1 -1 tokens; each caption has at least <bos> and <eos>"),
+    "steps not the tokens'": ({}, {"step_offsets": torch.tensor([0, 3, 6])},
+                              "tensor 'step_offsets' gives caption 0 3 steps; its 5 tokens predict 4"),
+    "NaN probability": ({}, {"top_probs": torch.tensor([[0.6, float("nan")]] * 6)},
+                        r"tensor 'top_probs' holds nan at \(0, 1\); probabilities are finite and within \[0, 1\]"),
+    "inf probability": ({}, {"top_probs": torch.tensor([[0.6, 0.3]] * 5 + [[float("inf"), 0.0]])},
+                        r"tensor 'top_probs' holds inf at \(5, 0\)"),
+    "negative probability": ({}, {"top_probs": torch.tensor([[0.6, -0.3]] * 6)}, r"holds -0.3\d* at \(0, 1\)"),
+    "probabilities over 1": ({}, {"top_probs": torch.tensor([[0.9, 0.8]] * 6)},
+                             "tensor 'top_probs' row 0 sums to 1.7; the probabilities of one step sum to at most 1"),
+    "vocab not JSON": ({"vocab": "[a, b"}, {}, r"metadata 'vocab' is not JSON \(a list of strings\)"),
+    "vocab of numbers": ({"vocab": "[1, 2, 3, 4, 5, 6, 7]"}, {}, "metadata 'vocab' must be a JSON list of strings"),
+    "vocab of two words": ({"vocab": '["a", "b"]'}, {}, "metadata 'vocab' holds 2 words; a vocabulary has at least"),
+    "images an object": ({"images": '{"0": "one.png"}'}, {}, "metadata 'images' must be a JSON list of strings"),
+    "top_k a word": ({"top_k": "eight"}, {}, "metadata 'top_k' 'eight' is not an integer"),
+    "top_k past the vocabulary": ({"top_k": "20000"}, {"top_ids": torch.zeros(6, 20000, dtype=torch.int32),
+                                                       "top_probs": torch.zeros(6, 20000, dtype=torch.float16)},
+                                  r"metadata 'top_k' 20000 is outside 1..7 \(at most 1000 and at most the vocabulary's 7 words\)"),
+    "top_k 0": ({"top_k": "0"}, {"top_ids": torch.zeros(6, 0, dtype=torch.int32),
+                                 "top_probs": torch.zeros(6, 0, dtype=torch.float16)}, "metadata 'top_k' 0 is outside 1..7"),
+}
+
+
+def test_a_crafted_targets_file_reads_back(tmp_path):
+    tensors, meta = read_word_targets(crafted(tmp_path / "good.safetensors"))
+    assert meta["top_k"] == "2" and tensors["top_ids"].shape == (6, 2)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TARGETS))
+def test_each_bad_field_of_a_targets_file_is_one_line_naming_it(case, tmp_path):
+    meta, tensors, message = BAD_TARGETS[case]
+    path = crafted(tmp_path / "bad.safetensors", meta, **tensors)
+    with pytest.raises(DataError) as info:
+        read_word_targets(path)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"{path}: ") and re.search(message, text), text
+
+
+def test_training_with_a_bad_targets_file_stops_in_one_line(tiny_shapes, tmp_path, capsys):
+    """The reproduction: NaN probabilities once trained to a negative loss with rc 0; now one line, rc 1,
+    and nothing written."""
+    path = crafted(tmp_path / "nan.safetensors", top_probs=torch.tensor([[0.6, float("nan")]] * 6))
+    code = main(["train", "--data", str(tiny_shapes), "--preset", "sat_soft_tiny", "--out", str(tmp_path / "r"),
+                 "--epochs", "1", "--no-progress", "--set", f"train.word_distill={path}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path}: tensor 'top_probs' holds nan at (0, 1)" in err
+    assert not (tmp_path / "r").exists()  # checked before the run folder, its config or a feature cache is written
+
+
+def test_special_files_are_refused_before_opening(tmp_path):
+    fifo = tmp_path / "words.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="words.safetensors: is a named pipe, not a regular file"):
+        read_word_targets(fifo)
+    link = tmp_path / "zero.safetensors"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(DataError, match="zero.safetensors: is a character device, not a regular file"):
+        read_word_targets(link)
+    from captioner.training.distill import teacher_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "captions_coco_format.json").write_text('{"images": [], "annotations": []}')
+    (tmp_path / "results.json").write_text("[]")
+    os.mkfifo(data / "splits.tsv")
+    with pytest.raises(DataError, match="splits.tsv: is a named pipe, not a regular file"):
+        teacher_dataset(data, tmp_path / "results.json", tmp_path / "out")
+
+
+def test_the_command_and_the_library_share_the_top_k_cap(tmp_path):
+    from captioner.commands import distill as command
+    from captioner.training import distill
+
+    assert command.MAX_TOP_K == distill.MAX_TOP_K
+    with pytest.raises(ConfigError, match="top_k must be an integer from 1 to 1000, got 1001"):
+        write_word_targets("unused", tmp_path, tmp_path / "w.safetensors", top_k=1001)

@@ -14,7 +14,9 @@ weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.sto
   mismatch deletes the file and says so. A cached file is checked again when a hash is given;
 * ``hf://org/repo[@revision][/path/in/repo]`` (default file ``model.safetensors``): through
   ``huggingface_hub`` (the ``hub`` extra), which keeps its own cache and honours ``HF_ENDPOINT``,
-  ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE``.
+  ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE``. Before it fetches a file not yet
+  in that cache, its stated size and its first bytes are checked here as a URL's are (below), so a
+  lying or pickled hub file is refused before its body is fetched.
 
 What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (plain HTTP can be
 changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
@@ -53,7 +55,8 @@ from captioner.config import model_config_from_dict
 from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError
 from captioner.files import hold_lock, lock_file, release_lock_file
 from captioner.models.model import build_model
-from captioner.network import Bounds, DownloadError, Refused, download, file_digest, redact, show_progress
+from captioner.network import (Bounds, DownloadError, Refused, download, file_digest, read_head, redact,
+                               show_progress)
 from captioner.text import Vocabulary
 
 __all__ = ["CACHE_ENV", "DEFAULT_HUB_FILE", "MAX_URL_BYTES", "OFFLINE_ENV", "RUN_FOLDER_FILES", "HubSpec",
@@ -381,23 +384,39 @@ def _quiet(*prefixes: str):  # noqa: ANN202
             lg.disabled = state
 
 
-def _check_hub_size(hub: HubSpec, endpoint: str | None, hf_hub_url, get_metadata) -> None:  # noqa: ANN001
-    """Refuse a hub file over :data:`MAX_URL_BYTES` from its stated size. When the size cannot be
+def _check_hub_file(hub: HubSpec, endpoint: str | None) -> None:
+    """Refuse a hub file before ``huggingface_hub`` fetches its body, as a URL's download is refused: over
+    :data:`MAX_URL_BYTES` by its stated size, then by its first bytes (:func:`checkpoint_head`: a pickle,
+    a header that is not a captioner checkpoint of the model its config builds, a size the server
+    contradicts). A file already in the Hub's cache is not asked for again. When the server cannot be
     asked (no network, an error), the download itself says what went wrong (or uses the cache)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import build_hf_headers
+
+    if isinstance(try_to_load_from_cache(hub.repo_id, hub.filename, revision=hub.revision), str):
+        return  # cached (a path; otherwise None, or a marker that the file is known not to exist)
     try:
         url = hf_hub_url(hub.repo_id, hub.filename, revision=hub.revision, endpoint=endpoint)
-        size = get_metadata(url, endpoint=endpoint, library_name="captioner").size
+        size = get_hf_file_metadata(url, endpoint=endpoint, library_name="captioner").size
     except Exception:  # noqa: BLE001 - reported by hf_hub_download, which also knows the cache
         return
     if size is not None and size > MAX_URL_BYTES:
         raise CheckpointError(f"{hub}: too large: {size} bytes where the limit is {MAX_URL_BYTES} bytes; "
+                              "nothing was fetched")
+    try:
+        stated = read_head(url, checkpoint_head, build_hf_headers(library_name="captioner"), label=str(hub),
+                           bounds=URL_BOUNDS, error=CheckpointError)
+    except DownloadError:  # unreachable now: hf_hub_download reports it in its own words
+        return
+    if size is not None and stated is not None and stated != size:
+        raise CheckpointError(f"{hub}: the server sends {size} bytes, the file's header says {stated}; "
                               "nothing was fetched")
 
 
 def _fetch_hub(spec: str, sha256: str | None, progress: bool | None, refresh: bool = False) -> Path:
     hub = parse_hub(spec)
     try:
-        from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+        from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.utils import _http  # noqa: F401 - its logger exists before _quiet looks
     except ImportError:
         raise CheckpointError(f"{spec}: hub checkpoints need huggingface_hub: pip install 'captioner[hub]'") from None
@@ -405,8 +424,8 @@ def _fetch_hub(spec: str, sha256: str | None, progress: bool | None, refresh: bo
     endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
         with _quiet("huggingface_hub", "httpx", "httpcore", "urllib3"):  # one line per retry otherwise
-            if not local_only:  # the size first: the Hub client has no bound of its own
-                _check_hub_size(hub, endpoint, hf_hub_url, get_hf_file_metadata)
+            if not local_only:  # size and header first: the Hub client has no bound of its own
+                _check_hub_file(hub, endpoint)
             path = Path(hf_hub_download(
                 hub.repo_id, hub.filename, revision=hub.revision, local_files_only=local_only,
                 force_download=refresh and not local_only,

@@ -65,7 +65,7 @@ from safetensors.torch import load_file as _st_load_file, save as _st_save
 
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError
-from captioner.files import atomic_write, check_regular, file_sha256
+from captioner.files import atomic_write, check_regular, file_sha256, open_regular
 from captioner.models.base import CaptionDecoder
 from captioner.models.encoder import efficientnet_lite_state_dict, lite_wheel_file
 from captioner.models.model import build_model
@@ -492,13 +492,13 @@ def _globals_in_pickles(stream: io.BytesIO) -> list[str]:
 def blocked_globals(path: Path) -> list[str]:
     """The globals of ``path`` that ``torch.load(weights_only=True)`` does not allow (may be empty)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError) as f:
             head = f.read(MAX_SCAN_BYTES)
-    except OSError:
+    except (OSError, CheckpointError):
         return []
     if zipfile.is_zipfile(io.BytesIO(head)) or head[:4] == b"PK\x03\x04":
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError) as f:
                 return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(f))
         except Exception:  # noqa: BLE001 - not a torch.save archive, or opcodes torch cannot list: scan it here
             try:
@@ -554,9 +554,9 @@ def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
         CheckpointError: "refused" for pickled objects the weights-only unpickler does not allow
             (nothing is executed), "truncated or corrupt" for anything else.
     """
-    check_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, what)
+    f = open_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, what)  # never a device or a pipe
     try:
-        with open(path, "rb") as f, warnings.catch_warnings():
+        with f, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # e.g. "Detected pickle protocol 4 ..."
             return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
@@ -572,8 +572,8 @@ def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
 def _sniff(path: Path) -> tuple[str, int, int]:
     """("safetensors" | "torch" | "truncated" | "foreign", file size, stated safetensors header length)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, "checkpoint") as f:
+            size = os.fstat(f.fileno()).st_size
             magic = f.read(9)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None

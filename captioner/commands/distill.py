@@ -13,7 +13,7 @@ import json
 
 from captioner.commands.options import int_range
 
-MAX_TOP_K = 1000
+MAX_TOP_K = 1000  # as captioner.training.distill.MAX_TOP_K (a test keeps them equal)
 
 NAME = "distill"
 HELP = ("knowledge distillation: a dataset with a teacher's captions for the training photos (captions), or a "

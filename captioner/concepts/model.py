@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save
 
 from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig, SATConfig, TransformerConfig
 from captioner.errors import CheckpointError, ConfigError
-from captioner.files import atomic_write
+from captioner.files import atomic_write, check_regular
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
 from captioner.text import STOP_WORDS, Vocabulary
 
@@ -220,35 +220,35 @@ def load_concepts(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, objec
 def load_concepts_with_folds(path: str | os.PathLike) -> tuple[ConceptHead, dict[str, object], list[ConceptHead]]:
     """Read a concepts file: the head, the ``extra`` metadata and its cross-fitting fold heads (often none)."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"concepts file {path} does not exist (train one with `captioner concepts`)")
+    check_regular(path, MAX_CONCEPTS_BYTES, CheckpointError, "concepts file")  # never a pipe or a device
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a concepts file (format {meta.get('format')!r}, "
                                   f"expected {FORMAT!r})")
-        spec = json.loads(meta["head"])
-        for key, high in (("feature_dim", MAX_WIDTH), ("hidden_dim", MAX_WIDTH)):
-            if not 0 <= int(spec[key]) <= high:
-                raise CheckpointError(f"concepts file {path} cannot be read: its head's {key} {int(spec[key])} "
-                                      f"is outside 0..{high}")
-        if not 1 <= len(spec["words"]) <= MAX_CONCEPTS:
-            raise CheckpointError(f"concepts file {path} cannot be read: it names {len(spec['words'])} words "
-                                  f"(1 to {MAX_CONCEPTS})")
+        spec = _head_spec(path, meta.get("head"))
+        folds_count = _fold_count(path, meta.get("folds", "0"))
 
         def build() -> ConceptHead:
-            return ConceptHead(int(spec["feature_dim"]), [str(w) for w in spec["words"]], int(spec["hidden_dim"]),
-                               float(spec["dropout"]), str(spec["pooling"]), float(spec["sharpness"]))
+            return ConceptHead(spec["feature_dim"], spec["words"], spec["hidden_dim"], spec["dropout"],
+                               spec["pooling"], spec["sharpness"])
 
         tensors = load_file(str(path))
         head = build()
-        head.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("fold")})
+        prefixes = [f"fold{f}." for f in range(folds_count)]
+        stray = next((k for k in tensors if k.startswith("fold") and not k.startswith(tuple(prefixes))), None)
+        if stray is not None:
+            raise CheckpointError(f"concepts file {path} cannot be read: it holds tensor {stray!r}, but its 'folds' "
+                                  f"metadata says {folds_count} fold heads")
+        _load_head(path, head, {k: v for k, v in tensors.items() if not k.startswith("fold")}, "")
         folds = []
-        for f in range(int(meta.get("folds", "0"))):
+        for prefix in prefixes:
             fold_head = build()
-            fold_head.load_state_dict({k[len(f"fold{f}."):]: v for k, v in tensors.items()
-                                       if k.startswith(f"fold{f}.")})
+            _load_head(path, fold_head, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                       prefix)
             folds.append(fold_head.eval())
     except CheckpointError:
         raise
@@ -256,6 +256,69 @@ def load_concepts_with_folds(path: str | os.PathLike) -> tuple[ConceptHead, dict
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise CheckpointError(f"concepts file {path} cannot be read: {reason}") from None
     return head.eval(), _extra(path, meta.get("extra", "{}")), folds
+
+
+MAX_CONCEPTS_BYTES = 4 << 30  # a concepts file larger than this is refused before it is opened
+MAX_FOLDS = 100  # fold heads in one concepts file (``captioner concepts --folds``)
+
+
+def _head_spec(path: Path, text: str | None) -> dict[str, Any]:
+    """The ``head`` metadata of a concepts file, each field checked (one line naming the file and the field)."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"concepts file {path} cannot be read: {what}")
+
+    if text is None:
+        raise bad("it has no 'head' metadata (the head's words and widths)")
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        raise bad(f"its 'head' metadata is not JSON ({text[:40]!r}...)") from None
+    if not isinstance(spec, dict):
+        raise bad(f"its 'head' metadata must be a JSON object, not a {type(spec).__name__}")
+    fields = {"feature_dim": (int, 1, MAX_WIDTH), "hidden_dim": (int, 0, MAX_WIDTH), "dropout": (float, 0.0, 1.0),
+              "sharpness": (float, 1e-6, 1e6)}
+    out: dict[str, Any] = {}
+    for key, (kind, low, high) in fields.items():
+        value = spec.get(key)
+        allowed = (int,) if kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed) or not low <= value <= high:  # NaN fails too
+            what = "an integer" if kind is int else "a number"
+            raise bad(f"its head's {key!r} must be {what} from {low:g} to {high:g}, got {value!r:.40}")
+        out[key] = kind(value)
+    words = spec.get("words")
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words) \
+            or not 1 <= len(words) <= MAX_CONCEPTS:
+        raise bad(f"its head's 'words' must be a list of 1 to {MAX_CONCEPTS} words, got {words!r:.40}")
+    if spec.get("pooling") not in POOLINGS:
+        raise bad(f"its head's 'pooling' must be one of {', '.join(POOLINGS)}, got {spec.get('pooling')!r:.40}")
+    return {**out, "words": words, "pooling": spec["pooling"]}
+
+
+def _fold_count(path: Path, text: str) -> int:
+    """The ``folds`` metadata of a concepts file: how many cross-fitting heads it holds, 0 to :data:`MAX_FOLDS`."""
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_FOLDS:
+        raise CheckpointError(f"concepts file {path} cannot be read: its 'folds' metadata must be a whole number "
+                              f"from 0 to {MAX_FOLDS}, got {text[:40]!r}")
+    return int(text)
+
+
+def _load_head(path: Path, head: ConceptHead, state: dict[str, torch.Tensor], prefix: str) -> None:
+    """Fill ``head`` from ``state``, naming the first missing, unexpected, reshaped or non-finite tensor."""
+    own = head.state_dict()
+    for key, tensor in own.items():
+        if key not in state:
+            raise CheckpointError(f"concepts file {path} cannot be read: it lacks tensor {prefix + key!r} of its head")
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"concepts file {path} cannot be read: tensor {prefix + key!r} has shape "
+                                  f"{tuple(state[key].shape)}; its head's widths and words need {tuple(tensor.shape)}")
+        if not torch.isfinite(state[key]).all():
+            raise CheckpointError(f"concepts file {path} cannot be read: tensor {prefix + key!r} holds NaN or "
+                                  "infinite values")
+    unexpected = next((k for k in state if k not in own), None)
+    if unexpected is not None:
+        raise CheckpointError(f"concepts file {path} cannot be read: it holds tensor {prefix + unexpected!r}, "
+                              "which its head does not have")
+    head.load_state_dict(state)
 
 
 def _extra(path: Path, text: str) -> dict[str, object]:
@@ -268,6 +331,14 @@ def _extra(path: Path, text: str) -> dict[str, object]:
     if not isinstance(extra, dict):
         raise CheckpointError(f"concepts file {path} cannot be read: its 'extra' metadata must be a JSON object, "
                               f"not a {type(extra).__name__}")
+    if "encoder" in extra and not isinstance(extra["encoder"], str):
+        raise CheckpointError(f"concepts file {path} cannot be read: its 'extra' field 'encoder' must be an "
+                              f"encoder's name, got {extra['encoder']!r:.40}")
+    for key in ("grid", "image_size"):  # what read_concepts compares with the model's encoder
+        value = extra.get(key)
+        if key in extra and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"concepts file {path} cannot be read: its 'extra' field {key!r} must be a whole "
+                                  f"number >= 1, got {value!r:.40}")
     return extra
 
 

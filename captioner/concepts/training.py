@@ -35,7 +35,7 @@ from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, c
                                       read_concepts, read_concepts_with_folds, save_concepts)
 from captioner.checkpoint.remote import cache_root
 from captioner.data.caption_set import check_images
-from captioner.data.coco import load_caption_set, load_instances
+from captioner.data.coco import load_caption_set, load_instances, load_validation_set
 from captioner.data.images import ImageTransform, crop_box
 from captioner.device import resolve_device
 from captioner.errors import ConfigError, DataError
@@ -377,7 +377,7 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
         if instances is None:
             raise DataError(f"--boxes {boxes}: no instances_{boxes_split}.json with object boxes")
     train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
-    dev_set = check_images(load_caption_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
+    dev_set = check_images(load_validation_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
     encoder = build_encoder(cfg.model.encoder).eval()
     started = time.perf_counter()
     train_cache, dev_cache = (_cache(cfg, encoder, cs, progress) for cs in (train_set, dev_set))

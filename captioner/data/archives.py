@@ -34,7 +34,8 @@ Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
     annotations/captions_val2014.json
     annotations/instances_{train,val}2014.json   only with --instances
     dataset_coco.json                       Karpathy split (from caption_datasets.zip)
-    downloads/*.zip                         the archives (deleted after extraction unless --keep-archives)
+    downloads/*.zip                         the archives (deleted after extraction unless --keep-archives; a zip
+                                            captioner did not download is read, never replaced or deleted)
 
 Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
 with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
@@ -64,7 +65,8 @@ download of Hodosh et al. is gone): ``Flickr8k_Dataset.zip`` (about 1 GB) and
     Flickr8k_text/Flickr_8k.{train,dev,test}Images.txt   the standard split lists (6,000 / 1,000 / 1,000)
     Flickr8k_text/...                        the zip's other files (lemma tokens, expert judgements, readme)
     Flickr8k.sha256                          the SHA-256 of each zip as downloaded (``sha256sum`` format)
-    downloads/*.zip                          the archives (deleted after extraction unless --keep-archives)
+    downloads/*.zip                          the archives (deleted after extraction unless --keep-archives; a zip
+                                             captioner did not download is read, never replaced or deleted)
 
 Checksums: the mirror publishes none and the package does not know them, so by default nothing is
 compared: each zip's size and SHA-256 are printed and recorded in ``Flickr8k.sha256``. Pass them
@@ -80,6 +82,7 @@ inner folder names and ``__MACOSX`` entries do not matter. ``--mirror URL`` fetc
 from __future__ import annotations
 
 import errno
+import os
 import logging
 import zipfile
 import zlib
@@ -90,8 +93,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from captioner.network import CHUNK, Bounds, download, file_digest, verify
-from captioner.errors import DataError
-from captioner.files import Outputs
+from captioner.errors import ConfigError, DataError
+from captioner.files import Outputs, check_regular
 
 __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
            "CocoArchive", "Flickr8kArchive", "Steps", "coco", "coco_is_present", "extract_coco", "extract_flickr8k",
@@ -128,6 +131,7 @@ _CORRUPT = (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplement
 
 def open_zip(zip_path: Path) -> zipfile.ZipFile:
     """``ZipFile(zip_path)``; a file that is not a zip (or a truncated one) is a one-line ``DataError``."""
+    check_regular(zip_path, None, DataError, "zip archive")  # a pipe would block, /dev/zero never end
     try:
         return zipfile.ZipFile(zip_path)
     except (zipfile.BadZipFile, EOFError, ValueError) as exc:
@@ -262,6 +266,8 @@ class Steps:
         where: ``(root, archive) -> str``: what it fills, for the messages.
         describe: ``archive -> str``: what the download knows or checks (size, checksum).
         fetch: ``(zip_path, root, archive, progress) -> None``: download and check it.
+        check: ``(zip_path, archive) -> None``: check a zip captioner did not write (a user's), never
+            removing it.
         extract: ``(zip_path, root, archive, outputs) -> list[Path]``: take its files out, first
             checking with ``outputs`` (:class:`captioner.files.Outputs`) that none replaces a user's file;
             the files written.
@@ -273,6 +279,7 @@ class Steps:
     where: Callable[[Path, Any], str]
     describe: Callable[[Any], str]
     fetch: Callable[[Path, Path, Any, bool], None]
+    check: Callable[[Path, Any], None]
     extract: Callable[[Path, Path, Any, Outputs], list[Path]]
     writes: Callable[[Path, Any], list[Path]]
 
@@ -337,26 +344,39 @@ def _prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool, k
         if steps.is_present(root, a):
             actions.append(f"skip {a.key}: {steps.where(root, a)} is present")
             continue
-        if zip_path.exists():
+        users = os.path.lexists(zip_path) and not outputs.owns(zip_path)  # read, never replaced or deleted
+        if users:
+            actions.append(f"use {zip_path} (not downloaded by captioner: read, checked, never deleted)")
+        elif zip_path.exists():
             actions.append(f"use {zip_path} (already downloaded)")
         else:
             part = zip_path.with_name(zip_path.name + ".part")
             resume = f", resuming at {part.stat().st_size} bytes" if part.exists() else ""
             actions.append(f"download {a.url} -> {zip_path} ({steps.describe(a)}{resume})")
         actions.append(f"extract {a.name} -> {steps.where(root, a)}")
-        if not keep_archives:
+        if not keep_archives and not users:
             actions.append(f"delete {zip_path}")
         if dry_run:
             continue
         downloads.mkdir(parents=True, exist_ok=True)
-        steps.fetch(zip_path, root, a, progress)
+        if users:
+            steps.check(zip_path, a)
+        else:
+            steps.fetch(zip_path, root, a, progress)
+        own = [] if users else [zip_path]  # recorded while it stays: a later run may use or delete it
         log.info("extracting %s", zip_path)
         try:
-            outputs.record(steps.extract(zip_path, root, a, outputs))
+            outputs.record(steps.extract(zip_path, root, a, outputs) + (own if keep_archives else []))
+        except ConfigError:  # a user's file in the way: the zip is kept for the next run
+            outputs.record(own)
+            raise
         except DataError as exc:  # kept, it would fail the same way on every run
+            if users:
+                raise DataError(f"{exc}; {zip_path} is not a file captioner wrote, so it was left in place: "
+                                "replace or remove it") from None
             zip_path.unlink(missing_ok=True)
             raise DataError(f"{exc}; {zip_path} was removed: run again to download it again") from None
-        if not keep_archives:
+        if not keep_archives and not users:
             zip_path.unlink()
     return actions
 
@@ -472,7 +492,8 @@ def _fetch_coco(zip_path: Path, root: Path, a: CocoArchive, progress: bool | Non
 
 COCO_STEPS = Steps(is_present=coco_is_present, where=lambda root, a: f"{root}/{{{', '.join(d for _, d in a.members)}}}",
                    describe=lambda a: f"{a.size / 1e9:.2f} GB" if a.size else "size unknown",
-                   fetch=_fetch_coco, extract=extract_coco, writes=coco_writes)
+                   fetch=_fetch_coco, extract=extract_coco, writes=coco_writes,
+                   check=lambda path, a: verify(path, a.size, a.md5, remove=False))
 
 
 def prepare_coco(root: Path, archives: Sequence[CocoArchive], dry_run: bool = False, keep_archives: bool = False,
@@ -612,7 +633,9 @@ def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bo
 
 FLICKR8K_STEPS = Steps(is_present=flickr8k_is_present, where=lambda root, a: f"{root / a.folder}/",
                        describe=lambda a: "SHA-256 checked" if a.sha256 else "SHA-256 recorded, not checked",
-                       fetch=_fetch_flickr8k, extract=extract_flickr8k, writes=flickr8k_writes)
+                       fetch=_fetch_flickr8k, extract=extract_flickr8k, writes=flickr8k_writes,
+                       check=lambda path, a: verify(path, None, a.sha256, label=a.name, algorithm="sha256",
+                                                    remove=False))
 
 
 def prepare_flickr8k(root: Path, archives: Sequence[Flickr8kArchive], dry_run: bool = False,

@@ -20,16 +20,19 @@ from typing import Any
 from captioner.data.caption_set import (SAMPLE, CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
                                         build_caption_set, pick_image_dir)
 from captioner.errors import DataError
-from captioner.files import MiB, check_regular, read_json, read_text
+from captioner.files import MiB, check_regular, read_bytes, read_json, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
-           "Layout", "ObjectBox", "TokenFile", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
+           "Layout", "ObjectBox", "TokenFile", "UnknownSplitError", "VALIDATION_SPLITS", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
            "coco_index", "is_flickr8k", "is_karpathy", "karpathy_splits", "load_caption_set", "load_flickr8k",
-           "load_instances", "parse_token_lines", "read_annotations", "read_split_list", "read_token_file", "validate_coco"]
+           "load_instances", "load_validation_set", "parse_token_lines", "read_annotations", "read_split_list", "read_token_file", "validate_coco"]
+
+log = logging.getLogger(__name__)
 
 # the largest annotation file read (COCO's instances_train2014.json is 0.45 GB; Karpathy's dataset_coco.json 0.15 GB)
 MAX_ANNOTATION_BYTES = 1024 * MiB
 ALL_SPLIT = "all"  # the whole file, for layouts whose one file holds several splits
+VALIDATION_SPLITS = ("dev", "val", "validation")  # what datasets call their validation split, in this order
 FLICKR_JSON, FLICKR_SPLITS = "captions_coco_format.json", "splits.tsv"
 _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmentation"}
 
@@ -64,6 +67,36 @@ def load_caption_set(
     cs = _load(root, str(split), images, include_restval)
     cs.root = root
     return cs
+
+
+class UnknownSplitError(DataError):
+    """A split the dataset does not have (the message lists those it has)."""
+
+
+def load_validation_set(root: str | Path, split: str, images_dir: str | Path | None = None) -> CaptionSet:
+    """:func:`load_caption_set` of a validation split, by whichever of :data:`VALIDATION_SPLITS` the data has.
+
+    ``split`` comes first; when it is one of those names and the data lacks it, the first of the others
+    the data has is used and a log line says so (Flickr8k calls it ``dev``, COCO folders ``val``).
+
+    Raises:
+        DataError: as :func:`load_caption_set`; for a split the data lacks, the message names the
+            splits it has and ``--set data.val_split=NAME``.
+    """
+    try:
+        return load_caption_set(root, split, images_dir)
+    except UnknownSplitError as exc:
+        missing = exc
+    if split in VALIDATION_SPLITS:
+        for other in (name for name in VALIDATION_SPLITS if name != split):
+            try:
+                cs = load_caption_set(root, other, images_dir)
+            except UnknownSplitError:
+                continue
+            log.info("%s has no %r split: validating on its %r split (--set data.val_split=NAME picks another)",
+                     root, split, other)
+            return cs
+    raise DataError(f"{missing}; name the validation split with --set data.val_split=NAME") from None
 
 
 @dataclass(frozen=True)
@@ -128,7 +161,7 @@ def _load(root: Path, split: str, images: Path | None, include_restval: bool) ->
             return layout.load(root, split, images, include_restval)
     available = available_splits(root)
     if available:
-        raise DataError(f"{root}: unknown split {split!r}; available: {', '.join(available)}")
+        raise UnknownSplitError(f"{root}: unknown split {split!r}; available: {', '.join(available)}")
     looked = ", ".join(f"{layout.name} ({layout.looks_for(split)})" for layout in LAYOUTS)
     raise DataError(f"{root}: no caption data found; the layouts that load: {looked}")
 
@@ -152,7 +185,7 @@ def _load_file(path: Path, split: str, images_dir: Path | None, include_restval:
         return _load_flickr(path, data, split, images_dir, path.parent.name)
     own = path.stem[len("captions_"):] if path.stem.startswith("captions_") else path.stem
     if split not in (own, ALL_SPLIT):
-        raise DataError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, {ALL_SPLIT}")
+        raise UnknownSplitError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, {ALL_SPLIT}")
     image_dir = images_dir or pick_image_dir(data, path.parent.parent / own, path.parent / own,
                                              path.parent / "images", path.parent)
     return caption_set_from_coco(path, data, split, image_dir, path.stem)
@@ -163,7 +196,7 @@ def _load_flickr(json_path: Path, data: Any, split: str, images_dir: Path | None
     splits = _read_splits_tsv(tsv)
     available = list(dict.fromkeys(splits.values())) + [ALL_SPLIT]
     if split not in available:
-        raise DataError(f"{json_path.parent}: unknown split {split!r}; available: {', '.join(available)}")
+        raise UnknownSplitError(f"{json_path.parent}: unknown split {split!r}; available: {', '.join(available)}")
     image_dir = images_dir or pick_image_dir(data, json_path.parent / "images", json_path.parent)
     keep = None if split == ALL_SPLIT else (lambda img: splits.get(img["file_name"]) == split)
     return caption_set_from_coco(json_path, data, split, image_dir, name, keep=keep)
@@ -226,7 +259,7 @@ def caption_set_from_karpathy(
     if split in KARPATHY_ALIASES and split not in available and KARPATHY_ALIASES[split] in available:
         split = KARPATHY_ALIASES[split]
     if split not in available + ["all"]:
-        raise DataError(f"{path}: unknown split {split!r}; available: {', '.join(available + ['all'])}")
+        raise UnknownSplitError(f"{path}: unknown split {split!r}; available: {', '.join(available + ['all'])}")
     wanted = {split}
     if split == "train" and include_restval:
         wanted.add(RESTVAL)
@@ -319,12 +352,11 @@ class TokenFile:
 
 def _text_lines(path: Path, what: str) -> list[str]:
     """The lines of a text file (any line ends, BOM dropped); a missing file is a one-line DataError."""
+    if not path.is_symlink() and not path.exists():
+        raise DataError(f"{path}: file not found ({what})")
+    data = read_bytes(path, MAX_ANNOTATION_BYTES, DataError, what)  # regular files only, bounded
     try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found ({what})") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read file ({exc.strerror or exc})") from None
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
@@ -405,7 +437,7 @@ def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> Cap
     """
     split = FLICKR8K_ALIASES.get(split, split)
     if split not in (*FLICKR8K_SPLIT_FILES, ALL_SPLIT):
-        raise DataError(f"{root}: unknown split {split!r}; available: {', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} "
+        raise UnknownSplitError(f"{root}: unknown split {split!r}; available: {', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} "
                         f"(val = dev)")
     folder = flickr8k_text_dir(root) or root / FLICKR8K_TEXT_DIRS[0]
     if split == ALL_SPLIT:

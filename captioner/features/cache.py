@@ -88,7 +88,7 @@ from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe,
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
-from captioner.files import hold_lock, lock_file, lock_is_free, read_text, release_lock_file
+from captioner.files import check_regular, hold_lock, lock_file, lock_is_free, open_regular, read_text, release_lock_file
 from captioner.models.registry import resolve_encoder
 
 log = logging.getLogger(__name__)
@@ -243,10 +243,10 @@ def _common_folder(paths: Sequence[Path]) -> Path:
 def _sample_digest(path: Path, limit: int = 1 << 20) -> bytes:
     """One sampled image's part of a cache key: its size and the hash of its first ``limit`` bytes."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, None, DataError) as f:  # an image that is a named pipe cannot hang the key
             head = f.read(limit)
             size = os.fstat(f.fileno()).st_size
-    except OSError:
+    except (OSError, DataError):
         return b"missing\n"
     return f"{size}:{hashlib.sha256(head).hexdigest()}\n".encode()
 
@@ -293,12 +293,12 @@ def write_cache_file(path: str | os.PathLike, blocks: np.ndarray | Iterable[np.n
 
 def read_trailer(path: Path) -> dict[str, Any]:
     """Parse and check the trailer; the data size must match exactly."""
-    size = path.stat().st_size
+    size = check_regular(path, None, DataError, "feature cache")
     end = _TAIL.size + len(MAGIC)
     bad = f"feature cache {path} is truncated or not a captioner feature cache"
     if size < end:
         raise DataError(bad)
-    with open(path, "rb") as f:
+    with open_regular(path, None, DataError, "feature cache") as f:
         f.seek(size - end)
         tail = f.read(end)
         if tail[_TAIL.size:] != MAGIC:

@@ -33,7 +33,7 @@ from PIL import Image
 from captioner.checkpoint.remote import DEFAULT_HUB_FILE, RUN_FOLDER_FILES
 from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.errors import CheckpointError, DataError
-from captioner.files import MiB, Outputs, atomic_write, read_json, size_text, writable_folder
+from captioner.files import MiB, Outputs, atomic_write, open_regular, read_json, size_text, writable_folder
 from captioner.inference import load
 from captioner.network import file_digest
 from captioner.share.server import example_scenes
@@ -248,7 +248,7 @@ why it chose a word.
 
 def _copy_into(src: Path, dest: Path) -> None:
     def write(f) -> None:  # noqa: ANN001
-        with open(src, "rb") as s:
+        with open_regular(src, None, CheckpointError) as s:  # a pipe or a device among the run's files: refused
             shutil.copyfileobj(s, f, 8 << 20)
 
     atomic_write(dest, write)

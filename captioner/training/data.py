@@ -38,7 +38,7 @@ from tqdm import tqdm
 from captioner.checkpoint.remote import cache_root
 from captioner.config import Config
 from captioner.data.caption_set import check_images
-from captioner.data.coco import load_caption_set
+from captioner.data.coco import load_caption_set, load_validation_set
 from captioner.data.dataset import (CaptionBatchDataset, CaptionEvalDataset, CaptionTrainDataset, collate_captions,
                                     collate_images, image_loader)
 from captioner.data.images import DEFAULT_MAX_PIXELS, ImageTransform, load_image
@@ -209,11 +209,11 @@ def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
     """Load and check the training and validation caption sets (before any training starts)."""
     d = cfg.data
     train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
-    val_set = check_images(load_caption_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
+    val_set = check_images(load_validation_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
     if len(train_set) == 0:
         raise DataError(f"{d.root}: the {d.train_split!r} split has no usable images")
     if len(val_set) == 0:
-        raise DataError(f"{d.root}: the {d.val_split!r} split has no usable images")
+        raise DataError(f"{d.root}: the {val_set.split!r} split has no usable images")
     cap = cfg.train.val_max_images
     if cap is not None and cap < len(val_set):
         if cap < 1:

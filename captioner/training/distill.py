@@ -22,6 +22,7 @@ cached captions.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -36,10 +37,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
-from captioner.data.coco import load_caption_set, read_annotations
+from captioner.data.coco import MAX_ANNOTATION_BYTES, load_caption_set, read_annotations
 from captioner.data.dataset import collate_captions
 from captioner.errors import ConfigError, DataError
-from captioner.files import atomic_write
+from captioner.files import atomic_write, check_regular, read_text
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
 from captioner.network import show_progress
@@ -52,6 +53,8 @@ CAPTIONS = "captions_coco_format.json"
 SPLITS = "splits.tsv"
 WORD_TARGETS_FORMAT = "captioner-word-targets"
 WORD_TARGETS_VERSION = "1"
+MAX_TOP_K = 1000  # the widest top-k a targets file may keep (``captioner distill words --top-k``)
+MAX_WORD_TARGETS_BYTES = 8 << 30  # a targets file larger than this is refused before it is opened
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -59,11 +62,10 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _train_names(splits: Path, split: str) -> set[str]:
-    try:
-        with open(splits, newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f, delimiter="\t"))
-    except FileNotFoundError:
-        raise DataError(f"{splits}: split file not found (the layout needs {SPLITS} beside {CAPTIONS})") from None
+    if not os.path.lexists(splits):
+        raise DataError(f"{splits}: split file not found (the layout needs {SPLITS} beside {CAPTIONS})")
+    rows = list(csv.reader(io.StringIO(read_text(splits, MAX_ANNOTATION_BYTES, DataError, "split file"), newline=""),
+                           delimiter="\t"))
     return {row[0] for row in rows[1:] if len(row) >= 2 and row[1] == split}
 
 
@@ -110,7 +112,7 @@ def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: st
     human = [a for a in source["annotations"] if keep_human or a.get("image_id") not in in_split]
     merged = dict(source, annotations=human + teacher)
     _write_text(target / CAPTIONS, json.dumps(merged))
-    _write_text(target / SPLITS, (data / SPLITS).read_text(encoding="utf-8"))
+    _write_text(target / SPLITS, read_text(data / SPLITS, MAX_ANNOTATION_BYTES, DataError, "split file"))
     images = target / "images"
     if images.is_symlink() or images.exists():
         if images.resolve() != (data / "images").resolve():
@@ -146,11 +148,13 @@ def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.Path
         kept words hold (how much of the teacher's distribution the file keeps).
 
     Raises:
-        DataError: an unreadable dataset or image; ConfigError: ``top_k`` or ``batch_size`` < 1.
+        DataError: an unreadable dataset or image; ConfigError: ``top_k`` outside 1..:data:`MAX_TOP_K`, or
+            ``batch_size`` < 1.
     """
-    for name, value in (("top_k", top_k), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"write_word_targets: {name} must be an integer >= 1, got {value!r}")
+    for name, value, high in (("top_k", top_k, MAX_TOP_K), ("batch_size", batch_size, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high and value > high):
+            raise ConfigError(f"write_word_targets: {name} must be an integer from 1"
+                              f"{f' to {high}' if high else ''}, got {value!r}")
     model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
     vocab: Vocabulary = model.vocab
     k = min(top_k, len(vocab))
@@ -207,28 +211,140 @@ def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.Path
             "mass": mass / steps if steps else math.nan}
 
 
+_INTEGER_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# name -> (dimensions, dtypes): what write_word_targets writes, checked from the header before any tensor is read
+_TENSORS = {"tokens": (1, _INTEGER_DTYPES), "offsets": (1, _INTEGER_DTYPES), "step_offsets": (1, _INTEGER_DTYPES),
+            "image": (1, _INTEGER_DTYPES), "top_ids": (2, _INTEGER_DTYPES), "top_probs": (2, _FLOAT_DTYPES)}
+_PROB_SLACK = 1e-2  # float16 rounding of k probabilities: a row may sum a little over 1
+
+
+def _metadata_list(path: Path, meta: dict[str, str], field: str) -> list[str]:
+    """A metadata field that holds a JSON list of strings (``vocab``, ``images``)."""
+    try:
+        value = json.loads(meta.get(field, ""))
+    except (ValueError, RecursionError):
+        raise DataError(f"{path}: metadata {field!r} is not JSON (a list of strings)") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise DataError(f"{path}: metadata {field!r} must be a JSON list of strings")
+    return value
+
+
+def _check_layout(path: Path, shapes: dict[str, tuple[list[int], str]], meta: dict[str, str]) -> tuple[int, int]:
+    """Check the header's shapes and dtypes and the metadata before any tensor is read.
+
+    Returns:
+        (vocabulary size, number of images) of the metadata.
+    """
+    for name, (dims, dtypes) in _TENSORS.items():
+        shape, dtype = shapes[name]
+        if len(shape) != dims:
+            raise DataError(f"{path}: tensor {name!r} has shape {tuple(shape)}; it must have {dims} dimension"
+                            f"{'s' if dims > 1 else ''}")
+        if dtype not in dtypes:
+            kind = "an integer" if dtypes is _INTEGER_DTYPES else "a floating"
+            raise DataError(f"{path}: tensor {name!r} is {dtype}; it must be {kind} type")
+    vocab = _metadata_list(path, meta, "vocab")
+    images = _metadata_list(path, meta, "images")
+    if len(vocab) < 4:
+        raise DataError(f"{path}: metadata 'vocab' holds {len(vocab)} words; a vocabulary has at least the 4 "
+                        "special tokens")
+    try:
+        top_k = int(meta.get("top_k", ""))
+    except ValueError:
+        raise DataError(f"{path}: metadata 'top_k' {meta.get('top_k')!r} is not an integer") from None
+    bound = min(MAX_TOP_K, len(vocab))
+    if not 1 <= top_k <= bound:
+        raise DataError(f"{path}: metadata 'top_k' {top_k} is outside 1..{bound} (at most {MAX_TOP_K} and at most "
+                        f"the vocabulary's {len(vocab)} words)")
+    captions, steps = shapes["image"][0][0], shapes["top_ids"][0][0]
+    expected = {"offsets": [captions + 1], "step_offsets": [captions + 1], "top_ids": [steps, top_k],
+                "top_probs": [steps, top_k]}
+    for name, want in expected.items():
+        if list(shapes[name][0]) != want:
+            raise DataError(f"{path}: tensor {name!r} has shape {tuple(shapes[name][0])}; with {captions} captions, "
+                            f"{steps} steps and top_k {top_k} it must be {tuple(want)}")
+    return len(vocab), len(images)
+
+
+def _check_range(path: Path, name: str, values: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Every value of ``values`` within [low, high), else one line naming the tensor and the first bad value."""
+    bad = ((values < low) | (values >= high)).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        where = at[0] if len(at) == 1 else at
+        raise DataError(f"{path}: tensor {name!r} holds {int(values[at])} at {where}, outside {low}..{high - 1} "
+                        f"({what})")
+
+
+def _check_values(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int, image_count: int) -> None:
+    """Ids within the vocabulary, offsets that cut the tokens and steps into captions, probabilities in [0, 1]."""
+    tokens, offsets, steps = tensors["tokens"].long(), tensors["offsets"].long(), tensors["step_offsets"].long()
+    _check_range(path, "tokens", tokens, 0, vocab_size, f"the ids of the {vocab_size}-word vocabulary")
+    _check_range(path, "top_ids", tensors["top_ids"].long(), 0, vocab_size,
+                 f"the ids of the {vocab_size}-word vocabulary")
+    _check_range(path, "image", tensors["image"].long(), 0, image_count,
+                 f"indices into the metadata's {image_count} images")
+    for name, cut, total in (("offsets", offsets, len(tokens)), ("step_offsets", steps, len(tensors["top_ids"]))):
+        if int(cut[0]) != 0 or int(cut[-1]) != total:
+            raise DataError(f"{path}: tensor {name!r} runs from {int(cut[0])} to {int(cut[-1])}; it must run "
+                            f"from 0 to {total}")
+    lengths = offsets.diff()  # (C,) tokens of each caption, <bos> and <eos> included
+    short = (lengths < 2).nonzero()
+    if len(short):
+        c = int(short[0])
+        raise DataError(f"{path}: tensor 'offsets' gives caption {c} {int(lengths[c])} tokens; each caption has "
+                        "at least <bos> and <eos>")
+    wrong = (steps.diff() != lengths - 1).nonzero()
+    if len(wrong):
+        c = int(wrong[0])
+        raise DataError(f"{path}: tensor 'step_offsets' gives caption {c} {int(steps[c + 1] - steps[c])} steps; "
+                        f"its {int(lengths[c])} tokens predict {int(lengths[c]) - 1}")
+    probs = tensors["top_probs"].float()
+    bad = (~probs.isfinite() | (probs < 0) | (probs > 1)).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        raise DataError(f"{path}: tensor 'top_probs' holds {float(probs[at]):.4g} at {at}; probabilities are finite "
+                        "and within [0, 1]")
+    over = (probs.sum(dim=1) > 1 + _PROB_SLACK).nonzero()
+    if len(over):
+        row = int(over[0])
+        raise DataError(f"{path}: tensor 'top_probs' row {row} sums to {float(probs[row].sum()):.4g}; the "
+                        "probabilities of one step sum to at most 1")
+
+
 def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a :func:`write_word_targets` file.
+    """The tensors and metadata of a :func:`write_word_targets` file, checked before use.
+
+    The header's shapes and dtypes and the metadata (``vocab``, ``images``: JSON lists of strings;
+    ``top_k``: at most :data:`MAX_TOP_K` and the vocabulary's size) are checked before any tensor is
+    read; then every id within the vocabulary, every image index within ``images``, the offsets
+    cutting the tokens and steps into captions, and every probability finite and within [0, 1].
 
     Raises:
-        DataError: the file is missing, not safetensors, or not a word-targets file (one line naming it).
+        DataError: the file is missing, not a regular file, not safetensors, not a word-targets file,
+            or any field out of shape or range (one line naming the file and the field).
     """
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise DataError(f"{path}: word-distillation targets not found (write them with "
                         "captioner.training.distill.write_word_targets)")
+    check_regular(path, MAX_WORD_TARGETS_BYTES, DataError, "word-distillation targets file")
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            names = set(f.keys())
+            if metadata.get("format") != WORD_TARGETS_FORMAT or any(n not in names for n in _TENSORS):
+                raise DataError(f"{path}: not a word-distillation targets file (format {metadata.get('format')!r})")
+            if metadata.get("version") != WORD_TARGETS_VERSION:
+                raise DataError(f"{path}: word-targets version {metadata.get('version')!r}; this package reads "
+                                f"version {WORD_TARGETS_VERSION}")
+            shapes = {n: (f.get_slice(n).get_shape(), f.get_slice(n).get_dtype()) for n in _TENSORS}
+            vocab_size, image_count = _check_layout(path, shapes, metadata)
+            tensors = {name: f.get_tensor(name) for name in _TENSORS}
     except (SafetensorError, OSError, ValueError) as exc:
         raise DataError(f"{path}: not a safetensors file ({exc})") from None
-    needed = ("tokens", "offsets", "step_offsets", "image", "top_ids", "top_probs")
-    if metadata.get("format") != WORD_TARGETS_FORMAT or any(n not in tensors for n in needed):
-        raise DataError(f"{path}: not a word-distillation targets file (format {metadata.get('format')!r})")
-    if metadata.get("version") != WORD_TARGETS_VERSION:
-        raise DataError(f"{path}: word-targets version {metadata.get('version')!r}; this package reads "
-                        f"version {WORD_TARGETS_VERSION}")
+    _check_values(path, tensors, vocab_size, image_count)
     return tensors, metadata
 
 
@@ -337,3 +453,15 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
     if not cross_entropy_only("train.word_distill", t.objective):
         return None
     return WordDistillation(t.word_distill, train_set, vocab, t.word_distill_weight, cfg.data.max_caption_len)
+
+
+def check_word_targets(cfg: Any) -> None:
+    """The run's ``train.word_distill`` file, checked before the run writes anything (a bad file leaves no run
+    folder behind); :func:`build_word_distillation` reads it again once the training set is final.
+
+    Raises:
+        DataError: as :func:`read_word_targets`.
+    """
+    t = cfg.train
+    if t.word_distill and t.word_distill_weight:  # named, so checked (even where the objective ignores it)
+        read_word_targets(t.word_distill)

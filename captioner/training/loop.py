@@ -39,10 +39,10 @@ from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text, writable_folder
 from captioner.models.model import CaptionModel, build_model, resolve_model
-from captioner.pretrained import is_model_name, pretrained_path
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
+from captioner.training.distill import check_word_targets
 from captioner.training.objective import Objective, build_cross_entropy, term_shares
 from captioner.training.optim import (build_optimizer, build_schedule, decay_after_epoch, nonfinite_tensors,
                                       setup_precision)
@@ -418,10 +418,11 @@ def read_init_checkpoint(path: str | Path) -> InitWeights:
     Raises:
         CheckpointError: the file is missing or not a readable checkpoint.
     """
-    if is_model_name(str(path)):  # a model shipped with the package, its SHA-256 checked
-        path = pretrained_path(str(path))
-    path = Path(path)
-    if not path.is_file():
+    try:  # a shipped model's name, a file, a run folder or a URL, as -c takes them
+        path = inference.checkpoint_path(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init {exc}") from None
+    if not os.path.lexists(path):
         raise CheckpointError(f"--init {path}: checkpoint not found")
     try:
         loaded = load_checkpoint(path)  # never downloads; refuses unsafe or broken files in one line
@@ -638,6 +639,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
             if replay and info.is_main:
                 log.warning("%s", replay)
     train_set, val_set = load_caption_sets(cfg)
+    check_word_targets(cfg)  # before the first write, as the data and the init checkpoint are
+    if val_set.split != cfg.data.val_split:  # the data's own name for it (dev, val, validation): recorded
+        cfg = cfg.override(**{"data.val_split": val_set.split})
     if init is not None:  # the checkpoint's words keep their rows; the data's new words are appended
         vocab, added = grown_vocabulary(init.vocab, train_set, cfg.data.min_freq, cfg.data.max_caption_len)
         if info.is_main:
