@@ -1,15 +1,9 @@
 """Configuration dataclasses: ``Config`` and its sections.
 
-A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
-``train`` and ``decoding`` (how captions are searched). The decoder section is one dataclass per
-family (``captioner.config.decoders``). Nested mappings (config files, ``config.json``, checkpoint
-headers) become these classes through ``captioner.config.parse``.
-
-Named presets are a table (:data:`PRESETS`): each row lists layers merged in order onto ``Config()``,
-each layer a partial config in the nested shape of ``config.json`` or the name of another preset; a
-decoder layer naming another family starts from that family's defaults. ``get_preset(name,
-**overrides)`` returns a fresh copy with dotted overrides applied; ``resolve_config`` is the CLI's
-preset -> config file -> ``--set`` resolution.
+A ``Config`` has ``model`` (encoder + decoder, saved in every checkpoint), ``data``, ``train`` and
+``decoding`` (how captions are searched). Named presets (:data:`PRESETS`) are layers merged in order
+onto ``Config()``, each a partial config or another preset's name; ``get_preset(name, **overrides)``
+returns a fresh copy, and ``resolve_config`` is the CLI's preset -> config file -> ``--set`` order.
 """
 
 from __future__ import annotations
@@ -131,19 +125,11 @@ class DecodeOptions:
     """How to search.
 
     Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every caller shares:
-            ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo and (through the
-            config's ``decoding`` section) training's validation.
-        allow_unk: let captions contain ``<unk>``; by default it is banned like ``<pad>`` and ``<bos>`` (a
-            caption saying "unknown" is never the better answer, and COCO's min_freq 5 makes ``<unk>`` one of
-            the most frequent targets).
-        no_repeat_ngram: n > 1: never write an n-gram a caption already holds (3: "a blue shirt and a blue
-            shirt" stops before the second "shirt"); 0 = off.
-        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in one caption
-            ("a baby baby in a bib").
-        precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as fast a
-            search on a CPU with native bfloat16; a near tie can fall the other way, so a few captions differ:
-            :mod:`captioner.decoding.search`).
+        beam_size: beams per image; 1 = greedy. The default, 3, is every caller's (validation included).
+        allow_unk: let captions contain ``<unk>`` (banned by default, as ``<pad>`` and ``<bos>``).
+        no_repeat_ngram: n > 1: never write an n-gram a caption already holds; 0 = off.
+        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice.
+        precision: "float32" (the reference) or "bfloat16" (faster on a CPU; a few near ties differ).
     """
 
     beam_size: int = 3
@@ -411,11 +397,7 @@ class Config:
         atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=CaptionerError)
 
     def override(self, **overrides: Any) -> "Config":
-        """Return a copy with dotted-key overrides applied (``"train.lr": 1e-3``).
-
-        ``model.decoder.name`` is applied first: another family starts from its defaults, keeping
-        ``dropout`` and ``max_len``, and the other overrides may then set its keys.
-        """
+        """A copy with dotted-key overrides applied (``"train.lr": 1e-3``), ``model.decoder.name`` first."""
         data = self.to_dict()
         for key, value in family_first(list(overrides.items())):
             set_dotted(Config, data, key, value)
