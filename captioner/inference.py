@@ -215,18 +215,9 @@ class Captioner:
         """``(left, top, right, bottom)`` of ``image`` (original pixels) that the encoder sees."""
         return crop_box(image.width, image.height, self.config.encoder)
 
-    def caption(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        options: DecodeOptions | None = None,
-        *,
-        attention: bool = False,
-        all_heads: bool = False,
-        batch_size: int = 8,
-        labels: int = 0,
-        allow_empty: bool = False,
-        **decoding: object,
-    ) -> list[Caption]:
+    def caption(self, images: ImageInput | Sequence[ImageInput], options: DecodeOptions | None = None, *,
+                attention: bool = False, all_heads: bool = False, batch_size: int = 8, labels: int = 0,
+                allow_empty: bool = False, **decoding: object) -> list[Caption]:
         """Caption one image or several.
 
         Args:

@@ -252,8 +252,7 @@ def show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None,
-             progress: bool | None = None,
+def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None, progress: bool | None = None,
              opener: Callable[..., object] = urllib.request.urlopen, algorithm: str = "md5",
              error: type[CaptionerError] = DataError, retries: int = 0, timeout: float | None = None,
              bounds: Bounds | None = None, inspect: Inspect | None = None) -> Path:

@@ -60,10 +60,8 @@ class Vocabulary:
     unk_id = 3
 
     @classmethod
-    def build(
-        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None,
-        max_len: int | None = None,
-    ) -> "Vocabulary":
+    def build(cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None,
+              max_len: int | None = None) -> "Vocabulary":
         """Build from captions (raw strings or token lists), most frequent first, ties alphabetically.
 
         ``min_freq``: rarer tokens become ``<unk>``; ``max_size``: most ordinary tokens kept; ``max_len``:

@@ -141,9 +141,8 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def build_caption_set(
-    source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]], images_dir: Path
-) -> CaptionSet:
+def build_caption_set(source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]],
+                      images_dir: Path ) -> CaptionSet:
     """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
     images: list[ImageRecord] = []
     captions: dict[int, list[str]] = {}

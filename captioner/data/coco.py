@@ -37,9 +37,8 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 # ----------------------------------------------------------------------------- loading
 
 
-def load_caption_set(
-    root: str | Path, split: str, images_dir: str | Path | None = None, *, include_restval: bool = True
-) -> CaptionSet:
+def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
+                     include_restval: bool = True ) -> CaptionSet:
     """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`).
 
     Args:
@@ -200,9 +199,8 @@ def karpathy_splits(data: dict) -> list[str]:
     return list(dict.fromkeys(str(img.get("split")) for img in data["images"] if isinstance(img, dict)))
 
 
-def caption_set_from_karpathy(
-    path: Path, data: dict, split: str, images_dir: Path | None = None, include_restval: bool = True
-) -> CaptionSet:
+def caption_set_from_karpathy(path: Path, data: dict, split: str, images_dir: Path | None = None,
+                              include_restval: bool = True ) -> CaptionSet:
     """Validate a parsed Karpathy file and build the caption set of one split (``val`` or ``dev``, ``all``...)."""
     available = karpathy_splits(data)
     if split in KARPATHY_ALIASES and split not in available and KARPATHY_ALIASES[split] in available:
@@ -447,10 +445,8 @@ def validate_coco(path: Path, data: Any, ann_keys: Sequence[str] = ("id", "image
             raise DataError(f"{path}: annotation {j} refers to unknown image id {_short(ann['image_id'])}")
 
 
-def caption_set_from_coco(
-    path: Path, data: Any, split: str, images_dir: Path, name: str,
-    keep: Callable[[dict], bool] | None = None,
-) -> CaptionSet:
+def caption_set_from_coco(path: Path, data: Any, split: str, images_dir: Path, name: str,
+                          keep: Callable[[dict], bool] | None = None) -> CaptionSet:
     """Validate a COCO captions dict and build the caption set of the images ``keep`` accepts."""
     validate_coco(path, data)
     coco = coco_index(data)
@@ -470,9 +466,7 @@ def caption_set_from_coco(
 # ----------------------------------------------------------------------------- boxes
 
 
-def load_instances(
-    root: str | Path, split: str, images_dir: str | Path | None = None
-) -> InstanceBoxes | None:
+def load_instances(root: str | Path, split: str, images_dir: str | Path | None = None ) -> InstanceBoxes | None:
     """Object boxes from ``instances_<split>.json`` (in ``root``, ``root/annotations`` or beside a captions file).
 
     Returns ``{image_id: [ObjectBox, ...]}`` with ``.categories``, or ``None`` without an instances file.

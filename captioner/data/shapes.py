@@ -264,11 +264,9 @@ def _write_json(path: Path, data: dict) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)
 
 
-def make_shapes(
-    out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
-    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
-    overwrite: bool = False,
-) -> dict:
+def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
+                split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
+                overwrite: bool = False) -> dict:
     """Write the synthetic shapes dataset into ``out`` (created).
 
     Args:

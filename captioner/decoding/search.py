@@ -246,15 +246,9 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
 
 
-def decode(
-    decoder: CaptionDecoder,
-    features: torch.Tensor,
-    bos_id: int,
-    eos_id: int,
-    options: DecodeOptions | None = None,
-    banned_ids: Sequence[int] = (),
-    content_ids: Sequence[int] = (),
-) -> list[list[Hypothesis]]:
+def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
+           options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
+           content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Caption a batch of images from (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
     Args:
@@ -299,9 +293,8 @@ def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: in
     return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
 
 
-def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                  options: DecodeOptions, banned_ids: Sequence[int] = (),
-                  content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+                  banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
     suppress = SuppressTokens(banned_ids, eos_id)
     repeats = repeat_filter(options, content_ids, eos_id)
@@ -346,9 +339,8 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     return out
 
 
-def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                options: DecodeOptions, banned_ids: Sequence[int] = (),
-                content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+                banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
 
     The first step takes each image's K best distinct words. At each step the 2K best candidates of an

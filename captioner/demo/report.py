@@ -60,9 +60,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float,
-              params: dict[str, int], steps: int | None = None,
-              attention_supervision: float | None = None) -> dict[str, Any]:
+def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float, params: dict[str, int],
+              steps: int | None = None, attention_supervision: float | None = None) -> dict[str, Any]:
     """One row of the comparison table (see ``COLUMNS``); ``steps``: optimizer steps trained;
     ``attention_supervision``: the run's ``train.attention_supervision`` weight."""
     att = metrics.get("attention_correctness") or {}

@@ -317,14 +317,8 @@ def _as_maps(attention: Any) -> np.ndarray:
 # ----------------------------------------------------------------------------- scoring
 
 
-def attention_correctness(
-    words: Sequence[str],
-    attention: Any,
-    boxes: Sequence[Any],
-    image_size: tuple[int, int],
-    box: Box | None = None,
-    vocabulary: str | WordTable = "shapes",
-) -> WordScores:
+def attention_correctness(words: Sequence[str], attention: Any, boxes: Sequence[Any], image_size: tuple[int, int],
+                          box: Box | None = None, vocabulary: str | WordTable = "shapes") -> WordScores:
     """Score one caption's object words (L) against the ground-truth boxes.
 
     ``attention``: (L, g, g) (extra trailing steps ignored); ``boxes``: ``ObjectBox`` items with
@@ -452,13 +446,9 @@ def detect_vocabulary(instances: dict[int, list[Any]]) -> str | WordTable:
     return choose_vocabulary(names)
 
 
-def attention_correctness_for_results(
-    results: Sequence[Any],
-    caption_set: Any,
-    instances: dict[int, list[Any]],
-    encoder_cfg: Any,
-    vocabulary: str | WordTable | None = None,
-) -> dict[str, float | int | str | None]:
+def attention_correctness_for_results(results: Sequence[Any], caption_set: Any, instances: dict[int, list[Any]],
+                                      encoder_cfg: Any,
+                                      vocabulary: str | WordTable | None = None) -> dict[str, float | int | str | None]:
     """Attention correctness of a decoded split (one ``Caption`` per image of ``caption_set``).
 
     ``vocabulary``: None detects it from the categories. Returns the :func:`summarize` keys,
@@ -480,13 +470,9 @@ def attention_correctness_for_results(
     return out
 
 
-def reference_correctness(
-    captions: Sequence[Sequence[Any]],
-    caption_set: Any,
-    instances: dict[int, list[Any]],
-    encoder_cfg: Any,
-    vocabulary: str | WordTable | None = None,
-) -> dict[str, float | int | str | None]:
+def reference_correctness(captions: Sequence[Sequence[Any]], caption_set: Any, instances: dict[int, list[Any]],
+                          encoder_cfg: Any,
+                          vocabulary: str | WordTable | None = None) -> dict[str, float | int | str | None]:
     """Attention correctness of the model on the **reference** captions, teacher-forced.
 
     Every model is judged on the same words, about five times as many, so narrower intervals; an

@@ -56,16 +56,9 @@ class SplitCaptions:
     skipped: list[str]
 
 
-def caption_split(
-    engine: Captioner,
-    caption_set: Any,
-    options: DecodeOptions | None = None,
-    batch_size: int = 32,
-    skip_bad: bool = False,
-    progress: bool = True,
-    num_workers: int = 0,
-    **decoding: Any,
-) -> SplitCaptions:
+def caption_split(engine: Captioner, caption_set: Any, options: DecodeOptions | None = None, batch_size: int = 32,
+                  skip_bad: bool = False, progress: bool = True, num_workers: int = 0,
+                  **decoding: Any) -> SplitCaptions:
     """Caption every image of ``caption_set`` in batches through ``engine.caption``.
 
     ``skip_bad``: leave out unreadable images (logged) instead of raising ``ImageLoadError``.

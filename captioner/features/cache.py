@@ -359,21 +359,10 @@ class FeatureCache:
         return cls(path, header)
 
     @classmethod
-    def build(
-        cls,
-        encoder: nn.Module,
-        caption_set: Any,
-        transform: Callable[[Any], torch.Tensor],
-        path: str | os.PathLike,
-        batch_size: int = 32,
-        device: str | torch.device = "cpu",
-        skip_bad: bool = False,
-        progress: bool = True,
-        num_workers: int = 0,
-        key: str = "",
-        lock_timeout: float = 0.0,
-        encoder_name: str = "",
-    ) -> "FeatureCache":
+    def build(cls, encoder: nn.Module, caption_set: Any, transform: Callable[[Any], torch.Tensor],
+              path: str | os.PathLike, batch_size: int = 32, device: str | torch.device = "cpu", skip_bad: bool = False,
+              progress: bool = True, num_workers: int = 0, key: str = "", lock_timeout: float = 0.0,
+              encoder_name: str = "") -> "FeatureCache":
         """Encode every image of ``caption_set`` and write the cache atomically; return it opened.
 
         Args:
@@ -477,16 +466,9 @@ def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Pat
     return cache_header(len(images), shape[0], shape[1], grid, dtype, top, invalid)
 
 
-def get_feature_cache(
-    model_config: ModelConfig,
-    encoder: nn.Module,
-    caption_set: Any,
-    transform: Callable[[Any], torch.Tensor],
-    cache_dir: str | os.PathLike,
-    hash_weights: bool = True,
-    lock_timeout: float = 0.0,
-    **build_kwargs: Any,
-) -> FeatureCache:
+def get_feature_cache(model_config: ModelConfig, encoder: nn.Module, caption_set: Any,
+                      transform: Callable[[Any], torch.Tensor], cache_dir: str | os.PathLike, hash_weights: bool = True,
+                      lock_timeout: float = 0.0, **build_kwargs: Any) -> FeatureCache:
     """Open the matching cache in ``cache_dir`` or build it (stale or broken files are rebuilt).
 
     ``hash_weights`` puts the encoder's weights into the key; ``**build_kwargs`` go to ``FeatureCache.build``.

@@ -69,15 +69,9 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(source).chunk(2, dim=-1)  # (B, Tk, d) each
         return self._split(k), self._split(v)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool = False,
-        need_weights: bool = False,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+               need_weights: bool = False,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend (B, H, Tq, dh) queries to (B, H, Tk, dh) keys/values: (output (B, Tq, d), weights or None).
 
         ``causal``: query i sees keys 0..i only (Tq == Tk). ``need_weights``: the manual path, returning
@@ -102,13 +96,8 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, self.d_model)  # (B, Tq, d)
         return self.out_proj(out), weights
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        source: torch.Tensor | None = None,
-        causal: bool = False,
-        need_weights: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, source: torch.Tensor | None = None, causal: bool = False,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend ``x`` (B, Tq, d) to ``source`` (B, Tk, kv_dim) (self-attention when None)."""
         k, v = self.project_kv(x if source is None else source)  # (B, H, Tk, dh) each
         return self.attend(self.project_q(x), k, v, causal=causal, need_weights=need_weights)
@@ -209,20 +198,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
         extension: an optional :class:`TransformerExtension`; None: the paper's decoder.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feature_dim: int,
-        grid: int,
-        d_model: int = 512,
-        num_layers: int = 3,
-        num_heads: int = 8,
-        ff_dim: int = 2048,
-        dropout: float = 0.1,
-        max_len: int = 50,
-        tie_embeddings: bool = False,
-        extension: TransformerExtension | None = None,
-    ) -> None:
+    def __init__(self, vocab_size: int, feature_dim: int, grid: int, d_model: int = 512, num_layers: int = 3,
+                 num_heads: int = 8, ff_dim: int = 2048, dropout: float = 0.1, max_len: int = 50,
+                 tie_embeddings: bool = False, extension: TransformerExtension | None = None) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ConfigError(f"d_model={d_model} is not divisible by num_heads={num_heads}")

@@ -227,14 +227,8 @@ def _grad_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.Tens
     return torch.nn.utils.get_total_norm(grads) if grads else 0.0
 
 
-def clip_and_step(
-    loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    grad_clip: float,
-    precision: Precision,
-    backward: bool = True,
-) -> StepResult:
+def clip_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                  grad_clip: float, precision: Precision, backward: bool = True) -> StepResult:
     """Backward, optional clipping and an optimizer step (through the ``GradScaler`` for fp16).
 
     With ``precision.skip_nonfinite`` a step with a NaN/inf gradient norm is not taken (gradients

@@ -98,19 +98,9 @@ def _chip_row(row: str, kind: str, heading: str, items: list[dict] | None) -> st
             f'</span><span class="chips" role="group" aria-labelledby="{row}-label">{chips}</span></div>\n')
 
 
-def render_explorer(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    layer: int = -1,
-    head: int | None = None,
-    title: str | None = None,
-    max_side: int = 960,
-    start: int | None = None,
-    min_side: int = MIN_DISPLAY_SIDE,
-    style: str = DEFAULT_STYLE,
-) -> str:
+def render_explorer(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                    layer: int = -1, head: int | None = None, title: str | None = None, max_side: int = 960,
+                    start: int | None = None, min_side: int = MIN_DISPLAY_SIDE, style: str = DEFAULT_STYLE) -> str:
     """The explorer page as one HTML string with no external resources.
 
     Args:

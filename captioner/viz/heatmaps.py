@@ -78,14 +78,8 @@ def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
     return np.stack([np.convolve(col, kernel)[radius:radius + n] / norm for col in a.T], axis=1)
 
 
-def attention_to_image_map(
-    attention: np.ndarray,
-    width: int,
-    height: int,
-    box: Sequence[float] | None = None,
-    smooth: bool = True,
-    preserve_mass: bool = False,
-) -> np.ndarray:
+def attention_to_image_map(attention: np.ndarray, width: int, height: int, box: Sequence[float] | None = None,
+                           smooth: bool = True, preserve_mass: bool = False) -> np.ndarray:
     """Place one word's (g, g) attention (row 0 = top of ``box``) on the original image: (H, W) float32, 0 outside.
 
     ``smooth``: bilinear upsampling + blur (else flat cells). ``preserve_mass``: the map sums to
@@ -254,15 +248,9 @@ def light_gain(image: Image.Image) -> float:
     return float(min(LIT_MAX_GAIN, max(1.0, LIT_TARGET * 255 / max(1.0, luma))))
 
 
-def overlay_heatmap(
-    image: Image.Image,
-    heat_map: np.ndarray,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    box: Sequence[float] | None = None,
-    scale: tuple[float, float] | None = None,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image:
+def overlay_heatmap(image: Image.Image, heat_map: np.ndarray, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                    box: Sequence[float] | None = None, scale: tuple[float, float] | None = None,
+                    style: str = DEFAULT_STYLE) -> Image.Image:
     """Draw an (H, W) map over the same-size ``image`` in ``style``; dim it outside ``box``; return a new RGB image.
 
     ``alpha``: the darkest dimming (``light``) or the top opacity (``heat``). ``scale``: (vmin, vmax)

@@ -59,16 +59,9 @@ FIGURES = (90, 90, 90)  # colour of the figures line under a word
 GIF_BAND = 50  # height of the band under each GIF frame (the word, then its figures)
 
 
-def word_overlays(
-    image: Image.Image,
-    attention: np.ndarray,
-    box: Sequence[float] | None,
-    max_side: int,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    scale: tuple[float, float] | None = None,
-    style: str = DEFAULT_STYLE,
-) -> tuple[Image.Image, list[Image.Image]]:
+def word_overlays(image: Image.Image, attention: np.ndarray, box: Sequence[float] | None, max_side: int,
+                  cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA, scale: tuple[float, float] | None = None,
+                  style: str = DEFAULT_STYLE) -> tuple[Image.Image, list[Image.Image]]:
     """The image scaled to fit ``max_side`` and one overlay per word of (L, g, g) ``attention`` at that size.
 
     ``scale``: (vmin, vmax) for every word; None: each word on its own scale.
@@ -214,22 +207,11 @@ def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str
     draw.text((bar_right + 8, middle), words[1], fill=FIGURES, font=font)
 
 
-def render_panels(
-    image: Image.Image,
-    maps: np.ndarray,
-    titles: Sequence[tuple[str, str]],
-    text: str,
-    box: Sequence[float] | None = None,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    style: str = DEFAULT_STYLE,
-    scale: tuple[float, float] | None = None,
-    panel_side: int = 224,
-    columns: int = 5,
-    sizes: tuple[int, int, int] = (16, 12, 13),
-    text_below: bool = False,
-    photo_title: str = "",
-) -> Image.Image:
+def render_panels(image: Image.Image, maps: np.ndarray, titles: Sequence[tuple[str, str]], text: str,
+                  box: Sequence[float] | None = None, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                  style: str = DEFAULT_STYLE, scale: tuple[float, float] | None = None, panel_side: int = 224,
+                  columns: int = 5, sizes: tuple[int, int, int] = (16, 12, 13), text_below: bool = False,
+                  photo_title: str = "") -> Image.Image:
     """The picture, then one panel per (P, g, g) map, each titled with a large line over a small one, and a legend.
 
     Args:
@@ -270,15 +252,8 @@ def render_panels(
     return canvas
 
 
-def render_grid(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    panel_side: int = 224,
-    columns: int = 5,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image:
+def render_grid(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                panel_side: int = 224, columns: int = 5, style: str = DEFAULT_STYLE) -> Image.Image:
     """The PNG grid: the image titled with the caption, then one overlay per word titled with its figures."""
     caption = on_image(caption, image)
     attention = caption.attention.numpy()
@@ -358,17 +333,9 @@ def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Pat
     return paths
 
 
-def write_overlays(
-    image: Image.Image,
-    caption: Caption,
-    out_dir: str | Path,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    stem: str = "attention",
-    layer: int = -1,
-    head: int | None = None,
-    style: str = DEFAULT_STYLE,
-) -> dict[str, Path]:
+def write_overlays(image: Image.Image, caption: Caption, out_dir: str | Path, cmap: str = DEFAULT_CMAP,
+                   alpha: float = DEFAULT_ALPHA, stem: str = "attention", layer: int = -1, head: int | None = None,
+                   style: str = DEFAULT_STYLE) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
 
     Also ``<stem>_tags.png`` for a caption with concepts and ``<stem>_labels.png`` for one with labels.
