@@ -35,8 +35,6 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 
 
 # ----------------------------------------------------------------------------- loading
-
-
 def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
                      include_restval: bool = True ) -> CaptionSet:
     """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`).
@@ -396,8 +394,6 @@ def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> Cap
 
 
 # ----------------------------------------------------------------------------- COCO format
-
-
 def coco_index(data: dict, with_categories: bool = False) -> Any:
     """A quiet ``pycocotools.coco.COCO`` index over a validated dict (only ``images``, ``annotations``, ``categories``)."""
     from pycocotools.coco import COCO
@@ -464,8 +460,6 @@ def caption_set_from_coco(path: Path, data: Any, split: str, images_dir: Path, n
 
 
 # ----------------------------------------------------------------------------- boxes
-
-
 def load_instances(root: str | Path, split: str, images_dir: str | Path | None = None ) -> InstanceBoxes | None:
     """Object boxes from ``instances_<split>.json`` (in ``root``, ``root/annotations`` or beside a captions file).
 

@@ -70,8 +70,6 @@ class SceneObject:
 
 
 # ----------------------------------------------------------------------------- captions
-
-
 def _relation(a: SceneObject, b: SceneObject) -> str:
     """Where ``a`` is relative to ``b``, from the dominant axis of the centre offset."""
     dx, dy = a.cx - b.cx, a.cy - b.cy
@@ -131,8 +129,6 @@ def _valid(objects: list[SceneObject], size: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- rendering
-
-
 def sample_scene(rng: np.random.Generator, size: int, forbidden: frozenset[tuple[str, str]] = frozenset(),
                  require: Sequence[tuple[str, str]] = ()) -> list[SceneObject]:
     """Draw 1-3 objects: distinct shapes, colours and sizes, valid positions; no ``forbidden`` pair, first one ``require``d."""
@@ -241,8 +237,6 @@ def render_scene(rng: np.random.Generator, objects: list[SceneObject], size: int
 
 
 # ----------------------------------------------------------------------------- dataset writer
-
-
 def held_out_pairs(seed: int, count: int) -> list[tuple[str, str]]:
     """``count`` (colour, shape) pairs for the compositional split, fixed by ``seed``, each partner kept in training."""
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_UNSEEN_PAIRS:

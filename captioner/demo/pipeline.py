@@ -50,26 +50,17 @@ log = logging.getLogger(__name__)
 DEMO_DECODERS = ("sat_soft", "sat_hard", "transformer")
 DEMO_PRESETS = {name: f"{name}_demo" for name in DEMO_DECODERS}
 SCENES_INFO = "captioner synthetic shapes"
-# Training seconds per decoder on a 2-core CPU: the SAT decoders step through words one at a time and
-# get the longest; the Transformer reaches the same quality in far fewer seconds.
+# Training seconds per decoder: the SAT decoders step through words one at a time; the Transformer needs fewer.
 DEFAULT_BUDGETS = {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0}
 DEFAULT_ENCODER_BUDGET = 60.0  # seconds of word-detector pretraining of the shared CNN
-SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decoder's own budget (an SCST
-# step costs about six cross-entropy steps: at 0.4 the stages were 33-88 steps and "objects ok" moved by
-# up to -3 points; at 1.0 (115-236 steps) it rose for all three decoders, docs/demo.md)
+# The values below were chosen by the demo runs measured in docs/demo.md and docs/grounding.md.
+SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decoder's own budget
 SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage's (Rennie et al. lower it too)
-# the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
-# "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
-SCST_XE_WEIGHT = 0.25
-# train.attention_supervision of each decoder (docs/grounding.md): the attention of each object word
-# (with its colour and size words) is pulled onto that object's box, in the default cross-entropy form. Measured at
-# the demo's step counts with the same encoder: objects right SAT soft 72.0% -> 78.3%, Transformer 88.3% -> 90.7%,
-# attention 5.8x -> 8.1x and 3.0x -> 8.1x uniform; SAT hard 60.7% -> 77.0%, 6.0x -> 8.1x. --no-attention-supervision: 0
+SCST_XE_WEIGHT = 0.25  # the references' cross-entropy mixed into the SCST stage (train.scst.xe_weight)
+# train.attention_supervision of each decoder (--no-attention-supervision: 0)
 ATTENTION_SUPERVISION = {"sat_soft": 1.0, "sat_hard": 1.0, "transformer": 1.0}
-# The word-detector CNN also learns from the scenes' boxes (each object's words region by region) and sees this
-# share of its images recoloured (colour channels permuted, hue words out of their loss): docs/grounding.md. At
-# the demo's step counts objects right rose to 93-99% (from 78/77/91%), and on the 4-unseen-pairs split the unseen
-# pairs named right from 11-25% to 93-95%. --encoder-from-captions: MIL from the captions alone, no recolouring.
+# share of the word-detector CNN's images recoloured (colour channels permuted, hue words out of their loss);
+# it also learns from the scenes' boxes. --encoder-from-captions: MIL from the captions alone, no recolouring.
 ENCODER_RECOLOUR = 0.5
 
 
@@ -180,8 +171,6 @@ def parse_budgets(text: str | float, flag: str = "--budget") -> dict[str, float]
 
 
 # ----------------------------------------------------------------------------- steps
-
-
 def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
     """Generate the scenes unless complete; ``{"generated", "images", "seed", "image_size"}`` from the files."""
     root = options.data
@@ -256,8 +245,6 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the demo
-
-
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
     start = time.monotonic()

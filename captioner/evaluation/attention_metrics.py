@@ -242,8 +242,6 @@ class WordScores:
     mentions: int = 0
 
 # ----------------------------------------------------------------------------- geometry
-
-
 def _box_coverage(n_out: int, lo: float, hi: float, scale: float) -> np.ndarray:
     """(n_out,) fraction of each canvas pixel covered by the interval [lo, hi) (original px)."""
     edges = np.arange(n_out + 1) / scale
@@ -315,8 +313,6 @@ def _as_maps(attention: Any) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- scoring
-
-
 def attention_correctness(words: Sequence[str], attention: Any, boxes: Sequence[Any], image_size: tuple[int, int],
                           box: Box | None = None, vocabulary: str | WordTable = "shapes") -> WordScores:
     """Score one caption's object words (L) against the ground-truth boxes.
@@ -411,8 +407,6 @@ def _middle_95(values: np.ndarray) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- synthetic captions
-
-
 def caption_object_accuracy(words: Sequence[str], boxes: Sequence[Any]) -> bool:
     """True when a scene caption names every object by colour and shape and names no absent shape."""
     truth = {obj.category: str(obj.attributes.get("color", "")).lower() for obj in boxes}

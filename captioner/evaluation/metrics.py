@@ -78,8 +78,6 @@ def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict
 
 
 # ----------------------------------------------------------------------------- CIDEr-D
-
-
 def _ngram_counts(tokens: list[str], n: int = 4) -> Counter:
     counts: Counter = Counter()
     for k in range(1, n + 1):
@@ -185,8 +183,6 @@ def cider_d(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> f
 
 
 # ----------------------------------------------------------------------------- pycocoevalcap extras
-
-
 def _coco_inputs(hyps: list[list[str]], refs: list[list[list[str]]]) -> tuple[dict, dict]:
     gts = {i: [" ".join(r) for r in rs] for i, rs in enumerate(refs)}
     res = {i: [" ".join(h)] for i, h in enumerate(hyps)}
@@ -260,8 +256,6 @@ def format_metrics(metrics: Mapping[str, float | None]) -> str:
 
 
 # ----------------------------------------------------------------------------- COCO results files
-
-
 def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mapping[str, Any]]) -> Path:
     """Write ``[{"image_id": int, "caption": str}, ...]`` atomically from pairs or mappings."""
     rows = []

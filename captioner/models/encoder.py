@@ -243,8 +243,6 @@ class EfficientNetLiteFeatures(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the encoder entry
-
-
 def lite_trunk(cfg: EncoderConfig) -> tuple[nn.Module, list[list[str]]]:
     """EfficientNet-Lite ``cfg.name`` features with timm's parameter names, random init, and its stages."""
     net = EfficientNetLiteFeatures(cfg.name, dilate=cfg.dilate)
@@ -446,8 +444,6 @@ class Encoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------- trunks
-
-
 def _conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
     return nn.Sequential(OrderedDict(
         conv=nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
@@ -481,8 +477,6 @@ def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
 
 
 # ----------------------------------------------------------------------------- grid geometry
-
-
 def trunk_stride(name: str, dilate: bool = False) -> int:
     """The trunk's total downsampling: its registered stride, halved when its last stage is dilated."""
     entry = encoder_entry(name)
@@ -514,8 +508,6 @@ def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
 
 
 # ----------------------------------------------------------------------------- weights
-
-
 def _torchvision_weights(arch: str, weights: str | None):
     """The torchvision weights enum entry named by ``weights`` (None = "DEFAULT")."""
     from torchvision.models import get_model_weights
@@ -568,8 +560,6 @@ for _name in ("resnet50", "resnet101"):
 
 
 # ----------------------------------------------------------------------------- timm/<model>
-
-
 class TimmTrunk(nn.Module):
     """A timm model built with ``features_only``: images (B,3,S,S) -> its one feature map (B,D,h,w)."""
 

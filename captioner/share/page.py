@@ -71,12 +71,8 @@ def render_page(models: list[dict], examples: list[dict], max_beam: int, max_byt
 
 
 # --- the page's stylesheet and script (embedded inline by render_page) ---
-# The script keeps the last photo (its bytes and name) and captions it again whenever a setting changes or
-# "Run again" is pressed; a new photo marks the shown result as the old one's until its own answer arrives,
-# and an error clears it. With "all models" chosen it asks every model at once and shows one column each; a
-# word (or tag) hovered, focused or pinned in one column is shown in the others (with its map, for a column
-# that lacks the word), and one style and strength hold for all. The page never scrolls by itself: the old
-# columns' height is kept until the new ones are drawn, so nothing jumps.
+# The script captions the last photo again whenever a setting changes; with "all models" it shows one column
+# per model, the same word in each. The page never scrolls by itself: nothing jumps while a photo is busy.
 
 PAGE_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .5em auto; max-width: 1360px;

@@ -451,8 +451,6 @@ def keep_select_metric(cfg: Config, saved: dict[str, Any], announce: bool = True
 
 
 # ----------------------------------------------------------------------------- bookkeeping of a step
-
-
 MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
 HUGE = 1e3  # a pretrained encoder's features stay well below this after pooling
 

@@ -202,12 +202,7 @@ def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **opt
 
 
 # --- the page's stylesheet and script (embedded inline by render_explorer) ---
-# The script reads the page's ``explorer-data`` JSON and draws the chosen word's map the way
-# :mod:`captioner.viz.heatmaps` does in numpy: bilinear upsampling with half-pixel centres, a
-# Gaussian blur of ``blur_cells`` grid cells, the map's own scale (0 to its peak, at least ``floor``),
-# then the style's RGBA layer (``heat``: the colour map, transparent at its low end, over black that
-# darkens the photo where the word did not look; ``light``: black, opaque where the word did not look)
-# over the photo.
+# The script draws the chosen word's map as :mod:`captioner.viz.heatmaps` does in numpy.
 
 EXPLORER_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 1180px;

@@ -82,8 +82,6 @@ def word_overlays(image: Image.Image, attention: np.ndarray, box: Sequence[float
 
 
 # ----------------------------------------------------------------------------- drawing
-
-
 @lru_cache(maxsize=8)
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     try:
@@ -315,8 +313,6 @@ def render_gif_frames(image: Image.Image, caption: Caption, cmap: str = DEFAULT_
 
 
 # ----------------------------------------------------------------------------- all outputs
-
-
 def check_stem(stem: str, option: str = "stem") -> None:
     """Refuse a file name stem that would leave its folder (``../x``, ``a/b``, ``..``) or is empty."""
     if not isinstance(stem, str) or not stem or safe_name(stem, fallback="") != stem:
