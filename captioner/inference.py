@@ -218,25 +218,18 @@ class Captioner:
     def caption(self, images: ImageInput | Sequence[ImageInput], options: DecodeOptions | None = None, *,
                 attention: bool = False, all_heads: bool = False, batch_size: int = 8, labels: int = 0,
                 allow_empty: bool = False, **decoding: object) -> list[Caption]:
-        """Caption one image or several.
+        """Caption one image or several: one :class:`Caption` per image, in input order.
 
         Args:
             images: a path, PIL image or transformed (3, S, S) tensor, a (B, 3, S, S) batch, or a list of these.
             options: search options; default ``DecodeOptions()`` (beam 3, 20 words, ``<unk>`` banned).
-            attention: keep each word's attention map; ``all_heads``: also every layer's and head's (Transformer).
-            batch_size: images encoded and searched together.
-            labels: also the K most probable words of the encoder's ImageNet head (EfficientNet-Lite); 0: none.
+            attention: keep each word's map; ``all_heads``: also every layer's and head's (Transformer).
+            labels: also the K most probable words of the encoder's ImageNet head; 0: none.
             allow_empty: return a wordless caption instead of raising ``EmptyCaptionError``.
             **decoding: ``DecodeOptions`` fields replacing those of ``options``, e.g. ``beam=5, max_len=16``.
 
-        Returns:
-            One :class:`Caption` per image, in input order.
-
-        Raises:
-            ImageLoadError: the first path that is missing or not a readable image.
-            ImageInputError: an input that cannot be captioned (wrong type, shape, dtype, NaN, no pixels).
-            ConfigError: bad options, batch size or flags; labels asked of an encoder without an ImageNet head.
-            EmptyCaptionError: the model wrote no word for an image (names it and the beam size).
+        Raises ``ImageLoadError``/``ImageInputError`` for the first bad input, ``ConfigError`` for bad
+        options, ``EmptyCaptionError`` naming an image the model wrote no word for.
         """
         options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -409,19 +402,12 @@ class Captioner:
 
 def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: str | torch.device = "auto",
          sha256: str | None = None, progress: bool | None = None, refresh: bool = False) -> Captioner:
-    """Load a trained checkpoint for inference.
+    """Load a trained checkpoint for inference: a :class:`Captioner` in eval mode on ``device``.
 
-    Args:
-        checkpoint: a shipped model's name (``"flickr8k"``), a checkpoint file, a run folder, an
-            ``https://`` URL (cached; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``. A list of
-            several: an ensemble averaging their next-word probabilities (one vocabulary, size and grid).
-        device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
-        sha256: the file's expected SHA-256; ``progress``: a download bar (default: on a terminal);
-            ``refresh``: download again even when cached.
-
-    Raises:
-        CheckpointError: a missing, truncated or foreign checkpoint, a failed download or bad hash.
-        ConfigError: a bad device or CUDA absent; a malformed hash.
+    ``checkpoint``: a shipped model's name (``"flickr8k"``), a file, a run folder, an ``https://`` URL
+    (``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``; a list: an ensemble averaging their
+    next-word probabilities. ``device``: ``"auto"``, ``"cpu"``, ``"cuda:1"``... ``refresh`` downloads
+    again. Raises ``CheckpointError`` (bad file, download or hash) or ``ConfigError`` (device, hash).
     """
     if isinstance(checkpoint, (list, tuple)):
         return _load_ensemble(list(checkpoint), device, sha256, progress, refresh)

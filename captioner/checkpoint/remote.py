@@ -401,16 +401,11 @@ def _run_folder(folder: Path) -> Path:
 
 def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
                        refresh: bool = False) -> Path:
-    """The local file behind a checkpoint spec, downloading it first when needed (not yet read).
+    """The local file (not yet read) behind a checkpoint spec: a file, a run folder, an ``https://`` URL or ``hf://``.
 
-    Args:
-        spec: a file, a run folder, an ``https://`` URL (``#sha256=HEX`` optional) or ``hf://org/repo[@rev][/file]``.
-        sha256: the expected SHA-256 (a local file that differs is left alone).
-        progress: a download bar (default: on a terminal); ``refresh``: fetch again even when cached.
-
-    Raises:
-        CheckpointError: a bad spec, a failed or refused download, a hash mismatch, offline with
-            nothing cached, or a folder with no checkpoint. ConfigError: a malformed hash.
+    ``sha256`` checks the file (a local one that differs is left alone); ``refresh`` fetches again even
+    when cached. Raises ``CheckpointError`` (bad spec, failed or refused download, hash mismatch,
+    offline with nothing cached, no checkpoint in a folder) or ``ConfigError`` (a malformed hash).
     """
     if not isinstance(spec, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path, URL or hf:// id, got {type(spec).__name__}")

@@ -327,9 +327,7 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Rebuild a model from a checkpoint (never downloads) and load its weights strictly.
 
-    Returns ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``. Raises
-    ``CheckpointError`` for a missing, truncated, foreign or unsafe file, an invalid config or
-    vocabulary, or weights that do not match.
+    Returns ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``; every problem is a ``CheckpointError``.
     """
     path = Path(path)
     try:

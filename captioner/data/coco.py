@@ -37,16 +37,11 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 # ----------------------------------------------------------------------------- loading
 def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
                      include_restval: bool = True ) -> CaptionSet:
-    """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`).
+    """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`); image paths are not checked.
 
-    Args:
-        root: dataset folder, a COCO captions JSON file or a Karpathy split JSON file.
-        split: e.g. ``"train"``, ``"val2017"``, ``"dev"``; ``"all"`` for a whole file.
-        images_dir: folder holding the images when it is not where the layout puts them.
-        include_restval: Karpathy files: ``"train"`` also takes the ``restval`` images.
-
-    Returns the caption set, image paths resolved but not checked. Raises ``DataError``: no layout
-    matches, an unknown split (listing the available ones) or an invalid annotation file.
+    ``root``: a dataset folder, a COCO captions JSON or a Karpathy split JSON; ``split``: e.g. ``"train"``,
+    ``"dev"``, ``"all"``; ``include_restval``: Karpathy ``"train"`` also takes ``restval``. Raises
+    ``DataError`` when no layout matches, for an unknown split (listing them) or an invalid file.
     """
     root = Path(root)
     images = Path(images_dir) if images_dir is not None else None

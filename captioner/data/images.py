@@ -62,16 +62,10 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
                max_bytes: int = DEFAULT_MAX_BYTES, reduce_to: int | None = None) -> Image.Image:
     """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
 
-    Args:
-        path: image file; only a regular file is read (a pipe or device is refused without blocking).
-        max_pixels: refuse images with more pixels, from the header before decoding (None: PIL's guard).
-        max_bytes: refuse larger files, from their size, before reading them.
-        reduce_to: decode a JPEG at the smallest 1/2, 1/4 or 1/8 scale whose sides stay at least this
-            long (PIL's ``draft``); None decodes every pixel.
-
-    Raises:
-        ImageLoadError: missing, unreadable, not a regular file, empty, not an image, truncated,
-            corrupt, too large, or not convertible to RGB.
+    ``max_pixels`` and ``max_bytes`` are checked from the header and the size before decoding;
+    ``reduce_to``: decode a JPEG at the smallest 1/2, 1/4 or 1/8 scale keeping sides at least this
+    long (None: every pixel). Every failure is an ``ImageLoadError`` naming the file; a pipe or device
+    is refused without blocking.
     """
     return _load(Path(path), max_pixels, max_bytes, reduce_to)[0]
 

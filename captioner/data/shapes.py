@@ -261,17 +261,12 @@ def _write_json(path: Path, data: dict) -> None:
 def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
                 split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
                 overwrite: bool = False) -> dict:
-    """Write the synthetic shapes dataset into ``out`` (created).
+    """Write the synthetic shapes dataset into ``out`` (created); return its statistics.
 
-    Args:
-        images: number of images over all splits (>= 3); ``image_size``: square side (>= 32).
-        split_fractions: train/val/test fractions (each > 0, summing to 1).
-        unseen_pairs: K > 0 keeps K pairs (:func:`held_out_pairs`) out of train and val.
-        overwrite: replace a dataset already in ``out`` (its files removed first).
-
-    Returns ``out``, ``images``, ``captions``, ``objects``, ``splits``, ``objects_per_image``,
-    ``seconds``. Raises ``ConfigError`` for a bad argument, ``DataError`` for a dataset already there
-    or a folder that cannot be written (both before any file is written).
+    ``images`` over all splits (>= 3) of side ``image_size`` (>= 32), split by ``split_fractions``;
+    ``unseen_pairs``: K pairs kept out of train and val; ``overwrite``: replace a dataset already
+    there. Bad arguments (``ConfigError``) and a dataset in the way (``DataError``) are refused before
+    any file is written.
     """
     if images < 3:
         raise ConfigError(f"images must be >= 3 (one per split), got {images}")

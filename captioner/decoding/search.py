@@ -249,16 +249,11 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
 def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
            options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
            content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
-    """Caption a batch of images from (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
+    """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
-    Args:
-        decoder: any ``CaptionDecoder`` (in eval mode).
-        options: search options; default ``DecodeOptions()`` (beam 3, 20 words, float32).
-        banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``), by :class:`SuppressTokens`.
-        content_ids: the ids ``options.no_repeat_words`` lets a caption use once.
-
-    Raises:
-        ConfigError: features not (B, N, D), or one image's search over :data:`MEMORY_LIMIT`.
+    ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
+    ``content_ids``: what ``options.no_repeat_words`` allows once. ``ConfigError`` for features that
+    are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
     """
     options = options or DecodeOptions()
     if features.dim() != 3:

@@ -143,14 +143,9 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
                             progress: bool = True, boxes: bool = False, recolour: float = 0.0) -> PretrainResult:
     """Train ``cfg.model.encoder`` as word detectors on the training captions; write its weights to ``out``.
 
-    Args:
-        seconds, max_steps: stopping rules (at least one).
-        boxes: also train box-naming words region by region where the split has boxes (else MIL alone).
-        recolour: share of each batch's images with permuted colour channels and their hue words left
-            out, so the other detectors learn not to lean on colour.
-
-    Raises:
-        ConfigError: no stopping rule or a bad batch size. DataError: an unreadable or wordless split.
+    Stops after ``seconds`` or ``max_steps``. ``boxes``: also train box-naming words region by region;
+    ``recolour``: share of images with permuted colour channels, their hue words left out, so the other
+    detectors do not lean on colour. ``ConfigError``/``DataError`` for bad options or an unusable split.
     """
     if seconds is None and max_steps is None:
         raise ConfigError("pretrain_word_detectors needs seconds or max_steps")

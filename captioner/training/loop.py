@@ -498,21 +498,12 @@ class TrainResult:
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
-    """Train a captioner; all outputs go to the run folder ``out_dir``.
+    """Train a captioner; all outputs go to the run folder ``out_dir`` (on every rank: a ``TrainResult``).
 
-    Args:
-        cfg: the full configuration (model, data, train).
-        out_dir: run folder (created); one holding an earlier run is refused unless ``resume`` or ``overwrite``.
-        resume: continue the run in ``out_dir/train_state.pt`` exactly where it stopped.
-        progress: tqdm progress bars (rank 0, terminals only).
-        overwrite: move an earlier run to ``<out_dir>.old-<time>`` (never deleted) once all is checked.
-
-    Returns:
-        A ``TrainResult`` (on every rank under torchrun).
-
-    Raises:
-        CaptionerError: bad data, config or run folder, an ``--init`` checkpoint of another
-            architecture, or a non-finite loss; nothing is written before the checks.
+    ``resume``: continue ``out_dir/train_state.pt`` exactly; ``overwrite``: move an earlier run to
+    ``<out_dir>.old-<time>`` (never deleted), which is otherwise refused. Raises ``CaptionerError`` for
+    bad data, config or run folder, an ``--init`` checkpoint of another architecture or a non-finite
+    loss; nothing is written before the checks.
     """
     start = time.monotonic()
     # the encoder's name checked and its weights' preprocessing written into the config the run saves

@@ -332,19 +332,11 @@ def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Pat
 def write_overlays(image: Image.Image, caption: Caption, out_dir: str | Path, cmap: str = DEFAULT_CMAP,
                    alpha: float = DEFAULT_ALPHA, stem: str = "attention", layer: int = -1, head: int | None = None,
                    style: str = DEFAULT_STYLE) -> dict[str, Path]:
-    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image.
+    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer of one captioned ORIGINAL image.
 
-    Also ``<stem>_tags.png`` for a caption with concepts and ``<stem>_labels.png`` for one with labels.
-
-    Args:
-        image: the ORIGINAL RGB image (not the encoder input).
-        caption: its words, ``attention`` (L, g, g), optional ``all_attention`` and crop ``box``.
-        out_dir: folder (created); ``stem``: a plain file name stem (:func:`check_stem`).
-        cmap, alpha, style: how maps are drawn (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
-        layer, head: what the explorer shows first (head None = mean of heads).
-
-    Returns:
-        ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``"labels"``) -> written paths.
+    Also ``<stem>_tags.png`` and ``<stem>_labels.png`` for a caption with concepts or labels. ``stem``
+    is a plain file name (:func:`check_stem`); ``cmap``, ``alpha``, ``style`` as for ``overlay_heatmap``;
+    ``layer``, ``head``: what the explorer shows first. Returns ``{"png", "gif", "json", "html", ...}`` paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
