@@ -105,8 +105,8 @@ def format_value(value: Any, fmt: str) -> str:
 
 # --- pace: how far each decoder got against the reference figures ---
 
-# (optimizer steps, budget in seconds) of each decoder in the default `captioner demo` alone on the
-# 2-core CPU, 2026-11-26: the run behind the measured figures of docs/demo.md (presets <decoder>_demo).
+# (optimizer steps, budget in seconds) of each decoder in the default `captioner demo` on a 2-core CPU:
+# the run behind the measured figures of docs/demo.md (presets <decoder>_demo).
 REFERENCE = {"sat_soft": (1876, 120.0), "sat_hard": (1600, 120.0), "transformer": (832, 45.0)}
 FAR_BELOW = 0.6  # a decoder under this share of its reference steps (or pace) gets a note
 
