@@ -6,8 +6,8 @@ Three lines of Python (see :mod:`captioner.inference`)::
     model = captioner.load("flickr8k")          # a shipped model (captioner.available_models()), or a checkpoint
     print(model.caption(["photo.jpg"])[0].text)
 
-Importing the package is light: torch, matplotlib and pycocotools load only when used (``load``,
-``Captioner``, ``Caption`` and ``DecodeOptions`` import :mod:`captioner.inference` on first access).
+Importing the package is light: torch loads only when ``load``, ``Captioner``, ``Caption`` or
+``DecodeOptions`` is first used.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The ``captioner`` console script (also ``python -m captioner``).
 
-Each subcommand lives in ``captioner/commands/<name>.py`` and provides ``NAME``, ``HELP``,
-``EXAMPLES``, ``add_arguments(parser)`` and ``run(args) -> int``. Command modules import only
-argparse at module level, so ``captioner --help`` starts fast; heavy imports happen inside ``run``.
-
-Exit codes: 0 success; 1 an error (one line on stderr, ``captioner COMMAND: error: ...``, never a
-traceback); 2 a usage error found by the option parser (an unknown option, a value of the wrong
-type: also one line); 130 interrupted (Ctrl-C); 141 stdout closed early (``captioner caption
-photos/ | head -1``), which ends the command quietly, as for other command-line tools.
+Each subcommand lives in ``captioner/commands/<name>.py`` with ``NAME``, ``HELP``, ``EXAMPLES``,
+``add_arguments(parser)`` and ``run(args) -> int``, importing only argparse at module level.
+Exit codes: 0 success; 1 an error (one line on stderr, never a traceback); 2 a usage error; 130
+interrupted (Ctrl-C); 141 stdout closed early (``| head -1``).
 """
 
 from __future__ import annotations
@@ -77,11 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code (0 ok, 1 failure, 2 usage error).
-
-    With ``argv`` None (the console script: the process's own command line), a Ctrl-C that comes after
-    the command has returned, while the interpreter shuts down, prints one line and exits 130 instead
-    of a traceback from an exit handler (:func:`interrupt_quietly_at_exit`)."""
+    """Run the CLI; returns the process exit code. With ``argv`` None, a late Ctrl-C at exit also prints one line."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -102,12 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def interrupt_quietly_at_exit(prog: str, code: int) -> None:
-    """From now on (the command is done), Ctrl-C flushes the output, prints one line and exits 130 at once.
-
-    Python runs exit handlers (multiprocessing's, logging's, torch's) after ``main`` returns; a
-    ``KeyboardInterrupt`` raised in one of them is printed as a traceback ("Exception ignored in atexit
-    callback"). Only for the process's own command line: never in a program that calls :func:`main`.
-    """
+    """From now on, Ctrl-C flushes the output, prints one line and exits 130 at once (not a traceback from an exit handler)."""
     def handler(signum: int, frame: object) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -134,12 +121,7 @@ def _short(message: str) -> str:
 
 
 def run_reporting_errors(prog: str, run: Callable[[], int], interrupted: str = "interrupted") -> int:
-    """``run()``'s exit code, or the one-line report of a failure: what every command line of the project does.
-
-    ``CaptionerError`` and ``OSError`` (a disk that filled up, a folder made read-only under a running
-    command) print ``<prog>: error: <one line>`` and give 1, Ctrl-C prints ``<prog>: <interrupted>``
-    and gives 130, and a reader that went away (``| head``) ends quietly with 141.
-    """
+    """``run()``'s exit code, or the one-line report of a failure (1), an interrupt (130) or a closed reader (141)."""
     try:
         return run()
     except CaptionerError as exc:

@@ -1,10 +1,8 @@
 """Devices and processes: the one place a device name (``auto``, ``cpu``, ``cuda``, ``cuda:1``) becomes a
 ``torch.device``, and the ``torchrun`` process group of a distributed run (one device per rank).
 
-Used by the inference API, training, evaluation and the commands. ``torchrun`` sets ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_RANK``; :func:`setup` then joins the process group (NCCL on CUDA, Gloo on
-CPU) and picks the rank's device; without them every DDP helper is a single-process no-op. A name that is not a device, or CUDA asked for on a machine without it, is a one-line
-``ConfigError`` that names the option it came from (``--device``, ``device``, ``train.device``).
+Without ``torchrun``'s variables every DDP helper is a single-process no-op. A bad device name, or
+CUDA asked for without it, is a one-line ``ConfigError`` naming the option it came from.
 """
 
 from __future__ import annotations
@@ -26,17 +24,8 @@ DEVICE_HINT = "use auto, cpu, cuda or cuda:N"
 def resolve_device(spec: str | torch.device, local_rank: int = 0, option: str = "device") -> torch.device:
     """``"auto"`` -> ``cuda:<local_rank>`` when CUDA is available, else ``cpu``; other names are checked.
 
-    Args:
-        spec: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or a ``torch.device``).
-        local_rank: the GPU that ``"auto"`` and a bare ``"cuda"`` mean (``torchrun``'s ``LOCAL_RANK``).
-        option: what the user set, for the error message (``"--device"``, ``"train.device"``).
-
-    Returns:
-        The device; a CUDA device always carries its index.
-
-    Raises:
-        ConfigError: ``spec`` is not a device, CUDA is asked for but absent, or the GPU index is out
-            of range.
+    ``option`` names what the user set in the ``ConfigError`` (bad name, CUDA absent, index out of
+    range). A CUDA device always carries its index.
     """
     where = f"{option} {str(spec)!r}" if option.startswith("-") else f"{option}={str(spec)!r}"
     if str(spec) == "auto":
@@ -88,14 +77,7 @@ class DistInfo:
 
 
 def setup(device_name: str) -> DistInfo:
-    """Join the torchrun process group when launched by torchrun; otherwise a single process.
-
-    Args:
-        device_name: ``TrainConfig.device`` (``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``).
-
-    Returns:
-        A ``DistInfo``; call :func:`cleanup` with it when training ends.
-    """
+    """Join the torchrun process group when launched by torchrun, else a single process; call :func:`cleanup` after."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,26 +1,14 @@
 """Reading and writing files a user names: regular files only, every read bounded, writes atomic.
 
-Every file the package reads on a user's behalf (images, config and annotation files,
-vocabularies, checkpoints) goes through :func:`read_bytes` / :func:`read_text` / :func:`read_json`, is
-opened with :func:`open_regular`, or is checked with :func:`check_regular` first (a library that opens
-the path itself), so a named pipe cannot block, a device such as ``/dev/zero`` cannot
-fill memory and a huge file is refused from its size before it is read. The kind of file is named
-in the one-line error (``photo.jpg: is a named pipe, not a regular file``).
-
-Every file written into a run folder or next to a checkpoint goes through :func:`atomic_write`: a
-temporary ``.<name>.*.tmp`` in the same folder, fsync'ed, renamed over the target with
-``os.replace``, then the folder itself fsync'ed so the rename survives a power cut.
-
-Every command that writes into a folder a user names (``--out``, ``--overlay``, ``--root``) goes
-through :class:`Outputs`: before any work it refuses to replace a file that captioner did not write
-there (unless ``--force``), and after writing it adds the files to the folder's manifest,
-``.captioner-files.json`` (:data:`MANIFEST`), which records each file's size and modification time.
-A file is captioner's own when the manifest lists it with the size and time it has now: a user's
-file of the same name, or one of captioner's files that a user has since edited, is not.
-
-Two processes that would write the same file (a feature cache, a downloaded checkpoint) take turns
-with :func:`hold_lock`, a ``filelock`` lock on ``<path>.lock`` (:func:`lock_file`) that the operating
-system drops when its holder dies, so a crash never leaves a file locked.
+Every file read on a user's behalf goes through :func:`read_bytes` / :func:`read_text` /
+:func:`read_json`, is opened with :func:`open_regular` or is checked with :func:`check_regular`, so a
+named pipe cannot block, ``/dev/zero`` cannot fill memory and a huge file is refused from its size;
+the error names the kind of file. Writes go
+through :func:`atomic_write` (temporary file, fsync, ``os.replace``, folder fsync'ed). Commands that
+write into a folder a user names go through :class:`Outputs`, which never replaces a file captioner
+did not write there (the folder's manifest, :data:`MANIFEST`, records its own files' size and
+time) unless ``--force``. Two writers of one file take turns with :func:`hold_lock`, a ``filelock``
+lock the operating system drops when its holder dies.
 """
 
 from __future__ import annotations
@@ -92,19 +80,10 @@ def _os_reason(path: Path, exc: OSError) -> str:
 
 def check_regular(path: str | os.PathLike, limit: int | None, error: type[CaptionerError] = CaptionerError,
                   what: str = "file") -> int:
-    """Refuse anything but a regular file of at most ``limit`` bytes, without opening it.
+    """Refuse anything but a regular file of at most ``limit`` bytes (None: no bound), without opening it.
 
-    Args:
-        path: the file (symbolic links are followed).
-        limit: largest size accepted in bytes; None for no bound.
-        error: the exception type raised.
-        what: what the file should be, for the size message (``"image file"``).
-
-    Returns:
-        The file's size in bytes.
-
-    Raises:
-        error: missing, a broken link or a link loop, unreadable, not a regular file, or too large.
+    Returns the size. Raises ``error``: missing, a broken link or loop, unreadable, not a regular file,
+    or larger than ``limit`` (``what`` names it: ``"image file"``).
     """
     path = Path(path)
     try:
@@ -129,15 +108,8 @@ def _check_stat(path: Path, st: os.stat_result, limit: int | None, error: type[C
 
 def open_regular(path: str | os.PathLike, limit: int | None, error: type[CaptionerError] = CaptionerError,
                  what: str = "file") -> IO[bytes]:
-    """Open a regular file for reading in binary, refusing anything else before a byte is read.
-
-    The one way an input file is opened: checked with :func:`check_regular`, opened without blocking
-    (a named pipe with no writer cannot hang the call), checked again through the open descriptor
-    (the file opened, not the one statted before), then handed back as a blocking file object.
-
-    Raises:
-        error: as :func:`check_regular`, or the open failing (one line naming the file).
-    """
+    """Open a regular file for reading in binary, refusing anything else before a byte is read: checked,
+    opened without blocking (a pipe with no writer cannot hang), checked again through the descriptor."""
     path = Path(path)
     check_regular(path, limit, error, what)  # names sockets and links before open() gets in the way
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -195,16 +167,9 @@ def read_json(path: str | os.PathLike, limit: int, error: type[CaptionerError] =
               what: str = "JSON file", expect: type | None = None) -> Any:
     """:func:`read_text` parsed as JSON: every bounded JSON file the package reads comes through here.
 
-    Args:
-        path: the file.
-        limit: largest size accepted in bytes.
-        error: the exception type raised.
-        what: what the file is, for the messages (``"results file"``).
-        expect: the type the top-level value must have (``list``, ``dict``); None accepts any.
-
-    Raises:
-        error: one line naming the file: missing (``<what> not found``), as :func:`read_text`, invalid
-            JSON (with line and column), nested too deeply, or a top-level value that is not ``expect``.
+    ``expect``: the type the top-level value must have (``list``, ``dict``); None accepts any. Raises
+    ``error`` in one line naming the file: missing, too large, invalid JSON (line and column), nested
+    too deeply, or not ``expect``.
     """
     if not os.path.lexists(path):
         raise error(f"{path}: {what} not found")
@@ -222,10 +187,9 @@ def read_json(path: str | os.PathLike, limit: int, error: type[CaptionerError] =
 
 
 def safe_name(name: str, fallback: str = "image") -> str:
-    """A file or folder name made from user input that stays inside the folder it is joined to.
+    """A file name from user input that stays inside its folder: separators and control characters become ``_``.
 
-    Path separators and control characters become ``_``; a name made only of dots (``.``, ``..``,
-    the stem of ``...png``) or an empty one becomes ``fallback``.
+    A name of dots only, or an empty one, becomes ``fallback``.
     """
     cleaned = "".join("_" if ch in "/\\" or ord(ch) < 32 or ch == "\x7f" else ch for ch in name)
     if not cleaned.strip("."):
@@ -234,17 +198,9 @@ def safe_name(name: str, fallback: str = "image") -> str:
 
 
 def writable_folder(path: str | os.PathLike, error: type[CaptionerError] = CaptionerError) -> Path:
-    """Check that ``path`` is, or can be made, a folder that files can be written in; create nothing.
+    """The nearest existing folder of ``path``, checked writable by writing a hidden file there; creates nothing.
 
-    Walks up to the nearest existing folder and writes (then removes) a hidden temporary file there,
-    which is the only test that also sees read-only mounts and immutable folders (``chattr +i``),
-    even as root.
-
-    Returns:
-        The existing folder that was tested (``path`` itself, or the ancestor it will be created in).
-
-    Raises:
-        error: ``path`` or one of its parents is a file, or the folder cannot be written.
+    Raises ``error`` when ``path`` or a parent is a file, or the folder cannot be written.
     """
     path = Path(path)
     probe = path
@@ -284,13 +240,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
                  error: type[CaptionerError] = CheckpointError) -> Path:
     """Write a file so that readers see either the old or the complete new content.
 
-    ``write(f)`` fills a temporary file in the same folder; it is flushed and fsync'ed, renamed over
-    ``path`` with ``os.replace`` and the folder is fsync'ed. On any failure the temporary file is
-    removed and the previous ``path`` is left untouched. The file gets the mode a plain ``open``
-    would give it (0666 less the umask), not the 0600 of a temporary file.
-
-    Raises:
-        error: (default ``CheckpointError``) the folder is missing or the file cannot be written.
+    ``write(f)`` fills a temporary file in the same folder, renamed over ``path``; on any failure it
+    is removed and ``path`` left untouched. The file gets a plain ``open``'s mode.
     """
     path = Path(path)
     folder = path.parent
@@ -338,15 +289,9 @@ def lock_file(path: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def hold_lock(lock: str | os.PathLike, timeout: float | None = None,
               busy: Callable[[], Exception] | None = None) -> Iterator[Path]:
-    """Hold an exclusive lock on the file ``lock`` (created when absent) for the ``with`` block.
+    """Hold an exclusive lock on the file ``lock`` for the ``with`` block; yield it (a holder may write its pid).
 
-    Args:
-        lock: the lock file, usually :func:`lock_file` of what is written.
-        timeout: seconds to wait for another holder (None: as long as it takes).
-        busy: the error raised when ``timeout`` runs out (default: one naming the lock file).
-
-    Yields:
-        The lock file (a holder may write its pid there).
+    ``timeout``: seconds to wait (None: as long as it takes), then raise ``busy``.
     """
     held = FileLock(lock, timeout=-1 if timeout is None else max(0.0, timeout), poll_interval=_LOCK_POLL)
     try:
@@ -401,16 +346,13 @@ MAX_MANIFEST = 256 * MiB  # a manifest larger than this is not read (nothing in 
 class Outputs:
     """The files one command writes into a folder the user named, and the rule that protects the rest.
 
-    Every writer builds one, calls :meth:`check` with the paths it will write before any work, and
-    :meth:`record` with the paths it wrote.
+    Writers call :meth:`check` with the paths they will write before any work and :meth:`record` after.
 
     Attributes:
-        root: the folder the user named (``--out``, ``--overlay``, ``--root``); the manifest lives there.
+        root: the folder the user named; the manifest lives there. ``option``: how (``"--out"``).
         force: replace any file (``--force``).
-        option: how the user named ``root``, for the messages (``"--out"``).
-        replace_own: replace captioner's own earlier files without ``--force`` (overlays, a dataset's
-            extracted files); False where an earlier result is work to keep (an evaluation, a run).
-        error: the exception raised.
+        replace_own: replace captioner's own earlier files without ``--force`` (False where an earlier
+            result is work to keep: an evaluation, a run).
     """
 
     root: Path
@@ -451,15 +393,7 @@ class Outputs:
     def check(self, paths: Iterable[str | os.PathLike]) -> list[Path]:
         """Refuse, in one line naming the first such file, to replace what captioner did not write.
 
-        Args:
-            paths: the files the command will write (under :attr:`root`).
-
-        Returns:
-            Those of ``paths`` that exist now (they will be replaced).
-
-        Raises:
-            error: a path is a folder; or it exists, ``force`` is off, and it is not captioner's own file
-                (or it is, and ``replace_own`` is off).
+        Returns those of ``paths`` that exist now (they will be replaced).
         """
         owned = None
         present, refused = [], []

@@ -1,19 +1,10 @@
 """The inference API: ``load(checkpoint)`` then ``Captioner.caption(images)``.
 
-One pipeline serves every caller (the ``caption``, ``attend`` and ``evaluate`` commands, the demo,
-user code)::
+One pipeline serves every caller (the commands, the demo, user code)::
 
     import captioner
     model = captioner.load("runs/x/best.safetensors")
     print(model.caption(["photo.jpg"])[0].text)
-
-``caption`` takes paths, PIL images or already-transformed tensors, one or a list; for each image
-it loads (one-line ``ImageLoadError`` naming the file), transforms, encodes, searches (beam or
-greedy), and returns a :class:`Caption`: the words, the search's score, and on request the
-attention of every word and, for the Transformer, of every layer and head (a teacher-forced re-run
-of the chosen caption: cached decoding equals the full forward, so its last-layer mean of heads
-is the per-word attention the search returned). ``Caption.box`` is the part of the original image
-the encoder saw (what overlays draw the attention onto).
 
 Shape legend: B images, S encoder input side, N regions (g*g), D feature width, L words.
 """
@@ -62,26 +53,15 @@ class Caption:
     """The caption of one image.
 
     Attributes:
-        text: the words joined by spaces.
-        words: one string per emitted token (aligned with ``attention``).
-        tokens: emitted word ids (no ``<bos>``/``<eos>``).
+        text: the words joined by spaces; ``words``/``tokens``: one per emitted token (no ``<bos>``/``<eos>``).
         score: the search's length-normalised log-probability of the caption.
-        grid: (g, g); N = g*g regions.
-        attention: (L, g, g) float32 CPU tensor, one map over the N regions per word (each sums to
-            1), or None unless asked for (``attention=True`` or ``all_heads=True``).
-        all_attention: (L, layers, heads, g, g) float32 CPU tensor, every decoder layer's and
-            head's map per word (Transformer, with ``all_heads=True``), else None.
+        attention: (L, g, g) float32 CPU tensor, one map per word (each sums to 1), or None unless asked for.
+        all_attention: (L, layers, heads, g, g), every layer's and head's map (Transformer, ``all_heads=True``).
         image_size: (width, height) of the original image; None for a tensor input.
-        box: ``(left, top, right, bottom)`` of the original image the encoder saw (right/bottom
-            exclusive, original pixels); None for a tensor input (the whole tensor was seen).
+        box: ``(left, top, right, bottom)`` of the original image the encoder saw (right/bottom exclusive).
         finished: False when the caption was cut at ``max_len`` without ``<eos>``.
-        concepts: for a model that reads concept detectors (``model.concepts``), the photo's top
-            concepts, most probable first, as ``(word, probability)``; else None.
-        concept_maps: (C, g, g) float32 CPU tensor, where each of ``concepts`` is in the photo (each
-            map sums to 1), or None.
-        labels: with ``labels=K``, the K words the encoder's ImageNet head sees in the photo
-            (:mod:`captioner.concepts.labels`), most probable first, as ``(word, probability, map)``
-            with the map a (g, g) float32 CPU tensor summing to 1; else None.
+        concepts, concept_maps: a concept model's top ``(word, probability)`` and their (C, g, g) maps, else None.
+        labels: with ``labels=K``, the encoder's ImageNet head's K words as ``(word, probability, (g, g) map)``.
     """
 
     text: str
@@ -132,19 +112,9 @@ def _captions(hyps: list[list[Hypothesis]], vocab: Vocabulary, grid: tuple[int, 
 
 def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
                      options: DecodeOptions | None = None, grid: tuple[int, int] | None = None) -> list[Caption]:
-    """Best caption per image from region features: the one search every caller goes through.
+    """Best caption per image from (B, N, D) region features: the one search every caller goes through.
 
-    Args:
-        model: a ``CaptionModel`` (its ``decoder`` is used); switched to eval mode for the search and
-            restored afterwards. ``<pad>`` and ``<bos>`` are never emitted, nor ``<unk>`` unless
-            ``options.allow_unk``.
-        features: (B, N, D) region features.
-        vocab: the vocabulary the model was trained with.
-        options: search options; default ``DecodeOptions()`` (beam 3, 20 words).
-        grid: (rows, cols) of the regions; default :func:`grid_of`.
-
-    Returns:
-        One :class:`Caption` per image, with its attention (L, g, g); no image size or box.
+    ``options`` defaults to ``DecodeOptions()`` (beam 3, 20 words); ``grid`` to :func:`grid_of`.
     """
     options = options if options is not None else DecodeOptions()
     grid = grid or grid_of(model, features.size(1))
@@ -160,11 +130,9 @@ def caption_features(model: torch.nn.Module, features: torch.Tensor, vocab: Voca
 
 def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Vocabulary,
                     options: DecodeOptions | None = None) -> list[list[Hypothesis]]:
-    """The search every caption goes through: ``decoder`` in eval mode (restored afterwards),
-    ``<pad>``/``<bos>`` (and ``<unk>`` unless ``options.allow_unk``) never emitted.
+    """``options.n_best`` hypotheses per image, best first, with ``decoder`` in eval mode.
 
-    :func:`caption_features` calls it for whole models; SCST's greedy baseline calls it with the
-    decoder alone. Returns ``options.n_best`` hypotheses per image, best first.
+    ``<pad>``/``<bos>`` (and ``<unk>`` unless ``options.allow_unk``) are never emitted.
     """
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
@@ -183,18 +151,10 @@ def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabula
 
 def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tokens: Sequence[int], bos_id: int,
                              grid: tuple[int, int]) -> torch.Tensor | None:
-    """Per-layer, per-head attention of a given caption, from the decoder's teacher-forced forward.
+    """Per-layer, per-head attention (L, layers, heads, g, g) of a given caption from a teacher-forced forward.
 
-    Args:
-        model: a ``models.captioner.CaptionModel`` in eval mode.
-        features: (1, N, D) region features of the image.
-        tokens: the caption's L word ids (no ``<bos>``/``<eos>``).
-        bos_id: the ``<bos>`` id.
-        grid: (g, g).
-
-    Returns:
-        (L, layers, heads, g, g) float32 CPU tensor, or None for an empty caption or a decoder with
-        one attention map per word (the LSTM).
+    ``tokens`` are the caption's L word ids (no ``<bos>``/``<eos>``). None for an empty caption or a
+    decoder with one map per word (the LSTM).
     """
     if not tokens:
         return None
@@ -208,13 +168,10 @@ def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tok
 
 
 def decode_options(options: DecodeOptions | None = None, **overrides: object) -> DecodeOptions:
-    """``options`` (default ``DecodeOptions()``) with ``overrides`` applied by one ``replace``.
-
-    ``beam`` is accepted as a short name for ``beam_size`` (the ``--beam`` of the commands).
+    """``options`` (default ``DecodeOptions()``) with ``overrides`` applied; ``beam`` is short for ``beam_size``.
 
     Raises:
-        ConfigError: ``options`` is not a ``DecodeOptions``, an override is not one of its fields, or
-            a value is out of range (``DecodeOptions`` checks it).
+        ConfigError: not a ``DecodeOptions``, an unknown override, or a value out of range.
     """
     if options is None:
         options = DecodeOptions()
@@ -238,13 +195,7 @@ def empty_caption(name: str, options: DecodeOptions) -> EmptyCaptionError:
 
 
 class Captioner:
-    """A trained captioning model ready for inference: network, vocabulary, transform and device.
-
-    Args:
-        model: a ``models.captioner.CaptionModel`` (its ``config`` gives the image transform).
-        vocab: the vocabulary it was trained with.
-        device: where it runs; default: where its parameters are.
-    """
+    """A trained captioning model ready for inference: network, vocabulary, transform and device."""
 
     def __init__(self, model: torch.nn.Module, vocab: Vocabulary, device: str | torch.device | None = None) -> None:
         self.model = model
@@ -264,51 +215,21 @@ class Captioner:
         """``(left, top, right, bottom)`` of ``image`` (original pixels) that the encoder sees."""
         return crop_box(image.width, image.height, self.config.encoder)
 
-    def caption(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        options: DecodeOptions | None = None,
-        *,
-        attention: bool = False,
-        all_heads: bool = False,
-        batch_size: int = 8,
-        labels: int = 0,
-        allow_empty: bool = False,
-        **decoding: object,
-    ) -> list[Caption]:
-        """Caption one image or several.
+    def caption(self, images: ImageInput | Sequence[ImageInput], options: DecodeOptions | None = None, *,
+                attention: bool = False, all_heads: bool = False, batch_size: int = 8, labels: int = 0,
+                allow_empty: bool = False, **decoding: object) -> list[Caption]:
+        """Caption one image or several: one :class:`Caption` per image, in input order.
 
         Args:
-            images: a path, PIL image or already-transformed (3, S, S) tensor, a (B, 3, S, S) batch,
-                or a list of these.
-            options: search options; default ``DecodeOptions()`` (beam 3, 20 words, ``<unk>``
-                banned), the one default every caller shares.
-            attention: keep each word's attention map (``Caption.attention``).
-            all_heads: also every layer's and head's map (Transformer; implies ``attention``).
-            batch_size: images encoded and searched together.
-            labels: also the photo's K most probable words of the encoder's ImageNet head
-                (``Caption.labels``); 0: none. Needs an EfficientNet-Lite encoder.
-            allow_empty: return a caption with no words (the model wrote ``<eos>`` first) instead of
-                raising ``EmptyCaptionError`` (scoring a split counts it as a wrong answer).
-            **decoding: ``DecodeOptions`` fields that replace those of ``options``: ``beam_size``
-                (or its short name ``beam``; 1 = greedy), ``max_len``, ``length_penalty``, ``n_best``,
-                ``allow_unk``. For example ``caption(photo, beam=5, max_len=16)``.
+            images: a path, PIL image or transformed (3, S, S) tensor, a (B, 3, S, S) batch, or a list of these.
+            options: search options; default ``DecodeOptions()`` (beam 3, 20 words, ``<unk>`` banned).
+            attention: keep each word's map; ``all_heads``: also every layer's and head's (Transformer).
+            labels: also the K most probable words of the encoder's ImageNet head; 0: none.
+            allow_empty: return a wordless caption instead of raising ``EmptyCaptionError``.
+            **decoding: ``DecodeOptions`` fields replacing those of ``options``, e.g. ``beam=5, max_len=16``.
 
-        Returns:
-            One :class:`Caption` per image, in input order.
-
-        Raises:
-            ImageLoadError: a path is missing, not a regular file or not a readable image (the first
-                such file).
-            ImageInputError: an input that cannot be captioned, checked before any work: not a path,
-                an image or a tensor; a tensor that is not floating point, not (3, S, S) or holds
-                NaN/inf; an image with no pixels or too many (:mod:`captioner.data.images`). It is a
-                ``DataError`` and a ``ValueError``.
-            ConfigError: bad search options (an unknown one, or a search that could not fit in
-                memory, see :mod:`captioner.decoding.search`), batch size or flags; labels asked of
-                an encoder without an ImageNet head.
-            EmptyCaptionError: the model wrote no word for an image (unless ``allow_empty``): the
-                message names the image (its path, or its place in the input) and the beam size.
+        Raises ``ImageLoadError``/``ImageInputError`` for the first bad input, ``ConfigError`` for bad
+        options, ``EmptyCaptionError`` naming an image the model wrote no word for.
         """
         options = decode_options(options, **decoding)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -328,15 +249,11 @@ class Captioner:
     def caption_stream(self, sources: Sequence[ImageSource], options: DecodeOptions, *, attention: bool = False,
                        all_heads: bool = False, batch_size: int = 8, labels: int = 0, allow_empty: bool = False
                        ) -> Iterator[Caption | ImageLoadError | EmptyCaptionError]:
-        """:meth:`caption` as a pipeline over checked sources (``image_sources``), one result per
-        source in input order: its :class:`Caption`, the ``ImageLoadError`` of a file that could
-        not be read, or (unless ``allow_empty``) the ``EmptyCaptionError`` of an image the model
-        wrote no word for (the others are still captioned).
+        """:meth:`caption` as a pipeline over checked sources, one result per source in input order.
 
-        While the search runs on one chunk of ``batch_size`` images (this thread), the next chunk
-        is read by :data:`LOADER_THREADS` threads and encoded by one more: at most two chunks of
-        pixels and one of features are held at a time. The arithmetic is that of one chunk at a
-        time, so the captions are the same. ``labels``: as in :meth:`caption`.
+        Each result is a :class:`Caption`, or the ``ImageLoadError``/``EmptyCaptionError`` of that image
+        (the others are still captioned). The next chunk is read and encoded while this one is searched;
+        the arithmetic is that of one chunk at a time, so the captions are the same.
         """
         head = self.label_head() if self._check_labels(labels) else None
         keep = attention or all_heads
@@ -380,12 +297,7 @@ class Captioner:
                                             options)
 
     def label_head(self) -> ImageNetLabels:
-        """The encoder's ImageNet head as a detector of caption words (:func:`captioner.concepts.labels.label_head`),
-        built on the first call (its classifier read from the encoder's wheel) and kept.
-
-        Raises:
-            ConfigError: an encoder without a shipped ImageNet classifier.
-        """
+        """The encoder's ImageNet head as a detector of caption words, built on the first call and kept."""
         if self._label_head is None:
             self._label_head = label_head(self.config.encoder).to(self.device)
         return self._label_head
@@ -397,13 +309,7 @@ class Captioner:
         return labels > 0
 
     def encode(self, images: ImageInput | Sequence[ImageInput]) -> tuple[torch.Tensor, tuple[int, int]]:
-        """The encoder's regions of one image or several, as one batch: ((B, N, D), grid (g, g)).
-
-        Inputs are those of :meth:`caption`; they are read by :data:`LOADER_THREADS` threads.
-
-        Raises:
-            ImageLoadError, ImageInputError: as :meth:`caption` (the first bad input).
-        """
+        """The encoder's regions of one image or several as one batch: ((B, N, D), grid (g, g))."""
         sources = self._flatten(images)
         if not sources:
             raise DataError("encode needs at least one image")
@@ -414,8 +320,7 @@ class Captioner:
         return features, (int(grid[0]), int(grid[1]))
 
     def teacher_forced(self, image: ImageInput, tokens: Sequence[int]) -> torch.Tensor | None:
-        """Every layer's and head's attention of a given caption of one image (see
-        :func:`teacher_forced_attention`): (L, layers, heads, g, g), or None (LSTM, empty caption)."""
+        """Every layer's and head's attention of a given caption of one image (:func:`teacher_forced_attention`)."""
         sources = self._flatten(image)
         if len(sources) != 1:
             raise DataError(f"teacher_forced takes one image, got {len(sources)}")
@@ -432,25 +337,9 @@ class Captioner:
                       **decoding: object) -> list[Caption]:
         """The ``n_best`` best captions of one image (best first), each with its per-word attention.
 
-        Args:
-            image: one path, PIL image or (3, S, S) tensor.
-            n_best: how many captions (at most the beam size).
-            options, **decoding: search options, as in :meth:`caption` (``beam=5``, ``max_len=16``).
-            all_heads: also every layer's and head's map of each caption (Transformer).
-            labels: also the photo's K most probable words of the encoder's ImageNet head, as in
-                :meth:`caption` (the same for each caption); 0: none.
-            allow_empty: keep hypotheses with no words (the model wrote ``<eos>`` first); by default a
-                lower-ranked one is dropped (no caption), and an empty best one is the error below, as
-                :meth:`caption` gives for the same image and beam.
-
-        Returns:
-            Up to ``n_best`` :class:`Caption` objects with ``attention``, ``image_size`` and ``box`` (and the
-            photo's ``concepts`` and ``concept_maps`` for a model with concept detectors, and its ``labels``
-            when asked, the same for each).
-
-        Raises:
-            ConfigError: as :meth:`caption` (labels asked of an encoder without an ImageNet head).
-            EmptyCaptionError: the best hypothesis is empty (unless ``allow_empty``), naming the image and the beam.
+        ``options``, ``**decoding``, ``all_heads`` and ``labels`` are as in :meth:`caption`. ``allow_empty``:
+        keep hypotheses with no words; by default a lower-ranked empty one is dropped and an empty best one
+        raises ``EmptyCaptionError`` naming the image and the beam, as :meth:`caption` does.
         """
         options = decode_options(options, **decoding, n_best=n_best)
         head = self.label_head() if self._check_labels(labels) else None
@@ -486,8 +375,7 @@ class Captioner:
     def _search(self, prepared: list, features: torch.Tensor | None, grid: tuple[int, int], options: DecodeOptions,
                 keep_attention: bool, all_heads: bool, head: ImageNetLabels | None = None,
                 labels: int = 0) -> list[Caption]:
-        """Captions of one encoded chunk (``prepared``: what :meth:`_prepare` gave, errors skipped),
-        with ``labels`` words of ``head`` each when it is given."""
+        """Captions of one encoded chunk (errors in ``prepared`` skipped), with ``labels`` words of ``head``."""
         if features is None:
             return []
         sizes = [p[1] for p in prepared if not isinstance(p, ImageLoadError)]
@@ -506,14 +394,11 @@ class Captioner:
         return found
 
     def _flatten(self, images: ImageInput | Sequence[ImageInput]) -> list[ImageSource]:
-        """Inputs -> one checked source per image (the one place they are checked: :mod:`captioner.data.images`)."""
+        """Inputs -> one checked source per image."""
         return image_sources(images, self.transform.size)
 
     def _prepare(self, source: ImageSource) -> tuple[torch.Tensor, tuple[int, int] | None]:
-        """A checked source -> (pixels (3, S, S), original (width, height) or None for a tensor).
-
-        A file is decoded no larger than the transform needs (``load_for_encoder``); the crop box
-        is measured on the full size, as for a PIL image."""
+        """A checked source -> (pixels (3, S, S), original (width, height) or None for a tensor)."""
         if isinstance(source, Path):
             image, size = load_for_encoder(source, self.transform.size)
             return self.transform(pil_image(image, str(source))), size
@@ -524,29 +409,12 @@ class Captioner:
 
 def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: str | torch.device = "auto",
          sha256: str | None = None, progress: bool | None = None, refresh: bool = False) -> Captioner:
-    """Load a trained checkpoint for inference, from a file, a run folder, a URL or the Hugging Face Hub.
+    """Load a trained checkpoint for inference: a :class:`Captioner` in eval mode on ``device``.
 
-    Args:
-        checkpoint: the name of a model shipped with the package (``"flickr8k"``;
-            :func:`captioner.available_models`), a ``.safetensors`` (or torch-format) file written by training, a run folder
-            (its ``best.safetensors``), an ``https://`` URL (cached in ``~/.cache/captioner`` or
-            ``$CAPTIONER_CACHE``; ``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``
-            (:mod:`captioner.checkpoint.remote`). A downloaded file is read as safely as a local one.
-            A list or tuple of several: an **ensemble** that decodes with the mean of their
-            next-word probabilities (:mod:`captioner.models.ensemble`); they must share one
-            vocabulary, image size and grid (``sha256`` is then not accepted: use ``#sha256=``).
-        device: ``"auto"`` (a GPU when there is one), ``"cpu"``, ``"cuda"``, ``"cuda:1"``.
-        sha256: the file's expected SHA-256 (instead of the URL fragment).
-        progress: show a download bar (default: when stderr is a terminal).
-        refresh: download a URL or hub checkpoint again even when it is cached.
-
-    Returns:
-        A :class:`Captioner` in eval mode on ``device``.
-
-    Raises:
-        CheckpointError: not a path, or a missing, truncated or foreign checkpoint; a download that
-            failed, a hash that does not match, offline mode with nothing cached.
-        ConfigError: ``device`` is not a device, or CUDA is asked for and absent; a malformed hash.
+    ``checkpoint``: a shipped model's name (``"flickr8k"``), a file, a run folder, an ``https://`` URL
+    (``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``; a list: an ensemble averaging their
+    next-word probabilities. ``device``: ``"auto"``, ``"cpu"``, ``"cuda:1"``... ``refresh`` downloads
+    again. Raises ``CheckpointError`` (bad file, download or hash) or ``ConfigError`` (device, hash).
     """
     if isinstance(checkpoint, (list, tuple)):
         return _load_ensemble(list(checkpoint), device, sha256, progress, refresh)

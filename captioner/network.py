@@ -1,20 +1,10 @@
 """The one HTTP implementation: resumable, bounded downloads for the dataset archives and checkpoint URLs.
 
-``download`` fetches a URL through ``<dest>.part`` with a tqdm bar, resumes a partial file with an
-HTTP Range request (also when the connection is cut in the middle: up to ``retries`` times in one
-call, and again on the next call, since the ``.part`` file is kept), checks size and checksum, and
-only then renames the file into place, so ``dest`` is either absent or complete and verified.
-``verify`` checks size and checksum and removes a file that fails. Every failure is one line
-naming the URL (its user name and password never shown) or file, raised as ``error``
-(``DataError`` by default).
-
-Every transfer is bounded (:class:`Bounds`): in bytes (``max_bytes``: a larger ``Content-Length`` is
-refused before anything is read, a body that grows past it is cut off and its ``.part`` file
-removed), and in time (``timeout`` seconds per read, and a transfer that moves fewer than
-``min_rate`` bytes per second over ``window`` seconds is abandoned, whether the server sends
-nothing or a trickle; an attempt that stalled so is not retried). ``inspect`` looks at a file's
-first bytes while they arrive (a checkpoint's header), so that a stream of something else stops
-after the first read instead of filling the disk.
+``download`` fetches through ``<dest>.part``, resumes with HTTP Range (also within one call, up to
+``retries`` times), checks size and checksum and only then renames into place. Every transfer is
+bounded (:class:`Bounds`) in bytes and in time (a stalled or trickling transfer is abandoned), and
+``inspect`` can refuse a file from its first bytes. Every failure is one line naming the URL (its
+credentials never shown) or file.
 """
 
 from __future__ import annotations
@@ -52,14 +42,7 @@ Inspect = Callable[[bytes], tuple[bool, "int | None"]]
 
 @dataclass(frozen=True)
 class Bounds:
-    """How much one transfer may take.
-
-    Attributes:
-        max_bytes: the largest file accepted (None: no limit besides ``size``).
-        timeout: seconds one read may wait.
-        min_rate: bytes per second a transfer must average over ``window`` seconds.
-        window: seconds over which progress is measured.
-    """
+    """How much one transfer may take: ``max_bytes``, ``timeout`` per read, ``min_rate`` bytes/s over ``window`` seconds."""
 
     max_bytes: int | None = None
     timeout: float = 60.0
@@ -76,11 +59,7 @@ class Bounds:
 
 
 class DownloadError(DataError):
-    """The server could not be reached or answered with an error (nothing usable was fetched).
-
-    Attributes:
-        status: the HTTP status, or None when no answer came (refused connection, DNS, timeout).
-    """
+    """The server could not be reached or answered with an error; ``status`` is the HTTP status or None."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -195,9 +174,7 @@ def _read(response: object, n: int) -> bytes:
 
 def _fetch_part(url: str, part: Path, size: int | None, progress: bool | None, opener: Callable[..., object],
                 bounds: Bounds, label: str, moved: _Progress, inspect: Inspect | None) -> int | None:
-    """One request: append what the server sends to ``part`` (from its current size, with Range).
-
-    Returns the size ``inspect`` found in the file's header (None when unknown)."""
+    """One request appending to ``part`` (Range from its size); returns the size ``inspect`` found, or None."""
     from tqdm import tqdm
 
     have = part.stat().st_size if part.exists() else 0
@@ -276,33 +253,24 @@ def show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None,
-             progress: bool | None = None,
+def download(url: str, dest: Path, size: int | None = None, checksum: str | None = None, progress: bool | None = None,
              opener: Callable[..., object] = urllib.request.urlopen, algorithm: str = "md5",
              error: type[CaptionerError] = DataError, retries: int = 0, timeout: float | None = None,
              bounds: Bounds | None = None, inspect: Inspect | None = None) -> Path:
-    """Fetch ``url`` to ``dest`` through ``dest.part``, resuming a partial file with HTTP Range.
+    """Fetch ``url`` (``http(s)://`` or ``file://``) to ``dest`` through ``dest.part``, resuming with HTTP Range.
 
     Args:
-        url: what to fetch (``http(s)://`` or ``file://``).
-        dest: the final file; bytes go to ``dest.part`` until it is complete and verified.
-        size: expected bytes (None = unknown).
-        checksum: expected hex digest of ``algorithm`` (None = not checked).
-        progress: draw a tqdm bar; None (default): only when stderr is a terminal.
+        size, checksum, algorithm: expected bytes and ``hashlib`` digest (None: not checked).
+        progress: a tqdm bar; None: only when stderr is a terminal.
         opener: ``urllib.request.urlopen`` or a stand-in.
-        algorithm: a ``hashlib`` name for ``checksum``.
-        error: the exception type for a size or checksum mismatch, a cut connection or a broken bound.
-        retries: how many times a connection cut in the middle is resumed within this call.
-        timeout: seconds one read may wait (overrides ``bounds.timeout``).
-        bounds: limits in bytes and time (default :class:`Bounds`; ``max_bytes`` defaults to ``size``).
-        inspect: a check of the file's first bytes (see :data:`Inspect`); it may also name the size.
+        error: the exception for a mismatch, a cut connection or a broken bound.
+        retries: connections cut in the middle resumed within this call.
+        timeout, bounds: limits (``max_bytes`` defaults to ``size``); ``inspect``: a check of the first bytes.
 
     Raises:
         DownloadError: the server could not be reached or answered with an HTTP error.
-        error: the connection was cut ``retries + 1`` times (the ``.part`` file is kept: run again
-            to resume); the transfer stalled (kept, too); a size/checksum mismatch, a body over
-            ``max_bytes``, a header ``inspect`` refused, or a file that cannot be written (the
-            ``.part`` file is deleted).
+        error: cut too often or stalled (``.part`` kept to resume); a mismatch, an oversize body, a
+            refused header or a failed write (``.part`` deleted).
     """
     bounds = bounds or Bounds(max_bytes=size)
     if timeout is not None:

@@ -62,12 +62,7 @@ def available_models() -> list[str]:
 
 
 def is_model_name(spec: object) -> bool:
-    """Whether ``spec`` names a shipped model rather than a path.
-
-    Raises:
-        CheckpointError: ``spec`` is a shipped model's name and also a path that exists here (a run or a
-            dataset folder named ``flickr8k``): which one is meant cannot be told, so neither is used.
-    """
+    """Whether ``spec`` names a shipped model; ``CheckpointError`` when it is also an existing path (ambiguous)."""
     if not (isinstance(spec, str) and spec in MODELS):
         return False
     if os.path.lexists(spec):
@@ -96,12 +91,8 @@ def _checked(path: Path, sha256: str, size: int, mtime: float) -> None:
 
 
 def pretrained_path(name: str) -> Path:
-    """The file of shipped model ``name``, after checking its SHA-256.
-
-    Raises:
-        CheckpointError: an unknown name, a missing file (a broken install), a path that is not a
-            regular file (a device, a named pipe, a folder), or a file whose SHA-256 differs from the registry's; one line each.
-    """
+    """The file of shipped model ``name`` after checking it is a regular file with the registry's SHA-256
+    (``CheckpointError`` otherwise, one line)."""
     entry = _entry(name)
     path = entry.path
     try:

@@ -1,8 +1,7 @@
 """Caption text: a regex tokenizer and the token ``Vocabulary``.
 
-The tokenizer lowercases, drops apostrophes (``man's`` -> ``mans``) and splits on anything that is
-not a letter or digit, so punctuation never becomes a token. It needs no nltk downloads and is the
-single tokenization used for training targets, hypotheses and BLEU references alike.
+The tokenizer lowercases, drops apostrophes and splits on anything not a letter or digit; it is
+the single tokenization of training targets, hypotheses and references alike (no nltk download).
 """
 
 from __future__ import annotations
@@ -37,23 +36,12 @@ _APOSTROPHES = re.compile(r"['\u2019`]")
 
 
 def tokenize(text: str) -> list[str]:
-    """Split a caption into lowercase word tokens without punctuation.
-
-    Args:
-        text: raw caption, e.g. ``"A man's dog, running."``.
-
-    Returns:
-        Tokens, e.g. ``["a", "mans", "dog", "running"]``.
-    """
+    """Split a caption into lowercase tokens: ``"A man's dog, running."`` -> ``["a", "mans", "dog", "running"]``."""
     return _WORD.findall(_APOSTROPHES.sub("", text.lower()))
 
 
 class Vocabulary:
-    """Maps tokens to ids. Ids 0..3 are ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``.
-
-    Args:
-        tokens: the ordinary (non-special) tokens, in id order.
-    """
+    """Maps tokens to ids. Ids 0..3 are ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``; ``tokens`` follow in id order."""
 
     def __init__(self, tokens: Sequence[str] = ()) -> None:
         self.itos: list[str] = list(SPECIALS)
@@ -72,21 +60,12 @@ class Vocabulary:
     unk_id = 3
 
     @classmethod
-    def build(
-        cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None,
-        max_len: int | None = None,
-    ) -> "Vocabulary":
-        """Build from captions (raw strings or token lists).
+    def build(cls, captions: Iterable[str | Sequence[str]], min_freq: int = 1, max_size: int | None = None,
+              max_len: int | None = None) -> "Vocabulary":
+        """Build from captions (raw strings or token lists), most frequent first, ties alphabetically.
 
-        Args:
-            captions: raw caption strings (tokenized with :func:`tokenize`) or token lists.
-            min_freq: tokens seen fewer times are mapped to ``<unk>``.
-            max_size: keep at most this many ordinary tokens (most frequent first).
-            max_len: count only the first ``max_len`` words of each caption, the words that
-                :meth:`encode` with the same ``max_len`` keeps (``data.max_caption_len``).
-
-        Returns:
-            A vocabulary whose tokens are sorted by decreasing frequency, ties alphabetically.
+        ``min_freq``: rarer tokens become ``<unk>``; ``max_size``: most ordinary tokens kept; ``max_len``:
+        count only the words :meth:`encode` keeps.
         """
         if min_freq < 1:
             raise DataError(f"min_freq must be >= 1, got {min_freq}")
@@ -112,11 +91,7 @@ class Vocabulary:
         return f"Vocabulary(size={len(self)})"
 
     def first_difference(self, other: "Vocabulary") -> str | None:
-        """Where ``other`` first differs from this vocabulary, in words (None when they are equal).
-
-        ``"word 12 is 'dog' here and 'cat' there"``, or ``"word 38 is 'zebra' here and missing there"``
-        when one is a prefix of the other.
-        """
+        """Where ``other`` first differs, in words (``"word 12 is 'dog' here and 'cat' there"``), or None."""
         for i, (mine, theirs) in enumerate(zip(self.itos, other.itos)):
             if mine != theirs:
                 return f"word {i} is {mine!r} here and {theirs!r} there"
@@ -128,12 +103,7 @@ class Vocabulary:
         return f"word {i} is missing here and {other.itos[i]!r} there"
 
     def encode(self, caption: str | Sequence[str], max_len: int | None = None) -> list[int]:
-        """Caption -> ``[<bos>, w1 .. wn, <eos>]`` ids; words beyond ``max_len`` are dropped.
-
-        Args:
-            caption: raw string (tokenized here) or a token list.
-            max_len: maximum number of words (``<bos>``/``<eos>`` not counted).
-        """
+        """Caption -> ``[<bos>, w1 .. wn, <eos>]`` ids, at most ``max_len`` words."""
         words = tokenize(caption) if isinstance(caption, str) else list(caption)
         if max_len is not None:
             words = words[:max_len]

@@ -19,6 +19,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow  # runs the benchmark: about 2.5 s
 def test_sat_train_benchmark_baseline_computes_the_same_loss():
     # sat_train raises when the tutorial-style baseline and the decoder disagree on the loss, so
     # this also pins the baseline's penalty form to the one the benchmark asks the loss for

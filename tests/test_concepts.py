@@ -719,6 +719,7 @@ def test_a_transformer_run_reads_the_concepts_and_its_checkpoint_lists_them(tiny
     assert again.extension.concepts == decoder.extension.concepts and again.extension.concept_ids.tolist() == decoder.extension.concept_ids.tolist()
 
 
+@pytest.mark.slow  # two fresh processes of the command: about 4 s
 def test_concepts_command_one_line_errors(tmp_path):
     done = subprocess.run([sys.executable, "-m", "captioner", "concepts", "--preset", "sat_soft_flickr8k",
                            "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c.safetensors")],

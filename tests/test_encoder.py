@@ -250,6 +250,7 @@ def test_efficientnet_lite0_offline_weights_match_timm_features():
     assert all(n.startswith("trunk.blocks.6.") for n in trainable if ".blocks." in n)
 
 
+@pytest.mark.slow  # a fresh process (cold imports): about 3 s
 def test_building_lite0_encoder_does_not_import_timm():
     """Cold start: timm (and the torchvision / torch._dynamo it pulls in) costs seconds to import.
 

@@ -7,11 +7,18 @@ a function is still a cycle) and checks the import graph between the package's o
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "captioner"
 MAX_LINES = 800
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str, filename: str) -> ast.Module:
+    """``ast.parse`` once per file content: every test below walks the same modules."""
+    return ast.parse(text, filename)
 
 
 def _modules(package: Path | None = None) -> dict[str, Path]:
@@ -35,11 +42,16 @@ def _owner(name: str, modules: dict[str, Path]) -> str | None:
 
 def import_graph() -> dict[str, set[str]]:
     """``{module: {captioner modules it imports anywhere in its body}}``."""
-    modules = _modules()
+    return {name: set(targets) for name, targets in _import_graph(PACKAGE).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    modules = _modules(package)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in ast.walk(_parse(path.read_text(encoding="utf-8"), str(path))):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -198,7 +210,7 @@ def function_level_imports(package: Path) -> list[str]:
     for name, path in _modules(package).items():
         if name in DEFERRED_OK or name.startswith(DEFERRED_OK[0]):
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        tree = _parse(path.read_text(encoding="utf-8"), str(path))
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -254,7 +266,7 @@ def private_imports(package: Path | None = None) -> list[str]:
     for name, path in modules.items():
         home = _package_of(name, modules)
         bound: dict[str, str] = {}  # local name -> captioner module it is bound to
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        tree = _parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:

@@ -209,6 +209,7 @@ def test_vocabulary_size_that_disagrees_with_the_header_is_refused(checkpoints: 
         load_checkpoint(path)
 
 
+@pytest.mark.slow  # loads in a fresh process: about 3 s
 @pytest.mark.timeout(120)
 def test_config_with_absurd_sizes_is_refused_not_allocated(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """A header claiming hidden_dim=10**6 would need terabytes: refuse it as a bad checkpoint.
@@ -470,6 +471,7 @@ print(cache.path)
 """
 
 
+@pytest.mark.slow  # a writer process builds a cache: about 4 s
 @pytest.mark.timeout(240)
 def test_feature_cache_being_written_is_refused_or_waited_for(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.coco import load_caption_set

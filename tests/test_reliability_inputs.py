@@ -142,6 +142,7 @@ def test_odd_modes_are_converted_correctly(odd_images) -> None:
     assert load_image(folder / "animated.gif").getpixel((5, 5)) == (255, 0, 0)  # first frame
 
 
+@pytest.mark.slow  # a fresh process measures its memory: about 3 s
 @pytest.mark.timeout(60)
 def test_decompression_bomb_is_refused_without_decoding(odd_images) -> None:
     """In a fresh process, so that the peak memory belongs to this one call."""

@@ -281,6 +281,7 @@ def _compiled_vs_eager(backend: str) -> None:
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints are unchanged
 
 
+@pytest.mark.slow  # torch.compile traces the step: about 3 s
 def test_compiled_recurrence_equals_eager_mode():
     """``train.compile``: the compiled per-word step gives eager mode's outputs and gradients (graph
     capture checked with the aot_eager backend, which needs no C++ compiler)."""

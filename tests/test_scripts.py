@@ -36,6 +36,7 @@ def test_every_script_is_checked_here():
     assert shell == set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)
 
 
+@pytest.mark.slow  # a fresh process per script: about 1 s each
 @pytest.mark.parametrize("script", HELP_SCRIPTS)
 def test_python_script_help(script: str):
     done = _run([sys.executable, str(SCRIPTS / script), "--help"])
@@ -49,6 +50,7 @@ def test_gpu_summary_reads_an_empty_folder(tmp_path: Path):
     assert "missing" in done.stdout and (tmp_path / "summary.json").is_file()
 
 
+@pytest.mark.slow  # a fresh process imports every benchmark: about 3 s
 def test_benchmark_lists_every_benchmark_module():
     done = _run([sys.executable, str(SCRIPTS / "benchmark.py"), "--list"])
     assert done.returncode == 0, done.stderr[-2000:]

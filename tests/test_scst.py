@@ -343,6 +343,7 @@ def test_init_then_scst_round_trip_through_the_cli(tiny_shapes: Path, tmp_path: 
     assert (out / "best.safetensors").is_file()
 
 
+@pytest.mark.slow  # three SCST training runs: about 8 s
 def test_resume_mid_scst_reproduces_the_uninterrupted_run(tiny_shapes: Path, tmp_path: Path,
                                                           stage1: dict[str, Path]) -> None:
     """Hard attention: the sampled words, the greedy baseline and the sampled regions all draw random numbers."""

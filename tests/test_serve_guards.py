@@ -273,6 +273,7 @@ def test_the_cost_of_a_decode_grows_with_its_pixels_and_their_depth() -> None:
     assert guards.decode_cost(b"not an image", None) == len(b"not an image")
 
 
+@pytest.mark.slow  # starts the server in a fresh process: about 3 s
 def test_port_0_prints_the_port_it_got(tmp_path: Path, untrained_checkpoint) -> None:
     import os
     import subprocess

@@ -234,6 +234,7 @@ def test_unreadable_image_mid_epoch_stops_in_one_line_keeping_the_checkpoint(
     assert not stale.exists()
 
 
+@pytest.mark.slow  # two CLI training runs on pixels: about 5 s
 def test_cli_trains_on_images_with_overrides_then_resumes(tiny_shapes: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     """Transformer end to end on pixels (no feature cache), warm-up schedule, YAML config + --set.

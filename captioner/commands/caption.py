@@ -2,17 +2,10 @@
 
 One line per image on stdout (``path<TAB>caption``, or JSON lines with ``--json``). A file that
 cannot be read gets its own one-line error on stderr and the others are still captioned; the exit
-code is 1 when any input failed. In a folder (or a glob), an entry with an image extension that is
-not a readable regular file (a named pipe, a device, a broken link, a link loop, a folder) is
-skipped with one error line saying why. ``run`` is a thin shell over :mod:`captioner.inference`;
-heavy imports (torch, the models) happen inside it.
-
-Output is unambiguous for any file name: ``--json`` lines are valid UTF-8 JSON (a name that is not
-valid UTF-8 keeps its bytes as ``\\udcXX`` escapes, which ``os.fsencode(json.loads(line)["path"])``
-turns back into them), and in the plain output a name or caption holding a tab, a newline, another
-control character or such bytes, or starting with ``"``, is written as a JSON string (in double
-quotes). Overlay folders are named after the image's file stem made safe (:func:`safe_name`), so
-they always lie inside ``--overlay``.
+code is 1 when any input failed. Output is unambiguous for any file name: JSON lines keep
+undecodable bytes as surrogate escapes (``os.fsencode`` restores them), and in the plain output a
+name or caption holding a tab, a control character or such bytes, or starting with a double
+quote, is written as a JSON string.
 """
 
 from __future__ import annotations
@@ -149,9 +142,8 @@ def _scan(entries: list[Path], problems: list[str]) -> list[Path]:
 def expand_paths(items: list[str]) -> tuple[list[Path], list[str]]:
     """Files, folders (their images, sorted) and globs -> (files, one-line problems).
 
-    A path that does not exist and has no glob characters is kept, so that loading reports it. In a
-    folder, only names with an image extension are considered; those that are not regular files
-    are reported (and skipped), as are glob matches that are not.
+    A missing path without glob characters is kept for loading to report; in a folder only image
+    names count, and those that are not regular files are reported.
     """
     files: list[Path] = []
     problems: list[str] = []
@@ -186,11 +178,7 @@ def check_positive(args: argparse.Namespace, *flags: str) -> None:
 
 
 def unique_dir(root: Path, stem: str, used: set[str]) -> Path:
-    """``root/<safe stem>``, or ``root/<safe stem>-2``... when two inputs share a stem; always inside ``root``.
-
-    The stem is made safe first (:func:`captioner.files.safe_name`): ``...png`` has the stem ``..``,
-    which would otherwise put the overlays one level above ``root``.
-    """
+    """``root/<safe stem>`` (or ``-2``... when stems repeat), always inside ``root``."""
     from captioner.files import safe_name
 
     stem = safe_name(stem)

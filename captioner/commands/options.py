@@ -1,14 +1,7 @@
 """Command-line option helpers the commands share: number types with ranges and the decoding flags.
 
-Imports only argparse, math and :mod:`captioner.errors` (the CLI's ``--help`` stays fast).
-
-Option value types (argparse ``type=`` callables): a value argparse cannot take is reported by the
-parser as one usage line and exit code 2.
-
-The search flags every command shares (``--beam``, ``--max-len``, ``--allow-unk``,
-``--no-repeat-ngram``, ``--no-repeat-words``, ``--precision``): a flag left out is not passed on, so the one
-default, ``DecodeOptions()`` (beam 3, 20 words, ``<unk>`` banned: :mod:`captioner.config.schema`),
-applies to every command as to the Python API and to training's validation.
+Imports only argparse, math and :mod:`captioner.errors` (``--help`` stays fast). A search flag left
+out is not passed on, so ``DecodeOptions()``'s defaults apply to every command as to the Python API.
 """
 
 from __future__ import annotations

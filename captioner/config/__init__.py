@@ -1,14 +1,7 @@
 """Configuration: dataclasses, parsing and named presets.
 
-A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
-``train`` and ``decoding``. The decoder is one dataclass per family (``SATConfig``,
-``TransformerConfig``), picked by ``name``. Presets are registered by name; ``get_preset(name,
-**overrides)`` returns a fresh copy with dotted overrides applied, e.g. ``get_preset("sat_soft_tiny",
-**{"train.lr": 1e-3})``. Config files (JSON or YAML) hold the same nested structure; command-line
-``--set key=value`` flags override them.
-
-Modules: ``decoders`` (the decoder families), ``schema`` (every other dataclass, the preset table,
-``resolve_config``), ``parse`` (nested mappings, overrides, files).
+``decoders`` (the decoder families), ``schema`` (every other dataclass, the preset table,
+``resolve_config``), ``parse`` (nested mappings, ``--set key=value`` overrides, JSON/YAML files).
 """
 
 from captioner.config.decoders import (

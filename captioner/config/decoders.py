@@ -1,18 +1,10 @@
 """Decoder configs, one dataclass per family, chosen by ``name``.
 
-``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``SATConfig`` (Show, Attend and Tell LSTM) and
-``TransformerConfig`` add their own fields. ``ModelConfig.decoder``
-holds one of them. ``DecoderConfig(name="transformer", d_model=256)`` builds the family that ``name``
-picks (``SATConfig`` when no name is given).
-
-``ConceptsConfig`` is the model's ``concepts`` section: the one optional addition to either family
-(``captioner.concepts``), built beside the decoder, never a field of it.
-
-A family is a subclass of ``DecoderConfig``: defining the class is what lets parsing read its section
-(:func:`decoder_families`), and its name is its ``name`` default. The builders live in
-``captioner.models.registry``, which checks a name when the model is built. Every option is validated
-here, once; the decoders trust their config (the one run-time switch, ``SATDecoder.hard_test_mode``,
-goes through :func:`check_hard_test_mode`).
+``DecoderConfig`` holds what every decoder has (``name``, ``dropout``, ``max_len``); ``SATConfig``
+and ``TransformerConfig`` add their own fields, and ``DecoderConfig(name="transformer", ...)``
+builds the family ``name`` picks. Defining a subclass registers the family for parsing
+(:func:`decoder_families`). Every option is validated here, once. ``ConceptsConfig`` is the
+model's optional ``concepts`` section, never a field of a decoder.
 """
 
 from __future__ import annotations
@@ -85,12 +77,7 @@ class DecoderConfig(metaclass=_FamilyByName):
 
 @dataclass
 class ConceptsConfig:
-    """``model.concepts``: what a decoder reads of a photo's concept detectors (``captioner.concepts``).
-
-    The registry builds the decoder's extension from this section alone (``count=0``: none, the papers'
-    decoders); training sets it from ``train.concepts``' file (``captioner.concepts.training``), with the
-    head's shape.
-    """
+    """``model.concepts``: what a decoder reads of a photo's concept detectors (``count=0``: none)."""
 
     count: int = 0  # K, the concepts read (0: none)
     hidden: int = 512  # the head's hidden width
@@ -215,18 +202,7 @@ def keys_help(family: type[DecoderConfig], key: str) -> str:
 
 
 def switched_family(section: dict[str, Any], name: Any) -> dict[str, Any]:
-    """A decoder mapping for family ``name``: its defaults, keeping ``section``'s shared fields.
-
-    Setting ``model.decoder.name`` to another family goes through here, so ``--set decoder.name=transformer``
-    on a SAT preset gives the Transformer's defaults with the preset's ``dropout`` and ``max_len``.
-
-    Args:
-        section: the current decoder mapping (any family).
-        name: the new family's name; an unknown name is kept as is (parsing then names the families).
-
-    Returns:
-        The new mapping (``section`` itself is not changed).
-    """
+    """A decoder mapping for family ``name``: its defaults, keeping ``section``'s shared fields (a new dict)."""
     families = decoder_families()
     if name == section.get("name") or not isinstance(name, str) or name not in families:
         return {**section, "name": name}

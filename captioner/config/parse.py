@@ -1,22 +1,10 @@
 """Nested mappings <-> config dataclasses, dotted ``key=value`` overrides and config files.
 
-The nesting comes from the dataclasses themselves: a field whose type hint is a dataclass is a
-section, parsed from a nested mapping; any other field is a value. A field typed ``DecoderConfig``
-is parsed as the family its ``name`` picks (``captioner.config.decoders``); a key of another family is
-an error that says which family has it. Keys that no dataclass has are errors.
-
-Per-key type checks of config values, derived from the dataclass field types.
-
-:func:`captioner.config.parse.from_dict` runs :func:`check_value` on every value before a section's
-``__post_init__`` sees it, so a value of the wrong type (``train.time_budget=abc``,
-``train.batch_size=2.5``, ``decoder.hidden_dim=abc``) is refused in one line that names the key,
-the value and the type wanted, before anything is written or computed, instead of failing later
-inside a comparison or in the middle of training.
-
-Rules: ``bool`` takes only true/false; ``int`` takes whole numbers (``4e3`` is 4000, ``2.5`` is
-refused, and so are booleans); ``float`` takes finite numbers (ints become floats; NaN and
-infinity are refused); ``str`` takes strings; ``X | None`` also takes null; ``tuple[X, ...]``
-takes a list or tuple of that length.
+A field whose type hint is a dataclass is a section; a ``DecoderConfig`` field is parsed as the
+family its ``name`` picks. Every value is checked against its field's type (:func:`check_value`)
+before ``__post_init__`` sees it: ``bool`` takes only true/false; ``int`` whole numbers (``4e3``
+yes, ``2.5`` and booleans no); ``float`` finite numbers; ``X | None`` also null; ``tuple[X, ...]``
+a list of that length. Unknown keys and wrong types are one-line errors naming the key.
 """
 
 from __future__ import annotations
@@ -122,12 +110,7 @@ def _coerce(value: Any, hint: Any) -> tuple[bool, Any]:
 
 
 def check_value(key: str, value: Any, hint: Any) -> Any:
-    """``value`` converted to the type ``hint`` of config key ``key``.
-
-    Raises:
-        ConfigError: one line naming the key, the value and the type wanted, e.g. ``train.time_budget:
-            got 'abc' (a string), wanted a finite number or null``.
-    """
+    """``value`` converted to the type ``hint`` of key ``key``, or a one-line ``ConfigError`` naming both."""
     ok, converted = _coerce(value, hint)
     if ok:
         return converted
@@ -173,17 +156,10 @@ def _check_family_keys(family: type[DecoderConfig], data: dict[str, Any], prefix
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested mapping, validating every field.
+    """Build dataclass ``cls`` from a nested mapping (missing keys take defaults), validating every field.
 
-    Args:
-        cls: a config dataclass (``Config``, ``ModelConfig``, ``DecoderConfig``, ...).
-        data: its mapping; missing keys take the defaults.
-        prefix: the dotted path of ``data`` in the whole config (``"model."``), for error messages.
-
-    Raises:
-        ConfigError: a key the dataclass does not have, a section that is not a mapping, a value
-            of the wrong type for its field (:mod:`captioner.config.parse`), or a value its
-            ``__post_init__`` refuses.
+    ``prefix``: the dotted path of ``data`` (``"model."``) for messages. Raises ``ConfigError`` for an
+    unknown key, a section that is not a mapping, a wrong type, or a value ``__post_init__`` refuses.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{_where(prefix)} must be a mapping, got {type(data).__name__}")
@@ -209,11 +185,7 @@ def family_first(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` (``"train.lr"``) in the mapping ``data`` of dataclass ``cls``, in place.
-
-    Setting ``model.decoder.name`` to another family replaces the decoder mapping by that family's
-    defaults, keeping ``dropout`` and ``max_len``. Raises ConfigError for a key ``cls`` does not have.
-    """
+    """Set ``key`` (``"train.lr"``) in the mapping ``data`` of ``cls``, in place; another decoder family resets its section."""
     parts = key.split(".")
     node, node_cls = data, cls
     for part in parts[:-1]:
@@ -235,11 +207,7 @@ def set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: str = "") -> None:
-    """Merge the (partial) mapping ``new``, e.g. from a config file, into the full mapping ``base`` of ``cls``.
-
-    A decoder section that names another family switches ``base`` to it first (as :func:`set_dotted`);
-    a key of another family is refused, as :func:`from_dict` does.
-    """
+    """Merge the partial mapping ``new`` (a config file) into the full mapping ``base`` of ``cls``."""
     if cls is DecoderConfig and isinstance(new, dict):
         if "name" in new:
             switched = switched_family(base, new["name"])
@@ -258,10 +226,7 @@ def deep_update(cls: type, base: dict[str, Any], new: dict[str, Any], prefix: st
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Parse ``key=value`` from the command line; the value is read as JSON when it parses.
-
-    ``train.lr=1e-3`` -> ``("train.lr", 0.001)``; ``encoder.name=tiny`` -> ``("model.encoder.name", "tiny")``.
-    """
+    """``key=value`` from the command line, the value read as JSON when it parses (``train.lr=1e-3``)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key=value")
     key, raw = text.split("=", 1)
@@ -276,10 +241,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML config file into a nested dict (not yet validated).
-
-    Only a regular file of at most :data:`MAX_CONFIG_BYTES` is read (ConfigError otherwise).
-    """
+    """Read a bounded JSON or YAML config file into a nested dict (not yet validated)."""
     path = Path(path)
     text = read_text(path, MAX_CONFIG_BYTES, ConfigError, "config file")  # regular files only, bounded
     try:

@@ -1,15 +1,9 @@
 """Configuration dataclasses: ``Config`` and its sections.
 
-A ``Config`` has four parts: ``model`` (encoder + decoder, saved in every checkpoint), ``data``,
-``train`` and ``decoding`` (how captions are searched). The decoder section is one dataclass per
-family (``captioner.config.decoders``). Nested mappings (config files, ``config.json``, checkpoint
-headers) become these classes through ``captioner.config.parse``.
-
-Named presets are a table (:data:`PRESETS`): each row lists layers merged in order onto ``Config()``,
-each layer a partial config in the nested shape of ``config.json`` or the name of another preset; a
-decoder layer naming another family starts from that family's defaults. ``get_preset(name,
-**overrides)`` returns a fresh copy with dotted overrides applied; ``resolve_config`` is the CLI's
-preset -> config file -> ``--set`` resolution.
+A ``Config`` has ``model`` (encoder + decoder, saved in every checkpoint), ``data``, ``train`` and
+``decoding`` (how captions are searched). Named presets (:data:`PRESETS`) are layers merged in order
+onto ``Config()``, each a partial config or another preset's name; ``get_preset(name, **overrides)``
+returns a fresh copy, and ``resolve_config`` is the CLI's preset -> config file -> ``--set`` order.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -34,6 +28,13 @@ DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.dec
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
+
+
+def check_number(key: str, value: Any, ok: Callable[[Any], bool], wanted: str, kind: type | tuple = (int, float)
+                 ) -> None:
+    """``ConfigError("<key> must be <wanted>, got <value>")`` unless ``value`` is a ``kind`` (not a bool) that is ``ok``."""
+    if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+        raise ConfigError(f"{key} must be {wanted}, got {value!r}")
 
 
 # The encoder's preprocessing: None (the default) takes the value of the encoder's registry entry, the one
@@ -131,19 +132,11 @@ class DecodeOptions:
     """How to search.
 
     Attributes:
-        beam_size: beams per image; 1 = greedy (batched argmax). The default, 3, is the one every caller shares:
-            ``Captioner.caption``, ``captioner evaluate``/``caption``/``attend``, the demo and (through the
-            config's ``decoding`` section) training's validation.
-        allow_unk: let captions contain ``<unk>``; by default it is banned like ``<pad>`` and ``<bos>`` (a
-            caption saying "unknown" is never the better answer, and COCO's min_freq 5 makes ``<unk>`` one of
-            the most frequent targets).
-        no_repeat_ngram: n > 1: never write an n-gram a caption already holds (3: "a blue shirt and a blue
-            shirt" stops before the second "shirt"); 0 = off.
-        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice in one caption
-            ("a baby baby in a bib").
-        precision: the decoder's arithmetic: "float32" (the reference) or "bfloat16" (about twice as fast a
-            search on a CPU with native bfloat16; a near tie can fall the other way, so a few captions differ:
-            :mod:`captioner.decoding.search`).
+        beam_size: beams per image; 1 = greedy. The default, 3, is every caller's (validation included).
+        allow_unk: let captions contain ``<unk>`` (banned by default, as ``<pad>`` and ``<bos>``).
+        no_repeat_ngram: n > 1: never write an n-gram a caption already holds; 0 = off.
+        no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice.
+        precision: "float32" (the reference) or "bfloat16" (faster on a CPU; a few near ties differ).
     """
 
     beam_size: int = 3
@@ -157,19 +150,15 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"decoding {name} must be an integer >= 1, got {value!r}")
+            check_number(f"decoding {name}", getattr(self, name), lambda v: v >= 1, "an integer >= 1", int)
         if self.n_best > self.beam_size:
             raise ConfigError(f"decoding n_best={self.n_best} cannot exceed beam_size={self.beam_size}")
-        alpha = self.length_penalty
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < math.inf:
-            raise ConfigError(f"decoding length_penalty must be a finite number >= 0, got {alpha!r}")
+        check_number("decoding length_penalty", self.length_penalty, lambda v: 0.0 <= v < math.inf,
+                     "a finite number >= 0")
         if not isinstance(self.allow_unk, bool):
             raise ConfigError(f"decoding allow_unk must be true or false, got {self.allow_unk!r}")
-        n = self.no_repeat_ngram
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
-            raise ConfigError(f"decoding no_repeat_ngram must be 0 (off) or an integer >= 2, got {n!r}")
+        check_number("decoding no_repeat_ngram", self.no_repeat_ngram, lambda v: v == 0 or v >= 2,
+                     "0 (off) or an integer >= 2", int)
         if not isinstance(self.no_repeat_words, bool):
             raise ConfigError(f"decoding no_repeat_words must be true or false, got {self.no_repeat_words!r}")
         if self.precision not in DECODE_PRECISIONS:
@@ -191,18 +180,11 @@ class ScstConfig:
     def __post_init__(self) -> None:
         if self.baseline not in SCST_BASELINES:
             raise ConfigError(f"train.scst.baseline={self.baseline!r}: use {' or '.join(SCST_BASELINES)}")
-        k = self.samples
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k < 2 and self.baseline == "mean"):
-            raise ConfigError(f"train.scst.samples must be an integer >= 1 (>= 2 with baseline mean), got {k!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0.0 < self.temperature < math.inf:
-            raise ConfigError(f"train.scst.temperature must be a number > 0, got {self.temperature!r}")
-        w = self.bleu_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
-            raise ConfigError(f"train.scst.bleu_weight must be in [0, 1], got {w!r}")
-        w = self.xe_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"train.scst.xe_weight must be a number >= 0, got {w!r}")
+        check_number("train.scst.samples", self.samples, lambda v: v >= (2 if self.baseline == "mean" else 1),
+                     "an integer >= 1 (>= 2 with baseline mean)", int)
+        check_number("train.scst.temperature", self.temperature, lambda v: 0.0 < v < math.inf, "a number > 0")
+        check_number("train.scst.bleu_weight", self.bleu_weight, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        check_number("train.scst.xe_weight", self.xe_weight, lambda v: 0.0 <= v < math.inf, "a number >= 0")
 
 
 @dataclass
@@ -331,9 +313,7 @@ class TrainConfig:
             raise ConfigError(f"train.amp={self.amp!r}: use auto, off, bf16 or fp16")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError("train.epochs and train.batch_size must be >= 1")
-        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) \
-                or self.length_buckets < 0:
-            raise ConfigError(f"train.length_buckets must be an integer >= 0 (0 = off), got {self.length_buckets!r}")
+        check_number("train.length_buckets", self.length_buckets, lambda v: v >= 0, "an integer >= 0 (0 = off)", int)
         if self.val_beam < 1:
             raise ConfigError(f"train.val_beam must be >= 1, got {self.val_beam}")
         if self.time_budget is not None and not self.time_budget > 0:
@@ -360,35 +340,28 @@ class TrainConfig:
             raise ConfigError(f"train.ds_form={self.ds_form!r}: use excess, mean or sum")
 
     def _check_grounding(self) -> None:
-        w = self.attention_supervision
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"train.attention_supervision must be a number >= 0 (0 = off), got {w!r}")
+        check_number("train.attention_supervision", self.attention_supervision, lambda v: 0.0 <= v < math.inf,
+                     "a number >= 0 (0 = off)")
         if self.attention_supervision_form not in ("mass", "cross_entropy"):
             raise ConfigError(f"train.attention_supervision_form={self.attention_supervision_form!r}: use mass or "
                               f"cross_entropy")
 
     def _check_distillation(self) -> None:
-        w = self.word_distill_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"train.word_distill_weight must be a number >= 0 (0 = off), got {w!r}")
+        check_number("train.word_distill_weight", self.word_distill_weight, lambda v: 0.0 <= v < math.inf,
+                     "a number >= 0 (0 = off)")
         if self.word_distill is not None and (not isinstance(self.word_distill, str) or not self.word_distill):
             raise ConfigError(f"train.word_distill must be the path of a word-targets file, got {self.word_distill!r}")
 
     def _check_concepts(self) -> None:
-        g = self.concept_guide
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < math.inf:
-            raise ConfigError(f"train.concept_guide must be a number >= 0 (0 = off), got {g!r}")
-        if g and not self.concepts:
+        check_number("train.concept_guide", self.concept_guide, lambda v: 0.0 <= v < math.inf, "a number >= 0 (0 = off)")
+        if self.concept_guide and not self.concepts:
             raise ConfigError("train.concept_guide needs train.concepts, a concepts file (captioner concepts)")
         if not 0.0 <= self.concept_guide_min_prob < 1.0:
             raise ConfigError(f"train.concept_guide_min_prob must be in [0, 1), got {self.concept_guide_min_prob}")
-        s = self.concept_guide_sharpness
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 < s <= 100.0:
-            raise ConfigError(f"train.concept_guide_sharpness must be a number in (0, 100], got {s!r}")
-        p = self.concept_pointer
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < math.inf:
-            raise ConfigError(f"train.concept_pointer must be a number >= 0 (0 = the pointer learns from the "
-                              f"captions' loss alone), got {p!r}")
+        check_number("train.concept_guide_sharpness", self.concept_guide_sharpness, lambda v: 0.0 < v <= 100.0,
+                     "a number in (0, 100]")
+        check_number("train.concept_pointer", self.concept_pointer, lambda v: 0.0 <= v < math.inf,
+                     "a number >= 0 (0 = the pointer learns from the captions' loss alone)")
 
 
 @dataclass
@@ -411,11 +384,7 @@ class Config:
         atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=CaptionerError)
 
     def override(self, **overrides: Any) -> "Config":
-        """Return a copy with dotted-key overrides applied (``"train.lr": 1e-3``).
-
-        ``model.decoder.name`` is applied first: another family starts from its defaults, keeping
-        ``dropout`` and ``max_len``, and the other overrides may then set its keys.
-        """
+        """A copy with dotted-key overrides applied (``"train.lr": 1e-3``), ``model.decoder.name`` first."""
         data = self.to_dict()
         for key, value in family_first(list(overrides.items())):
             set_dotted(Config, data, key, value)

@@ -1,11 +1,7 @@
 """Data layer: image loading, encoder transforms, caption datasets, synthetic scenes.
 
-Modules: ``images`` (``load_image``, ``ImageTransform``, ``crop_box``, the region grid),
-``caption_set`` (``CaptionSet``, ``ImageRecord``, boxes, ``check_images``), ``coco`` (``load_caption_set``,
-``load_instances``; Karpathy files in ``karpathy``), ``dataset``
-(datasets and collate functions), ``shapes`` (``make_shapes``).
 The names below are importable from ``captioner.data`` directly; each submodule is imported on
-first use, so ``import captioner.data`` stays cheap (no torch until a torch-backed name is used).
+first use, so ``import captioner.data`` stays cheap.
 """
 
 from __future__ import annotations

@@ -1,82 +1,20 @@
-"""Dataset archives behind ``captioner download flickr8k|coco``: the shared archive loop and bounded
-zip extraction, and each dataset's archives and layout. The HTTP transfer itself (resume, checksum)
-is :mod:`captioner.network`.
+"""Dataset archives behind ``captioner download flickr8k|coco`` (docs/data.md).
 
-Each dataset's names are also grouped under its name, as the command uses them:
-``flickr8k.select_archives``, ``flickr8k.prepare``, ``coco.ARCHIVES``... (:data:`flickr8k`, :data:`coco`).
+The shared archive loop (:func:`prepare`: download, check and extract each archive not yet present;
+``root/downloads/`` holds the zips) and bounded zip extraction (:func:`write_members`: atomic, never
+outside the destination, within :class:`ArchiveBounds`, so zip bombs stop at a bound), then each
+dataset's archives and layout, grouped as :data:`flickr8k` and :data:`coco`. The HTTP transfer
+(resume, checksum) is :mod:`captioner.network`. Errors are one-line ``DataError`` naming the file;
+an archive that cannot be extracted is removed with what it wrote, so the next run fetches it again.
 
-Archives
---------
+COCO 2014 (``--root``): ``train2014/``, ``val2014/``, ``annotations/captions_{train,val}2014.json``
+(``instances_*`` with ``--instances``) and ``dataset_coco.json`` (Karpathy split); sizes and MD5s
+checked where known.
 
-What the dataset downloads share: the archive loop and zip extraction.
-
-``prepare`` downloads, checks and extracts each archive not yet present (``root/downloads/``
-holds the zips); ``write_members`` extracts chosen zip members, atomically, never outside the
-destination folder and within :class:`ArchiveBounds` (size per member and in all, expansion ratio:
-zip bombs stop at the bound). Errors are ``DataError`` with one line naming the file; an archive
-that cannot be extracted is removed, with the files it had written, so that the next run fetches
-it again.
-
-COCO 2014
----------
-
-Download and lay out COCO 2014 captions with the Karpathy split (needs internet).
-
-    captioner download coco --root data/coco            # everything (~20 GB of zips)
-    captioner download coco --root data/coco --dry-run  # list what it would do
-    captioner download coco --only annotations karpathy # just the JSON files
-
-Files it writes under ``--root`` (the layout ``load_caption_set`` reads)::
-
-    train2014/COCO_train2014_*.jpg          82,783 images  (from train2014.zip)
-    val2014/COCO_val2014_*.jpg              40,504 images  (from val2014.zip)
-    annotations/captions_train2014.json     (from annotations_trainval2014.zip)
-    annotations/captions_val2014.json
-    annotations/instances_{train,val}2014.json   only with --instances
-    dataset_coco.json                       Karpathy split (from caption_datasets.zip)
-    downloads/*.zip                         the archives (deleted after extraction unless --keep-archives; a zip
-                                            captioner did not download is read, never replaced or deleted)
-
-Downloads are resumable: bytes go to ``downloads/<name>.part`` and an interrupted run continues
-with an HTTP Range request. Sizes and MD5 checksums are verified where they are known; a
-mismatch deletes the ``.part`` file and fails with the file's name. The download, resume, checksum
-and extraction code is shared with the Flickr8k download
-(the archives section above). Anything already present
-(an extracted folder with its ``.extracted`` marker, or the JSON files) is skipped.
-``--mirror URL`` fetches every archive as ``URL/<archive name>`` (a local mirror, or file:// URLs).
-
-Flickr8k
---------
-
-Download Flickr8k from the widely used public mirror and unzip it into the official layout.
-
-    captioner download flickr8k --root data/flickr8k             # both zips (about 1 GB)
-    captioner download flickr8k --root data/flickr8k --dry-run   # list what it would do
-    captioner download flickr8k --root data/flickr8k --sha256 images=HEX --sha256 text=HEX
-    captioner train --preset sat_soft_lite --data data/flickr8k --set data.val_split=dev
-
-The mirror is the "Flickr8k" release of github.com/jbrownlee/Datasets (the official form-based
-download of Hodosh et al. is gone): ``Flickr8k_Dataset.zip`` (about 1 GB) and
-``Flickr8k_text.zip`` (about 2 MB). Files it writes under ``--root`` (the layout
-``load_caption_set`` reads as ``--data``, splits ``train``, ``dev``, ``test``)::
-
-    Flicker8k_Dataset/*.jpg                  the 8,091 photos (sic: "Flicker", as in the original)
-    Flickr8k_text/Flickr8k.token.txt         the captions, NAME.jpg#0..#4<TAB>caption
-    Flickr8k_text/Flickr_8k.{train,dev,test}Images.txt   the standard split lists (6,000 / 1,000 / 1,000)
-    Flickr8k_text/...                        the zip's other files (lemma tokens, expert judgements, readme)
-    Flickr8k.sha256                          the SHA-256 of each zip as downloaded (``sha256sum`` format)
-    downloads/*.zip                          the archives (deleted after extraction unless --keep-archives; a zip
-                                             captioner did not download is read, never replaced or deleted)
-
-Checksums: the mirror publishes none and the package does not know them, so by default nothing is
-compared: each zip's size and SHA-256 are printed and recorded in ``Flickr8k.sha256``. Pass them
-back with ``--sha256 images=HEX --sha256 text=HEX`` (from an earlier download, a colleague, or a
-copy you trust) to have a new download checked; a mismatch removes the file, prints one line and
-exits 1. Downloads are resumable (``downloads/<name>.part``, HTTP Range; just run it again), and
-what is already extracted is skipped. Members are flattened into the two folders, so the zip's
-inner folder names and ``__MACOSX`` entries do not matter. ``--mirror URL`` fetches each zip as
-``URL/<zip name>``. The download code is shared with the COCO download
-(the archives section above).
+Flickr8k, from the jbrownlee/Datasets mirror: ``Flicker8k_Dataset/*.jpg`` (sic), ``Flickr8k_text/``
+(captions and the standard split lists) and ``Flickr8k.sha256``, the zips' digests as downloaded:
+the mirror publishes none, so ``--sha256 KEY=HEX`` checks a new download against known ones. A zip in
+``downloads/`` that captioner did not write (a user's) is read, never replaced or deleted.
 """
 
 from __future__ import annotations
@@ -115,7 +53,7 @@ class ArchiveBounds:
     Attributes:
         member_bytes: the largest member, counted as it is written (its stated size is checked first).
         ratio: the largest expansion (bytes written per compressed byte), of each member and of all
-            members together, once past ``ratio_floor`` bytes (small files of repeated text compress well).
+            members together, once past ``ratio_floor`` bytes.
         total_bytes: everything extracted from one archive.
     """
 
@@ -214,17 +152,11 @@ def _cannot_write(path: Path, zip_path: Path, exc: OSError) -> DataError:
 
 def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterable[tuple[str, str]],
                   bounds: ArchiveBounds | None = None) -> list[Path]:
-    """Extract ``(member name, destination relative to root)`` pairs, each through a ``.tmp`` file.
+    """Extract ``(member name, destination relative to root)`` pairs, each through a ``.tmp`` file, within ``bounds``.
 
-    The members' stated sizes are checked against ``bounds`` (default :data:`BOUNDS`) before anything
-    is written, then every byte as it is written: per member, and over all members (total size, and
-    expansion over their compressed bytes). On any failure the ``.tmp`` file and the members this call
-    wrote are removed.
-
-    Raises:
-        DataError: a destination would lie outside ``root`` (a ``../`` member name); a member or the
-            archive over a bound; a corrupt, encrypted or unsupported member; a file that cannot be
-            written (a full disk), each one line naming it.
+    On any failure what this call wrote is removed. Raises ``DataError`` (one line naming it) for a
+    destination outside ``root``, a bound crossed, a corrupt, encrypted or unsupported member, or a
+    failed write.
     """
     bounds = bounds or BOUNDS
     pairs = list(pairs)
@@ -259,20 +191,15 @@ def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterab
 
 @dataclass(frozen=True)
 class Steps:
-    """What one dataset's script does with one of its archives (an object with ``key``, ``name``, ``url``).
+    """What one dataset does with one of its archives (an object with ``key``, ``name``, ``url``).
 
     Attributes:
         is_present: ``(root, archive) -> bool``: its content is already extracted.
-        where: ``(root, archive) -> str``: what it fills, for the messages.
-        describe: ``archive -> str``: what the download knows or checks (size, checksum).
+        where: ``(root, archive) -> str``: what it fills; ``describe``: ``archive -> str``, what is checked.
         fetch: ``(zip_path, root, archive, progress) -> None``: download and check it.
-        check: ``(zip_path, archive) -> None``: check a zip captioner did not write (a user's), never
-            removing it.
-        extract: ``(zip_path, root, archive, outputs) -> list[Path]``: take its files out, first
-            checking with ``outputs`` (:class:`captioner.files.Outputs`) that none replaces a user's file;
-            the files written.
-        writes: ``(root, archive) -> list[Path]``: the files it will write that are known before the
-            download (checked before anything is fetched).
+        check: ``(zip_path, archive) -> None``: check a user's zip, never removing it.
+        extract: ``(zip_path, root, archive, outputs) -> list[Path]``: the files written, none of them a user's.
+        writes: ``(root, archive) -> list[Path]``: the files known before the download.
     """
 
     is_present: Callable[[Path, Any], bool]
@@ -285,11 +212,7 @@ class Steps:
 
 
 def mirror_url(mirror: str | None, archive_url: str) -> str:
-    """``archive_url``, or ``MIRROR/<its file name>`` with ``--mirror``: an ``http(s)://`` or ``file://`` URL.
-
-    Raises:
-        DataError: ``mirror`` is empty or not such a URL (an empty one never falls back to the real URLs).
-    """
+    """``archive_url``, or ``MIRROR/<its file name>``; ``DataError`` unless ``mirror`` is an http(s):// or file:// URL."""
     if mirror is None:
         return archive_url
     scheme = mirror.partition("://")[0].lower() if "://" in mirror else ""
@@ -309,18 +232,10 @@ def _remove_empty(folders: Sequence[Path]) -> None:
 
 def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = False, keep_archives: bool = False,
             progress: bool | None = None, force: bool = False) -> list[str]:
-    """Download, check and extract each archive not yet present (``root/downloads/`` holds the zips).
+    """Download, check and extract each archive not yet present; return the actions done or planned.
 
-    A file under ``root`` that captioner did not write (a user's, not in the folder's manifest) is
-    never replaced unless ``force``: the files known in advance are checked before any download,
-    the archive's members before extraction (the zip is then kept for the next run). A failure
-    leaves no empty folder it created.
-
-    Returns:
-        The actions, done or (``dry_run``) planned, one line each.
-
-    Raises:
-        ConfigError: a user's file is in the way. DataError: a download or an archive failed.
+    A user's file under ``root`` is never replaced unless ``force`` (``ConfigError``); a failure leaves
+    no empty folder it created.
     """
     outputs = Outputs(root, force=force, option="--root")
     for a in archives:
@@ -385,15 +300,7 @@ def _prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool, k
 
 @dataclass(frozen=True)
 class CocoArchive:
-    """One file to fetch and what to take out of it.
-
-    Attributes:
-        key: short name for ``--only``.
-        url: where it lives.
-        size: expected bytes (None = unknown).  md5: expected MD5 hex (None = unknown).
-        members: ``(prefix inside the zip, destination relative to root)`` pairs to extract.
-        target: a path under root whose presence means "done" (a folder gets a marker file).
-    """
+    """One file to fetch (``key`` for ``--only``; ``size``/``md5`` None when unknown), its members and ``target``."""
 
     key: str
     url: str
@@ -461,11 +368,7 @@ def _coco_marker(root: Path, archive: CocoArchive) -> list[Path]:
 
 
 def extract_coco(zip_path: Path, root: Path, archive: CocoArchive, outputs: Outputs | None = None) -> list[Path]:
-    """Extract the archive's members under ``root``; folders get a completion marker. Returns the files written.
-
-    Raises:
-        ConfigError: a destination is a file ``outputs`` may not replace (a user's).
-    """
+    """Extract the archive's members under ``root`` (folders get a completion marker); return the files written."""
     outputs = outputs or Outputs(root, option="--root")
     with open_zip(zip_path) as zf:
         names = zf.namelist()
@@ -512,15 +415,7 @@ FLICKR8K_BOUNDS = {"images": Bounds(max_bytes=4 << 30), "text": Bounds(max_bytes
 
 @dataclass(frozen=True)
 class Flickr8kArchive:
-    """One zip of the mirror.
-
-    Attributes:
-        key: short name for ``--only`` and ``--sha256 KEY=HEX``.
-        url: where it lives.  sha256: expected digest (None = not checked).
-        folder: where its files go, relative to the root.
-        suffix: only members whose name ends with it (lowercase) are taken ("" = every file).
-        needed: a file that must come out of it (else it is the wrong archive).
-    """
+    """One zip of the mirror: ``key`` (``--only``, ``--sha256 KEY=HEX``), its ``folder``, member ``suffix`` and a ``needed`` file."""
 
     key: str
     url: str
@@ -591,13 +486,7 @@ def flickr8k_writes(root: Path, archive: Flickr8kArchive) -> list[Path]:
 
 def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive, outputs: Outputs | None = None
                      ) -> list[Path]:
-    """Extract the archive into ``root/<folder>/`` (flattened), mark the folder complete and record
-    the zip's SHA-256 (only now: a zip that cannot be extracted is not recorded as good). Returns the
-    files written.
-
-    Raises:
-        ConfigError: a destination is a file ``outputs`` may not replace (a user's).
-    """
+    """Extract the archive flattened into ``root/<folder>/`` and only then record its SHA-256; return the files written."""
     outputs = outputs or Outputs(root, option="--root")
     with open_zip(zip_path) as zf:
         pairs = _flickr8k_members(zf.namelist(), archive)

@@ -1,16 +1,8 @@
-"""The in-memory caption set every layout loads into (``coco.load_caption_set``), its records, and the
-image-file checks made before anything trains (:func:`check_images`).
+"""The in-memory caption set every layout loads into, its records, and the image-file checks.
 
-``CaptionSet`` holds one split's images and their reference captions; ``build_caption_set`` is
-the one place where empty captions and uncaptioned images are dropped, whatever the layout.
-
-Where a caption dataset's image files are, and what to say when they are nowhere.
-
-Each layout of ``captioner.data.coco`` has a few folders its images may be in. The folder chosen
-is the first one holding one of the first image files the annotations name, so a dataset whose
-``images/`` folder exists but whose pictures sit in ``train/`` and ``val/`` still loads. When no
-candidate holds any of them, the first existing folder is chosen and ``check_images`` reports the
-missing files with :data:`LAYOUTS_HINT`.
+``build_caption_set`` is the one place where empty captions and uncaptioned images are dropped.
+:func:`pick_image_dir` picks the first of a layout's folders holding one of the first images the
+annotations name; :func:`check_images` reports missing files before anything trains.
 """
 
 from __future__ import annotations
@@ -50,15 +42,9 @@ def _first_names(data: Any) -> list[str]:
 
 
 def pick_image_dir(data: Any, *candidates: Path) -> Path:
-    """The image folder of a COCO captions dict, among ``candidates`` (in order of preference).
+    """The image folder of a COCO captions dict: the first of ``candidates`` holding one of its first files.
 
-    Args:
-        data: the parsed captions file; its first image file names are looked for.
-        *candidates: folders where the layout allows the images to be.
-
-    Returns:
-        The first candidate holding one of those files; else the first existing folder; else the
-        first candidate (the missing files are reported by ``check_images``).
+    Else the first existing one, else the first (``check_images`` then reports the missing files).
     """
     names = _first_names(data)
     for folder in candidates:
@@ -83,11 +69,7 @@ class ImageRecord:
     height: int | None = None
 
     def size(self) -> tuple[int, int]:
-        """``(width, height)``: the annotation's, else read from the file's header (no pixel decoding).
-
-        Raises:
-            ImageLoadError: the file is missing, unreadable or not an image (one line naming it).
-        """
+        """``(width, height)``: the annotation's, else from the file's header; ``ImageLoadError`` naming it."""
         if self.width and self.height:
             return int(self.width), int(self.height)
         return probe_image(self.path)
@@ -103,10 +85,7 @@ class ObjectBox:
 
 
 class InstanceBoxes(dict):
-    """``{image_id: [ObjectBox, ...]}`` plus ``categories``: every name in the file's ``categories``
-    list, in file order (also those no box of the split uses), so words can be matched to them; and
-    ``unseen_pairs``: the (colour, shape) pairs a compositional split of the scenes kept out of
-    training (``info.unseen_pairs``; empty otherwise)."""
+    """``{image_id: [ObjectBox, ...]}`` plus all the file's ``categories`` and the scenes' ``unseen_pairs``."""
 
     def __init__(self, boxes: Any = (), categories: Sequence[str] = (),
                  unseen_pairs: Sequence[tuple[str, str]] = ()) -> None:
@@ -117,11 +96,7 @@ class InstanceBoxes(dict):
 
 @dataclass
 class CaptionSet:
-    """Images of one split and their reference captions (raw text, whitespace-normalised).
-
-    ``len(cs)`` is the number of images; dataset items refer to images by their index in
-    ``cs.images``.
-    """
+    """Images of one split (``len(cs)``) and their reference captions (raw text, whitespace-normalised)."""
 
     name: str
     split: str
@@ -166,9 +141,8 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def build_caption_set(
-    source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]], images_dir: Path
-) -> CaptionSet:
+def build_caption_set(source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]],
+                      images_dir: Path ) -> CaptionSet:
     """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
     images: list[ImageRecord] = []
     captions: dict[int, list[str]] = {}
@@ -201,26 +175,10 @@ def check_images(cs: CaptionSet, skip_missing: bool = False, check_headers: bool
                  max_pixels: int | None = None, workers: int = 8) -> CaptionSet:
     """Find missing and unreadable image files before training.
 
-    Every file must exist; with ``check_headers`` its header must also parse as an image of at
-    most ``max_pixels`` pixels (:func:`captioner.data.images.probe_image`, no pixel decoding), so
-    empty files, text files named ``.jpg``, broken headers and decompression bombs are found here
-    rather than in the middle of an epoch. Truncated pixel data is only seen when an image is
-    decoded (the feature cache and evaluation skip such images when asked).
-
-    Args:
-        cs: a caption set.
-        skip_missing: return a copy without the missing or unreadable images (logged) instead of
-            failing.
-        check_headers: also open each file's header (threaded; about a millisecond per file).
-        max_pixels: size limit (default :data:`captioner.data.images.DEFAULT_MAX_PIXELS`).
-        workers: threads for the header checks.
-
-    Returns:
-        ``cs`` itself when every file is fine, else the filtered copy.
-
-    Raises:
-        DataError: some files are missing or unreadable and ``skip_missing`` is False, or all of
-            them are.
+    With ``check_headers`` each header must parse as an image of at most ``max_pixels`` (threaded, no
+    decoding), so empty, mislabelled and bomb files are found here. ``skip_missing``: return a copy
+    without them (logged). Returns ``cs`` when all are fine. Raises ``DataError`` when some are bad and
+    ``skip_missing`` is off, or all are.
     """
     missing = [i for i, r in enumerate(cs.images) if not r.path.is_file()]
     where = cs.images_dir if cs.images_dir is not None else (cs.images[0].path.parent if cs.images else cs.root)

@@ -38,27 +38,13 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 
 
 # ----------------------------------------------------------------------------- loading
+def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
+                     include_restval: bool = True ) -> CaptionSet:
+    """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`); image paths are not checked.
 
-
-def load_caption_set(
-    root: str | Path, split: str, images_dir: str | Path | None = None, *, include_restval: bool = True
-) -> CaptionSet:
-    """Load one split of a caption dataset, whatever its layout (see the module docstring).
-
-    Args:
-        root: dataset folder, a COCO captions JSON file or a Karpathy split JSON file.
-        split: split name, e.g. ``"train"``, ``"val2017"``, ``"dev"``; ``"all"`` for a whole file.
-        images_dir: folder holding the images when it is not where the layout puts them.
-        include_restval: Karpathy files only: split ``"train"`` also takes the ``restval`` images
-            (the usual 113k-image COCO training set).
-
-    Returns:
-        The caption set (``root`` as given); image paths are resolved but not checked (see
-        :func:`captioner.data.caption_set.check_images`).
-
-    Raises:
-        DataError: no layout matches, the split is unknown (the message lists the available
-            ones), or an annotation file is invalid.
+    ``root``: a dataset folder, a COCO captions JSON or a Karpathy split JSON; ``split``: e.g. ``"train"``,
+    ``"dev"``, ``"all"``; ``include_restval``: Karpathy ``"train"`` also takes ``restval``. Raises
+    ``DataError`` when no layout matches, for an unknown split (listing them) or an invalid file.
     """
     root = Path(root)
     images = Path(images_dir) if images_dir is not None else None
@@ -101,11 +87,7 @@ def load_validation_set(root: str | Path, split: str, images_dir: str | Path | N
 
 @dataclass(frozen=True)
 class Layout:
-    """One folder layout ``load_caption_set`` reads.
-
-    Attributes:
-        load: ``load(root, split, images_dir, include_restval)``, the caption set.
-    """
+    """One folder layout ``load_caption_set`` reads; ``load(root, split, images_dir, include_restval)``."""
 
     name: str  # what it is called in messages
     looks_for: Callable[[str], str]  # ``looks_for(split)``, the files it needs, for the "no caption data" error
@@ -243,18 +225,9 @@ def karpathy_splits(data: dict) -> list[str]:
     return list(dict.fromkeys(str(img.get("split")) for img in data["images"] if isinstance(img, dict)))
 
 
-def caption_set_from_karpathy(
-    path: Path, data: dict, split: str, images_dir: Path | None = None, include_restval: bool = True
-) -> CaptionSet:
-    """Validate a parsed Karpathy file and build the caption set of one split.
-
-    Args:
-        path: the JSON file (for messages and the default image folder).
-        data: its parsed content.
-        split: ``train``, ``val`` (or ``dev``), ``test``, ``restval`` or ``all``.
-        images_dir: image folder; ``filepath`` entries are joined below it (default: see the module).
-        include_restval: ``train`` also takes the ``restval`` images.
-    """
+def caption_set_from_karpathy(path: Path, data: dict, split: str, images_dir: Path | None = None,
+                              include_restval: bool = True ) -> CaptionSet:
+    """Validate a parsed Karpathy file and build the caption set of one split (``val`` or ``dev``, ``all``...)."""
     available = karpathy_splits(data)
     if split in KARPATHY_ALIASES and split not in available and KARPATHY_ALIASES[split] in available:
         split = KARPATHY_ALIASES[split]
@@ -338,11 +311,7 @@ _FLICKR8K_KEY = re.compile(r"^(?P<name>.+)#(?P<n>\d+)$")
 
 @dataclass
 class TokenFile:
-    """The parsed caption file.
-
-    Attributes:
-        captions: ``{image name: [caption, ...]}``, names in first-seen order, captions in file order.
-    """
+    """The parsed caption file: ``captions[image name]``, names in first-seen order."""
 
     captions: dict[str, list[str]] = field(default_factory=dict)
     malformed: int = 0  # lines skipped as malformed.  first_malformed: ``(line number, text)`` of the first
@@ -425,16 +394,7 @@ def is_flickr8k(root: Path) -> bool:
 
 
 def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> CaptionSet:
-    """One split of the official layout as a caption set named ``flickr8k``.
-
-    Args:
-        root: the dataset folder (``is_flickr8k(root)`` is true).
-        split: ``train``, ``dev`` (or ``val``), ``test`` or ``all``.
-        images_dir: the image folder, when it is none of :data:`FLICKR8K_IMAGE_DIRS`.
-
-    Raises:
-        DataError: unknown split, or a missing or unreadable file (one line naming it).
-    """
+    """One split (``train``, ``dev``/``val``, ``test``, ``all``) of the official Flickr8k layout, named ``flickr8k``."""
     split = FLICKR8K_ALIASES.get(split, split)
     if split not in (*FLICKR8K_SPLIT_FILES, ALL_SPLIT):
         raise UnknownSplitError(f"{root}: unknown split {split!r}; available: {', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} "
@@ -461,15 +421,8 @@ def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> Cap
 
 
 # ----------------------------------------------------------------------------- COCO format
-
-
 def coco_index(data: dict, with_categories: bool = False) -> Any:
-    """A ``pycocotools.coco.COCO`` index over an already parsed and validated dict (quietly).
-
-    Only ``images`` and ``annotations`` (and ``categories`` when asked) are handed to pycocotools,
-    so an unvalidated extra key (a captions file that carries a ``categories`` list while its
-    annotations have no ``category_id``) cannot make the indexing fail.
-    """
+    """A quiet ``pycocotools.coco.COCO`` index over a validated dict (only ``images``, ``annotations``, ``categories``)."""
     from pycocotools.coco import COCO
 
     keys = ("images", "annotations", "categories") if with_categories else ("images", "annotations")
@@ -515,10 +468,8 @@ def validate_coco(path: Path, data: Any, ann_keys: Sequence[str] = ("id", "image
             raise DataError(f"{path}: annotation {j} refers to unknown image id {_short(ann['image_id'])}")
 
 
-def caption_set_from_coco(
-    path: Path, data: Any, split: str, images_dir: Path, name: str,
-    keep: Callable[[dict], bool] | None = None,
-) -> CaptionSet:
+def caption_set_from_coco(path: Path, data: Any, split: str, images_dir: Path, name: str,
+                          keep: Callable[[dict], bool] | None = None) -> CaptionSet:
     """Validate a COCO captions dict and build the caption set of the images ``keep`` accepts."""
     validate_coco(path, data)
     coco = coco_index(data)
@@ -536,24 +487,11 @@ def caption_set_from_coco(
 
 
 # ----------------------------------------------------------------------------- boxes
+def load_instances(root: str | Path, split: str, images_dir: str | Path | None = None ) -> InstanceBoxes | None:
+    """Object boxes from ``instances_<split>.json`` (in ``root``, ``root/annotations`` or beside a captions file).
 
-
-def load_instances(
-    root: str | Path, split: str, images_dir: str | Path | None = None
-) -> InstanceBoxes | None:
-    """Object boxes from ``instances_<split>.json`` when the dataset has one.
-
-    Looks for ``root/instances_<split>.json`` (shapes) and ``root/annotations/instances_<split>.json``
-    (COCO); for a captions JSON file, the ``instances_*`` file beside it.
-
-    Args:
-        root: as for :func:`load_caption_set`.
-        split: split name.
-        images_dir: accepted for symmetry with :func:`load_caption_set`; boxes do not need images.
-
-    Returns:
-        ``{image_id: [ObjectBox, ...]}`` for every image in the file (empty lists included) with
-        the declared category names as ``.categories``, or ``None`` when there is no instances file.
+    Returns ``{image_id: [ObjectBox, ...]}`` with ``.categories``, or ``None`` without an instances file.
+    ``images_dir`` is accepted for symmetry with :func:`load_caption_set`.
     """
     del images_dir
     root = Path(root)

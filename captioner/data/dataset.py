@@ -1,13 +1,10 @@
 """PyTorch datasets over a ``CaptionSet`` and their collate functions.
 
-Items refer to images by their index into ``cs.images`` so that references and boxes can be
-looked up after batching. ``x`` is whatever ``load(index)`` returns: pixels (3, S, S) from
-:func:`image_loader` or cached region features (N, D); the datasets do not care.
+Items refer to images by their index into ``cs.images``, so references and boxes can be looked up
+after batching. ``x`` is pixels (3, S, S) from :func:`image_loader` or cached features (N, D).
+:class:`SafeImages` gives batches that survive unreadable files (the caller raises or skips).
 
-Image batches that survive unreadable files: the caller decides whether to raise or skip.
-
-Used to encode images for the feature cache (:mod:`captioner.features.cache`) and by
-``captioner evaluate``. Shape legend: B items in a batch, b of them readable, S image side.
+Shape legend: B items in a batch, b of them readable, S image side.
 """
 
 from __future__ import annotations
@@ -35,12 +32,7 @@ PAD_ID = Vocabulary.pad_id
 
 
 class ImageLoader:
-    """``index -> transform(load_image(cs.images[index].path))``; picklable for DataLoader workers.
-
-    With ``skip_bad`` an unreadable image gives ``None`` (and one warning naming the file) instead
-    of an ``ImageLoadError``; the collate functions drop such items, so a bad file found in the
-    middle of an epoch costs one batch item, not the run.
-    """
+    """``index -> transform(load_image(cs.images[index].path))``; picklable; ``skip_bad`` gives None (warned) instead of raising."""
 
     def __init__(self, paths: Sequence[str | os.PathLike], transform: Callable[[Image.Image], torch.Tensor],
                  max_pixels: int | None = DEFAULT_MAX_PIXELS, skip_bad: bool = False) -> None:
@@ -69,33 +61,15 @@ class ImageLoader:
 
 def image_loader(cs: CaptionSet, transform: Callable[[Image.Image], torch.Tensor],
                  max_pixels: int | None = DEFAULT_MAX_PIXELS, skip_bad: bool = False) -> ImageLoader:
-    """A callable mapping an index into ``cs.images`` to the transformed image tensor.
-
-    Args:
-        cs: the caption set whose images are loaded.
-        transform: e.g. :class:`captioner.data.images.ImageTransform`.
-        max_pixels: passed to :func:`load_image`.
-        skip_bad: return ``None`` for an unreadable image (logged once) instead of raising; the
-            collate functions drop those items (``data.skip_missing`` in training).
-
-    Returns:
-        ``load(index) -> Tensor (3, S, S)``; raises ``ImageLoadError`` for a bad file unless
-        ``skip_bad``.
-    """
+    """``load(index) -> Tensor (3, S, S)`` over ``cs.images``; ``skip_bad``: None for an unreadable image (dropped by collate)."""
     return ImageLoader([r.path for r in cs.images], transform, max_pixels, skip_bad)
 
 
 class CaptionTrainDataset(Dataset):
     """One item per (image, caption) pair: ``(x, tokens LongTensor (T_i,), image_index)``.
 
-    Captions are encoded once, up front, as ``[<bos>, w1 .. wn, <eos>]`` with at most ``max_len``
-    words, and kept in one flat int32 array (COCO's 590k captions stay small).
-
-    Args:
-        cs: the caption set.
-        vocab: vocabulary used to encode the captions.
-        load: ``index -> x``, e.g. from :func:`image_loader`.
-        max_len: maximum number of words per caption.
+    Captions are encoded once as ``[<bos>, w1 .. wn, <eos>]`` (at most ``max_len`` words) in one flat
+    int32 array.
     """
 
     def __init__(self, cs: CaptionSet, vocab: Vocabulary, load: Callable[[int], torch.Tensor],
@@ -132,18 +106,10 @@ class CaptionTrainDataset(Dataset):
 
 
 class CaptionBatchDataset(Dataset):
-    """Whole training batches of a ``CaptionTrainDataset`` whose ``load`` gathers many rows at once.
+    """Whole training batches of a ``CaptionTrainDataset`` whose ``load`` has ``stack``.
 
-    ``batches[items]`` (``items``: the caption indices of one batch, e.g. from a ``BatchSampler``) is
-    ``collate_captions([dataset[i] for i in items])``, bit for bit: ``x (B, ...)`` from one
-    ``dataset.load.stack(image indices)`` call (a feature cache reads the rows from its memory map in
-    one copy, into shared memory inside a DataLoader worker: ``captioner.features.cache``), tokens
-    ``(B, T_max)`` right-padded with ``<pad>``, and ``image_index (B,)``. Use it in a ``DataLoader``
-    with ``batch_size=None``.
-
-    Args:
-        dataset: the caption dataset; ``dataset.load.stack(indices) -> (B, ...)`` must equal
-            ``torch.stack([dataset.load(i) for i in indices])``.
+    ``batches[items]`` equals ``collate_captions([dataset[i] for i in items])`` bit for bit, with ``x``
+    from one ``load.stack`` call. Use in a ``DataLoader`` with ``batch_size=None``.
     """
 
     def __init__(self, dataset: CaptionTrainDataset) -> None:
@@ -164,12 +130,7 @@ class CaptionBatchDataset(Dataset):
 
 
 class CaptionEvalDataset(Dataset):
-    """One item per image: ``(x, image_index)``; references come from ``cs``.
-
-    Args:
-        cs: the caption set.
-        load: ``index -> x``, e.g. from :func:`image_loader`.
-    """
+    """One item per image: ``(load(index), image_index)``; references come from ``cs``."""
 
     def __init__(self, cs: CaptionSet, load: Callable[[int], torch.Tensor]) -> None:
         self.cs = cs
@@ -185,11 +146,9 @@ class CaptionEvalDataset(Dataset):
 def collate_captions(
     batch: Sequence[tuple[torch.Tensor | None, torch.Tensor, int]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Stack ``x``, right-pad tokens with ``<pad>`` (0); items whose ``x`` is ``None`` are dropped.
+    """``x (B, ...)``, tokens right-padded with ``<pad>`` (B, T_max), ``image_index (B,)``; None items dropped.
 
-    Returns:
-        ``x (B, ...)``, ``tokens (B, T_max)`` LongTensor, ``image_index (B,)`` LongTensor; ``None``
-        when every item was dropped (unreadable images with ``skip_bad``).
+    ``None`` when every item was dropped.
     """
     batch = [item for item in batch if item[0] is not None]
     if not batch:
@@ -204,10 +163,7 @@ def collate_captions(
 
 
 def collate_images(batch: Sequence[tuple[torch.Tensor | None, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Stack ``x``; returns ``x (B, ...)`` and ``image_index (B,)`` LongTensor.
-
-    Items whose ``x`` is ``None`` are dropped; ``None`` when nothing is left.
-    """
+    """``x (B, ...)`` and ``image_index (B,)``, None items dropped; ``None`` when nothing is left."""
     batch = [item for item in batch if item[0] is not None]
     if not batch:
         return None
@@ -216,11 +172,7 @@ def collate_images(batch: Sequence[tuple[torch.Tensor | None, int]]) -> tuple[to
 
 
 class SafeImages(Dataset):
-    """Items ``(pixels or None, index, error or None)``: an unreadable image never kills a batch.
-
-    The caller decides what an error means (raise, or skip the image), also with DataLoader workers,
-    whose exceptions would otherwise reach the main process wrapped in a traceback.
-    """
+    """Items ``(pixels or None, index, error or None)``: an unreadable image never kills a batch, even in workers."""
 
     def __init__(self, load: Callable[[int], torch.Tensor], count: int) -> None:
         self.load, self.count = load, count
@@ -243,9 +195,7 @@ def collate_safe(batch: list[tuple[torch.Tensor | None, int, str | None]]
 
 
 def prefetched_batches(data: Dataset, batch_size: int, threads: int = 2) -> Iterator[Any]:
-    """``DataLoader(data, batch_size, collate_fn=collate_safe)`` without worker processes: ``threads``
-    threads read the next batch while the caller works on the current one (PIL releases the GIL
-    while it decodes and resizes). At most two batches are held; items come in order."""
+    """Batches of ``data`` (``collate_safe``), in order, read ahead by ``threads`` threads (no worker processes)."""
     starts = range(0, len(data), batch_size)
     if not starts:
         return

@@ -1,33 +1,15 @@
-"""Robust image loading: any file a user hands us becomes an RGB ``PIL.Image`` or an ``ImageLoadError``.
+"""Images: robust loading, the checked inputs of the Python API, the encoder's transform and the region grid.
 
-``load_image`` handles the image modes real datasets contain (greyscale, 16-bit, float, alpha,
-palette transparency, CMYK, EXIF-rotated JPEGs, animated GIFs) and turns every failure (missing,
-empty, unreadable, truncated, corrupt, not an image, too large) into a one-line
-``ImageLoadError("<path>: <reason>")``. PIL exceptions and warnings never escape.
+``load_image`` handles the modes real datasets contain (greyscale, 16-bit, float, alpha, palette
+transparency, CMYK, EXIF rotation, animated GIFs) and turns every failure into a one-line
+``ImageLoadError("<path>: <reason>")``; PIL exceptions and warnings never escape.
+:func:`image_sources` checks what ``Captioner.caption`` is given (type, dtype, shape, NaN/inf,
+size) and raises :class:`~captioner.errors.ImageInputError` naming the input (``image 2``).
 
-The one check of the images handed to the Python API (``captioner.load(...).caption(images)``).
-
-An input is a path, a PIL image, an already-transformed ``(3, S, S)`` tensor or a ``(B, 3, S, S)``
-batch of them. :func:`image_sources` turns whatever was given into one checked source per image,
-or raises :class:`~captioner.errors.ImageInputError` (a ``DataError`` and a ``ValueError``) with
-one line naming the input (``image 2``) and the problem:
-
-* type: anything but a path, a PIL image or a tensor;
-* dtype: a tensor that is not floating point (``uint8``, ``int64``, ``bool``: not yet normalised;
-  give a PIL image or a path instead); ``float16``, ``bfloat16`` and ``float64`` are converted
-  to ``float32``;
-* shape: a tensor that is not ``(3, S, S)`` (or a batch of them) for the model's ``S``;
-* finiteness: a tensor holding NaN or infinity;
-* size: a PIL image with no pixels, or more than ``max_pixels`` (what ``load_image`` refuses).
-
-Paths are checked when they are read (:func:`load_image`).
-
-The encoder's input: :class:`ImageTransform` (PIL RGB -> normalised tensor) and :func:`crop_box`, the
-one account of which part of the original image the encoder sees, which overlays use to map
-attention back onto the photo. The regions' grid on that part (:func:`cell_weights`, :func:`cell_centre`,
-:class:`Box`, :func:`interval_overlap`) is the one placement that heat maps, attention metrics and box
-targets share, so a word's attention, its overlay and the box it is scored against agree cell for cell;
-:func:`attention_entropy` is the one entropy of an attention map.
+:class:`ImageTransform` and :func:`crop_box` (the one account of which part of the photo the
+encoder sees), and the grid on that part (:func:`cell_weights`, :func:`cell_centre`, :class:`Box`,
+:func:`interval_overlap`) that heat maps, attention metrics and box targets share, so a word's
+attention, its overlay and the box it is scored against agree cell for cell.
 """
 
 from __future__ import annotations
@@ -80,25 +62,10 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIX
                max_bytes: int = DEFAULT_MAX_BYTES, reduce_to: int | None = None) -> Image.Image:
     """Read an image file as RGB, EXIF orientation applied, alpha composited on white.
 
-    Args:
-        path: image file; only a regular file is read (a named pipe, a device or a socket is
-            refused by name, without blocking).
-        max_pixels: refuse images with more pixels than this (checked from the header, before
-            decoding). ``None`` disables this check; PIL's own ``Image.MAX_IMAGE_PIXELS`` guard
-            (about 179 megapixels) still applies.
-        max_bytes: refuse files larger than this, from their size, before reading them.
-        reduce_to: for an encoder that resizes to this side: a JPEG is decoded at the smallest
-            1/2, 1/4 or 1/8 scale whose sides stay at least this long (PIL's ``draft``), so no
-            more pixels are decoded than the resize keeps. ``None`` decodes every pixel (for
-            overlays, which draw on the original). :func:`load_for_encoder` also returns the
-            original size.
-
-    Returns:
-        A fully loaded ``PIL.Image`` in mode ``"RGB"``.
-
-    Raises:
-        ImageLoadError: the file is missing, unreadable, not a regular file, empty, not an image,
-            truncated or corrupt, too large, or in a mode that cannot be converted to RGB.
+    ``max_pixels`` and ``max_bytes`` are checked from the header and the size before decoding;
+    ``reduce_to``: decode a JPEG at the smallest 1/2, 1/4 or 1/8 scale keeping sides at least this
+    long (None: every pixel). Every failure is an ``ImageLoadError`` naming the file; a pipe or device
+    is refused without blocking.
     """
     return _load(Path(path), max_pixels, max_bytes, reduce_to)[0]
 
@@ -124,16 +91,7 @@ def _load(path: Path, max_pixels: int | None, max_bytes: int,
 
 
 def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode image bytes already in memory (an upload) with the checks of :func:`load_image`.
-
-    Args:
-        data: the file's bytes (the caller bounds their size).
-        name: what error messages call it (the uploaded file's name).
-        max_pixels: refuse images with more pixels than this, from the header, before decoding.
-
-    Raises:
-        ImageLoadError: ``"<name>: <reason>"``: empty, not an image, truncated or corrupt, too large.
-    """
+    """Decode image bytes already in memory (an upload, named ``name`` in errors) with :func:`load_image`'s checks."""
     if not data:
         raise ImageLoadError(f"{name}: file is empty")
     with warnings.catch_warnings():
@@ -142,18 +100,7 @@ def decode_image(data: bytes, name: str = "upload", max_pixels: int | None = DEF
 
 
 def probe_image(path: str | os.PathLike, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
-    """Cheap check of an image file without decoding its pixels: it opens and its header parses.
-
-    Catches missing, unreadable, empty, non-image and too-large files (what :func:`check_images
-    <captioner.data.coco.check_images>` reports before training); a file whose pixel data is
-    truncated or corrupt passes and is caught by :func:`load_image` when it is decoded.
-
-    Returns:
-        ``(width, height)`` from the header.
-
-    Raises:
-        ImageLoadError: as :func:`load_image`, for the problems visible in the header.
-    """
+    """``(width, height)`` from the header without decoding: catches :func:`load_image`'s problems visible there."""
     path = Path(path)
     check_regular(path, DEFAULT_MAX_BYTES, ImageLoadError, "image file")  # open() would block on a pipe
     try:
@@ -259,13 +206,7 @@ class _UnsupportedMode(Exception):
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert a loaded image of any PIL mode to RGB.
-
-    16-bit greyscale (``I;16*``) is scaled so 65535 -> 255; 32-bit ``I`` is read as 16-bit when its
-    values fit 0..65535, else min-max scaled; float ``F`` is read as 0..1 when it fits, else as
-    0..255, else min-max scaled. Alpha (RGBA, LA, PA, palette or colour-key transparency) is
-    composited onto white.
-    """
+    """Convert a loaded image of any PIL mode to RGB (16-bit and float scaled to 0..255, alpha onto white)."""
     mode = image.mode
     if mode == "RGB" and "transparency" not in image.info:
         return image
@@ -325,15 +266,9 @@ HINT = "give a path, a PIL image or a (3, S, S) tensor"
 
 
 def image_sources(images: Any, side: int, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> list[ImageSource]:
-    """One checked source per image of ``images`` (one input, or a list or tuple of them).
+    """One checked source per image of ``images`` for a model of input side ``side``.
 
-    Args:
-        images: a path, PIL image, (3, S, S) tensor or (B, 3, S, S) batch, or a list/tuple of these.
-        side: the model's input side S.
-        max_pixels: largest PIL image accepted (None: no bound).
-
-    Raises:
-        ImageInputError: the first input that cannot be captioned, named by its position.
+    Raises ``ImageInputError`` for the first input that cannot be captioned, named by its position.
     """
     items = list(images) if isinstance(images, (list, tuple)) else [images]
     out: list[ImageSource] = []
@@ -405,18 +340,9 @@ _RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.
 
 
 def crop_box(width: int, height: int, cfg: EncoderConfig) -> tuple[int, int, int, int]:
-    """The ``(left, top, right, bottom)`` box of a ``width`` x ``height`` image the encoder covers.
+    """The ``(left, top, right, bottom)`` box (right/bottom exclusive) of a ``width`` x ``height`` image the encoder covers.
 
-    ``"stretch"`` covers the whole image; ``"center_crop"`` covers the centred square whose side is
-    the shorter image side (the image is scaled so that side becomes ``image_size``, then cropped).
-
-    Args:
-        width: original image width in pixels.
-        height: original image height in pixels.
-        cfg: encoder config (``resize`` is read).
-
-    Returns:
-        Integer pixel box in original-image coordinates, right/bottom exclusive.
+    ``"stretch"`` covers it all; ``"center_crop"`` the centred square of the shorter side.
     """
     if width < 1 or height < 1:
         raise ValueError(f"image size must be positive, got {width}x{height}")
@@ -429,12 +355,7 @@ def crop_box(width: int, height: int, cfg: EncoderConfig) -> tuple[int, int, int
 
 
 class ImageTransform:
-    """PIL RGB image -> float tensor (3, S, S), resized per the config and normalised.
-
-    Args:
-        cfg: encoder config; ``image_size``, ``resize``, ``interpolation``, ``mean`` and ``std``
-            are read.
-    """
+    """PIL RGB image -> float tensor (3, S, S), resized and normalised as ``cfg`` says."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         if not cfg.resolved:
@@ -499,11 +420,7 @@ class Box(NamedTuple):
 
 
 def interval_overlap(lo: Any, hi: Any, box_lo: float, box_hi: float) -> np.ndarray:
-    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet).
-
-    The one overlap of boxes and grid cells (or pixels), one axis at a time: the box targets divide it
-    by the cell's length, the attention-correctness canvas by the pixel's.
-    """
+    """How much of each interval ``[lo, hi)`` lies inside ``[box_lo, box_hi)`` (0 where they do not meet)."""
     return np.clip(np.minimum(hi, box_hi) - np.maximum(lo, box_lo), 0.0, None)
 
 
@@ -515,22 +432,16 @@ def as_array(x: object, dtype: type = np.float32) -> np.ndarray:
 
 
 def attention_entropy(weights: Any, eps: float = 1e-12) -> Any:
-    """Entropy (nats) of attention distributions over the last axis: (..., N) -> (...).
-
-    The one definition, ``-sum_n w_n log(w_n + eps)``, for a torch tensor (the decoders' outputs,
-    training's validation) or a numpy array (the attention metrics), returned as the same kind.
-    """
+    """Entropy (nats) ``-sum_n w_n log(w_n + eps)`` over the last axis, (..., N) -> (...), torch or numpy."""
     if isinstance(weights, np.ndarray):
         return -(weights * np.log(weights + eps)).sum(-1)
     return -(weights * (weights + eps).log()).sum(-1)  # type: ignore[operator]
 
 
 def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) -> np.ndarray:
-    """(n, g) 0/1 matrix taking each of ``n`` pixels to the grid cell it falls in (nearest).
+    """(n, g) 0/1 matrix taking each of ``n`` pixels to the cell it falls in of g cells over ``[start, stop)``.
 
-    The grid's g cells split ``[start, stop)`` (original pixels) evenly; pixel i has its centre at
-    ``(i + 0.5) / scale`` in original pixels (``scale`` < 1 for a downscaled canvas). Pixels
-    outside the interval get an all-zero row.
+    Pixel i's centre is ``(i + 0.5) / scale`` in original pixels; pixels outside get an all-zero row.
     """
     centres = (np.arange(n) + 0.5) / scale  # pixel centres in original coordinates
     pos = (centres - start) / max(stop - start, 1e-9) * g  # position in grid units, 0..g
@@ -542,10 +453,7 @@ def cell_weights(n: int, start: float, stop: float, g: int, scale: float = 1.0) 
 
 
 def cell_centre(flat_index: int, g: int, view: Sequence[float]) -> tuple[float, float]:
-    """Centre (x, y) of grid cell ``flat_index`` (row-major) of a g x g grid over ``view``.
-
-    ``view`` is ``(left, top, right, bottom)`` in original pixels (the encoder's crop box).
-    """
+    """Centre (x, y) of grid cell ``flat_index`` (row-major) of a g x g grid over ``view`` (the crop box)."""
     r, c = divmod(int(flat_index), g)
     left, top, right, bottom = view
     return left + (c + 0.5) * (right - left) / g, top + (r + 0.5) * (bottom - top) / g

@@ -1,23 +1,11 @@
 """Synthetic scenes: coloured shapes on textured backgrounds, captioned from their geometry.
 
-``make_shapes(out)`` writes a small COCO-format captioning dataset that a model can learn in
-minutes on a laptop, and on which attention can be checked against known object boxes:
-
-* ``out/images/NNNNN.png``: ``image_size`` x ``image_size`` RGB scenes of 1-3 objects with distinct
-  shapes (:data:`SHAPES`), independent colours (:data:`COLORS`) and sizes (:data:`SIZES`), at
-  varied non-overlapping positions, on low-contrast noise, gradient or stripe backgrounds;
-* ``out/captions_{train,val,test}.json``: COCO captions, 5 per image;
-* ``out/instances_{train,val,test}.json``: COCO instances (one category per shape; ``bbox``,
-  ``segmentation`` polygon, ``area``, plus ``color`` and ``size`` keys).
-
-``unseen_pairs=K`` (``captioner make-shapes --unseen-pairs K``) makes a compositional split: K
-colour-shape pairs never occur in train or val, and every other test scene holds one of them.
-
-Captions are deterministic functions of the scene: each image gets all 5 templates of the
-family for its object count (:func:`scene_captions`), objects are listed left to right (two
-objects: along their dominant axis), and relations come from the dominant axis of the centre
-offset. Scenes whose order or relation would be ambiguous are never drawn, so any correctly formed
-caption in one template's form equals one reference exactly. Same seed, byte-identical files.
+``make_shapes(out)`` writes a small COCO-format dataset a model learns in minutes, with known boxes:
+``images/NNNNN.png`` (1-3 objects of distinct :data:`SHAPES`, :data:`COLORS` and :data:`SIZES`),
+``captions_{train,val,test}.json`` (5 per image) and ``instances_{train,val,test}.json`` (boxes
+with ``color`` and ``size``). ``unseen_pairs=K`` keeps K colour-shape pairs out of train and val.
+Captions are deterministic (all 5 templates of the object count; objects left to right); scenes
+whose order or relation would be ambiguous are never drawn. Same seed, byte-identical files.
 """
 
 from __future__ import annotations
@@ -82,8 +70,6 @@ class SceneObject:
 
 
 # ----------------------------------------------------------------------------- captions
-
-
 def _relation(a: SceneObject, b: SceneObject) -> str:
     """Where ``a`` is relative to ``b``, from the dominant axis of the centre offset."""
     dx, dy = a.cx - b.cx, a.cy - b.cy
@@ -143,16 +129,9 @@ def _valid(objects: list[SceneObject], size: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- rendering
-
-
 def sample_scene(rng: np.random.Generator, size: int, forbidden: frozenset[tuple[str, str]] = frozenset(),
                  require: Sequence[tuple[str, str]] = ()) -> list[SceneObject]:
-    """Draw 1-3 objects: distinct shapes, independent colours and sizes, then valid positions.
-
-    ``forbidden`` (colour, shape) pairs never occur (such an object's colour is drawn again among
-    the allowed ones); with ``require``, the first object gets one of those pairs. Without either,
-    the draws are the ones the scenes have always had.
-    """
+    """Draw 1-3 objects: distinct shapes, colours and sizes, valid positions; no ``forbidden`` pair, first one ``require``d."""
     count = int(rng.integers(1, 4))
     shapes = [SHAPES[i] for i in rng.choice(len(SHAPES), size=count, replace=False)]
     colors = [list(COLORS)[i] for i in rng.integers(0, len(COLORS), size=count)]
@@ -258,15 +237,8 @@ def render_scene(rng: np.random.Generator, objects: list[SceneObject], size: int
 
 
 # ----------------------------------------------------------------------------- dataset writer
-
-
 def held_out_pairs(seed: int, count: int) -> list[tuple[str, str]]:
-    """``count`` (colour, shape) pairs for the compositional split, fixed by ``seed``.
-
-    Colours and shapes are shuffled, then pair j is (colour j mod 6, shape (j + j // 6) mod 6): the
-    first six use every colour and every shape once, and up to ``MAX_UNSEEN_PAIRS`` each colour and
-    each shape keeps at least half of its partners in training.
-    """
+    """``count`` (colour, shape) pairs for the compositional split, fixed by ``seed``, each partner kept in training."""
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_UNSEEN_PAIRS:
         raise ConfigError(f"unseen_pairs must be an integer from 0 to {MAX_UNSEEN_PAIRS}, got {count!r}")
     rng = np.random.default_rng([seed, 24])
@@ -286,32 +258,15 @@ def _write_json(path: Path, data: dict) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)
 
 
-def make_shapes(
-    out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
-    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
-    overwrite: bool = False,
-) -> dict:
-    """Write the synthetic shapes dataset (see the module docstring for the files).
+def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
+                split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), unseen_pairs: int = 0,
+                overwrite: bool = False) -> dict:
+    """Write the synthetic shapes dataset into ``out`` (created); return its statistics.
 
-    Args:
-        out: output folder (created). A folder that already holds a dataset's files is refused
-            unless ``overwrite``, which first removes that dataset's files (so none is left orphaned).
-        images: number of images over all splits (>= 3).
-        seed: random seed; the same seed gives byte-identical files.
-        image_size: side of the square images in pixels (>= 32).
-        split_fractions: train/val/test fractions (each > 0, summing to 1).
-        unseen_pairs: K > 0 makes a compositional split: K colour-shape pairs (:func:`held_out_pairs`)
-            never occur in train and val; every other test scene has one of them (the rest are drawn
-            as usual), and every file's ``info`` lists them as ``unseen_pairs``.
-        overwrite: replace a dataset already in ``out``.
-
-    Returns:
-        Stats: ``out``, ``images``, ``captions``, ``objects``, ``splits`` ({name: images}),
-        ``objects_per_image`` ({count: images}) and ``seconds``.
-
-    Raises:
-        ConfigError: a bad argument. DataError: ``out`` holds a dataset and ``overwrite`` is off, or
-            it cannot be written (both before any file is written).
+    ``images`` over all splits (>= 3) of side ``image_size`` (>= 32), split by ``split_fractions``;
+    ``unseen_pairs``: K pairs kept out of train and val; ``overwrite``: replace a dataset already
+    there. Bad arguments (``ConfigError``) and a dataset in the way (``DataError``) are refused before
+    any file is written.
     """
     if images < 3:
         raise ConfigError(f"images must be >= 3 (one per split), got {images}")

@@ -1,39 +1,16 @@
-"""Decoding steps replayed as CUDA graphs: greedy and beam search off the launch queue.
+"""Decoding steps replayed as CUDA graphs, and the capture the graphed training step shares.
 
 Shape legend: R rows of the decoder batch (images, or images x beams), N regions, D feature width,
 V vocabulary.
 
-:class:`GraphedSteps` wraps a decoder whose state has a fixed size (``state_bytes_per_word() == 0``:
-the SAT LSTM) and is itself a ``CaptionDecoder``, so ``decode(GraphedSteps(decoder), ...)`` runs the
-unchanged greedy and beam search. Each ``step`` copies its inputs into static buffers of its shape
-and replays one CUDA graph of the decoder's step instead of launching its kernels one by one. The
-same shape must come back to be worth a capture: a shape is captured the second time it is seen
-(greedy search: the batch at every step; beam search: images x beams at every step while no image
-has finished, and each smaller batch that lasts more than one step), at most ``max_graphs`` shapes;
-the others run the decoder's own step.
+:class:`GraphedSteps` wraps a decoder of fixed-size state (the SAT LSTM) and is itself a
+``CaptionDecoder``, so greedy and beam search run unchanged. A shape is captured the second time it
+is seen (at most ``max_graphs``); each ``step`` copies its inputs into that shape's static buffers
+and replays the graph, bit for bit the eager step. Constants are copied only when the search hands
+over a new ``static`` dict. A step's outputs are the graph's buffers, overwritten by the next step.
 
-Only shapes that come back get buffers (a shrinking beam batch passes through many sizes once),
-and at most ``max_graphs`` of them: memory stays bounded by ``max_graphs`` copies of the largest
-state.
-
-The per-image constants (``State.static``: region features and their projection) are copied into
-the buffers only when the search hands over a different dict (``State.select``: the first beam
-expansion, images leaving the batch); between steps ``State.reorder`` keeps the same dict and only
-the LSTM state is copied. A graph replays the very kernels of the eager step on the same shapes, so
-the captions, scores and attention maps are the eager search's, bit for bit.
-
-The outputs of a step (log-probabilities, the new state, the attention) are the graph's own buffers,
-overwritten by the next step of that shape: search reads or copies them before its next step
-(it already copies the attention, since any decoder may reuse its buffers).
-
-Recording one piece of GPU work as a CUDA graph: the capture both graphed paths share.
-
-The captured SAT training step (:mod:`captioner.training.step`) and the graphed decoding
-steps (:mod:`captioner.decoding.graphs`) record their work the same way: warm it up eagerly on a
-side stream (lazy cuBLAS and autograd set-up happens there, and cuBLAS workspaces are per stream,
-so none is created mid-capture), then record one call on that same stream. ``thread_local``
-capture: a DataLoader's pin-memory thread may touch CUDA while this thread captures. A failure is
-returned, not raised, so that the caller can run that shape eagerly and say why.
+:func:`record_graph` warms the work up on a side stream (lazy set-up happens there) and records
+one call on it; a failure is returned, not raised, so the caller can run that shape eagerly.
 """
 
 from __future__ import annotations
@@ -64,15 +41,8 @@ def record_graph(work: Callable[[], Any], device: torch.device, warmup: int = 1,
                  before: Callable[[], None] | None = None) -> Recorded:
     """Run ``work`` ``warmup`` times on a side stream, then record one call of it as a CUDA graph.
 
-    Args:
-        work: the computation, reading and writing only static buffers.
-        device: its CUDA device.
-        warmup: eager calls before the capture.
-        before: called before every warm-up call and before the capture (e.g. to clear gradients).
-
-    Returns:
-        ``Recorded(graph, out)``; on any error, after synchronising the device,
-        ``Recorded(failure=first line of the error)``.
+    ``before`` runs before every call (e.g. to clear gradients). Returns ``Recorded(graph, out)``, or
+    ``Recorded(failure=first line of the error)``.
     """
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -146,13 +116,9 @@ def _key(prev: torch.Tensor, state: State) -> tuple | None:
 
 
 class GraphedSteps(CaptionDecoder):
-    """``decoder`` with its ``step`` replayed from CUDA graphs (see the module docstring).
+    """``decoder`` (fixed-size state, eval mode) with its ``step`` replayed from CUDA graphs.
 
-    Args:
-        decoder: a decoder with a fixed-size state (``state_bytes_per_word() == 0``), in eval mode.
-        max_graphs: at most this many captured shapes.
-        capture: capture CUDA graphs (default: when the decoder's parameters are on a CUDA device);
-            False runs the same static-buffer path eagerly (the CPU).
+    ``capture``: default when the decoder is on a CUDA device; False runs the same buffers eagerly.
     """
 
     def __init__(self, decoder: CaptionDecoder, max_graphs: int = MAX_GRAPHS, capture: bool | None = None) -> None:

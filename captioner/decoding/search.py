@@ -1,19 +1,12 @@
 """Decoding: greedy and batched beam search and sampling, written only against a decoder's
-``init_state`` / ``step`` contract.
-
-Main names: ``DecodeOptions``, ``decode`` (greedy or beam, per-word attention of the chosen beam),
-``sample_captions`` (self-critical training), ``Hypothesis``, the logit filters (``BlockRepeats``)
-and the memory budget of a beam. docs/decoding_metrics_checkpoint.md explains lengths, scores and
+``init_state`` / ``step`` contract. docs/decoding_metrics_checkpoint.md explains lengths, scores and
 batching.
 
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
 N regions (g*g), D feature width, V vocabulary, L words of a caption.
 
-``DecodeOptions(precision="bfloat16")`` searches with :func:`decoder_for`: the SAT decoder's fused steps
-in bfloat16 where they apply (``SATDecoder.fused_steps``: three products per word instead of eight,
-what halves the search's time on a CPU), else a bfloat16 copy of the decoder, kept beside it until a
-weight changes. Beams are still ranked in float64 and attention returned in float32; on Flickr8k dev
-40 of the 1,000 captions differ from float32 decoding, the reference (docs/benchmarks.md).
+``DecodeOptions(precision="bfloat16")`` steps :func:`decoder_for`: the SAT decoder's fused steps in
+bfloat16, else a bfloat16 copy of the decoder; beams are still ranked in float64.
 """
 
 from __future__ import annotations
@@ -44,12 +37,7 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Hypothesis:
-    """One decoded caption.
-
-    Attributes:
-        attention: (L, N) float32 on the CPU, one row per word: the attention the decoder returned at the step
-            that emitted that word, for this beam.
-    """
+    """One decoded caption; ``attention`` (L, N) float32 CPU, the attention of the step that emitted each word."""
 
     tokens: list[int]  # emitted word ids, without ``<bos>``/``<eos>``
     score: float  # ``log_prob`` normalised by the length penalty (the ranking key)
@@ -76,12 +64,9 @@ class Pending:
 
 
 class BeamHistory:
-    """Back-pointers of a beam search: what each step kept, so memory grows with the words generated.
+    """Back-pointers of a beam search (parent row, word, attention per step), read back by :meth:`read`.
 
-    Step ``t`` appends, for every row of the next decoder batch, the row of batch ``t`` it continues
-    (``parents``), the word it chose (``words``) and the attention of the step that chose it (N,).
-    A hypothesis is read back by walking the pointers (:meth:`read`), so no step copies the whole
-    history of every beam: a step costs O(R * N) whatever ``max_len`` is.
+    No step copies the whole history of every beam: a step costs O(R * N) whatever ``max_len`` is.
     """
 
     def __init__(self) -> None:
@@ -117,11 +102,7 @@ class BeamHistory:
 
 @dataclass
 class LiveBeams:
-    """The live beams of the images still searching.
-
-    Group ``a`` holds the beams of image ``images[a]``: rows ``a * width .. (a + 1) * width - 1`` of
-    the decoder batch; their words and attention are in the search's :class:`BeamHistory`.
-    """
+    """The live beams of the images still searching: group ``a`` is rows ``a * width .. (a + 1) * width - 1``."""
 
     scores: torch.Tensor  # (A, width) float64 raw log-prob sums
     images: list[int]  # (A,) image of each group
@@ -144,15 +125,9 @@ class LiveBeams:
 
 def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The best (beam, word) extensions of each group's beams, best first.
+    """The best ``count`` (beam, word) extensions of each group, best first: (raw sums, source rows, words), (A, C) each.
 
-    Args:
-        scores: (A, W) raw log-prob sums of the live beams.
-        log_probs: (A * W, V) next-word log-probs of their rows.
-        count: candidates per group (at most W * V are returned).
-
-    Returns:
-        (raw sums, source rows, words), (A, C) each.
+    ``scores``: (A, W) raw log-prob sums of the live beams; ``log_probs``: (A * W, V) of their rows.
     """
     A, W = scores.shape
     V = log_probs.size(1)
@@ -172,20 +147,13 @@ def keep_best(hyps: list[Pending], hyp: Pending, n_best: int) -> None:
 def best_reachable(raw: torch.Tensor, t: int, max_len: int, alpha: float) -> torch.Tensor:
     """Best normalised score a live beam of raw sum ``raw`` (A,) after step ``t`` can still reach.
 
-    Log-probs are <= 0, so a raw sum only falls, and lp(L) is monotonic in L: the optimum sits at the
-    shortest (t + 2 scored tokens: one more word and ``<eos>``) or the longest (max_len + 1) length.
+    A raw sum only falls and lp(L) is monotonic, so the optimum is at the shortest or the longest length.
     """
     return torch.maximum(raw / length_penalty(t + 2, alpha), raw / length_penalty(max_len + 1, alpha))
 
 
 class SuppressTokens:
-    """Set the log-probabilities of ``ids`` to -inf; the others are not renormalised.
-
-    Args:
-        ids: vocabulary ids never emitted.
-        eos_id: the id that ends a caption; it is never suppressed, even when listed, so that a
-            caption can always finish.
-    """
+    """Set the log-probabilities of ``ids`` to -inf (others not renormalised); ``eos_id`` is never suppressed."""
 
     def __init__(self, ids: Sequence[int], eos_id: int) -> None:
         self.ids = tuple(sorted({int(i) for i in ids} - {int(eos_id)}))
@@ -203,11 +171,8 @@ class SuppressTokens:
 class BlockRepeats:
     """Forbid what would repeat: an n-gram the caption already holds, and a listed word it already used.
 
-    Args:
-        ngram: n > 1: the word that would complete an n-gram already in the caption is set to -inf
-            ("a blue shirt and a blue shirt": the second "shirt"); 0 = off.
-        word_ids: ids used at most once per caption (the content words); empty = off.
-        eos_id: never blocked, so that a caption can always finish.
+    ``ngram``: n > 1 blocks the word completing an n-gram already there; 0 = off. ``word_ids``: ids
+    used at most once per caption; empty = off. ``eos_id`` is never blocked.
     """
 
     def __init__(self, ngram: int = 0, word_ids: Sequence[int] = (), eos_id: int = 2) -> None:
@@ -261,12 +226,7 @@ MEMORY_LIMIT = 2 * 1024**3  # bytes one decode() call may plan for (all chunks r
 def search_bytes(rows: int, max_len: int, n_regions: int, vocab_size: int, state_per_word: int = 0) -> int:
     """Worst-case bytes of one image's search with ``rows`` beams (1 for greedy).
 
-    Args:
-        rows: decoder rows of the image (the beam size).
-        max_len: most words (plus the one ``<eos>``-only step).
-        n_regions: N, attention values per word.
-        vocab_size: V, candidate scores per row and step.
-        state_per_word: the decoder state's growth per row and word (``state_bytes_per_word``).
+    ``state_per_word``: the decoder state's growth per row and word (``state_bytes_per_word``).
     """
     per_word = 8 + 8 + 4 * n_regions + 2 * state_per_word  # parent row, word, attention (fp32), state
     per_step = 3 * 8 * vocab_size  # float64 log-probs, candidate sums and their top-k
@@ -274,11 +234,7 @@ def search_bytes(rows: int, max_len: int, n_regions: int, vocab_size: int, state
 
 
 def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: DecodeOptions) -> list[slice]:
-    """Slices of the batch ``features`` (B, N, D) to search one after another within :data:`MEMORY_LIMIT`.
-
-    Raises:
-        ConfigError: one image alone could need more (one line naming the beam size and max_len).
-    """
+    """Slices of ``features`` (B, N, D) to search in turn within :data:`MEMORY_LIMIT`; ``ConfigError`` if one image cannot."""
     batch, n_regions = features.shape[:2]
     grow = decoder.state_bytes_per_word() if hasattr(decoder, "state_bytes_per_word") else 0
     one = search_bytes(options.beam_size, options.max_len, n_regions, int(getattr(decoder, "vocab_size", 0)), grow)
@@ -290,37 +246,14 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
 
 
-def decode(
-    decoder: CaptionDecoder,
-    features: torch.Tensor,
-    bos_id: int,
-    eos_id: int,
-    options: DecodeOptions | None = None,
-    banned_ids: Sequence[int] = (),
-    content_ids: Sequence[int] = (),
-) -> list[list[Hypothesis]]:
-    """Caption a batch of images from region features.
+def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
+           options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
+           content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+    """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
-    Args:
-        decoder: any ``CaptionDecoder`` (put it in eval mode first).
-        features: (B, N, D) region features.
-        bos_id: id fed at the first step.
-        eos_id: id that ends a caption.
-        options: search options; default ``DecodeOptions()`` (beam 3, 20 words, float32;
-            ``precision="bfloat16"`` steps :func:`captioner.decoding.search.decoder_for` instead).
-        banned_ids: ids never emitted (e.g. ``<pad>``, ``<bos>``; never ``<eos>``): a
-            :class:`SuppressTokens` filter sets their log-probabilities to -inf, the others are not
-            renormalised.
-        content_ids: the ids that ``options.no_repeat_words`` lets a caption use once
-            (:func:`content_word_ids`).
-
-    Returns:
-        Per image, ``options.n_best`` hypotheses, best score first.
-
-    Raises:
-        ConfigError: features that are not (B, N, D), or a search that could need more memory than
-            :data:`captioner.decoding.search.MEMORY_LIMIT` for one image (one line naming the beam
-            size and ``max_len``). Images are searched in chunks that fit the limit.
+    ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
+    ``content_ids``: what ``options.no_repeat_words`` allows once. ``ConfigError`` for features that
+    are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
     """
     options = options or DecodeOptions()
     if features.dim() != 3:
@@ -355,9 +288,8 @@ def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: in
     return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
 
 
-def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                  options: DecodeOptions, banned_ids: Sequence[int] = (),
-                  content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+                  banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched greedy decoding (argmax at each step); see :func:`decode`."""
     suppress = SuppressTokens(banned_ids, eos_id)
     repeats = repeat_filter(options, content_ids, eos_id)
@@ -402,25 +334,15 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     return out
 
 
-def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                options: DecodeOptions, banned_ids: Sequence[int] = (),
-                content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+                banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
 
-    The first step runs one copy per image and takes its K best distinct words, so beams never start
-    as duplicates. At each step the 2K best (beam, word) candidates of every image are ranked; an
-    ``<eos>`` among the K best finishes a hypothesis, and the K best other candidates live on. An image
-    stops once it holds ``n_best`` finished hypotheses that no live beam can still beat (log-probs are
-    <= 0, so a beam's sum only falls; with a length penalty the bound uses the most favourable
-    length), and its rows leave the batch. The result equals image-by-image search.
-
-    The decoder state follows the beams: ``State.reorder`` (the per-step case: only ``dynamic`` is
-    copied) while every image keeps its rows, ``State.select`` when the rows change image (the first
-    expansion to K beams, images leaving the batch). A decoder that reads a grouped state
-    (``groups_rows``: the SAT LSTM) gets ``State.regroup`` there instead: its K beams read one copy
-    of their image's constants, so the expansion copies none and an image leaving copies only the
-    others' (with a copy per beam of every image's regions the shipped model's search took 5.3-5.7
-    instead of 4.7 ms a photo on the 2-core CPU).
+    The first step takes each image's K best distinct words. At each step the 2K best candidates of an
+    image are ranked; an ``<eos>`` among the K best finishes a hypothesis and the K best others live on.
+    An image stops once no live beam can beat its ``n_best`` finished ones, and its rows leave the
+    batch. The result equals image-by-image search. The state follows the beams through
+    ``State.reorder``, ``State.select``, or (a grouped state, the SAT LSTM) ``State.regroup``.
     """
     suppress = SuppressTokens(banned_ids, eos_id)
     repeats = repeat_filter(options, content_ids, eos_id)
@@ -529,20 +451,10 @@ class SampledCaptions:
 def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, pad_id: int,
                     samples: int = 1, max_len: int = 20, temperature: float = 1.0,
                     banned_ids: Sequence[int] = ()) -> SampledCaptions:
-    """Draw ``samples`` captions per image.
+    """Draw ``samples`` (K) captions per image: ``SampledCaptions`` with R = B * K rows, image-major.
 
-    Args:
-        decoder: any ``CaptionDecoder``, in whatever mode it is in (training mode keeps dropout and,
-            for hard attention, region sampling: the policy being trained).
-        features: (B, N, D) region features.
-        bos_id, eos_id, pad_id: the vocabulary's special ids.
-        samples: K, captions per image.
-        max_len: most words per caption.
-        temperature: > 0; 1 samples from the model's distribution.
-        banned_ids: ids never drawn (``pad_id`` must be among them, or padding would be ambiguous).
-
-    Returns:
-        ``SampledCaptions`` with R = B * K rows, image-major.
+    The decoder samples in whatever mode it is in (training mode: the policy being trained).
+    ``temperature`` > 0; ``banned_ids`` must include ``pad_id``.
     """
     if features.dim() != 3:
         raise ConfigError(f"sample_captions expects features of shape (B, N, D), got {tuple(features.shape)}")
@@ -593,12 +505,9 @@ assert tuple(PRECISIONS) == DECODE_PRECISIONS
 
 
 def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
-    """The decoder a search in ``precision`` steps: ``decoder`` itself for float32; for bfloat16 its own
-    fused steps (``decoder.fused_steps(dtype)``, where it has them) or else a bfloat16 copy, kept on
-    ``decoder`` until a weight changes.
+    """The decoder a search in ``precision`` steps: itself, its fused steps or a kept bfloat16 copy.
 
-    Raises:
-        ValueError: a precision that is not in :data:`PRECISIONS`.
+    Raises ``ValueError`` for a precision not in :data:`PRECISIONS`.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {sorted(PRECISIONS)}")
@@ -620,9 +529,7 @@ def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
 
 
 def prepare(decoder: nn.Module, features: torch.Tensor, precision: str) -> tuple[nn.Module, torch.Tensor]:
-    """(the decoder to step, the features to give its ``init_state``) for a search in ``precision``:
-    fused steps take the float32 features (it computes the initial state from them in
-    float32), a bfloat16 copy takes them in bfloat16."""
+    """(the decoder to step, the features for its ``init_state``): float32 for fused steps, else ``precision``."""
     stepper = decoder_for(decoder, precision)
     if stepper is decoder or isinstance(stepper, FusedSATSteps):
         return stepper, features

@@ -1,29 +1,18 @@
 """The built-in demo: synthetic scenes, three decoders on a time budget, one comparison report.
 
-``run_demo(DemoOptions(...))``:
+``run_demo(DemoOptions(...))`` (docs/demo.md):
 
-1. generates the synthetic scenes (``make_shapes``) unless ``data`` already holds them;
-2. pretrains the demo's small CNN from the training captions as multiple-instance word detectors
-   (``captioner.training.detectors``, ``encoder_budget`` seconds): the from-scratch stand-in
-   for an ImageNet encoder, whose regions then say what is where;
-3. freezes it and encodes the scenes once (one feature cache, held in memory by each run);
-4. trains SAT-soft, SAT-hard and the Transformer (presets ``<decoder>_demo``) on those features,
-   each for its budget, ``jobs`` at a time in worker processes (one per core on a CPU), and scores
-   each best checkpoint on the test split (``evaluate_checkpoint``: BLEU-1..4, CIDEr-D, attention
-   entropy, attention correctness against the object boxes, the share of captions naming every
-   object correctly) with overlays and HTML explorers for a few test images;
-5. with ``scst`` (``captioner demo --scst``), after each decoder's cross-entropy budget, a short
-   self-critical stage (``train.objective=scst``, ``--init`` from that decoder's best checkpoint,
-   ``scst_budgets`` seconds, by default ``SCST_BUDGET_SHARE`` of the decoder's budget, at
-   ``SCST_LR_SCALE`` times its learning rate, with ``SCST_XE_WEIGHT`` of the references'
-   cross-entropy mixed in) into ``out/<decoder>+scst``, scored the same way: the
-   table then has both rows (``sat_soft`` and ``sat_soft+scst``);
+1. generates the synthetic scenes unless ``data`` already holds them;
+2. pretrains the small CNN as multiple-instance word detectors from the captions
+   (``captioner.training.detectors``, ``encoder_budget`` seconds);
+3. freezes it and encodes the scenes once (one feature cache);
+4. trains SAT-soft, SAT-hard and the Transformer (presets ``<decoder>_demo``) each for its budget,
+   ``jobs`` at a time in worker processes, and scores each best checkpoint on the test split, with
+   overlays and explorers for a few test images;
+5. with ``scst``, a short self-critical stage after each (``out/<decoder>+scst``), scored the same;
 6. writes ``out/report.html`` (self-contained) and ``out/report.json``.
 
-The three decoders see the same frozen encoder, so the table compares decoders, not CNNs.
-``run_parallel`` runs the decoders' jobs (``run_decoder``: train, score, overlays), one process each
-with its own torch threads, logging one progress line every ``PROGRESS_SECONDS`` (each worker's own
-log goes to ``<run>/demo.log``).
+The decoders share one frozen encoder, so the table compares decoders, not CNNs.
 """
 
 from __future__ import annotations
@@ -61,26 +50,17 @@ log = logging.getLogger(__name__)
 DEMO_DECODERS = ("sat_soft", "sat_hard", "transformer")
 DEMO_PRESETS = {name: f"{name}_demo" for name in DEMO_DECODERS}
 SCENES_INFO = "captioner synthetic shapes"
-# Training seconds per decoder on a 2-core CPU: the SAT decoders step through words one at a time and
-# get the longest; the Transformer reaches the same quality in far fewer seconds.
+# Training seconds per decoder: the SAT decoders step through words one at a time; the Transformer needs fewer.
 DEFAULT_BUDGETS = {"sat_soft": 120.0, "sat_hard": 120.0, "transformer": 45.0}
 DEFAULT_ENCODER_BUDGET = 60.0  # seconds of word-detector pretraining of the shared CNN
-SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decoder's own budget (an SCST
-# step costs about six cross-entropy steps: at 0.4 the stages were 33-88 steps and "objects ok" moved by
-# up to -3 points; at 1.0 (115-236 steps) it rose for all three decoders, docs/demo.md)
+# The values below were chosen by the demo runs measured in docs/demo.md and docs/grounding.md.
+SCST_BUDGET_SHARE = 1.0  # --scst without --scst-budget: this share of the decoder's own budget
 SCST_LR_SCALE = 0.1  # the SCST stage's lr, relative to the cross-entropy stage's (Rennie et al. lower it too)
-# the SCST stage adds this weight of the references' cross-entropy (train.scst.xe_weight): with it
-# "objects ok" rose for both SAT decoders in two demo runs, against SAT hard -3.7 points without (docs/demo.md)
-SCST_XE_WEIGHT = 0.25
-# train.attention_supervision of each decoder (docs/grounding.md): the attention of each object word
-# (with its colour and size words) is pulled onto that object's box, in the default cross-entropy form. Measured at
-# the demo's step counts with the same encoder: objects right SAT soft 72.0% -> 78.3%, Transformer 88.3% -> 90.7%,
-# attention 5.8x -> 8.1x and 3.0x -> 8.1x uniform; SAT hard 60.7% -> 77.0%, 6.0x -> 8.1x. --no-attention-supervision: 0
+SCST_XE_WEIGHT = 0.25  # the references' cross-entropy mixed into the SCST stage (train.scst.xe_weight)
+# train.attention_supervision of each decoder (--no-attention-supervision: 0)
 ATTENTION_SUPERVISION = {"sat_soft": 1.0, "sat_hard": 1.0, "transformer": 1.0}
-# The word-detector CNN also learns from the scenes' boxes (each object's words region by region) and sees this
-# share of its images recoloured (colour channels permuted, hue words out of their loss): docs/grounding.md. At
-# the demo's step counts objects right rose to 93-99% (from 78/77/91%), and on the 4-unseen-pairs split the unseen
-# pairs named right from 11-25% to 93-95%. --encoder-from-captions: MIL from the captions alone, no recolouring.
+# share of the word-detector CNN's images recoloured (colour channels permuted, hue words out of their loss);
+# it also learns from the scenes' boxes. --encoder-from-captions: MIL from the captions alone, no recolouring.
 ENCODER_RECOLOUR = 0.5
 
 
@@ -89,16 +69,12 @@ class DemoOptions:
     """What the demo does.
 
     Attributes:
-        budgets: decoder -> training seconds (``train.time_budget``); see ``DEFAULT_BUDGETS``.
-        presets: decoder -> preset name (default ``<decoder>_demo``).
-        overrides: dotted config overrides applied to every decoder (e.g. ``{"train.epochs": 1}``).
-        scst_budgets: decoder -> seconds of the self-critical stage (default ``SCST_BUDGET_SHARE`` of ``budgets``).
-        attention_supervision: supervise each decoder's attention with the object boxes
-            (``train.attention_supervision`` = ``ATTENTION_SUPERVISION[decoder]``); False trains without.
-        unseen_pairs: generate a compositional split (``make_shapes(unseen_pairs=K)``): K colour-shape pairs
-            only in test; the table then has objects right for seen and unseen pairs apart.
-        encoder_boxes: pretrain the CNN's word detectors on the object boxes too, and on recoloured images
-            (``ENCODER_RECOLOUR``); False: multiple-instance learning from the captions alone.
+        budgets: decoder -> training seconds; ``presets``: decoder -> preset (default ``<decoder>_demo``).
+        overrides: dotted config overrides for every decoder (e.g. ``{"train.epochs": 1}``).
+        scst_budgets: decoder -> seconds of the self-critical stage.
+        attention_supervision: supervise attention with the object boxes (``ATTENTION_SUPERVISION``).
+        unseen_pairs: K colour-shape pairs only in test (a compositional split).
+        encoder_boxes: pretrain the CNN's word detectors on the boxes and recoloured images too.
     """
 
     data: Path = Path("data/shapes")  # synthetic-scenes folder (generated when it holds no scenes)
@@ -163,9 +139,7 @@ class DemoOptions:
                   scst_budget: str | float | None = None, **extra: Any) -> "DemoOptions":
         """Options from command-line values; ``quick`` picks small defaults for the unset ones.
 
-        ``budget`` is one number of seconds for every decoder, or ``name=seconds`` pairs
-        (``"sat_soft=150,transformer=60"``); decoders it does not name keep their defaults.
-        ``scst_budget`` (with ``scst``) is read the same way.
+        ``budget`` (and ``scst_budget``) is seconds for every decoder or ``name=seconds`` pairs.
         """
         if isinstance(decoders, str):
             decoders = [d.strip() for d in decoders.split(",") if d.strip()]
@@ -197,14 +171,8 @@ def parse_budgets(text: str | float, flag: str = "--budget") -> dict[str, float]
 
 
 # ----------------------------------------------------------------------------- steps
-
-
 def ensure_scenes(options: DemoOptions) -> dict[str, Any]:
-    """Generate the scenes into ``options.data`` unless a complete scenes folder is already there.
-
-    Returns:
-        ``{"generated": bool, "images": int, "seed": ..., "image_size": ...}`` (from the files).
-    """
+    """Generate the scenes unless complete; ``{"generated", "images", "seed", "image_size"}`` from the files."""
     root = options.data
     files = [root / f"{kind}_{split}.json" for kind in ("captions", "instances") for split in ("train", "val", "test")]
     if all(f.is_file() for f in files):
@@ -234,12 +202,7 @@ def _scenes_info(path: Path) -> dict[str, Any]:
 
 
 def demo_config(decoder: str, options: DemoOptions, encoder_weights: Path | None = None):  # -> Config
-    """The training config of one decoder: its preset + data folder, budget, seed, device, overrides.
-
-    With ``encoder_weights`` the encoder is loaded from that file and frozen, and its features go
-    to the shared cache ``out/features``. ``options.attention_supervision`` sets
-    ``train.attention_supervision`` to the decoder's ``ATTENTION_SUPERVISION`` weight (else 0).
-    """
+    """One decoder's training config: its preset, data folder, budget, seed, overrides (and frozen ``encoder_weights``)."""
     overrides: dict[str, Any] = {"data.root": str(options.data), "train.time_budget": float(options.budgets[decoder]),
                                  "train.seed": options.seed, "train.device": options.device,
                                  "train.attention_supervision": (ATTENTION_SUPERVISION[decoder]
@@ -282,8 +245,6 @@ def pretrain_encoder(options: DemoOptions) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the demo
-
-
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the whole demo (see the module docstring); returns the report (also in ``report.json``)."""
     start = time.monotonic()
@@ -372,11 +333,7 @@ def pick_images(caption_set: Any, instances: dict[int, list[Any]] | None, count:
 
 def write_demo_overlays(metrics: dict[str, Any], model: Captioner, data: Path, out_dir: Path,
                         count: int) -> list[dict[str, Any]]:
-    """Overlays (PNG, GIF) and HTML explorers for ``count`` test images of an evaluated model (loaded once).
-
-    Returns:
-        One ``{"image_id", "caption", "references", "png", "gif", "json", "html"}`` dict per image.
-    """
+    """Overlays and explorers for ``count`` test images; one ``{"image_id", "caption", "png", ...}`` dict each."""
     cs, results = metrics["caption_set"], metrics["results"]
     shown = []
     for i in pick_images(cs, load_instances(data, cs.split), count):
@@ -408,23 +365,10 @@ def epochs_trained(history: Sequence[dict[str, Any]], train_items: int, batch_si
 
 def run_decoder(name: str, cfg: Any, run_dir: Path, beam_size: int | None, overlays: int, train_captions: int,
                 progress: bool = True, threads: int | None = None, scst_cfg: Any = None) -> dict[str, Any]:
-    """Train one decoder, score its best checkpoint on the test split, draw overlays; then, with
-    ``scst_cfg``, the same for its self-critical stage (``<run_dir>+scst``, ``--init`` from this one).
+    """Train one decoder, score its best checkpoint on the test split, draw overlays, then its SCST stage if any.
 
-    Args:
-        name: decoder name (the table's first column).
-        cfg: its training ``Config`` (``data.root`` is the scenes folder).
-        run_dir: run folder.
-        beam_size: beam size of the test captions.
-        overlays: test images drawn with overlays.
-        train_captions: training captions (items per epoch), for the epoch count.
-        progress: show tqdm bars.
-        threads: torch threads to use here (worker processes); None leaves the setting alone.
-        scst_cfg: the self-critical stage's config (``captioner.demo.pipeline.scst_config``), or None.
-
-    Returns:
-        ``{"row": table row, "run": run summary}`` (JSON-compatible), plus ``"scst"``: the same
-        for the self-critical stage when ``scst_cfg`` is given.
+    ``threads``: torch threads here (None leaves them). Returns ``{"row", "run"}`` (JSON-compatible),
+    plus ``"scst"`` for the self-critical stage when ``scst_cfg`` is given.
     """
     if threads is not None:
         import torch
@@ -498,16 +442,9 @@ def progress_line(run_dirs: dict[str, Path]) -> str:
 
 
 def run_parallel(jobs: dict[str, dict[str, Any]], processes: int, **kwargs: Any) -> dict[str, dict[str, Any]]:
-    """Run ``run_decoder`` for several decoders in ``processes`` worker processes, in ``jobs`` order.
+    """Run ``run_decoder`` for ``jobs`` (name -> its kwargs) in ``processes`` workers; name -> result.
 
-    Args:
-        jobs: decoder name -> ``run_decoder`` keyword arguments of that decoder (``cfg``, ``run_dir``).
-        processes: worker processes (each gets ``os.cpu_count() // processes`` torch threads, at least 1).
-        **kwargs: ``run_decoder`` keyword arguments common to all (``beam_size``, ``overlays``,
-            ``train_captions``).
-
-    Returns:
-        Decoder name -> ``run_decoder`` result. A worker's ``CaptionerError`` is re-raised here.
+    ``**kwargs`` are common to all. A worker's ``CaptionerError`` is re-raised here.
     """
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait

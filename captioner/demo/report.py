@@ -1,17 +1,9 @@
 """The demo report: ``report.html`` (self-contained) and ``report.json``.
 
-The HTML page holds the comparison table, the training curves (a matplotlib PNG embedded as a
-``data:`` URI), a few test images per decoder with their attention overlays (embedded PNGs) and
-links to the interactive explorers written next to them. Nothing is fetched from the network.
-
-The demo's comparison table: its columns, one row per decoder, and plain-text formatting.
-
-How far each decoder got: its steps against those of the demo's reference figures. The demo trains
-on wall-clock budgets, so a machine shared with other work trains fewer steps in the same seconds,
-and the scores drop with them (beside two other CPU-heavy jobs on a 2-core machine, objects named
-right fell from 98% to about 20%). :func:`pace_notes` says so when a decoder trained far fewer steps
-than the default run of docs/demo.md's measured figures, why (a slower pace, or a shorter budget),
-and which ``--budget`` would reach those steps at its pace.
+The page holds the comparison table, the training curves, a few test images per decoder with
+their overlays and links to their explorers; nothing is fetched from the network. The demo trains
+on wall-clock budgets, so :func:`pace_notes` says when a decoder trained far fewer steps than the
+figures of docs/demo.md, why, and which ``--budget`` would reach them.
 """
 
 from __future__ import annotations
@@ -68,9 +60,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float,
-              params: dict[str, int], steps: int | None = None,
-              attention_supervision: float | None = None) -> dict[str, Any]:
+def table_row(decoder: str, metrics: dict[str, Any], train_seconds: float, epochs: float, params: dict[str, int],
+              steps: int | None = None, attention_supervision: float | None = None) -> dict[str, Any]:
     """One row of the comparison table (see ``COLUMNS``); ``steps``: optimizer steps trained;
     ``attention_supervision``: the run's ``train.attention_supervision`` weight."""
     att = metrics.get("attention_correctness") or {}
@@ -114,8 +105,8 @@ def format_value(value: Any, fmt: str) -> str:
 
 # --- pace: how far each decoder got against the reference figures ---
 
-# (optimizer steps, budget in seconds) of each decoder in the default `captioner demo` alone on the
-# 2-core CPU, 2026-11-26: the run behind the measured figures of docs/demo.md (presets <decoder>_demo).
+# (optimizer steps, budget in seconds) of each decoder in the default `captioner demo` on a 2-core CPU:
+# the run behind the measured figures of docs/demo.md (presets <decoder>_demo).
 REFERENCE = {"sat_soft": (1876, 120.0), "sat_hard": (1600, 120.0), "transformer": (832, 45.0)}
 FAR_BELOW = 0.6  # a decoder under this share of its reference steps (or pace) gets a note
 
@@ -332,11 +323,7 @@ def _detector_extras(encoder: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``report.html`` and ``report.json`` into ``out_dir`` (atomically).
-
-    Returns:
-        ``{"html": path, "json": path}``.
-    """
+    """Write ``report.html`` and ``report.json`` into ``out_dir`` (atomically): ``{"html": path, "json": path}``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"html": out_dir / "report.html", "json": out_dir / "report.json"}

@@ -1,10 +1,7 @@
 """Attention correctness: does a word that names an object look at that object (Liu et al. 2017)?
 
-Maps each object word's attention onto the original image and sums its mass inside the object's
-box, beside the uniform baseline, pointing accuracy and bootstrap intervals; also the attention
-entropy summary and the compositional scores of the scenes. Main names:
-``attention_correctness_for_results``, ``reference_correctness``, ``attention_entropy_summary``,
-``compositional_scores``. docs/evaluation.md explains the measure.
+Sums each object word's attention mass inside the object's box on the original image, beside the
+uniform baseline, pointing accuracy and bootstrap intervals; docs/evaluation.md explains the measure.
 
 Shape legend: L generated words, g grid size.
 """
@@ -34,15 +31,7 @@ VOCABULARIES = ("shapes", "coco")
 
 @dataclass(frozen=True)
 class ObjectMention:
-    """A span of caption words that names one object category.
-
-    Attributes:
-        start: index of the first word (attribute words included).
-        noun_start: index of the first word of the object name.
-        end: one past the last word.
-        category: the category named.
-        attributes: attribute words before the name, e.g. ``{"color": "red", "size": "small"}``.
-    """
+    """Caption words ``[start, end)`` naming one ``category`` (name from ``noun_start``, ``attributes`` before it)."""
 
     start: int
     noun_start: int
@@ -121,13 +110,7 @@ COCO_CATEGORIES = frozenset(_COCO_SYNONYMS)
 
 @dataclass(frozen=True)
 class WordTable:
-    """The phrases that name objects, for :func:`find_mentions`.
-
-    Attributes:
-        name: ``"shapes"``, ``"coco"`` or ``"categories"`` (a dataset's own names).
-        phrases: tuple of lowercase tokens -> category, spelt as the dataset spells it.
-        attributes: word -> attribute kind (``"color"``, ``"size"``) for words directly before a name.
-    """
+    """The phrases (lowercase token tuples -> category) and attribute words that name objects."""
 
     name: str
     phrases: Mapping[tuple[str, ...], str]
@@ -140,13 +123,7 @@ def _plural_phrase(words: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def category_table(names: Iterable[str]) -> WordTable:
-    """A word table for a dataset's own category names (e.g. an instances file's ``categories``).
-
-    Each name is tokenized like a caption ("Traffic_Cone" -> "traffic cone") and matched as a
-    phrase, singular or plural; when two names give the same phrase the first one keeps it. A name
-    that equals a COCO category (case aside) also gets that category's COCO synonyms, unless a
-    synonym is itself one of the dataset's names.
-    """
+    """A word table for a dataset's own category names, singular or plural, with COCO synonyms where they match."""
     phrases: dict[tuple[str, ...], str] = {}
     for name in names:
         words = tuple(tokenize(str(name)))
@@ -162,12 +139,7 @@ def category_table(names: Iterable[str]) -> WordTable:
 
 
 def choose_vocabulary(names: Iterable[str]) -> str | WordTable:
-    """The vocabulary for a dataset whose objects have these category names.
-
-    Returns:
-        ``"shapes"`` when every name is a synthetic shape, ``"coco"`` when every name is a COCO
-        category (or there are none), else ``category_table(names)``.
-    """
+    """``"shapes"`` or ``"coco"`` when every name is one of those, else ``category_table(names)``."""
     names = list(dict.fromkeys(str(n) for n in names))
     if names and set(names) <= set(SHAPES):
         return "shapes"
@@ -200,16 +172,10 @@ def word_table(vocabulary: str | WordTable) -> WordTable:
 
 
 def find_mentions(words: Sequence[str], vocabulary: str | WordTable = "shapes") -> list[ObjectMention]:
-    """Find the object names in a caption, longest phrase first.
+    """Find the object names in a caption (tokens), longest phrase first, in caption order.
 
-    Args:
-        words: caption tokens (``captioner.text.tokenize`` output).
-        vocabulary: ``"shapes"`` (synthetic scenes; colour/size words directly before a shape
-            noun are attributed to it), ``"coco"`` (80 categories, plurals, synonyms) or a
-            ``WordTable`` such as ``category_table(names)`` (a dataset's own category names).
-
-    Returns:
-        Mentions in caption order.
+    ``vocabulary``: ``"shapes"`` (colour/size words before a shape noun attributed to it), ``"coco"``
+    (80 categories, plurals, synonyms) or a ``WordTable``.
     """
     table = word_table(vocabulary)
     phrases, attribute_words = table.phrases, table.attributes
@@ -257,16 +223,7 @@ MAX_CANVAS_SIDE = 256  # the image is rasterised at most this large (scale-invar
 
 @dataclass
 class WordScore:
-    """One scored word.
-
-    Attributes:
-        index: position of the word in the caption.
-        word: the word.
-        category: the object category it names (or describes).
-        mass: share of the word's attention inside the object's box(es), 0..1.
-        uniform: what uniform attention would score for the same box(es).
-        hit: the argmax region's centre falls inside the box(es).
-    """
+    """One scored word: attention ``mass`` inside its object's box(es), the ``uniform`` baseline, ``hit`` (argmax inside)."""
 
     index: int
     word: str
@@ -278,21 +235,13 @@ class WordScore:
 
 @dataclass
 class WordScores:
-    """Attention-correctness scores of one caption.
-
-    Attributes:
-        scored: one entry per word naming (or describing) an object present in the image.
-        invented: ``(index, word, category)`` of object words whose category is absent.
-        mentions: object mentions found in the caption (present or invented).
-    """
+    """One caption's ``scored`` words, its ``invented`` object words (category absent) and all ``mentions``."""
 
     scored: list[WordScore] = field(default_factory=list)
     invented: list[tuple[int, str, str]] = field(default_factory=list)
     mentions: int = 0
 
 # ----------------------------------------------------------------------------- geometry
-
-
 def _box_coverage(n_out: int, lo: float, hi: float, scale: float) -> np.ndarray:
     """(n_out,) fraction of each canvas pixel covered by the interval [lo, hi) (original px)."""
     edges = np.arange(n_out + 1) / scale
@@ -364,30 +313,12 @@ def _as_maps(attention: Any) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- scoring
+def attention_correctness(words: Sequence[str], attention: Any, boxes: Sequence[Any], image_size: tuple[int, int],
+                          box: Box | None = None, vocabulary: str | WordTable = "shapes") -> WordScores:
+    """Score one caption's object words (L) against the ground-truth boxes.
 
-
-def attention_correctness(
-    words: Sequence[str],
-    attention: Any,
-    boxes: Sequence[Any],
-    image_size: tuple[int, int],
-    box: Box | None = None,
-    vocabulary: str | WordTable = "shapes",
-) -> WordScores:
-    """Score one caption's object words against the ground-truth boxes.
-
-    Args:
-        words: the generated words (L).
-        attention: (L, g, g) attention per word (tensor or array); extra trailing steps (e.g.
-            ``<eos>``) are ignored.
-        boxes: ``ObjectBox`` items of the image (``category``, ``bbox`` = (x, y, w, h) pixels).
-        image_size: original ``(width, height)``.
-        box: ``crop_box(width, height, encoder_cfg)``, the part of the image the encoder saw;
-            None means the whole image.
-        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable`` (e.g. ``category_table(names)``).
-
-    Returns:
-        ``WordScores`` with one ``WordScore`` per scored word and the invented mentions.
+    ``attention``: (L, g, g) (extra trailing steps ignored); ``boxes``: ``ObjectBox`` items with
+    ``bbox`` (x, y, w, h) pixels; ``box``: the part of the image the encoder saw (None: all of it).
     """
     att = _as_maps(attention) if len(words) else np.zeros((0, 1, 1))
     if att.shape[0] < len(words):
@@ -425,12 +356,9 @@ BOOTSTRAP_DRAWS = 2000  # resamples of the images for the 95% intervals (seeded:
 def summarize(scores: Iterable[WordScores]) -> dict[str, Any]:
     """Average per-word scores over all words of all images.
 
-    Returns:
-        ``attention_correctness`` (mean mass in box), ``uniform_baseline``, ``ratio`` (their
-        quotient), ``pointing_accuracy``, ``words_scored``, ``images_scored``,
-        ``objects_invented`` and ``invented_rate`` (invented / all object mentions); the means
-        are None when no word was scored. ``ratio_interval`` and ``pointing_interval``: the 95%
-        bootstrap intervals ``[low, high]`` of those two over the scored images (None below two).
+    Returns ``attention_correctness``, ``uniform_baseline``, ``ratio``, ``pointing_accuracy``,
+    ``words_scored``, ``images_scored``, ``objects_invented``, ``invented_rate`` (None means where no
+    word was scored) and 95% bootstrap ``ratio_interval``/``pointing_interval`` over images.
     """
     per_image, invented, named = [], 0, 0  # per_image: (mass, uniform, hits, words) summed over its scored words
     for s in scores:
@@ -459,17 +387,10 @@ def summarize(scores: Iterable[WordScores]) -> dict[str, Any]:
 
 def bootstrap_intervals(per_image: Sequence[tuple[float, float, float, int]], draws: int = BOOTSTRAP_DRAWS,
                         seed: int = 0) -> tuple[list[float] | None, list[float] | None]:
-    """95% intervals of the box ratio and the pointing accuracy, resampling whole images.
+    """95% intervals ``([low, high] of the ratio, [low, high] of pointing)``, resampling whole images.
 
-    Args:
-        per_image: for each image with scored words, the sums over them of the mass in the box, the
-            uniform baseline and the hits, and their count.
-        draws: bootstrap resamples.
-        seed: of the resampling, so a report is reproducible.
-
-    Returns:
-        ``([low, high] of the ratio, [low, high] of pointing)``, each None with fewer than two images
-        (or, for the ratio, where a resample's baseline is zero).
+    ``per_image``: sums of mass, baseline and hits and the word count per image. None with fewer than two
+    images (or for the ratio where a resample's baseline is zero).
     """
     if len(per_image) < 2:
         return None, None
@@ -486,14 +407,8 @@ def _middle_95(values: np.ndarray) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- synthetic captions
-
-
 def caption_object_accuracy(words: Sequence[str], boxes: Sequence[Any]) -> bool:
-    """True when a synthetic-scene caption names every object with the right colour and shape.
-
-    Every object must be named by its shape noun with its colour word directly before it (size
-    words are not checked), and no shape absent from the image may be named.
-    """
+    """True when a scene caption names every object by colour and shape and names no absent shape."""
     truth = {obj.category: str(obj.attributes.get("color", "")).lower() for obj in boxes}
     named: dict[str, set[str]] = {}
     for m in find_mentions(words, "shapes"):
@@ -520,39 +435,18 @@ def attention_entropy_summary(results: Sequence[Any]) -> dict[str, float | None]
 
 
 def detect_vocabulary(instances: dict[int, list[Any]]) -> str | WordTable:
-    """The word table for a dataset's boxes (``object_words.choose_vocabulary``).
-
-    The names come from the instances file's ``categories`` list when ``instances`` carries it
-    (``load_instances`` output), else from the boxes. ``"shapes"`` when every name is a synthetic
-    shape, ``"coco"`` when every name is a COCO category, else the dataset's own names.
-    """
+    """The word table for a dataset's boxes, from its ``categories`` list when it has one."""
     names = getattr(instances, "categories", None) or [obj.category for objs in instances.values() for obj in objs]
     return choose_vocabulary(names)
 
 
-def attention_correctness_for_results(
-    results: Sequence[Any],
-    caption_set: Any,
-    instances: dict[int, list[Any]],
-    encoder_cfg: Any,
-    vocabulary: str | WordTable | None = None,
-) -> dict[str, float | int | str | None]:
-    """Attention correctness of a decoded split (called by ``evaluate.py``).
+def attention_correctness_for_results(results: Sequence[Any], caption_set: Any, instances: dict[int, list[Any]],
+                                      encoder_cfg: Any,
+                                      vocabulary: str | WordTable | None = None) -> dict[str, float | int | str | None]:
+    """Attention correctness of a decoded split (one ``Caption`` per image of ``caption_set``).
 
-    Args:
-        results: ``captioner.inference.Caption`` per image (``words``, ``attention`` (L, g, g)), aligned with
-            ``caption_set.images``.
-        caption_set: the ``CaptionSet`` the results were decoded from (image sizes come from its
-            records, or from the image file when a record has none).
-        instances: ``load_instances(...)`` output, image id -> ``ObjectBox`` list.
-        encoder_cfg: the checkpoint's ``EncoderConfig`` (for ``crop_box``).
-        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable``; None detects it from the
-            categories (``detect_vocabulary``).
-
-    Returns:
-        ``summarize`` keys, ``vocabulary`` (``"shapes"``, ``"coco"`` or ``"categories"``: the
-        dataset's own category names), plus ``objects_correct`` (share of captions naming every
-        object with the right colour and shape, inventing none) for the synthetic scenes.
+    ``vocabulary``: None detects it from the categories. Returns the :func:`summarize` keys,
+    ``vocabulary`` and, for the synthetic scenes, ``objects_correct``.
     """
     if len(results) != len(caption_set.images):
         raise DataError(f"{len(results)} results for {len(caption_set.images)} images")
@@ -570,28 +464,14 @@ def attention_correctness_for_results(
     return out
 
 
-def reference_correctness(
-    captions: Sequence[Sequence[Any]],
-    caption_set: Any,
-    instances: dict[int, list[Any]],
-    encoder_cfg: Any,
-    vocabulary: str | WordTable | None = None,
-) -> dict[str, float | int | str | None]:
-    """Attention correctness of the model on the **reference** captions (``evaluate.py``).
+def reference_correctness(captions: Sequence[Sequence[Any]], caption_set: Any, instances: dict[int, list[Any]],
+                          encoder_cfg: Any,
+                          vocabulary: str | WordTable | None = None) -> dict[str, float | int | str | None]:
+    """Attention correctness of the model on the **reference** captions, teacher-forced.
 
-    Each image's human captions are fed to the decoder word by word (teacher forcing) and the
-    attention at the step that predicts each word is scored as for a generated word. Every model is
-    then judged on the same words, the ones people used, and on five captions an image instead of
-    one: about five times the words, so narrower intervals. An image's words from all its captions
-    form one unit of the bootstrap.
-
-    Args:
-        captions: per image of ``caption_set``, its references, each with ``words`` and
-            ``attention`` (L, g, g).
-        caption_set, instances, encoder_cfg, vocabulary: as for :func:`attention_correctness_for_results`.
-
-    Returns:
-        ``summarize`` keys, ``vocabulary`` and ``captions_scored``.
+    Every model is judged on the same words, about five times as many, so narrower intervals; an
+    image's words from all its captions form one bootstrap unit. Returns the :func:`summarize` keys,
+    ``vocabulary`` and ``captions_scored``.
     """
     if len(captions) != len(caption_set.images):
         raise DataError(f"reference captions of {len(captions)} images for {len(caption_set.images)} images")
@@ -633,13 +513,7 @@ def _share(flags: list[bool]) -> float | None:
 
 
 def compositional_scores(results: Sequence[Any], caption_set: Any, instances: Any) -> dict[str, Any] | None:
-    """Seen/unseen scores of decoded test captions (module docstring), or None without unseen pairs.
-
-    Args:
-        results: one caption per image (``words``), aligned with ``caption_set.images``.
-        caption_set: the decoded images.
-        instances: ``load_instances`` output; its ``unseen_pairs`` says which pairs were held out.
-    """
+    """Scores of decoded test captions on seen and held-out (unseen) pairs, or None without unseen pairs."""
     unseen = {(c.lower(), s) for c, s in getattr(instances, "unseen_pairs", ())}
     if not unseen:
         return None
@@ -667,16 +541,7 @@ def _overlap(lo: np.ndarray, hi: np.ndarray, box_lo: float, box_hi: float) -> np
 
 
 def box_coverage(boxes: Sequence[Sequence[float]], view: Sequence[float], grid: int) -> np.ndarray:
-    """Each region's area share inside the union of ``boxes``.
-
-    Args:
-        boxes: ``(x, y, w, h)`` boxes in original pixels (empty: all zeros).
-        view: ``(left, top, right, bottom)`` of the original image the grid covers (``crop_box``).
-        grid: g, regions per side.
-
-    Returns:
-        (N,) float32 coverage in [0, 1], row-major over the g x g grid.
-    """
+    """(N,) each region's area share in [0, 1] inside the union of ``(x, y, w, h)`` boxes, seen through ``view``."""
     if grid < 1:
         raise DataError(f"grid must be >= 1, got {grid}")
     left, top, right, bottom = (float(v) for v in view)
@@ -702,17 +567,7 @@ def _agrees(obj: Any, attributes: dict[str, str]) -> bool:
 
 
 def bind_mentions(mentions: Sequence[Any], objects: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
-    """The phrase binding rule (module docstring): caption word index -> indices into ``objects``.
-
-    Args:
-        mentions: object mentions of one caption (``start``, ``end``, ``category``, ``attributes``),
-            e.g. ``find_mentions(words, "shapes")``.
-        objects: the image's boxes (``category``, ``attributes``), e.g. ``ObjectBox`` items.
-
-    Returns:
-        ``(word index, box indices)`` for every word of every mention whose category is in the
-        image, in caption order; words of other mentions are left out (nothing to supervise).
-    """
+    """``(word index, box indices)`` for every word of every mention whose category is in the image."""
     bound: list[tuple[int, tuple[int, ...]]] = []
     for m in mentions:
         same = [i for i, obj in enumerate(objects) if obj.category == m.category]

@@ -1,24 +1,13 @@
 """CHAIR: how often captions name objects that are not in the photo (Rohrbach et al. 2018).
 
-*Object Hallucination in Image Captioning* counts the COCO objects a caption names and checks each
-against the objects the photo holds:
-
 * **CHAIR-s**: the share of captions that name at least one absent object;
 * **CHAIR-i**: the share of object mentions that name an absent object;
-* **object coverage** (beside them): the share of the objects the reference captions name that the
-  caption names too, pooled over the photos (a caption that names nothing hallucinates nothing, and
-  covers nothing).
+* **object coverage**: the share of the objects the references name that the caption names too.
 
-An object is *named* through :data:`CHAIR_SYNONYMS`: the 80 COCO categories, their plurals, two-word
-names ("hot dog", "cell phone") and the words people use for them ("man" -> person, "puppy" -> dog,
-"sofa" -> couch), matched longest phrase first over ``captioner.text.tokenize`` tokens, so "hot dog"
-is never a dog and "teddy bear" never a bear. :data:`NOT_OBJECTS` lists phrases that hold an object
-word but name no object ("toilet paper", "train tracks", "orange juice"); "baseball" alone names the
-game, not a bat or a glove; "orange" before a noun is a colour.
-
-The objects *present* are the categories of the photo's boxes when the set has an instances file,
-joined (as the paper does) with the categories its reference captions name; without boxes, the
-reference captions' categories alone.
+Objects are named through :data:`CHAIR_SYNONYMS` (the 80 COCO categories, plurals, two-word names
+and synonyms, longest phrase first, so "hot dog" is never a dog) minus :data:`NOT_OBJECTS`
+("toilet paper", "train tracks"). The objects present are the photo's box categories (when there
+are boxes) joined with those its references name.
 """
 
 from __future__ import annotations
@@ -175,30 +164,14 @@ def chair_table() -> WordTable:
 
 
 def named_objects(caption: str | Sequence[str]) -> list[str]:
-    """The COCO categories a caption names, one per mention, in caption order.
-
-    Args:
-        caption: the text, or its tokens (``captioner.text.tokenize``).
-
-    Returns:
-        e.g. ``["person", "dog", "hot dog"]`` for "a man feeds his dog a hot dog".
-    """
+    """The COCO categories a caption (text or tokens) names, one per mention, in order: "a man ... dog" -> person, dog."""
     words = tokenize(caption) if isinstance(caption, str) else list(caption)
     return [m.category for m in find_mentions(words, chair_table()) if m.category != NOTHING]
 
 
 @dataclass(frozen=True)
 class ChairScores:
-    """CHAIR over a set of captions (shares in 0-1; None where nothing was counted).
-
-    Attributes:
-        chair_s: captions naming an absent object / all captions.
-        chair_i: mentions of absent objects / all object mentions.
-        coverage: reference-named objects the caption names / reference-named objects.
-        captions: captions scored; mentions: object mentions counted; hallucinated: of them absent.
-        objects_source: ``"boxes and references"`` or ``"references"``.
-        per_image: per caption, ``{"named": [...], "present": [...], "absent": [...]}``.
-    """
+    """CHAIR over a set of captions (shares in 0-1; None where nothing was counted), with ``per_image`` details."""
 
     chair_s: float | None
     chair_i: float | None
@@ -226,17 +199,10 @@ def _share(part: int, whole: int) -> float | None:
 def chair_scores(captions: Sequence[str], references: Sequence[Sequence[str]],
                  boxes: Sequence[Iterable[str]] | None = None,
                  categories: Mapping[str, str] | None = None) -> ChairScores:
-    """CHAIR-s, CHAIR-i and object coverage of ``captions``.
+    """CHAIR-s, CHAIR-i and object coverage of one caption per image.
 
-    Args:
-        captions: one generated caption per image.
-        references: per image, its reference captions (their named objects are present).
-        boxes: per image, the category names of its boxes (an instances file), or None.
-        categories: a map from the instances file's category names to COCO's, when they differ
-            (names not in it are taken as they are).
-
-    Returns:
-        :class:`ChairScores`; CHAIR-s counts every caption (one naming nothing is not a hallucination).
+    ``boxes``: per image its boxes' category names, or None; ``categories``: a map from the instances
+    file's names to COCO's.
     """
     if len(references) != len(captions) or (boxes is not None and len(boxes) != len(captions)):
         raise ValueError(f"chair_scores: {len(captions)} captions, {len(references)} reference lists"

@@ -1,28 +1,12 @@
 """Score a checkpoint on a dataset split and write the metrics and a COCO results file.
 
-``evaluate_checkpoint`` loads the checkpoint, decodes every image of the split with (batched) beam
-search, and scores the captions against **all** raw references of each image:
-
-* BLEU-1..4 (corpus BLEU, nltk), METEOR and ROUGE-L on the **0-1 scale**, CIDEr-D on coco-caption's
-  scale (about 1.0 for a good COCO model); papers print every score x100;
-* METEOR and ROUGE-L need ``pycocoevalcap`` (METEOR also Java), else they are None ("unavailable");
-* beside these built-in scores, the coco-caption scores the papers print (``coco/BLEU-1`` ..
-  ``coco/CIDEr-D``: PTB tokenisation and pycocoevalcap's scorers, :mod:`.coco_caption`) when
-  pycocoevalcap and Java are present, else None with a one-line ``coco_caption_note``;
-* the mean attention entropy per generated word (nats; log N is uniform attention);
-* object hallucination (:mod:`.chair`, Rohrbach et al. 2018): CHAIR-s, CHAIR-i and object coverage
-  over COCO's 80 categories, the objects present taken from the boxes when the split has an
-  instances file and from the reference captions always, with the captions that name an absent
-  object listed (``"chair"``);
-* attention correctness when the dataset has object boxes (``instances_<split>.json``): of the
-  generated words, and of the reference captions' words fed to the decoder (teacher forcing,
-  :func:`reference_attention`: every model judged on the same words, five captions an image); and on a
-  compositional split of the scenes (``make-shapes --unseen-pairs``) objects right for scenes with
-  seen and with unseen colour-shape pairs apart (:mod:`.compositional`).
-
-It writes ``metrics_<split>.json`` and ``captions_<split>_results.json`` (``[{"image_id",
-"caption"}]``, the COCO results format) to ``out_dir`` (default: the checkpoint's folder).
-``caption_split`` is the decoding part alone, for callers that want the per-image captions.
+``evaluate_checkpoint`` decodes every image of the split and scores the captions against **all**
+raw references of each image (docs/evaluation.md): BLEU-1..4, METEOR and ROUGE-L on the 0-1 scale
+and CIDEr-D (METEOR and ROUGE-L None without ``pycocoevalcap``), coco-caption's own scores
+(``coco/...``) when pycocoevalcap and Java are present, the attention entropy per word, object
+hallucination (:mod:`.chair`), and with object boxes attention correctness of the generated and the
+reference words, and the compositional split of the scenes. It writes ``metrics_<split>.json`` and
+``captions_<split>_results.json`` (the COCO results format) to ``out_dir``.
 """
 
 from __future__ import annotations
@@ -65,43 +49,20 @@ PAPER_NOTE = ("papers print every score x100 (BLEU-4 0.243 -> 24.3, CIDEr-D 1.06
 
 @dataclass
 class SplitCaptions:
-    """Decoded captions of a split, aligned with ``caption_set.images``.
-
-    Attributes:
-        caption_set: the images that were captioned (missing/unreadable ones removed when skipped).
-        results: one ``inference.Caption`` per image (text, words, attention (L, g, g)).
-        skipped: file names of images that could not be read (only with ``skip_missing``).
-    """
+    """Decoded captions (``results``) aligned with ``caption_set.images``; ``skipped``: unreadable files left out."""
 
     caption_set: Any
     results: list[Any]
     skipped: list[str]
 
 
-def caption_split(
-    engine: Captioner,
-    caption_set: Any,
-    options: DecodeOptions | None = None,
-    batch_size: int = 32,
-    skip_bad: bool = False,
-    progress: bool = True,
-    num_workers: int = 0,
-    **decoding: Any,
-) -> SplitCaptions:
-    """Caption every image of ``caption_set`` in batches, through ``engine.caption``.
+def caption_split(engine: Captioner, caption_set: Any, options: DecodeOptions | None = None, batch_size: int = 32,
+                  skip_bad: bool = False, progress: bool = True, num_workers: int = 0,
+                  **decoding: Any) -> SplitCaptions:
+    """Caption every image of ``caption_set`` in batches through ``engine.caption``.
 
-    Args:
-        engine: a loaded model (:func:`captioner.inference.load`).
-        caption_set: the images (file presence should be checked with ``check_images`` first).
-        options: search options (default ``DecodeOptions()``: beam 3, 20 words).
-        batch_size: images per decoding batch.
-        skip_bad: leave out unreadable images (logged) instead of raising ``ImageLoadError``.
-        progress: show a tqdm bar.
-        num_workers: DataLoader workers for image decoding.
-        **decoding: ``DecodeOptions`` fields replacing those of ``options`` (``beam_size``, ...).
-
-    Returns:
-        The captions, aligned with the (possibly filtered) caption set.
+    ``skip_bad``: leave out unreadable images (logged) instead of raising ``ImageLoadError``.
+    ``**decoding``: ``DecodeOptions`` fields replacing those of ``options``.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -126,12 +87,7 @@ def caption_split(
 
 @dataclass
 class ForcedCaption:
-    """One reference caption fed to the decoder: its words and the attention at the step predicting each.
-
-    Attributes:
-        words: the caption's L words, tokenized (words outside the vocabulary kept as written).
-        attention: (L, g, g) attention over the regions.
-    """
+    """One reference fed to the decoder: its L ``words`` and the (L, g, g) ``attention`` at the step predicting each."""
 
     words: list[str]
     attention: torch.Tensor
@@ -139,24 +95,11 @@ class ForcedCaption:
 
 def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 32, progress: bool = True,
                         num_workers: int = 0, reading_step: bool = False) -> list[list[ForcedCaption]]:
-    """Where the model looks along each image's reference captions (teacher forcing).
+    """Where the model looks along each image's reference captions (teacher forcing): ``ForcedCaption`` lists per image.
 
-    Each reference is tokenized and fed to the decoder after ``<bos>``; the attention of the step
-    that predicts a word is that word's. Words outside the vocabulary enter as ``<unk>`` and keep
-    their written form for matching object names. A caption is cut to the decoder's ``max_len``.
-
-    Args:
-        engine: a loaded model (:func:`captioner.inference.load`).
-        caption_set: the images and their references (files already checked).
-        batch_size: images per encoder batch.
-        progress: show a tqdm bar.
-        num_workers: DataLoader workers for image decoding.
-        reading_step: give each word the attention of the step after it, whose input is the word itself
-            (where a decoder could look at what it has just said), instead of the step that predicts it.
-
-    Returns:
-        Per image of ``caption_set``, one :class:`ForcedCaption` per reference (unreadable images:
-        none).
+    Words outside the vocabulary enter as ``<unk>`` and keep their written form; a caption is cut to
+    the decoder's ``max_len``. ``reading_step``: give each word the attention of the step whose input
+    it is, instead of the step that predicts it.
     """
     vocab, model = engine.vocab, engine.model
     shift = int(reading_step)  # 1: the steps read <bos> w1 .. wL and word t takes step t + 1's map
@@ -205,19 +148,11 @@ class EvaluateOptions:
     """How :func:`evaluate_checkpoint` reads a split and what it scores (the search has ``DecodeOptions``).
 
     Attributes:
-        batch_size: images per decoding batch.
         out_dir: where the two JSON files go (default: the checkpoint's folder).
         images_dir: image folder when it is not where the layout puts it.
-        max_images: score only the first N images of the split.
-        skip_missing: leave out missing or unreadable images instead of failing.
-        device: ``"cpu"``, ``"cuda"``, ``"auto"``, ...
-        progress: show tqdm bars (on a terminal).
-        num_workers: DataLoader workers for image decoding.
-        meteor: compute METEOR (starts a Java process; None when unavailable or off).
-        coco_caption: also compute the coco-caption scores (``coco/...`` keys; starts Java for the
-            PTB tokeniser, about a second, and with ``meteor`` a second METEOR process).
-        references_attention: on a dataset with boxes, also score attention along the reference
-            captions (:func:`reference_attention`; the images are encoded a second time).
+        max_images: score only the first N images; ``skip_missing``: leave out unreadable ones.
+        meteor: compute METEOR (starts Java); ``coco_caption``: also the coco-caption scores.
+        references_attention: with boxes, also score attention along the references (encodes twice).
         overwrite: replace an earlier evaluation's files of the same split (False: refuse them).
     """
 
@@ -250,25 +185,16 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
     Args:
-        checkpoint: a ``.safetensors`` checkpoint written by training, or a list of several, decoded
-            as an ensemble (:func:`captioner.inference.load`; ``out_dir`` is then required).
+        checkpoint: a checkpoint, or a list decoded as an ensemble (``out_dir`` then required).
         data_root: dataset folder or annotation file (as for ``load_caption_set``).
-        split: split to score, e.g. ``"test"`` (Karpathy test for COCO).
-        options: search options (default ``DecodeOptions()``: beam 3, 20 words, ``<unk>`` banned,
-            as in training's validation).
+        options: search options (default ``DecodeOptions()``, as in training's validation).
         settings: what to read and score (default ``EvaluateOptions()``).
-        model: ``checkpoint`` already loaded on the device (:func:`captioner.inference.load`), so that
-            a caller that goes on using it loads it once; None: loaded here.
-        **changes: fields of :class:`EvaluateOptions` (``batch_size``, ``out_dir``, ``progress``, ...) or of
-            ``DecodeOptions`` (``beam_size``, ``max_len``, ...) replacing those of ``settings`` / ``options``.
-            ``overwrite=False`` refuses an earlier evaluation's files of the same split in the output
-            folder before any work (the command's default; ``--force`` sets it).
+        model: ``checkpoint`` already loaded (:func:`captioner.inference.load`); None: loaded here.
+        **changes: fields of :class:`EvaluateOptions` or ``DecodeOptions`` replacing those given.
 
     Returns:
-        The content of ``metrics_<split>.json`` (metric names such as ``"BLEU-4"`` and
-        ``"coco/BLEU-4"`` at the top level, ``"attention"``, ``"attention_correctness"``, counts,
-        ``"paths"``), plus ``"results"`` (the ``Caption`` list) and ``"caption_set"`` (the images they
-        belong to), which are not written to the file.
+        The content of ``metrics_<split>.json``, plus ``"results"`` (the ``Caption`` list) and
+        ``"caption_set"``, which are not written to the file.
     """
     settings = dataclasses.replace(settings or EvaluateOptions(),
                                    **{k: v for k, v in changes.items() if k in _EVALUATE_FIELDS})

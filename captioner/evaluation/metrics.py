@@ -62,15 +62,7 @@ def _tokenized(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
-    """Corpus BLEU-1..4 on the 0-1 scale (nltk ``corpus_bleu``, no smoothing).
-
-    Args:
-        hypotheses: one generated caption per image (raw text; tokenized here).
-        references: per image, all its reference captions (raw text).
-
-    Returns:
-        ``{"BLEU-1": .., "BLEU-2": .., "BLEU-3": .., "BLEU-4": ..}``.
-    """
+    """Corpus BLEU-1..4 on the 0-1 scale (nltk ``corpus_bleu``, no smoothing) of raw captions against all references."""
     from nltk.translate.bleu_score import corpus_bleu
 
     hyps, refs = _tokenized(hypotheses, references)
@@ -86,8 +78,6 @@ def bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict
 
 
 # ----------------------------------------------------------------------------- CIDEr-D
-
-
 def _ngram_counts(tokens: list[str], n: int = 4) -> Counter:
     counts: Counter = Counter()
     for k in range(1, n + 1):
@@ -113,12 +103,7 @@ def _tfidf(counts: Counter, df: Mapping[tuple, float], log_images: float, n: int
 
 @dataclass(frozen=True)
 class DocFrequencies:
-    """CIDEr-D document frequencies: in how many reference sets (images) each 1..n-gram occurs.
-
-    Attributes:
-        df: ``{ngram tuple: number of images whose references contain it}``.
-        images: number of reference sets counted (the IDF's ``N``).
-    """
+    """CIDEr-D document frequencies: ``df[ngram]`` reference sets containing it, out of ``images``."""
 
     df: Mapping[tuple, float]
     images: int
@@ -141,21 +126,14 @@ def ngram_document_frequencies(references: Iterable[Sequence[Sequence[str]]], n:
 
 
 def document_frequencies(references: Sequence[Sequence[str]], n: int = 4) -> DocFrequencies:
-    """Document frequencies of raw reference captions (per image, all its references; tokenized here).
-
-    E.g. from the whole training corpus, once, for a CIDEr-D reward (``cider_d_scores(..., doc_freq=...)``).
-    """
+    """Document frequencies of raw reference captions (per image, all its references)."""
     return ngram_document_frequencies(([tokenize(r) for r in refs] for refs in references), n)
 
 
 def cider_d_similarity(counts: Counter, ref_counts: Sequence[Counter], doc_freq: DocFrequencies,
                        sigma: float = 6.0, n: int = 4,
                        ref_vectors: Sequence[tuple[list[dict[tuple, float]], list[float], int]] | None = None) -> float:
-    """CIDEr-D (x10 scale) of one caption's n-gram counts against its references' counts.
-
-    ``ref_vectors`` (``_tfidf`` of each reference) may be passed in when one image's references
-    score many captions.
-    """
+    """CIDEr-D (x10 scale) of one caption's n-gram counts against its references' (``ref_vectors`` precomputed or not)."""
     log_images = doc_freq.log_images
     vec, norm, length = _tfidf(counts, doc_freq.df, log_images, n)
     if ref_vectors is None:
@@ -174,18 +152,9 @@ def cider_d_similarity(counts: Counter, ref_counts: Sequence[Counter], doc_freq:
 def cider_d_tokenized(captions: Sequence[Sequence[str]], images: Sequence[int],
                       references: Sequence[Sequence[Sequence[str]]], doc_freq: DocFrequencies,
                       sigma: float = 6.0, n: int = 4) -> list[float]:
-    """CIDEr-D (x10 scale) of each tokenized caption ``captions[j]`` against ``references[images[j]]``.
+    """CIDEr-D (x10 scale) of each token list ``captions[j]`` against ``references[images[j]]``.
 
-    For a scorer with fixed references and document frequencies (the self-critical reward): each
-    image's reference vectors are built once per call, however many captions are scored against
-    it, and in first-seen order.
-
-    Args:
-        captions: token lists.
-        images: per caption, the index of its reference set.
-        references: per image, its tokenized reference captions.
-        doc_freq: the document frequencies to weigh n-grams with.
-        sigma, n: the length penalty's width and the longest n-gram.
+    Each image's reference vectors are built once per call (the self-critical reward's scorer).
     """
     ref_vectors: dict[int, list] = {}
     for image in dict.fromkeys(images):
@@ -197,15 +166,7 @@ def cider_d_tokenized(captions: Sequence[Sequence[str]], images: Sequence[int],
 
 def cider_d_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]], sigma: float = 6.0,
                    n: int = 4, doc_freq: DocFrequencies | None = None) -> list[float]:
-    """Per-image CIDEr-D (x10 scale).
-
-    Args:
-        hypotheses: one caption per image.
-        references: per image, all its reference captions.
-        sigma, n: the length penalty's width and the longest n-gram.
-        doc_freq: document frequencies to use; by default (coco-caption's behaviour) they are
-            counted from the references given here.
-    """
+    """Per-image CIDEr-D (x10 scale); ``doc_freq`` defaults to counts over the references given (coco-caption's way)."""
     hyps, refs = _tokenized(hypotheses, references)
     hyp_counts = [_ngram_counts(h, n) for h in hyps]
     ref_counts = [[_ngram_counts(r, n) for r in rs] for rs in refs]
@@ -216,19 +177,12 @@ def cider_d_scores(hypotheses: Sequence[str], references: Sequence[Sequence[str]
 
 
 def cider_d(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Corpus CIDEr-D (mean over images, coco-caption's x10 scale).
-
-    Args:
-        hypotheses: one caption per image.
-        references: per image, all its reference captions.
-    """
+    """Corpus CIDEr-D (mean over images, coco-caption's x10 scale)."""
     scores = cider_d_scores(hypotheses, references)
     return sum(scores) / len(scores)
 
 
 # ----------------------------------------------------------------------------- pycocoevalcap extras
-
-
 def _coco_inputs(hyps: list[list[str]], refs: list[list[list[str]]]) -> tuple[dict, dict]:
     gts = {i: [" ".join(r) for r in rs] for i, rs in enumerate(refs)}
     res = {i: [" ".join(h)] for i, h in enumerate(hyps)}
@@ -270,16 +224,9 @@ def _rouge_l(gts: dict, res: dict) -> float | None:
 
 def caption_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
                     meteor: bool = True) -> dict[str, float | None]:
-    """All caption metrics on one tokenization.
+    """All caption metrics on one tokenization: ``BLEU-1..4``, ``CIDEr-D``, ``METEOR``, ``ROUGE-L``, ``SPICE``.
 
-    Args:
-        hypotheses: one caption per image.
-        references: per image, all its reference captions.
-        meteor: try METEOR (starts a Java process, a few seconds).
-
-    Returns:
-        ``BLEU-1..4``, ``CIDEr-D``, ``METEOR``, ``ROUGE-L``, ``SPICE``; a metric that cannot be
-        computed here is None (never 0): METEOR / ROUGE-L without pycocoevalcap (or Java), SPICE always.
+    A metric that cannot be computed here is None (never 0); ``meteor`` starts a Java process.
     """
     out: dict[str, float | None] = dict(bleu(hypotheses, references))
     out["CIDEr-D"] = cider_d(hypotheses, references)
@@ -309,15 +256,8 @@ def format_metrics(metrics: Mapping[str, float | None]) -> str:
 
 
 # ----------------------------------------------------------------------------- COCO results files
-
-
 def write_coco_results(path: str | Path, items: Iterable[tuple[int, str] | Mapping[str, Any]]) -> Path:
-    """Write a COCO captioning results file ``[{"image_id": int, "caption": str}, ...]`` atomically.
-
-    Args:
-        path: output JSON file.
-        items: ``(image_id, caption)`` pairs or ``{"image_id", "caption"}`` mappings.
-    """
+    """Write ``[{"image_id": int, "caption": str}, ...]`` atomically from pairs or mappings."""
     rows = []
     for i, item in enumerate(items):
         try:
@@ -385,16 +325,9 @@ def _quiet_stderr() -> Iterator[list[str]]:
 
 
 def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, list[str]]:
-    """PTB-tokenise captions with pycocoevalcap's ``PTBTokenizer``, in one Java process.
+    """``{key: [caption, ...]}`` PTB-tokenised by pycocoevalcap's ``PTBTokenizer`` in one Java process.
 
-    Args:
-        captions: ``{key: [caption, ...]}``.
-
-    Returns:
-        ``{key: [tokenised caption, ...]}`` (space-separated tokens, in the same order).
-
-    Raises:
-        RuntimeError: the tokeniser failed or its output lines do not line up with the captions.
+    Raises ``RuntimeError`` when it fails or its lines do not line up with the captions.
     """
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
@@ -415,17 +348,10 @@ def ptb_tokenize(captions: Mapping[Hashable, Sequence[str]]) -> dict[Hashable, l
 
 def coco_caption_metrics(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
                          meteor: bool = True) -> tuple[dict[str, float | None], str]:
-    """coco-caption scores of one caption per image against all its references.
+    """coco-caption scores of one caption per image: ``({"coco/BLEU-1": .., ...}, note)``.
 
-    Args:
-        hypotheses: one generated caption per image (raw text).
-        references: per image, all its reference captions (raw text).
-        meteor: also run METEOR (a second Java process, a few seconds).
-
-    Returns:
-        ``({"coco/BLEU-1": .., ..., "coco/CIDEr-D": ..}, note)``: every value None and the note
-        saying why when the scores cannot be computed here; ``coco/METEOR`` None when METEOR is off
-        or fails. BLEU, METEOR and ROUGE-L on the 0-1 scale, CIDEr-D on coco-caption's x10 scale.
+    Every value None, and the note saying why, when they cannot be computed here; ``coco/METEOR``
+    None when ``meteor`` is off or fails.
     """
     _tokenized(hypotheses, references)  # the built-in scorers' input checks, one message for both
     empty: dict[str, float | None] = dict.fromkeys(COCO_KEYS)

@@ -1,67 +1,19 @@
 """On-disk cache of encoder region features for training a decoder over a frozen encoder.
 
-Shape legend: C images in the cache, N regions (grid*grid), D feature width.
+Shape legend: C images in the cache, B rows in a batch, N regions (grid*grid), D feature width.
 
-One cache file holds the features of every image of a caption set, row ``i`` belonging to
-``caption_set.images[i]``::
-
-    [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
-
-(``captioner.features.cache`` writes and checks it.)
-The values are float16, or bfloat16 when an encoder's features exceed float16's range (its
-trailer then says ``"dtype": "bfloat16"``, format version 2; see ``captioner.features.dtype``). A
-build checks each batch before storing it and refuses NaN/inf features naming the encoder and
-the image.
-
-The features sit at offset 0 and are read through a read-only ``numpy.memmap``, so memory stays
-flat however large the dataset is; they are also written batch by batch, never held in RAM. The
-trailer (format version, C, N, D, grid, dtype, largest |value|, key, the indices of images that
-failed to load) is written last. A build writes ``<path>.partial`` and renames it to ``<path>`` only when complete,
-under an exclusive lock (``filelock``) on ``<path>.lock`` (``captioner.features.cache``); a killed build
-therefore leaves only a ``.partial`` file, which is never opened as a cache, and its lock is dropped
-by the kernel, so a crash never leaves the cache locked. ``cache_key`` hashes the encoder
-configuration and the image list (``captioner.features.cache``); a cache whose key differs is stale
-and is refused by ``FeatureCache.open(path, key=...)`` or rebuilt by ``get_feature_cache``. Images
-are read through ``captioner.data.dataset``, so an unreadable one is raised or skipped.
-
-Feature-cache keys and file names: what decides a cache's content, hashed.
-
-A cache file is named ``<set name>_<split>_<key[:16]>.feats`` (:func:`cache_path`), where the key
-(:func:`cache_key`) hashes the encoder configuration, the ordered image list (paths relative to
-their common folder, plus the size and content hash of a sample of the images) and the encoder's
-weights (which :func:`get_feature_cache` passes unless told not to). A cache whose key differs from
-the one expected is stale (:mod:`captioner.features.cache`).
-
-The feature cache's file layout: the rows, then a JSON trailer, its length and a magic tag.
-
-Shape legend: C images, N regions, D feature width.
+One file holds the features of every image of a caption set, row ``i`` for ``caption_set.images[i]``::
 
     [ C*N*D 2-byte values ][ JSON trailer ][ trailer length: uint64 LE ][ MAGIC (8 bytes) ]
 
-:func:`cache_header` is the trailer a build writes, :func:`write_trailer` / :func:`read_trailer`
-write and check it, and :func:`write_cache_file` writes a whole file from rows already in the
-map's dtype (float16, or bfloat16 as uint16/int16 bits), for tests and benchmarks that need a cache
-without an encoder. ``captioner.features.cache`` builds and opens caches through these.
-
-An exclusive write lock and the temporary name of a cache file that is being built.
-
-A build holds a lock (``filelock``) on ``<path>.lock`` (``captioner.files.hold_lock``; the file holds the writer's pid) and writes
-``<path>.partial``, renamed to ``<path>`` only when complete. The kernel drops the lock of a
-killed process, so a crash never leaves a cache locked, and a ``.partial`` file is never opened as
-a cache.
-
-Reading cache rows for training: one row per call, or a whole batch gathered in one copy.
-
-Shape legend: B rows in a batch, N regions, D feature width.
-
-Read row by row, a training batch of cached features is copied four times on the host: each row
-out of the memory map (in a DataLoader worker), ``torch.stack`` of the rows (the collate), the
-stacked batch into shared memory (to reach the main process), and into pinned memory (for the
-device copy). At COCO scale (196 x 2048 values a row, 800 KB in float16) those copies keep the
-training loop waiting. :func:`gather_stored` reads a batch's rows with one ``np.take`` straight
-into the batch tensor, which inside a worker is allocated in shared memory up front (as torch's
-default collate does), so the rows are copied once there and the batch crosses to the main
-process as it is; only the pinned copy remains.
+Values are float16, or bfloat16 when an encoder's features exceed float16's range
+(``captioner.features.dtype``); NaN/inf features are refused. Rows are read through a read-only
+``numpy.memmap`` and written batch by batch, so memory stays flat. A build holds a lock on
+``<path>.lock`` and writes ``<path>.partial``, renamed only when complete: a killed build leaves
+neither a half cache nor a held lock. A file is named ``<set>_<split>_<key[:16]>.feats``; the key
+hashes the encoder configuration, the image list (and a sample of their contents) and the weights,
+and a cache whose key differs is stale. :func:`gather_stored` reads a batch's rows with one copy,
+into shared memory inside a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -98,11 +50,7 @@ _HELD = {"float16": torch.float16, "bfloat16": torch.int16}  # torch dtype the b
 
 
 def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor, in shared memory when called inside a DataLoader worker.
-
-    ``tensor.share_memory_()`` would allocate a second buffer and copy into it; the storage is
-    created shared instead, so the worker's result is sent to the main process without a copy.
-    """
+    """An uninitialised tensor, its storage created shared when called inside a DataLoader worker."""
     if get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -115,10 +63,7 @@ def empty_batch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def gather_stored(rows: np.ndarray, index: np.ndarray, dtype: str) -> torch.Tensor:
     """Rows ``index`` (B,) of a cache's memory map as one (B, N, D) tensor of the stored dtype.
 
-    The same tensor as ``torch.stack([stored_rows(rows[i], dtype) for i in index])``, bit for bit:
-    float16, or bfloat16 from the map's raw uint16 bits. ``index`` must be in range (the caller
-    checks it; ``mode="clip"`` also lets numpy write into ``out`` directly, where ``"raise"``
-    would gather into a temporary buffer first).
+    Bit for bit ``torch.stack([stored_rows(rows[i], dtype) for i in index])``; ``index`` must be in range.
     """
     index = np.asarray(index, dtype=np.intp)
     out = empty_batch((len(index), *rows.shape[1:]), _HELD[dtype])  # (B, N, D)
@@ -127,12 +72,9 @@ def gather_stored(rows: np.ndarray, index: np.ndarray, dtype: str) -> torch.Tens
 
 
 class StoredRows:
-    """What ``FeatureCache.loader()`` returns; picklable for DataLoader workers (the map is reopened there).
+    """What ``FeatureCache.loader()`` returns; picklable (the map is reopened in workers).
 
-    ``load(index)`` is one (N, D) row in the stored dtype (``FeatureCache.stored``);
-    ``load.stack(indices)`` is the (B, N, D) batch of those rows, equal to
-    ``torch.stack([load(i) for i in indices])`` but read in one copy (``FeatureCache.stored_batch``).
-    The training loader fetches whole batches from a ``load`` that has ``stack``.
+    ``load(index)`` is one (N, D) row in the stored dtype; ``load.stack(indices)`` a (B, N, D) batch in one copy.
     """
 
     def __init__(self, cache: Any) -> None:
@@ -190,19 +132,11 @@ SUFFIX = ".feats"
 
 
 def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | None = None) -> str:
-    """Hash of everything that decides the cached features.
+    """Hex SHA-256 of everything that decides the cached features.
 
-    Args:
-        model_config: its encoder part counts (name, weights, pretrained, grid, width, image size,
-            resize, mean/std, interpolation, dilate); the decoder part does not.
-        caption_set: a ``CaptionSet``; its ordered image list counts (ids, and paths relative to the
-            folder that holds them all, so a dataset moved or copied elsewhere keeps its caches), plus
-            the size and content hash of up to 64 evenly spaced images, so regenerated images
-            invalidate the cache (modification times do not count: a copy changes them, not the pixels).
-        encoder: when given, its weights are hashed too (needed for randomly initialised encoders).
-
-    Returns:
-        A hex SHA-256 digest.
+    The encoder part of ``model_config``; ``caption_set``'s ordered image list (relative paths, so a moved
+    dataset keeps its caches) with the size and content hash of up to 64 images; ``encoder``'s weights
+    when given (needed for randomly initialised encoders).
     """
     enc = resolve_encoder(model_config.encoder)  # the preprocessing the encoder really sees, not "unset"
     h = hashlib.sha256()
@@ -280,9 +214,7 @@ def write_trailer(f: Any, header: dict[str, Any]) -> None:
 
 def write_cache_file(path: str | os.PathLike, blocks: np.ndarray | Iterable[np.ndarray],
                      header: dict[str, Any]) -> Path:
-    """A cache file ``FeatureCache.open`` reads: ``blocks`` of rows (..., N, D) in the map's dtype, in
-    order, then the trailer ``header`` (:func:`cache_header`). Not atomic and not locked: builds of
-    real caches go through ``FeatureCache.build``."""
+    """A cache file of ``blocks`` of rows (..., N, D) in the map's dtype, then ``header`` (not atomic, not locked)."""
     path = Path(path)
     with open(path, "wb") as f:
         for block in [blocks] if isinstance(blocks, np.ndarray) else blocks:
@@ -330,14 +262,8 @@ def read_trailer(path: Path) -> dict[str, Any]:
 class FeatureCache:
     """Read-only view of a complete cache file. Use ``build`` / ``open``, not the constructor.
 
-    Attributes:
-        path: the cache file.
-        count: number of images C (rows).
-        num_regions: N.  dim: D.  grid: (g, g) as reported by the encoder.
-        dtype: the stored values, "float16" or "bfloat16" (``cache[i]`` reads a row as float32,
-            ``loader()`` in this dtype).
-        key: the ``cache_key`` it was built for ("" when built without one).
-        valid: (C,) bool array, False for images that failed to load (rows of zeros).
+    Attributes: ``count`` C, ``num_regions`` N, ``dim`` D, ``grid``, ``dtype`` ("float16" or "bfloat16"),
+    ``key`` (its ``cache_key``) and ``valid`` (C,) (False for images that failed to load).
     """
 
     def __init__(self, path: Path, header: dict[str, Any]) -> None:
@@ -393,12 +319,7 @@ class FeatureCache:
         return gather_stored(self.features, index, self.dtype)
 
     def loader(self) -> StoredRows:
-        """A picklable ``load(index) -> (N, D)`` in the stored 2-byte dtype, for the caption datasets;
-        ``load.stack(indices)`` reads a whole batch in one copy (the training loader's path).
-
-        Rows stay float16/bfloat16 through the DataLoader (workers, collate, pinned memory) and are
-        widened to float32 on the training device (``captioner.features.dtype.model_input``).
-        """
+        """A picklable ``load(index) -> (N, D)`` in the stored 2-byte dtype (widened on the training device)."""
         return StoredRows(self)
 
     def _check(self, index: int) -> int:
@@ -417,16 +338,10 @@ class FeatureCache:
 
     @classmethod
     def open(cls, path: str | os.PathLike, key: str | None = None, lock_timeout: float = 0.0) -> "FeatureCache":
-        """Open a complete cache file.
+        """Open a complete cache file, expecting ``key`` when given.
 
-        Args:
-            path: the cache file.
-            key: expected ``cache_key``; a different stored key raises (stale cache).
-            lock_timeout: when the file is absent and another process is writing it, wait this
-                many seconds for it to finish before raising.
-
-        Raises:
-            CaptionerError: missing, incomplete, truncated, foreign, stale, or being written.
+        ``lock_timeout``: seconds to wait for a process that is writing the file. Raises ``CaptionerError``
+        for a missing, incomplete, truncated, foreign, stale or busy cache.
         """
         path = Path(path)
         if not path.exists():
@@ -444,42 +359,21 @@ class FeatureCache:
         return cls(path, header)
 
     @classmethod
-    def build(
-        cls,
-        encoder: nn.Module,
-        caption_set: Any,
-        transform: Callable[[Any], torch.Tensor],
-        path: str | os.PathLike,
-        batch_size: int = 32,
-        device: str | torch.device = "cpu",
-        skip_bad: bool = False,
-        progress: bool = True,
-        num_workers: int = 0,
-        key: str = "",
-        lock_timeout: float = 0.0,
-        encoder_name: str = "",
-    ) -> "FeatureCache":
-        """Encode every image of ``caption_set`` and write the cache atomically.
+    def build(cls, encoder: nn.Module, caption_set: Any, transform: Callable[[Any], torch.Tensor],
+              path: str | os.PathLike, batch_size: int = 32, device: str | torch.device = "cpu", skip_bad: bool = False,
+              progress: bool = True, num_workers: int = 0, key: str = "", lock_timeout: float = 0.0,
+              encoder_name: str = "") -> "FeatureCache":
+        """Encode every image of ``caption_set`` and write the cache atomically; return it opened.
 
         Args:
-            encoder: ``encoder(images (B,3,S,S)) -> (features (B,N,D), grid)``; run in eval mode
-                under ``torch.inference_mode`` on ``device`` (its mode and device are restored).
-            caption_set: the images, row i = ``caption_set.images[i]``.
+            encoder: ``encoder(images (B,3,S,S)) -> (features (B,N,D), grid)``, run in eval mode on ``device``.
             transform: PIL image -> (3,S,S) tensor (an ``ImageTransform``).
-            path: the cache file to write.
-            batch_size, device, num_workers: encoding batch size, device, DataLoader workers.
             skip_bad: store unreadable images as invalid rows instead of raising ``ImageLoadError``.
-            progress: show a tqdm bar.
-            key: the ``cache_key`` stored in the trailer.
-            lock_timeout: seconds to wait when another process holds the lock; then raise.
-            encoder_name: how errors and warnings name the encoder (default: its class name).
-
-        Returns:
-            The opened cache.
+            key: the ``cache_key`` stored in the trailer; ``lock_timeout``: seconds to wait for the lock.
+            encoder_name: how errors name the encoder (default: its class name).
 
         Raises:
             DataError: the encoder produced NaN/inf (or beyond bfloat16's range) for an image.
-            ImageLoadError: an unreadable image without ``skip_bad``.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -519,11 +413,7 @@ class FeatureCache:
 
 def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Path, final: Path, images: list[str],
                     device: str | torch.device, progress: bool, skip_bad: bool) -> dict[str, Any]:
-    """Write feature rows in image order to ``out``; returns the trailer fields.
-
-    Each batch's largest |value| is checked before it is cast: NaN/inf is refused, and the first
-    batch beyond float16's range switches the file to bfloat16 (earlier rows converted in place).
-    """
+    """Write checked feature rows in image order to ``out`` (switching to bfloat16 if needed); return the trailer fields."""
     params = next(encoder.parameters(), None)
     old_device = params.device if params is not None else None
     was_training = encoder.training
@@ -576,25 +466,12 @@ def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Pat
     return cache_header(len(images), shape[0], shape[1], grid, dtype, top, invalid)
 
 
-def get_feature_cache(
-    model_config: ModelConfig,
-    encoder: nn.Module,
-    caption_set: Any,
-    transform: Callable[[Any], torch.Tensor],
-    cache_dir: str | os.PathLike,
-    hash_weights: bool = True,
-    lock_timeout: float = 0.0,
-    **build_kwargs: Any,
-) -> FeatureCache:
+def get_feature_cache(model_config: ModelConfig, encoder: nn.Module, caption_set: Any,
+                      transform: Callable[[Any], torch.Tensor], cache_dir: str | os.PathLike, hash_weights: bool = True,
+                      lock_timeout: float = 0.0, **build_kwargs: Any) -> FeatureCache:
     """Open the matching cache in ``cache_dir`` or build it (stale or broken files are rebuilt).
 
-    Args:
-        model_config, encoder, caption_set: as for ``cache_key`` (``hash_weights`` passes the
-            encoder's weights into the key).
-        transform: as for ``FeatureCache.build``.
-        cache_dir: folder of cache files, named by ``cache_path``.
-        lock_timeout: seconds to wait for another process writing the same cache.
-        **build_kwargs: ``batch_size``, ``device``, ``skip_bad``, ``progress``, ``num_workers``.
+    ``hash_weights`` puts the encoder's weights into the key; ``**build_kwargs`` go to ``FeatureCache.build``.
     """
     key = cache_key(model_config, caption_set, encoder if hash_weights else None)
     path = cache_path(cache_dir, caption_set, key)

@@ -2,19 +2,9 @@
 
 Shape legend: b images in a batch, N regions, D feature width.
 
-A cache file holds 2-byte values of one dtype, recorded in its trailer:
-
-* ``float16`` (format version 1, what every cache held before): 11 significant bits, but only
-  up to 65504. Pretrained encoders stay far below that.
-* ``bfloat16`` (format version 2): float32's range with 8 significant bits (a relative error of at
-  most 2**-8). Chosen as soon as one batch exceeds float16's range, e.g. a randomly initialised
-  ResNet-101, whose features reach 2.4e5 and used to be cached as inf. The file keeps the same
-  size (float32 would double it), and the rows written as float16 before that batch are converted
-  in place. NumPy has no bfloat16, so the map holds the raw bits as ``uint16`` and rows are read
-  through ``torch.Tensor.view(torch.bfloat16)``. A captioner that reads only version 1 refuses a
-  version 2 file instead of misreading its bits as float16.
-
-An encoder that produces NaN or inf is refused: such features cannot train anything.
+``float16`` (format version 1) holds up to 65504; ``bfloat16`` (version 2, float32's range, 8
+significant bits) is chosen as soon as one batch exceeds that, the earlier rows converted in place.
+NumPy has no bfloat16, so the map holds its bits as ``uint16``. NaN or inf features are refused.
 """
 
 from __future__ import annotations
@@ -50,12 +40,7 @@ def decode_row(row: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def stored_rows(rows: np.ndarray, dtype: str) -> torch.Tensor:
-    """Stored rows (..., N, D) of the memory map -> a tensor of the stored 2-byte dtype (a copy).
-
-    ``torch.float16`` or ``torch.bfloat16``, the same bits as on disk: half the bytes of float32
-    for the DataLoader workers, the shared-memory transfer, the collate and the pinned copy to
-    move. :func:`model_input` widens a batch to float32 on the training device, exactly.
-    """
+    """Stored rows (..., N, D) of the memory map -> a tensor of the stored 2-byte dtype (a copy)."""
     if dtype == "float16":
         return torch.from_numpy(np.array(rows, dtype=np.float16))
     bits = np.array(rows, dtype=np.uint16).view(np.int16)  # torch has few uint16 ops
@@ -66,13 +51,7 @@ STORED_TORCH = frozenset(_TORCH.values())  # the dtypes cached features travel i
 
 
 def model_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A loader's batch ``x`` on ``device``, float16/bfloat16 features widened there to float32.
-
-    The one step between a loader and the model: cached features cross the DataLoader and the
-    host-to-device copy in their stored 2-byte dtype and become float32 only on the device (an
-    exact conversion, so the values are those of ``decode_row``). Any other dtype (float32
-    features from memory, images) is only moved.
-    """
+    """A loader's batch ``x`` on ``device``, float16/bfloat16 features widened there to float32 (exactly)."""
     x = x.to(device, non_blocking=True)
     return x.float() if x.dtype in STORED_TORCH else x
 
@@ -89,18 +68,7 @@ def peak(feats: torch.Tensor) -> float:
 
 
 def check_range(feats: torch.Tensor, top: float, encoder: str, images: list[str], what: str) -> None:
-    """Refuse a batch holding NaN/inf, or values beyond bfloat16 (which would round to inf).
-
-    Args:
-        feats: the encoder's output (b, N, D).
-        top: ``peak(feats)``.
-        encoder: how the message names the encoder.
-        images: the b image paths, in row order.
-        what: names the cache in the message.
-
-    Raises:
-        DataError: one line naming the encoder, the first bad image and its value.
-    """
+    """Refuse (``DataError`` naming the encoder, the first bad image and value) NaN/inf or beyond-bfloat16 features."""
     if np.isfinite(top) and top <= BFLOAT16_MAX:
         return
     flat = feats.detach().flatten(1)  # (b, N*D)

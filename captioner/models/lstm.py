@@ -12,25 +12,13 @@ At step t, with h, c the LSTM state after step t-1 and y the previous word:
     h, c   = LSTMCell([E y; beta z], (h, c))
     p(y')  = softmax(L_o(dropout(E y + L_h dropout(h) + L_z beta z)))   # deep output
 
-An optional addition is one component, ``self.extension`` (a :class:`~captioner.models.base.SATExtension`,
-built by the registry from its own config section), called at named points: the initial state, rows read
-from h at every step, an attention filter, the deep output, ``aux``.
+An optional ``self.extension`` (:class:`~captioner.models.base.SATExtension`) is called at named
+points: the initial state, rows read from h, an attention filter, the deep output, ``aux``.
 
-One step, :meth:`SATDecoder._update` (the attention from the products of h, the gate, the context
-product, the LSTM update), serves ``forward`` (teacher forcing), ``step`` (search and sampling) and
-:class:`FusedSATSteps` (bfloat16 decoding: the same step with its products fused further and its
-weights in a low precision). ``forward`` hoists the time-independent work out of the loop: ``W_f f``
-once per image, the embedding half of the LSTM input product for all steps in one matmul, and the
-deep output over all steps after the loop.
-
-The attention (Bahdanau): scores ``e_i = w . tanh(W_f f_i + W_h h)``, ``alpha = softmax(e)``. ``W_f f``
-does not depend on the step: it is computed once per image (``AdditiveAttention.project``). Computed
-exactly, but faster: ``tanh(x) = 2 sigmoid(2x) - 1`` and softmax ignores a constant added to every score,
-so ``alpha = softmax_i(2 w . sigmoid(2 W_f f_i + 2 W_h h))`` (on CPU PyTorch's sigmoid is ~3x cheaper than
-tanh, and this runs over B*N*A values every step): ``project`` returns ``2 W_f f`` and the query is
-``2 W_h h``; ``w`` has no bias (softmax would cancel it). The soft context is ``sum_i alpha_i f_i``; the
-hard one the feature of one region ``s ~ Multinoulli(alpha)`` (training), or at test time the expectation
-or the feature of ``argmax alpha`` (``hard_test_mode``).
+One step, :meth:`SATDecoder._update`, serves ``forward``, ``step`` and :class:`FusedSATSteps`.
+``W_f f`` is computed once per image. Since ``tanh(x) = 2 sigmoid(2x) - 1`` and softmax ignores a
+constant, ``alpha = softmax_i(2 w . sigmoid(2 W_f f_i + 2 W_h h))`` exactly, with the cheaper sigmoid:
+``project`` returns ``2 W_f f`` and the query is ``2 W_h h``.
 """
 
 from __future__ import annotations
@@ -49,13 +37,7 @@ from captioner.models.registry import register_decoder
 
 
 class AdditiveAttention(nn.Module):
-    """``alpha = softmax_i(w . tanh(W_f f_i + W_h h))``.
-
-    Args:
-        feature_dim: D, region feature width.
-        hidden_dim: H, width of the query (the LSTM state).
-        attention_dim: A, width of the additive scoring layer.
-    """
+    """``alpha = softmax_i(w . tanh(W_f f_i + W_h h))`` over D-wide regions, an H-wide query, A-wide scores."""
 
     def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
         super().__init__()
@@ -64,9 +46,7 @@ class AdditiveAttention(nn.Module):
         self.score = nn.Linear(attention_dim, 1, bias=False)  # w
 
     def doubled(self) -> dict[str, torch.Tensor]:
-        """The layers times 2, as this module computes with them (the module's docstring): ``w_f``, ``b_f`` (2 W_f),
-        ``w_h``, ``b_h`` (2 W_h) and ``w_s`` (2 w), for a step that fuses them into its own products:
-        ``log alpha = log_softmax(w_s . sigmoid(w_f f + b_f + w_h h + b_h))``."""
+        """The layers times 2 as this module computes with them: ``w_f``, ``b_f``, ``w_h``, ``b_h``, ``w_s``."""
         return {"w_f": 2.0 * self.feature_proj.weight, "b_f": 2.0 * self.feature_proj.bias,
                 "w_h": 2.0 * self.hidden_proj.weight, "b_h": 2.0 * self.hidden_proj.bias, "w_s": 2.0 * self.score.weight}
 
@@ -76,8 +56,7 @@ class AdditiveAttention(nn.Module):
 
     @staticmethod
     def log_weights(projected: torch.Tensor, query: torch.Tensor, w_s: torch.Tensor, group: int = 1) -> torch.Tensor:
-        """Log attention weights (B*group,N) from ``project(f)`` (B,N,A), the query ``2 W_h h`` (B*group,A) and
-        the score layer ``2 w`` (1,A), summed in ``projected``'s dtype.
+        """Log attention weights (B*group,N) from ``project(f)`` (B,N,A), the query (B*group,A), ``2 w`` (1,A).
 
         ``group``: queries per image (beams), consecutive rows: query row r reads image ``r // group``.
         """
@@ -105,15 +84,7 @@ def region_features(features: torch.Tensor, index: torch.Tensor, group: int = 1)
 
 
 def sample_regions(log_alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one region per row, ``s ~ Multinoulli(alpha)``.
-
-    Args:
-        log_alpha: (B,N) log attention weights (keeps its graph: the log-probability of the draw
-            is what REINFORCE differentiates).
-
-    Returns:
-        index (B,) of the sampled regions and their log-probability (B,).
-    """
+    """Draw one region per row, ``s ~ Multinoulli(alpha)``: index (B,) and its log-probability (B,)."""
     index = torch.multinomial(log_alpha.detach().float().exp(), 1).squeeze(1)  # (B,)
     return index, log_alpha.gather(1, index.unsqueeze(1)).squeeze(1)  # (B,), (B,)
 
@@ -140,23 +111,14 @@ class SATDecoder(CaptionDecoder):
     """LSTM decoder with soft or hard additive attention over regions.
 
     Args:
-        vocab_size: V, output vocabulary size.
-        feature_dim: D, region feature width.
-        embed_dim: M, word embedding width (also the deep-output width).
-        hidden_dim: H, LSTM width.
-        attention_dim: A, additive attention width.
+        vocab_size, feature_dim, embed_dim, hidden_dim, attention_dim: V, D, M, H, A.
         dropout: dropout on h before L_h and on the deep output before L_o.
         attention: "soft" (deterministic) or "hard" (stochastic, trained with REINFORCE).
-        hard_test_mode: hard attention in eval mode: "expectation" (the soft context) or "argmax"
-            (the feature of the most attended region).
-        hard_soft_prob: hard attention in training: the probability, drawn independently for every
-            caption and step, of using the expected (soft) context instead of a sampled region.
-        grid: regions per side (for ``region_positions``).
-        region_positions: add learned row and column embeddings to the region features.
-        extension: an optional addition joined at the named points (:class:`SATExtension`); None: the paper's
-            decoder (a ``SATExtension`` whose every point leaves it unchanged).
-
-    The options are validated once, by ``SATConfig`` (``captioner.config.decoders``).
+        hard_test_mode: hard attention in eval mode: "expectation" (the soft context) or "argmax".
+        hard_soft_prob: hard attention in training: the probability per caption and step of using
+            the expected (soft) context instead of a sampled region.
+        grid, region_positions: add learned row and column embeddings to the g x g region features.
+        extension: an optional :class:`SATExtension`; None: the paper's decoder.
     """
 
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
@@ -230,11 +192,7 @@ class SATDecoder(CaptionDecoder):
 
     def _context(self, log_alpha: torch.Tensor, features: torch.Tensor, group: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Context (B,D) for one step, plus (hard, training) the sampled log-prob (B,) and region (B,).
-
-        Rows that use the expected context instead (probability ``hard_soft_prob``) get log-prob 0
-        and region -1. ``group``: rows per image of ``features`` (a grouped state's beams).
-        """
+        """Context (B,D), plus (hard, training) the sampled log-prob (B,) and region (B,), else 0 and -1."""
         alpha = log_alpha.exp()  # (B, N)
         if self.attention_type == "soft":
             return soft_context(alpha, features, group), None, None
@@ -251,10 +209,7 @@ class SATDecoder(CaptionDecoder):
 
     def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
                      added: torch.Tensor | None = None) -> torch.Tensor:
-        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ added])): (..., M), (..., H), (..., D) -> (..., V).
-
-        ``added``: (B, M) or (B, 1, M), the extension's term, when it has one.
-        """
+        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ added])): (..., M), (..., H), (..., D) -> (..., V)."""
         deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
         if added is not None:
             deep = deep + added
@@ -266,23 +221,19 @@ class SATDecoder(CaptionDecoder):
                 features: torch.Tensor, w_s: torch.Tensor, w_z: torch.Tensor,
                 extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None), group: int = 1,
                 context: Any = None):
-        """One SAT step from the products of h_{t-1}: the one function of every step, float32 or fused in a
-        low precision (:class:`FusedSATSteps`), teacher-forced or searched.
+        """One SAT step from the products of h_{t-1}, float32 or fused in a low precision.
 
         Args:
             q: (B, 4H+A+1 [+R]) ``[W_hh h; 2 W_h h + 2 b_h; f_beta h + b_beta; the extension's R rows]``.
-            c: (B,H) the LSTM cell.
-            x_gate: (B,4H) the previous word's half of the LSTM input product (with b_ih + b_hh).
+            c: (B,H) the LSTM cell; x_gate: (B,4H) the previous word's half of the input product.
             projected, features: (B/group, N, A) ``2 W_f f``, (B/group, N, D) the regions.
-            w_s: (1,A) the score layer ``2 w``.
-            w_z: (4H [+ M], D) ``W_ih[:, M:]`` [with ``L_z`` below it, whose product is returned].
-            extra: the extension's constants and what it read of this step's word.
-            group: decoder rows per row of ``projected`` and ``features`` (a grouped state's beams).
+            w_s: (1,A) ``2 w``; w_z: (4H [+ M], D) ``W_ih[:, M:]`` [with ``L_z`` below it].
+            extra: the extension's constants; group: decoder rows per image (beams).
             context: ``(log_alpha, features, group) -> (context, log-prob, region)``; default :meth:`_context`.
 
         Returns:
-            ``h, c`` (B,H), ``L_z beta z`` (B,M) or (B,0), context (B,D), beta (B,1), log alpha (B,N), for hard
-            attention in training the sampled log-prob and region (B,) (else None), and the extension's record.
+            ``h, c`` (B,H), ``L_z beta z`` (B,M) or (B,0), context (B,D), beta (B,1), log alpha (B,N), the
+            sampled log-prob and region (hard, training; else None), and the extension's record.
         """
         H, A = self.hidden_dim, self.attention_dim
         h_gates, query, gate_logit, rows = q.split([4 * H, A, 1, q.shape[-1] - 4 * H - A - 1], dim=-1)
@@ -298,21 +249,13 @@ class SATDecoder(CaptionDecoder):
                     features: torch.Tensor, w_query: torch.Tensor, b_query: torch.Tensor, w_s: torch.Tensor,
                     w_ctx: torch.Tensor, extra: tuple[dict[str, torch.Tensor], torch.Tensor | None] = ({}, None),
                     group: int = 1):
-        """One time step of ``forward`` (per word) and ``step``: the products of ``h_{t-1}`` in one matmul
-        (:meth:`_query_weights`), then :meth:`_update`. Returns ``h, c``, context, beta, log alpha, the sampled
-        log-prob and region (hard attention in training, else None) and the extension's record."""
+        """One time step: the products of ``h_{t-1}`` in one matmul, then :meth:`_update`."""
         h, c, _, *outputs = self._update(F.linear(h, w_query, b_query), c, x_gate, projected, features, w_s, w_ctx,
                                          extra, group)
         return h, c, *outputs
 
     def compile_recurrence(self, backend: str = "inductor", **options) -> None:  # noqa: ANN003
-        """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``).
-
-        The time loop stays in Python; each step runs as one compiled graph (fused elementwise
-        kernels, fewer launches on a GPU). Weights and ``state_dict`` are untouched. Soft attention
-        gives the same numbers as eager mode to float tolerance; hard attention draws its samples
-        from the same distribution but from a different random stream.
-        """
+        """Compile the per-word step of ``forward`` with ``torch.compile`` (opt-in; ``train.compile``)."""
         self._compiled_recurrence = torch.compile(self._recurrence, backend=backend, dynamic=False, **options)
 
 
@@ -328,19 +271,12 @@ class SATDecoder(CaptionDecoder):
         return torch.cat(weights), torch.cat(biases)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
-        """Teacher-forced pass over all steps.
-
-        Args:
-            features: (B,N,D) region features.
-            tokens: (B,T) input tokens ``[<bos> w1 .. wn ...][:, :-1]``; padded steps are computed
-                and left for the loss to ignore (no sorting, outputs in input order).
-            need_all_attention: ignored (one attention map per step).
+        """Teacher-forced pass over (B,T) input tokens ``[<bos> w1 .. wn ...][:, :-1]`` (padding left to the loss).
 
         Returns:
-            DecoderOutput with logits (B,T,V), attention alpha (B,T,N), attention_entropy (B,T),
-            sample_log_probs (B,T) (hard attention in training mode), aux["beta"] (B,T),
-            aux["context"] (B,T,D) ungated context, aux["region"] (B,T) sampled region or -1 (hard, training),
-            and the extension's ``aux``.
+            DecoderOutput with logits (B,T,V), attention (B,T,N), attention_entropy (B,T), sample_log_probs
+            (B,T) (hard, training), aux["beta"] (B,T), aux["context"] (B,T,D), aux["region"] (B,T) and the
+            extension's ``aux``.
         """
         ext = self.extension
         extra = ext.read(features)  # from the regions as the encoder gave them
@@ -379,12 +315,7 @@ class SATDecoder(CaptionDecoder):
     def _unroll(self, x_gates: torch.Tensor, h: torch.Tensor, c: torch.Tensor, projected: torch.Tensor,
                 features: torch.Tensor, low: torch.dtype | None, extra: dict[str, torch.Tensor], emb: torch.Tensor
                 ) -> dict[str, list[Any]]:
-        """The recurrence over the T steps of x_gates (B,T,4H): per step h, context, beta, log alpha (hard
-        attention in training: the sampled log-prob and region) and the extension's records.
-
-        The weights every step reads are fused and, under autocast (``low``), cast once, as autocast's
-        weight cache does in eager mode; so are the extension's constants.
-        """
+        """The recurrence over the T steps of x_gates (B,T,4H), weights fused (and cast once under autocast)."""
         w_query, b_query = self._query_weights()
         w_s, w_ctx = 2.0 * self.attention.score.weight, self.lstm.weight_ih[:, self.embed_dim:]  # (1, A), (4H, D)
         if low is not None:
@@ -421,12 +352,9 @@ class SATDecoder(CaptionDecoder):
     groups_rows = True  # step reads one copy of an image's regions for all its beams
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention alpha (B,N)), through the same
-        :meth:`_recurrence` as ``forward``.
+        """One step: prev_tokens (B,) -> (log_probs (B,V), new state, attention (B,N)).
 
-        A grouped state (``state.group`` g > 1) holds the regions and their projection once per
-        image, (B/g, N, D), read by its g consecutive rows; the extension's constants are repeated
-        per row for it (they are small).
+        A grouped state (``state.group`` g > 1) holds the regions once per image, read by g consecutive rows.
         """
         emb = self.embedding(prev_tokens)  # (B, M)
         group, static = state.group, state.static
@@ -442,10 +370,7 @@ class SATDecoder(CaptionDecoder):
         return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
 
     def _step_weights(self) -> tuple[torch.Tensor, ...]:
-        """The products one step reads: the embedding half of W_ih and b_ih + b_hh, the fused rows that read
-        h (:meth:`_query_weights`), the score layer 2 w and the context half of W_ih; kept between steps while no weight changes
-        and no gradient is recorded (decoding), built afresh otherwise, and inside a CUDA graph's capture (a
-        replay then reads the weights as they are at replay time, as the unfused products would)."""
+        """The fused products one step reads, kept between steps while decoding without gradients."""
         params = [*self.parameters()]
         key = tuple((p.data_ptr(), p._version) for p in params)
         keep = not torch.is_grad_enabled() and not (params[0].is_cuda and torch.cuda.is_current_stream_capturing())
@@ -472,26 +397,19 @@ class SATDecoder(CaptionDecoder):
 
 
 class FusedSATSteps(CaptionDecoder):
-    """The stepping of a :class:`SATDecoder` (soft attention, or hard attention at test time with the
-    expected context, no extension) with its products fused, in ``dtype`` (``SATDecoder.fused_steps``).
+    """The stepping of a soft-attention :class:`SATDecoder` with its products fused, in ``dtype``.
 
-    At step t, with ``q`` the products of h_{t-1} the step needs (W_hh h, the attention's W_h h,
-    f_beta h; computed at the end of the step before) and y the previous word:
+    At step t, with ``q`` the products of h_{t-1} (computed at the end of the step before):
 
         alpha        = softmax_i(w . tanh(W_f f_i + W_h h))          # as AdditiveAttention
         z            = beta * sum_i alpha_i f_i,   beta = sigmoid(f_beta h)
         [Wz z; Lz z] = [W_ih[:, M:]; L_z] z                          # one product
         gates        = T[y] + W_hh h + Wz z,   T = E W_ih[:, :M]^T + b_ih + b_hh (a table, V x 4H)
         h', c'       = LSTM update
-        [Lh h'; q']  = [L_h; W_hh; W_h; f_beta] h'                   # one product: this step's output, the next step's q
+        [Lh h'; q']  = [L_h; W_hh; W_h; f_beta] h'                   # one product
         p(y')        = softmax(L_o(E y + Lh h' + Lz z))
 
-    Its step is ``SATDecoder._update``, the one every step runs; only where the products of h are taken
-    (with L_h, at the end of the step before) and the table differ. The attention's B*g*N*A sums and
-    sigmoids run in float32 whatever ``dtype`` is (on a CPU they are faster there than in bfloat16, and
-    the maps closer to float32 decoding's).
-    Weights are a snapshot taken at construction (``captioner.decoding.search.decoder_for`` rebuilds it when
-    they change).
+    The attention's sums and sigmoids run in float32. Weights are a snapshot taken at construction.
     """
 
     groups_rows = True
@@ -538,9 +456,7 @@ class FusedSATSteps(CaptionDecoder):
         return State({"features": low, "projected": projected}, {"q": q, "c": c.to(self.dtype)})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32), through
-        ``SATDecoder._update``: the attention's B*g*N*A sums and sigmoids in float32 (``projected`` is float32),
-        the context always the expectation."""
+        """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32)."""
         (H, M, A), w = self.sizes, self.weights
         h, c, z_out, _, _, log_alpha, *_ = self.decoder[0]._update(
             state.dynamic["q"], state.dynamic["c"], w["table"][prev_tokens], state.static["projected"],

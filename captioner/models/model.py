@@ -1,10 +1,8 @@
 """The full model: encoder + decoder, built from a ``ModelConfig`` (both by name: ``registry``).
 
-Only ``build_model`` reads config objects; encoder and decoder classes take explicit arguments. The
-decoder's optional extension is built from the config's own ``concepts`` section
-(``captioner.concepts.model.build_extension``) and handed to the decoder as one argument.
-Importing this module registers the built-in encoders and decoders (their modules register
-themselves when imported).
+Only ``build_model`` reads config objects; the decoder's optional extension is built from the
+config's ``concepts`` section and handed to it as one argument. Importing this module registers
+the built-in encoders and decoders.
 """
 
 from __future__ import annotations
@@ -24,14 +22,7 @@ from captioner.models.registry import build_decoder, resolve_encoder
 
 
 class CaptionModel(nn.Module):
-    """Encoder + decoder. ``config`` (its encoder's preprocessing filled in) travels with the model into checkpoints.
-
-    Args:
-        encoder: maps images (B,3,H,W) to (features (B,N,D), grid (g,g)).
-        decoder: a ``CaptionDecoder``.
-        config: the ``ModelConfig`` both were built from.
-        vocab_size: output vocabulary size V.
-    """
+    """Encoder + decoder; ``config`` (its encoder's preprocessing filled in) travels with the model into checkpoints."""
 
     def __init__(self, encoder: nn.Module, decoder: CaptionDecoder, config: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -57,14 +48,7 @@ def resolve_model(cfg: ModelConfig) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True) -> CaptionModel:
-    """Build encoder and decoder from config.
-
-    Args:
-        cfg: model configuration.
-        vocab_size: output vocabulary size.
-        load_pretrained: load the encoder's ImageNet weights when ``cfg.encoder.pretrained``;
-            False when the weights will come from a checkpoint (never downloads then).
-    """
+    """Build encoder and decoder from config; ``load_pretrained=False`` when the weights come from a checkpoint."""
     if vocab_size < 5:
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     cfg = resolve_model(cfg)

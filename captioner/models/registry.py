@@ -1,17 +1,11 @@
 """Components by name: one entry per encoder and per decoder family, filled beside each component.
 
-Encoders: ``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...,
-preprocessing=...)`` holds everything about one trunk (``captioner.models.encoder`` registers ``tiny``,
-``resnet50``, ``resnet101``, ``efficientnet_lite0/1/2``, and the family ``timm/<model>`` through
-``register_encoder_family``), its weights' preprocessing included, as timm's ``pretrained_cfg`` and
-torchvision's ``Weights.transforms()`` do. An encoder's name is checked here, when the model is built
-(:func:`resolve_encoder`), and the preprocessing fields a config leaves unset are filled from its entry.
-Decoders: ``@register_decoder(ConfigClass)`` on a decoder class (or builder) that takes ``feature_dim=D,
-vocab_size=V, grid=g, extension=None`` and, by name, the config fields it reads (``captioner.models.lstm``:
-``sat``; ``captioner.models.transformer``: ``transformer``).
-
-The components register when their modules are imported, which ``captioner.models.model``
-(``build_model``) does.
+``register_encoder(name, trunk=..., stride=..., feature_dim=..., read_file=..., pretrained=...,
+preprocessing=...)`` holds everything about one trunk, its weights' preprocessing included (as
+timm's ``pretrained_cfg``); ``register_encoder_family`` a family such as ``timm/<model>``. Names are
+checked when the model is built (:func:`resolve_encoder`). ``@register_decoder(ConfigClass)`` marks
+a decoder class or builder taking ``feature_dim=D, vocab_size=V, grid=g, extension=None`` and the
+config fields it reads by name. Components register when ``captioner.models.model`` imports them.
 """
 
 from __future__ import annotations
@@ -65,15 +59,10 @@ class EncoderEntry:
     """Everything about one encoder trunk.
 
     Attributes:
-        trunk: cfg -> (trunk (B,3,S,S) -> feature map (B,D,h,w), its stages: dotted module names, bottom first),
-            randomly initialised.
-        read_file: a local weights file (``encoder.weights=FILE``, or what ``pretrained`` returns) -> the
-            trunk's state dict.
-        pretrained: cfg -> the weights ``encoder.pretrained`` loads when ``encoder.weights`` is not a file: a
-            local file, a :class:`Download`, or None (random initialisation). Called before any network is
-            built, so a bad setting fails at once.
-        dilatable: whether the trunk can run its last stage dilated at half the stride (``encoder.dilate``: a
-            map twice as fine from the same weights).
+        trunk: cfg -> (randomly initialised trunk (B,3,S,S) -> (B,D,h,w), its stages, bottom first).
+        read_file: a local weights file -> the trunk's state dict.
+        pretrained: cfg -> a local file, a :class:`Download` or None (random), checked before building.
+        dilatable: the trunk can run its last stage dilated (``encoder.dilate``).
     """
 
     name: str  # ``encoder.name``
@@ -116,12 +105,7 @@ def encoder_entry(name: str) -> EncoderEntry:
 
 
 def resolve_encoder(cfg: EncoderConfig) -> EncoderConfig:
-    """``cfg`` with its name checked and each preprocessing field it leaves unset (None) taken from its
-    registry entry: the mean, std, image size and interpolation the encoder's weights were trained with.
-
-    Raises:
-        ConfigError: ``cfg.name`` is not a registered encoder (the message lists them).
-    """
+    """``cfg`` with its name checked (``ConfigError`` listing them) and unset preprocessing taken from its entry."""
     entry = encoder_entry(cfg.name)
     unset = {f: getattr(entry.preprocessing, f) for f in PREPROCESSING_FIELDS if getattr(cfg, f) is None}
     return dataclasses.replace(cfg, **unset) if unset else cfg
@@ -157,9 +141,7 @@ def register_decoder(config: type[DecoderConfig]) -> Callable[[DecoderBuilder], 
 
 def build_decoder(cfg: DecoderConfig, feature_dim: int, vocab_size: int, grid: int,
                   extension: nn.Module | None = None) -> CaptionDecoder:
-    """The decoder ``cfg`` describes, for D = ``feature_dim`` features on a ``grid`` x ``grid`` map, joined by
-    ``extension`` (built from its own config section; None: the paper's decoder). The builder takes each
-    field of ``cfg`` that it has a parameter of the same name for."""
+    """The decoder ``cfg`` describes over ``feature_dim`` features on a ``grid`` x ``grid`` map, with ``extension``."""
     if cfg.name not in _DECODERS:
         raise ConfigError(f"decoder.name={cfg.name!r} is not registered; available: {', '.join(sorted(_DECODERS))}")
     build = _DECODERS[cfg.name].build

@@ -1,7 +1,7 @@
 """Transformer caption decoder (Vaswani et al. 2017) with cross-attention over image regions.
 
 Shape legend: B batch, N regions (= g*g), D feature width, T caption steps, V vocabulary,
-d model width, L layers, H heads, dh = d // H, t tokens decoded so far.
+d model width, L layers, H heads, dh = d // H, t tokens decoded so far, Tq/Tk query/key steps.
 
 Pre-norm blocks written by hand (``nn.TransformerDecoderLayer`` cannot return cross-attention
 weights)::
@@ -11,30 +11,16 @@ weights)::
     x = x + Drop(FFN(LN(x)))
 
 The overlay view ``attention`` is the last layer's cross-attention averaged over heads; only that
-layer takes the manual (weight-returning) attention path unless ``need_all_attention=True``.
+layer takes the manual (weight-returning) path unless ``need_all_attention=True``; the others use
+``scaled_dot_product_attention``. Both compute softmax(Q K^T / sqrt(dh)) V.
 
 ``init_state`` projects the regions to keys/values once per image (``State.static``); ``step``
-keeps a key/value cache of the self-attention (``State.dynamic``), so one step costs O(t) instead
-of re-running the whole prefix. No key-padding mask is needed: padding sits after ``<eos>`` and
-causal attention never lets a real token see a later one.
+keeps a key/value cache of the self-attention (``State.dynamic``). No key-padding mask is needed:
+padding sits after ``<eos>`` and causal attention never looks ahead.
 
-An optional addition, built by the registry from its own config section, is one
-component, ``self.extension`` (a :class:`~captioner.models.base.TransformerExtension`), called at named
-points: tokens appended to the memory after the N regions (the attention the decoder reports stays a
-distribution over the regions: :meth:`TransformerCaptionDecoder.region_weights`), a bias of the last
-layer's cross-attention, ``aux``.
-
-Multi-head attention (:class:`MultiHeadAttention`) can return its weights (for overlays) or take
-the fused fast path. Shape legend there: Tq query steps, Tk key steps (tokens for self-attention,
-N regions, plus any memory tokens of the extension, for cross-attention). Two paths compute the same
-thing, softmax(Q K^T / sqrt(dh)) V:
-
-* fused: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels
-  where available); it cannot return the weights;
-* manual: explicit scores and softmax, returning the weights (B, H, Tq, Tk).
-
-Keys/values are projected by ``project_kv`` so a caller can compute them once (e.g. the image
-regions of a cross-attention layer, once per image) and pass them to ``attend`` many times.
+An optional ``self.extension`` (:class:`~captioner.models.base.TransformerExtension`) may append
+memory tokens after the N regions (the reported attention stays over the regions:
+:meth:`TransformerCaptionDecoder.region_weights`), bias the last layer's cross-attention, add ``aux``.
 """
 
 from __future__ import annotations
@@ -57,13 +43,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (B, H, S, dh) each
 
 
 class MultiHeadAttention(nn.Module):
-    """Scaled dot-product attention with H heads.
-
-    Args:
-        d_model: query width and output width d.
-        num_heads: number of heads H (must divide ``d_model``).
-        kv_dim: width of the key/value source (defaults to ``d_model``).
-    """
+    """Scaled dot-product attention with H heads (dividing ``d_model``) over a ``kv_dim``-wide source."""
 
     def __init__(self, d_model: int, num_heads: int, kv_dim: int | None = None) -> None:
         super().__init__()
@@ -89,27 +69,13 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(source).chunk(2, dim=-1)  # (B, Tk, d) each
         return self._split(k), self._split(v)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool = False,
-        need_weights: bool = False,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attend projected queries to projected keys/values.
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+               need_weights: bool = False,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend (B, H, Tq, dh) queries to (B, H, Tk, dh) keys/values: (output (B, Tq, d), weights or None).
 
-        Args:
-            q: (B, H, Tq, dh) queries.
-            k: (B, H, Tk, dh) keys.
-            v: (B, H, Tk, dh) values.
-            causal: query i sees keys 0..i only (requires Tq == Tk).
-            need_weights: take the manual path and return the weights.
-            bias: added to the scores before the softmax, (B, 1, Tq, Tk) (not with ``causal``).
-
-        Returns:
-            (output (B, Tq, d), weights (B, H, Tq, Tk) or None).
+        ``causal``: query i sees keys 0..i only (Tq == Tk). ``need_weights``: the manual path, returning
+        (B, H, Tq, Tk) weights. ``bias``: (B, 1, Tq, Tk) added to the scores (not with ``causal``).
         """
         if causal and q.shape[2] != k.shape[2]:
             raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
@@ -130,13 +96,8 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, self.d_model)  # (B, Tq, d)
         return self.out_proj(out), weights
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        source: torch.Tensor | None = None,
-        causal: bool = False,
-        need_weights: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, source: torch.Tensor | None = None, causal: bool = False,
+                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend ``x`` (B, Tq, d) to ``source`` (B, Tk, kv_dim) (self-attention when None)."""
         k, v = self.project_kv(x if source is None else source)  # (B, H, Tk, dh) each
         return self.attend(self.project_q(x), k, v, causal=causal, need_weights=need_weights)
@@ -154,10 +115,7 @@ def sinusoidal_positions(length: int, dim: int, device: torch.device | None = No
 
 
 class RegionEmbedding(nn.Module):
-    """Region features -> memory: LN(Linear(features)) + row embedding + column embedding.
-
-    Region n of the g x g grid sits at row n // g, column n % g.
-    """
+    """Region features -> memory: LN(Linear(features)) + row embedding + column embedding."""
 
     def __init__(self, feature_dim: int, d_model: int, grid: int) -> None:
         super().__init__()
@@ -200,15 +158,12 @@ class DecoderBlock(nn.Module):
         self, x: torch.Tensor, memory: KV, past: KV | None = None, need_weights: bool = False,
         cross_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, KV]:
-        """Run the block.
+        """Run the block on (B, T, d) token states (T = 1 when ``past`` is given).
 
         Args:
-            x: (B, T, d) token states; T must be 1 when ``past`` is given.
-            memory: this layer's projected memory keys/values, (B, H, S, dh) each (S = N regions,
-                plus the extension's memory tokens).
+            memory: this layer's memory keys/values, (B, H, S, dh) each (S = N + the extension's tokens).
             past: cached self-attention keys/values of earlier steps, (B, H, t, dh) each.
-            need_weights: return the cross-attention weights.
-            cross_bias: normed token states (B, T, d) -> a bias (B, 1, T, S) of the cross-attention scores.
+            cross_bias: normed token states (B, T, d) -> a (B, 1, T, S) bias of the cross-attention scores.
 
         Returns:
             (x (B, T, d), cross weights (B, H, T, S) or None, self keys/values incl. this step).
@@ -235,35 +190,17 @@ class TransformerCaptionDecoder(CaptionDecoder):
     """Transformer decoder over g x g image regions.
 
     Args:
-        vocab_size: output vocabulary size V.
-        feature_dim: region feature width D.
-        grid: regions per side g (N = g*g).
-        d_model: model width d.
-        num_layers: number of blocks L.
-        num_heads: attention heads H.
+        vocab_size, feature_dim, grid, d_model, num_layers, num_heads: V, D, g, d, L, H.
         ff_dim: hidden width of the feed-forward layers.
         dropout: dropout on embeddings, memory and every residual branch.
-        max_len: longest caption in words; sets the precomputed position table (longer inputs
-            still work, the sinusoids are extended on the fly).
+        max_len: longest caption for the precomputed position table (longer ones extend it).
         tie_embeddings: share the token embedding with the output projection.
-        extension: an optional addition joined at the named points (:class:`TransformerExtension`); None: the
-            paper's decoder (a ``TransformerExtension`` whose every point leaves it unchanged).
+        extension: an optional :class:`TransformerExtension`; None: the paper's decoder.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feature_dim: int,
-        grid: int,
-        d_model: int = 512,
-        num_layers: int = 3,
-        num_heads: int = 8,
-        ff_dim: int = 2048,
-        dropout: float = 0.1,
-        max_len: int = 50,
-        tie_embeddings: bool = False,
-        extension: TransformerExtension | None = None,
-    ) -> None:
+    def __init__(self, vocab_size: int, feature_dim: int, grid: int, d_model: int = 512, num_layers: int = 3,
+                 num_heads: int = 8, ff_dim: int = 2048, dropout: float = 0.1, max_len: int = 50,
+                 tie_embeddings: bool = False, extension: TransformerExtension | None = None) -> None:
         super().__init__()
         if d_model % num_heads:
             raise ConfigError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
@@ -302,10 +239,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return self.drop(x)
 
     def _memory(self, features: torch.Tensor, extra: dict[str, torch.Tensor]) -> list[KV]:
-        """Project the memory once: per layer (keys, values), (B, H, S, dh) each.
-
-        S = N regions, then the extension's memory tokens, if any (``extra``: its constants).
-        """
+        """Project the memory once: per layer (keys, values), (B, H, S, dh) each."""
         memory = self.regions(features)  # (B, N, d)
         tokens = self.extension.memory(extra, self.embed)  # (B, T, d) or None
         if tokens is not None:
@@ -315,12 +249,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return [tuple(t.contiguous() for t in block.cross_attn.project_kv(memory)) for block in self.blocks]
 
     def region_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """Cross-attention weights (..., S) -> the attention reported over the N regions (..., N).
-
-        Without memory tokens S = N and the weights pass as they are. With them their columns (the last
-        S - N) are dropped and the region columns renormalised to sum to one: the share of attention each
-        region gets among the regions (the softmax of the region scores alone).
-        """
+        """Cross-attention weights (..., S) -> over the N regions (..., N), memory tokens dropped, renormalised."""
         n = self.regions.grid**2
         if weights.shape[-1] == n:
             return weights
@@ -353,17 +282,10 @@ class TransformerCaptionDecoder(CaptionDecoder):
     # ------------------------------------------------------------------ CaptionDecoder API
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False) -> DecoderOutput:
-        """Teacher forcing.
+        """Teacher forcing on (B, T) inputs ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``.
 
-        Args:
-            features: (B, N, D) region features.
-            tokens: (B, T) inputs ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``.
-            need_all_attention: also return every layer's per-head cross-attention.
-
-        Returns:
-            ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T)
-            and all_attention (B, T, L, H, N) when asked, over the regions only (:meth:`region_weights`);
-            the extension's ``aux``.
+        Returns ``DecoderOutput`` with logits (B, T, V), attention (B, T, N), attention_entropy (B, T),
+        all_attention (B, T, L, H, N) when ``need_all_attention``, and the extension's ``aux``.
         """
         extra = self.extension.read(features)  # from the regions as given
         memory = self._memory(features, extra)  # L x (B, H, S, dh)
@@ -380,16 +302,9 @@ class TransformerCaptionDecoder(CaptionDecoder):
     def init_state(self, features: torch.Tensor, use_cache: bool = True) -> State:
         """Project the regions once and start empty caches.
 
-        Args:
-            features: (B, N, D) region features.
-            use_cache: keep a self-attention key/value cache (default). False re-runs the whole
-                prefix at every step (same outputs; the baseline of ``scripts/benchmarks/bench_transformer.py``).
-
-        Returns:
-            State with static ``memory_k``/``memory_v`` (L x (B, H, S, dh); S = N regions, + the extension's
-            memory tokens) and the extension's constants, and dynamic
-            ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step`` (int,
-            tokens consumed).
+        ``use_cache=False`` re-runs the whole prefix at every step (same outputs; a benchmark's baseline).
+        The state holds static ``memory_k``/``memory_v`` (L x (B, H, S, dh)) and the extension's constants,
+        and dynamic ``self_k``/``self_v`` (L x (B, H, t, dh)) or ``prefix`` (B, t), and ``step``.
         """
         extra = self.extension.read(features)
         memory = self._memory(features, extra)
@@ -409,16 +324,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         return 2 * self.num_layers * self.d_model * self.embed.weight.element_size()
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
-        """One decoding step.
-
-        Args:
-            prev_tokens: (B,) the token emitted at the previous step (``<bos>`` first).
-            state: from ``init_state`` / the previous ``step`` (not modified).
-
-        Returns:
-            (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads, over
-            the regions only).
-        """
+        """One step: prev_tokens (B,) -> (log_probs (B, V), new state, attention (B, N) of the last layer, mean over heads)."""
         memory = list(zip(state.static["memory_k"], state.static["memory_v"]))
         past = state.dynamic
         dynamic: dict[str, Any] = {"step": past["step"] + 1}

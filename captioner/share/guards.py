@@ -211,10 +211,7 @@ _MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "La": 2, "PA": 2, "RGB": 3, "YCb
 
 
 def decode_cost(data: bytes | BinaryIO, max_pixels: int | None) -> int:
-    """Bytes an upload (its bytes, or a seekable file of them) may need while it is decoded, converted
-    to RGB and captioned: its header's pixels times three copies of its mode plus the RGB image and
-    the 8-bit band, and its own bytes. Only the header is read. An image whose header does not parse,
-    or over ``max_pixels``, costs its bytes (the decoder refuses it)."""
+    """Bytes an upload may need while decoded and captioned, from its header only (its bytes if unreadable)."""
     from PIL import Image
 
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
@@ -246,11 +243,7 @@ class DecodeBudget:
 
     @contextlib.contextmanager
     def hold(self, cost: int, name: str) -> Iterator[None]:
-        """Hold ``cost`` bytes of the budget for the ``with`` block.
-
-        Raises:
-            Refused: 413 when ``cost`` alone is over the budget, 503 when it did not fit within ``wait`` s.
-        """
+        """Hold ``cost`` bytes of the budget for the ``with`` block (``Refused`` 413 if too big, 503 after ``wait`` s)."""
         cost = max(1, int(cost))
         if cost > self.capacity:
             raise Refused(413, f"{name}: image too large for this server (about {size_text(cost)} while decoded; "
@@ -301,9 +294,7 @@ def _libc() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def limit_heap() -> None:
-    """Large allocations from mmap (glibc's threshold fixed at :data:`MMAP_THRESHOLD`, not raised after
-    each large free), so a decoded image's memory goes back to the system when it is freed, and a few
-    heaps shared by the request threads rather than one per thread, each keeping its own free memory."""
+    """Large allocations from mmap and few shared heaps, so a decoded image's memory returns to the system."""
     lib = _libc()
     if lib is not None:
         lib.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
@@ -331,9 +322,7 @@ def _raw_answer(transport: asyncio.Transport, status: int, message: str) -> None
 
 def uvicorn_options(head_seconds: float = DEFAULT_HEAD, max_connections: int = MAX_CONNECTIONS,
                     per_client: int = PER_CLIENT) -> dict:
-    """``uvicorn.Config`` options: an h11 protocol with a deadline for each request head, connection
-    caps that close the oldest connection still sending its head before refusing a new one, and
-    JSON answers for the errors h11 finds (a malformed or oversized head, a duplicate ``Host``)."""
+    """``uvicorn.Config`` options: an h11 head deadline, connection caps, JSON answers for h11's errors."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 

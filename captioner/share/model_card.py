@@ -1,18 +1,9 @@
 """``captioner export``: a run folder as a folder ready for ``hf upload`` (or any web server).
 
-Writes, into ``out``:
-
-* ``model.safetensors``: the run's best checkpoint (weights + config + vocabulary, no pickled code);
-* ``model.safetensors.sha256``: its SHA-256 in ``sha256sum`` format (``HEX  model.safetensors``);
-* ``README.md``: a model card in the Hub's format: a YAML metadata block (``pipeline_tag:
-  image-to-text``, ``library_name``, ``datasets``, ``metrics``, the data's licence, and a
-  ``model-index`` with the scores), then what the model is, how to load it (by hub id or by URL
-  with its hash), the training data and its licence, and the evaluation table of the run (one row
-  per ``metrics_<split>.json``: split, images, beam, scores);
-* ``overlay.png``: one example's caption with the attention of every word;
-* ``metrics_<split>.json``: the run's evaluation files, copied.
-
-Every file is written atomically; files already in ``out`` are kept unless ``overwrite``.
+Writes ``model.safetensors`` (the best checkpoint), ``model.safetensors.sha256``, ``README.md`` (a
+model card in the Hub's format: YAML metadata with a ``model-index``, how to load it, the data and
+its licence, the evaluation table), ``overlay.png`` (one example) and the run's
+``metrics_<split>.json``, each atomically; files already in ``out`` are kept unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -125,12 +116,7 @@ def _text(path: Path, key: str, value: object) -> str:
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:
-    """One row per ``metrics_<split>.json`` in the run folder: split, images, beam and the scores,
-    each checked (finite numbers, plain short texts) before anything is written from it.
-
-    Raises:
-        DataError: a file that is not JSON, or a value of the wrong kind (one line naming the file and key).
-    """
+    """One checked row per ``metrics_<split>.json`` of the run: split, images, beam, scores (``DataError`` naming a bad key)."""
     rows = []
     for path in sorted(run_dir.glob("metrics_*.json")):
         m = read_json(path, 16 * MiB, DataError, expect=dict)
@@ -256,24 +242,12 @@ def _copy_into(src: Path, dest: Path) -> None:
 
 def export_run(run_dir: str | Path, out: str | Path, repo_id: str | None = None, image: Image.Image | None = None,
                dataset: str | None = None, overwrite: bool = False, beam: int = 3) -> dict[str, Path]:
-    """Write the Hub-ready folder for a run (see the module docstring).
+    """Write the Hub-ready folder for a run (or a checkpoint file) into ``out``; return the paths written.
 
-    Args:
-        run_dir: a run folder (its best checkpoint is exported) or a checkpoint file.
-        out: the folder to write (created).
-        repo_id: ``ORG/NAME`` the card uses in its examples (default ``YOUR-NAME/<run folder name>``).
-        image: the example picture for ``overlay.png`` (default: a synthetic scene).
-        dataset: a :data:`DATASETS` key; default guessed from the run's data path.
-        overwrite: replace files already in ``out``.
-        beam: beam size for the example's caption.
-
-    Returns:
-        ``{"checkpoint", "sha256", "readme", "overlay", ...}`` paths written.
-
-    Raises:
-        CheckpointError: no checkpoint in the run folder. DataError: ``out`` holds the files and
-        ``overwrite`` is off, a bad metrics file or repository id. On any failure the files this
-        call wrote are removed again (files that were there before are left as they were).
+    ``repo_id``: ``ORG/NAME`` used in the card's examples; ``image``: the example picture (default a
+    scene); ``dataset``: a :data:`DATASETS` key (default guessed). Raises ``CheckpointError`` without a
+    checkpoint, ``DataError`` for files in the way, a bad metrics file or repository id; on failure
+    what this call wrote is removed.
     """
     run_dir = Path(run_dir)
     if run_dir.is_file():

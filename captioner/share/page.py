@@ -1,31 +1,11 @@
 """The ``captioner serve`` page: one HTML document, inline CSS and JS, nothing fetched from elsewhere.
 
-At the top, each model said in one line from its model card (the card at ``/cards/<index>``). Drop a
-photo anywhere on the page, choose one, or click an example (a drop of text says it was no photo);
-the page posts it to ``/api/caption`` and shows the first result on one screen: the photo's name
-(once), the caption as text to copy, its score always (the log-probability in all, and per word,
-its words counted), said in a line, the n-best list when more than one caption is asked for, the
-downloads, and in an iframe that follows its content's height the explorer page the server rendered
-for it (:mod:`captioner.viz.explorer`: the word strip of small maps, the photo's tags and labels as chips
-each with its map, hovered, tapped and reached by the keyboard as the words are, play-through, the map as
-large as the window allows, its legend; it opens on the caption's first tag-word or noun). A model whose
-encoder has an ImageNet head shows the photo's top labels (the server asks for them); any other shows
-no row of labels. On a wide screen
-the caption, score and downloads stand beside the map; on a narrow one above and under it. A skip link
-leads to the words. Changing the model, the beam or the number of captions, or pressing "Run again",
-captions the same photo again, keeping the strength, style and chosen caption; stepping through a
-closed select with the arrow keys asks once, when the keys rest. The page stays where it is (no
-scrolling, nothing moves while a new photo is busy: a note over the old result marks it as the previous
-photo's). With several models, "all models" (the default) shows them side by side, their maps level (a column
-with a row of tags or labels above its map moves the others' maps down to it: ``--lead`` in each frame),
-the same word lit in each, and a column whose caption lacks the word says so over its map and shows its
-tag of that name or its nearest word. An error is shown in one line, clears the old result and turns
-"Run again" off. A file larger than the server's limit is refused before it is sent. The script
-and stylesheet (``PAGE_JS``, ``PAGE_CSS``) follow :func:`render_page` below.
-
-The document sets ``data-state`` on ``<body>`` (``idle``, ``busy``, ``done``, ``error``), counts
-answers in ``data-answers`` and the last upload-to-map time in ``data-ms``: what the browser tests
-wait on and measure.
+Drop, choose or click a photo; the page posts it to ``/api/caption`` and shows the caption, its
+score, the n-best list, downloads and, in an iframe, the explorer page the server rendered for it
+(:mod:`captioner.viz.explorer`). With several models, "all models" shows them side by side, their
+maps level and the same word lit in each. docs/share_and_show.md describes it. The document sets
+``data-state`` on ``<body>`` (``idle``, ``busy``, ``done``, ``error``), ``data-answers`` and
+``data-ms`` (the last upload-to-map time): what the browser tests wait on and measure.
 """
 
 from __future__ import annotations
@@ -41,12 +21,8 @@ __all__ = ["PAGE_CSS", "PAGE_JS", "render_page"]
 def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int) -> str:
     """The page as one HTML string.
 
-    Args:
-        models: ``[{"name", "decoder", "encoder", "about", "card", ...}]``, the first selected; ``about`` is
-            the one line said of it, ``card`` whether ``/cards/<index>`` serves its model card.
-        examples: the examples' ``{"name", "file"}`` (``/examples/<index>`` serves each).
-        max_beam: largest beam offered.
-        max_bytes: largest upload (checked in the page before sending, and by the server).
+    ``models``: ``[{"name", "decoder", "encoder", "about", "card", ...}]``, the first selected;
+    ``examples``: ``{"name", "file"}`` each; ``max_bytes``: largest upload (checked before sending).
     """
     config = {"models": models, "examples": examples, "max_beam": max_beam, "max_bytes": max_bytes,
               "max_text": size_text(max_bytes)}
@@ -95,12 +71,8 @@ def render_page(models: list[dict], examples: list[dict], max_beam: int, max_byt
 
 
 # --- the page's stylesheet and script (embedded inline by render_page) ---
-# The script keeps the last photo (its bytes and name) and captions it again whenever a setting changes or
-# "Run again" is pressed; a new photo marks the shown result as the old one's until its own answer arrives,
-# and an error clears it. With "all models" chosen it asks every model at once and shows one column each; a
-# word (or tag) hovered, focused or pinned in one column is shown in the others (with its map, for a column
-# that lacks the word), and one style and strength hold for all. The page never scrolls by itself: the old
-# columns' height is kept until the new ones are drawn, so nothing jumps.
+# The script captions the last photo again whenever a setting changes; with "all models" it shows one column
+# per model, the same word in each. The page never scrolls by itself: nothing jumps while a photo is busy.
 
 PAGE_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: .5em auto; max-width: 1360px;

@@ -1,24 +1,12 @@
 """The web app behind ``captioner serve``: FastAPI routes over models loaded once.
 
-Routes (all answers come from this process; the page fetches nothing from anywhere else):
-
-* ``GET /``: the page (:mod:`captioner.share.page`), one HTML document with inline CSS and JS;
-* ``GET /api/models``: the models served, ``[{"name", "decoder", "encoder", "vocab"}]``;
-* ``GET /examples/{i}``: example picture ``i``: the package's example photos or ``--examples DIR``
-  (each checked like an upload, served as its file's own bytes), or, only to a model whose vocabulary
-  is the synthetic scenes' words (:func:`reads_scenes`), scenes drawn from fixed seeds at start-up;
-* ``POST /api/caption`` (multipart: ``image`` file, ``model``, ``beam``, ``n_best``): the n-best
-  captions of the picture, each with the photo's concepts (``[{"word", "prob"}]``, or null for a model
-  without concept detectors), its top ``LABELS`` labels (the words the encoder's ImageNet head sees,
-  ``[{"word", "prob"}]``, or null for an encoder without one) and its attention record (the ``attention.json`` format of
-  :mod:`captioner.viz.attention_json`) and its explorer page (:func:`captioner.viz.explorer.render_explorer`,
-  shown in an iframe, so hovering a word, the layer/head selectors of a Transformer, the colour
-  scale and the crop box are the explorer's own).
-
-Bad uploads (not an image, truncated, a decompression bomb, too many bytes) are answered with
-``{"error": "<file>: <reason>"}`` and status 400 or 413, uploads beyond the decode budget wait or get
-503; the process keeps serving. Bodies, heads, connections and decoded pixels are bounded by
-:mod:`captioner.share.guards`. Each model has a lock: requests for it are captioned one at a time.
+Routes (the page fetches nothing from anywhere else): ``GET /`` the page; ``GET /api/models``;
+``GET /examples/{i}`` (the package's photos, ``--examples DIR``, or scenes for a scenes model);
+``POST /api/caption`` (``image``, ``model``, ``beam``, ``n_best``): the n-best captions, each with
+the photo's concepts and labels (or null), its ``attention.json`` record and its explorer page.
+Bad uploads get ``{"error": "<file>: <reason>"}`` with 400 or 413, uploads beyond the decode budget
+503, and the process keeps serving; bounds are :mod:`captioner.share.guards`'. Requests for one
+model are captioned one at a time.
 """
 
 from __future__ import annotations
@@ -103,9 +91,7 @@ class ServeLimits:
 
 @dataclass
 class ServedModel:
-    """A model loaded once, its name on the page, and the one thread its requests take turns on (torch
-    then keeps one set of worker threads for it, not one per request thread). ``labels``: how many of the
-    photo's labels it reports, :data:`LABELS` when its encoder has an ImageNet head, else 0."""
+    """A model loaded once, its name on the page, its one request thread and how many ``labels`` it reports."""
 
     name: str
     captioner: Captioner
@@ -151,16 +137,10 @@ def _check_choice(name: str, value: int, low: int, high: int) -> int:
 
 def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, beam: int = 3, n_best: int = 1,
                    limits: ServeLimits = ServeLimits()) -> dict:
-    """Caption an uploaded image: the n-best captions, each with its record and explorer page.
+    """Caption an uploaded image (bytes or a spooled file): the n-best captions, each with its record and page.
 
-    ``data`` is the upload's bytes, or a seekable file holding them (the spooled upload): then only
-    its header is read until the decode budget is held, and its bytes are read under the budget too.
-    The decoded image is held, from decoding to the answer, under the process-wide decode budget.
-
-    Raises:
-        ImageLoadError: the bytes are not a readable image, or it is too large.
-        ConfigError: ``beam`` or ``n_best`` out of range.
-        Refused: over the decode budget (413), or it stayed busy too long (503).
+    The decoded image is held under the process-wide decode budget. Raises ``ImageLoadError`` (not a
+    readable image, too large), ``ConfigError`` (``beam``/``n_best``), ``Refused`` (413 or 503).
     """
     beam = _check_choice("beam", beam, 1, limits.max_beam)
     n_best = _check_choice("n_best", n_best, 1, beam)
@@ -375,11 +355,7 @@ def _example_file(path: Path) -> Example:
 
 
 def folder_examples(folder: str | os.PathLike) -> list[Example]:
-    """The image files of ``folder`` (sorted, at most :data:`MAX_EXAMPLES`), as they are on disk.
-
-    Raises:
-        DataError: not a folder, no readable image in it, or a file that is not a readable image.
-    """
+    """The image files of ``folder`` (sorted, at most :data:`MAX_EXAMPLES`); ``DataError`` for a bad folder or file."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: --examples must be a folder of images")

@@ -43,17 +43,9 @@ class GroundingTerm:
 
 
 def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = "cross_entropy") -> GroundingTerm:
-    """The supervision term for attention maps and box coverages.
+    """The supervision term for (B, T, N) attention maps and box ``coverage``; all-zero rows unsupervised.
 
-    Args:
-        attention: (B, T, N) attention over regions per step, rows summing to 1 (SAT's alpha, the
-            Transformer's head-averaged cross-attention of its last layer).
-        coverage: (B, T, N) each region's area share inside the target box(es) of the word that step
-            T predicts; all-zero rows are not supervised.
-        form: ``"mass"`` or ``"cross_entropy"`` (module docstring).
-
-    Returns:
-        ``GroundingTerm`` (no host sync).
+    ``form``: ``"mass"`` or ``"cross_entropy"`` (docs/grounding.md). Returns a ``GroundingTerm`` (no host sync).
     """
     if form not in FORMS:
         raise ConfigError(f"attention supervision form {form!r}: use one of {', '.join(FORMS)}")
@@ -79,14 +71,8 @@ def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = 
 class GroundingTargets:
     """Box coverages for the target words of training batches.
 
-    Args:
-        images: the training ``ImageRecord`` list (batch image indices index it).
-        instances: ``{image_id: [ObjectBox]}`` (``load_instances``); images absent or with no boxes
-            are not supervised.
-        vocab: the training vocabulary (target ids -> words).
-        view: ``(width, height) -> (left, top, right, bottom)``, the part of the image the grid covers.
-        grid: g, regions per side.
-        vocabulary: ``"shapes"``, ``"coco"`` or a ``WordTable`` (None: from the instances' categories).
+    ``instances``: ``{image_id: [ObjectBox]}`` (images without boxes unsupervised); ``view``:
+    ``(width, height) -> crop box``; ``vocabulary``: as :func:`find_mentions` (None: detected).
     """
 
     def __init__(self, images: Sequence[Any], instances: dict[int, list[Any]], vocab: Vocabulary, view: Any,
@@ -147,18 +133,7 @@ class GroundingTargets:
 
 
 class AttentionSupervision:
-    """The box-supervision term of :class:`captioner.training.objective.CrossEntropy` (a ``LossTerm``).
-
-    ``CrossEntropy`` adds ``weight * term(output, batch)`` to the loss and logs it as ``grounding``
-    and ``weighted_grounding``; ``stats`` (the last batch's ``grounded_words`` and
-    ``grounding_in_box``) is logged beside them.
-
-    Args:
-        targets: the batch targets' box coverages.
-        weight: lambda, the term's weight (``train.attention_supervision``).
-        form: ``"cross_entropy"`` or ``"mass"`` (``train.attention_supervision_form``).
-        pad_id: id of padding in the targets.
-    """
+    """The box-supervision ``LossTerm`` of ``CrossEntropy``, logged as ``grounding`` with its ``stats``."""
 
     name = "grounding"
 
@@ -170,10 +145,7 @@ class AttentionSupervision:
         self.stats: dict[str, torch.Tensor] = {}
 
     def __call__(self, output: DecoderOutput, batch: Any) -> torch.Tensor:
-        """The unweighted term for a teacher-forced ``output`` of ``batch`` (``tokens``, ``image_index``).
-
-        ``output.attention`` (B, T-1, N) is supervised for the targets ``batch.tokens[:, 1:]``.
-        """
+        """The unweighted term: ``output.attention`` (B, T-1, N) against the boxes of ``batch.tokens[:, 1:]``."""
         targets = batch.tokens[:, 1:]  # (B, T-1)
         coverage = self.targets.coverage(targets.cpu(), batch.image_index.cpu()).to(output.attention.device,
                                                                                      non_blocking=True)
@@ -192,14 +164,7 @@ def cross_entropy_only(key: str, objective: str) -> bool:
 
 
 def build_attention_supervision(cfg: Any, train_set: Any, vocab: Vocabulary) -> AttentionSupervision | None:
-    """The hook for a run, or None when ``train.attention_supervision`` is 0 or nothing can be supervised.
-
-    Args:
-        cfg: the run's ``Config`` (``train.attention_supervision``, ``train.attention_supervision_form``,
-            ``train.objective``, ``data``, ``model.encoder`` for the grid and the crop).
-        train_set: the training ``CaptionSet`` (batch image indices index its images).
-        vocab: the training vocabulary.
-    """
+    """The term for a run, or None when ``train.attention_supervision`` is 0 or nothing can be supervised."""
     t = cfg.train
     if not t.attention_supervision:
         return None

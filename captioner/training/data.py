@@ -1,23 +1,12 @@
 """Training inputs: caption sets, vocabulary, feature caches and DataLoaders.
 
-With a frozen encoder and ``data.feature_cache`` the datasets yield cached region features
-(N, D); otherwise they yield pixels (3, S, S) and the encoder runs inside the training step.
-The training order is a ``DistributedSampler`` (one replica without torchrun) seeded with
-``train.seed + epoch``, so every epoch's order can be recreated on resume, and a run on K
-processes sees the same global batches as a single process with the same ``batch_size``.
-
-Small datasets held in memory: one tensor per split, batches cut by indexing.
-
 Shape legend: C images, B batch, N regions, D feature width, S image side, T tokens.
 
-When a split's cached features, or (training the encoder) its resized uint8 pixels, take at most
-``data.in_memory_mb``, training keeps them in one tensor: every image is decoded once, and a batch
-is one gather instead of B ``__getitem__`` calls and a collate. The batches are exactly the ones
-the ``DataLoader`` path gives (same sampler, same order, same padding, bit-identical values), so
-switching between the two paths never changes a run. Features are the one difference in form: the
-``DataLoader`` carries them in the cache's stored float16/bfloat16 and ``model_input`` widens them
-on the device, while the store (on the GPU in a CUDA run) widens its gathered rows itself; both
-give the model the same float32 values.
+With a frozen encoder and ``data.feature_cache`` the datasets yield cached region features (N, D);
+otherwise pixels (3, S, S), and the encoder runs in the training step. The order is a
+``DistributedSampler`` seeded with ``train.seed + epoch``, so a resume recreates it and K processes
+see the same global batches as one. A split that fits ``data.in_memory_mb`` is held as one tensor
+(:class:`MemoryStore`) whose batches are bit for bit those of the ``DataLoader`` path.
 """
 
 from __future__ import annotations
@@ -59,9 +48,7 @@ MIB = 1024 * 1024
 class MemoryStore:
     """A split's inputs as one tensor, row i = ``caption_set.images[i]``.
 
-    Args:
-        rows: (C, N, D) features (any float dtype) or (C, 3, S, S) uint8 pixels.
-        normalize: uint8 pixels -> float input (``ImageTransform.normalize``); None for features.
+    ``rows``: (C, N, D) features or (C, 3, S, S) uint8 pixels; ``normalize``: uint8 -> float input (None for features).
     """
 
     def __init__(self, rows: torch.Tensor, normalize: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -102,11 +89,7 @@ def features_in_memory(cache: Any, limit_mb: float, what: str) -> MemoryStore | 
 
 
 def pixels_in_memory(cs: Any, transform: Any, limit_mb: float, what: str, progress: bool = False) -> MemoryStore | None:
-    """Every image of ``cs`` decoded once and resized, as uint8 in memory, when it fits (else None).
-
-    An unreadable image returns None too: the streaming path then reports (or skips) it exactly
-    as it would have without this one.
-    """
+    """Every image of ``cs`` decoded once and resized, as uint8 in memory, when it fits and all are readable (else None)."""
     side = transform.size
     nbytes = len(cs.images) * 3 * side * side
     if limit_mb <= 0 or nbytes > limit_mb * MIB or not len(cs.images):
@@ -126,14 +109,7 @@ def pixels_in_memory(cs: Any, transform: Any, limit_mb: float, what: str, progre
 
 
 class MemoryBatches:
-    """The training batches of one epoch from a ``MemoryStore``: what ``DataLoader`` + ``collate_captions`` give.
-
-    Args:
-        dataset: a ``CaptionTrainDataset`` (its token arrays and image index are read).
-        store: the inputs of ``dataset``'s images.
-        sampler: the epoch's caption order (a ``DistributedSampler``, possibly skipping batches).
-        batch_size: captions per batch (the last one may be smaller).
-    """
+    """One epoch's training batches cut from a ``MemoryStore``: what ``DataLoader`` + ``collate_captions`` give."""
 
     def __init__(self, dataset: Any, store: MemoryStore, sampler: Sampler[int], batch_size: int) -> None:
         self.store = store
@@ -166,13 +142,7 @@ def padded_tokens(dataset: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MemoryEvalBatches:
-    """Validation batches ``(x (B, ...), image_index (B,))`` in dataset order from a ``MemoryStore``.
-
-    Args:
-        store: inputs of the images.
-        indices: which rows, in order (a rank's shard under torchrun).
-        batch_size: images per batch.
-    """
+    """Validation batches ``(x (B, ...), image_index (B,))`` of rows ``indices`` of a ``MemoryStore``."""
 
     def __init__(self, store: MemoryStore, indices: list[int], batch_size: int) -> None:
         self.store, self.indices, self.batch_size = store, torch.tensor(indices, dtype=torch.long), batch_size
@@ -223,9 +193,7 @@ def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
 
 
 def training_vocabulary(train_set: Any, min_freq: int, max_caption_len: int | None = None) -> Vocabulary:
-    """The vocabulary of a training caption set: the words seen at least ``min_freq`` times, counting
-    only the first ``max_caption_len`` words of each caption (the words training keeps,
-    ``data.max_caption_len``), so a caption far longer than that cannot grow it."""
+    """The words seen at least ``min_freq`` times in the first ``max_caption_len`` words of each training caption."""
     return Vocabulary.build(train_set.all_captions(), min_freq=min_freq, max_len=max_caption_len)
 
 
@@ -242,12 +210,7 @@ def load_or_build_vocab(train_set: Any, min_freq: int, run_dir: Path, resume: bo
 
 
 class Remap:
-    """``load(i) = base(index[i])``: skips images whose cached features are missing (picklable).
-
-    ``load.stack(items) = base.stack([index[i] for i in items])`` when ``base`` has ``stack``
-    (a ``FeatureCache.loader()``), so the training loader still fetches whole batches; ``len(load)``
-    is the number of rows kept (the concept detectors read a cache's valid rows through it too).
-    """
+    """``load(i) = base(index[i])`` over the images whose cached features are valid (picklable; ``stack`` kept)."""
 
     def __init__(self, base: Callable[[int], torch.Tensor], index: list[int]) -> None:
         self.base, self.index = base, index
@@ -310,11 +273,9 @@ def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set:
                  run_dir: Path, info: DistInfo, progress: bool) -> TrainData:
     """Datasets over cached features (frozen encoder + ``data.feature_cache``) or over pixels.
 
-    Caches live in ``data.feature_cache_dir`` when set, else in the folder the
-    ``CAPTIONER_FEATURE_CACHE`` environment variable names, else (``data.shared_feature_cache``)
-    in the cache root's ``features/``, else in ``run_dir/features``. On
-    pixels with ``data.skip_missing`` an image found unreadable mid-epoch is dropped from its
-    batch (a warning names it; a batch left empty comes out as ``None``).
+    Caches live in ``data.feature_cache_dir``, else ``$CAPTIONER_FEATURE_CACHE``, else (with
+    ``data.shared_feature_cache``) the cache root's ``features/``, else ``run_dir/features``. On pixels
+    with ``data.skip_missing`` an unreadable image is dropped from its batch with a warning.
     """
     on_features = bool(cfg.data.feature_cache and not cfg.model.encoder.fine_tune)
     if on_features:
@@ -339,18 +300,8 @@ def prepare_data(cfg: Config, model: CaptionModel, vocab: Vocabulary, train_set:
 class LengthBuckets(Sampler[int]):
     """Another sampler's indices, reordered so that each batch holds captions of similar length.
 
-    The base order is cut into pools of ``batch_size * pool_batches`` indices; each pool is sorted
-    by caption length (stable) and cut into batches, and the pool's batches are shuffled with a
-    generator seeded by ``seed``. An epoch still visits every caption once, in batches drawn at
-    random from the base order, but a batch is padded to about its own captions' length instead
-    of the longest of 32 random ones (on Flickr8k 13 steps instead of 22 at batch 32).
-
-    Args:
-        base: the epoch's caption order (a ``DistributedSampler``, already set to its epoch).
-        lengths: token count of every caption of the dataset (``CaptionTrainDataset.lengths()``).
-        batch_size: this process's batch.
-        pool_batches: batches per sorted pool; larger pools pad less and mix less.
-        seed: seeds the shuffle of the batches inside each pool (``train.seed + epoch``).
+    The base order is cut into pools of ``batch_size * pool_batches``, each sorted by length and cut
+    into batches, shuffled by ``seed``: every caption once per epoch, with less padding.
     """
 
     def __init__(self, base: Sampler[int], lengths: Any, batch_size: int, pool_batches: int, seed: int) -> None:
@@ -395,20 +346,10 @@ def rank_batch_size(batch_size: int, info: DistInfo) -> int:
 
 def train_loader(dataset: Dataset, cfg: Config, epoch: int, info: DistInfo, skip_batches: int = 0,
                  store: Any = None) -> Any:
-    """The epoch's training batches, order fixed by ``train.seed + epoch``.
+    """The epoch's training batches, order fixed by ``train.seed + epoch`` and sharded by rank.
 
-    Over a feature cache (``dataset.load`` has ``stack``) the DataLoader fetches whole batches
-    (``CaptionBatchDataset`` under a ``BatchSampler`` of the same order): a batch's rows are read
-    from the memory map in one copy, in shared memory in a worker, instead of row by row, then
-    stacked, then moved to shared memory. The batches are the same, bit for bit, in the same order.
-
-    Args:
-        dataset: the training dataset.
-        cfg: batch size, seed, workers.
-        epoch: 0-based epoch (``DistributedSampler.set_epoch``).
-        info: this rank (shards the order like ``DistributedSampler``).
-        skip_batches: batches of this epoch already done (mid-epoch resume).
-        store: a ``MemoryStore`` of the dataset's inputs: the same batches, cut from memory.
+    Over a feature cache whole batches are read in one copy. ``skip_batches``: batches of this epoch
+    already done (mid-epoch resume). ``store``: a ``MemoryStore`` giving the same batches from memory.
     """
     batch = rank_batch_size(cfg.train.batch_size, info)
     sampler: Sampler[int] = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank,

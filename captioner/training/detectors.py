@@ -71,14 +71,7 @@ def word_targets(caption_set, vocab) -> torch.Tensor:  # noqa: ANN001
 
 
 class RegionTargets:
-    """The words of each training image that name a box, with their region coverage (``boxes=True``).
-
-    Args:
-        per_image: for training image c, ``{word id: coverage (N,)}`` (the union of the word's boxes
-            over the image's captions).
-        vocab_size: V.
-        regions: N.
-    """
+    """For each training image, ``{word id: coverage (N,)}`` of the words that name a box (``boxes=True``)."""
 
     def __init__(self, per_image: list[dict[int, np.ndarray]], vocab_size: int, regions: int,
                  table: Any = None) -> None:
@@ -148,25 +141,11 @@ def image_word_scores(region_scores: torch.Tensor, sharpness: float = SHARPNESS)
 def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float | None = None,
                             max_steps: int | None = None, batch_size: int = 64, lr: float = 3e-3,
                             progress: bool = True, boxes: bool = False, recolour: float = 0.0) -> PretrainResult:
-    """Train ``cfg.model.encoder`` (from its initial weights) as word detectors on the training captions.
+    """Train ``cfg.model.encoder`` as word detectors on the training captions; write its weights to ``out``.
 
-    Args:
-        cfg: the config whose encoder, data (root, train split, min_freq) and seed are used.
-        out: the weights file to write (safetensors, written atomically).
-        seconds: stop after this many seconds of training (at least one of ``seconds``/``max_steps``).
-        max_steps: stop after this many steps.
-        batch_size: images per step.
-        lr: Adam learning rate of the trunk and the detector head.
-        progress: show a tqdm bar.
-        boxes: also train the words that name a box region by region, where the training split has
-            object boxes (``instances_<split>.json``); without any, a warning and MIL alone.
-        recolour: share of each batch's images shown with their colour channels permuted, their hue
-            words (:func:`colour_words`) left out of the loss, so the other words' detectors, shapes
-            above all, learn not to lean on colour (see the module docstring).
-
-    Raises:
-        ConfigError: no stopping rule, or a bad batch size.
-        DataError: the training split cannot be read or gives no words.
+    Stops after ``seconds`` or ``max_steps``. ``boxes``: also train box-naming words region by region;
+    ``recolour``: share of images with permuted colour channels, their hue words left out, so the other
+    detectors do not lean on colour. ``ConfigError``/``DataError`` for bad options or an unusable split.
     """
     if seconds is None and max_steps is None:
         raise ConfigError("pretrain_word_detectors needs seconds or max_steps")

@@ -1,19 +1,14 @@
 """Knowledge distillation (Kim & Rush 2016): a teacher's captions and word distributions as targets.
 
-**Sequence level.** ``teacher_dataset(data, results, out)`` writes a dataset folder in the layout
-of a COCO caption file beside ``splits.tsv`` and ``images/``: the human captions of every image,
-plus the teacher's caption (a COCO results file from ``captioner evaluate --split train``, an
-ensemble decoding for instance) of each training image. Other splits keep their human captions
-only, so validation and scores are unchanged. A student trained on it learns the ensemble's
-captions at one model's cost. The images are linked, not copied, and the folder keeps the
-source's name, so a feature cache built for the source serves the student too.
+**Sequence level.** ``teacher_dataset(data, results, out)`` writes a dataset folder with the human
+captions of every image plus the teacher's caption of each training image (other splits keep their
+human captions only). Images are linked, and the folder keeps the source's name, so a feature
+cache built for the source serves the student too.
 
-**Word level.** ``write_word_targets(teacher, data, out)`` feeds every caption of a split to the teacher
-word by word and keeps, at each step, its ``top_k`` next words and their probabilities (an
-ensemble's: the mean of its members'), in one safetensors file. ``train.word_distill`` names that
-file: :class:`WordDistillation` then adds ``train.word_distill_weight`` x KL(teacher top-k ||
-student) at the steps of every training caption the file holds, beside the cross-entropy of the
-caption's words. On a dataset from ``teacher_dataset`` it is Kim & Rush's Seq-KD + Word-KD.
+**Word level.** ``write_word_targets(teacher, data, out)`` keeps, at each step of every caption of
+a split, the teacher's ``top_k`` next words and their probabilities in one safetensors file;
+``train.word_distill`` names it, and :class:`WordDistillation` adds ``train.word_distill_weight`` x
+KL(teacher top-k || student) beside the cross-entropy.
 
 Shape legend: B batch rows, T caption steps, V vocabulary, k kept words per step, P steps of all
 cached captions.
@@ -71,21 +66,11 @@ def _train_names(splits: Path, split: str) -> set[str]:
 
 def teacher_dataset(data: str | os.PathLike, results: str | os.PathLike, out: str | os.PathLike,
                     split: str = "train", keep_human: bool = True) -> dict[str, int]:
-    """Write ``out/<name of data>/``: ``data``'s captions plus the teacher's for ``split``'s images.
+    """Write ``out/<name of data>/``: ``data``'s captions plus the teacher's (``results``) for ``split``'s images.
 
-    Args:
-        data: a folder with ``captions_coco_format.json``, ``splits.tsv`` and ``images/``.
-        results: the teacher's COCO results file ``[{"image_id", "caption"}]`` for ``split``.
-        out: the parent folder of the new dataset (created).
-        split: the split whose images get the teacher's captions.
-        keep_human: False: ``split``'s images keep only the teacher's caption (Kim & Rush's
-            sequence-level distillation proper); the other splits keep their human captions.
-
-    Returns:
-        ``{"images": ..., "human": ..., "teacher": ...}``: caption counts of the new file.
-
-    Raises:
-        DataError: a missing or malformed file, or a teacher caption of an image outside ``split``.
+    ``keep_human=False``: ``split``'s images keep only the teacher's caption (Seq-KD proper). Returns
+    the caption counts ``{"images", "human", "teacher"}``. Raises ``DataError`` for a missing or
+    malformed file, or a teacher caption of an image outside ``split``.
     """
     data, results = Path(data), Path(results)
     source = read_annotations(data / CAPTIONS)
@@ -131,25 +116,12 @@ def _chunks(n: int, size: int) -> list[range]:
 
 def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
                  top_k: int = 8, batch_size: int = 32, progress: bool | None = None) -> dict[str, float]:
-    """Write ``out`` (safetensors): the teacher's top-k next words along every caption of ``split``.
+    """Write ``out`` (safetensors): the teacher's ``top_k`` next words along every caption of ``split``.
 
-    Args:
-        teacher: a :class:`captioner.inference.Captioner` (``captioner.load(...)``; a list of
-            checkpoints loads as an ensemble), or what ``captioner.load`` takes.
-        data: the dataset folder (any layout ``captioner train --data`` reads).
-        out: the file to write.
-        split: whose captions; the student's training split.
-        top_k: words kept per step (their probabilities are renormalised when the student reads them).
-        batch_size: images encoded at a time (each with all its captions).
-        progress: a tqdm bar; default: when stderr is a terminal.
-
-    Returns:
-        ``{"images", "captions", "steps", "top_k", "mass"}``: ``mass`` is the mean probability the
-        kept words hold (how much of the teacher's distribution the file keeps).
-
-    Raises:
-        DataError: an unreadable dataset or image; ConfigError: ``top_k`` outside 1..:data:`MAX_TOP_K`, or
-            ``batch_size`` < 1.
+    ``teacher``: a ``Captioner`` or what ``captioner.load`` takes; ``batch_size``: images at a time.
+    Returns ``{"images", "captions", "steps", "top_k", "mass"}`` (``mass``: the mean probability kept).
+    Raises ``DataError`` for an unreadable dataset or image, ``ConfigError`` for a size < 1 or ``top_k``
+    over :data:`MAX_TOP_K`.
     """
     for name, value, high in (("top_k", top_k, MAX_TOP_K), ("batch_size", batch_size, None)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high and value > high):
@@ -314,17 +286,9 @@ def _check_values(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int,
 
 
 def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a :func:`write_word_targets` file, checked before use.
-
-    The header's shapes and dtypes and the metadata (``vocab``, ``images``: JSON lists of strings;
-    ``top_k``: at most :data:`MAX_TOP_K` and the vocabulary's size) are checked before any tensor is
-    read; then every id within the vocabulary, every image index within ``images``, the offsets
-    cutting the tokens and steps into captions, and every probability finite and within [0, 1].
-
-    Raises:
-        DataError: the file is missing, not a regular file, not safetensors, not a word-targets file,
-            or any field out of shape or range (one line naming the file and the field).
-    """
+    """The tensors and metadata of a :func:`write_word_targets` file, checked before use: the header's shapes,
+    dtypes and metadata before any tensor is read, then ids, image indices, offsets and probabilities
+    (finite, within [0, 1]); ``DataError`` naming the file and the field."""
     path = Path(path)
     if not os.path.lexists(path):
         raise DataError(f"{path}: word-distillation targets not found (write them with "
@@ -351,19 +315,9 @@ def read_word_targets(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor],
 class WordDistillation:
     """``train.word_distill``: KL(teacher's top-k || student) at each step of each cached caption.
 
-    A batch row whose image and words (as the training set encodes them) match a caption of the
-    file gets the term at its steps; other rows (captions the teacher never read) get none. The
-    teacher's top-k probabilities are renormalised over the words the student's vocabulary has.
-
-    Args:
-        path: a :func:`write_word_targets` file.
-        train_set: the training ``CaptionSet`` (batch ``image_index`` indexes its images).
-        vocab: the student's vocabulary.
-        weight: the term's weight beside the cross-entropy.
-        max_len: ``data.max_caption_len``: the words the training set keeps of each caption.
-
-    Raises:
-        DataError: an unreadable file, or one that holds no caption of the training set.
+    A batch row whose image and words match a caption of the file gets the term; others none. The
+    teacher's probabilities are renormalised over the student's vocabulary. ``max_len``:
+    ``data.max_caption_len``. Raises ``DataError`` for a file holding no caption of the training set.
     """
 
     name = "word_distill"
@@ -410,10 +364,7 @@ class WordDistillation:
         self.stats: dict[str, torch.Tensor] = {}
 
     def lookup(self, tokens: torch.Tensor, image_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per row and step, the teacher's ids (B, T-1, k), probabilities (B, T-1, k) and entropy (B, T-1).
-
-        ``tokens`` (B, T) are the batch's ``[<bos> w.. <eos> pad..]``; rows the file lacks are all 0.
-        """
+        """Per row and step, the teacher's ids (B, T-1, k), probabilities (B, T-1, k) and entropy (B, T-1); 0 where absent."""
         B, T = tokens.shape
         k = self.top_ids.size(1)
         ids = torch.zeros(B, T - 1, k, dtype=torch.long)

@@ -124,11 +124,7 @@ def remove_stale_temp_files(run_dir: Path) -> list[Path]:
 
 
 def check_resume_vocab(vocab: Vocabulary, run_dir: Path) -> None:
-    """Refuse a resume whose ``vocab.json`` is not the vocabulary ``latest.safetensors`` was trained with.
-
-    The checkpoint header holds the vocabulary, so this needs no model. An unreadable checkpoint
-    is left for loading ``train_state.pt`` to report.
-    """
+    """Refuse a resume whose ``vocab.json`` is not the vocabulary ``latest.safetensors`` was trained with."""
     latest = run_dir / "latest.safetensors"
     if not latest.exists():
         return
@@ -157,16 +153,10 @@ def earlier_run_files(run_dir: Path) -> list[str]:
 
 
 def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a run folder this run must not write into; writes nothing.
+    """Refuse a run folder this run must not write into (``ConfigError``); writes nothing.
 
-    Args:
-        run_dir: the run folder (``--out``).
-        resume: the run continues the one in ``run_dir``.
-        overwrite: the run starts over; an earlier run there is moved aside (:func:`move_aside`).
-
-    Raises:
-        ConfigError: both ``resume`` and ``overwrite``; ``run_dir`` (or a parent) is a file; the
-            folder cannot be written; or it holds an earlier run and neither flag is given.
+    ``overwrite``: an earlier run there will be moved aside (:func:`move_aside`). Refused: both flags;
+    a file in the way; a folder that cannot be written; an earlier run and neither flag.
     """
     if resume and overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite moves it aside to start over: "
@@ -182,14 +172,7 @@ def check_run_folder(run_dir: Path, resume: bool, overwrite: bool) -> None:
 
 
 def move_aside(run_dir: Path) -> Path | None:
-    """Rename a folder holding an earlier run to ``<name>.old-<YYYYmmdd-HHMMSS>`` (``-2``... if taken).
-
-    Returns:
-        The new name, or None when ``run_dir`` holds no earlier run (nothing is moved).
-
-    Raises:
-        ConfigError: the rename failed (the earlier run is then where it was).
-    """
+    """Rename a folder holding an earlier run to ``<name>.old-<YYYYmmdd-HHMMSS>``; return it, or None."""
     if not earlier_run_files(run_dir):
         return None
     base = f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -217,21 +200,10 @@ def make_run_folder(run_dir: Path) -> None:
 @torch.inference_mode()
 def validate(model: CaptionModel, loader: DataLoader, val_set: Any, vocab: Vocabulary, beam_size: int, max_len: int,
              device: torch.device, on_features: bool, options: Any = None) -> dict[str, Any]:
-    """Decode captions for the loader's images and collect hypotheses and references.
+    """Decode captions for the loader's images; ``{"hypotheses", "references", "entropy_sum", "words"}``.
 
-    Args:
-        model: the (unwrapped) captioner.
-        loader: yields (x, image_index) with x region features (B,N,D) or images (B,3,S,S).
-        val_set: the caption set ``image_index`` points into (references come from it).
-        vocab: vocabulary of the model.
-        beam_size, max_len: decoding options (beam 1 is greedy).
-        device: where to run.
-        on_features: ``x`` holds cached features rather than images.
-        options: the config's ``decoding`` section (a ``DecodeOptions``: length penalty, ``<unk>``);
-            ``beam_size`` and ``max_len`` replace its own. None: the defaults.
-
-    Returns:
-        ``{"hypotheses", "references", "entropy_sum", "words"}`` (merge shards, then :func:`score`).
+    ``loader`` yields (x, image_index), x region features (``on_features``) or images; ``options``: the
+    config's ``decoding`` section, its ``beam_size`` and ``max_len`` replaced. Merge shards, then :func:`score`.
     """
     base = options if options is not None else DecodeOptions()
     options = dataclasses.replace(base, beam_size=beam_size, max_len=max_len, n_best=1)
@@ -325,9 +297,7 @@ def grown_vocabulary(saved: Vocabulary, train_set: Any, min_freq: int,
 
 def grown_state(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], old_size: int,
                 new_size: int) -> dict[str, torch.Tensor]:
-    """``state`` fitted to a model whose vocabulary grew from ``old_size`` to ``new_size`` tokens: each
-    tensor with a vocabulary-sized dimension (embedding, output layer) keeps the checkpoint's rows for
-    the old tokens and the model's own fresh initialisation for the new ones."""
+    """``state`` fitted to a model whose vocabulary grew: old rows from the checkpoint, new ones the model's own."""
     if new_size == old_size:
         return state
     out = dict(state)
@@ -359,18 +329,10 @@ def check_init_vocab(path: str | Path, saved: Vocabulary, wanted: Vocabulary) ->
 def replay_warning(init: InitWeights, train: Any) -> str | None:
     """The warning for an ``--init`` run that would replay its checkpoint's batches and dropout masks, or None.
 
-    A run's caption order is fixed by ``train.seed + epoch`` and its dropout (and sampling) stream
-    by ``train.seed``; the batch size cuts both the same way. A second stage with the seed and batch
-    size of the run that wrote its checkpoint therefore sees every caption again under the very
-    dropout mask it was trained with: the model has fitted those pairs, so the training loss reads
-    low and then "jumps" when the replay runs out. Measured on the Flickr8k subset: continued
-    cross-entropy logged 1.13-1.2 nats for 9 epochs, then 1.72 from epoch 10; the same weights
-    scored 1.72 on those very batches with another dropout stream, or in another order.
-
-    ``train`` is the new run's ``TrainConfig`` (seed, batch size, objective). Self-critical training
-    runs with its dropout layers off, so only cross-entropy stages warn. The seed is read from the
-    checkpoint's metadata (``train_seed``, written since 2026-11-26) or
-    from the ``config.json`` beside it (a run folder's checkpoint); without either, None.
+    With the same seed and batch size as the run that wrote the checkpoint, a second stage sees every
+    caption again under the dropout mask it was trained with, so its loss reads low until the replay
+    runs out. Self-critical training has no dropout, so only cross-entropy stages warn. The seed is
+    read from the checkpoint's metadata or the ``config.json`` beside it; without either, None.
     """
     if train.objective != "xe":
         return None
@@ -394,16 +356,8 @@ def replay_warning(init: InitWeights, train: Any) -> str | None:
 def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWeights:
     """Read a checkpoint to start a run from and check that its architecture is the run's.
 
-    Args:
-        path: a checkpoint written by training (``best.safetensors``, ``latest.safetensors``).
-        model_config: the new run's model config.
-
-    Returns:
-        Its weights, vocabulary, config and metadata.
-
-    Raises:
-        CheckpointError: the file is missing or not a readable checkpoint.
-        ConfigError: the model config differs beyond :data:`INIT_FREE` (one line naming the key).
+    Raises ``CheckpointError`` for an unreadable file, ``ConfigError`` for a model config differing
+    beyond :data:`INIT_FREE` (naming the key).
     """
     init = read_init_checkpoint(path)
     check_init_config(init.path, init.config, model_config)
@@ -411,14 +365,9 @@ def load_init_checkpoint(path: str | Path, model_config: ModelConfig) -> InitWei
 
 
 def read_init_checkpoint(path: str | Path) -> InitWeights:
-    """Read a checkpoint to start a run from, unchecked: :func:`load_init_checkpoint` with the check left to
-    the caller, for a run whose model config depends on the checkpoint's vocabulary (a concepts file is
-    restricted to it, and sizes the decoder's concept input).
-
-    Raises:
-        CheckpointError: the file is missing or not a readable checkpoint.
-    """
-    try:  # a shipped model's name, a file, a run folder or a URL, as -c takes them
+    """Read a checkpoint to start a run from (what -c takes: a shipped model's name, a file, a run folder or a
+    URL), leaving :func:`load_init_checkpoint`'s check to the caller."""
+    try:
         path = inference.checkpoint_path(path)
     except CheckpointError as exc:
         raise CheckpointError(f"--init {exc}") from None
@@ -433,13 +382,7 @@ def read_init_checkpoint(path: str | Path) -> InitWeights:
 
 
 def apply_init(model: torch.nn.Module, init: InitWeights, vocab: Vocabulary) -> None:
-    """Copy the checkpoint's weights into ``model`` (built from the run's config with ``len(vocab)`` words).
-
-    Raises:
-        ConfigError: ``vocab`` is not the checkpoint's vocabulary.
-        CheckpointError: the weights do not fit the model (cannot happen after the config check,
-            unless the model was built from another config).
-    """
+    """Copy the checkpoint's weights into ``model``; ``ConfigError`` when ``vocab`` is not the checkpoint's."""
     check_init_vocab(init.path, init.vocab, vocab)
     own = model.state_dict()
     state = grown_state(init.state, own, len(init.vocab), len(vocab))
@@ -463,11 +406,7 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
 
 
 def _validate_all(run: Run, data: TrainData) -> dict[str, float]:
-    """Sharded validation over ranks (rank r takes images r, r+K, ...), scored identically everywhere.
-
-    Decodes like ``captioner evaluate``: beam ``train.val_beam``, ``train.val_max_len`` words, and the
-    rest of the config's ``decoding`` section (length penalty 0 and no ``<unk>`` by default).
-    """
+    """Sharded validation over ranks (rank r takes images r, r+K, ...), decoded as ``captioner evaluate`` does."""
     info, cfg = run.info, run.cfg
     dataset = data.val_dataset
     shard_indices = list(range(info.rank, len(dataset), info.world_size)) if info.distributed else None
@@ -496,16 +435,8 @@ def _save(run: Run, data: TrainData, improved: bool, rngs: list[dict[str, Any]])
 def end_of_epoch(run: Run, data: TrainData, epoch: int, complete: bool, captions_per_s: float) -> None:
     """Validate, update early stopping, log the epoch row and save (every rank calls this).
 
-    Args:
-        run: the run after ``train_one_epoch``.
-        data: its validation set and vocabulary.
-        epoch: 0-based epoch just trained.
-        complete: its last batch was trained (False when the time budget cut it short).
-        captions_per_s: training speed of the epoch, for the epoch row.
-
-    Raises:
-        CaptionerError: non-finite weights (nothing is saved).
-        ImageLoadError: an unreadable validation image (one line naming it).
+    ``complete``: the epoch's last batch was trained. Raises ``CaptionerError`` for non-finite weights
+    (nothing is saved), ``ImageLoadError`` for an unreadable validation image.
     """
     prog, info = run.progress, run.info
     bad = nonfinite_tensors(run.learner.model)
@@ -549,24 +480,13 @@ BUILDERS: dict[str, ObjectiveBuilder] = {"xe": build_cross_entropy, "scst": buil
 
 
 def build_objective(cfg: Config, train_set: Any, vocab: Vocabulary, device: torch.device) -> Objective:
-    """The objective ``cfg.train.objective`` names, over the training set ``train_set``, on ``device``.
-
-    Args:
-        cfg: the run's config.
-        train_set: the training ``CaptionSet`` (self-critical rewards read its references).
-        vocab: the run's vocabulary.
-        device: where the objective's buffers live.
-    """
+    """The objective ``cfg.train.objective`` names, over ``train_set``, its buffers on ``device``."""
     return BUILDERS[cfg.train.objective](cfg, train_set, vocab).to(device)
 
 
 @dataclass
 class TrainResult:
-    """What ``train`` returns.
-
-    Attributes:
-        history: one dict per validation (epoch rows of ``metrics.csv``).
-    """
+    """What ``train`` returns: ``history``, one dict per validation (the rows of ``metrics.csv``)."""
 
     best_checkpoint: Path  # ``best.safetensors`` (highest validation ``select_metric``)
     latest_checkpoint: Path  # ``latest.safetensors`` (weights after the last trained batch)
@@ -580,26 +500,12 @@ class TrainResult:
 
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
-    """Train a captioner; all outputs go to the run folder ``out_dir``.
+    """Train a captioner; all outputs go to the run folder ``out_dir`` (on every rank: a ``TrainResult``).
 
-    Args:
-        cfg: the full configuration (model, data, train).
-        out_dir: run folder (created); see the module docstring for its files. A folder that holds
-            an earlier run is refused unless ``resume`` or ``overwrite`` is given.
-        resume: continue the run saved in ``out_dir/train_state.pt`` exactly where it stopped (its
-            weights come from there; ``train.init`` only matters when a run starts).
-        progress: show tqdm progress bars (rank 0, interactive terminals only).
-        overwrite: start a new run in a folder that holds an earlier one: once the config, the data
-            and the folder are checked, the earlier run is moved to ``<out_dir>.old-<time>``
-            (never deleted).
-
-    Returns:
-        A ``TrainResult`` (on every rank under torchrun).
-
-    Raises:
-        CaptionerError: bad data, config or run folder (an earlier run without ``resume`` or
-            ``overwrite``, a file, a folder that cannot be written), a ``train.init`` checkpoint whose
-            architecture differs, or a non-finite loss. Nothing is written before these checks.
+    ``resume``: continue ``out_dir/train_state.pt`` exactly; ``overwrite``: move an earlier run to
+    ``<out_dir>.old-<time>`` (never deleted), which is otherwise refused. Raises ``CaptionerError`` for
+    bad data, config or run folder, an ``--init`` checkpoint of another architecture or a non-finite
+    loss; nothing is written before the checks.
     """
     start = time.monotonic()
     # the encoder's name checked and its weights' preprocessing written into the config the run saves

@@ -1,9 +1,8 @@
 """Training objectives: what loss a batch gives, and the loss terms a run sums and logs.
 
-Main names: the interface (``Objective``, ``Batch``, ``LossResult``), ``CrossEntropy`` with its
-regularisers (``CaptionLoss``: label smoothing, the doubly stochastic penalty, REINFORCE for hard
-attention), ``LossTerm``, and the terms' weighted shares. Self-critical training is ``captioner.training.scst``;
-docs/training.md explains each term.
+``Objective``, ``Batch``, ``LossResult``; ``CrossEntropy`` with its regularisers (``CaptionLoss``:
+label smoothing, the doubly stochastic penalty, REINFORCE for hard attention) and ``LossTerm``s.
+Self-critical training is ``captioner.training.scst``; docs/training.md explains each term.
 
 Shape legend: B batch rows (caption items), T caption steps (with ``<bos>``/``<eos>``), N regions,
 D feature width, V vocabulary.
@@ -44,12 +43,9 @@ class LossResult:
     """The scalar to backpropagate, the objective worth logging and the named parts.
 
     Attributes:
-        terms: named detached 0-d tensors: ``ce``, ``doubly_stochastic`` (unweighted), ``reinforce`` (the
-            surrogate term), ``entropy`` (mean attention entropy, nats), ``baseline``, ``advantage_scale``, and
-            ``weighted_<name>`` for each regulariser as it enters the objective (``alpha_c *
-            doubly_stochastic``, ``entropy_weight * entropy``).
-        captions: how many captions the loss averages over: the weight of this batch's terms in the logged means
-            (set by the training objectives; None from ``CaptionLoss`` alone).
+        terms: named detached 0-d tensors (``ce``, ``doubly_stochastic``, ``reinforce``, ``entropy``,
+            ``baseline``, ``advantage_scale``) and ``weighted_<name>`` as each regulariser enters the objective.
+        captions: how many captions the loss averages over (the batch's weight in logged means).
     """
 
     total: torch.Tensor  # what to backpropagate (objective + REINFORCE surrogate)
@@ -64,7 +60,7 @@ class LossResult:
 
 
 def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor, form: str = "excess") -> torch.Tensor:
-    """The doubly stochastic penalty (see the module docstring): (B,T,N), (B,T) -> scalar.
+    """The doubly stochastic penalty (docs/training.md): (B,T,N), (B,T) -> scalar.
 
     ``form``: ``"excess"`` ``mean_i relu(c_i - 1)^2``, ``"mean"`` ``mean_i (1 - c_i)^2`` or ``"sum"``
     ``sum_i (1 - c_i)^2`` (Xu et al.), with ``c_i = sum_t alpha_ti`` over unmasked steps; then the
@@ -84,11 +80,8 @@ class CaptionLoss(nn.Module):
 
     Args:
         pad_id: target id ignored by every term.
-        label_smoothing: passed to ``F.cross_entropy``.
-        alpha_c: weight of the doubly stochastic penalty (0 disables it).
-        ds_form: ``"excess"``, ``"mean"`` or ``"sum"`` (the paper's form): that penalty's form.
-        reinforce_weight: weight of the REINFORCE term (hard attention).
-        entropy_weight: weight of the attention-entropy bonus (hard attention).
+        alpha_c, ds_form: weight (0: off) and form of the doubly stochastic penalty.
+        reinforce_weight, entropy_weight: weights of REINFORCE and the entropy bonus (hard attention).
         baseline_decay: decay of the moving averages of the reward and of the squared advantage.
     """
 
@@ -122,10 +115,7 @@ class CaptionLoss(nn.Module):
                    baseline_decay=t.baseline_decay)
 
     def forward(self, output: DecoderOutput, targets: torch.Tensor) -> LossResult:
-        """output.logits (B,T,V), targets (B,T) -> LossResult.
-
-        The moving averages are updated only in training mode (``loss.train()``, the default).
-        """
+        """output.logits (B,T,V), targets (B,T) -> LossResult; moving averages update in training mode only."""
         logits = output.logits
         if logits.shape[:2] != targets.shape:
             raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
@@ -195,14 +185,7 @@ class Batch(NamedTuple):
 
 @dataclass(frozen=True)
 class TrainModel:
-    """What an objective trains through.
-
-    Attributes:
-        forward: ``forward(x, tokens) -> DecoderOutput`` with gradients: the training module
-            (:class:`captioner.training.run.TrainForward`), DDP-wrapped under torchrun.
-        encode: images (B,3,S,S) -> features (B,N,D) through the bare encoder, or None when the batches hold
-            cached features.
-    """
+    """What an objective trains through: ``forward(x, tokens)`` with gradients, and ``encode`` (None on features)."""
 
     forward: Callable[[torch.Tensor, torch.Tensor], DecoderOutput]
     decoder: CaptionDecoder  # the bare decoder, for decoding without gradients (sampling, greedy captions)
@@ -218,11 +201,7 @@ class Objective(nn.Module):
 
 
 class LossTerm(Protocol):
-    """An extra term of :class:`CrossEntropy`: ``weight * term(output, batch)`` joins the loss.
-
-    It is logged as ``<name>`` (unweighted) and ``weighted_<name>`` (as it enters the objective;
-    the training loop warns when such a term outweighs the cross-entropy and logs its share).
-    """
+    """An extra term of :class:`CrossEntropy`: ``weight * term(output, batch)``, logged unweighted and weighted."""
 
     name: str
     weight: float
@@ -234,14 +213,7 @@ class LossTerm(Protocol):
 
 
 class CrossEntropy(Objective, CaptionLoss):
-    """Teacher-forced cross-entropy of the references, with the attention regularisers of
-    :class:`captioner.training.objective.CaptionLoss` (whose buffers and ``state_dict`` it has) and any extra
-    :class:`LossTerm`.
-
-    Args:
-        extra_terms: terms added to the loss after ``CaptionLoss``'s, in order.
-        **kwargs: ``CaptionLoss``'s arguments.
-    """
+    """Teacher-forced cross-entropy with :class:`CaptionLoss`'s regularisers and any ``extra_terms`` (:class:`LossTerm`)."""
 
     def __init__(self, extra_terms: Sequence[LossTerm] = (), **kwargs: float | int | str) -> None:
         super().__init__(**kwargs)
@@ -278,10 +250,7 @@ def weighted_terms(means: dict[str, float]) -> dict[str, float]:
 
 
 def term_shares(means: dict[str, float]) -> dict[str, float]:
-    """Each term's share of the positive loss mass: ``ce`` and every ``weighted_<name>`` regulariser.
-
-    Returns ``{"share_ce": ..., "share_<name>": ...}`` (empty without a finite ``ce``).
-    """
+    """``{"share_ce", "share_<name>"}``: each term's share of the positive loss mass (empty without a finite ``ce``)."""
     ce = means.get("ce")
     if ce is None or not math.isfinite(ce):
         return {}
@@ -293,9 +262,7 @@ def term_shares(means: dict[str, float]) -> dict[str, float]:
 
 
 def build_cross_entropy(cfg: Config, train_set: Any, vocab: Vocabulary) -> CrossEntropy:
-    """``train.objective = "xe"``: teacher forcing with the decoder's regularisers, the attention
-    supervision by object boxes when ``train.attention_supervision`` asks for it (and boxes exist),
-    the concept terms, and word-level distillation when ``train.word_distill`` names a file."""
+    """``train.objective = "xe"`` with box supervision, the concept terms and word distillation as configured."""
     terms = [build_attention_supervision(cfg, train_set, vocab), *concept_terms(cfg, vocab),
              build_word_distillation(cfg, train_set, vocab)]
     return CrossEntropy.from_config(cfg.train, cfg.model.decoder, vocab.pad_id,

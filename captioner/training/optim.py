@@ -1,34 +1,18 @@
 """The optimiser: parameter groups, their learning-rate schedules and decays, mixed precision, and the
 clipped optimizer step with its non-finite checks.
 
-The epoch-level decays (``train.decay_patience``, ``train.decay_every``: :func:`decay_after_epoch`) apply
-:meth:`GroupSchedule.decay` after an epoch's validation.
-
-Learning-rate schedules: one per parameter group, stepped once per optimizer step.
-
-Every group has a real peak learning rate and a shape (s = optimizer step, counted from 1)::
+Every group has a peak learning rate and a shape (s = optimizer step, counted from 1)::
 
     constant   lr(s) = peak
     warmup     lr(s) = peak * min(s / w, sqrt(w / s))        w = train.warmup_steps
     cosine     lr(s) = peak * min(s / w, 1) * (f + (1 - f) * (1 + cos(pi * p)) / 2)
                        p = (s - w) / (S - w) clipped to [0, 1], S = the run's total steps, f = COSINE_FLOOR
 
-``cosine`` (Loshchilov & Hutter 2017, one cycle, no restarts) anneals over the steps that
-``train.epochs`` plans, so a run ends annealed after the same number of steps on any machine: the
-recipes' alternative to ``train.budget_decay``, whose wall-clock annealing depends on the machine's
-speed. Its warm-up is linear over w steps (w = 1: none).
-
-``warmup`` is the Transformer schedule of Vaswani et al. 2017 (linear warm-up, then 1/sqrt(s)
-decay) normalised so that it reaches ``peak`` at s = w: at s = 1 it is peak / w, at s = 10 w it
-is peak / sqrt(10). The decoder group's peak is ``train.lr`` with ``train.schedule``; the
-fine-tuned encoder group's peak is ``train.encoder_lr`` with ``train.encoder_schedule`` (constant
-by default), so a warm-up never scales the encoder.
-
-On top of the shapes, :meth:`GroupSchedule.decay` multiplies every group by a factor (the
-epoch-level plateau and step decays of ``train.decay_*``); the accumulated factor is part of the
-saved state, so a resumed run continues with the same learning rates.
-
-The state dict holds numbers and strings only (safe with ``weights_only=True``).
+``warmup`` is Vaswani et al. 2017's schedule normalised to reach ``peak`` at s = w; ``cosine`` is
+Loshchilov & Hutter 2017 (one cycle). The decoder group uses ``train.lr``/``train.schedule``, the
+fine-tuned encoder ``train.encoder_lr``/``train.encoder_schedule``. On top, the epoch-level decays
+(``train.decay_*``) multiply every group by a factor saved with the schedule, so a resumed run
+continues with the same rates. The state dict holds numbers and strings only.
 """
 
 from __future__ import annotations
@@ -72,10 +56,7 @@ def cosine_shape(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def shape_factor(name: str, step: int, warmup_steps: int, total_steps: int | None = None) -> float:
-    """The multiplier of a group's peak lr at optimizer step ``step`` for schedule ``name``.
-
-    ``total_steps`` (the steps the run plans) is needed by ``cosine`` only.
-    """
+    """The multiplier of a group's peak lr at step ``step`` for schedule ``name`` (``total_steps``: cosine only)."""
     if name == "constant":
         return 1.0
     if name == "warmup":
@@ -91,13 +72,6 @@ class GroupSchedule(LRScheduler):
     """A peak lr and a shape per parameter group, times a shared decay factor.
 
     ``lr_g(s) = peaks[g] * shape_factor(shapes[g], s, warmup_steps) * decay_factor``.
-
-    Args:
-        optimizer: its groups, in order, match ``peaks`` and ``shapes``.
-        peaks: peak learning rate of each group.
-        shapes: ``"constant"``, ``"warmup"`` or ``"cosine"`` for each group.
-        warmup_steps: w of the ``warmup`` and ``cosine`` shapes.
-        total_steps: the steps the run plans (``cosine`` anneals over them); None without ``cosine``.
     """
 
     def __init__(self, optimizer: Optimizer, peaks: Sequence[float], shapes: Sequence[str],
@@ -146,11 +120,7 @@ class GroupSchedule(LRScheduler):
                 "total_steps": self.total_steps or 0, "_last_lr": list(self._last_lr)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the step count and decay; peaks and shapes come from the config of this run.
-
-        Also reads the ``LambdaLR`` state of older runs (no decay). The optimizer's lrs are set
-        for the next step, so a resumed run continues exactly.
-        """
+        """Restore the step count and decay (peaks and shapes come from this run's config)."""
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
         self.decay_factor = float(state_dict.get("decay_factor", 1.0))
@@ -159,15 +129,7 @@ class GroupSchedule(LRScheduler):
 
 def build_scheduler(optimizer: Optimizer, schedules: dict[str, tuple[float, str]], warmup_steps: int,
                     total_steps: int | None = None) -> GroupSchedule:
-    """A :class:`GroupSchedule` for an optimizer whose groups carry a ``"name"``.
-
-    Args:
-        optimizer: built by ``captioner.training.optim.build_optimizer`` (groups "decoder",
-            "encoder").
-        schedules: ``{group name: (peak lr, shape)}``.
-        warmup_steps: w of the ``warmup`` and ``cosine`` shapes.
-        total_steps: the steps the run plans (``cosine`` only).
-    """
+    """A :class:`GroupSchedule` for an optimizer whose groups carry a ``"name"``, ``schedules[name] = (peak, shape)``."""
     peaks, shapes = [], []
     for group in optimizer.param_groups:
         name = group.get("name", "")
@@ -180,15 +142,7 @@ def build_scheduler(optimizer: Optimizer, schedules: dict[str, tuple[float, str]
 
 
 def build_optimizer(model: CaptionModel, cfg: TrainConfig, train_encoder: bool) -> torch.optim.Optimizer:
-    """Adam/AdamW over the decoder (``cfg.lr``) and the trainable encoder stages (``cfg.encoder_lr``).
-
-    The group lrs are those peaks; :func:`build_schedule` then sets each group's lr per step.
-
-    Args:
-        model: the captioner.
-        cfg: training options (optimizer, lr, encoder_lr, betas, weight_decay).
-        train_encoder: add a parameter group for the encoder's trainable parameters.
-    """
+    """Adam/AdamW over the decoder (``cfg.lr``) and, with ``train_encoder``, the trainable encoder stages."""
     groups = [{"params": [p for p in model.decoder.parameters() if p.requires_grad], "lr": cfg.lr, "name": "decoder"}]
     if train_encoder:
         enc = [p for p in model.encoder.parameters() if p.requires_grad]
@@ -200,12 +154,7 @@ def build_optimizer(model: CaptionModel, cfg: TrainConfig, train_encoder: bool) 
 
 def build_schedule(optimizer: torch.optim.Optimizer, model: CaptionModel, cfg: TrainConfig,
                    total_steps: int | None = None) -> GroupSchedule:
-    """One schedule per parameter group (see :mod:`captioner.training.optim`).
-
-    The decoder group peaks at ``cfg.lr`` with ``cfg.schedule``; the fine-tuned encoder group at
-    ``cfg.encoder_lr`` with ``cfg.encoder_schedule``. ``total_steps`` (the steps ``cfg.epochs``
-    plans) is what the ``cosine`` shape anneals over.
-    """
+    """One schedule per parameter group; ``total_steps`` (what ``cfg.epochs`` plans) is what ``cosine`` anneals over."""
     return build_scheduler(optimizer, {"decoder": (cfg.lr, cfg.schedule),
                                        "encoder": (cfg.encoder_lr, cfg.encoder_schedule)}, cfg.warmup_steps,
                            total_steps)
@@ -213,12 +162,7 @@ def build_schedule(optimizer: torch.optim.Optimizer, model: CaptionModel, cfg: T
 
 @dataclass
 class Precision:
-    """How one run takes its optimizer steps: mixed precision and non-finite gradients.
-
-    Attributes:
-        skip_nonfinite: without a scaler, skip (do not take) an optimizer step whose gradient norm is NaN/inf
-            (``train.skip_nonfinite``); a scaler already skips such steps itself.
-    """
+    """How one run takes its optimizer steps: mixed precision and whether to skip non-finite gradients."""
 
     dtype: torch.dtype | None  # autocast dtype, or None for full fp32
     device_type: str  # ``"cuda"`` or ``"cpu"``
@@ -239,9 +183,8 @@ class Precision:
 def setup_precision(amp: str, device: torch.device, skip_nonfinite: bool = False) -> Precision:
     """Pick autocast for ``TrainConfig.amp``.
 
-    ``auto`` means bf16 on a GPU that supports it, else fp16 with a ``GradScaler``; on CPU ``auto``
-    and ``off`` run fp32, ``bf16`` runs CPU autocast, and ``fp16`` is refused. ``skip_nonfinite``
-    is ``train.skip_nonfinite`` (see :class:`Precision`).
+    ``auto``: bf16 on a GPU that supports it, else fp16 with a ``GradScaler``; on CPU ``auto`` and
+    ``off`` run fp32, ``bf16`` runs CPU autocast, and ``fp16`` is refused.
     """
     if device.type == "cuda":
         if amp == "off":
@@ -260,11 +203,7 @@ def setup_precision(amp: str, device: torch.device, skip_nonfinite: bool = False
 class StepResult:
     """What :func:`clip_and_step` did; truthy when the optimizer stepped.
 
-    Attributes:
-        grad_norm: total gradient norm before clipping, or None when it was not computed (no clipping and no
-            ``skip_nonfinite``).
-        skipped_nonfinite: the gradient norm was NaN/inf and ``precision.skip_nonfinite`` skipped the step
-            (gradients cleared, optimizer and its state untouched).
+    ``grad_norm`` is None when not computed; ``skipped_nonfinite``: the step was skipped for a NaN/inf norm.
     """
 
     stepped: bool  # the optimizer took the step (the schedule should advance)
@@ -288,26 +227,12 @@ def _grad_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.Tens
     return torch.nn.utils.get_total_norm(grads) if grads else 0.0
 
 
-def clip_and_step(
-    loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    grad_clip: float,
-    precision: Precision,
-    backward: bool = True,
-) -> StepResult:
+def clip_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                  grad_clip: float, precision: Precision, backward: bool = True) -> StepResult:
     """Backward, optional clipping and an optimizer step (through the ``GradScaler`` for fp16).
 
-    With ``precision.skip_nonfinite`` (and no scaler) a step whose gradient norm is NaN/inf is not
-    taken: the gradients are cleared and neither the parameters nor the optimizer state change,
-    so the caller must not advance the schedule either. Without it such a step is taken as is
-    (the next loss is then non-finite and stops training there).
-
-    ``backward=False``: the gradients are already in place (``train.cuda_graph`` replayed the backward).
-
-    Returns:
-        A :class:`StepResult`, falsy when the optimizer did not step (a ``GradScaler`` also skips
-        steps with inf/nan gradients, lowering its scale).
+    With ``precision.skip_nonfinite`` a step with a NaN/inf gradient norm is not taken (gradients
+    cleared; the caller must not advance the schedule). ``backward=False``: the gradients are in place.
     """
     scaler = precision.scaler
     if scaler is None:
@@ -340,13 +265,10 @@ def nonfinite_tensors(module: torch.nn.Module) -> list[str]:
 
 
 def decay_reasons(cfg: TrainConfig, progress: Any, epoch: int) -> list[str]:
-    """Why the learning rate decays after complete epoch ``epoch`` (0-based); one entry per x decay_factor.
+    """Why the lr decays after complete epoch ``epoch``; one entry per x decay_factor.
 
-    ``progress`` is the run's :class:`~captioner.training.run.Progress` (its ``bad_epochs`` and
-    ``select_metric``; the run module sits above this one).
-
-    Plateau: each time ``decay_patience`` more epochs pass without a better ``select_metric``
-    (after 3, 6, ... bad epochs for a patience of 3). Step: after every ``decay_every`` epochs.
+    Plateau: each ``decay_patience`` more epochs without a better ``select_metric``; step: every
+    ``decay_every`` epochs. ``progress``: the run's ``Progress``.
     """
     reasons = []
     bad = progress.bad_epochs
@@ -360,13 +282,7 @@ def decay_reasons(cfg: TrainConfig, progress: Any, epoch: int) -> list[str]:
 
 def decay_after_epoch(cfg: TrainConfig, progress: Any, scheduler: GroupSchedule, epoch: int,
                       announce: bool = True) -> int:
-    """Apply :func:`decay_reasons` to every parameter group after complete epoch ``epoch``.
-
-    The accumulated factor is saved with the schedule, so a resumed run keeps the decayed lrs.
-
-    Returns:
-        How many times ``decay_factor`` was applied (0, 1 or 2).
-    """
+    """Apply :func:`decay_reasons` to every group; return how many times ``decay_factor`` was applied."""
     reasons = decay_reasons(cfg, progress, epoch)
     for _ in reasons:
         scheduler.decay(cfg.decay_factor)
@@ -381,13 +297,7 @@ BUDGET_DECAY_FLOOR = 0.05  # train.budget_decay: the lr factor reached when the 
 
 
 def budget_decay(optimizer: torch.optim.Optimizer, t: TrainConfig, seconds: float) -> None:
-    """``train.budget_decay``: scale the lrs the schedule just set by ``1 - seconds / budget`` (floored).
-
-    Args:
-        optimizer: its param groups' ``lr`` are scaled in place.
-        t: ``train.budget_decay`` and ``train.time_budget`` decide; nothing happens without both.
-        seconds: time since this call of ``train`` began.
-    """
+    """``train.budget_decay``: scale the lrs just set by ``1 - seconds / train.time_budget`` (floored)."""
     if not t.budget_decay or not t.time_budget:
         return
     factor = max(BUDGET_DECAY_FLOOR, 1.0 - seconds / t.time_budget)

@@ -84,13 +84,9 @@ def _cell(value: Any) -> str:
 
 
 class MetricsLogger:
-    """Appends rows to ``<run>/metrics.csv`` and mirrors numbers to TensorBoard when available.
+    """Appends rows to ``<run>/metrics.csv`` (and TensorBoard when it imports).
 
-    Args:
-        run_dir: the run folder.
-        keep_until_step: when resuming, drop existing rows whose ``step`` is larger (they belong
-            to work the saved state does not include); None starts a new file.
-        tensorboard: write ``<run>/tensorboard`` event files if ``torch.utils.tensorboard`` imports.
+    ``keep_until_step``: on resume, drop rows past the saved step; None starts a new file.
     """
 
     def __init__(self, run_dir: str | os.PathLike, keep_until_step: int | None = None,
@@ -175,13 +171,7 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Progress:
-    """Where a run stands; saved in ``train_state.pt`` and restored on resume.
-
-    Attributes:
-        select_metric: the validation metric this run selects on (``train.select_metric`` when the run started;
-            a resume keeps it).
-        history: one dict per validation (the epoch rows of ``metrics.csv``).
-    """
+    """Where a run stands (``select_metric``, ``history``...); saved in ``train_state.pt`` and restored on resume."""
 
     epoch: int = 0  # current epoch, 0-based (== epochs when training has finished)
     batch_in_epoch: int = 0  # batches of ``epoch`` already trained (> 0 after a mid-epoch stop)
@@ -219,12 +209,7 @@ STATE_FORMAT = "captioner-train-state"
 
 
 class TrainForward(nn.Module):
-    """The module DDP wraps: cached features -> decoder, or images -> encoder -> decoder.
-
-    Args:
-        model: the captioner.
-        on_features: inputs are region features (B,N,D) rather than images (B,3,S,S).
-    """
+    """The module DDP wraps: cached features (``on_features``) -> decoder, or images -> encoder -> decoder."""
 
     def __init__(self, model: CaptionModel, on_features: bool) -> None:
         super().__init__()
@@ -245,14 +230,7 @@ class TrainForward(nn.Module):
 
 @dataclass
 class Learner:
-    """What is trained and how.
-
-    Attributes:
-        forward: the module that runs ``module`` with gradients: ``module`` itself, or its
-            ``DistributedDataParallel`` wrapper under torchrun (set by the loop).
-        graphed: ``train.cuda_graph``: the captured forward + loss + backward
-            (:class:`~captioner.training.step.GraphedStep`), else None.
-    """
+    """What is trained and how; ``forward`` is the module or its DDP wrapper, ``graphed`` the CUDA-graph step or None."""
 
     model: CaptionModel  # the captioner (its ``state_dict`` is what checkpoints hold)
     module: TrainForward  # the :class:`TrainForward` over ``model``
@@ -391,9 +369,7 @@ class Run:
 
 def open_run(cfg: Config, info: DistInfo, learner: Learner, run_dir: Path, start: float, show_progress: bool,
              saved: dict[str, Any] | None = None) -> Run:
-    """The run that trains ``learner``: a new one, or the one a ``train_state.pt`` (``saved``) resumes
-    exactly. Each rank > 0 of a new run gets its own random stream (dropout, attention sampling), and
-    rank 0 opens ``metrics.csv`` (a resume keeps its rows up to the saved step)."""
+    """The run that trains ``learner``: a new one, or the one ``saved`` (a ``train_state.pt``) resumes exactly."""
     t = cfg.train
     run = Run(cfg, info, learner, RunFolder(run_dir), Clock(start, t.time_budget),
               Progress(select_metric=t.select_metric), show_progress=show_progress)
@@ -426,11 +402,7 @@ def train_state(run: Run, rngs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def restore_train_state(run: Run, state: dict[str, Any]) -> None:
-    """Put a :func:`train_state` back into ``run`` (weights, optimizer, schedule, loss, progress, RNG).
-
-    Raises:
-        CheckpointError: not a training state, or one saved for another model (one line).
-    """
+    """Put a :func:`train_state` back into ``run``; ``CheckpointError`` for another model's or not a state."""
     learner, info = run.learner, run.info
     path = run.folder.path / "train_state.pt"
     if state.get("format") != STATE_FORMAT:
@@ -479,8 +451,6 @@ def keep_select_metric(cfg: Config, saved: dict[str, Any], announce: bool = True
 
 
 # ----------------------------------------------------------------------------- bookkeeping of a step
-
-
 MAX_SKIPPED_IN_A_ROW = 50  # train.skip_nonfinite: this many non-finite batches in a row stop the run
 HUGE = 1e3  # a pretrained encoder's features stay well below this after pooling
 
@@ -490,16 +460,7 @@ def _encoder_name(enc: EncoderConfig) -> str:
 
 
 def first_loss_cause(inputs: torch.Tensor | None, encoder: EncoderConfig, autocast: torch.dtype | None) -> str:
-    """The likely cause of a non-finite loss at the first step, in a few words for one error line.
-
-    Args:
-        inputs: the batch the loss came from: features (B, N, D) or images (B, 3, S, S).
-        encoder: the run's encoder configuration.
-        autocast: the run's autocast dtype (None for fp32).
-
-    Returns:
-        A clause naming the largest input value and what to change.
-    """
+    """The likely cause of a non-finite first loss, naming the largest input value and what to change."""
     fp16 = "; train.amp=fp16 overflows beyond 65504, try train.amp=bf16" if autocast == torch.float16 else ""
     if inputs is None or inputs.numel() == 0:
         return f"check the input data and the encoder {_encoder_name(encoder)}{fp16}"
@@ -526,10 +487,7 @@ def name_list(keys: list[str]) -> str:
 
 def nonfinite_error(run: Run, value: float, epoch: int, step: int | None = None,
                     inputs: torch.Tensor | None = None) -> CaptionerError:
-    """The one-line error for a non-finite loss ``value`` at ``step`` (default: the current step).
-
-    At step 1 (before any weight update) it names the likely cause from the batch ``inputs``.
-    """
+    """The one-line error for a non-finite loss ``value`` (at step 1 with its likely cause)."""
     step = run.progress.step if step is None else step
     last_good = run.folder.last_good()
     if step == 1:  # before any weight update: the inputs or the model as built, never the lr
@@ -613,13 +571,10 @@ def image_error(run: Run, exc: ImageLoadError, where: str) -> ImageLoadError:
 
 
 class EpochLog:
-    """The bookkeeping around one epoch's batches, so that the step itself reads as forward, loss,
-    backward, step: the progress bar, the step counters (a batch counts as a step before it is trained,
-    skipped or not, so a resumed run starts at the same batch), a step row of ``metrics.csv`` every
-    ``train.log_every`` steps, and the device-side loss statistics read when the epoch ends.
+    """The bookkeeping around one epoch's batches: progress bar, step counters, metric rows, loss statistics.
 
     Use as ``with EpochLog(run, loader, epoch) as batches: for batch in batches: ...``; an unreadable
-    image in the loader becomes one line naming it (:func:`image_error`).
+    image becomes one line naming it.
     """
 
     def __init__(self, run: Run, loader: Any, epoch: int) -> None:

@@ -32,14 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class CaptionReward:
-    """CIDEr-D (optionally mixed with BLEU-4) of tokenized captions against per-image references.
+    """``(1 - w) * CIDEr-D + w * BLEU-4`` of tokenized captions against per-image raw ``references``.
 
-    Args:
-        references: per training image (indexed like the training ``CaptionSet.images``), all its
-            reference captions (raw text; tokenized here once).
-        bleu_weight: weight ``w`` of sentence BLEU-4 in ``(1 - w) * CIDEr-D + w * BLEU-4``.
-        sigma, n: CIDEr-D's length-penalty width and longest n-gram (6 and 4, as coco-caption).
-        doc_freq: document frequencies to use; default: counted from ``references``.
+    ``sigma``, ``n``: CIDEr-D's length-penalty width and longest n-gram; ``doc_freq`` defaults to
+    counts over ``references``.
     """
 
     def __init__(self, references: Sequence[Sequence[str]], bleu_weight: float = 0.0, sigma: float = 6.0,
@@ -85,11 +81,7 @@ def distinct_images(image_index: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def baselines(rewards: torch.Tensor, samples: int, kind: str, greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """Per sample, its baseline: (R,) rewards (image-major, K per image) -> (R,).
-
-    ``greedy``: the image's greedy reward (B,) repeated K times; ``mean``: the mean of the image's
-    other K - 1 samples.
-    """
+    """Each sample's baseline, (R,) -> (R,): ``greedy`` (the image's greedy reward) or ``mean`` (its other samples')."""
     if kind == "greedy":
         if greedy is None:
             raise ValueError("the greedy baseline needs the greedy rewards")
@@ -103,11 +95,8 @@ def baselines(rewards: torch.Tensor, samples: int, kind: str, greedy: torch.Tens
 def dropout_off(*modules: nn.Module) -> Iterator[None]:
     """Put every dropout layer of ``modules`` in eval mode (the modules keep their own mode).
 
-    SCST samples captions without a graph and re-scores them with teacher forcing: with dropout on,
-    the two passes draw different masks, so the gradient is of log-probabilities under another
-    policy than the one that sampled (on Flickr8k, with the lite preset's dropout 0.5, even the
-    training reward fell). Without dropout both passes are the same policy, exactly; hard
-    attention still samples its regions (that is the decoder's mode, not a dropout layer).
+    SCST samples without a graph and re-scores with teacher forcing: with dropout on, the two passes
+    would be different policies. Hard attention still samples its regions.
     """
     layers = [m for module in modules for m in module.modules() if isinstance(m, nn.Dropout) and m.training]
     for layer in layers:
@@ -121,17 +110,11 @@ def dropout_off(*modules: nn.Module) -> Iterator[None]:
 
 def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, banned_ids: Sequence[int] = (),
                      eos_id: int = -1, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target) at each step under the **sampling policy**: (R, L, V), (R, L), (R, L) -> (R, L) float32.
+    """log pi(target) under the **sampling policy**: (R, L, V), (R, L), (R, L) -> (R, L) float32, 0 at padding.
 
-    pi is the distribution :func:`captioner.decoding.search.sample_captions` draws from:
-    ``softmax(logits / temperature)`` over the vocabulary **without** ``banned_ids`` (``<eos>`` is
-    never banned), not the model's full softmax. The difference matters: a model trained with
-    cross-entropy on a vocabulary cut at ``min_freq`` gives ``<unk>`` real mass (up to 0.4 at a step
-    on Flickr8k), and ``<unk>`` is never sampled. Scored with the full softmax, every negative
-    advantage pushes the sampled word down and every other word, ``<unk>`` included, up; ``<unk>``
-    is never sampled, so nothing pushes it back, and within 40 steps it took almost all the mass
-    (greedy training CIDEr-D 1.55 -> 0.26). Under pi the banned ids get no gradient at all.
-    Positions where ``mask`` is False (padding) are 0.
+    pi is ``softmax(logits / temperature)`` **without** ``banned_ids``, as ``sample_captions`` draws:
+    with the full softmax, negative advantages push a never-sampled ``<unk>`` up until it takes the
+    mass. Under pi the banned ids get no gradient.
     """
     scores = SuppressTokens(banned_ids, eos_id)(logits.float())  # the sampler's filter (captioner.decoding.search)
     if temperature != 1.0:
@@ -141,20 +124,11 @@ def policy_log_probs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
 
 
 class SelfCritical(Objective):
-    """The SCST objective for any decoder (see the module docstring); no buffers, so nothing to resume.
+    """The SCST objective for any decoder; no buffers, so nothing to resume (defaults: ``train.scst``).
 
-    The defaults are ``train.scst``'s (:class:`captioner.config.schema.ScstConfig`).
-
-    Args:
-        reward: the caption reward over the training images.
-        vocab: the model's vocabulary.
-        samples: K, samples per image.
-        temperature: sampling temperature.
-        baseline: ``"mean"`` or ``"greedy"``.
-        max_len: most words per sampled (and greedy) caption: ``train.val_max_len``.
-        reinforce_weight: hard attention: weight of the attention-choice REINFORCE term.
-        entropy_weight: hard attention: weight of the attention-entropy bonus.
-        xe_weight: weight of the reference captions' cross-entropy (0: pure SCST).
+    ``baseline``: ``"mean"`` or ``"greedy"``; ``max_len``: words per sampled caption;
+    ``reinforce_weight``/``entropy_weight``: hard attention's terms; ``xe_weight``: the references'
+    cross-entropy mixed in (0: pure SCST).
     """
 
     def __init__(self, reward: CaptionReward, vocab: Vocabulary, samples: int = ScstConfig.samples,
@@ -185,19 +159,10 @@ class SelfCritical(Objective):
     def batch_loss(self, forward: Callable[[torch.Tensor, torch.Tensor], Any], decoder: nn.Module,
                    encode: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor,
                    image_index: torch.Tensor, tokens: torch.Tensor | None = None) -> LossResult:
-        """One SCST step's loss.
+        """One SCST step's loss; its ``captions`` is R, the number of sampled captions.
 
-        Args:
-            forward: the trained module, ``forward(x, tokens) -> DecoderOutput`` (DDP-wrapped or not).
-            decoder: the bare decoder (sampling and greedy decoding, no gradients).
-            encode: images -> features (B, N, D) when ``x`` holds pixels; None when ``x`` is features.
-            x: the batch inputs, one row per caption item.
-            image_index: (rows,) training image of each row.
-            tokens: (rows, T) the rows' reference captions ``[<bos> w.. <eos> pad..]``; needed when
-                ``xe_weight`` > 0.
-
-        Returns:
-            The loss; its ``captions`` is R, the number of sampled captions.
+        ``forward`` is the trained module, ``decoder`` the bare one (sampling without gradients), ``encode``
+        images -> features (None on features). ``tokens``: the rows' references, needed when ``xe_weight`` > 0.
         """
         if self.xe_weight and tokens is None:
             raise ValueError("train.scst.xe_weight > 0 needs the batch's reference tokens")

@@ -73,14 +73,10 @@ class GraphedStep:
     """Forward, loss and backward of ``decoder`` on padded static buffers, captured per shape on CUDA.
 
     Args:
-        decoder: the trained decoder (``forward(features, tokens)``; the SAT decoders).
-        criterion: the training objective (``CrossEntropy``: ``loss(model, batch)``) or a bare
-            ``CaptionLoss`` (``criterion(output, targets)``); its targets ignore ``pad_id``.
-        pad_id: the ``<pad>`` id the padding uses (the loss's).
+        criterion: the training objective (``loss(model, batch)``) or a bare ``CaptionLoss``.
         autocast_dtype: run forward and loss under autocast of this dtype (None: fp32).
-        multiple: bucket steps to a multiple of this.
-        max_graphs: at most this many captured shapes.
-        capture: capture CUDA graphs (default: when the decoder's parameters are on a CUDA device).
+        multiple, max_graphs: bucket steps to a multiple of this; at most this many captured shapes.
+        capture: capture CUDA graphs (default: when the decoder is on a CUDA device).
     """
 
     def __init__(self, decoder: nn.Module, criterion: nn.Module, pad_id: int, autocast_dtype: torch.dtype | None = None,
@@ -117,11 +113,7 @@ class GraphedStep:
 
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor,
                  image_index: torch.Tensor | None = None) -> LossResult:
-        """One batch: features (B,N,D), tokens (B,L) ``[<bos> w.. <eos> <pad>..]``, image_index (B,).
-
-        Leaves the gradients in every parameter's ``.grad`` (the caller clips and steps; it must not
-        zero them to None between this call and the optimizer step) and returns the batch's loss.
-        """
+        """One batch: features (B,N,D), tokens (B,L), image_index (B,) -> the loss, gradients left in ``.grad``."""
         key = self.key(features, tokens)
         entry = self._entries.get(key)
         if entry is None:
@@ -264,11 +256,7 @@ def backward_step(run: Run, loss: torch.Tensor, params: list[nn.Parameter]) -> A
 
 
 def on_device(run: Run, batch: Any) -> Batch:
-    """The loader's ``(x, tokens, image_index)`` with ``x`` and ``tokens`` moved to the run's device.
-
-    Cached features arrive in their stored float16/bfloat16 and become float32 here, on the device
-    (``model_input``): the model, the captured step's static buffers and the loss see float32.
-    """
+    """The loader's ``(x, tokens, image_index)`` on the run's device, cached features widened to float32."""
     x, tokens, image_index = batch
     device = run.info.device
     return Batch(model_input(x, device), tokens.to(device, non_blocking=True), image_index)  # tokens (B, T)
@@ -288,19 +276,9 @@ def forward_loss(run: Run, batch: Batch) -> LossResult:
 def step_deferred(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
     """One batch on one process without ``train.skip_nonfinite``: the step never waits for the device.
 
-    The loss terms go to ``run.session.stats`` and are checked when read (:func:`read_stats`); the
-    first step is read at once, so that a failure there is diagnosed from its own batch.
-
-    Args:
-        run: the run; its learner is stepped and its session updated (``run.progress.step``
-            already counts this batch).
-        batch: ``(x, tokens (B,T), image_index)`` from the train loader, where x is images
-            (B,3,S,S) or cached features (B,N,D); None when ``data.skip_missing`` left it empty.
-        params: every trained parameter (:meth:`Learner.params`).
-        epoch: 0-based epoch (for messages).
-
-    Returns:
-        ``(time_up, captions)``: the time budget ran out, and the captions trained (0 when skipped).
+    The loss terms are checked when read (:func:`read_stats`); the first step is read at once.
+    ``batch``: ``(x, tokens (B,T), image_index)`` or None (left empty by ``data.skip_missing``).
+    Returns ``(time_up, captions trained)``.
     """
     if batch is None:
         return skip_empty(run, run.clock.time_up())
@@ -319,11 +297,8 @@ def step_deferred(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) 
 def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: int) -> tuple[bool, float]:
     """One batch under torchrun or with ``train.skip_nonfinite``: the loss is read before the update.
 
-    One all-reduce carries every rank's loss statistics and its "time is up" vote; a non-finite
-    loss stops the run, or with ``train.skip_nonfinite`` skips the batch (the objective's state
-    put back as it was before the batch), as does a non-finite gradient norm.
-
-    Args and returns: as :func:`step_deferred`; ``time_up`` and ``captions`` are agreed by all ranks.
+    One all-reduce carries every rank's loss statistics and "time is up" vote; a non-finite loss stops
+    the run or (``skip_nonfinite``) skips the batch. Returns as :func:`step_deferred`, agreed by all ranks.
     """
     cfg, info, prog, learner, session = run.cfg, run.info, run.progress, run.learner, run.session
     reduce_on = info.device if info.device.type == "cuda" else torch.device("cpu")
@@ -373,16 +348,8 @@ def step_synchronised(run: Run, batch: Any, params: list[nn.Parameter], epoch: i
 def train_one_epoch(run: Run, loader: Any, epoch: int) -> tuple[bool, bool]:
     """Train over ``loader`` (the rest of epoch ``epoch``): forward, loss, backward and step for each batch.
 
-    The step is :func:`step_synchronised` under torchrun or with ``train.skip_nonfinite`` (which must
-    see the loss before the optimizer steps), else :func:`step_deferred`; the bar, the counters and the
-    step rows are :class:`~captioner.training.run.EpochLog`'s.
-
-    Returns:
-        ``(time_up, complete)``: whether the time budget ran out (agreed by all ranks) and whether
-        the epoch's last batch was trained.
-
-    Raises:
-        ImageLoadError: an unreadable image without ``data.skip_missing`` (one line naming it).
+    Returns ``(time_up, complete)``: the time budget ran out (agreed by all ranks), the last batch was
+    trained. Raises ``ImageLoadError`` for an unreadable image without ``data.skip_missing``.
     """
     learner = run.learner
     learner.forward.train()

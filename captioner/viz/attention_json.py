@@ -3,19 +3,10 @@
 Shape legend: L words, g grid size.
 
 ``{"format": "captioner-attention", "version": 1, "caption", "words", "grid": [g, g],
-"attention": L x g x g, "image_size": [w, h], "box": [left, top, right, bottom]}`` plus, for
-decoders with several layers/heads (the Transformer), ``"layers"``, ``"heads"`` and
-``"all_attention"`` (L x layers x heads x g x g), and for a model with concept detectors
-``"concepts"`` (the photo's top concepts, ``[{"word", "prob"}]``, most probable first) and
-``"concept_maps"`` (C x g x g, where each concept is), and for a caption asked for labels (the words
-the encoder's ImageNet head sees, ``Caption.labels``) ``"labels"`` (``[{"word", "prob"}]``, most
-probable first) and ``"label_maps"`` (K x g x g). Floats are rounded to 6 decimals; a file without
-the optional keys (an older one included) reads back with them None.
-
-The drawing functions take a ``Caption`` placed on its image (:func:`on_image`: the image's size,
-and the whole image as the box when the caption came from a tensor); the file holds the caption's
-text, words, maps, image size and box (not its token ids or score: a caption read back has
-``tokens == []`` and a NaN score).
+"attention": L x g x g, "image_size": [w, h], "box": [left, top, right, bottom]}`` plus, when
+present, ``"layers"``, ``"heads"``, ``"all_attention"`` (L x layers x heads x g x g), ``"concepts"``
+and ``"concept_maps"``, ``"labels"`` and ``"label_maps"``. Floats are rounded to 6 decimals;
+missing optional keys read back as None, and a caption read back has no tokens and a NaN score.
 """
 
 from __future__ import annotations
@@ -41,13 +32,9 @@ def _tensor(x: object) -> torch.Tensor:
 
 
 def on_image(caption: Caption, image: Image.Image | None = None) -> Caption:
-    """``caption`` checked and ready to draw: float32 CPU maps, an image size and a crop box.
+    """``caption`` checked and ready to draw: float32 CPU maps, an image size and a crop box (``image``'s if missing).
 
-    A caption without an image size (it came from a tensor) takes ``image``'s, and without a box
-    the whole image; the box's values become floats.
-
-    Raises:
-        DataError: no attention maps, maps that do not match the words, or no image size at all.
+    Raises ``DataError``: no attention maps, maps that do not match the words, or no image size at all.
     """
     if caption.attention is None:
         raise DataError("the caption has no attention maps (caption with attention=True)")

@@ -1,50 +1,14 @@
 """The HTML attention explorer: one self-contained file (inline CSS/JS, image as a data: URI).
 
-The caption's words form a strip, each word under its own small map (the overview ``attention.png``
-gives): hovering, focusing or tapping one draws its attention large, and a click, Enter or Space keeps
-it. The strip is one Tab stop (a roving tabindex: the word shown); the arrow keys step, Home and End
-go to the ends. "Play" shows the words in turn, as the GIF does, and "Photo without the map" shows
-the photo bare. The word shown is marked the same way however it was chosen and is written above the
-map. The map is drawn over the photo on a <canvas>; its long side is at least ``MIN_DISPLAY_SIDE``
-pixels (a 128-px scene is upscaled to be readable) and at most ``max_side``; inside a page it grows to
-the width of its frame and to ``--map-max`` high (the page sets it, so the map and its legend fit the
-window). Heat maps are rendered client-side from the raw g x g weights embedded as JSON (bilinear
-upsampling with half-pixel centres, a Gaussian blur of ``BLUR_CELLS`` grid cells, placement on the
-encoder's crop box, dimming outside it, then the style's layer: ``heat``, the default, lays the colour
-map (a 256-entry lookup table) over the photo with a transparent low end and darkens the photo a
-little where the word did not look, ``light`` darkens where the word did not look), the same rule as
-:mod:`captioner.viz.heatmaps`; on a dark photo ``light`` also lights the photo up where the word looked
-(its brightness raised towards a mid grey), so the peak can be seen. Each map is on its own scale
-(``word_scale``: from 0 to its upsampled peak, at least ``UNIFORM_FLOOR`` times the uniform weight),
-so the region the word looked at most is drawn at the top on any photo; the legend names the top
-"strongest region, 42%" and the sentence under it gives the same share. Its figures (peak share, grid
-cell, entropy against log N) are one click away.
-
-The explorer opens on the caption's first tag-word (a word of the caption that is one of the
-photo's tags) or else its first noun (:func:`opening_word`), not on "a" or a colour.
-
-For a model with concept detectors (``Caption.concepts``) the photo's top concepts (at most
-``MAX_CONCEPTS``, each with its probability) form a row of chips under the caption, "Tags the model
-sees in this photo": a chip is hovered, focused, tapped and kept as a word is, and shows where its
-concept is (``Caption.concept_maps``) in the same view and style, written large as ``tag: dog 0.91``.
-Without concepts there is no row. A caption asked for labels (``Caption.labels``: the words the
-encoder's ImageNet head sees, :mod:`captioner.concepts.labels`) has a second row the same way, "Labels
-the encoder sees", its chips written large as ``label: dog 0.91``; without labels there is no row.
-
-Inside a page (``captioner serve``) the explorer tells its parent which word it shows (with its map),
-which style and strength are chosen (``postMessage``), passes a photo dropped on it to the parent, and
-offers ``captionerShowWord(word, kind, map)`` (``kind`` ``"tag"`` for a concept, ``"label"`` for a
-label): a word its caption lacks (or a tag or label its photo lacks) is said so over the top of the map,
-which then shows the photo's tag or label of that name (the caption's word, for a tag or label), or else
-the caption's word whose map is most like ``map`` (labelled); ``captionerSetStyle``,
-``captionerSetStrength`` and ``captionerSnapshot()`` (the map with the caption and the word under it,
-as a PNG data URL). ``compare`` on ``<body>`` marks models side by side. A hover needs a pointer that
-moves: a caption that loads under a still pointer keeps its opening word.
-
-Raw weights rather than pre-rendered PNGs keep the file small and let the reader pick any layer
-and head of a Transformer (layers x (heads + 1) maps per word would be hundreds of images). The
-only branch on the decoder is whether per-layer/per-head maps (``all_attention``) are present: then
-layer and head selectors appear, defaulting to the last layer's mean over heads (the overlay view).
+The caption's words form a strip, each under its small map; hovering, focusing or tapping one
+draws its attention large over the photo on a <canvas>, a click keeps it, the arrow keys step and
+"Play" shows the words in turn. Maps are rendered client-side from the raw g x g weights embedded
+as JSON, by the same rules as :mod:`captioner.viz.heatmaps` (placement on the crop box, blur,
+styles, each map on its own scale), so any layer and head of a Transformer can be picked. The
+page opens on the first tag-word or noun (:func:`opening_word`). A model's concepts and a
+caption's labels add rows of chips shown the same way. Inside a page (``captioner serve``) it
+talks to its parent with ``postMessage`` and offers ``captionerShowWord``, ``captionerSetStyle``,
+``captionerSetStrength`` and ``captionerSnapshot``. docs/share_and_show.md describes it.
 """
 
 from __future__ import annotations
@@ -86,9 +50,7 @@ picture image photo photograph view scene group pair bunch kind sort side
 
 
 def opening_word(words: list[str], tags: list[str] | None = None) -> int:
-    """Index of the word an explorer opens on: the first word that is one of ``tags`` (the photo's
-    concepts), else the first that looks like a noun (not in ``NOT_NOUNS``, no ``-ing`` or ``-ly``
-    ending, made of letters), else 0."""
+    """Index of the word an explorer opens on: the first of ``tags``, else the first noun-like word, else 0."""
     tagged = {t.lower() for t in tags or ()}
     for i, w in enumerate(words):
         if w.lower() in tagged:
@@ -102,11 +64,7 @@ def opening_word(words: list[str], tags: list[str] | None = None) -> int:
 
 def display_size(image_size: tuple[int, int], min_side: int = MIN_DISPLAY_SIDE, max_side: int = 960
                  ) -> tuple[int, int]:
-    """Canvas size for an image: the long side clamped to [min_side, max_side], the aspect kept.
-
-    Small images (a 128-px scene) are upscaled to ``min_side``; large photos are bounded by
-    ``max_side``; sizes in between are shown 1:1. ``max_side`` wins when the two disagree.
-    """
+    """Canvas size for an image: the long side clamped to [min_side, max_side] (``max_side`` wins), aspect kept."""
     if min_side < 1 or max_side < 1:
         raise ConfigError(f"display sides must be >= 1, got min_side={min_side}, max_side={max_side}")
     w, h = image_size
@@ -140,35 +98,17 @@ def _chip_row(row: str, kind: str, heading: str, items: list[dict] | None) -> st
             f'</span><span class="chips" role="group" aria-labelledby="{row}-label">{chips}</span></div>\n')
 
 
-def render_explorer(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    layer: int = -1,
-    head: int | None = None,
-    title: str | None = None,
-    max_side: int = 960,
-    start: int | None = None,
-    min_side: int = MIN_DISPLAY_SIDE,
-    style: str = DEFAULT_STYLE,
-) -> str:
+def render_explorer(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                    layer: int = -1, head: int | None = None, title: str | None = None, max_side: int = 960,
+                    start: int | None = None, min_side: int = MIN_DISPLAY_SIDE, style: str = DEFAULT_STYLE) -> str:
     """The explorer page as one HTML string with no external resources.
 
     Args:
         image: the original RGB image (embedded as JPEG, at most ``max_side`` pixels).
-        caption: the caption with its (L, g, g) attention (and optional all_attention, for a model with
-            concept detectors its concepts and their maps, and its labels with their maps: the chips); its image size and crop box
-            default to ``image``'s (:func:`~captioner.viz.attention_json.on_image`).
-        cmap: matplotlib colour map name of the ``heat`` style (embedded as a lookup table).
-        alpha: initial strength (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
-        layer: layer selected first when ``caption.all_attention`` exists (negative counts from the end).
-        head: head selected first (None = mean of heads).
-        title: page heading (defaults to "Attention explorer").
-        max_side: largest side of the embedded image and of the canvas.
-        start: index of the word selected first (None: :func:`opening_word`, the first tag-word or noun).
-        min_side: smallest long side of the canvas (small images are upscaled to it).
-        style: the style shown first, ``heat`` or ``light`` (the reader can switch).
+        caption: with its (L, g, g) attention, optional all_attention, concepts and labels.
+        cmap, alpha, style: the ``heat`` colour map, initial strength and first style.
+        layer, head: selected first with ``all_attention`` (layer < 0 counts from the end; head None = mean).
+        start: word selected first (None: :func:`opening_word`); ``min_side``: small images upscaled to it.
     """
     record = on_image(caption, image)
     if start is None:
@@ -262,12 +202,7 @@ def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **opt
 
 
 # --- the page's stylesheet and script (embedded inline by render_explorer) ---
-# The script reads the page's ``explorer-data`` JSON and draws the chosen word's map the way
-# :mod:`captioner.viz.heatmaps` does in numpy: bilinear upsampling with half-pixel centres, a
-# Gaussian blur of ``blur_cells`` grid cells, the map's own scale (0 to its peak, at least ``floor``),
-# then the style's RGBA layer (``heat``: the colour map, transparent at its low end, over black that
-# darkens the photo where the word did not look; ``light``: black, opaque where the word did not look)
-# over the photo.
+# The script draws the chosen word's map as :mod:`captioner.viz.heatmaps` does in numpy.
 
 EXPLORER_CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.2em auto; max-width: 1180px;

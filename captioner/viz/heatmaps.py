@@ -2,37 +2,15 @@
 
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
-The encoder saw the ``crop_box(width, height, cfg)`` part of the photo resized to S x S
-(``stretch``: the whole photo; ``center_crop``: the centred square). Grid cell (i, j) therefore
-covers one (box_w/g) x (box_h/g) rectangle of that box in ORIGINAL pixel coordinates; the map is
-stretched back to the box's aspect (the photo is never squashed) and pixels outside the box are
-dimmed. Upsampling is bilinear with half-pixel centres followed by a Gaussian blur whose sigma is
-``BLUR_CELLS`` grid cells, the same rule the HTML explorer implements in JavaScript.
-
-Two styles draw a map over the photo (``STYLES``). ``heat`` (the default): a perceptually uniform
-colour map (viridis by default) laid over the photo with an opacity that grows with the square of the
-weight's share of the peak, so the low end is transparent, and the photo darkened a little
-(``HEAT_DIM``) where the word did not look; the strongest region is coloured whatever the photo's brightness, so a word that looked at a
-black jacket on a dark photo still lights it. ``light`` (as the Show, Attend and Tell figures draw
-attention): the photo keeps its own colours where the word looked and is darkened where it did
-not, by up to ``alpha`` of its brightness (a dark region stays dark: the style for bright photos
-and for checking colours); on a dark photo (:func:`light_gain` above 1) ``light`` also lights the photo up
-where the word looked, its brightness raised towards ``LIT_TARGET`` of white (at most ``LIT_MAX_GAIN``
-times) through an opacity of ``alpha * norm ** 2``, so the peak can be seen however dark the photo is.
-Both are one RGBA layer (``style_layer``) composited over the photo, the
-rule the HTML explorer implements in JavaScript.
-
-Each map is drawn on its OWN scale (``word_scale``): from 0 to the highest value its upsampled map
-reaches, so the region a word looked at most is always at the top of the scale (full colour, or
-the photo at full brightness) and every other region is drawn by its share of that peak; a word
-whose attention is spread lights much of the photo, one that points lights one place. The top is at
-least ``UNIFORM_FLOOR`` times the uniform weight, so a map that points nowhere is drawn flat at
-mid-scale, not hot. ``attention_stats`` gives a map's figures, the peak share (largest region's
-share of the weight) and the entropy against log N; ``stats_label`` says them in words under each
-panel, and ``legend_top`` names the top of the legend with the same peak share.
-
-Everything here is numpy and PIL arrays (matplotlib only for the colour maps, imported lazily);
-no text or layout.
+Grid cell (i, j) covers one (box_w/g) x (box_h/g) rectangle of the encoder's ``crop_box`` in
+original pixels: the map is stretched back to the box's aspect (the photo is never squashed) and
+pixels outside are dimmed. Upsampling is bilinear, then a Gaussian blur of ``BLUR_CELLS`` cells.
+Two styles (``STYLES``), one RGBA layer over the photo (:func:`style_layer`): ``heat``, a colour
+map whose opacity grows with the square of the weight (transparent low end), and ``light`` (the
+SAT paper's figures), the photo where the word looked and darkened elsewhere, lit up on a dark
+photo (:func:`light_gain`). Each map is drawn on its own scale (:func:`word_scale`), from 0 to its
+upsampled peak, at least ``UNIFORM_FLOOR`` times uniform. docs/caption_and_overlays.md explains
+them; the HTML explorer implements the same rules in JavaScript.
 """
 
 from __future__ import annotations
@@ -68,9 +46,7 @@ _PEAK_CELL_PX = 8  # pixels per grid cell at which color_scale samples the upsam
 
 
 def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) -> np.ndarray:
-    """(size, g) weights taking g grid values to ``size`` pixels; rows outside [start, stop) are 0.
-
-    ``smooth``: bilinear with a Gaussian blur; else nearest (:func:`captioner.data.images.cell_weights`)."""
+    """(size, g) weights taking g grid values to ``size`` pixels (0 outside [start, stop)); bilinear+blur or nearest."""
     if not smooth:
         return cell_weights(size, start, stop, g)
     weights = np.zeros((size, g), dtype=np.float64)
@@ -93,11 +69,7 @@ def _axis_weights(size: int, start: float, stop: float, g: int, smooth: bool) ->
 
 
 def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
-    """Blur each column of ``a`` (n, g) along n; the kernel is renormalised at the edges.
-
-    The full convolution is cut to the n centred rows (np.convolve's "same" mode returns the
-    kernel's length when the kernel is longer than the column, which crashed g <= 2 grids).
-    """
+    """Blur each column of ``a`` (n, g) along n, the kernel renormalised at the edges (any g, even g <= 2)."""
     n = a.shape[0]
     radius = max(1, int(3 * sigma))
     x = np.arange(-radius, radius + 1)
@@ -106,29 +78,12 @@ def _gaussian_blur_columns(a: np.ndarray, sigma: float) -> np.ndarray:
     return np.stack([np.convolve(col, kernel)[radius:radius + n] / norm for col in a.T], axis=1)
 
 
-def attention_to_image_map(
-    attention: np.ndarray,
-    width: int,
-    height: int,
-    box: Sequence[float] | None = None,
-    smooth: bool = True,
-    preserve_mass: bool = False,
-) -> np.ndarray:
-    """Place one word's g x g attention on the original image.
+def attention_to_image_map(attention: np.ndarray, width: int, height: int, box: Sequence[float] | None = None,
+                           smooth: bool = True, preserve_mass: bool = False) -> np.ndarray:
+    """Place one word's (g, g) attention (row 0 = top of ``box``) on the original image: (H, W) float32, 0 outside.
 
-    Args:
-        attention: (g, g) weights, row 0 = top of the box.
-        width: original image width W in pixels.
-        height: original image height H in pixels.
-        box: (left, top, right, bottom) part of the image the encoder saw (``crop_box``);
-            None means the whole image.
-        smooth: bilinear upsampling + Gaussian blur; False gives one flat block per cell.
-        preserve_mass: scale the map so it sums to ``attention.sum()`` over the image (a
-            distribution over pixels when the attention sums to 1); else values stay in
-            attention units (weight per cell, interpolated).
-
-    Returns:
-        (H, W) float32 map, 0 outside the box.
+    ``smooth``: bilinear upsampling + blur (else flat cells). ``preserve_mass``: the map sums to
+    ``attention.sum()`` over the image; else values stay in attention units.
     """
     att = np.asarray(attention, dtype=np.float64)
     if att.ndim != 2 or att.shape[0] != att.shape[1]:
@@ -148,17 +103,7 @@ def attention_to_image_map(
 
 
 def map_peaks(maps: object) -> np.ndarray:
-    """Highest value of each (g, g) map after upsampling and blurring, in attention units.
-
-    Bilinear upsampling and the blur act on each axis in grid units, so the peak does not depend on
-    the image's size or aspect; it is sampled here at ``_PEAK_CELL_PX`` pixels per cell.
-
-    Args:
-        maps: (..., g, g) weights (array or tensor).
-
-    Returns:
-        (...) peaks.
-    """
+    """(...) highest value of each (..., g, g) map after upsampling and blurring, independent of the image's size."""
     att = as_array(maps, np.float64)
     if att.ndim < 2 or att.shape[-1] != att.shape[-2]:
         raise DataError(f"attention must be (..., g, g), got shape {att.shape}")
@@ -172,32 +117,14 @@ def map_peaks(maps: object) -> np.ndarray:
 
 
 def word_scale(maps: object) -> np.ndarray:
-    """The top of each map's own scale: its upsampled peak (:func:`map_peaks`), at least
-    ``UNIFORM_FLOOR / (g * g)``; the scale runs from 0 to it, so each map's strongest region is drawn at
-    the top.
-
-    Args:
-        maps: (..., g, g) weights.
-
-    Returns:
-        (...) vmax of each map.
-    """
+    """(...) the top of each map's own scale: its upsampled peak, at least ``UNIFORM_FLOOR / (g * g)``."""
     att = as_array(maps, np.float64)
     peaks = map_peaks(att)
     return np.maximum(peaks, UNIFORM_FLOOR / (att.shape[-1] * att.shape[-2]))
 
 
 def color_scale(attention: object) -> tuple[float, float]:
-    """One colour scale (vmin, vmax) for a set of maps, e.g. every word of one caption (the drawings
-    use each map's own scale, :func:`word_scale`; this one compares maps on a common scale).
-
-    Args:
-        attention: (L, g, g) weights of the caption's words.
-
-    Returns:
-        ``(0, vmax)``: vmax is the highest value any word's upsampled map reaches, and at least
-        ``UNIFORM_FLOOR / (g * g)``; (0, 1) for an empty caption.
-    """
+    """One scale ``(0, vmax)`` for (L, g, g) maps compared on a common scale; (0, 1) for an empty caption."""
     att = as_array(attention, np.float64)
     if att.ndim != 3 or att.shape[1] != att.shape[2]:
         raise DataError(f"attention must be (L, g, g), got shape {att.shape}")
@@ -208,10 +135,7 @@ def color_scale(attention: object) -> tuple[float, float]:
 
 
 def attention_stats(attention: object) -> tuple[float, float, float]:
-    """(peak share, entropy, uniform entropy) of one (g, g) map; entropies in nats, share 0..1.
-
-    The map is normalised to sum 1 first; an all-zero map gives (0, 0, log N).
-    """
+    """(peak share, entropy, uniform entropy) of one (g, g) map normalised to sum 1; all-zero gives (0, 0, log N)."""
     att = as_array(attention, np.float64).reshape(-1)
     total = float(att.sum())
     uniform = math.log(att.size) if att.size else 0.0
@@ -300,12 +224,10 @@ def check_style(style: str, option: str = "style") -> str:
 
 def style_layer(norm: np.ndarray, style: str = DEFAULT_STYLE, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """The layer drawn over the photo for a map already scaled to 0..1: ``(colours (..., 3), opacity (...))``.
+    """The layer over the photo for a map scaled to 0..1: ``(colours (..., 3), opacity (...))``.
 
-    ``light``: black at opacity ``alpha * (1 - norm)`` (the photo itself where the word looked);
-    ``heat``: the colour map at opacity ``alpha * norm ** 2`` (transparent at the low end, so that a
-    spread map's many middling regions stay a light veil and its peak stands out) over the photo darkened
-    by ``HEAT_DIM * alpha * (1 - norm)``, folded into one colour and opacity.
+    ``light``: black at opacity ``alpha * (1 - norm)``; ``heat``: the colour map at ``alpha * norm ** 2``
+    over the photo darkened by ``HEAT_DIM * alpha * (1 - norm)``, folded into one colour and opacity.
     """
     norm = np.clip(np.asarray(norm, dtype=np.float64), 0.0, 1.0)
     if check_style(style) == "light":
@@ -320,37 +242,19 @@ def style_layer(norm: np.ndarray, style: str = DEFAULT_STYLE, cmap: str = DEFAUL
 
 
 def light_gain(image: Image.Image) -> float:
-    """How much the ``light`` style brightens a photo where the word looked: ``LIT_TARGET`` of white over
-    the photo's mean brightness (luma, on a 32 x 32 copy, as the explorer measures it), between 1 (a photo
-    bright enough: not at all) and ``LIT_MAX_GAIN``."""
+    """How much ``light`` brightens a dark photo where the word looked: 1 to ``LIT_MAX_GAIN``."""
     small = np.asarray(image.convert("RGB").resize((32, 32), Image.Resampling.BILINEAR), dtype=np.float64)
     luma = float((small @ np.array([0.299, 0.587, 0.114])).mean())
     return float(min(LIT_MAX_GAIN, max(1.0, LIT_TARGET * 255 / max(1.0, luma))))
 
 
-def overlay_heatmap(
-    image: Image.Image,
-    heat_map: np.ndarray,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    box: Sequence[float] | None = None,
-    scale: tuple[float, float] | None = None,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image:
-    """Draw a map over the image in ``style`` (:func:`style_layer`); dim the image outside ``box``.
+def overlay_heatmap(image: Image.Image, heat_map: np.ndarray, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                    box: Sequence[float] | None = None, scale: tuple[float, float] | None = None,
+                    style: str = DEFAULT_STYLE) -> Image.Image:
+    """Draw an (H, W) map over the same-size ``image`` in ``style``; dim it outside ``box``; return a new RGB image.
 
-    Args:
-        image: RGB image of the same size as ``heat_map``.
-        heat_map: (H, W) map.
-        cmap: matplotlib colour map name (the ``heat`` style).
-        alpha: strength, 0..1: the darkest dimming (``light``) or the opacity at the top of the scale (``heat``).
-        box: (left, top, right, bottom) in this image's pixels; None = the whole image.
-        scale: (vmin, vmax) mapped to the ends of the scale (values outside are clipped), e.g.
-            ``(0, word_scale(weights))``; None = from 0 to this map's highest value inside the box.
-        style: one of :data:`STYLES`.
-
-    Returns:
-        A new RGB image.
+    ``alpha``: the darkest dimming (``light``) or the top opacity (``heat``). ``scale``: (vmin, vmax)
+    of the scale, e.g. ``(0, word_scale(weights))``; None: 0 to this map's peak inside the box.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"alpha must be in [0, 1], got {alpha}")

@@ -2,16 +2,10 @@
 
 Shape legend: L words of a caption, g grid size, (H, W) original image height/width in pixels.
 
-The maps are placed on the ORIGINAL image (the encoder's crop box undone, never squashed) and
-drawn by :mod:`captioner.viz.heatmaps` in one of its ``STYLES`` (``heat``, the default: a viridis
-map whose low end is transparent, the photo a little darker where the word did not look; ``light``:
-the photo itself where the word looked, darkened where it did not), each map on its own scale
-(``word_scale``): the region a word looked at most is drawn at the top of the scale on any photo, and
-the rest by its share of that peak.
-
-Writers: a PNG grid (the image with its caption, then one panel per word titled with the word and
-how it looked, e.g. "one place · top region 34%"), an animated GIF (one frame per word, the
-same line under it), the raw attention as JSON, and the HTML explorer. Drawing uses PIL.
+The maps lie on the ORIGINAL image (crop box undone, never squashed), drawn by
+:mod:`captioner.viz.heatmaps` in one of its ``STYLES``, each on its own scale. Writers: a PNG grid
+(the image with its caption, then one panel per word titled with the word and how it looked), an
+animated GIF, the raw attention as JSON, and the HTML explorer.
 """
 
 from __future__ import annotations
@@ -65,28 +59,12 @@ FIGURES = (90, 90, 90)  # colour of the figures line under a word
 GIF_BAND = 50  # height of the band under each GIF frame (the word, then its figures)
 
 
-def word_overlays(
-    image: Image.Image,
-    attention: np.ndarray,
-    box: Sequence[float] | None,
-    max_side: int,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    scale: tuple[float, float] | None = None,
-    style: str = DEFAULT_STYLE,
-) -> tuple[Image.Image, list[Image.Image]]:
-    """The image scaled to fit ``max_side`` and one heat-map overlay per word at that size.
+def word_overlays(image: Image.Image, attention: np.ndarray, box: Sequence[float] | None, max_side: int,
+                  cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA, scale: tuple[float, float] | None = None,
+                  style: str = DEFAULT_STYLE) -> tuple[Image.Image, list[Image.Image]]:
+    """The image scaled to fit ``max_side`` and one overlay per word of (L, g, g) ``attention`` at that size.
 
-    Args:
-        image: original RGB image.
-        attention: (L, g, g) weights.
-        box: crop box in original pixels (None = whole image).
-        max_side: longest side of the returned images (the aspect ratio is kept).
-        scale: (vmin, vmax) of the colour map for every word; None = each word on its own scale,
-            ``(0, word_scale(map))``: its strongest region at the top.
-
-    Returns:
-        (scaled image, [overlay for each of the L words]).
+    ``scale``: (vmin, vmax) for every word; None: each word on its own scale.
     """
     attention = as_array(attention)
     tops = word_scale(attention) if len(attention) else np.zeros(0)
@@ -104,8 +82,6 @@ def word_overlays(
 
 
 # ----------------------------------------------------------------------------- drawing
-
-
 @lru_cache(maxsize=8)
 def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     try:
@@ -151,16 +127,8 @@ def word_titles(words: Sequence[str], attention: np.ndarray) -> list[tuple[str, 
 class GridLayout:
     """Geometry of the PNG grid: panel 0 is the image with the caption, panel i+1 is word i.
 
-    Attributes:
-        panels: number of panels (words + 1).
-        columns: panels per row.
-        rows: number of rows.
-        image_size: (w, h) of each panel's picture; same aspect ratio as the original image.
-        title_height: height of the title band above each picture.
-        legend_height: height of the legend band under the panels (what the two ends of the scale look like).
-        pad: margin around each panel.
-        text_height: height of a band for the caption under the panels, above the legend (0: none;
-            the caption then titles the picture, panel 0).
+    ``image_size``: (w, h) of each picture (the original's aspect); ``title_height``, ``legend_height``
+    and ``text_height`` (a caption band under the panels; 0: none) are band heights; ``pad`` a margin.
     """
 
     panels: int
@@ -237,35 +205,18 @@ def _draw_legend(canvas: Image.Image, box: tuple[int, int, int, int], style: str
     draw.text((bar_right + 8, middle), words[1], fill=FIGURES, font=font)
 
 
-def render_panels(
-    image: Image.Image,
-    maps: np.ndarray,
-    titles: Sequence[tuple[str, str]],
-    text: str,
-    box: Sequence[float] | None = None,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    style: str = DEFAULT_STYLE,
-    scale: tuple[float, float] | None = None,
-    panel_side: int = 224,
-    columns: int = 5,
-    sizes: tuple[int, int, int] = (16, 12, 13),
-    text_below: bool = False,
-    photo_title: str = "",
-) -> Image.Image:
-    """The picture, then one panel per map, each titled with a large line over a small one, and a legend.
+def render_panels(image: Image.Image, maps: np.ndarray, titles: Sequence[tuple[str, str]], text: str,
+                  box: Sequence[float] | None = None, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                  style: str = DEFAULT_STYLE, scale: tuple[float, float] | None = None, panel_side: int = 224,
+                  columns: int = 5, sizes: tuple[int, int, int] = (16, 12, 13), text_below: bool = False,
+                  photo_title: str = "") -> Image.Image:
+    """The picture, then one panel per (P, g, g) map, each titled with a large line over a small one, and a legend.
 
     Args:
-        image: the original RGB image.
-        maps: (P, g, g) weights, one panel each, each on its own scale unless ``scale`` is given.
-        titles: ``(large, small)`` lines over each map (e.g. a word and its figures, :func:`word_titles`).
-        text: the caption: over the picture (two lines at most), or with ``text_below`` in a band
-            under all the panels (three lines at most).
-        box: the crop box in original pixels (None = the whole image).
-        scale: (vmin, vmax) of every panel; None = each map's own (``word_scale``).
-        panel_side: the long side of each panel's picture.
-        columns: panels per row (the picture counts as one).
-        sizes: font sizes of the large title line, the small one and the caption.
+        titles: ``(large, small)`` lines over each map (:func:`word_titles`).
+        text: the caption, over the picture, or with ``text_below`` in a band under the panels.
+        scale: (vmin, vmax) of every panel; None: each map's own.
+        panel_side, columns, sizes: picture side, panels per row, font sizes (large, small, caption).
         photo_title: the picture's title when the caption is below it.
     """
     maps = as_array(maps)
@@ -299,18 +250,9 @@ def render_panels(
     return canvas
 
 
-def render_grid(
-    image: Image.Image,
-    caption: Caption,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    panel_side: int = 224,
-    columns: int = 5,
-    style: str = DEFAULT_STYLE,
-) -> Image.Image:
-    """The PNG grid: the image titled with the caption, then one overlay per word titled with the
-    word and its figures (``word_titles``); each word's overlay is on its own scale (``word_scale``).
-    The maps lie on the caption's crop box (None = the whole image)."""
+def render_grid(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
+                panel_side: int = 224, columns: int = 5, style: str = DEFAULT_STYLE) -> Image.Image:
+    """The PNG grid: the image titled with the caption, then one overlay per word titled with its figures."""
     caption = on_image(caption, image)
     attention = caption.attention.numpy()
     return render_panels(image, attention, word_titles(caption.words, attention), caption.text, caption.box, cmap,
@@ -319,9 +261,7 @@ def render_grid(
 
 def render_tags(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CMAP, alpha: float = DEFAULT_ALPHA,
                 panel_side: int = 224, columns: int = 5, style: str = DEFAULT_STYLE) -> Image.Image | None:
-    """The photo's tags as :func:`render_grid` draws words (the same options): the image titled with the
-    caption, then one panel per concept titled ``tag: dog 0.91`` and its figures, each on its own scale;
-    None for a caption without concepts (a model without concept detectors)."""
+    """The photo's concept tags as :func:`render_grid` draws words; None for a caption without concepts."""
     caption = on_image(caption, image)
     if not caption.concepts:
         return None
@@ -373,8 +313,6 @@ def render_gif_frames(image: Image.Image, caption: Caption, cmap: str = DEFAULT_
 
 
 # ----------------------------------------------------------------------------- all outputs
-
-
 def check_stem(stem: str, option: str = "stem") -> None:
     """Refuse a file name stem that would leave its folder (``../x``, ``a/b``, ``..``) or is empty."""
     if not isinstance(stem, str) or not stem or safe_name(stem, fallback="") != stem:
@@ -383,9 +321,7 @@ def check_stem(stem: str, option: str = "stem") -> None:
 
 
 def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Path]:
-    """The files :func:`write_overlays` may write in ``out_dir``: ``{"png", "gif", "json", "html", "tags", "labels"}``
-    -> path (``tags``, ``<stem>_tags.png``, only for a caption with concepts; ``labels``, ``<stem>_labels.png``,
-    only for a caption with labels)."""
+    """The files :func:`write_overlays` may write: ``{"png", "gif", "json", "html", "tags", "labels"}`` -> path."""
     out = Path(out_dir)
     paths = {kind: out / f"{stem}.{kind}" for kind in ("png", "gif", "json", "html")}
     paths["tags"] = out / f"{stem}_tags.png"
@@ -393,37 +329,14 @@ def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Pat
     return paths
 
 
-def write_overlays(
-    image: Image.Image,
-    caption: Caption,
-    out_dir: str | Path,
-    cmap: str = DEFAULT_CMAP,
-    alpha: float = DEFAULT_ALPHA,
-    stem: str = "attention",
-    layer: int = -1,
-    head: int | None = None,
-    style: str = DEFAULT_STYLE,
-) -> dict[str, Path]:
-    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer for one captioned image, and
-    for a caption with concepts (a model with concept detectors) the PNG of the photo's tags, for a
-    caption with labels (``Caption.labels``) the PNG of its labels.
+def write_overlays(image: Image.Image, caption: Caption, out_dir: str | Path, cmap: str = DEFAULT_CMAP,
+                   alpha: float = DEFAULT_ALPHA, stem: str = "attention", layer: int = -1, head: int | None = None,
+                   style: str = DEFAULT_STYLE) -> dict[str, Path]:
+    """Write the PNG grid, the GIF, the raw JSON and the HTML explorer of one captioned ORIGINAL image.
 
-    Args:
-        image: the ORIGINAL RGB image (not the encoder input).
-        caption: its caption: the words, the (L, g, g) ``attention`` shown in the PNG and GIF, the
-            optional (L, layers, heads, g, g) ``all_attention`` (Transformer) and the crop ``box``
-            (None = the whole image, stretched; :func:`~captioner.viz.attention_json.on_image`).
-        out_dir: folder (created) for ``<stem>.png/.gif/.json/.html``.
-        cmap: matplotlib colour map name (the ``heat`` style).
-        alpha: strength of the drawing, 0..1 (:func:`~captioner.viz.heatmaps.overlay_heatmap`).
-        stem: file name stem: a plain name (:func:`check_stem`), so the files stay in ``out_dir``.
-        layer: layer the explorer shows first (when ``all_attention`` is given).
-        head: head the explorer shows first (None = mean of heads).
-        style: ``heat`` (the default) or ``light`` (attention as light; :data:`~captioner.viz.heatmaps.STYLES`).
-
-    Returns:
-        ``{"png", "gif", "json", "html"}`` (and ``"tags"``, ``<stem>_tags.png``, for a caption with
-        concepts; ``"labels"``, ``<stem>_labels.png``, for a caption with labels) -> written paths.
+    Also ``<stem>_tags.png`` and ``<stem>_labels.png`` for a caption with concepts or labels. ``stem``
+    is a plain file name (:func:`check_stem`); ``cmap``, ``alpha``, ``style`` as for ``overlay_heatmap``;
+    ``layer``, ``head``: what the explorer shows first. Returns ``{"png", "gif", "json", "html", ...}`` paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
