@@ -274,12 +274,17 @@ sys.exit(main())
 
 
 def test_ctrl_c_while_a_command_exits_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
+    import signal
     import subprocess
     import sys
 
+    def ctrl_c_as_a_terminal_gives_it() -> None:  # a background job's children inherit SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     out = tmp_path / "shapes"
     done = subprocess.run([sys.executable, "-c", LATE_INTERRUPT, "make-shapes", "--out", str(out), "--images", "3",
-                           "--image-size", "32"], capture_output=True, text=True, timeout=120)
+                           "--image-size", "32"], capture_output=True, text=True, timeout=120,
+                          preexec_fn=ctrl_c_as_a_terminal_gives_it)
     assert done.returncode == 130 and "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
     assert done.stderr.splitlines()[-1] == ("captioner make-shapes: interrupted while exiting (the command had "
                                             "finished with exit code 0)")
@@ -288,7 +293,7 @@ def test_ctrl_c_while_a_command_exits_prints_one_line_and_no_traceback(tmp_path:
     called = subprocess.run([sys.executable, "-c", "from captioner.cli import main; import signal; "
                              "main(['make-shapes', '--out', %r, '--images', '3', '--image-size', '32', '--force']); "
                              "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)" % str(out)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, preexec_fn=ctrl_c_as_a_terminal_gives_it)
     assert called.stdout.splitlines()[-1] == "True"  # main(argv) from a program leaves its Ctrl-C alone
 
 
