@@ -32,9 +32,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from tqdm import tqdm
 
+from captioner.config.schema import check_number
 from captioner.data.coco import MAX_ANNOTATION_BYTES, load_caption_set, read_annotations
 from captioner.data.dataset import collate_captions
-from captioner.errors import ConfigError, DataError
+from captioner.errors import DataError
 from captioner.files import atomic_write, check_regular, read_text
 from captioner.inference import Captioner, load
 from captioner.models.base import DecoderOutput, eval_mode
@@ -123,10 +124,9 @@ def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.Path
     Raises ``DataError`` for an unreadable dataset or image, ``ConfigError`` for a size < 1 or ``top_k``
     over :data:`MAX_TOP_K`.
     """
-    for name, value, high in (("top_k", top_k, MAX_TOP_K), ("batch_size", batch_size, None)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high and value > high):
-            raise ConfigError(f"write_word_targets: {name} must be an integer from 1"
-                              f"{f' to {high}' if high else ''}, got {value!r}")
+    check_number("write_word_targets: top_k", top_k, lambda v: 1 <= v <= MAX_TOP_K, f"an integer from 1 to {MAX_TOP_K}",
+                 int)
+    check_number("write_word_targets: batch_size", batch_size, lambda v: v >= 1, "an integer from 1", int)
     model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
     vocab: Vocabulary = model.vocab
     k = min(top_k, len(vocab))
