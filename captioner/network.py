@@ -172,6 +172,16 @@ def _read(response: object, n: int) -> bytes:
     return read1(n) if read1 is not None else response.read(n)
 
 
+def _open(opener: Callable[..., object], request: urllib.request.Request, shown: str, moved: "_Progress") -> object:
+    """``opener(request)`` within the current window's timeout; failing to get an answer is a ``DownloadError``."""
+    try:
+        return opener(request, timeout=moved.read_timeout())
+    except urllib.error.HTTPError as exc:
+        raise DownloadError(f"{shown}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+        raise DownloadError(f"{shown}: download failed ({_reason(exc)})") from None
+
+
 def _fetch_part(url: str, part: Path, size: int | None, progress: bool | None, opener: Callable[..., object],
                 bounds: Bounds, label: str, moved: _Progress, inspect: Inspect | None) -> int | None:
     """One request appending to ``part`` (Range from its size); returns the size ``inspect`` found, or None."""
@@ -182,13 +192,11 @@ def _fetch_part(url: str, part: Path, size: int | None, progress: bool | None, o
         return size
     shown = redact(url)
     try:
-        response = opener(_request(url, have), timeout=moved.read_timeout())
-    except urllib.error.HTTPError as exc:
-        if exc.code == 416 and have:  # nothing left to fetch: the part is complete
+        response = _open(opener, _request(url, have), shown, moved)
+    except DownloadError as exc:
+        if exc.status == 416 and have:  # nothing left to fetch: the part is complete
             return size
-        raise DownloadError(f"{shown}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
-        raise DownloadError(f"{shown}: download failed ({_reason(exc)})") from None
+        raise
     with response:
         status = getattr(response, "status", None) or response.getcode()
         resumed = have > 0 and status == 206
@@ -348,12 +356,7 @@ def read_head(url: str, inspect: Inspect, headers: Mapping[str, str] | None = No
             request.add_unredirected_header(key, value)
         else:
             request.add_header(key, value)
-    try:
-        response = opener(request, timeout=moved.read_timeout())
-    except urllib.error.HTTPError as exc:
-        raise DownloadError(f"{shown}: download failed (HTTP {exc.code} {exc.reason})", exc.code) from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
-        raise DownloadError(f"{shown}: download failed ({_reason(exc)})") from None
+    response = _open(opener, request, shown, moved)
     head = _Head(inspect, Path(), 0)
     try:
         with response:
