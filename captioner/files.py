@@ -30,8 +30,8 @@ from filelock import FileLock, Timeout
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
 __all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
-           "lock_is_free", "open_regular", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name", "size_text",
-           "writable_folder"]
+           "lock_is_free", "open_regular", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name",
+           "size_text", "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB

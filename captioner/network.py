@@ -28,7 +28,8 @@ from pathlib import Path
 from captioner.errors import CaptionerError, ConfigError, DataError
 from captioner.files import open_regular
 
-__all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "read_head", "redact", "verify"]
+__all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "read_head", "redact",
+           "verify"]
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20

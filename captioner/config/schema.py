@@ -353,7 +353,8 @@ class TrainConfig:
             raise ConfigError(f"train.word_distill must be the path of a word-targets file, got {self.word_distill!r}")
 
     def _check_concepts(self) -> None:
-        check_number("train.concept_guide", self.concept_guide, lambda v: 0.0 <= v < math.inf, "a number >= 0 (0 = off)")
+        check_number("train.concept_guide", self.concept_guide, lambda v: 0.0 <= v < math.inf,
+                     "a number >= 0 (0 = off)")
         if self.concept_guide and not self.concepts:
             raise ConfigError("train.concept_guide needs train.concepts, a concepts file (captioner concepts)")
         if not 0.0 <= self.concept_guide_min_prob < 1.0:

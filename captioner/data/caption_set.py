@@ -142,7 +142,7 @@ def _short(value: Any, limit: int = 40) -> str:
 
 
 def build_caption_set(source: Path, name: str, split: str, entries: list[tuple[ImageRecord, list[str]]],
-                      images_dir: Path ) -> CaptionSet:
+                      images_dir: Path) -> CaptionSet:
     """Drop empty captions and uncaptioned images (with a warning); DataError when nothing is left."""
     images: list[ImageRecord] = []
     captions: dict[int, list[str]] = {}

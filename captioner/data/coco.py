@@ -23,9 +23,10 @@ from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_bytes, read_json, read_text
 
 __all__ = ["ALL_SPLIT", "FLICKR_JSON", "FLICKR_SPLITS", "LAYOUTS", "CaptionSet", "ImageRecord", "InstanceBoxes",
-           "Layout", "ObjectBox", "TokenFile", "UnknownSplitError", "VALIDATION_SPLITS", "available_splits", "caption_set_from_coco", "caption_set_from_karpathy",
-           "coco_index", "is_flickr8k", "is_karpathy", "karpathy_splits", "load_caption_set", "load_flickr8k",
-           "load_instances", "load_validation_set", "parse_token_lines", "read_annotations", "read_split_list", "read_token_file", "validate_coco"]
+           "Layout", "ObjectBox", "TokenFile", "UnknownSplitError", "VALIDATION_SPLITS", "available_splits",
+           "caption_set_from_coco", "caption_set_from_karpathy", "coco_index", "is_flickr8k", "is_karpathy",
+           "karpathy_splits", "load_caption_set", "load_flickr8k", "load_instances", "load_validation_set",
+           "parse_token_lines", "read_annotations", "read_split_list", "read_token_file", "validate_coco"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 
 # ----------------------------------------------------------------------------- loading
 def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
-                     include_restval: bool = True ) -> CaptionSet:
+                     include_restval: bool = True) -> CaptionSet:
     """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`); image paths are not checked.
 
     ``root``: a dataset folder, a COCO captions JSON or a Karpathy split JSON; ``split``: e.g. ``"train"``,
@@ -167,7 +168,8 @@ def _load_file(path: Path, split: str, images_dir: Path | None, include_restval:
         return _load_flickr(path, data, split, images_dir, path.parent.name)
     own = path.stem[len("captions_"):] if path.stem.startswith("captions_") else path.stem
     if split not in (own, ALL_SPLIT):
-        raise UnknownSplitError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, {ALL_SPLIT}")
+        raise UnknownSplitError(f"{path}: unknown split {split!r}; this file holds one split, available: {own}, "
+                                f"{ALL_SPLIT}")
     image_dir = images_dir or pick_image_dir(data, path.parent.parent / own, path.parent / own,
                                              path.parent / "images", path.parent)
     return caption_set_from_coco(path, data, split, image_dir, path.stem)
@@ -226,7 +228,7 @@ def karpathy_splits(data: dict) -> list[str]:
 
 
 def caption_set_from_karpathy(path: Path, data: dict, split: str, images_dir: Path | None = None,
-                              include_restval: bool = True ) -> CaptionSet:
+                              include_restval: bool = True) -> CaptionSet:
     """Validate a parsed Karpathy file and build the caption set of one split (``val`` or ``dev``, ``all``...)."""
     available = karpathy_splits(data)
     if split in KARPATHY_ALIASES and split not in available and KARPATHY_ALIASES[split] in available:
@@ -397,8 +399,8 @@ def load_flickr8k(root: Path, split: str, images_dir: Path | None = None) -> Cap
     """One split (``train``, ``dev``/``val``, ``test``, ``all``) of the official Flickr8k layout, named ``flickr8k``."""
     split = FLICKR8K_ALIASES.get(split, split)
     if split not in (*FLICKR8K_SPLIT_FILES, ALL_SPLIT):
-        raise UnknownSplitError(f"{root}: unknown split {split!r}; available: {', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} "
-                        f"(val = dev)")
+        raise UnknownSplitError(f"{root}: unknown split {split!r}; available: "
+                                f"{', '.join([*FLICKR8K_SPLIT_FILES, ALL_SPLIT])} (val = dev)")
     folder = flickr8k_text_dir(root) or root / FLICKR8K_TEXT_DIRS[0]
     if split == ALL_SPLIT:
         present = [s for s in FLICKR8K_SPLIT_FILES if (folder / FLICKR8K_SPLIT_FILES[s]).is_file()] or ["train"]
@@ -487,7 +489,7 @@ def caption_set_from_coco(path: Path, data: Any, split: str, images_dir: Path, n
 
 
 # ----------------------------------------------------------------------------- boxes
-def load_instances(root: str | Path, split: str, images_dir: str | Path | None = None ) -> InstanceBoxes | None:
+def load_instances(root: str | Path, split: str, images_dir: str | Path | None = None) -> InstanceBoxes | None:
     """Object boxes from ``instances_<split>.json`` (in ``root``, ``root/annotations`` or beside a captions file).
 
     Returns ``{image_id: [ObjectBox, ...]}`` with ``.categories``, or ``None`` without an instances file.

@@ -40,7 +40,8 @@ from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe,
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
-from captioner.files import check_regular, hold_lock, lock_file, lock_is_free, open_regular, read_text, release_lock_file
+from captioner.files import (check_regular, hold_lock, lock_file, lock_is_free, open_regular, read_text,
+                             release_lock_file)
 from captioner.models.registry import resolve_encoder
 
 log = logging.getLogger(__name__)
