@@ -380,7 +380,11 @@ class Outputs:
             st = os.lstat(path)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and self.owned().get(self._key(path)) == [st.st_size, st.st_mtime_ns]
+        return self._mine(self.owned(), path, st)
+
+    def _mine(self, owned: dict[str, list[int]], path: str | os.PathLike, st: os.stat_result) -> bool:
+        """A regular file that ``owned`` (the manifest) lists with the size and time it has now."""
+        return stat.S_ISREG(st.st_mode) and owned.get(self._key(path)) == [st.st_size, st.st_mtime_ns]
 
     def _key(self, path: str | os.PathLike) -> str:
         path, root = Path(path), Path(self.root)
@@ -411,7 +415,7 @@ class Outputs:
                 continue
             if owned is None:
                 owned = self.owned()
-            mine = owned.get(self._key(path)) == [st.st_size, st.st_mtime_ns] and stat.S_ISREG(st.st_mode)
+            mine = self._mine(owned, path, st)
             if not mine or not self.replace_own:
                 refused.append((path, mine))
         if refused:
