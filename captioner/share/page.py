@@ -16,7 +16,7 @@ from importlib import resources
 
 from captioner.files import size_text
 
-__all__ = ["PAGE_CSS", "PAGE_JS", "render_page"]
+__all__ = ["PAGE_CSS", "PAGE_HTML", "PAGE_JS", "render_page"]
 
 
 def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int) -> str:
@@ -33,46 +33,11 @@ def render_page(models: list[dict], examples: list[dict], max_beam: int, max_byt
         f'<li><strong>{html.escape(m["name"])}</strong>: {html.escape(m.get("about", ""))}'
         + (f' <a href="/cards/{i}" target="_blank" rel="noopener">model card</a>' if m.get("card") else "")
         + "</li>" for i, m in enumerate(models))
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>captioner: {names}</title>
-<link rel="icon" href="data:,">
-<style>{PAGE_CSS}</style>
-</head>
-<body data-state="loading" data-answers="0">
-<a class="skip" id="skip" href="#result">Skip to the caption's words</a>
-<main>
-<header class="top"><h1>Where does each word look?</h1><ul id="about" aria-label="models">{about}</ul></header>
-<div class="bar">
-  <div id="drop"><label for="file">Drop a photo on the page, or choose one:</label> <input type="file" id="file" accept="image/*"></div>
-  <div id="examples"><span>or an example:</span></div>
-</div>
-<div class="bar settings">
-  <label id="model-label">model<select id="model"></select></label>
-  <label>beam<select id="beam"></select></label>
-  <label>captions<select id="nbest-count"></select></label>
-  <button type="button" id="again" disabled>Run again</button>
-  <p id="status" aria-live="polite"></p>
-</div>
-<p id="error" role="alert" hidden></p>
-<section id="result" hidden aria-label="result">
-  <div id="result-head"><span>Photo: <strong id="file-name"></strong></span>
-    <span id="stale-note" hidden></span></div>
-  <div id="columns"></div>
-</section>
-</main>
-<script type="application/json" id="serve-config">{payload}</script>
-<script>{PAGE_JS}</script>
-</body>
-</html>
-"""
+    return PAGE_HTML.format(names=names, css=PAGE_CSS, about=about, payload=payload, js=PAGE_JS)
 
 
-# The page's stylesheet and script, embedded inline by render_page and shipped as package data.
+# The page's template, stylesheet and script, filled in by render_page and shipped as package data.
 # The script captions the last photo again whenever a setting changes; with "all models" it shows one column
 # per model, the same word in each. The page never scrolls by itself: nothing jumps while a photo is busy.
-PAGE_CSS = resources.files(__package__).joinpath("page.css").read_text(encoding="utf-8")
-PAGE_JS = resources.files(__package__).joinpath("page.js").read_text(encoding="utf-8")
+PAGE_HTML, PAGE_CSS, PAGE_JS = (resources.files(__package__).joinpath(f"page.{kind}").read_text(encoding="utf-8")
+                                for kind in ("html", "css", "js"))

@@ -150,49 +150,9 @@ def render_explorer(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CM
     kinds = " or a ".join(k for k, key in (("tag", "concepts"), ("label", "labels")) if data[key])
     tag_help = f" (from a {kinds}, through its row)" if kinds else ""
     tag_where = f", or to a {kinds} to see where the model finds it" if kinds else ""
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{heading}: {html.escape(record.text)}</title>
-<link rel="icon" href="data:,">
-<style>{EXPLORER_CSS}</style>
-</head>
-<body>
-<h1>{heading}</h1>
-<p class="hint" id="hint">Each word with its map: hover, tap or Tab to the words, the arrow keys step.</p>
-<div class="caption" id="caption" role="toolbar" aria-label="the caption's words, each with its map" aria-describedby="hint"></div>
-{chips}<div class="controls">
-  <button type="button" id="play" aria-pressed="false">&#9654; Play</button>
-  <button type="button" id="bare" aria-pressed="false">Photo without the map</button>
-  <label>style<select id="style"><option value="heat">heat map</option>
-    <option value="light">attention as light</option></select></label>
-  <span id="selectors" hidden>
-    <label>layer<select id="layer"></select></label>
-    <label>head<select id="head"></select></label>
-  </span>
-  <label class="strength">strength<input type="range" id="alpha" min="0" max="1" step="0.05"></label>
-</div>
-<div class="views">
-  <figure>
-    <p id="shown-word" aria-live="polite"></p>
-    <div class="stage"><canvas id="view" role="img" aria-label="where the model looked for the chosen word"></canvas>
-      <p id="missing" hidden></p></div>
-    <div class="legend"><span>none</span><span class="bar" id="legend-bar"></span><span id="legend-top"></span></div>
-    <p id="summary"></p>
-    <details><summary>figures</summary><span id="info"></span></details>
-  </figure>
-  <img id="photo" alt="" hidden width="{size[0]}" height="{size[1]}" src="{_image_data_uri(image, max_side)}">
-</div>
-<p class="help">Hover, tap or Tab to a word to see where the model looked{tag_where}; Enter, Space or a click keeps it;
-the arrow keys step through the words{tag_help}; Play shows them in turn.
-Outside the region the encoder saw, the image is dimmed.</p>
-<script type="application/json" id="explorer-data">{payload}</script>
-<script>{EXPLORER_JS}</script>
-</body>
-</html>
-"""
+    return EXPLORER_HTML.format(heading=heading, text=html.escape(record.text), css=EXPLORER_CSS, chips=chips,
+                                width=size[0], height=size[1], image=_image_data_uri(image, max_side),
+                                tag_where=tag_where, tag_help=tag_help, payload=payload, js=EXPLORER_JS)
 
 
 def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **options: object) -> Path:
@@ -202,7 +162,7 @@ def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **opt
     return path
 
 
-# The page's stylesheet and script, embedded inline by render_explorer and shipped as package data.
+# The page's template, stylesheet and script, filled in by render_explorer and shipped as package data.
 # The script draws the chosen word's map as :mod:`captioner.viz.heatmaps` does in numpy.
-EXPLORER_CSS = resources.files(__package__).joinpath("explorer.css").read_text(encoding="utf-8")
-EXPLORER_JS = resources.files(__package__).joinpath("explorer.js").read_text(encoding="utf-8")
+EXPLORER_HTML, EXPLORER_CSS, EXPLORER_JS = (resources.files(__package__).joinpath(f"explorer.{kind}").read_text(
+    encoding="utf-8") for kind in ("html", "css", "js"))
