@@ -13,11 +13,8 @@ trunk. The package's encoder returns exactly the classifier's input, one vector 
   regions (it sums to 1, as an attention map does). On the coco2017-mini boxes the top words' maps
   put 2.3x the uniform share of their mass in their objects' boxes (min-max scaled CAMs: 1.5x).
 
-The classes become caption words through the :class:`Lexicon`, package data written for the
-package (``imagenet_lexicon.tsv``: index, WordNet id, ImageNet name, word): the 118 dog breeds are
-"dog", tabby / tiger cat / Persian / Siamese / Egyptian cat are "cat", wall / analog / digital clock
-are "clock", ram is "sheep"; a class with no everyday caption word maps to nothing and its
-probability is dropped.
+The classes become caption words through the :class:`Lexicon` (``imagenet_lexicon.tsv``): the 118 dog
+breeds are "dog", ram is "sheep"; a class with no everyday caption word maps to nothing.
 
 Shape legend: B photos, N regions (g*g), D feature width (1280), C classes (1000), W lexicon words.
 """
