@@ -268,18 +268,12 @@ def download(url: str, dest: Path, size: int | None = None, checksum: str | None
              bounds: Bounds | None = None, inspect: Inspect | None = None) -> Path:
     """Fetch ``url`` (``http(s)://`` or ``file://``) to ``dest`` through ``dest.part``, resuming with HTTP Range.
 
-    Args:
-        size, checksum, algorithm: expected bytes and ``hashlib`` digest (None: not checked).
-        progress: a tqdm bar; None: only when stderr is a terminal.
-        opener: ``urllib.request.urlopen`` or a stand-in.
-        error: the exception for a mismatch, a cut connection or a broken bound.
-        retries: connections cut in the middle resumed within this call.
-        timeout, bounds: limits (``max_bytes`` defaults to ``size``); ``inspect``: a check of the first bytes.
-
-    Raises:
-        DownloadError: the server could not be reached or answered with an HTTP error.
-        error: cut too often or stalled (``.part`` kept to resume); a mismatch, an oversize body, a
-            refused header or a failed write (``.part`` deleted).
+    ``size``, ``checksum``, ``algorithm``: expected bytes and ``hashlib`` digest (None: not checked);
+    ``progress``: a tqdm bar (None: only when stderr is a terminal); ``opener``: ``urllib.request.urlopen``
+    or a stand-in; ``retries``: cuts resumed within this call; ``bounds`` (``max_bytes`` defaults to
+    ``size``); ``inspect``: a check of the first bytes. Raises DownloadError when the server cannot be
+    reached or answers an HTTP error; ``error`` when cut too often or stalled (``.part`` kept to resume),
+    or for a mismatch, an oversize body, a refused header or a failed write (``.part`` deleted).
     """
     bounds = bounds or Bounds(max_bytes=size)
     if timeout is not None:
@@ -334,20 +328,11 @@ def read_head(url: str, inspect: Inspect, headers: Mapping[str, str] | None = No
 
     For a file another client will download (a Hub file): its header is checked first, and a lying
     or pickled file is refused before its body is fetched. Nothing is written to disk.
-
-    Args:
-        url: what to read (``http(s)://``); redirects are followed.
-        inspect: the check of the file's first bytes (:data:`Inspect`).
-        headers: request headers (an ``Authorization`` header is not sent on to another host after a redirect).
-        label: the file's name in messages (default: ``url`` with any password hidden).
-        bounds: the time limits of :func:`download`.
-
-    Returns:
-        The file's size as its header states it (None when ``inspect`` names none).
-
-    Raises:
-        DownloadError: the server could not be reached or answered with an HTTP error.
-        error: a header ``inspect`` refused, a file that ends inside its header, or a stalled transfer.
+    Redirects are followed; an ``Authorization`` header in ``headers`` is not sent on to another host.
+    ``label``: the file's name in messages (default: ``url`` with any password hidden). Returns the file's
+    size as its header states it (None when ``inspect`` names none). Raises DownloadError when the server
+    cannot be reached or answers an HTTP error; ``error`` for a header ``inspect`` refused, a file that ends
+    inside its header, or a stalled transfer.
     """
     bounds, shown = bounds or Bounds(), label or redact(url)
     moved = _Progress(bounds)

@@ -1,16 +1,10 @@
 """Where a checkpoint named by the user lives: a local file, a run folder, a URL or a Hub repository.
 
-:func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and ``--checkpoint`` accept into a
-local file, then read as any local checkpoint is:
-
-* ``path/to/model.safetensors`` (or ``.pt``): that file;
-* a run folder: its ``best.safetensors``, else ``latest.safetensors``, else ``model.safetensors``;
-* ``https://host/path/model.safetensors[#sha256=HEX]``: downloaded once into the cache
-  (``$CAPTIONER_CACHE``, default ``~/.cache/captioner``) under ``urls/<hash of the URL>/<name>``,
-  resumable, renamed into place only when complete and verified;
-* ``hf://org/repo[@revision][/path/in/repo]`` (default ``model.safetensors``): through
-  ``huggingface_hub``, with its own cache and ``HF_*`` variables; a file not yet in that cache has its
-  size and first bytes checked here first, as a URL's are.
+:func:`resolve_checkpoint` turns what ``captioner.load(spec)`` and ``--checkpoint`` accept (a file, a run
+folder, ``https://...[#sha256=HEX]`` or ``hf://org/repo[@revision][/path]``; docs/share_and_show.md has the
+table) into a local file, then read as any local checkpoint is. A URL is downloaded once into the cache
+(``$CAPTIONER_CACHE``, default ``~/.cache/captioner``), resumable, renamed into place only when complete
+and verified; an ``hf://`` file not yet in the Hub's cache has its size and first bytes checked here first.
 
 A download is bounded in size and time (:class:`captioner.network.Bounds`), only safetensors are
 taken, and the header is checked against the model its config builds before the body is fetched;

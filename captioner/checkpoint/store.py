@@ -1,21 +1,9 @@
 """Self-contained checkpoints: model config + vocabulary + weights in one file, written atomically.
 
-Layout (format "captioner", version 2). The default is one ``.safetensors`` file: the tensors are the
-model's ``state_dict`` (a tensor shared under several names is stored once, the others listed in
-``aliases``) and the string->string header metadata is
-
-    format          "captioner"
-    format_version  "2" (files of another version are refused)
-    config          JSON of dataclasses.asdict(model.config)  (ModelConfig)
-    vocab           JSON of Vocabulary.to_dict()
-    vocab_size      decimal string
-    aliases         JSON {alias name: stored name}
-    metadata        JSON: training metadata plus created / torch_version / captioner_version
-
-A ``.pt`` / ``.pth`` path gets the same content through ``torch.save`` of plain containers, always
-read back with ``torch.load(weights_only=True)``. Files are recognised by content, never by name;
-a refused pickle's message names the globals it would import (read from its opcodes, nothing
-executed). Every problem is a one-line ``CheckpointError`` starting with the path.
+The layout (format "captioner", version 2: ``.safetensors``, or ``.pt`` / ``.pth`` read with
+``torch.load(weights_only=True)``) is in docs/decoding_metrics_checkpoint.md. Files are recognised by
+content, never by name; a refused pickle's message names the globals it would import (read from its
+opcodes, nothing executed). Every problem is a one-line ``CheckpointError`` starting with the path.
 
 Loading builds the model on the meta device and checks every tensor name and shape against the
 file before allocating, so absurd sizes are refused early and no time goes on random init.

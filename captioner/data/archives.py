@@ -7,14 +7,10 @@ dataset's archives and layout, grouped as :data:`flickr8k` and :data:`coco`. The
 (resume, checksum) is :mod:`captioner.network`. Errors are one-line ``DataError`` naming the file;
 an archive that cannot be extracted is removed with what it wrote, so the next run fetches it again.
 
-COCO 2014 (``--root``): ``train2014/``, ``val2014/``, ``annotations/captions_{train,val}2014.json``
-(``instances_*`` with ``--instances``) and ``dataset_coco.json`` (Karpathy split); sizes and MD5s
-checked where known.
-
-Flickr8k, from the jbrownlee/Datasets mirror: ``Flicker8k_Dataset/*.jpg`` (sic), ``Flickr8k_text/``
-(captions and the standard split lists) and ``Flickr8k.sha256``, the zips' digests as downloaded:
-the mirror publishes none, so ``--sha256 KEY=HEX`` checks a new download against known ones. A zip in
-``downloads/`` that captioner did not write (a user's) is read, never replaced or deleted.
+COCO 2014's sizes and MD5s are checked where known. Flickr8k's mirror (jbrownlee/Datasets) publishes no
+digests, so ``Flickr8k.sha256`` keeps the zips' digests as downloaded and ``--sha256 KEY=HEX`` checks a
+new download against known ones. A zip in ``downloads/`` that captioner
+did not write (a user's) is read, never replaced or deleted.
 """
 
 from __future__ import annotations

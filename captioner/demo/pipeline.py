@@ -1,18 +1,9 @@
 """The built-in demo: synthetic scenes, three decoders on a time budget, one comparison report.
 
-``run_demo(DemoOptions(...))`` (docs/demo.md):
-
-1. generates the synthetic scenes unless ``data`` already holds them;
-2. pretrains the small CNN as multiple-instance word detectors from the captions
-   (``captioner.training.detectors``, ``encoder_budget`` seconds);
-3. freezes it and encodes the scenes once (one feature cache);
-4. trains SAT-soft, SAT-hard and the Transformer (presets ``<decoder>_demo``) each for its budget,
-   ``jobs`` at a time in worker processes, and scores each best checkpoint on the test split, with
-   overlays and explorers for a few test images;
-5. with ``scst``, a short self-critical stage after each (``out/<decoder>+scst``), scored the same;
-6. writes ``out/report.html`` (self-contained) and ``out/report.json``.
-
-The decoders share one frozen encoder, so the table compares decoders, not CNNs.
+``run_demo(DemoOptions(...))`` (its steps in docs/demo.md) generates the scenes, pretrains the small CNN
+as word detectors, encodes the scenes once, trains SAT-soft, SAT-hard and the Transformer (``jobs`` at a
+time) and writes ``out/report.html`` and ``out/report.json``. The decoders share one frozen encoder, so
+the table compares decoders, not CNNs.
 """
 
 from __future__ import annotations

@@ -184,17 +184,10 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
                         model: Captioner | None = None, **changes: Any) -> dict[str, Any]:
     """Decode a split with a checkpoint, score it, and write the metrics and COCO results files.
 
-    Args:
-        checkpoint: a checkpoint, or a list decoded as an ensemble (``out_dir`` then required).
-        data_root: dataset folder or annotation file (as for ``load_caption_set``).
-        options: search options (default ``DecodeOptions()``, as in training's validation).
-        settings: what to read and score (default ``EvaluateOptions()``).
-        model: ``checkpoint`` already loaded (:func:`captioner.inference.load`); None: loaded here.
-        **changes: fields of :class:`EvaluateOptions` or ``DecodeOptions`` replacing those given.
-
-    Returns:
-        The content of ``metrics_<split>.json``, plus ``"results"`` (the ``Caption`` list) and
-        ``"caption_set"``, which are not written to the file.
+    ``checkpoint``: one, or a list decoded as an ensemble (``out_dir`` then required); ``data_root``: as for
+    ``load_caption_set``; ``model``: ``checkpoint`` already loaded (None: loaded here); ``**changes``: fields
+    of :class:`EvaluateOptions` or ``DecodeOptions`` replacing those given. Returns the content of
+    ``metrics_<split>.json``, plus ``"results"`` (the ``Caption`` list) and ``"caption_set"`` (not written).
     """
     settings = dataclasses.replace(settings or EvaluateOptions(),
                                    **{k: v for k, v in changes.items() if k in _EVALUATE_FIELDS})

@@ -372,9 +372,7 @@ class FeatureCache:
             skip_bad: store unreadable images as invalid rows instead of raising ``ImageLoadError``.
             key: the ``cache_key`` stored in the trailer; ``lock_timeout``: seconds to wait for the lock.
             encoder_name: how errors name the encoder (default: its class name).
-
-        Raises:
-            DataError: the encoder produced NaN/inf (or beyond bfloat16's range) for an image.
+        DataError when the encoder produces NaN/inf (or beyond bfloat16's range) for an image.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,19 +3,10 @@
 Shape legend: B batch, N regions (grid*grid), D feature width, T caption steps, V vocabulary,
 L decoder layers, H attention heads.
 
-A decoder is an ``nn.Module`` with:
-
-* ``forward(features (B,N,D), tokens (B,T), need_all_attention=False) -> DecoderOutput`` —
-  teacher forcing on ``[<bos> w1 .. wn <eos> <pad>..][:, :-1]``; logits at step t predict token t+1,
-  in input order; padded steps are left for the loss to ignore.
-* ``init_state(features (B,N,D)) -> State`` — per-image constants computed once in
-  ``State.static``; what changes per step (LSTM h/c, self-attention cache) in ``State.dynamic``.
-* ``step(prev_tokens (B,), state) -> (log_probs (B,V), State, attention (B,N))`` — the new state
-  shares ``static`` with the old one; its ``dynamic`` is new.
-
-Search moves rows only through ``State``: ``select`` when rows change image, ``reorder`` within an
-image (``static`` untouched), and, for a decoder with ``groups_rows``, ``regroup`` (one static row
-per image for all its beams).
+A decoder is an ``nn.Module`` with ``forward`` (teacher forcing: logits at step t predict token t+1),
+``init_state`` (per-image constants once, in ``State.static``) and ``step`` (a new ``State.dynamic``);
+docs/architecture.md gives the contract. Search moves rows only through ``State``: ``select`` when rows
+change image, ``reorder`` within an image, ``regroup`` for a decoder with ``groups_rows``.
 
 An optional addition is one component, ``decoder.extension``, called at the named points of
 :class:`SATExtension` / :class:`TransformerExtension`, whose defaults leave the paper's decoder.

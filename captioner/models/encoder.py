@@ -21,10 +21,7 @@ grid only repeats cells, so ``build_encoder`` warns (or with ``strict_grid`` ref
 image size that gives it. ``encoder.dilate`` runs the last stride-2 layer at stride 1 and dilates
 the later convolutions by 2 (DeepLab's atrous trick): stride 16, the same weights.
 
-EfficientNet-Lite: a 3x3 stride-2 stem, seven stages of depthwise-separable / inverted-residual
-blocks (ReLU6, no squeeze-excite), a 1x1 ``conv_head`` to 1280; TensorFlow "SAME" padding on
-stride-2 convolutions (``max((ceil(i / s) - 1) * s + k - i, 0)``, the larger half after), BatchNorm
-eps 1e-3.
+EfficientNet-Lite, written in plain torch, is described in docs/models_sat.md.
 """
 
 from __future__ import annotations

@@ -108,17 +108,13 @@ def lstm_update(gates: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, tor
 
 @register_decoder(SATConfig)
 class SATDecoder(CaptionDecoder):
-    """LSTM decoder with soft or hard additive attention over regions.
+    """LSTM decoder with soft or hard additive attention over regions (``vocab_size`` .. ``attention_dim``:
+    V, D, M, H, A).
 
-    Args:
-        vocab_size, feature_dim, embed_dim, hidden_dim, attention_dim: V, D, M, H, A.
-        dropout: dropout on h before L_h and on the deep output before L_o.
-        attention: "soft" (deterministic) or "hard" (stochastic, trained with REINFORCE).
-        hard_test_mode: hard attention in eval mode: "expectation" (the soft context) or "argmax".
-        hard_soft_prob: hard attention in training: the probability per caption and step of using
-            the expected (soft) context instead of a sampled region.
-        grid, region_positions: add learned row and column embeddings to the g x g region features.
-        extension: an optional :class:`SATExtension`; None: the paper's decoder.
+    ``attention``: "soft" or "hard" (stochastic, trained with REINFORCE); ``hard_test_mode``: hard attention
+    in eval mode, "expectation" (the soft context) or "argmax"; ``hard_soft_prob``: in training, the chance
+    per caption and step of the soft context instead of a sampled region; ``region_positions``: learned row
+    and column embeddings on the g x g regions; ``extension``: None gives the paper's decoder.
     """
 
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,

@@ -187,15 +187,10 @@ class DecoderBlock(nn.Module):
 
 @register_decoder(TransformerConfig)
 class TransformerCaptionDecoder(CaptionDecoder):
-    """Transformer decoder over g x g image regions.
+    """Transformer decoder over g x g image regions (``vocab_size`` .. ``num_heads``: V, D, g, d, L, H).
 
-    Args:
-        vocab_size, feature_dim, grid, d_model, num_layers, num_heads: V, D, g, d, L, H.
-        ff_dim: hidden width of the feed-forward layers.
-        dropout: dropout on embeddings, memory and every residual branch.
-        max_len: longest caption for the precomputed position table (longer ones extend it).
-        tie_embeddings: share the token embedding with the output projection.
-        extension: an optional :class:`TransformerExtension`; None: the paper's decoder.
+    ``dropout``: on embeddings, memory and every residual branch; ``max_len``: the precomputed position
+    table's length (longer captions extend it); ``extension``: None gives the paper's decoder.
     """
 
     def __init__(self, vocab_size: int, feature_dim: int, grid: int, d_model: int = 512, num_layers: int = 3,

@@ -203,11 +203,8 @@ def _metadata_list(path: Path, meta: dict[str, str], field: str) -> list[str]:
 
 
 def _check_layout(path: Path, shapes: dict[str, tuple[list[int], str]], meta: dict[str, str]) -> tuple[int, int]:
-    """Check the header's shapes and dtypes and the metadata before any tensor is read.
-
-    Returns:
-        (vocabulary size, number of images) of the metadata.
-    """
+    """Check the header's shapes and dtypes and the metadata before any tensor is read: (vocabulary size,
+    number of images) of the metadata."""
     for name, (dims, dtypes) in _TENSORS.items():
         shape, dtype = shapes[name]
         if len(shape) != dims:
@@ -408,11 +405,8 @@ def build_word_distillation(cfg: Any, train_set: Any, vocab: Vocabulary) -> Word
 
 def check_word_targets(cfg: Any) -> None:
     """The run's ``train.word_distill`` file, checked before the run writes anything (a bad file leaves no run
-    folder behind); :func:`build_word_distillation` reads it again once the training set is final.
-
-    Raises:
-        DataError: as :func:`read_word_targets`.
-    """
+    folder behind; DataError as :func:`read_word_targets`); :func:`build_word_distillation` reads it again
+    once the training set is final."""
     t = cfg.train
     if t.word_distill and t.word_distill_weight:  # named, so checked (even where the objective ignores it)
         read_word_targets(t.word_distill)

@@ -76,14 +76,9 @@ def doubly_stochastic_penalty(attention: torch.Tensor, mask: torch.Tensor, form:
 
 
 class CaptionLoss(nn.Module):
-    """Loss for both decoder families.
-
-    Args:
-        pad_id: target id ignored by every term.
-        alpha_c, ds_form: weight (0: off) and form of the doubly stochastic penalty.
-        reinforce_weight, entropy_weight: weights of REINFORCE and the entropy bonus (hard attention).
-        baseline_decay: decay of the moving averages of the reward and of the squared advantage.
-    """
+    """Loss for both decoder families: ``alpha_c`` and ``ds_form`` weigh (0: off) and shape the doubly
+    stochastic penalty; ``baseline_decay`` is the decay of the moving averages of the reward and of the
+    squared advantage (hard attention's REINFORCE)."""
 
     def __init__(self, pad_id: int = 0, label_smoothing: float = 0.0, alpha_c: float = 0.0, ds_form: str = "excess",
                  reinforce_weight: float = 1.0, entropy_weight: float = 0.0, baseline_decay: float = 0.9) -> None:

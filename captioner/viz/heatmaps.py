@@ -5,12 +5,9 @@ Shape legend: L words of a caption, g grid size, (H, W) original image height/wi
 Grid cell (i, j) covers one (box_w/g) x (box_h/g) rectangle of the encoder's ``crop_box`` in
 original pixels: the map is stretched back to the box's aspect (the photo is never squashed) and
 pixels outside are dimmed. Upsampling is bilinear, then a Gaussian blur of ``BLUR_CELLS`` cells.
-Two styles (``STYLES``), one RGBA layer over the photo (:func:`style_layer`): ``heat``, a colour
-map whose opacity grows with the square of the weight (transparent low end), and ``light`` (the
-SAT paper's figures), the photo where the word looked and darkened elsewhere, lit up on a dark
-photo (:func:`light_gain`). Each map is drawn on its own scale (:func:`word_scale`), from 0 to its
-upsampled peak, at least ``UNIFORM_FLOOR`` times uniform. docs/caption_and_overlays.md explains
-them; the HTML explorer implements the same rules in JavaScript.
+Two styles (``STYLES``, :func:`style_layer`): ``heat`` and ``light`` (the SAT paper's figures); each map
+on its own scale (:func:`word_scale`). docs/caption_and_overlays.md explains them; the HTML explorer
+implements the same rules in JavaScript.
 """
 
 from __future__ import annotations
