@@ -15,6 +15,10 @@ words (>= 5 uses) and a reading of the labels the encoder sees:
   labels read from their own words and noised (75% kept, 0.15-0.95, a few spurious; the person score
   drawn from the probe's scores on Flickr8k photos with the same person flag), their regions those of
   a Flickr8k photo with the same person flag (``matched``), zeros or a random photo;
+* ``--photo-targets shipped``: the Flickr8k rows' captions are the shipped model's own (beam 3),
+  a self-distillation that keeps what its SCST taught it; ``--reading a``: the labels from the head
+  on the shipped regions (as :mod:`captioner.concepts.labels` reads them) instead of the original
+  top stage;
 * at decoding, ``--veto G``: object words (the CHAIR table) whose labels say absent (lexicon words of
   their category below ``--veto-tau``, person below ``--veto-person-tau``) lose G from their logit;
   ``--rerank G``: the beam's n-best re-ranked by score - G x unsupported object mentions;
@@ -24,6 +28,7 @@ Scores: coco-caption CIDEr-D / BLEU-4 and :func:`captioner.evaluation.chair.chai
 ``coco2014-val168`` (beam 3), CIDEr-D / BLEU-4 on the first 1,000 Flickr8k dev photos.
 
     python scripts/experiments/everyday_levers.py features            # once: runs/everyday/features_*.pt
+    python scripts/experiments/everyday_levers.py teacher             # once: runs/everyday/shipped_train.json
     python scripts/experiments/everyday_levers.py train --steps 600 --out runs/everyday/a.pt [--copy 0 ...]
     python scripts/experiments/everyday_levers.py eval --init runs/everyday/a.pt [--veto 10 | --rerank 3]
 """
@@ -44,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import captioner
-from captioner.concepts.labels import read_lexicon
+from captioner.concepts.labels import label_head, read_lexicon
 from captioner.config import DecodeOptions
 from captioner.data.coco import load_caption_set
 from captioner.decoding.search import beam_search
@@ -97,6 +102,24 @@ def features(args: argparse.Namespace) -> None:
             print(f"{key}: {min(s + 64, len(paths))}/{len(paths)} photos, {time.time() - t0:.0f} s", flush=True)
         args.cache.mkdir(parents=True, exist_ok=True)
         torch.save({"names": [Path(p).name for p in paths], "regions": torch.cat(regions), "probs": torch.cat(probs)}, out)
+
+
+@torch.no_grad()
+def teacher(args: argparse.Namespace) -> None:
+    """The shipped model's own captions (beam 3) of the Flickr8k train photos, for ``--photo-targets``."""
+    out = args.cache / "shipped_train.json"
+    sets, shipped = read_sets(args.data), captioner.load("flickr8k")
+    c8, vocab, dec = torch.load(args.cache / "features_flickr8k.pt"), shipped.vocab, shipped.model.decoder.eval()
+    rows = [i for i, n in enumerate(c8["names"]) if sets["split"][n] == "train"]
+    caps, t0 = {}, time.time()
+    for s in range(0, len(rows), 100):
+        chunk = rows[s:s + 100]
+        hyps = beam_search(dec, c8["regions"][chunk].float(), vocab.bos_id, vocab.eos_id, DecodeOptions(),
+                           [vocab.pad_id, vocab.bos_id, vocab.unk_id])
+        for i, hs in zip(chunk, hyps):
+            caps[c8["names"][i]] = " ".join(vocab.itos[t] for t in hs[0].tokens)
+        print(f"teacher: {len(caps)}/{len(rows)} photos, {time.time() - t0:.0f} s", flush=True)
+    out.write_text(json.dumps(caps, indent=0))
 
 
 def says_person(caption: str) -> bool:
@@ -158,6 +181,11 @@ class Probe:
         sets = read_sets(args.data)
         self.sets = sets
         c8, c168 = (torch.load(args.cache / f"features_{k}.pt") for k in ("flickr8k", "coco168"))
+        if args.reading == "a":  # the head on the shipped regions, as captioner.concepts.labels reads them
+            head = label_head(captioner.load("flickr8k").model.config.encoder)
+            for c in (c8, c168):
+                regions = c["regions"]
+                c["probs"] = torch.cat([head.class_probs(regions[s:s + 500]) for s in range(0, len(regions), 500)])
         self.c8, self.c168 = c8, c168
         self.train_rows = [i for i, n in enumerate(c8["names"]) if sets["split"][n] == "train"]
         self.dev_rows = [i for i, n in enumerate(c8["names"]) if sets["split"][n] == "dev"][:1000]
@@ -174,6 +202,8 @@ class Probe:
         prior_f8k = flags[rows].float().mean().item()
         self.shift = math.log(prior_coco / (1 - prior_coco)) - math.log(prior_f8k / (1 - prior_f8k))
         self.text = [a["caption"] for a in sets["text"]]
+        if args.photo_targets != "human":
+            self.teacher = json.loads((args.cache / "shipped_train.json").read_text())
         self.lexicon = read_lexicon()
         self.to_words = self.lexicon.matrix()  # (1000, W)
         self._build_model()
@@ -261,6 +291,12 @@ class Probe:
         v[-1] = torch.sigmoid(pool[random.randrange(len(pool))]) * float(self.args.person)
         return v
 
+    def photo_target(self, name: str) -> str:
+        kind = self.args.photo_targets
+        if kind == "shipped" or (kind == "mix" and random.random() < 0.5):
+            return self.teacher[name]
+        return random.choice(self.sets["caps8"][name])
+
     def encode(self, caption: str, longest: int = 21) -> list[int]:
         ids = [self.stoi.get(w, self.vocab.unk_id) for w in tokenize(caption)][:longest - 2]
         return [self.vocab.bos_id, *ids, self.vocab.eos_id]
@@ -318,7 +354,7 @@ class Probe:
         t0, losses, b = time.time(), [], args.batch
         for step in range(1, args.steps + 1):
             rows = random.sample(self.train_rows, b)
-            seqs = [self.encode(random.choice(self.sets["caps8"][self.c8["names"][i]])) for i in rows]
+            seqs = [self.encode(self.photo_target(self.c8["names"][i])) for i in rows]
             regions, labels = self.c8["regions"][rows].float(), self.photo_labels(self.c8["probs"][rows])
             if args.text:
                 texts = random.sample(self.text, b)
@@ -350,7 +386,7 @@ class Probe:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("job", choices=("features", "train", "eval"))
+    p.add_argument("job", choices=("features", "teacher", "train", "eval"))
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--cache", type=Path, default=ROOT / "runs" / "everyday")
     p.add_argument("--init", default="", help="a probe checkpoint to start from (train) or score (eval)")
@@ -360,6 +396,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=48, help="Flickr8k rows per step (and as many text rows)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--ext-lr", type=float, default=1e-3)
+    p.add_argument("--photo-targets", choices=("human", "shipped", "mix"), default="human",
+                   help="the Flickr8k rows' captions: people's, the shipped model's own (beam 3; `teacher` job), or half each")
+    p.add_argument("--reading", choices=("a", "b"), default="b",
+                   help="the labels from the head on the shipped regions (a, as the package reads them) or on the "
+                        "original top stage (b, the cached probabilities)")
     p.add_argument("--copy", type=int, default=1)
     p.add_argument("--person", type=int, default=1)
     p.add_argument("--text", type=int, default=1)
@@ -377,6 +418,9 @@ def main() -> None:
     random.seed(args.seed)
     if args.job == "features":
         features(args)
+        return
+    if args.job == "teacher":
+        teacher(args)
         return
     probe = Probe(args)
     if args.job == "train":
