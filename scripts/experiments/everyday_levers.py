@@ -242,14 +242,17 @@ class Probe:
             if len(cats) == 1:
                 lex_cat[cats[0]].append(k)
         self.lex_cat = lex_cat
-        self.support = torch.zeros(len(words) + 1, v)
+        self.support, blind = torch.zeros(len(words) + 1, v), torch.zeros(v, dtype=torch.bool)
         for w, i in self.stoi.items():
             cats = named_objects([w]) if i > 3 else []
             if len(cats) == 1:
+                blind[i] = cats[0] != "person" and cats[0] not in lex_cat  # a category no ImageNet class sees
                 for k in ([len(words)] if cats[0] == "person" else lex_cat.get(cats[0], [])):
                     self.support[k, i] = 1.0
         self.tau = torch.where(self.support[len(words)] > 0, args.veto_person_tau, args.veto_tau)
         self.vetoable = self.support.sum(0) > 0  # (V,) the object words some label column speaks for
+        if args.veto_blind:  # ... and those of the categories no label column sees, vetoed always
+            self.vetoable |= blind
         dec._deep_output = self._deep_output  # the copy and the veto around the paper's deep output
         self.dec = dec
         if args.init:
@@ -407,6 +410,8 @@ def main() -> None:
     p.add_argument("--text-regions", choices=("matched", "zeros", "random"), default="matched")
     p.add_argument("--veto", type=float, default=0.0)
     p.add_argument("--veto-tau", type=float, default=0.05)
+    p.add_argument("--veto-blind", type=int, default=0,
+                   help="1: the veto also silences the object words of the COCO categories no ImageNet class sees")
     p.add_argument("--veto-person-tau", type=float, default=0.5)
     p.add_argument("--no-repeat", type=int, default=0, help="1: no content word twice in a caption (DecodeOptions)")
     p.add_argument("--rerank", type=float, default=0.0)
