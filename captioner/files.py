@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import tempfile
+from importlib import resources
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,8 @@ from filelock import FileLock, Timeout
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
 __all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
-           "lock_is_free", "open_regular", "read_bytes", "read_json", "read_text", "release_lock_file", "safe_name",
-           "size_text", "writable_folder"]
+           "lock_is_free", "open_regular", "package_texts", "read_bytes", "read_json", "read_text", "release_lock_file",
+           "safe_name", "size_text", "writable_folder"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
@@ -184,6 +185,11 @@ def read_json(path: str | os.PathLike, limit: int, error: type[CaptionerError] =
         kind = {dict: "object", list: "list"}.get(expect, expect.__name__)
         raise error(f"{path}: expected a JSON {kind}, got {type(data).__name__}")
     return data
+
+
+def package_texts(package: str, stem: str, kinds: Iterable[str]) -> tuple[str, ...]:
+    """The package data files ``<stem>.<kind>`` of ``package`` (a page's template, stylesheet, script), as UTF-8."""
+    return tuple(resources.files(package).joinpath(f"{stem}.{kind}").read_text(encoding="utf-8") for kind in kinds)
 
 
 def safe_name(name: str, fallback: str = "image") -> str:

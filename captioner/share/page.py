@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import html
 import json
-from importlib import resources
 
-from captioner.files import size_text
+from captioner.files import package_texts, size_text
 
 __all__ = ["PAGE_CSS", "PAGE_HTML", "PAGE_JS", "render_page"]
 
@@ -39,5 +38,4 @@ def render_page(models: list[dict], examples: list[dict], max_beam: int, max_byt
 # The page's template, stylesheet and script, filled in by render_page and shipped as package data.
 # The script captions the last photo again whenever a setting changes; with "all models" it shows one column
 # per model, the same word in each. The page never scrolls by itself: nothing jumps while a photo is busy.
-PAGE_HTML, PAGE_CSS, PAGE_JS = (resources.files(__package__).joinpath(f"page.{kind}").read_text(encoding="utf-8")
-                                for kind in ("html", "css", "js"))
+PAGE_HTML, PAGE_CSS, PAGE_JS = package_texts(__package__, "page", ("html", "css", "js"))

@@ -17,13 +17,13 @@ import base64
 import html
 import io
 import json
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from captioner.errors import ConfigError, DataError
+from captioner.files import package_texts
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image
 from captioner.viz.heatmaps import (BLUR_CELLS, DEFAULT_ALPHA, DEFAULT_CMAP, DEFAULT_STYLE, DIM, HEAT_DIM, LIT_MAX_GAIN,
@@ -164,5 +164,4 @@ def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **opt
 
 # The page's template, stylesheet and script, filled in by render_explorer and shipped as package data.
 # The script draws the chosen word's map as :mod:`captioner.viz.heatmaps` does in numpy.
-EXPLORER_HTML, EXPLORER_CSS, EXPLORER_JS = (resources.files(__package__).joinpath(f"explorer.{kind}").read_text(
-    encoding="utf-8") for kind in ("html", "css", "js"))
+EXPLORER_HTML, EXPLORER_CSS, EXPLORER_JS = package_texts(__package__, "explorer", ("html", "css", "js"))

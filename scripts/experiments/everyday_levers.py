@@ -50,7 +50,7 @@ from torch import nn
 
 import captioner
 from captioner.concepts.labels import label_head, read_lexicon
-from captioner.config import DecodeOptions
+from captioner.config import DecodeOptions, EncoderConfig
 from captioner.data.coco import load_caption_set
 from captioner.decoding.search import beam_search
 from captioner.evaluation.chair import chair_scores, named_objects
@@ -182,7 +182,7 @@ class Probe:
         self.sets = sets
         c8, c168 = (torch.load(args.cache / f"features_{k}.pt") for k in ("flickr8k", "coco168"))
         if args.reading == "a":  # the head on the shipped regions, as captioner.concepts.labels reads them
-            head = label_head(captioner.load("flickr8k").model.config.encoder)
+            head = label_head(EncoderConfig(name="efficientnet_lite0"))  # the shipped encoder's wheel
             for c in (c8, c168):
                 regions = c["regions"]
                 c["probs"] = torch.cat([head.class_probs(regions[s:s + 500]) for s in range(0, len(regions), 500)])
