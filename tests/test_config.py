@@ -43,7 +43,7 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
 # data fields added after the snapshot: run-local feature caches by default
 ADDED_DATA_FIELDS = {"shared_feature_cache": False}
 # encoder fields added after the snapshot: no dilated trunk by default
-ADDED_ENCODER_FIELDS = {"dilate": False}
+ADDED_ENCODER_FIELDS = {"labels": False, "dilate": False}
 # the model section added after the snapshot: the decoder's extension (no concepts, no concept prior by default)
 ADDED_CONCEPTS_SECTION = {"count": 0, "hidden": 512, "pooling": "lse", "sharpness": 5.0, "prior": False}
 

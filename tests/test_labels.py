@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from pathlib import Path
@@ -11,14 +12,15 @@ import pytest
 import torch
 
 import captioner
-from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, label_head,
+from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels, label_head,
                                        read_lexicon)
-from captioner.config import EncoderConfig
+from captioner.config import DecodeOptions, EncoderConfig
 from captioner.data.images import ImageTransform, load_image
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.chair import CHAIR_SYNONYMS, named_objects
 from captioner.models.encoder import build_encoder
 from captioner.models.registry import resolve_encoder
+from captioner.text import Vocabulary
 
 DOG_BREEDS = range(151, 269)  # Chihuahua .. Mexican hairless
 BEAR_PHOTO = "coco2014-val168/val2014/COCO_val2014_000000000285.jpg"  # a grizzly bear in the grass
@@ -189,3 +191,137 @@ def test_captioner_returns_labels_on_request(shared_data):
         np.testing.assert_allclose(np.stack([m.numpy() for _, _, m in c.labels]),
                                    np.stack([m.numpy() for _, _, m in labelled.labels]), atol=1e-6)
     assert model.caption_nbest(photo, n_best=1).pop().labels is None
+
+
+# ----------------------------------------------------------------------------- the label channels and their reading
+
+
+@pytest.fixture(scope="module")
+def lite_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Lite0 at 7x7 from the wheel, without and with ``encoder.labels``."""
+    cfg = EncoderConfig(name="efficientnet_lite0", grid=7, image_size=224)
+    return build_encoder(cfg).eval(), build_encoder(dataclasses.replace(cfg, labels=True)).eval()
+
+
+def test_the_label_channels_are_the_original_classifier_on_each_region(lite_pair):
+    plain, labelled = lite_pair
+    assert (plain.label_dim, labelled.label_dim, labelled.out_dim) == (0, IMAGENET_CLASSES, 1280)
+    pixels = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        regions, grid = plain(pixels)
+        features, same_grid = labelled(pixels)
+    assert features.shape == (2, 49, 1280 + IMAGENET_CLASSES) and grid == same_grid == (7, 7)
+    torch.testing.assert_close(features[..., :1280], regions)  # the regions are untouched
+    head = label_head(EncoderConfig(name="efficientnet_lite0"))
+    # the top stage is the wheel's here, so the channels are the classifier read on each region (a CAM)
+    torch.testing.assert_close(features[..., 1280:], regions @ head.weight.T + head.bias, rtol=1e-4, atol=2e-3)
+    torch.testing.assert_close(head.class_probs(features), head.class_probs(regions), rtol=1e-4, atol=1e-5)
+
+
+def test_the_label_top_stays_frozen_and_in_eval_mode_while_the_top_stage_trains():
+    cfg = EncoderConfig(name="efficientnet_lite0", grid=7, image_size=224, labels=True, fine_tune=True,
+                        fine_tune_stages=1)
+    encoder = build_encoder(cfg).train()
+    top = encoder.trunk.label_top
+    assert not top.training and not any(p.requires_grad for p in top.parameters())
+    assert any(p.requires_grad for p in encoder.trunk.conv_head.parameters())
+    before = {k: v.clone() for k, v in top.state_dict().items()}
+    features, _ = encoder(torch.randn(2, 3, 224, 224))
+    features[..., :1280].sum().backward()  # the regions train; the label channels hold no gradient path
+    assert all(torch.equal(v, top.state_dict()[k]) for k, v in before.items())  # BatchNorm statistics too
+    with pytest.raises(ConfigError, match="encoder 'tiny' has no shipped ImageNet classifier"):
+        build_encoder(EncoderConfig(name="tiny", grid=2, labels=True))
+    with pytest.raises(ConfigError, match="encoder.labels must be true or false"):
+        EncoderConfig(labels="yes")
+
+
+def _reading(feature_dim: int = 8) -> tuple[SATLabels, Vocabulary]:
+    rest = IMAGENET_CLASSES - 2  # class 0 is a terrier, 1 a tabby, the others have no word
+    lexicon = Lexicon(tuple(f"n{i:08d}" for i in range(IMAGENET_CLASSES)), ("terrier", "tabby", *["x"] * rest),
+                      ("dog", "cat"), (0, 1, *[-1] * rest))
+    reading = SATLabels(feature_dim, hidden_dim=6, embed_dim=4, lexicon=lexicon)
+    with torch.no_grad():
+        reading.person_mu.zero_()
+    vocab = Vocabulary(["a", "dog", "runs"])  # no "cat": its label cannot be copied
+    reading.use_vocabulary(vocab.stoi)
+    return reading, vocab
+
+
+def _labelled_features(batch: int = 2, n: int = 4, d: int = 8, dog: float = 6.0) -> torch.Tensor:
+    cam = torch.zeros(batch, n, IMAGENET_CLASSES)
+    cam[:, :, 0] = dog  # every region says terrier
+    return torch.cat([torch.randn(batch, n, d), cam], dim=-1)
+
+
+def test_the_reading_gives_the_words_the_person_score_and_the_regions():
+    reading, _ = _reading()
+    features = _labelled_features()
+    labels = reading.read(features)["labels"]
+    assert labels.shape == (2, 3) and reading.width == 3  # dog, cat, person
+    probs = torch.softmax(features[0, :, 8:].mean(0), -1)
+    torch.testing.assert_close(labels[0, :2], torch.stack([probs[0], probs[1]]))
+    torch.testing.assert_close(labels[:, 2], torch.full((2,), 0.5))  # an unfitted person probe: w = 0, b = 0
+    torch.testing.assert_close(reading.regions(features), features[..., :8])
+    assert reading.copy_ids.tolist() == [5, -1]  # "dog" is id 5 (after the 4 specials and "a"); "cat" is absent
+    with pytest.raises(ConfigError, match="need 8 region and 1000 label channels"):
+        reading.read(torch.randn(2, 4, 8))
+
+
+def test_the_copy_mixes_the_label_word_into_a_distribution():
+    reading, vocab = _reading()
+    static = reading.read(_labelled_features())
+    logits = torch.zeros(2, 3, len(vocab))  # a generator with no opinion, at 3 steps
+    hidden = torch.zeros(2, 3, 4)
+    scores = reading.word_scores(logits, hidden, static)
+    torch.testing.assert_close(scores.exp().sum(-1), torch.ones(2, 3))
+    g = torch.sigmoid(torch.tensor(-3.0))  # the gate's start
+    dog = vocab.stoi["dog"]
+    torch.testing.assert_close(scores[0, 0, dog].exp(), (1 - g) / len(vocab) + g)  # the only copyable word
+    with torch.no_grad():
+        reading.gate.bias.fill_(8.0)  # the gate open: the copy's word wins
+    assert int(reading.word_scores(logits[:, 0], hidden[:, 0], static).argmax(-1)[0]) == dog
+
+
+@pytest.mark.parametrize("family", ["sat", "transformer"])
+def test_both_decoders_read_labels_through_the_extension(family):
+    from captioner.config.decoders import SATConfig, TransformerConfig
+    from captioner.decoding.search import beam_search
+    from captioner.models.registry import build_decoder
+    from captioner.models.model import build_extension
+    from captioner.config import ConceptsConfig
+
+    cfg = SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8) if family == "sat" else \
+        TransformerConfig(d_model=8, num_layers=1, num_heads=2, ff_dim=16)
+    ext = build_extension(ConceptsConfig(), cfg, feature_dim=6, labels=True)
+    assert type(ext).__name__ == ("SATLabels" if family == "sat" else "TransformerLabels")
+    vocab = Vocabulary(["a", "dog", "runs"])
+    ext.use_vocabulary(vocab.stoi)
+    decoder = build_decoder(cfg, feature_dim=6, vocab_size=len(vocab), grid=2, extension=ext).eval()
+    features = _labelled_features(d=6)
+    out = decoder(features, torch.tensor([[1, 4, 5], [1, 5, 6]]))
+    assert out.logits.shape == (2, 3, len(vocab)) and out.attention.shape == (2, 3, 4)
+    torch.testing.assert_close(out.logits.exp().sum(-1), torch.ones(2, 3))  # the copy gives log-probabilities
+    with torch.no_grad():
+        hyps = beam_search(decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=2, max_len=4))
+    assert len(hyps) == 2 and all(len(h) == 1 for h in hyps)
+    with pytest.raises(ConfigError, match="reads concepts .* or the encoder's labels"):
+        build_extension(ConceptsConfig(count=3), cfg, feature_dim=6, labels=True)
+
+
+def test_a_labelled_model_round_trips_through_a_checkpoint(tmp_path, lite_pair):
+    from captioner.checkpoint.store import load_checkpoint, save_checkpoint
+    from captioner.config import ModelConfig
+    from captioner.config.decoders import SATConfig
+    from captioner.models.model import build_model
+
+    vocab = Vocabulary(["a", "dog", "runs", "cat"])
+    cfg = ModelConfig(encoder=EncoderConfig(name="efficientnet_lite0", grid=7, labels=True),
+                      decoder=SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8))
+    model = build_model(cfg, len(vocab)).eval()
+    model.decoder.extension.use_vocabulary(vocab.stoi)
+    path = save_checkpoint(tmp_path / "m.safetensors", model, vocab)
+    loaded = load_checkpoint(path).model.eval()
+    assert loaded.decoder.extension.copy_ids.tolist() == model.decoder.extension.copy_ids.tolist()
+    pixels, tokens = torch.randn(1, 3, 224, 224), torch.tensor([[1, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(pixels, tokens).logits, model(pixels, tokens).logits)

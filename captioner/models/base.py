@@ -139,6 +139,15 @@ class DecoderExtension(nn.Module):
         kept in ``State.static`` (flat: the names must not clash with the decoder's own)."""
         return {}
 
+    def regions(self, features: torch.Tensor) -> torch.Tensor:
+        """The regions (B,N,D) the decoder attends over, from what the encoder gave (B,N,D') (default: all of it)."""
+        return features
+
+    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decoder's next-word scores (B[,T],V), from its logits and the state they were read from (B[,T],M)
+        and :meth:`read`'s constants (B,...): logits, or log-probabilities (default: the logits)."""
+        return logits
+
     def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
         """Named outputs for ``DecoderOutput.aux`` after a teacher-forced pass, from :meth:`read`'s constants
         and what the attention points returned (in the order they were called)."""

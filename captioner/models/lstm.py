@@ -204,12 +204,15 @@ class SATDecoder(CaptionDecoder):
         return context, log_prob, index
 
     def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
-                     added: torch.Tensor | None = None) -> torch.Tensor:
-        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ added])): (..., M), (..., H), (..., D) -> (..., V)."""
+                     static: dict[str, torch.Tensor]) -> torch.Tensor:
+        """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ the extension's output])): (..., M), (..., H), (..., D)
+        -> (..., V), as the extension's ``word_scores`` gives them."""
         deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
+        added = static.get("extension_output")
         if added is not None:
-            deep = deep + added
-        return self.out_word(self.dropout(deep))  # (..., V)
+            deep = deep + (added.unsqueeze(1) if deep.dim() == 3 else added)
+        deep = self.dropout(deep)
+        return self.extension.word_scores(self.out_word(deep), deep, static)  # (..., V)
 
     # ------------------------------------------------------------------ teacher forcing
 
@@ -276,7 +279,7 @@ class SATDecoder(CaptionDecoder):
         """
         ext = self.extension
         extra = ext.read(features)  # from the regions as the encoder gave them
-        features = self._regions(features)  # read every step: keep it dense
+        features = self._regions(ext.regions(features))  # read every step: keep it dense
         device_type = features.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         if low is not None:  # autocast would cast the (B, N, D) features for every step's bmm: cast them once
@@ -294,7 +297,7 @@ class SATDecoder(CaptionDecoder):
         alpha = log_alpha.exp()  # (B, T, N)
         added = ext.output(extra)  # (B, M) or None
         logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
-                                   None if added is None else added.unsqueeze(1))  # (B, T, V)
+                                   extra if added is None else {**extra, "extension_output": added})  # (B, T, V)
         aux = {"beta": beta, "context": context, **ext.aux(extra, steps["record"])}
         sample_log_probs = None
         if steps["log_prob"]:
@@ -337,7 +340,7 @@ class SATDecoder(CaptionDecoder):
         dynamic {h, c (B,H)})."""
         ext = self.extension
         extra = ext.read(features)
-        features = self._regions(features)
+        features = self._regions(ext.regions(features))
         h, c = self._initial_hc(features, extra)
         static = {"features": features, "projected": self.attention.project(features), **extra}
         added = ext.output(extra)
@@ -362,7 +365,7 @@ class SATDecoder(CaptionDecoder):
         h, c, context, beta, log_alpha, *_ = self._recurrence(
             F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
             w_query, b_query, w_s, w_ctx, extra, group)
-        log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static.get("extension_output")), dim=-1)
+        log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static), dim=-1)
         return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
 
     def _step_weights(self) -> tuple[torch.Tensor, ...]:

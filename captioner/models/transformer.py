@@ -235,7 +235,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
 
     def _memory(self, features: torch.Tensor, extra: dict[str, torch.Tensor]) -> list[KV]:
         """Project the memory once: per layer (keys, values), (B, H, S, dh) each."""
-        memory = self.regions(features)  # (B, N, d)
+        memory = self.regions(self.extension.regions(features))  # (B, N, d)
         tokens = self.extension.memory(extra, self.embed)  # (B, T, d) or None
         if tokens is not None:
             memory = torch.cat([memory, tokens.to(memory.dtype)], dim=1)  # (B, N + T, d)
@@ -285,7 +285,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         extra = self.extension.read(features)  # from the regions as given
         memory = self._memory(features, extra)  # L x (B, H, S, dh)
         h, weights, _, records = self._run(self._embed(tokens, 0), memory, None, need_all_attention, extra)  # (B,T,d)
-        logits = self.out(h)  # (B, T, V)
+        logits = self.extension.word_scores(self.out(h), h, extra)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
         all_attention = None
         if need_all_attention:
@@ -333,6 +333,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
             h, weights, presents, _ = self._run(x, memory, pasts, False, state.static)  # (B, 1, d)
             dynamic["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
             dynamic["self_v"] = [v for _, v in presents]
-        log_probs = F.log_softmax(self.out(h[:, -1]).float(), dim=-1)  # (B, V)
+        last = h[:, -1]  # (B, d)
+        log_probs = F.log_softmax(self.extension.word_scores(self.out(last), last, state.static).float(), dim=-1)
         attention = weights[-1][:, :, -1].mean(dim=1)  # (B, N)
         return log_probs, State(state.static, dynamic), attention
