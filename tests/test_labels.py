@@ -239,7 +239,7 @@ def _reading(feature_dim: int = 8) -> tuple[SATLabels, Vocabulary]:
     rest = IMAGENET_CLASSES - 2  # class 0 is a terrier, 1 a tabby, the others have no word
     lexicon = Lexicon(tuple(f"n{i:08d}" for i in range(IMAGENET_CLASSES)), ("terrier", "tabby", *["x"] * rest),
                       ("dog", "cat"), (0, 1, *[-1] * rest))
-    reading = SATLabels(feature_dim, hidden_dim=6, embed_dim=4, lexicon=lexicon)
+    reading = SATLabels(feature_dim, hidden_dim=6, embed_dim=4, vocab_size=7, lexicon=lexicon)
     with torch.no_grad():
         reading.person_mu.zero_()
     vocab = Vocabulary(["a", "dog", "runs"])  # no "cat": its label cannot be copied
@@ -292,7 +292,7 @@ def test_both_decoders_read_labels_through_the_extension(family):
 
     cfg = SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8) if family == "sat" else \
         TransformerConfig(d_model=8, num_layers=1, num_heads=2, ff_dim=16)
-    ext = build_extension(ConceptsConfig(), cfg, feature_dim=6, labels=True)
+    ext = build_extension(ConceptsConfig(), cfg, feature_dim=6, labels=True, vocab_size=7)
     assert type(ext).__name__ == ("SATLabels" if family == "sat" else "TransformerLabels")
     vocab = Vocabulary(["a", "dog", "runs"])
     ext.use_vocabulary(vocab.stoi)
@@ -304,6 +304,8 @@ def test_both_decoders_read_labels_through_the_extension(family):
     with torch.no_grad():
         hyps = beam_search(decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=2, max_len=4))
     assert len(hyps) == 2 and all(len(h) == 1 for h in hyps)
+    from captioner.inference import search_features
+    assert len(search_features(decoder, features, vocab, DecodeOptions(veto=10.0))) == 2 and ext.veto == 0.0
     with pytest.raises(ConfigError, match="reads concepts .* or the encoder's labels"):
         build_extension(ConceptsConfig(count=3), cfg, feature_dim=6, labels=True)
 
@@ -325,3 +327,33 @@ def test_a_labelled_model_round_trips_through_a_checkpoint(tmp_path, lite_pair):
     pixels, tokens = torch.randn(1, 3, 224, 224), torch.tensor([[1, 4, 5]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixels, tokens).logits, model(pixels, tokens).logits)
+
+
+def test_the_veto_silences_object_words_whose_labels_say_absent():
+    from captioner.evaluation.chair import named_objects
+    from captioner.inference import search_features
+
+    reading, _ = _reading()
+    vocab = Vocabulary(["a", "dog", "man", "cat", "runs"])
+    reading = SATLabels(8, hidden_dim=6, embed_dim=4, vocab_size=len(vocab), lexicon=reading.lexicon)
+    reading.use_vocabulary(vocab.stoi, categories=named_objects)
+    with torch.no_grad():
+        reading.person_b.fill_(-5.0)  # nobody in the photo
+    static = reading.read(_labelled_features())  # every region says terrier: a dog, no cat
+    logits, hidden = torch.zeros(2, len(vocab)), torch.zeros(2, 4)
+    plain = reading.eval().word_scores(logits, hidden, static)
+    reading.veto = 10.0
+    vetoed = reading.word_scores(logits, hidden, static)
+    drop = (plain - vetoed)[0]
+    assert drop[vocab.stoi["man"]] == drop[vocab.stoi["cat"]] == 10.0  # person and cat absent
+    assert drop[vocab.stoi["dog"]] == drop[vocab.stoi["a"]] == drop[vocab.stoi["runs"]] == 0.0
+    assert torch.equal(reading.train().word_scores(logits, hidden, static), plain)  # never while training
+
+    from captioner.config.decoders import SATConfig
+    from captioner.models.registry import build_decoder
+    plain_decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
+                                  vocab_size=len(vocab), grid=2).eval()
+    with pytest.raises(ConfigError, match="veto=10 needs a model that reads the encoder's labels"):
+        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(veto=10.0))
+    with pytest.raises(ConfigError, match="decoding veto must be a finite number >= 0"):
+        DecodeOptions(veto=-1.0)

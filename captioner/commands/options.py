@@ -67,6 +67,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
                         help="never repeat an N-gram within a caption (3: no repeated trigram; default: off)")
     parser.add_argument("--no-repeat-words", action="store_true",
                         help="never use a content word (not 'a', 'the', 'in'...) twice in a caption")
+    parser.add_argument("--veto", type=float_range(0.0, 100.0), default=None, metavar="G",
+                        help="a model reading the encoder's labels: object words its labels say are absent lose G "
+                             "log-probability (10: never said; default: 0, off)")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default=None,
                         help="the decoder's arithmetic: bfloat16 searches about twice as fast on a CPU with "
                              "native bfloat16, a few captions differing (default: float32)")
@@ -93,4 +96,6 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["no_repeat_words"] = True
     if getattr(args, "precision", None):
         out["precision"] = args.precision
+    if getattr(args, "veto", None) is not None:
+        out["veto"] = args.veto
     return out

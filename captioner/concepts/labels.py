@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,8 @@ _HEADER = ["index", "wnid", "name", "word"]
 _WORD = re.compile(r"[a-z]+( [a-z]+)?")  # one plain lowercase word, or a two-word name ("hot dog")
 _WNID = re.compile(r"n\d{8}")
 _MAX_LEXICON_BYTES = 1 << 20
+VETO_TAU = 0.05  # an object's lexicon words below this, together, say it is absent (DecodeOptions.veto)
+VETO_PERSON_TAU = 0.2  # ... and the person score below this (about even odds at Flickr8k's prior, after the shift)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ class LabelReading(DecoderExtension):
     ``sharpness * log l_w + word_bias_w``. Word scores are then log-probabilities. W: lexicon words; x: width.
     """
 
-    def __init__(self, feature_dim: int, width: int, lexicon: Lexicon | None = None) -> None:
+    def __init__(self, feature_dim: int, width: int, vocab_size: int, lexicon: Lexicon | None = None) -> None:
         super().__init__()
         self.lexicon = lexicon if lexicon is not None else _package_lexicon()
         self.feature_dim, words = feature_dim, len(self.lexicon.words)
@@ -214,6 +217,11 @@ class LabelReading(DecoderExtension):
         self.register_buffer("person_sd", torch.ones(IMAGENET_CLASSES))
         self.register_buffer("person_b", torch.zeros(()))
         self.register_buffer("copy_ids", torch.full((words,), -1, dtype=torch.long))  # (W,) vocabulary ids
+        # the veto: each label column's object category and each vocabulary word's (-1: none), the thresholds
+        self.register_buffer("label_category", torch.full((words + 1,), -1, dtype=torch.long))  # (W+1,)
+        self.register_buffer("word_category", torch.full((vocab_size,), -1, dtype=torch.long))  # (V,)
+        self.register_buffer("veto_tau", torch.tensor([VETO_TAU, VETO_PERSON_TAU]))  # objects, person
+        self.veto = 0.0  # a test-time switch: DecodeOptions.veto, set by the search
         self.gate = nn.Linear(width, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, -3.0)  # g = 5% at first: the decoder as it was
@@ -225,16 +233,50 @@ class LabelReading(DecoderExtension):
         """W + 1: the lexicon words, then person."""
         return len(self.lexicon.words) + 1
 
-    def use_vocabulary(self, stoi: dict[str, int]) -> None:
-        """Point the copy at the vocabulary ids of the lexicon words (a two-word name or an absent word: none)."""
+    def use_vocabulary(self, stoi: dict[str, int], categories: Callable[[list[str]], list[str]] | None = None,
+                       tau: float = VETO_TAU, person_tau: float = VETO_PERSON_TAU) -> None:
+        """Point the copy at the vocabulary ids of the lexicon words (a two-word name or an absent word: none)
+        and, given ``categories`` (words -> the object categories they name, as CHAIR reads them), the veto
+        at the object words: a word whose category's labels (the sum of its lexicon words', or person) are
+        below ``tau`` (person: ``person_tau``) is absent. A category no lexicon word names is never vetoed."""
         ids = [stoi.get(w, -1) if " " not in w else -1 for w in self.lexicon.words]
         self.copy_ids.copy_(torch.tensor(ids, dtype=torch.long))
+        if categories is None:
+            return
+        columns: dict[str, list[int]] = {"person": [len(ids)]}
+        for k, word in enumerate(self.lexicon.words):
+            named = categories([word])
+            if len(named) == 1 and named[0] != "person":
+                columns.setdefault(named[0], []).append(k)
+        names = sorted(columns)
+        self.label_category.fill_(-1)
+        for g, name in enumerate(names):
+            self.label_category[columns[name]] = g
+        self.word_category.fill_(-1)
+        for word, i in stoi.items():
+            named = categories([word]) if 4 <= i < len(self.word_category) else []
+            if len(named) == 1 and named[0] in columns:
+                self.word_category[i] = names.index(named[0])
+        self.veto_tau.copy_(torch.tensor([tau, person_tau]))
 
     def labels(self, class_probs: torch.Tensor) -> torch.Tensor:
         """ImageNet class probabilities (B, C) -> the labels (B, W+1): the lexicon words', then person."""
         z = (class_probs.float().clamp_min(1e-6).log() - self.person_mu) / self.person_sd
         person = torch.sigmoid(z @ self.person_w + self.person_b)  # (B,)
         return torch.cat([class_probs.float() @ self.to_words, person[:, None]], dim=1)
+
+    def absent(self, labels: torch.Tensor) -> torch.Tensor:
+        """Labels (..., W+1) -> (..., W+1) bool: whether object category g (``label_category``) is absent, its
+        columns' labels summing below its threshold (``veto_tau``: objects, person); False for unused g."""
+        cats = self.label_category
+        known = cats >= 0
+        support = labels.new_zeros(*labels.shape[:-1], self.width).index_add(-1, cats[known], labels[..., known])
+        tau = self.veto_tau[0].expand(self.width).clone()  # (W+1,) per category
+        if bool(known[-1]):
+            tau[cats[-1]] = self.veto_tau[1]  # the person column's category
+        used = torch.zeros(self.width, dtype=torch.bool, device=cats.device)
+        used[cats[known]] = True
+        return (support < tau) & used
 
     def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
         cam = features[..., self.feature_dim:].float()  # (B, N, C) the class logits of each region
@@ -257,15 +299,20 @@ class LabelReading(DecoderExtension):
         log_copy = F.logsigmoid(gate) + F.log_softmax(scores.masked_fill(~usable, -1e4), dim=-1)
         ids = self.copy_ids[usable].expand(*log_gen.shape[:-1], -1)  # (..., W')
         mixed = torch.logaddexp(log_gen.gather(-1, ids), log_copy[..., usable])
-        return log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
+        out = log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
+        if self.veto and not self.training:
+            out = out - self.veto * self.absent(labels)[..., self.word_category.clamp_min(0)].float() \
+                * (self.word_category >= 0)  # (..., V)
+        return out
 
 
 class SATLabels(LabelReading, SATExtension):
     """What the SAT LSTM reads of the labels: ``l`` into h0, c0 (``init_labels``) and the deep output
     (``out_labels``), both zero at first, and the copy from its deep output (width M)."""
 
-    def __init__(self, feature_dim: int, hidden_dim: int, embed_dim: int, lexicon: Lexicon | None = None) -> None:
-        super().__init__(feature_dim, embed_dim, lexicon)
+    def __init__(self, feature_dim: int, hidden_dim: int, embed_dim: int, vocab_size: int,
+                 lexicon: Lexicon | None = None) -> None:
+        super().__init__(feature_dim, embed_dim, vocab_size, lexicon)
         self.init_labels, self.out_labels = nn.Linear(self.width, 2 * hidden_dim), nn.Linear(self.width, embed_dim)
         for layer in (self.init_labels, self.out_labels):
             nn.init.zeros_(layer.weight)
@@ -282,8 +329,8 @@ class TransformerLabels(LabelReading, TransformerExtension):
     """What the Transformer reads of the labels: ``l`` as one memory token after the regions (``label_token``,
     zero at first), and the copy from its final normed state (width d)."""
 
-    def __init__(self, feature_dim: int, d_model: int, lexicon: Lexicon | None = None) -> None:
-        super().__init__(feature_dim, d_model, lexicon)
+    def __init__(self, feature_dim: int, d_model: int, vocab_size: int, lexicon: Lexicon | None = None) -> None:
+        super().__init__(feature_dim, d_model, vocab_size, lexicon)
         self.label_token = nn.Linear(self.width, d_model)
         nn.init.zeros_(self.label_token.weight)
         nn.init.zeros_(self.label_token.bias)

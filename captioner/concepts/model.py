@@ -544,19 +544,19 @@ class TransformerConcepts(ConceptReading, TransformerExtension):
 READERS = (SATConfig, TransformerConfig)  # the decoder families whose extension reads concepts
 
 
-def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int, labels: bool = False
-                    ) -> DecoderExtension | None:
+def build_extension(cfg: ConceptsConfig, decoder: DecoderConfig, feature_dim: int, labels: bool = False,
+                    vocab_size: int = 0) -> DecoderExtension | None:
     """The decoder's extension from ``model.concepts`` (``cfg``; K = ``cfg.count``) or, with ``labels``
-    (``encoder.labels``), the encoder's labels: None when it reads neither; the ``decoder`` config's family
+    (``encoder.labels``), the encoder's labels (over a ``vocab_size`` vocabulary): None when it reads neither; the ``decoder`` config's family
     picks the reading, ConfigError for one that cannot read them or for both at once."""
     if labels:
         if cfg.count:
             raise ConfigError(f"a decoder reads concepts (concepts.count={cfg.count}) or the encoder's labels "
                               "(encoder.labels=true), not both")
         if isinstance(decoder, SATConfig):
-            return SATLabels(feature_dim, decoder.hidden_dim, decoder.embed_dim)
+            return SATLabels(feature_dim, decoder.hidden_dim, decoder.embed_dim, vocab_size)
         if isinstance(decoder, TransformerConfig):
-            return TransformerLabels(feature_dim, decoder.d_model)
+            return TransformerLabels(feature_dim, decoder.d_model, vocab_size)
         raise ConfigError(f"the {decoder.name} decoder cannot read the encoder's labels: set encoder.labels=false")
     if not cfg.count:
         if cfg.prior:

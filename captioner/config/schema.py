@@ -142,6 +142,8 @@ class DecodeOptions:
         no_repeat_ngram: n > 1: never write an n-gram a caption already holds; 0 = off.
         no_repeat_words: never write a content word (not in ``captioner.text.STOP_WORDS``) twice.
         precision: "float32" (the reference) or "bfloat16" (faster on a CPU; a few near ties differ).
+        veto: with a model that reads the encoder's labels (``encoder.labels``): an object word whose
+            labels say absent loses this much log-probability (10: never said); 0 = off.
     """
 
     beam_size: int = 3
@@ -152,6 +154,7 @@ class DecodeOptions:
     no_repeat_ngram: int = 0
     no_repeat_words: bool = False
     precision: str = "float32"
+    veto: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -168,6 +171,7 @@ class DecodeOptions:
             raise ConfigError(f"decoding no_repeat_words must be true or false, got {self.no_repeat_words!r}")
         if self.precision not in DECODE_PRECISIONS:
             raise ConfigError(f"decoding precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.precision!r}")
+        check_number("decoding veto", self.veto, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
 
 
 @dataclass

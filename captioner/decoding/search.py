@@ -11,10 +11,11 @@ bfloat16, else a bfloat16 copy of the decoder; beams are still ranked in float64
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -269,9 +270,27 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
-        for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-            out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
+        with vetoing(decoder, options.veto):
+            for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
+                out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
     return out
+
+
+@contextlib.contextmanager
+def vetoing(decoder: nn.Module, veto: float) -> Iterator[None]:
+    """``DecodeOptions.veto`` set on the decoder's label reading for one search (ConfigError without one)."""
+    extension = getattr(decoder, "extension", None)
+    if not hasattr(extension, "veto"):
+        if veto:
+            raise ConfigError(f"decoding veto={veto:g} needs a model that reads the encoder's labels "
+                              "(encoder.labels); this one does not")
+        yield
+        return
+    before, extension.veto = extension.veto, float(veto)
+    try:
+        yield
+    finally:
+        extension.veto = before
 
 
 def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:

@@ -53,7 +53,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
         raise ConfigError(f"vocab_size must be >= 5 (4 special tokens + words), got {vocab_size}")
     cfg = resolve_model(cfg)
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
-    extension = build_extension(cfg.concepts, cfg.decoder, feature_dim=encoder.out_dim, labels=cfg.encoder.labels)
+    extension = build_extension(cfg.concepts, cfg.decoder, feature_dim=encoder.out_dim, labels=cfg.encoder.labels,
+                                vocab_size=vocab_size)
     decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid,
                             extension=extension)
     return CaptionModel(encoder, decoder, cfg, vocab_size)
