@@ -352,7 +352,7 @@ class Probe:
             for i, s in enumerate(seqs):
                 tokens[i, :len(s)] = torch.tensor(s)
             self.given = labels
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bfloat16"):
                 logits = dec(regions, tokens[:, :-1]).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
             opt.zero_grad()
@@ -362,6 +362,12 @@ class Probe:
             losses.append(loss.item())
             if step % 50 == 0:
                 print(f"step {step} loss {sum(losses[-50:]) / 50:.3f} {time.time() - t0:.0f} s", flush=True)
+            if args.save_every and step % args.save_every == 0 and step < args.steps:  # a snapshot to fall back on
+                snapshot = args.out.with_name(f"{args.out.stem}.step{step}{args.out.suffix}")
+                self.save(snapshot)
+                self.shift_person(False)
+                dec.train()
+                print(f"step {step}: {snapshot}", flush=True)
         print(f"trained {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
 
 
@@ -392,6 +398,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-repeat", type=int, default=0, help="1: no content word twice in a caption (DecodeOptions)")
     p.add_argument("--flickr8k-dev", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0, help="train: also save a checkpoint every N steps")
+    p.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                   help="training arithmetic: bfloat16 autocast is faster only on a CPU with native bfloat16")
     return p.parse_args(argv)
 
 
