@@ -357,3 +357,32 @@ def test_the_veto_silences_object_words_whose_labels_say_absent():
         search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(veto=10.0))
     with pytest.raises(ConfigError, match="decoding veto must be a finite number >= 0"):
         DecodeOptions(veto=-1.0)
+
+
+@pytest.mark.parametrize("gate", [-30.0, 8.0])
+def test_a_copied_word_looks_where_its_label_is(gate):
+    """decode gives a word the copy wrote its label's map, in the share the copy had of its probability."""
+    from captioner.config.decoders import SATConfig
+    from captioner.decoding.search import beam_search, decode
+    from captioner.models.registry import build_decoder
+
+    reading, vocab = _reading()
+    decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
+                            vocab_size=len(vocab), grid=2, extension=reading).eval()
+    features = _labelled_features(batch=1, dog=0.0)
+    features[0, 2, 8] = 8.0  # the terrier is in region 2 only
+    with torch.no_grad():
+        reading.gate.bias.fill_(gate)
+    options = DecodeOptions(beam_size=2, max_len=3)
+    with torch.no_grad():
+        plain = beam_search(decoder, features, vocab.bos_id, vocab.eos_id, options)[0][0]
+    found = decode(decoder, features, vocab.bos_id, vocab.eos_id, options)[0][0]
+    assert found.tokens == plain.tokens
+    torch.testing.assert_close(found.attention.sum(-1), torch.ones(len(found.tokens)))
+    dog = [t for t, w in enumerate(found.tokens) if w == vocab.stoi["dog"]]
+    if gate < 0:  # the copy's share is nil: the decoder's own attention, unchanged
+        torch.testing.assert_close(found.attention, plain.attention)
+    else:  # the copy wrote "dog": it looked at region 2, whatever the decoder's attention said
+        assert dog and all(int(found.attention[t].argmax()) == 2 and found.attention[t, 2] > 0.9 for t in dog)
+        others = [t for t in range(len(found.tokens)) if t not in dog]
+        torch.testing.assert_close(found.attention[others], plain.attention[others])

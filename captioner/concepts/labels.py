@@ -222,6 +222,7 @@ class LabelReading(DecoderExtension):
         self.register_buffer("word_category", torch.full((vocab_size,), -1, dtype=torch.long))  # (V,)
         self.register_buffer("veto_tau", torch.tensor([VETO_TAU, VETO_PERSON_TAU]))  # objects, person
         self.veto = 0.0  # a test-time switch: DecodeOptions.veto, set by the search
+        self.attributing = False  # while True, word_scores keeps each copyable word's copy share (attribute)
         self.gate = nn.Linear(width, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, -3.0)  # g = 5% at first: the decoder as it was
@@ -299,11 +300,50 @@ class LabelReading(DecoderExtension):
         log_copy = F.logsigmoid(gate) + F.log_softmax(scores.masked_fill(~usable, -1e4), dim=-1)
         ids = self.copy_ids[usable].expand(*log_gen.shape[:-1], -1)  # (..., W')
         mixed = torch.logaddexp(log_gen.gather(-1, ids), log_copy[..., usable])
+        if self.attributing:  # the copy's share of each copyable word's probability (..., W'), for attribute
+            self.__dict__["_shares"] = ((log_copy[..., usable] - mixed).exp(), ids[(0,) * (ids.dim() - 1)])
         out = log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
         if self.veto and not self.training:
             out = out - self.veto * self.absent(labels)[..., self.word_category.clamp_min(0)].float() \
                 * (self.word_category >= 0)  # (..., V)
         return out
+
+
+    def word_map(self, features: torch.Tensor, word: int) -> torch.Tensor:
+        """One photo's label channels (N, D + C) -> lexicon word ``word``'s map (N,): its classes' activation
+        maps weighted by their probability, a softmax over the regions (as ``ImageNetLabels`` draws it)."""
+        cam = features[:, self.feature_dim:].float()  # (N, C)
+        mix = torch.softmax(cam.mean(0), -1) * self.to_words[:, word]  # (C,)
+        return torch.softmax(cam @ (mix / mix.sum().clamp_min(1e-12)), dim=0)
+
+    @torch.no_grad()
+    def attribute(self, decoder: nn.Module, features: torch.Tensor, found: list[list], bos_id: int) -> None:
+        """Where a copied word looked: each word of each hypothesis in ``found`` (per photo of ``features``
+        (B, N, D + C)) that the copy can write gets the attention ``(1 - s) alpha + s m``, with ``alpha`` the
+        decoder's attention at its step, ``m`` its label's map and ``s`` the copy's share of the word's
+        probability there (the decoder read along the caption once). In place; rows still sum to 1."""
+        rows = [(b, h) for b, hyps in enumerate(found) for h in hyps if h.tokens]
+        if not rows or not bool((self.copy_ids >= 0).any()):
+            return
+        longest = max(len(h.tokens) for _, h in rows)
+        tokens = torch.full((len(rows), longest), bos_id, dtype=torch.long, device=features.device)
+        for i, (_, h) in enumerate(rows):
+            tokens[i, 1:len(h.tokens)] = torch.tensor(h.tokens[:-1], dtype=torch.long)
+        self.attributing = True
+        try:
+            decoder(features[[b for b, _ in rows]], tokens)
+            shares, ids = self.__dict__.pop("_shares")  # (R, T, W'), (W',)
+        finally:
+            self.attributing = False
+        column = {int(v): k for k, v in enumerate(ids.tolist())}  # vocabulary id -> copy column
+        word_of = {int(v): k for k, v in enumerate(self.copy_ids.tolist()) if v >= 0}  # id -> lexicon word
+        for i, (b, h) in enumerate(rows):
+            for t, token in enumerate(h.tokens):
+                if token not in column:
+                    continue
+                share = float(shares[i, t, column[token]])
+                m = self.word_map(features[b], word_of[token]).to(h.attention.dtype).cpu()
+                h.attention[t] = (1.0 - share) * h.attention[t] + share * m
 
 
 class SATLabels(LabelReading, SATExtension):

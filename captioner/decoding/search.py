@@ -38,7 +38,8 @@ NEG_INF = float("-inf")
 
 @dataclass
 class Hypothesis:
-    """One decoded caption; ``attention`` (L, N) float32 CPU, the attention of the step that emitted each word."""
+    """One decoded caption; ``attention`` (L, N) float32 CPU, the attention of the step that emitted each word
+    (a word copied from the encoder's labels: mixed with its label's map, ``LabelReading.attribute``)."""
 
     tokens: list[int]  # emitted word ids, without ``<bos>``/``<eos>``
     score: float  # ``log_prob`` normalised by the length penalty (the ranking key)
@@ -272,7 +273,11 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
         with vetoing(decoder, options.veto):
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-                out += search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
+                found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
+                attribute = getattr(getattr(decoder, "extension", None), "attribute", None)
+                if attribute is not None:  # a word copied from the encoder's labels looked where its label is
+                    attribute(decoder, features[chunk], found, bos_id)
+                out += found
     return out
 
 
