@@ -25,10 +25,17 @@
 #                 plus WORD_WEIGHT x the KL to the teachers' top 8 at each step); then STUDENT_SCST_STAGES (2)
 #                 SCST stages of STUDENT_SCST_SECONDS (1200) each, each from the one before with another seed
 #   and the release takes the best of every run by dev CIDEr-D.
+# With EVERYDAY=FOLDER (a folder holding flickr8k/ in the layout above, coco2014-val168/ and
+# coco2017-mini/annotations/captions_val2017_text_only.json, as ../shared/data does), after the release:
+#   4. everyday   the release taught to read its encoder's ImageNet labels (encoder.labels) and the COCO
+#                 caption words (scripts/experiments/everyday_levers.py: features, teacher, then 3,000
+#                 steps on its own captions of the Flickr8k photos beside COCO caption-only rows), packed
+#                 again as $ROOT/release/flickr8k.safetensors (the step 3 file kept as flickr8k_stage3.safetensors)
 # Settings (environment): ROOT (runs/shipped), DEVICE (cpu; cuda on a GPU), JOBS (1: stages one after
 # the other; 2 trains the two new teachers at once, on a GPU), SCST_SECONDS (2100), WORKERS (data loader
 # workers, 0), STUDENT_EPOCHS (3), WORD_WEIGHT (0: off; 3 is the best weight measured), STUDENT_SCST_STAGES (2),
-# STUDENT_SCST_SECONDS (1200), CAPTIONER (the command), EXTRA (--set arguments added to every training run).
+# STUDENT_SCST_SECONDS (1200), CAPTIONER (the command), EXTRA (--set arguments added to every training run),
+# EVERYDAY (off), EVERYDAY_STEPS (3000).
 set -euo pipefail
 DATA=${1:?usage: bash scripts/train_shipped_model.sh DATA}
 ROOT=${ROOT:-runs/shipped}
@@ -145,3 +152,27 @@ out.parent.mkdir(exist_ok=True)
 info = pack_release(best / "best.safetensors", out, metadata={"trained_from": best.name})
 print(json.dumps({"from": best.name, "dev_CIDEr-D_validation": cider(best), **info}))
 EOF
+
+# 4. everyday: the release reads its encoder's labels and learns the COCO caption words
+if [ -n "${EVERYDAY:-}" ]; then
+    release=$ROOT/release/flickr8k.safetensors stage3=$ROOT/release/flickr8k_stage3.safetensors
+    every=(--data "$EVERYDAY" --cache "$ROOT/everyday")
+    [ -f "$stage3" ] || cp "$release" "$stage3"
+    if [ -f "$ROOT/everyday/done" ]; then log "everyday: trained already, kept"; else
+        log "everyday"
+        python scripts/experiments/everyday_levers.py features "${every[@]}" --base "$stage3"
+        python scripts/experiments/everyday_levers.py teacher "${every[@]}" --base "$stage3"
+        python scripts/experiments/everyday_levers.py train "${every[@]}" --base "$stage3" --photo-targets shipped \
+            --steps "${EVERYDAY_STEPS:-3000}" --out "$ROOT/everyday/everyday.safetensors" > "$ROOT/everyday.log" 2>&1
+        touch "$ROOT/everyday/done"
+    fi
+    python - "$ROOT" <<'EOF2'
+import json, sys
+from pathlib import Path
+from captioner.checkpoint.store import pack_release
+root = Path(sys.argv[1])
+info = pack_release(root / "everyday" / "everyday.safetensors", root / "release" / "flickr8k.safetensors",
+                    metadata={"trained_from": "everyday"})
+print(json.dumps({"from": "everyday", **info}))
+EOF2
+fi
