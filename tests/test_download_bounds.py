@@ -156,11 +156,11 @@ def test_a_length_that_differs_from_the_header_is_refused_at_once(ckpt: bytes, i
 
 def test_a_body_past_max_bytes_is_cut_off_and_removed(tmp_path: Path) -> None:
     dest = tmp_path / "x.bin"
-    with hostile(limit=8 << 20) as (url, handler):
+    with hostile(limit=64 << 20) as (url, handler):
         with pytest.raises(DataError, match=r"/zeros: too large: \d+ bytes or more where the limit is 200000 "
                                             "bytes; nothing was kept"):
             download(f"{url}/zeros", dest, progress=False, bounds=Bounds(max_bytes=200_000))
-        assert handler.sent < 4 << 20
+        assert handler.sent < 32 << 20  # cut off long before the end (socket buffers let a loaded server run on)
     with hostile(limit=10 << 30) as (url, handler):  # announced: refused before the body is read
         with pytest.raises(DataError, match=r"too large: 10737418240 bytes or more where the limit is 200000"):
             download(f"{url}/huge", dest, progress=False, checksum="0" * 32, bounds=Bounds(max_bytes=200_000))
