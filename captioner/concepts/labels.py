@@ -36,6 +36,7 @@ from captioner.errors import ConfigError, DataError
 from captioner.files import read_text
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
 from captioner.models.encoder import IMAGENET_CLASSES, LITE_STAGES, efficientnet_lite_state_dict
+from captioner.text import SPECIALS
 
 __all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "SATLabels",
            "TransformerLabels", "label_head", "read_lexicon"]
@@ -255,7 +256,7 @@ class LabelReading(DecoderExtension):
             self.label_category[columns[name]] = g
         self.word_category.fill_(-1)
         for word, i in stoi.items():
-            named = categories([word]) if 4 <= i < len(self.word_category) else []
+            named = categories([word]) if len(SPECIALS) <= i < len(self.word_category) else []
             if len(named) == 1 and named[0] in columns:
                 self.word_category[i] = names.index(named[0])
         self.veto_tau.copy_(torch.tensor([tau, person_tau]))
@@ -308,7 +309,6 @@ class LabelReading(DecoderExtension):
                 * (self.word_category >= 0)  # (..., V)
         return out
 
-
     def word_map(self, features: torch.Tensor, word: int) -> torch.Tensor:
         """One photo's label channels (N, D + C) -> lexicon word ``word``'s map (N,): its classes' activation
         maps weighted by their probability, a softmax over the regions (as ``ImageNetLabels`` draws it)."""
@@ -322,8 +322,9 @@ class LabelReading(DecoderExtension):
         (B, N, D + C)) that the copy can write gets the attention ``(1 - s) alpha + s m``, with ``alpha`` the
         decoder's attention at its step, ``m`` its label's map and ``s`` the copy's share of the word's
         probability there (the decoder read along the caption once). In place; rows still sum to 1."""
-        rows = [(b, h) for b, hyps in enumerate(found) for h in hyps if h.tokens]
-        if not rows or not bool((self.copy_ids >= 0).any()):
+        word_of = {int(v): k for k, v in enumerate(self.copy_ids.tolist()) if v >= 0}  # id -> lexicon word
+        rows = [(b, h) for b, hyps in enumerate(found) for h in hyps if word_of.keys() & set(h.tokens)]
+        if not rows:  # no caption holds a word the copy can write: nothing to read again
             return
         longest = max(len(h.tokens) for _, h in rows)
         tokens = torch.full((len(rows), longest), bos_id, dtype=torch.long, device=features.device)
@@ -336,7 +337,6 @@ class LabelReading(DecoderExtension):
         finally:
             self.attributing = False
         column = {int(v): k for k, v in enumerate(ids.tolist())}  # vocabulary id -> copy column
-        word_of = {int(v): k for k, v in enumerate(self.copy_ids.tolist()) if v >= 0}  # id -> lexicon word
         for i, (b, h) in enumerate(rows):
             for t, token in enumerate(h.tokens):
                 if token not in column:

@@ -271,10 +271,10 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
+        attribute = getattr(getattr(decoder, "extension", None), "attribute", None)
         with vetoing(decoder, options.veto):
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
                 found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
-                attribute = getattr(getattr(decoder, "extension", None), "attribute", None)
                 if attribute is not None:  # a word copied from the encoder's labels looked where its label is
                     attribute(decoder, features[chunk], found, bos_id)
                 out += found
