@@ -28,14 +28,15 @@
 # With EVERYDAY=FOLDER (a folder holding flickr8k/ in the layout above, coco2014-val168/ and
 # coco2017-mini/annotations/captions_val2017_text_only.json, as ../shared/data does), after the release:
 #   4. everyday   the release taught to read its encoder's ImageNet labels (encoder.labels) and the COCO
-#                 caption words (scripts/experiments/everyday_levers.py: features, teacher, then 3,000
-#                 steps on its own captions of the Flickr8k photos beside COCO caption-only rows), packed
+#                 caption words (scripts/experiments/everyday_levers.py: features, teacher, then 2,000
+#                 steps on its own captions of the Flickr8k photos beside COCO caption-only rows, the
+#                 Flickr8k rows' attention held to the release's by --attend-kd 1), packed
 #                 again as $ROOT/release/flickr8k.safetensors (the step 3 file kept as flickr8k_stage3.safetensors)
 # Settings (environment): ROOT (runs/shipped), DEVICE (cpu; cuda on a GPU), JOBS (1: stages one after
 # the other; 2 trains the two new teachers at once, on a GPU), SCST_SECONDS (2100), WORKERS (data loader
 # workers, 0), STUDENT_EPOCHS (3), WORD_WEIGHT (0: off; 3 is the best weight measured), STUDENT_SCST_STAGES (2),
 # STUDENT_SCST_SECONDS (1200), CAPTIONER (the command), EXTRA (--set arguments added to every training run),
-# EVERYDAY (off), EVERYDAY_STEPS (3000).
+# EVERYDAY (off), EVERYDAY_STEPS (2000).
 set -euo pipefail
 DATA=${1:?usage: bash scripts/train_shipped_model.sh DATA}
 ROOT=${ROOT:-runs/shipped}
@@ -163,7 +164,7 @@ if [ -n "${EVERYDAY:-}" ]; then
         python scripts/experiments/everyday_levers.py features "${every[@]}" --base "$stage3"
         python scripts/experiments/everyday_levers.py teacher "${every[@]}" --base "$stage3"
         python scripts/experiments/everyday_levers.py train "${every[@]}" --base "$stage3" --photo-targets shipped \
-            --steps "${EVERYDAY_STEPS:-3000}" --out "$ROOT/everyday/everyday.safetensors" > "$ROOT/everyday.log" 2>&1
+            --attend-kd 1 --steps "${EVERYDAY_STEPS:-2000}" --out "$ROOT/everyday/everyday.safetensors" > "$ROOT/everyday.log" 2>&1
         touch "$ROOT/everyday/done"
     fi
     python - "$ROOT" <<'EOF2'

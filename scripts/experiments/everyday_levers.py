@@ -16,6 +16,9 @@ its own weights with its vocabulary grown by the COCO caption words (>= 5 uses):
   a Flickr8k photo with the same person flag (``matched``), zeros or a random photo;
 * ``--photo-targets shipped``: the Flickr8k rows' captions are the base model's own (beam 3, the
   ``teacher`` job), a self-distillation (Kim & Rush 2016) that keeps what its SCST taught it;
+* ``--attend-kd W``: the Flickr8k rows' attention held to the base model's on the same words (W times
+  the mean KL divergence from the base decoder's attention to this one's, per word), so that reading
+  the labels and the caption-only rows do not teach the attention to look elsewhere;
 * at decoding, ``--veto G`` (``DecodeOptions.veto``) and ``--no-repeat 1`` (``no_repeat_words``).
 
 ``train`` writes a package checkpoint (``captioner evaluate`` / ``captioner.load`` read it). Its quick
@@ -121,6 +124,14 @@ def teacher(args: argparse.Namespace) -> None:
     out.write_text(json.dumps(caps, indent=0))
 
 
+def attention_kl(target: torch.Tensor, attention: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Attention maps (B, T, N), the target's and the one trained, and which steps are words (B, T) -> the
+    mean over the words of KL(target || attention), in nats; 0 when they agree."""
+    kl = (target * (target.clamp_min(1e-8).log() - attention.clamp_min(1e-8).log())).sum(-1)  # (B, T)
+    words = words.to(kl.dtype)
+    return (kl * words).sum() / words.sum().clamp_min(1.0)
+
+
 def says_person(caption: str) -> bool:
     return "person" in named_objects(caption)
 
@@ -185,6 +196,7 @@ class Probe:
         if shipped.model.config.encoder.labels:
             raise SystemExit(f"{args.base} reads labels already: start from a model that does not")
         self.vocab, old = shipped.vocab, shipped.model.decoder
+        self.base_dec = old.eval().requires_grad_(False)  # the attention --attend-kd holds the Flickr8k rows to
         counts = collections.Counter(w for c in self.text for w in tokenize(c))
         self.itos = list(self.vocab.itos)
         known = set(self.itos)
@@ -325,6 +337,13 @@ class Probe:
         finally:
             self.ext.read = lambda features: {"labels": self.given.to(features.dtype)}
 
+    def attention_kl(self, regions: torch.Tensor, tokens: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """KL from the base decoder's attention, teacher-forced on ``tokens``, to ``attention`` (this one's)."""
+        words = tokens[:, :-1].masked_fill(tokens[:, :-1] >= self.vocab0, self.vocab.unk_id)  # grown words: unknown to it
+        with torch.no_grad():
+            target = self.base_dec(regions, words).attention.float()
+        return attention_kl(target, attention, tokens[:, 1:] != self.vocab.pad_id)
+
     def train(self) -> None:
         args, dec, ext, vocab = self.args, self.dec, self.ext, self.vocab
         new = list(ext.parameters())
@@ -332,7 +351,7 @@ class Probe:
         opt = torch.optim.Adam([{"params": old, "lr": args.lr}, {"params": new, "lr": args.ext_lr}])
         self.shift_person(False)
         dec.train()
-        t0, losses, b = time.time(), [], args.batch
+        t0, losses, kls, b = time.time(), [], [], args.batch
         for step in range(1, args.steps + 1):
             rows = random.sample(self.train_rows, b)
             seqs = [self.encode(self.photo_target(self.c8["names"][i])) for i in rows]
@@ -353,15 +372,21 @@ class Probe:
                 tokens[i, :len(s)] = torch.tensor(s)
             self.given = labels
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bfloat16"):
-                logits = dec(regions, tokens[:, :-1]).logits
+                out = dec(regions, tokens[:, :-1])
+            logits = out.logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=vocab.pad_id)
+            if args.attend_kd:
+                kl = self.attention_kl(regions[:b], tokens[:b], out.attention[:b].float())
+                kls.append(kl.item())
+                loss = loss + args.attend_kd * kl
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(dec.parameters(), 5.0)
             opt.step()
             losses.append(loss.item())
             if step % 50 == 0:
-                print(f"step {step} loss {sum(losses[-50:]) / 50:.3f} {time.time() - t0:.0f} s", flush=True)
+                kl = f" attention KL {sum(kls[-50:]) / 50:.3f}" if kls else ""
+                print(f"step {step} loss {sum(losses[-50:]) / 50:.3f}{kl} {time.time() - t0:.0f} s", flush=True)
             if args.save_every and step % args.save_every == 0 and step < args.steps:  # a snapshot to fall back on
                 snapshot = args.out.with_name(f"{args.out.stem}.step{step}{args.out.suffix}")
                 self.save(snapshot)
@@ -390,6 +415,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--person", type=int, default=1)
     p.add_argument("--text", type=int, default=1)
     p.add_argument("--text-regions", choices=("matched", "zeros", "random"), default="matched")
+    p.add_argument("--attend-kd", type=float, default=0.0,
+                   help="train: weight of the Flickr8k rows' attention KL to the base model's (0: off)")
     p.add_argument("--veto", type=float, default=0.0)
     p.add_argument("--veto-tau", type=float, default=0.05)
     p.add_argument("--veto-person-tau", type=float, default=0.2)
