@@ -3,22 +3,17 @@ to its base model's (``--attend-kd``, a step of the shipped model's recipe)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "experiments" / "everyday_levers.py"
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def levers():
-    spec = importlib.util.spec_from_file_location("everyday_levers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/everyday_levers.py")
 
 
 def test_attention_kl_is_zero_when_the_maps_agree(levers):

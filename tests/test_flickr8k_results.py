@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "flickr8k_results.py"
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def results():
-    spec = importlib.util.spec_from_file_location("flickr8k_results", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("flickr8k_results.py")
 
 
 def make_run(root: Path, name: str, coco: bool, seconds: float, correctness: float | None,
