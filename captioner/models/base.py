@@ -134,6 +134,10 @@ class DecoderExtension(nn.Module):
     Every point's default leaves the decoder as its paper wrote it. The points shared by both families:
     """
 
+    def derived_buffers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The non-persistent buffers recomputed rather than stored, as ``CaptionDecoder.derived_buffers``."""
+        return {}
+
     def read(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-image constants from the regions as the encoder gave them (B,N,D), read once per image and
         kept in ``State.static`` (flat: the names must not clash with the decoder's own)."""
