@@ -111,7 +111,8 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
             assert driver.find_elements(By.CSS_SELECTOR, "#result img") == []
             # the model said in one line from its card, the card one click away
             about = driver.find_element(By.CSS_SELECTOR, "#about li").text
-            assert about.startswith("flickr8k: Show, Attend and Tell on Flickr8k: photos mostly of people and dogs")
+            assert about.startswith("flickr8k: Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
+                                    "photos mostly of people and dogs")
             card = driver.find_element(By.CSS_SELECTOR, "#about a").get_attribute("href")
             import urllib.request
 

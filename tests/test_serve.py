@@ -285,7 +285,8 @@ def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_
     from captioner.share.server import ServedModel, card_summary, create_app, running
 
     card = model_card_of("flickr8k")
-    assert card_summary(card) == "Show, Attend and Tell on Flickr8k: photos mostly of people and dogs outdoors"
+    assert card_summary(card) == ("Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
+                                  "photos mostly of people and dogs outdoors")
     assert card_summary("# `x`: A model\n\nsome text") == "A model"
     ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
     assert model_card_of(str(ckpt)) is None  # no card beside it
