@@ -424,3 +424,77 @@ def test_a_copied_word_looks_where_its_label_is(gate):
         assert dog and all(int(found.attention[t].argmax()) == 2 and found.attention[t, 2] > 0.9 for t in dog)
         others = [t for t in range(len(found.tokens)) if t not in dog]
         torch.testing.assert_close(found.attention[others], plain.attention[others])
+
+
+def _constrained_setup():
+    from captioner.config.decoders import SATConfig
+    from captioner.models.registry import build_decoder
+
+    torch.manual_seed(0)
+    reading, vocab = _reading()
+    decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
+                            vocab_size=len(vocab), grid=2, extension=reading).eval()
+    with torch.no_grad():
+        reading.gate.bias.fill_(-30.0)  # no copy, and a decoder that would rather not say "dog"
+        decoder.out_word.bias[vocab.stoi["dog"]] -= 4.0
+    return decoder, vocab
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_constrained_search_writes_a_confident_label_word(beam):
+    """Constrained beam search (Anderson et al. 2017): a photo whose labels are sure of "dog" gets it."""
+    from captioner.inference import search_features
+
+    decoder, vocab = _constrained_setup()
+    features = _labelled_features(batch=3, dog=8.0)
+    features[2, :, 8:] = 0.0  # a photo whose labels are sure of nothing: no constraint
+    dog = vocab.stoi["dog"]
+    plain = search_features(decoder, features, vocab, DecodeOptions(beam_size=beam, max_len=6))
+    forced = search_features(decoder, features, vocab, DecodeOptions(beam_size=beam, max_len=6, constrain=0.5))
+    assert not any(dog in h[0].tokens for h in plain)  # the untrained decoder does not say it by itself
+    for b in (0, 1):
+        assert dog in forced[b][0].tokens and forced[b][0].finished
+        assert forced[b][0].attention.shape == (len(forced[b][0].tokens), 4)
+    assert forced[2][0].tokens == plain[2][0].tokens  # no confident label: plain beam search
+    assert forced[2][0].score == pytest.approx(plain[2][0].score)
+    assert decoder.extension.confident_words(features, 0.5) == [[dog], [dog], []]
+
+
+def test_constrain_needs_a_model_that_reads_labels_and_a_probability():
+    from captioner.config.decoders import SATConfig
+    from captioner.inference import search_features
+    from captioner.models.registry import build_decoder
+
+    vocab = Vocabulary(["a", "dog", "runs"])
+    plain_decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
+                                  vocab_size=len(vocab), grid=2).eval()
+    with pytest.raises(ConfigError, match="constrain=0.3 needs a model that reads the encoder's labels"):
+        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(constrain=0.3))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="decoding constrain must be a probability"):
+            DecodeOptions(constrain=bad)
+
+
+def test_a_constraint_that_cannot_be_met_falls_back_to_the_best_caption_without_it():
+    from captioner.decoding.search import constrained_beam_search
+
+    decoder, vocab = _constrained_setup()
+    features = _labelled_features(batch=1, dog=8.0)
+    dog = vocab.stoi["dog"]
+    options = DecodeOptions(beam_size=2, max_len=4, n_best=2)
+    with torch.no_grad():
+        found = constrained_beam_search(decoder, features, vocab.bos_id, vocab.eos_id, options,
+                                        banned_ids=[vocab.pad_id, vocab.bos_id, vocab.unk_id, dog],
+                                        constraints=[[dog]])[0]
+    assert len(found) == 2 and all(dog not in h.tokens for h in found)  # "dog" banned: never met
+    assert all(h.attention.shape == (len(h.tokens), 4) for h in found)
+    assert found[0].score >= found[1].score
+
+
+def test_a_constraint_on_a_word_is_met_by_its_plural_too():
+    from captioner.decoding.search import plural_forms
+
+    vocab = Vocabulary(["a", "dog", "dogs", "bus", "buses", "pony", "ponies", "grass"])
+    forms = plural_forms(vocab)
+    assert forms[vocab.stoi["dog"]] == [vocab.stoi["dogs"]] and forms[vocab.stoi["bus"]] == [vocab.stoi["buses"]]
+    assert forms[vocab.stoi["pony"]] == [vocab.stoi["ponies"]] and vocab.stoi["grass"] not in forms

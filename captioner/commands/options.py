@@ -70,6 +70,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
     parser.add_argument("--veto", type=float_range(0.0, 100.0), default=None, metavar="G",
                         help="a model reading the encoder's labels: object words its labels say are absent lose G "
                              "log-probability (10: never said; default: 0, off)")
+    parser.add_argument("--constrain", type=float_range(0.0, 1.0), default=None, metavar="P",
+                        help="a model reading the encoder's labels: each caption holds one of the words whose "
+                             "label is at least P likely (constrained beam search; default: 0, off)")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default=None,
                         help="the decoder's arithmetic: bfloat16 searches about twice as fast on a CPU with "
                              "native bfloat16, a few captions differing (default: float32)")
@@ -98,4 +101,6 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["precision"] = args.precision
     if getattr(args, "veto", None) is not None:
         out["veto"] = args.veto
+    if getattr(args, "constrain", None) is not None:
+        out["constrain"] = args.constrain
     return out

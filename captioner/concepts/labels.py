@@ -334,6 +334,13 @@ class LabelReading(DecoderExtension):
                 * (self.word_category >= 0)  # (..., V)
         return out
 
+    @torch.no_grad()
+    def confident_words(self, features: torch.Tensor, tau: float) -> list[list[int]]:
+        """Per photo of ``features`` (B, N, D + LITE_DIM), the vocabulary ids of the lexicon words the copy can
+        write whose label is at least ``tau`` likely: the constraint set of constrained beam search."""
+        sure = (self.labels(self.class_probs(features))[:, :-1] >= tau) & (self.copy_ids >= 0)  # (B, W)
+        return [self.copy_ids[row].tolist() for row in sure]
+
     def copy_share(self, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """The copy's share of the probability of ``words`` (R',) at ``rows`` (R',) of the step just read while
         :attr:`attributing` (the last :meth:`word_scores`): (R',) float32, 0 for a word the copy cannot write."""

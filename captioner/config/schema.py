@@ -144,6 +144,8 @@ class DecodeOptions:
         precision: "float32" (the reference) or "bfloat16" (faster on a CPU; a few near ties differ).
         veto: with a model that reads the encoder's labels (``encoder.labels``): an object word whose
             labels say absent loses this much log-probability (10: never said); 0 = off.
+        constrain: with such a model: p > 0: a caption holds at least one of the words whose label is at
+            least p likely, by constrained beam search (Anderson et al. 2017); 0 = off.
     """
 
     beam_size: int = 3
@@ -155,6 +157,7 @@ class DecodeOptions:
     no_repeat_words: bool = False
     precision: str = "float32"
     veto: float = 0.0
+    constrain: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -172,6 +175,7 @@ class DecodeOptions:
         if self.precision not in DECODE_PRECISIONS:
             raise ConfigError(f"decoding precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.precision!r}")
         check_number("decoding veto", self.veto, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
+        check_number("decoding constrain", self.constrain, lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
 
 
 @dataclass

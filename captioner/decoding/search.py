@@ -15,7 +15,7 @@ import contextlib
 import copy
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -263,11 +263,13 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
 
 def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
            options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
-           content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+           content_ids: Sequence[int] = (), word_forms: Mapping[int, Sequence[int]] | None = None
+           ) -> list[list[Hypothesis]]:
     """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
     ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
-    ``content_ids``: what ``options.no_repeat_words`` allows once. ``ConfigError`` for features that
+    ``content_ids``: what ``options.no_repeat_words`` allows once; ``word_forms``: other ids that meet an
+    ``options.constrain`` constraint on a word (its plural). ``ConfigError`` for features that
     are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
     """
     options = options or DecodeOptions()
@@ -284,9 +286,14 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
+        constraints = constraint_sets(decoder, options.constrain)
         with vetoing(decoder, options.veto), attributing(decoder) as copying:
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-                found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids)
+                sets = constraints(features[chunk]) if constraints is not None else []
+                sets = [[v for w in words for v in (w, *(word_forms or {}).get(w, ()))] for words in sets]
+                found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids) \
+                    if not any(sets) else _search_constrained(decoder, features[chunk], bos_id, eos_id, options,
+                                                              banned_ids, content_ids, sets, search)
                 if copying is not None:  # a word copied from the encoder's labels looked where its label is
                     copying.attribute(features[chunk], found)
                 out += found
@@ -307,6 +314,18 @@ def attributing(decoder: nn.Module) -> Iterator[nn.Module | None]:
     finally:
         extension.attributing = before
         extension.__dict__.pop("_shares", None)
+
+
+def constraint_sets(decoder: nn.Module, tau: float) -> Callable[[torch.Tensor], list[list[int]]] | None:
+    """``DecodeOptions.constrain``: features (B, N, D) -> each image's constraint set, read by the decoder's
+    label reading (``confident_words``); None when off, ConfigError for a decoder without one."""
+    if not tau:
+        return None
+    extension = getattr(decoder, "extension", None)
+    if not hasattr(extension, "confident_words"):
+        raise ConfigError(f"decoding constrain={tau:g} needs a model that reads the encoder's labels "
+                          "(encoder.labels); this one does not")
+    return lambda features: extension.confident_words(features, tau)
 
 
 def recording(decoder: nn.Module) -> nn.Module | None:
@@ -477,6 +496,123 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     return [[next(read) for _ in per_image] for per_image in results]
 
 
+def _search_constrained(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
+                        options: DecodeOptions, banned_ids: Sequence[int], content_ids: Sequence[int],
+                        sets: list[list[int]], search: Callable[..., list[list[Hypothesis]]]) -> list[list[Hypothesis]]:
+    """The images with a constraint set by :func:`constrained_beam_search`, the others by ``search`` together."""
+    found: list[list[Hypothesis]] = [[] for _ in sets]
+    free = [i for i, words in enumerate(sets) if not words]
+    if free:
+        for i, hyps in zip(free, search(decoder, features[free], bos_id, eos_id, options, banned_ids, content_ids)):
+            found[i] = hyps
+    bound = [i for i, words in enumerate(sets) if words]
+    for i, hyps in zip(bound, constrained_beam_search(decoder, features[bound], bos_id, eos_id, options, banned_ids,
+                                                      content_ids, [sets[i] for i in bound])):
+        found[i] = hyps
+    return found
+
+
+def constrained_beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
+                            options: DecodeOptions, banned_ids: Sequence[int] = (), content_ids: Sequence[int] = (),
+                            constraints: Sequence[Collection[int]] = ()) -> list[list[Hypothesis]]:
+    """Beam search whose captions hold at least one word of their image's constraint set: constrained beam
+    search (Anderson et al. 2017) with one disjunctive constraint, so two states, each with its own
+    ``options.beam_size`` beams: no word of the set written yet, and one written. Only a caption in the
+    second state finishes; one in the first is returned only when no caption met the constraint within
+    ``max_len`` words. An image whose set is empty (or missing from ``constraints``) is searched as plain
+    beam search would. One image at a time; otherwise as :func:`beam_search`."""
+    suppress = SuppressTokens(banned_ids, eos_id)
+    repeats = repeat_filter(options, content_ids, eos_id)
+    out = []
+    for b in range(features.size(0)):
+        words = sorted(int(w) for w in constraints[b]) if b < len(constraints) else []
+        out.append(_constrained_one(decoder, features[b:b + 1], bos_id, eos_id, options, suppress, repeats, words))
+    return out
+
+
+@dataclass
+class _Branch:
+    """One live beam of :func:`constrained_beam_search`: its raw log-prob sum, whether it met the constraint,
+    its words, the attention (N,) and the copy's share of each."""
+
+    raw: float
+    met: bool
+    tokens: list[int]
+    attention: list[torch.Tensor]
+    shares: list[float]
+
+    def hypothesis(self, alpha: float, finished: bool, raw: float | None = None) -> Hypothesis:
+        raw = self.raw if raw is None else raw
+        score = raw / length_penalty(len(self.tokens) + int(finished), alpha)
+        attention = torch.stack(self.attention) if self.attention else torch.zeros(0, 0)
+        shares = torch.tensor(self.shares, dtype=torch.float32) if self.shares else None
+        return Hypothesis(list(self.tokens), score, attention, raw, finished, shares)
+
+
+def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+                     suppress: SuppressTokens, repeats: BlockRepeats, words: list[int]) -> list[Hypothesis]:
+    """One image (1, N, D) of :func:`constrained_beam_search`; ``words`` its constraint set (vocabulary ids)."""
+    K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
+    device, n_regions = features.device, features.size(1)
+    copying = recording(decoder)
+    state = initial_state(decoder, features)
+    wanted = None
+    beams = [_Branch(0.0, not words, [], [], [])]
+    met_done: list[Hypothesis] = []  # finished, the constraint met: best first, at most n_best
+    other_done: list[Hypothesis] = []  # finished without it: the fallback
+    prev = torch.full((1,), bos_id, dtype=torch.long, device=device)
+    for t in range(T + 1):
+        log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
+        log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
+        if repeats and t:
+            log_probs = repeats(log_probs, torch.tensor([b.tokens for b in beams], dtype=torch.long, device=device))
+        if wanted is None:
+            wanted = torch.zeros(log_probs.size(1), dtype=torch.bool, device=device)
+            wanted[[w for w in words if 0 <= w < log_probs.size(1)]] = True
+        total = torch.tensor([b.raw for b in beams], dtype=torch.float64, device=device)[:, None] + log_probs
+        was_met = torch.tensor([b.met for b in beams], device=device)[:, None]  # (R, 1)
+        met = was_met | wanted[None, :]  # (R, V) the state after each word
+        met[:, eos_id] = was_met[:, 0]  # <eos> ends a beam in its state
+        chosen = []
+        for state_met in (False, True):  # as beam search, per state: the 2K best candidates, ...
+            scores = total.masked_fill(met != state_met, NEG_INF).flatten()
+            top, index = scores.topk(min(2 * K, scores.numel()))
+            ranked = [(int(i) // total.size(1), int(i) % total.size(1), float(s)) for s, i in zip(top, index)
+                      if math.isfinite(float(s))]
+            done = met_done if state_met else other_done
+            for r, w, s in ranked[:K]:  # ... an <eos> among the K best finishes a caption in that state ...
+                if w == eos_id:
+                    done.append(beams[r].hypothesis(alpha, finished=True, raw=s))
+            done.sort(key=lambda h: h.score, reverse=True)
+            del done[n_best:]
+            chosen += [c for c in ranked if c[1] != eos_id][:K]  # ... and the K best others live on
+        if t == T or not chosen:
+            break
+        bound = float(best_reachable(torch.tensor([max(s for _, _, s in chosen)]), t, T, alpha)[0])
+        if len(met_done) >= n_best and met_done[-1].score >= bound:
+            break  # no live beam can beat the n_best captions that met the constraint
+        rows = torch.tensor([r for r, _, _ in chosen], dtype=torch.long, device=device)
+        toks = torch.tensor([w for _, w, _ in chosen], dtype=torch.long, device=device)
+        shares = copying.copy_share(rows, toks).tolist() if copying is not None else None
+        maps = attn.index_select(0, rows).float().cpu()
+        beams = [_Branch(s, beams[r].met or bool(wanted[w]), beams[r].tokens + [w], beams[r].attention + [maps[i]],
+                         beams[r].shares + ([shares[i]] if shares is not None else []))
+                 for i, (r, w, s) in enumerate(chosen)]
+        state = state.select(rows)
+        prev = toks
+    found = met_done[:n_best]
+    if len(found) < n_best:  # too few met the constraint: the best of the rest, finished first
+        rest = sorted(beams, key=lambda b: (b.met, b.raw), reverse=True)
+        found += other_done[:n_best - len(found)]
+        found += [b.hypothesis(alpha, finished=False) for b in rest][:n_best - len(found)]
+    for h in found:
+        if h.attention.numel() == 0:
+            h.attention = torch.zeros(0, n_regions)
+        if copying is None:
+            h.copy_share = None
+    return found
+
+
 def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id: int, eos_only: bool) -> torch.Tensor:
     """float64 log-probs (R, V) with suppressed ids at -inf; with ``eos_only`` every id but ``<eos>``."""
     log_probs = suppress(log_probs.double())
@@ -490,6 +626,18 @@ def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id:
 def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
     """Ids of the vocabulary's content words (not special, not in ``STOP_WORDS``): what ``no_repeat_words`` limits."""
     return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
+
+
+def plural_forms(vocab: Vocabulary) -> dict[int, list[int]]:
+    """Each word's id -> the ids of its plural in the vocabulary ("dog" -> "dogs", "bus" -> "buses", "pony" ->
+    "ponies"): what else meets a constraint on the word (``DecodeOptions.constrain``)."""
+    out: dict[int, list[int]] = {}
+    for i, w in enumerate(vocab.itos):
+        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else [])
+        ids = [vocab.stoi[f] for f in forms if f in vocab.stoi]
+        if ids and i > vocab.unk_id:
+            out[i] = ids
+    return out
 
 
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:
