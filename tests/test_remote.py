@@ -257,10 +257,16 @@ def test_hub_errors_are_one_line(ckpt, hub_env, monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_hub_unreachable_without_cache_says_what_to_download(hub_env, monkeypatch) -> None:
-    # the Hub client retries a refused connection with back-off (about 23 s) before giving up
+    # the Hub client retries a refused connection with back-off (about 23 s of sleeping) before giving up;
+    # its retries still run, their waits do not
+    import huggingface_hub.utils._http as hub_http
+
+    slept = []
+    monkeypatch.setattr(hub_http.time, "sleep", slept.append)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_free_port()}")
     with pytest.raises(CheckpointError, match=r"hf://org/gone/model.safetensors: not in the Hugging Face cache"):
         resolve_checkpoint("hf://org/gone")
+    assert slept, "the client gave up without retrying"
 
 
 def test_one_module_does_http_downloads_and_no_module_locks_with_fcntl() -> None:

@@ -151,13 +151,14 @@ def _rate(fn, count: int, repeats: int = 1) -> float:
     return count / best
 
 
-def caption_throughput(quick: bool) -> dict:
+def caption_throughput(quick: bool, photos: int | None = None) -> dict:
+    """``photos``: how many of each set (default: 32 with ``quick``, else PHOTOS)."""
     import torch
 
     from captioner.decoding.search import DecodeOptions
     from captioner.models.base import eval_mode
 
-    count = 32 if quick else PHOTOS
+    count = photos or (32 if quick else PHOTOS)
     repeats = 1 if quick else 2  # each row the best of two runs: the bound and the paths alike
     m, model_name = _model()
     options = DecodeOptions(beam_size=3)
