@@ -194,7 +194,9 @@ class Probe:
         args = self.args
         shipped = captioner.load(args.base)
         if shipped.model.config.encoder.labels:
-            raise SystemExit(f"{args.base} reads labels already: start from a model that does not")
+            raise SystemExit(f"--base {args.base} reads labels already (the shipped model does since its fourth "
+                             "release): start from a model that does not, e.g. the third release "
+                             "(git show 73f6fb8^:captioner/weights/flickr8k.safetensors > third.safetensors)")
         self.vocab, old = shipped.vocab, shipped.model.decoder
         self.base_dec = old.eval().requires_grad_(False)  # the attention --attend-kd holds the Flickr8k rows to
         counts = collections.Counter(w for c in self.text for w in tokenize(c))
@@ -401,7 +403,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("job", choices=("features", "teacher", "train", "eval", "export"))
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--cache", type=Path, default=ROOT / "runs" / "everyday")
-    p.add_argument("--base", default="flickr8k", help="the Flickr8k model to start from (without labels)")
+    p.add_argument("--base", default="flickr8k", help="the Flickr8k model to start from, without labels (the "
+                   "shipped one reads them since its fourth release: give its third, or a model of your own)")
     p.add_argument("--init", default="", help="a checkpoint of this recipe to start from (train) or score (eval)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "everyday" / "everyday.safetensors")
     p.add_argument("--json", type=Path, help="where the scores and captions go (default: beside --out / --init)")
