@@ -128,3 +128,48 @@ def test_precision_is_checked_by_name():
     model = _model("sat_soft_tiny")
     state = FusedSATSteps(model.decoder, torch.bfloat16).init_state(_features(model, count=2))
     assert isinstance(state, State) and state.static["features"].dtype == torch.bfloat16
+
+
+def _label_decoder() -> tuple[SATDecoder, torch.Tensor]:
+    """A SAT decoder reading labels (its reading's weights random, the copy's gate half open) and features
+    of 16 regions (8 values, then 1280 label channels)."""
+    from captioner.concepts.labels import SATLabels
+
+    torch.manual_seed(0)
+    reading = SATLabels(8, hidden_dim=10, embed_dim=8, vocab_size=20)
+    reading.use_classifier(torch.randn(1000, 1280) * 0.05, torch.zeros(1000))
+    reading.use_vocabulary({"dog": 5, "cat": 6, "clock": 7, "bear": 8})
+    with torch.no_grad():
+        for layer in (reading.init_labels, reading.out_labels, reading.gate):
+            layer.weight.normal_(0.0, 0.5)
+        reading.gate.bias.zero_()
+    decoder = _sharp(SATDecoder(vocab_size=20, feature_dim=8, embed_dim=8, hidden_dim=10, attention_dim=7,
+                                dropout=0.0, extension=reading).eval())
+    feats = torch.cat([torch.randn(5, 16, 8), torch.rand(5, 16, 1280)], -1)
+    return decoder, feats
+
+
+def test_fused_steps_compute_a_label_readers_step_and_its_search():
+    """The label reading leaves the attention alone, so the fused steps take it: the same log-probabilities
+    (the copy mixed in), attention, captions, copied words' maps and veto as the decoder's own steps."""
+    decoder, feats = _label_decoder()
+    assert decoder.fuses() and decoder_for(decoder, "bfloat16").extension is decoder.extension
+    fused = FusedSATSteps(decoder, torch.float32)
+    ref_state, fused_state = decoder.init_state(feats), fused.init_state(feats)
+    tokens = torch.tensor([BOS] * feats.shape[0])
+    with torch.no_grad():
+        for t in range(5):
+            want, ref_state, want_alpha = decoder.step(tokens, ref_state)
+            got, fused_state, got_alpha = fused.step(tokens, fused_state)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_alpha, want_alpha, atol=1e-6, rtol=1e-5)
+            tokens = torch.randint(3, 20, tokens.shape, generator=torch.Generator().manual_seed(t))
+    for options in (DecodeOptions(beam_size=3, max_len=8, n_best=2), DecodeOptions(beam_size=3, max_len=8, veto=10.0)):
+        for a, b in zip(decode(fused, feats, BOS, EOS, options), decode(decoder, feats, BOS, EOS, options)):
+            assert [h.tokens for h in a] == [h.tokens for h in b]
+            assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+            for x, y in zip(a, b):  # the copy's shares and the copied words' maps too
+                torch.testing.assert_close(x.copy_share, y.copy_share, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(x.attention, y.attention, atol=1e-5, rtol=1e-4)
+    low = decode(decoder, feats, BOS, EOS, DecodeOptions(beam_size=3, max_len=8, precision="bfloat16"))
+    assert all(h.copy_share is not None and h.attention.dtype == torch.float32 for (h,) in low)

@@ -384,10 +384,13 @@ class SATDecoder(CaptionDecoder):
         return weights
 
     def fuses(self) -> bool:
-        """Whether :class:`FusedSATSteps` computes this decoder's eval-mode step: no extension, and a test-time
-        context that is the expectation (soft, or hard with ``expectation``)."""
-        plain = type(self.extension) is SATExtension  # the default: every point a no-op
-        return plain and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
+        """Whether :class:`FusedSATSteps` computes this decoder's eval-mode step: an extension that leaves the
+        attention alone (its ``query_weights``, ``word_query`` and ``filter_attention`` the defaults: the label
+        reading, or none), and a test-time context that is the expectation (soft, or hard with ``expectation``)."""
+        kind = type(self.extension)
+        attends = any(getattr(kind, point) is not getattr(SATExtension, point)
+                      for point in ("query_weights", "word_query", "filter_attention"))
+        return not attends and (self.attention_type == "soft" or self.hard_test_mode == "expectation")
 
     def fused_steps(self, dtype: torch.dtype) -> FusedSATSteps | None:
         """This decoder's eval-mode stepping with its products fused, in ``dtype`` (a snapshot of the weights), or
@@ -416,7 +419,8 @@ class FusedSATSteps(CaptionDecoder):
     def __init__(self, decoder: SATDecoder, dtype: torch.dtype) -> None:
         super().__init__()
         if not decoder.fuses():
-            raise ValueError("FusedSATSteps takes a SAT decoder with soft (or expected hard) attention and no extension")
+            raise ValueError("FusedSATSteps takes a SAT decoder with soft (or expected hard) attention and no extension "
+                             "that reads the attention")
         self.decoder = [decoder]  # a list: not a submodule (the snapshot below is what steps read)
         self.vocab_size = decoder.vocab_size
         self.dtype = dtype
@@ -442,17 +446,28 @@ class FusedSATSteps(CaptionDecoder):
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, need_all_attention: bool = False):  # noqa: ANN201
         raise TypeError("FusedSATSteps only decodes step by step; train the SATDecoder itself")
 
+    @property
+    def extension(self) -> SATExtension:
+        """The decoder's extension, in float32 (the search sets its switches: veto, the copy's shares)."""
+        return self.decoder[0].extension
+
     def init_state(self, features: torch.Tensor) -> State:
-        """features (B,N,D) -> static {features in ``dtype``, projected in float32}, dynamic {q (B, 4H+A+1),
-        c (B,H)} in ``dtype``."""
+        """features (B,N,D) -> static {features in ``dtype``, projected in float32, the extension's constants},
+        dynamic {q (B, 4H+A+1), c (B,H)} in ``dtype``."""
         decoder, (H, M, _) = self.decoder[0], self.sizes
-        regions = decoder._regions(features)
-        h, c = decoder._initial_hc(regions, {})  # (B, H) each, in the features' dtype
+        ext = decoder.extension
+        extra = ext.read(features)
+        regions = decoder._regions(ext.regions(features))
+        h, c = decoder._initial_hc(regions, extra)  # (B, H) each, in the features' dtype
         low = regions.to(self.dtype)
         w = self.weights
         projected = F.linear(low, w["w_f"], w["b_f"]).float()  # (B, N, A): 2 W_f f, kept in float32 (below)
         q = F.linear(h.to(self.dtype), w["w_h"][M:], w["b_h"][M:])  # (B, 4H + A + 1)
-        return State({"features": low, "projected": projected}, {"q": q, "c": c.to(self.dtype)})
+        static = {"features": low, "projected": projected, **extra}
+        added = ext.output(extra)
+        if added is not None:
+            static["extension_output"] = added.to(self.dtype)  # (B, M)
+        return State(static, {"q": q, "c": c.to(self.dtype)})
 
     def step(self, prev_tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State, torch.Tensor]:
         """prev_tokens (R,) -> (log_probs (R,V) float32, new state, attention (R,N) float32)."""
@@ -462,7 +477,16 @@ class FusedSATSteps(CaptionDecoder):
             state.static["features"], w["w_s32"], w["w_z"], group=state.group, context=_expected_context)
         h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)  # this step's L_h h, next q
         deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
-        log_probs = F.log_softmax(F.linear(deep, w["w_o"], w["b_o"]).float(), dim=-1)  # (R, V)
+        own = {k: v for k, v in state.static.items() if k not in ("features", "projected")}  # the extension's
+        if own:
+            own = expand_groups(own, state.group)  # one row per decoder row
+            added = own.get("extension_output")
+            if added is not None:
+                deep = deep + added
+        logits = F.linear(deep, w["w_o"], w["b_o"]).float()  # (R, V)
+        if own:  # the extension's word scores (the label reading's copy), read in float32
+            logits = self.decoder[0].extension.word_scores(logits, deep.float(), own)
+        log_probs = F.log_softmax(logits, dim=-1)  # (R, V)
         return log_probs, State(state.static, {"q": q, "c": c}, state.group), log_alpha.exp()
 
 
