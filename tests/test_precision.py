@@ -37,12 +37,8 @@ def _sharp(decoder: SATDecoder) -> SATDecoder:
     return decoder
 
 
-@pytest.mark.parametrize("preset,mode", [("sat_soft_tiny", None), ("sat_hard_tiny", "expectation")])
-def test_fused_steps_compute_the_decoders_step(preset, mode):
-    decoder = _model(preset).decoder
-    if mode:
-        decoder.hard_test_mode = mode
-    feats = _features(_model(preset))
+def _fused_steps_match(decoder: SATDecoder, feats: torch.Tensor) -> FusedSATSteps:
+    """The decoder's float32 fused steps, checked for 5 steps against its own (log-probs and attention)."""
     fused = FusedSATSteps(decoder, torch.float32)
     ref_state, fused_state = decoder.init_state(feats), fused.init_state(feats)
     tokens = torch.tensor([BOS] * feats.shape[0])
@@ -53,6 +49,16 @@ def test_fused_steps_compute_the_decoders_step(preset, mode):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got_alpha, want_alpha, atol=1e-6, rtol=1e-5)
             tokens = torch.randint(3, 20, tokens.shape, generator=torch.Generator().manual_seed(t))
+    return fused
+
+
+@pytest.mark.parametrize("preset,mode", [("sat_soft_tiny", None), ("sat_hard_tiny", "expectation")])
+def test_fused_steps_compute_the_decoders_step(preset, mode):
+    decoder = _model(preset).decoder
+    if mode:
+        decoder.hard_test_mode = mode
+    feats = _features(_model(preset))
+    fused = _fused_steps_match(decoder, feats)
     # and the whole search, beams grouped per image, finds the same captions
     opts = DecodeOptions(beam_size=3, max_len=8, n_best=2)
     for a, b in zip(decode(fused, feats, BOS, EOS, opts), decode(decoder, feats, BOS, EOS, opts)):
@@ -154,16 +160,7 @@ def test_fused_steps_compute_a_label_readers_step_and_its_search():
     (the copy mixed in), attention, captions, copied words' maps and veto as the decoder's own steps."""
     decoder, feats = _label_decoder()
     assert decoder.fuses() and decoder_for(decoder, "bfloat16").extension is decoder.extension
-    fused = FusedSATSteps(decoder, torch.float32)
-    ref_state, fused_state = decoder.init_state(feats), fused.init_state(feats)
-    tokens = torch.tensor([BOS] * feats.shape[0])
-    with torch.no_grad():
-        for t in range(5):
-            want, ref_state, want_alpha = decoder.step(tokens, ref_state)
-            got, fused_state, got_alpha = fused.step(tokens, fused_state)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got_alpha, want_alpha, atol=1e-6, rtol=1e-5)
-            tokens = torch.randint(3, 20, tokens.shape, generator=torch.Generator().manual_seed(t))
+    fused = _fused_steps_match(decoder, feats)
     for options in (DecodeOptions(beam_size=3, max_len=8, n_best=2), DecodeOptions(beam_size=3, max_len=8, veto=10.0)):
         for a, b in zip(decode(fused, feats, BOS, EOS, options), decode(decoder, feats, BOS, EOS, options)):
             assert [h.tokens for h in a] == [h.tokens for h in b]

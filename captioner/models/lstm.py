@@ -357,9 +357,9 @@ class SATDecoder(CaptionDecoder):
         """
         emb = self.embedding(prev_tokens)  # (B, M)
         group, static = state.group, state.static
-        own = {k: v for k, v in static.items() if k not in ("features", "projected")}  # the extension's constants
+        own = extension_constants(static, group)
         if own and group > 1:
-            static = {**expand_groups(own, group), "features": static["features"], "projected": static["projected"]}
+            static = {**own, "features": static["features"], "projected": static["projected"]}
         w_x, b_x, w_query, b_query, w_s, w_ctx = self._step_weights()
         extra = (static, self.extension.word_query(emb))
         h, c, context, beta, log_alpha, *_ = self._recurrence(
@@ -477,9 +477,8 @@ class FusedSATSteps(CaptionDecoder):
             state.static["features"], w["w_s32"], w["w_z"], group=state.group, context=_expected_context)
         h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)  # this step's L_h h, next q
         deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
-        own = {k: v for k, v in state.static.items() if k not in ("features", "projected")}  # the extension's
+        own = extension_constants(state.static, state.group)
         if own:
-            own = expand_groups(own, state.group)  # one row per decoder row
             added = own.get("extension_output")
             if added is not None:
                 deep = deep + added
@@ -488,6 +487,12 @@ class FusedSATSteps(CaptionDecoder):
             logits = self.decoder[0].extension.word_scores(logits, deep.float(), own)
         log_probs = F.log_softmax(logits, dim=-1)  # (R, V)
         return log_probs, State(state.static, {"q": q, "c": c}, state.group), log_alpha.exp()
+
+
+def extension_constants(static: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
+    """A SAT state's constants other than the regions and their projection (the extension's), one row per
+    decoder row (a grouped state's repeated ``group`` times)."""
+    return expand_groups({k: v for k, v in static.items() if k not in ("features", "projected")}, group)
 
 
 def _expected_context(log_alpha: torch.Tensor, features: torch.Tensor, group: int
