@@ -20,8 +20,8 @@ from typing import NoReturn
 from captioner.version import __version__
 from captioner.errors import CaptionerError, one_line
 
-COMMAND_MODULES = ("make_shapes", "train", "concepts", "distill", "evaluate", "caption", "attend", "export", "serve",
-                   "demo", "download")
+COMMAND_MODULES = ("make_shapes", "train", "concepts", "distill", "lm", "evaluate", "caption", "attend", "export",
+                   "serve", "demo", "download")
 
 EPILOG = """examples:
   captioner demo                                   # generate shapes, train 3 decoders, write runs/demo/report.html
@@ -29,6 +29,7 @@ EPILOG = """examples:
   captioner train --preset sat_soft_lite --data data/shapes --out runs/sat
   captioner evaluate runs/sat/best.safetensors --data data/shapes --split test --beam 3
   captioner caption photo.jpg --checkpoint runs/sat/best.safetensors
+  captioner lm --captions coco/captions_train2014.json --out coco_lm.safetensors   # caption text, no photos
   captioner attend photo.jpg --checkpoint runs/sat/best.safetensors --out overlays/
   captioner caption photo.jpg -c 'https://example.org/model.safetensors#sha256=...'   # or -c hf://org/repo
   captioner export runs/sat --out export/sat           # checkpoint + SHA-256 + model card, for the Hub

@@ -33,6 +33,7 @@ from captioner.decoding.search import (DecodeOptions, Hypothesis, content_word_i
                                        plural_forms)
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError
+from captioner.language import language_model_for
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
 from captioner.pretrained import is_model_name, pretrained_path
@@ -138,7 +139,8 @@ def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Voc
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
         return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options),
-                      content_word_ids(vocab), plural_forms(vocab) if options.constrain else None)
+                      content_word_ids(vocab), plural_forms(vocab) if options.constrain else None,
+                      language_model_for(options.lm, vocab) if options.lm_weight else None)
 
 
 def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,

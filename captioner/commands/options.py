@@ -73,6 +73,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
     parser.add_argument("--constrain", type=float_range(0.0, 1.0), default=None, metavar="P",
                         help="a model reading the encoder's labels: each caption holds one of the words whose "
                              "label is at least P likely (constrained beam search; default: 0, off)")
+    parser.add_argument("--lm-weight", type=float_range(0.0, 10.0), default=None, metavar="W",
+                        help="add W times a caption language model's log-probability to every word (shallow "
+                             "fusion: sentences as people write them about everyday photos; 0.5 suits the shipped "
+                             "model on them; default: 0, off)")
+    parser.add_argument("--lm", default=None, metavar="FILE",
+                        help="the language model of --lm-weight: a file written by captioner lm (default: coco, "
+                             "the packaged one, COCO caption text)")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default=None,
                         help="the decoder's arithmetic: bfloat16 searches about twice as fast on a CPU with "
                              "native bfloat16, a few captions differing (default: float32)")
@@ -103,4 +110,10 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["veto"] = args.veto
     if getattr(args, "constrain", None) is not None:
         out["constrain"] = args.constrain
+    if getattr(args, "lm_weight", None) is not None:
+        out["lm_weight"] = args.lm_weight
+    if getattr(args, "lm", None) is not None:
+        if not getattr(args, "lm_weight", None):
+            raise ConfigError("--lm names the language model of --lm-weight W; give --lm-weight too (0.5 for example)")
+        out["lm"] = args.lm
     return out

@@ -146,6 +146,10 @@ class DecodeOptions:
             labels say absent loses this much log-probability (10: never said); 0 = off.
         constrain: with such a model: p > 0: a caption holds at least one of the words whose label is at
             least p likely, by constrained beam search (Anderson et al. 2017); 0 = off.
+        lm_weight: w > 0: each word's log-probability gains w times a caption language model's (shallow
+            fusion; ``captioner.language``); 0 = off.
+        lm: that language model: a file written by ``captioner lm``, or "coco" (the packaged one, COCO
+            caption text in the shipped model's vocabulary).
     """
 
     beam_size: int = 3
@@ -158,6 +162,8 @@ class DecodeOptions:
     precision: str = "float32"
     veto: float = 0.0
     constrain: float = 0.0
+    lm_weight: float = 0.0
+    lm: str = "coco"
 
     def __post_init__(self) -> None:
         for name in ("beam_size", "max_len", "n_best"):
@@ -176,6 +182,9 @@ class DecodeOptions:
             raise ConfigError(f"decoding precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.precision!r}")
         check_number("decoding veto", self.veto, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
         check_number("decoding constrain", self.constrain, lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
+        check_number("decoding lm_weight", self.lm_weight, lambda v: 0.0 <= v <= 10.0, "a number from 0 to 10")
+        if not isinstance(self.lm, str) or not self.lm.strip():
+            raise ConfigError(f"decoding lm must name a language model file or 'coco', got {self.lm!r}")
 
 
 @dataclass

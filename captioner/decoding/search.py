@@ -25,6 +25,7 @@ from captioner.config import DecodeOptions
 from captioner.config.schema import DECODE_PRECISIONS
 from captioner.errors import ConfigError
 from captioner.files import size_text
+from captioner.language import FusedDecoder
 from captioner.models.base import CaptionDecoder, State
 from captioner.models.lstm import FusedSATSteps
 from captioner.text import STOP_WORDS, Vocabulary
@@ -263,13 +264,15 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
 
 def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
            options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
-           content_ids: Sequence[int] = (), word_forms: Mapping[int, Sequence[int]] | None = None
-           ) -> list[list[Hypothesis]]:
+           content_ids: Sequence[int] = (), word_forms: Mapping[int, Sequence[int]] | None = None,
+           language_model: nn.Module | None = None) -> list[list[Hypothesis]]:
     """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
     ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
     ``content_ids``: what ``options.no_repeat_words`` allows once; ``word_forms``: other ids that meet an
-    ``options.constrain`` constraint on a word (its plural). ``ConfigError`` for features that
+    ``options.constrain`` constraint on a word (its plural); ``language_model``: a
+    ``captioner.language.CaptionLanguageModel`` over the decoder's vocabulary, fused with
+    ``options.lm_weight`` (None: none). ``ConfigError`` for features that
     are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
     """
     options = options or DecodeOptions()
@@ -286,6 +289,8 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
     out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
         decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
+        if language_model is not None and options.lm_weight:
+            decoder = FusedDecoder(decoder, language_model, options.lm_weight)
         constraints = constraint_sets(decoder, options.constrain)
         with vetoing(decoder, options.veto), attributing(decoder) as copying:
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
