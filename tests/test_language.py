@@ -251,6 +251,9 @@ def test_lm_command_then_caption_with_it(tmp_path, capsys, untrained_checkpoint)
     assert len(about["perplexity"]) == 2
     assert main(argv) == 1  # an existing file is kept without --force
     assert "--force" in capsys.readouterr().err
+    assert main([*argv[:-9], "--out", str(tmp_path), "--epochs", "1"]) == 1  # a folder: named, with a file to give
+    assert f"--out {tmp_path}: is a folder; give the file to write (e.g. {tmp_path / 'lm.safetensors'})" in \
+        capsys.readouterr().err
     photo = tmp_path / "photo.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(photo)
     assert main(["caption", str(photo), "-c", str(checkpoint), "--lm", str(out), "--lm-weight", "0.5",

@@ -9,6 +9,7 @@ from captioner.commands.options import int_range
 MAX_EPOCHS, MAX_WIDTH = 1_000, 65_536
 
 NAME = "lm"
+INTERRUPTED = "interrupted: --out holds the best epoch that finished, if one did"
 HELP = ("learn a language model of captions from caption text without photos (COCO-format caption files), in a "
         "model's vocabulary; caption, attend, evaluate and serve fuse it into the search with --lm FILE --lm-weight W")
 EXAMPLES = """
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.concepts.training import check_output_file, concepts_output
     from captioner.language import LanguageModelConfig, caption_texts, save_language_model, train_language_model
 
-    out = check_output_file(args.out, args.force, "--out")  # before anything is read or trained
+    out = check_output_file(args.out, args.force, "--out", "lm.safetensors")  # before anything is read or trained
     vocab = captioner.load(args.checkpoint, device="cpu").vocab
     captions, read = caption_texts(args.captions, args.leave_out)
     for entry in read["files"]:

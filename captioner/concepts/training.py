@@ -270,13 +270,13 @@ def check_concept_options(k: int, epochs: int, hidden: int) -> None:
             raise ConfigError(f"--{name} must be a whole number from {low} to {high}, got {value!r}")
 
 
-def check_output_file(out: str | os.PathLike, overwrite: bool, option: str) -> Path:
+def check_output_file(out: str | os.PathLike, overwrite: bool, option: str, example: str = "concepts.safetensors") -> Path:
     """``out`` as a file that may be written: not a folder, not an existing file unless ``overwrite``
     (:class:`captioner.files.Outputs`, its folder's manifest records it once written), in a folder that
     exists and can be written (checked with a temporary file)."""
     out = Path(out)
     if out.is_dir():
-        raise ConfigError(f"{option} {out}: is a folder; give the file to write (e.g. {out / 'concepts.safetensors'})")
+        raise ConfigError(f"{option} {out}: is a folder; give the file to write (e.g. {out / example})")
     concepts_output(out, overwrite, option).check([out])
     if not out.parent.is_dir():
         raise ConfigError(f"{option} {out}: folder {out.parent} does not exist")
