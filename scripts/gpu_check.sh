@@ -28,11 +28,13 @@ if [ "$DRY" = 1 ]; then
     export CUDA_VISIBLE_DEVICES=""
     export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
     QUICK=--quick
+    COLLECT=--collect-only  # the suite runs these tests itself; a dry run checks that they are found
     echo "dry run on the CPU (tiny sizes)" | tee "$OUT/machine.txt"
 else
     source scripts/gpu_env.sh || echo "gpu_env: wheels not installed; stages that need them will fail" \
         | tee -a "$OUT/stages.txt"
     QUICK=
+    COLLECT=
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 WORK=${WORK:-/tmp/gpu_check_work}
@@ -62,7 +64,7 @@ gpu_memory() {  # sample the GPU's used memory every second into $OUT/$1 until k
     echo $!
 }
 
-stage cuda_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decoding_graphs.py
+stage cuda_tests 60 python3 -m pytest -q -p no:cacheprovider $COLLECT tests/test_cuda_graph.py tests/test_decoding_graphs.py
 stage sat_graph 100 python3 scripts/benchmark.py --only sat_graph --json $QUICK
 stage beam_graph 80 python3 scripts/benchmark.py --only beam_graph --json $QUICK
 export SCALE_DIR=$WORK SCALE_SECONDS=${SCALE_SECONDS:-30}

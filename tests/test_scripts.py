@@ -36,12 +36,40 @@ def test_every_script_is_checked_here():
     assert shell == set(SHELL_SYNTAX_ONLY) | set(USAGE_ERRORS)
 
 
-@pytest.mark.slow  # a fresh process per script: about 1 s each
-@pytest.mark.parametrize("script", HELP_SCRIPTS)
-def test_python_script_help(script: str):
-    done = _run([sys.executable, str(SCRIPTS / script), "--help"])
+# Runs each script as __main__ with --help, one after another in one fresh process (their imports,
+# torch's among them, paid once): one JSON line per script, its exit code and what it printed.
+_HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+for script in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = [script, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(script, run_name="__main__")
+        code = "returned without exiting"
+    except SystemExit as exc:
+        code = exc.code or 0
+    except BaseException as exc:  # noqa: BLE001 - reported for the script's own test
+        code = repr(exc)[:300]
+    print(json.dumps({"script": script, "code": code, "stdout": out.getvalue()[:200], "stderr": err.getvalue()[-2000:]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def script_help() -> dict[str, dict]:
+    """Each of HELP_SCRIPTS run with ``--help`` (in one fresh process): {script: {code, stdout, stderr}}."""
+    done = _run([sys.executable, "-c", _HELP_RUNNER, *(str(SCRIPTS / s) for s in HELP_SCRIPTS)])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("usage: ")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"script"')]
+    return {str(Path(row["script"]).relative_to(SCRIPTS)): row for row in rows}
+
+
+@pytest.mark.slow  # one fresh process runs every script's --help: about 8 s in all
+@pytest.mark.parametrize("script", HELP_SCRIPTS)
+def test_python_script_help(script: str, script_help: dict[str, dict]):
+    row = script_help[script]
+    assert row["code"] == 0, row["stderr"]
+    assert row["stdout"].startswith("usage: ")
 
 
 def test_gpu_summary_reads_an_empty_folder(tmp_path: Path):
