@@ -111,7 +111,7 @@ class FusedDecoder(CaptionDecoder):
                               f"{decoder.vocab_size}: they must share one vocabulary")
         self.decoder, self.lm, self.weight = decoder, lm, float(weight)
         self.vocab_size = decoder.vocab_size
-        self.train(decoder.training)
+        self.training = decoder.training  # not .train(): that would switch the shared language model's dropout on
 
     @property
     def extension(self) -> nn.Module | None:  # type: ignore[override]

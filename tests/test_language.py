@@ -115,6 +115,13 @@ def test_fused_beam_search_finds_the_fused_best_caption(weight):
     assert found.log_prob == pytest.approx(score, abs=1e-4)
 
 
+def test_wrapping_a_training_decoder_leaves_the_language_model_in_eval_mode():
+    lm = tiny_lm(7)
+    decoder = ConstantDecoder(torch.full((7, 7), 1 / 7)).train()
+    fused = FusedDecoder(decoder, lm, 1.0)
+    assert fused.training and decoder.training and not lm.training  # the cached model keeps its dropout off
+
+
 def test_weight_zero_or_no_model_is_the_plain_search():
     torch.manual_seed(5)
     table = torch.softmax(2.0 * torch.randn(7, 7), -1)
