@@ -11,7 +11,7 @@ MAX_EPOCHS, MAX_WIDTH = 1_000, 65_536
 NAME = "lm"
 INTERRUPTED = "interrupted: --out holds the best epoch that finished, if one did"
 HELP = ("learn a language model of captions from caption text without photos (COCO-format caption files), in a "
-        "model's vocabulary; caption, attend, evaluate and serve fuse it into the search with --lm FILE --lm-weight W")
+        "model's vocabulary; caption, attend and evaluate fuse it into the search with --lm FILE --lm-weight W")
 EXAMPLES = """
   captioner lm --captions coco/annotations/captions_train2014.json --out coco_lm.safetensors
   captioner lm -c runs/sat/best.safetensors --captions text.json --leave-out dev/captions.json --out lm.safetensors
