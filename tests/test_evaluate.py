@@ -57,6 +57,7 @@ def test_evaluate_writes_consistent_metrics_and_results(checkpoint: Path, tiny_s
         assert saved[key] == pytest.approx(expected[key]) and 0.0 <= saved[key] <= 10.0
     assert saved["METEOR"] is None and saved["SPICE"] is None
     assert saved["split"] == "test" and saved["beam_size"] == 2 and saved["checkpoint"] == str(checkpoint)
+    assert saved["decoding"] == {"beam_size": 2, "max_len": 8}  # what differs from DecodeOptions()
     assert "0-1" in saved["scale"] and "x100" in saved["note"]
     assert saved["paths"] == {"metrics": str(metrics_file), "results": str(results_file)}
     entropy = saved["attention"]["attention_entropy"]

@@ -56,6 +56,14 @@ class SplitCaptions:
     skipped: list[str]
 
 
+def changed_options(options: DecodeOptions) -> dict[str, Any]:
+    """The decoding options that differ from ``DecodeOptions()``'s defaults (``{}``: a plain beam search), so a
+    metrics file says how its captions were searched (``veto``, ``constrain``, ``lm_weight`` and ``lm``...)."""
+    default = DecodeOptions()
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if getattr(options, f.name) != getattr(default, f.name)}
+
+
 def caption_split(engine: Captioner, caption_set: Any, options: DecodeOptions | None = None, batch_size: int = 32,
                   skip_bad: bool = False, progress: bool = True, num_workers: int = 0,
                   **decoding: Any) -> SplitCaptions:
@@ -229,6 +237,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
         "beam_size": options.beam_size,
         "max_len": options.max_len,
         "allow_unk": options.allow_unk,
+        "decoding": changed_options(options),
         "num_images": len(cs.images),
         "num_references": sum(len(r) for r in references),
         "images_listed": listed,
