@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from captioner.config.schema import check_number
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.files import atomic_write, check_regular, read_json
 from captioner.models.base import CaptionDecoder, State
-from captioner.pretrained import WEIGHTS, _checked
+from captioner.pretrained import WEIGHTS, checked_package_file
 from captioner.text import Vocabulary
 
 __all__ = ["FORMAT", "PACKAGED", "CaptionLanguageModel", "FusedDecoder", "LanguageModelConfig", "caption_texts",
@@ -59,11 +60,9 @@ class LanguageModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "hidden_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
-                raise ConfigError(f"language model {name} must be a whole number from 1 to {1 << 20}, got {value!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"language model dropout must be in [0, 1), got {self.dropout!r}")
+            check_number(f"language model {name}", getattr(self, name), lambda v: 1 <= v <= 1 << 20,
+                         f"a whole number from 1 to {1 << 20}", int)
+        check_number("language model dropout", self.dropout, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 
 class CaptionLanguageModel(nn.Module):
@@ -275,14 +274,7 @@ def load_language_model(spec: str | os.PathLike) -> tuple[CaptionLanguageModel, 
 def packaged_path(name: str) -> Path:
     """The packaged language model ``name``; ``CheckpointError`` when this install lacks it."""
     file, sha256 = PACKAGED[name]
-    path = WEIGHTS / file
-    try:
-        st = path.stat()
-    except OSError:
-        raise CheckpointError(f"the packaged language model {name!r} ({path}) is not installed; reinstall "
-                              "captioner, or train one: captioner lm --captions FILE.json --out lm.safetensors") from None
-    _checked(path, sha256, st.st_size, st.st_mtime)
-    return path
+    return checked_package_file(WEIGHTS / file, sha256, f"the packaged language model {name!r}")
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,8 +16,8 @@ from pathlib import Path
 from captioner.errors import CheckpointError
 from captioner.files import file_kind, file_sha256
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "example_photos", "is_model_name",
-           "model_card", "pretrained_path"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "checked_package_file", "example_photos",
+           "is_model_name", "model_card", "pretrained_path"]
 
 PACKAGE = Path(__file__).resolve().parent
 WEIGHTS = PACKAGE / "weights"
@@ -94,16 +94,20 @@ def pretrained_path(name: str) -> Path:
     """The file of shipped model ``name`` after checking it is a regular file with the registry's SHA-256
     (``CheckpointError`` otherwise, one line)."""
     entry = _entry(name)
-    path = entry.path
+    return checked_package_file(entry.path, entry.sha256, f"shipped model {name!r}")
+
+
+def checked_package_file(path: Path, sha256: str, what: str) -> Path:
+    """``path``, a file installed with the package, after checking it is a regular file with ``sha256``
+    (``CheckpointError`` naming ``what`` otherwise, one line; the hash is read once per process and version)."""
     try:
         st = path.stat()
     except OSError:
-        raise CheckpointError(f"shipped model {name!r}: its file {path} is missing; reinstall captioner") from None
+        raise CheckpointError(f"{what}: its file {path} is missing; reinstall captioner") from None
     kind = file_kind(st.st_mode)  # a link to /dev/zero or a named pipe would never finish hashing
     if kind is not None:
-        raise CheckpointError(f"shipped model {name!r}: its file {path} is a {kind}, not a regular file; "
-                              "reinstall captioner")
-    _checked(path, entry.sha256, st.st_size, st.st_mtime)
+        raise CheckpointError(f"{what}: its file {path} is a {kind}, not a regular file; reinstall captioner")
+    _checked(path, sha256, st.st_size, st.st_mtime)
     return path
 
 

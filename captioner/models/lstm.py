@@ -478,10 +478,9 @@ class FusedSATSteps(CaptionDecoder):
         h_out, q = F.linear(h, w["w_h"], w["b_h"]).split([M, 4 * H + A + 1], dim=-1)  # this step's L_h h, next q
         deep = w["embedding"][prev_tokens] + h_out + z_out  # (R, M)
         own = extension_constants(state.static, state.group)
-        if own:
-            added = own.get("extension_output")
-            if added is not None:
-                deep = deep + added
+        added = own.get("extension_output")
+        if added is not None:
+            deep = deep + added
         logits = F.linear(deep, w["w_o"], w["b_o"]).float()  # (R, V)
         if own:  # the extension's word scores (the label reading's copy), read in float32
             logits = self.decoder[0].extension.word_scores(logits, deep.float(), own)
