@@ -3,6 +3,7 @@
 
     python scripts/make_serve_screenshot.py                      # the shipped model, example photo 1, 1280x900
     python scripts/make_serve_screenshot.py --size 390,844 --n-best 1 --out docs/images/serve_phone.png
+    python scripts/make_serve_screenshot.py --everyday --out everyday.png   # with "everyday photos" checked
     python scripts/make_serve_screenshot.py -c soft=runs/demo/sat_soft/best.safetensors \\
         -c tf=runs/demo/transformer/best.safetensors --image scene.png --out side_by_side.png
 
@@ -12,7 +13,8 @@ chromedriver, as the browser tests) with a window of exactly ``--size`` (the pag
 innerHeight), uploads ``--image`` or clicks example ``--example``, keeps the word the page opens on or
 selects word ``--word`` of the first model's best caption (0-based; with several models every column
 shows that word, or says its caption lacks it) or the photo's label ``--label`` (the chips of a model whose
-encoder has an ImageNet head) and saves a screenshot of the first screen.
+encoder has an ImageNet head), with "everyday photos" checked for ``--everyday``, and saves a screenshot of
+the first screen.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="1280,900", help="the page's window WIDTH,HEIGHT")
     parser.add_argument("--style", choices=("heat", "light"), default="heat", help="style of the maps")
     parser.add_argument("--scroll", action="store_true", help="scroll the page so that the maps are in view")
+    parser.add_argument("--everyday", action="store_true",
+                        help='check "everyday photos" (for the models that offer it) before the photo is captioned')
     parser.add_argument("--out", default=str(REPO / "docs" / "images" / "serve_page.png"), help="PNG to write")
     args = parser.parse_args(argv)
 
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
             driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])  # the page's window, not Chromium's
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value(str(args.n_best))
+            if args.everyday:
+                driver.find_element(By.ID, "everyday").click()
             if args.image:
                 driver.find_element(By.ID, "file").send_keys(str(Path(args.image).resolve()))
             else:

@@ -6,7 +6,8 @@ always shown and said in words, and equals ``captioner caption``'s on the same f
 (every word's small map, one Tab stop, arrow keys, a skip link), the play-through, the caption as
 copyable text, the model said from its card, the examples ``-c a=flickr8k -c b=flickr8k`` offers, the
 light style on a dark photo, re-runs that keep the user's choices, a keyed select that asks once, a
-drop of text, and no jump while a new photo is busy. Skips where selenium or chromium is missing.
+drop of text, no jump while a new photo is busy, and "everyday photos" offered where a model offers it.
+Skips where selenium or chromium is missing.
 """
 
 from __future__ import annotations
@@ -364,3 +365,71 @@ def test_the_page_has_no_accessibility_violations(driver, peaked_model, tmp_path
         _upload(driver, photo)
         results = _axe_audit(axe, driver, driver.find_elements(By.CSS_SELECTOR, "#columns iframe"))
         assert results["passes"], "axe checked nothing"
+
+
+_SENT = ("window.sent = []; window.fetch = (function (real) { return function (url, init) {"
+         " if (init && init.body instanceof FormData) window.sent.push([init.body.get('model'), init.body.get('everyday')]);"
+         " return real.apply(null, arguments); }; })(window.fetch);")  # each request's model and everyday field
+
+
+def _metas(driver) -> dict[str, str]:
+    return driver.execute_script("const out = {}; document.querySelectorAll('.column').forEach(function (c) {"
+                                 " out[c.dataset.model] = c.querySelector('.meta').textContent; }); return out;")
+
+
+def test_everyday_photos_is_offered_where_a_model_offers_it_and_said_in_the_meta_line(driver, shipped, peaked_model):
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    from captioner.pretrained import PHOTOS
+
+    photo = PHOTOS / "family_table.jpg"  # a photo whose caption the everyday decoding changes
+    expected = shipped.caption_nbest(photo, n_best=1, beam=3, veto=10.0, lm_weight=0.3)[0].text
+    assert expected != shipped.caption_nbest(photo, n_best=1, beam=3)[0].text
+    done = "return +document.body.dataset.answers > {};"  # an answer, or an error
+    with _serve_page(driver, [("flickr8k", shipped), ("tiny", peaked_model)]):
+        box, label = driver.find_element(By.ID, "everyday"), driver.find_element(By.ID, "everyday-label")
+        models = Select(driver.find_element(By.ID, "model"))
+        # side by side: offered, as one of the models offers it; the label names the box, its title says what it does
+        assert box.is_enabled() and not box.is_selected() and box.accessible_name == "everyday photos"
+        assert "better on everyday photos" in label.get_attribute("title")
+        _axe_audit(axe, driver, [])
+        models.select_by_value("tiny")  # a model without labels: off, and said why
+        assert not box.is_enabled() and not box.is_selected() and "Not offered" in label.get_attribute("title")
+        models.select_by_value("flickr8k")
+        assert box.is_enabled()
+        driver.execute_script("arguments[0].focus();", box)
+        box.send_keys(Keys.SPACE)  # the keyboard checks it; no photo yet: nothing asked
+        assert box.is_selected() and _answers(driver) == 0
+        driver.execute_script(_SENT)
+        _upload(driver, photo)
+        _wait(driver, "return document.body.dataset.state === 'done';", 60)
+        assert driver.execute_script("return window.sent;") == [["flickr8k", "true"]]
+        assert _metas(driver)["flickr8k"].startswith("beam 3 \u00b7 everyday photos \u00b7 ")
+        assert driver.find_element(By.CSS_SELECTOR, ".column .chosen .text").text == expected
+        before = _answers(driver)
+        box.click()  # unchecked: the same photo again, plainly
+        _wait(driver, done.format(before), 60)
+        assert "everyday" not in _metas(driver)["flickr8k"]
+        before = _answers(driver)
+        box.click()
+        _wait(driver, done.format(before), 60)
+        # side by side: sent only to the model that offers it, said only in its column
+        driver.execute_script("window.sent = [];")
+        before = _answers(driver)
+        models.select_by_value("")
+        _wait(driver, done.format(before), 60)
+        assert box.is_selected() and driver.execute_script("return document.body.dataset.state;") == "done", \
+            driver.find_element(By.ID, "error").text
+        assert sorted(driver.execute_script("return window.sent;")) == [["flickr8k", "true"], ["tiny", None]]
+        metas = _metas(driver)
+        assert "everyday photos" in metas["flickr8k"] and "everyday" not in metas["tiny"]
+        # a model without it chosen alone turns it off; the choice comes back with a model that offers it
+        before = _answers(driver)
+        models.select_by_value("tiny")
+        _wait(driver, done.format(before), 60)
+        assert not box.is_selected() and "everyday" not in _metas(driver)["tiny"]
+        models.select_by_value("flickr8k")
+        assert box.is_selected()

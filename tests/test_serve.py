@@ -3,7 +3,8 @@
 
 Checks: the page is self-contained; the answer equals the library's for the same image (n-best
 included); bad uploads get one-line messages and the server keeps serving; two requests at once
-each get their own answer; the command's options fail in one line.
+each get their own answer; the command's options fail in one line; "everyday photos" decodes with
+the veto and the COCO language model where a model offers it, and is refused in one line where not.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def post(base: str, data: bytes, filename: str = "photo.png", **fields: object) 
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    import captioner
+
+    return captioner.load("flickr8k", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -243,13 +251,13 @@ def test_a_model_with_concepts_answers_with_the_photos_tags_and_their_chips(tmp_
         assert CONCEPTS_LABEL not in answer["captions"][0]["explorer"]
 
 
-def test_examples_follow_the_models_training_data_and_keep_their_bytes(tmp_path: Path, untrained_checkpoint) -> None:
+def test_examples_follow_the_models_training_data_and_keep_their_bytes(tmp_path: Path, untrained_checkpoint,
+                                                                       shipped) -> None:
     import captioner
     from captioner.errors import ImageLoadError
     from captioner.pretrained import PHOTOS
     from captioner.share.server import default_examples, folder_examples, reads_scenes
 
-    shipped = captioner.load("flickr8k", device="cpu")
     scenes_model = captioner.load(untrained_checkpoint(tmp_path, "sat_soft_tiny"), device="cpu")
     assert not reads_scenes(shipped.vocab.itos) and reads_scenes(scenes_model.vocab.itos)
     assert not reads_scenes(["<pad>", "<bos>"]) and not reads_scenes("a dog on the grass".split())
@@ -325,3 +333,71 @@ def test_an_example_photo_scores_as_captioner_caption_scores_its_file(server, ca
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert answer["captions"][0]["text"] == row["caption"]
     assert answer["captions"][0]["score"] == pytest.approx(row["score"], abs=1e-4)
+
+
+EVERYDAY_PHOTO = "family_table.jpg"  # an example photo whose caption the everyday decoding changes
+
+
+def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offered(server, shipped,
+                                                                                    monkeypatch) -> None:
+    import captioner.inference
+    from captioner.pretrained import PHOTOS
+    from captioner.share.server import EVERYDAY, ServedModel, create_app, running
+
+    _, models = server
+    photo = PHOTOS / EVERYDAY_PHOTO
+    plain = shipped.caption_nbest(photo, n_best=1, beam=3)[0]
+    everyday = shipped.caption_nbest(photo, n_best=1, beam=3, veto=10.0, lm_weight=0.3)[0]
+    assert everyday.text != plain.text, "the photo does not tell the two decodings apart"
+    assert (EVERYDAY.veto, EVERYDAY.lm_weight, EVERYDAY.lm) == (10.0, 0.3, "coco")
+    searched = []  # the options each search of the server was given
+    search = captioner.inference.search_features
+    monkeypatch.setattr(captioner.inference, "search_features",
+                        lambda decoder, features, vocab, options: searched.append(options) or
+                        search(decoder, features, vocab, options))
+    app = create_app([ServedModel("flickr8k", shipped), ServedModel("tiny", models["sat_soft_tiny"])])
+    with running(app) as base:
+        with urllib.request.urlopen(f"{base}/api/models", timeout=30) as r:
+            assert [(m["name"], m["everyday"]) for m in json.loads(r.read())] == [("flickr8k", True), ("tiny", False)]
+        with urllib.request.urlopen(f"{base}/", timeout=30) as r:
+            assert '"everyday":true' in r.read().decode()  # the page is told which models offer it
+        status, answer = post(base, photo.read_bytes(), photo.name, model="flickr8k", beam=3, n_best=1,
+                              everyday="true")
+        assert status == 200, answer
+        assert answer["everyday"] is True and answer["captions"][0]["text"] == everyday.text
+        assert answer["captions"][0]["score"] == pytest.approx(everyday.score, abs=1e-4)
+        assert (searched[-1].veto, searched[-1].lm_weight, searched[-1].lm, searched[-1].beam_size) == \
+            (10.0, 0.3, "coco", 3)
+        status, answer = post(base, photo.read_bytes(), photo.name, model="flickr8k", beam=3, n_best=1)
+        assert status == 200 and answer["everyday"] is False and answer["captions"][0]["text"] == plain.text
+        assert (searched[-1].veto, searched[-1].lm_weight) == (0.0, 0.0)
+        # a model without labels: refused in one line naming it and why, before any search; plain, it answers
+        count = len(searched)
+        good = png_bytes(scene(4, (64, 64)))
+        status, answer = post(base, good, model="tiny", everyday="true")
+        assert status == 400 and answer == {"error": "model 'tiny' does not offer everyday photos: its decoder "
+                                                     "does not read its encoder's labels"}
+        assert len(searched) == count
+        status, answer = post(base, good, model="tiny", everyday="false")
+        assert status == 200 and answer["everyday"] is False
+        status, answer = post(base, good, model="tiny", everyday="perhaps")
+        assert status == 422 and answer["error"].startswith("bad request: everyday: ") and "\n" not in answer["error"]
+
+
+@pytest.mark.parametrize("error", ["CheckpointError", "ConfigError"])
+def test_a_model_whose_language_model_does_not_load_does_not_offer_everyday_photos(shipped, monkeypatch,
+                                                                                    error: str) -> None:
+    import captioner.errors
+    import captioner.share.server
+    from captioner.share.server import ServedModel, caption_upload
+
+    def fails(spec: str, vocab) -> None:  # an install without the packaged file, or a model of another vocabulary
+        raise getattr(captioner.errors, error)(f"language model {spec}: cannot be read here")
+
+    monkeypatch.setattr(captioner.share.server, "language_model_for", fails)
+    served = ServedModel("labelled", shipped)  # reads its encoder's labels, but no language model: no crash
+    assert served.labels == 5 and served.info()["everyday"] is False
+    with pytest.raises(captioner.errors.ConfigError) as refused:
+        caption_upload(served, png_bytes(scene(5, (64, 64))), "photo.png", everyday=True)
+    assert str(refused.value) == ("model 'labelled' does not offer everyday photos: language model coco: "
+                                  "cannot be read here")

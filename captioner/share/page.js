@@ -21,6 +21,20 @@
     $("nbest-count").value = String(Math.min(keep, beam));
   }
   fillNbest();
+  // everyday photos: the veto and the COCO language model, for the models that offer them; the user's choice is
+  // kept while only models without it are chosen
+  const everydayTitle = $("everyday-label").title;
+  let everyday = false;
+  function offers(name) { return CFG.models.some(function (m) { return m.name === name && m.everyday; }); }
+  function fillEveryday() {
+    const offered = chosenModels().some(offers);
+    $("everyday").disabled = !offered;
+    $("everyday").checked = offered && everyday;
+    $("everyday-label").classList.toggle("off", !offered);
+    $("everyday-label").title = offered ? everydayTitle : "Not offered here: it needs a model that reads its " +
+      "encoder's labels (as the shipped model does).";
+  }
+  fillEveryday();
 
   function setState(state) { body.dataset.state = state; }
   function answered() { body.dataset.answers = String(+(body.dataset.answers || 0) + 1); }
@@ -60,7 +74,8 @@
     let shown = Math.min(keep, data.captions.length - 1);
     const head = el("div", "head"), more = el("div", "more"), map = el("div", "map");
     const h = el("h2", "", data.model + " ");
-    h.appendChild(el("span", "meta", "beam " + data.beam + " \u00b7 " + data.seconds.toFixed(2) + " s"));
+    h.appendChild(el("span", "meta", "beam " + data.beam + (data.everyday ? " \u00b7 everyday photos" : "") +
+                     " \u00b7 " + data.seconds.toFixed(2) + " s"));
     head.appendChild(h);
     const line = el("p", "chosen"), text = el("span", "text"), copy = el("button", "copy", "Copy");
     copy.type = "button";
@@ -209,7 +224,9 @@
     form.append("beam", $("beam").value);
     form.append("n_best", $("nbest-count").value);
     const answers = await Promise.all(models.map(function (m) {
-      const f = new FormData(); form.forEach(function (v, k) { f.append(k, v); }); return ask(m, f);
+      const f = new FormData(); form.forEach(function (v, k) { f.append(k, v); });
+      if ($("everyday").checked && offers(m)) f.append("everyday", "true");  // side by side: to those that offer it
+      return ask(m, f);
     }));
     if (mine !== run) return;  // a newer request owns the page
     const bad = answers.filter(function (a) { return a.error; });
@@ -279,7 +296,8 @@
   }
   setting($("beam"), fillNbest);
   setting($("nbest-count"));
-  setting($("model"));
+  setting($("model"), fillEveryday);
+  $("everyday").addEventListener("change", function () { everyday = this.checked; send(); });  // one toggle, one ask
   $("again").addEventListener("click", send);
   $("file").addEventListener("change", function () {
     if (this.files.length) choose(this.files[0], this.files[0].name);

@@ -21,7 +21,7 @@ __all__ = ["PAGE_CSS", "PAGE_HTML", "PAGE_JS", "render_page"]
 def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int) -> str:
     """The page as one HTML string.
 
-    ``models``: ``[{"name", "decoder", "encoder", "about", "card", ...}]``, the first selected;
+    ``models``: ``[{"name", "decoder", "encoder", "about", "card", "everyday", ...}]``, the first selected;
     ``examples``: ``{"name", "file"}`` each; ``max_bytes``: largest upload (checked before sending).
     """
     config = {"models": models, "examples": examples, "max_beam": max_beam, "max_bytes": max_bytes,

@@ -2,8 +2,10 @@
 
 Routes (the page fetches nothing from anywhere else): ``GET /`` the page; ``GET /api/models``;
 ``GET /examples/{i}`` (the package's photos, ``--examples DIR``, or scenes for a scenes model);
-``POST /api/caption`` (``image``, ``model``, ``beam``, ``n_best``): the n-best captions, each with
-the photo's concepts and labels (or null), its ``attention.json`` record and its explorer page.
+``POST /api/caption`` (``image``, ``model``, ``beam``, ``n_best``, ``everyday``): the n-best captions, each
+with the photo's concepts and labels (or null), its ``attention.json`` record and its explorer page;
+``everyday=true`` decodes with :data:`EVERYDAY` (400 for a model that does not offer it: ``info()``'s
+``"everyday"``).
 Bad uploads get ``{"error": "<file>: <reason>"}`` with 400 or 413, uploads beyond the decode budget
 503, and the process keeps serving; bounds are :mod:`captioner.share.guards`'. Requests for one
 model are captioned one at a time.
@@ -35,9 +37,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from captioner.data.images import decode_image, load_image
 from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
-from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
+from captioner.config import DecodeOptions
+from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError, ImageLoadError, one_line
 from captioner.files import MiB, read_bytes, size_text
 from captioner.inference import Captioner
+from captioner.language import language_model_for
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
@@ -46,11 +50,14 @@ from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
 
-__all__ = ["ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
+__all__ = ["EVERYDAY", "ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
 
 log = logging.getLogger(__name__)
 
 LABELS = 5  # the photo's labels shown, for a model whose encoder has an ImageNet head
+# the page's "everyday photos": object words the labels say are absent silenced, the packaged language model of
+# COCO caption text fused (better on everyday photos, a little worse on Flickr8k's; docs/decoding_metrics_checkpoint.md)
+EVERYDAY = DecodeOptions(veto=10.0, lm_weight=0.3)
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
@@ -91,7 +98,8 @@ class ServeLimits:
 
 @dataclass
 class ServedModel:
-    """A model loaded once, its name on the page, its one request thread and how many ``labels`` it reports."""
+    """A model loaded once, its name on the page, its one request thread, how many ``labels`` it reports and
+    whether it offers ``everyday`` photos (:data:`EVERYDAY`; ``everyday_why_not`` says why not)."""
 
     name: str
     captioner: Captioner
@@ -99,6 +107,8 @@ class ServedModel:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "captioner-model"), repr=False)
     labels: int = field(init=False, default=0)
+    everyday: bool = field(init=False, default=False)
+    everyday_why_not: str = field(init=False, default="", repr=False)
 
     def __post_init__(self) -> None:
         try:
@@ -106,9 +116,19 @@ class ServedModel:
             self.labels = LABELS
         except ConfigError:  # tiny, ResNet, timm names: no ImageNet head, no labels, no error
             self.labels = 0
+        if not hasattr(getattr(self.captioner.model.decoder, "extension", None), "veto"):  # as search.vetoing asks
+            self.everyday_why_not = "its decoder does not read its encoder's labels"
+            return
+        try:
+            language_model_for(EVERYDAY.lm, self.captioner.vocab)  # loaded once (cached), checked to speak its words
+            self.everyday = True
+        except (ConfigError, CheckpointError) as exc:  # another vocabulary, or an install without the file
+            self.everyday_why_not = one_line(str(exc))
+            log.info("%s: no everyday photos setting (%s)", self.name, self.everyday_why_not)
 
     def info(self) -> dict:
-        """What the page shows of the model: its name, family, vocabulary and one line about it."""
+        """What the page shows of the model: its name, family, vocabulary, one line about it and whether it
+        offers everyday photos."""
         cfg = self.captioner.config
         about = card_summary(self.card) if self.card else ""
         if not about:
@@ -116,7 +136,8 @@ class ServedModel:
             data = "synthetic scenes" if reads_scenes(self.captioner.vocab.itos) else "photos"
             about = f"{cfg.decoder.name} decoder over {cfg.encoder.name}, {words:,} words, trained on {data}"
         return {"name": self.name, "decoder": cfg.decoder.name, "encoder": cfg.encoder.name,
-                "vocab": len(self.captioner.vocab), "about": about, "card": self.card is not None}
+                "vocab": len(self.captioner.vocab), "about": about, "card": self.card is not None,
+                "everyday": self.everyday}
 
 
 def card_summary(card: str) -> str:
@@ -136,14 +157,17 @@ def _check_choice(name: str, value: int, low: int, high: int) -> int:
 
 
 def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, beam: int = 3, n_best: int = 1,
-                   limits: ServeLimits = ServeLimits()) -> dict:
+                   limits: ServeLimits = ServeLimits(), *, everyday: bool = False) -> dict:
     """Caption an uploaded image (bytes or a spooled file): the n-best captions, each with its record and page.
 
-    The decoded image is held under the process-wide decode budget. Raises ``ImageLoadError`` (not a
-    readable image, too large), ``ConfigError`` (``beam``/``n_best``), ``Refused`` (413 or 503).
+    ``everyday``: decode with :data:`EVERYDAY`. The decoded image is held under the process-wide decode
+    budget. Raises ``ImageLoadError`` (not a readable image, too large), ``ConfigError`` (``beam``/``n_best``,
+    ``everyday`` for a model that does not offer it), ``Refused`` (413 or 503).
     """
     beam = _check_choice("beam", beam, 1, limits.max_beam)
     n_best = _check_choice("n_best", n_best, 1, beam)
+    if everyday and not served.everyday:
+        raise ConfigError(f"model {served.name!r} does not offer everyday photos: {served.everyday_why_not}")
     t0 = time.perf_counter()
     budget = shared_budget(limits.decode_bytes, limits.queue_seconds)
     with budget.hold(decode_cost(data, limits.max_pixels), filename):
@@ -152,17 +176,18 @@ def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, b
             data = data.read(limits.max_bytes + 1)
             if len(data) > limits.max_bytes:
                 raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)})")
-        return _caption_image(served, data, filename, beam, n_best, limits, t0)
+        return _caption_image(served, data, filename, beam, n_best, everyday, limits, t0)
 
 
-def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, limits: ServeLimits,
-                   t0: float) -> dict:
+def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, everyday: bool,
+                   limits: ServeLimits, t0: float) -> dict:
     image = decode_image(data, filename, limits.max_pixels)  # checked here; drawn by the explorer
     with tempfile.TemporaryDirectory(prefix="captioner-serve-") as folder:
         upload = Path(folder) / "upload"  # captioned from a file, as `captioner caption FILE` does: the same
         upload.write_bytes(data)          # decoding (a JPEG at the scale the encoder needs), the same score
         with served.lock:
-            captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best, beam=beam,
+            captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best,
+                                            options=EVERYDAY if everyday else None, beam=beam,
                                             max_len=limits.max_len, all_heads=True,
                                             labels=served.labels).result()
     out = []
@@ -173,7 +198,7 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
                     "labels": None if c.labels is None else [{"word": w, "prob": p} for w, p, _ in c.labels],
                     "record": caption_to_dict(c, decimals=5),
                     "explorer": render_explorer(image, c, title=title, max_side=limits.display_side)})
-    return {"model": served.name, "file": filename, "beam": beam, "image_size": list(image.size),
+    return {"model": served.name, "file": filename, "beam": beam, "everyday": everyday, "image_size": list(image.size),
             "seconds": round(time.perf_counter() - t0, 3), "captions": out}
 
 
@@ -237,7 +262,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
 
     @app.post("/api/caption")
     def caption(image: UploadFile = File(...), model: str = Form(""), beam: int = Form(3),
-                n_best: int = Form(1)) -> JSONResponse:
+                n_best: int = Form(1), everyday: bool = Form(False)) -> JSONResponse:
         served = by_name.get(model or models[0].name)
         if served is None:
             return _error(404, f"no model named {model!r}; served: {', '.join(by_name)}")
@@ -247,7 +272,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         if size > limits.max_bytes:
             return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
         try:
-            return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits))
+            return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits, everyday=everyday))
         except Refused as exc:
             return _error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
         except CaptionerError as exc:
