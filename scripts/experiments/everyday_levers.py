@@ -183,8 +183,11 @@ class Probe:
         self.text = [a["caption"] for a in sets["text"]]
         if args.photo_targets != "human":
             self.teacher = json.loads((args.cache / "shipped_train.json").read_text())
+        self.constrained: dict[str, str] = {}
         self.lexicon = read_lexicon()
         self._build_model()
+        if args.photo_targets == "constrained":
+            self._read_targets()
         print(f"person prior Flickr8k {prior_f8k:.2f}, COCO text {prior_coco:.2f} (shift {self.shift:+.2f}); "
               f"vocabulary {self.vocab0} -> {len(self.itos)}; {len(self.text)} text rows "
               f"({sets['dropped']} dev captions left out)", flush=True)
@@ -249,6 +252,23 @@ class Probe:
         self.shifted = True  # a saved model scores every photo alike
         print("init from", path, flush=True)
 
+    def _read_targets(self) -> None:
+        """``--photo-targets constrained``: the captions of ``--targets`` (a COCO results file of the Flickr8k
+        train photos, e.g. ``captioner evaluate MODEL --split train --constrain 0.3``) for the photos with a
+        label of at least ``--targets-tau`` that the copy can write; the teacher's for the others."""
+        if not self.args.targets:
+            raise SystemExit("--photo-targets constrained needs --targets RESULTS.json")
+        ids = {r.image_id: r.path.name for r in load_caption_set(self.args.data / "flickr8k", "train").images}
+        found = {ids[r["image_id"]]: r["caption"] for r in json.loads(Path(self.args.targets).read_text())}
+        rows = torch.tensor(self.train_rows)
+        labels = self.photo_labels(self.c8["probs"][rows])[:, :-1]
+        sure = ((labels >= self.args.targets_tau) & (self.ext.copy_ids >= 0)).any(1)
+        names = [self.c8["names"][i] for i, s in zip(self.train_rows, sure.tolist()) if s]
+        self.constrained = {n: found[n] for n in names}
+        changed = sum(found[n] != self.teacher[n] for n in names)
+        print(f"constrained targets: {len(names)} of {len(rows)} train photos have a label >= "
+              f"{self.args.targets_tau:g}; {changed} of their captions differ from the teacher's", flush=True)
+
     def shift_person(self, on: bool) -> None:
         """The person bias with (``on``) or without the COCO/Flickr8k prior shift."""
         if on != self.shifted and self.args.person:
@@ -275,6 +295,8 @@ class Probe:
 
     def photo_target(self, name: str) -> str:
         kind = self.args.photo_targets
+        if kind == "constrained":
+            return self.constrained.get(name) or self.teacher[name]
         if kind == "shipped" or (kind == "mix" and random.random() < 0.5):
             return self.teacher[name]
         return random.choice(self.sets["caps8"][name])
@@ -412,8 +434,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=48, help="Flickr8k rows per step (and as many text rows)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--ext-lr", type=float, default=1e-3)
-    p.add_argument("--photo-targets", choices=("human", "shipped", "mix"), default="human",
-                   help="the Flickr8k rows' captions: people's, the shipped model's own (beam 3; `teacher` job), or half each")
+    p.add_argument("--photo-targets", choices=("human", "shipped", "mix", "constrained"), default="human",
+                   help="the Flickr8k rows' captions: people's, the shipped model's own (beam 3; `teacher` job), "
+                   "half each, or --targets' captions where a label is sure (partially supervised, Anderson et al. 2018)")
+    p.add_argument("--targets", default="", help="--photo-targets constrained: a COCO results file of the train photos")
+    p.add_argument("--targets-tau", type=float, default=0.3, help="--photo-targets constrained: a label this likely")
     p.add_argument("--copy", type=int, default=1)
     p.add_argument("--person", type=int, default=1)
     p.add_argument("--text", type=int, default=1)
