@@ -139,7 +139,7 @@ def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Voc
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
         return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options),
-                      content_word_ids(vocab), plural_forms(vocab) if options.constrain else None,
+                      content_word_ids(vocab), plural_forms(vocab) if options.constrain or options.fill_slots else None,
                       language_model_for(options.lm, vocab) if options.lm_weight else None)
 
 

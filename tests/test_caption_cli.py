@@ -102,13 +102,18 @@ def test_precision_bfloat16_captions_every_photo_and_a_bad_precision_is_refused(
     assert code == 2 and out == [] and "invalid choice: 'float16'" in "\n".join(err)
 
 
-def test_veto_needs_a_model_that_reads_labels_and_a_number_in_range(capsys, checkpoints, photos):
+def test_veto_and_fill_slots_need_a_model_that_reads_labels_and_a_number_in_range(capsys, checkpoints, photos):
     photo = str(photos / GOOD[0])
     code, out, err = _run(capsys, "caption", photo, "-c", str(checkpoints["sat_soft_tiny"]), "--veto", "10")
     assert code == 1 and out == []
     assert "veto=10 needs a model that reads the encoder's labels" in "\n".join(err)
     code, out, err = _run(capsys, "caption", photo, "-c", str(checkpoints["sat_soft_tiny"]), "--veto", "-3")
     assert code == 2 and out == [] and "--veto" in "\n".join(err)
+    code, out, err = _run(capsys, "caption", photo, "-c", str(checkpoints["sat_soft_tiny"]), "--fill-slots", "0.05")
+    assert code == 1 and out == []
+    assert "fill_slots=0.05 needs a model that reads the encoder's labels" in "\n".join(err)
+    code, out, err = _run(capsys, "caption", photo, "-c", str(checkpoints["sat_soft_tiny"]), "--fill-slots", "2")
+    assert code == 2 and out == [] and "--fill-slots" in "\n".join(err)
 
 
 def test_globs_and_missing_files(capsys, checkpoints, photos, tmp_path):

@@ -251,7 +251,7 @@ def test_decoding_options_join_the_config_tree(tmp_path: Path) -> None:
     assert cfg.to_dict()["decoding"] == {"beam_size": 5, "max_len": 20, "length_penalty": 0.7, "n_best": 2,
                                          "allow_unk": True, "no_repeat_ngram": 0, "no_repeat_words": False,
                                          "precision": "float32", "veto": 0.0, "constrain": 0.0,
-                                             "lm_weight": 0.0, "lm": "coco"}
+                                             "fill_slots": 0.0, "lm_weight": 0.0, "lm": "coco"}
     assert resolve_config("sat_soft_tiny", None, ["decoding.precision=bfloat16"]).decoding.precision == "bfloat16"
     assert resolve_config("sat_soft_tiny", None, ["decoding.veto=10"]).decoding.veto == 10.0
     with pytest.raises(ConfigError, match=r"decoding veto must be a finite number >= 0, got -1"):

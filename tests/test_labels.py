@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import captioner
-from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels, label_head,
-                                       read_lexicon)
+from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels,
+                                       TransformerLabels, label_head, read_lexicon)
 from captioner.config import DecodeOptions, EncoderConfig
 from captioner.data.images import ImageTransform, load_image
 from captioner.errors import ConfigError, DataError
@@ -394,6 +394,87 @@ def test_the_veto_silences_object_words_whose_labels_say_absent():
         DecodeOptions(veto=-1.0)
 
 
+def _filling_setup(family: str = "sat") -> tuple[SATLabels | TransformerLabels, Vocabulary, torch.Tensor]:
+    """A reading (the SAT's or the Transformer's) whose photo holds a cat in region 2 only (a tabby CAM there,
+    present by the photo's labels), no dog and nobody; its vocabulary can write both, singular and plural."""
+    from captioner.evaluation.chair import named_objects
+
+    lexicon = _reading()[0].lexicon
+    vocab = Vocabulary(["a", "dog", "dogs", "cat", "cats", "man", "person", "people", "runs"])
+    reading = SATLabels(8, hidden_dim=6, embed_dim=4, vocab_size=len(vocab), lexicon=lexicon).eval() \
+        if family == "sat" else TransformerLabels(8, d_model=8, vocab_size=len(vocab), lexicon=lexicon).eval()
+    _pass_through(reading)
+    reading.use_vocabulary(vocab.stoi, categories=named_objects)
+    with torch.no_grad():
+        reading.person_b.fill_(-5.0)
+    features = _labelled_features(batch=1, dog=0.0)
+    features[0, 2, 8 + 1] = 20.0  # the tabby: region 2 is sure of it, and the photo's label is 0.13
+    return reading, vocab, features
+
+
+def _hypothesis(vocab: Vocabulary, words: list[str], looks: list[int]):
+    from captioner.decoding.search import Hypothesis
+
+    attention = torch.nn.functional.one_hot(torch.tensor(looks), 4).float()  # word t looked at region looks[t]
+    return Hypothesis([vocab.stoi[w] for w in words], -1.5, attention, -1.5, True)
+
+
+def test_an_absent_objects_word_is_filled_with_what_the_labels_see_where_it_looked():
+    """Slots filled by detections (after Neural Baby Talk): "dog", "dogs" and "man" are absent by the labels;
+    each becomes "cat"/"cats" where it looked at the cat's region, and stays where it looked at nothing."""
+    from captioner.decoding.search import plural_forms
+
+    reading, vocab, features = _filling_setup()
+    labels = reading.labels(reading.class_probs(features))[0]
+    assert labels[1] > 0.05 > labels[0] and labels[2] < 0.01  # cat present; dog and person absent
+    hyps = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2]), _hypothesis(vocab, ["dogs", "runs"], [2, 0]),
+            _hypothesis(vocab, ["a", "man", "cat"], [1, 2, 2]), _hypothesis(vocab, ["a", "dog"], [1, 0]),
+            _hypothesis(vocab, ["cats", "runs"], [0, 1]), _hypothesis(vocab, ["people", "runs"], [2, 2])]
+    before = [h.attention.clone() for h in hyps]
+    filled = reading.fill_slots(features, [hyps], tau=0.5, word_forms=plural_forms(vocab))
+    assert [vocab.decode(h.tokens) for h in hyps] == ["a cat runs", "cats runs", "a cat cat", "a dog", "cats runs",
+                                                      "cats runs"]
+    assert filled == 4  # the dog that looked at nothing stays: nothing there is 0.5 likely
+    assert all(torch.equal(h.attention, a) and h.score == -1.5 for h, a in zip(hyps, before))
+    # nothing present is sure enough, or the word is present: nothing changes
+    again = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2])]
+    assert reading.fill_slots(features, [again], tau=1.0) == 0 and vocab.decode(again[0].tokens) == "a dog runs"
+
+
+@pytest.mark.parametrize("family", ["sat", "transformer"])
+def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(family):
+    from captioner.config.decoders import SATConfig, TransformerConfig
+    from captioner.decoding.search import plural_forms
+    from captioner.inference import search_features
+    from captioner.models.registry import build_decoder
+
+    torch.manual_seed(0)
+    reading, vocab, features = _filling_setup(family)
+    cfg = SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4) if family == "sat" else \
+        TransformerConfig(d_model=8, num_layers=1, num_heads=2, ff_dim=16)
+    decoder = build_decoder(cfg, feature_dim=8, vocab_size=len(vocab), grid=2, extension=reading).eval()
+    out = decoder.out_word if family == "sat" else decoder.out
+    with torch.no_grad():
+        reading.gate.bias.fill_(-30.0)  # no copy
+        out.bias[vocab.stoi["dog"]] += 6.0  # an untrained decoder that names a dog
+    plain = search_features(decoder, features, vocab, DecodeOptions(max_len=4))[0][0]
+    assert vocab.stoi["dog"] in plain.tokens
+    filled = search_features(decoder, features, vocab, DecodeOptions(max_len=4, fill_slots=0.01))[0][0]
+    reading.fill_slots(features, [[plain]], 0.01, plural_forms(vocab))  # the search's caption, filled by hand
+    assert filled.tokens == plain.tokens and vocab.stoi["dog"] not in filled.tokens
+    assert filled.score == pytest.approx(plain.score)
+    off = search_features(decoder, features, vocab, DecodeOptions(max_len=4, fill_slots=0.0))[0][0]
+    assert vocab.stoi["dog"] in off.tokens
+
+    plain_decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
+                                  vocab_size=len(vocab), grid=2).eval()
+    with pytest.raises(ConfigError, match="fill_slots=0.05 needs a model that reads the encoder's labels"):
+        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(fill_slots=0.05))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="decoding fill_slots must be a probability"):
+            DecodeOptions(fill_slots=bad)
+
+
 @pytest.mark.parametrize("gate", [-30.0, 8.0])
 def test_a_copied_word_looks_where_its_label_is(gate):
     """decode gives a word the copy wrote its label's map, in the share the copy had of its probability."""
@@ -494,7 +575,8 @@ def test_a_constraint_that_cannot_be_met_falls_back_to_the_best_caption_without_
 def test_a_constraint_on_a_word_is_met_by_its_plural_too():
     from captioner.decoding.search import plural_forms
 
-    vocab = Vocabulary(["a", "dog", "dogs", "bus", "buses", "pony", "ponies", "grass"])
+    vocab = Vocabulary(["a", "dog", "dogs", "bus", "buses", "pony", "ponies", "grass", "man", "men", "people"])
     forms = plural_forms(vocab)
+    assert forms[vocab.stoi["man"]] == [vocab.stoi["men"]] and vocab.stoi["people"] not in forms  # no "person"
     assert forms[vocab.stoi["dog"]] == [vocab.stoi["dogs"]] and forms[vocab.stoi["bus"]] == [vocab.stoi["buses"]]
     assert forms[vocab.stoi["pony"]] == [vocab.stoi["ponies"]] and vocab.stoi["grass"] not in forms

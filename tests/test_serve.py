@@ -347,9 +347,9 @@ def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offer
     _, models = server
     photo = PHOTOS / EVERYDAY_PHOTO
     plain = shipped.caption_nbest(photo, n_best=1, beam=3)[0]
-    everyday = shipped.caption_nbest(photo, n_best=1, beam=3, veto=10.0, lm_weight=0.3)[0]
+    everyday = shipped.caption_nbest(photo, n_best=1, beam=3, veto=2.0, fill_slots=0.05, lm_weight=0.3)[0]
     assert everyday.text != plain.text, "the photo does not tell the two decodings apart"
-    assert (EVERYDAY.veto, EVERYDAY.lm_weight, EVERYDAY.lm) == (10.0, 0.3, "coco")
+    assert (EVERYDAY.veto, EVERYDAY.fill_slots, EVERYDAY.lm_weight, EVERYDAY.lm) == (2.0, 0.05, 0.3, "coco")
     searched = []  # the options each search of the server was given
     search = captioner.inference.search_features
     monkeypatch.setattr(captioner.inference, "search_features",
@@ -366,11 +366,11 @@ def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offer
         assert status == 200, answer
         assert answer["everyday"] is True and answer["captions"][0]["text"] == everyday.text
         assert answer["captions"][0]["score"] == pytest.approx(everyday.score, abs=1e-4)
-        assert (searched[-1].veto, searched[-1].lm_weight, searched[-1].lm, searched[-1].beam_size) == \
-            (10.0, 0.3, "coco", 3)
+        assert (searched[-1].veto, searched[-1].fill_slots, searched[-1].lm_weight, searched[-1].lm,
+                searched[-1].beam_size) == (2.0, 0.05, 0.3, "coco", 3)
         status, answer = post(base, photo.read_bytes(), photo.name, model="flickr8k", beam=3, n_best=1)
         assert status == 200 and answer["everyday"] is False and answer["captions"][0]["text"] == plain.text
-        assert (searched[-1].veto, searched[-1].lm_weight) == (0.0, 0.0)
+        assert (searched[-1].veto, searched[-1].fill_slots, searched[-1].lm_weight) == (0.0, 0.0, 0.0)
         # a model without labels: refused in one line naming it and why, before any search; plain, it answers
         count = len(searched)
         good = png_bytes(scene(4, (64, 64)))

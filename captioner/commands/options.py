@@ -73,10 +73,14 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
     parser.add_argument("--constrain", type=float_range(0.0, 1.0), default=None, metavar="P",
                         help="a model reading the encoder's labels: each caption holds one of the words whose "
                              "label is at least P likely (constrained beam search; default: 0, off)")
+    parser.add_argument("--fill-slots", type=float_range(0.0, 1.0), default=None, metavar="P",
+                        help="a model reading the encoder's labels: an object word its labels say is absent "
+                             "becomes the object they see where that word looked, when at least P likely there "
+                             "(slots filled by detections; 0.05 suits the shipped model; default: 0, off)")
     parser.add_argument("--lm-weight", type=float_range(0.0, 10.0), default=None, metavar="W",
                         help="add W times a caption language model's log-probability to every word (shallow "
-                             "fusion: sentences as people write them about everyday photos; 0.3 with --veto 10 suits the "
-                             "shipped model on them; default: 0, off)")
+                             "fusion: sentences as people write them about everyday photos; 0.3 with --veto 2 --fill-slots 0.05 "
+                             "suits the shipped model on them; default: 0, off)")
     parser.add_argument("--lm", default=None, metavar="FILE",
                         help="the language model of --lm-weight: a file written by captioner lm (default: coco, "
                              "the packaged one, COCO caption text)")
@@ -110,6 +114,8 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["veto"] = args.veto
     if getattr(args, "constrain", None) is not None:
         out["constrain"] = args.constrain
+    if getattr(args, "fill_slots", None) is not None:
+        out["fill_slots"] = args.fill_slots
     if getattr(args, "lm_weight", None) is not None:
         out["lm_weight"] = args.lm_weight
     if getattr(args, "lm", None) is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,6 +340,43 @@ class LabelReading(DecoderExtension):
         write whose label is at least ``tau`` likely: the constraint set of constrained beam search."""
         sure = (self.labels(self.class_probs(features))[:, :-1] >= tau) & (self.copy_ids >= 0)  # (B, W)
         return [self.copy_ids[row].tolist() for row in sure]
+
+    @torch.no_grad()
+    def fill_slots(self, features: torch.Tensor, found: list[list], tau: float,
+                   word_forms: Mapping[int, Sequence[int]] | None = None) -> int:
+        """Slots filled by detections, after Neural Baby Talk (Lu et al. 2018), at decoding: in every hypothesis
+        of ``found`` (per photo of ``features`` (B, N, D + LITE_DIM)), an object word whose category the labels
+        say is absent (:meth:`absent`, the veto's reading) becomes the object word the labels see where that
+        word looked: its attention (N,) over the regions' word probabilities (the classifier on each region's
+        label channels, its CAM, through the lexicon), among the words the copy can write whose category is
+        present, when the best is at least ``tau`` likely there; a plural (a form in ``word_forms``) is filled
+        with its plural when the vocabulary has one. In place; the score and the attention stay the search's
+        (the word was chosen by where it looked). Returns how many words were filled."""
+        words = len(self.lexicon.words)
+        absent = self.absent(self.labels(self.class_probs(features)))  # (B, W+1) per category
+        category = self.label_category[:words]  # (W,)
+        word_absent = absent.gather(1, category.clamp_min(0).expand(absent.size(0), -1))  # (B, W)
+        present = ((self.copy_ids >= 0) & (category >= 0) & ~word_absent).cpu()  # (B, W) what can fill a slot
+        region_probs = torch.softmax(self.class_logits(features[..., self.feature_dim:]), dim=-1)  # (B, N, C)
+        seen = (region_probs @ self.to_words.float()).cpu()  # (B, N, W) each region's words
+        absent, slot_category, ids = absent.cpu(), self.word_category.cpu(), self.copy_ids.cpu()
+        forms = word_forms or {}
+        plurals = {p for more in forms.values() for p in more}
+        filled = 0
+        for b, hyps in enumerate(found):
+            for h in hyps:
+                for t, token in enumerate(h.tokens):
+                    g = int(slot_category[token]) if 0 <= token < len(slot_category) else -1
+                    if g < 0 or not bool(absent[b, g]):
+                        continue
+                    there = (h.attention[t].float() @ seen[b]).masked_fill(~present[b], -1.0)  # (W,)
+                    k = int(there.argmax())
+                    if float(there[k]) < tau:
+                        continue
+                    word = int(ids[k])
+                    h.tokens[t] = forms[word][0] if token in plurals and forms.get(word) else word
+                    filled += 1
+        return filled
 
     def copy_share(self, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """The copy's share of the probability of ``words`` (R',) at ``rows`` (R',) of the step just read while

@@ -146,6 +146,10 @@ class DecodeOptions:
             labels say absent loses this much log-probability (10: never said); 0 = off.
         constrain: with such a model: p > 0: a caption holds at least one of the words whose label is at
             least p likely, by constrained beam search (Anderson et al. 2017); 0 = off.
+        fill_slots: with such a model: p > 0: an object word whose labels say absent (as the veto reads
+            them) is filled, after the search, with the present object word the labels see where that word
+            looked, when it is at least p likely there: slots filled by detections, after Neural Baby Talk
+            (Lu et al. 2018); 0 = off.
         lm_weight: w > 0: each word's log-probability gains w times a caption language model's (shallow
             fusion; ``captioner.language``); 0 = off.
         lm: that language model: a file written by ``captioner lm``, or "coco" (the packaged one, COCO
@@ -162,6 +166,7 @@ class DecodeOptions:
     precision: str = "float32"
     veto: float = 0.0
     constrain: float = 0.0
+    fill_slots: float = 0.0
     lm_weight: float = 0.0
     lm: str = "coco"
 
@@ -182,6 +187,7 @@ class DecodeOptions:
             raise ConfigError(f"decoding precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.precision!r}")
         check_number("decoding veto", self.veto, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
         check_number("decoding constrain", self.constrain, lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
+        check_number("decoding fill_slots", self.fill_slots, lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
         check_number("decoding lm_weight", self.lm_weight, lambda v: 0.0 <= v <= 10.0, "a number from 0 to 10")
         if not isinstance(self.lm, str) or not self.lm.strip():
             raise ConfigError(f"decoding lm must name a language model file or 'coco', got {self.lm!r}")

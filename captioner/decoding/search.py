@@ -270,7 +270,8 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
 
     ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
     ``content_ids``: what ``options.no_repeat_words`` allows once; ``word_forms``: other ids that meet an
-    ``options.constrain`` constraint on a word (its plural); ``language_model``: a
+    ``options.constrain`` constraint on a word (its plural), and the plural ``options.fill_slots`` writes in
+    a plural's slot; ``language_model``: a
     ``captioner.language.CaptionLanguageModel`` over the decoder's vocabulary, fused with
     ``options.lm_weight`` (None: none). ``ConfigError`` for features that
     are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
@@ -292,6 +293,7 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
         if language_model is not None and options.lm_weight:
             decoder = FusedDecoder(decoder, language_model, options.lm_weight)
         constraints = constraint_sets(decoder, options.constrain)
+        filling = slot_filling(decoder, options.fill_slots, word_forms)
         with vetoing(decoder, options.veto), attributing(decoder) as copying:
             for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
                 sets = constraints(features[chunk]) if constraints is not None else []
@@ -301,6 +303,8 @@ def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id:
                                                               banned_ids, content_ids, sets, search)
                 if copying is not None:  # a word copied from the encoder's labels looked where its label is
                     copying.attribute(features[chunk], found)
+                if filling is not None:  # an absent object's word: what the labels see where it looked
+                    filling(features[chunk], found)
                 out += found
     return out
 
@@ -321,16 +325,33 @@ def attributing(decoder: nn.Module) -> Iterator[nn.Module | None]:
         extension.__dict__.pop("_shares", None)
 
 
+def label_reading(decoder: nn.Module, option: str, value: float, method: str) -> nn.Module:
+    """The decoder's label reading (its extension with ``method``) for the decoding option ``option=value``;
+    ConfigError for a decoder without one."""
+    extension = getattr(decoder, "extension", None)
+    if not hasattr(extension, method):
+        raise ConfigError(f"decoding {option}={value:g} needs a model that reads the encoder's labels "
+                          "(encoder.labels); this one does not")
+    return extension
+
+
 def constraint_sets(decoder: nn.Module, tau: float) -> Callable[[torch.Tensor], list[list[int]]] | None:
     """``DecodeOptions.constrain``: features (B, N, D) -> each image's constraint set, read by the decoder's
     label reading (``confident_words``); None when off, ConfigError for a decoder without one."""
     if not tau:
         return None
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, "confident_words"):
-        raise ConfigError(f"decoding constrain={tau:g} needs a model that reads the encoder's labels "
-                          "(encoder.labels); this one does not")
+    extension = label_reading(decoder, "constrain", tau, "confident_words")
     return lambda features: extension.confident_words(features, tau)
+
+
+def slot_filling(decoder: nn.Module, tau: float, word_forms: Mapping[int, Sequence[int]] | None
+                 ) -> Callable[[torch.Tensor, list[list[Hypothesis]]], int] | None:
+    """``DecodeOptions.fill_slots``: (features (B, N, D), their hypotheses) -> fills them in place
+    (``fill_slots`` of the decoder's label reading); None when off, ConfigError for a decoder without one."""
+    if not tau:
+        return None
+    extension = label_reading(decoder, "fill_slots", tau, "fill_slots")
+    return lambda features, found: extension.fill_slots(features, found, tau, word_forms)
 
 
 def recording(decoder: nn.Module) -> nn.Module | None:
@@ -345,8 +366,7 @@ def vetoing(decoder: nn.Module, veto: float) -> Iterator[None]:
     extension = getattr(decoder, "extension", None)
     if not hasattr(extension, "veto"):
         if veto:
-            raise ConfigError(f"decoding veto={veto:g} needs a model that reads the encoder's labels "
-                              "(encoder.labels); this one does not")
+            label_reading(decoder, "veto", veto, "veto")  # raises: no label reading
         yield
         return
     before, extension.veto = extension.veto, float(veto)
@@ -633,12 +653,17 @@ def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
     return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
 
 
+IRREGULAR_PLURALS = {"man": "men", "woman": "women", "child": "children", "person": "people"}
+
+
 def plural_forms(vocab: Vocabulary) -> dict[int, list[int]]:
     """Each word's id -> the ids of its plural in the vocabulary ("dog" -> "dogs", "bus" -> "buses", "pony" ->
-    "ponies"): what else meets a constraint on the word (``DecodeOptions.constrain``)."""
+    "ponies", "man" -> "men"): what else meets a constraint on the word (``DecodeOptions.constrain``), and which
+    slots are plural (``DecodeOptions.fill_slots``)."""
     out: dict[int, list[int]] = {}
     for i, w in enumerate(vocab.itos):
-        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else [])
+        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else []) + \
+            ([IRREGULAR_PLURALS[w]] if w in IRREGULAR_PLURALS else [])
         ids = [vocab.stoi[f] for f in forms if f in vocab.stoi]
         if ids and i > vocab.unk_id:
             out[i] = ids
