@@ -466,14 +466,6 @@ def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(f
     off = search_features(decoder, features, vocab, DecodeOptions(max_len=4, fill_slots=0.0))[0][0]
     assert vocab.stoi["dog"] in off.tokens
 
-    plain_decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
-                                  vocab_size=len(vocab), grid=2).eval()
-    with pytest.raises(ConfigError, match="fill_slots=0.05 needs a model that reads the encoder's labels"):
-        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(fill_slots=0.05))
-    for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ConfigError, match="decoding fill_slots must be a probability"):
-            DecodeOptions(fill_slots=bad)
-
 
 @pytest.mark.parametrize("gate", [-30.0, 8.0])
 def test_a_copied_word_looks_where_its_label_is(gate):
@@ -541,7 +533,8 @@ def test_constrained_search_writes_a_confident_label_word(beam):
     assert decoder.extension.confident_words(features, 0.5) == [[dog], [dog], []]
 
 
-def test_constrain_needs_a_model_that_reads_labels_and_a_probability():
+@pytest.mark.parametrize("option", ["constrain", "fill_slots"])
+def test_constrain_and_fill_slots_need_a_model_that_reads_labels_and_a_probability(option):
     from captioner.config.decoders import SATConfig
     from captioner.inference import search_features
     from captioner.models.registry import build_decoder
@@ -549,11 +542,11 @@ def test_constrain_needs_a_model_that_reads_labels_and_a_probability():
     vocab = Vocabulary(["a", "dog", "runs"])
     plain_decoder = build_decoder(SATConfig(embed_dim=4, hidden_dim=6, attention_dim=4), feature_dim=8,
                                   vocab_size=len(vocab), grid=2).eval()
-    with pytest.raises(ConfigError, match="constrain=0.3 needs a model that reads the encoder's labels"):
-        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(constrain=0.3))
+    with pytest.raises(ConfigError, match=f"{option}=0.3 needs a model that reads the encoder's labels"):
+        search_features(plain_decoder, torch.randn(1, 4, 8), vocab, DecodeOptions(**{option: 0.3}))
     for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ConfigError, match="decoding constrain must be a probability"):
-            DecodeOptions(constrain=bad)
+        with pytest.raises(ConfigError, match=f"decoding {option} must be a probability"):
+            DecodeOptions(**{option: bad})
 
 
 def test_a_constraint_that_cannot_be_met_falls_back_to_the_best_caption_without_it():
