@@ -431,7 +431,8 @@ def test_an_absent_objects_word_is_filled_with_what_the_labels_see_where_it_look
             _hypothesis(vocab, ["a", "man", "cat"], [1, 2, 2]), _hypothesis(vocab, ["a", "dog"], [1, 0]),
             _hypothesis(vocab, ["cats", "runs"], [0, 1]), _hypothesis(vocab, ["people", "runs"], [2, 2])]
     before = [h.attention.clone() for h in hyps]
-    filled = reading.fill_slots(features, [hyps], tau=0.5, word_forms=plural_forms(vocab))
+    filled = reading.fill_slots(features.expand(len(hyps), -1, -1), [[h] for h in hyps], tau=0.5,
+                                word_forms=plural_forms(vocab))  # a photo each, the same photo
     assert [vocab.decode(h.tokens) for h in hyps] == ["a cat runs", "cats runs", "a cat cat", "a dog", "cats runs",
                                                       "cats runs"]
     assert filled == 4  # the dog that looked at nothing stays: nothing there is 0.5 likely
@@ -439,6 +440,12 @@ def test_an_absent_objects_word_is_filled_with_what_the_labels_see_where_it_look
     # nothing present is sure enough, or the word is present: nothing changes
     again = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2])]
     assert reading.fill_slots(features, [again], tau=1.0) == 0 and vocab.decode(again[0].tokens) == "a dog runs"
+    # an n-best list holds each caption once: the second, equal to the first once filled, is dropped
+    nbest = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2]), _hypothesis(vocab, ["a", "cat", "runs"], [0, 2, 2]),
+             _hypothesis(vocab, ["a", "cat"], [0, 2])]
+    first = nbest[0]
+    assert reading.fill_slots(features, [nbest], tau=0.5) == 1
+    assert [vocab.decode(h.tokens) for h in nbest] == ["a cat runs", "a cat"] and nbest[0] is first
 
 
 @pytest.mark.parametrize("family", ["sat", "transformer"])

@@ -351,7 +351,8 @@ class LabelReading(DecoderExtension):
         label channels, its CAM, through the lexicon), among the words the copy can write whose category is
         present, when the best is at least ``tau`` likely there; a plural (a form in ``word_forms``) is filled
         with its plural when the vocabulary has one. In place; the score and the attention stay the search's
-        (the word was chosen by where it looked). Returns how many words were filled."""
+        (the word was chosen by where it looked), and a hypothesis the fill makes equal to a better one of the
+        same photo is dropped (an n-best list holds each caption once). Returns how many words were filled."""
         words = len(self.lexicon.words)
         absent = self.absent(self.labels(self.class_probs(features)))  # (B, W+1) per category
         category = self.label_category[:words]  # (W,)
@@ -376,6 +377,10 @@ class LabelReading(DecoderExtension):
                     word = int(ids[k])
                     h.tokens[t] = forms[word][0] if token in plurals and forms.get(word) else word
                     filled += 1
+            unique: dict[tuple[int, ...], object] = {}
+            for h in hyps:  # best first: the first of equal captions stays
+                unique.setdefault(tuple(h.tokens), h)
+            hyps[:] = unique.values()
         return filled
 
     def copy_share(self, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
