@@ -79,8 +79,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
                              "(slots filled by detections; 0.05 suits the shipped model; default: 0, off)")
     parser.add_argument("--lm-weight", type=float_range(0.0, 10.0), default=None, metavar="W",
                         help="add W times a caption language model's log-probability to every word (shallow "
-                             "fusion: sentences as people write them about everyday photos; 0.3 with --veto 2 --fill-slots 0.05 "
-                             "suits the shipped model on them; default: 0, off)")
+                             "fusion: sentences as people write them about everyday photos; 0.3 with --veto 2 "
+                             "--fill-slots 0.05 suits the shipped model on them; default: 0, off)")
     parser.add_argument("--lm", default=None, metavar="FILE",
                         help="the language model of --lm-weight: a file written by captioner lm (default: coco, "
                              "the packaged one, COCO caption text)")

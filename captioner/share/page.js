@@ -21,8 +21,8 @@
     $("nbest-count").value = String(Math.min(keep, beam));
   }
   fillNbest();
-  // everyday photos: the veto and the COCO language model, for the models that offer them; the user's choice is
-  // kept while only models without it are chosen
+  // everyday photos (the server's EVERYDAY decoding), for the models that offer it; the user's choice is kept while
+  // only models without it are chosen
   const everydayTitle = $("everyday-label").title;
   let everyday = false;
   function offers(name) { return CFG.models.some(function (m) { return m.name === name && m.everyday; }); }
