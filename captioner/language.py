@@ -34,7 +34,7 @@ from captioner.config.schema import check_number
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.files import atomic_write, check_regular, read_json
 from captioner.models.base import CaptionDecoder, State
-from captioner.pretrained import WEIGHTS, checked_package_file
+from captioner import pretrained
 from captioner.text import Vocabulary
 
 __all__ = ["FORMAT", "PACKAGED", "CaptionLanguageModel", "FusedDecoder", "LanguageModelConfig", "caption_texts",
@@ -274,7 +274,8 @@ def load_language_model(spec: str | os.PathLike) -> tuple[CaptionLanguageModel, 
 def packaged_path(name: str) -> Path:
     """The packaged language model ``name``; ``CheckpointError`` when this install lacks it."""
     file, sha256 = PACKAGED[name]
-    return checked_package_file(WEIGHTS / file, sha256, f"the packaged language model {name!r}")
+    # the package's weights folder as it is now (read at each call, not bound once at import)
+    return pretrained.checked_package_file(pretrained.WEIGHTS / file, sha256, f"the packaged language model {name!r}")
 
 
 @functools.lru_cache(maxsize=4)
