@@ -31,14 +31,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from captioner.config.schema import check_number
-from captioner.errors import CheckpointError, ConfigError, DataError
+from captioner.errors import CheckpointError, ConfigError, DataError, one_line
 from captioner.files import atomic_write, check_regular, read_json
 from captioner.models.base import CaptionDecoder, State
 from captioner import pretrained
 from captioner.text import Vocabulary
 
 __all__ = ["FORMAT", "PACKAGED", "CaptionLanguageModel", "FusedDecoder", "LanguageModelConfig", "caption_texts",
-           "language_model_for", "load_language_model", "save_language_model", "train_language_model"]
+           "fusion_unavailable", "language_model_for", "load_language_model", "save_language_model", "train_language_model"]
 
 FORMAT = "captioner-lm"  # the ``format`` metadata of a language model file
 VERSION = 1
@@ -323,3 +323,13 @@ def language_model_for(spec: str, vocab: Vocabulary) -> CaptionLanguageModel:
         raise ConfigError(f"language model {spec}: its vocabulary is not this captioner's ({difference}); train one "
                           "for this model: captioner lm --checkpoint MODEL --captions FILE.json --out lm.safetensors")
     return lm
+
+
+def fusion_unavailable(spec: str, vocab: Vocabulary) -> str:
+    """Why the language model ``spec`` cannot be fused into a search over ``vocab`` (one line: a file missing
+    or damaged, another vocabulary), or "" when it can (:func:`language_model_for` succeeds; it is cached)."""
+    try:
+        language_model_for(spec, vocab)
+    except (ConfigError, CheckpointError) as exc:
+        return one_line(str(exc))
+    return ""

@@ -388,13 +388,13 @@ def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offer
 def test_a_model_whose_language_model_does_not_load_does_not_offer_everyday_photos(shipped, monkeypatch,
                                                                                     error: str) -> None:
     import captioner.errors
-    import captioner.share.server
+    import captioner.language
     from captioner.share.server import ServedModel, caption_upload
 
     def fails(spec: str, vocab) -> None:  # an install without the packaged file, or a model of another vocabulary
         raise getattr(captioner.errors, error)(f"language model {spec}: cannot be read here")
 
-    monkeypatch.setattr(captioner.share.server, "language_model_for", fails)
+    monkeypatch.setattr(captioner.language, "language_model_for", fails)
     served = ServedModel("labelled", shipped)  # reads its encoder's labels, but no language model: no crash
     assert served.labels == 5 and served.info()["everyday"] is False
     with pytest.raises(captioner.errors.ConfigError) as refused:

@@ -38,10 +38,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from captioner.data.images import decode_image, load_image
 from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
 from captioner.config import DecodeOptions
-from captioner.errors import CaptionerError, CheckpointError, ConfigError, DataError, ImageLoadError, one_line
+from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
 from captioner.files import MiB, read_bytes, size_text
 from captioner.inference import Captioner
-from captioner.language import language_model_for
+from captioner.language import fusion_unavailable
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
 from captioner.share.page import render_page
@@ -120,11 +120,9 @@ class ServedModel:
         if not hasattr(getattr(self.captioner.model.decoder, "extension", None), "veto"):  # as search.vetoing asks
             self.everyday_why_not = "its decoder does not read its encoder's labels"
             return
-        try:
-            language_model_for(EVERYDAY.lm, self.captioner.vocab)  # loaded once (cached), checked to speak its words
-            self.everyday = True
-        except (ConfigError, CheckpointError) as exc:  # another vocabulary, or an install without the file
-            self.everyday_why_not = one_line(str(exc))
+        self.everyday_why_not = fusion_unavailable(EVERYDAY.lm, self.captioner.vocab)  # loaded once (cached)
+        self.everyday = not self.everyday_why_not
+        if self.everyday_why_not:  # another vocabulary, or an install without the file
             log.info("%s: no everyday photos setting (%s)", self.name, self.everyday_why_not)
 
     def info(self) -> dict:

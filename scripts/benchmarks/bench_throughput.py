@@ -79,18 +79,6 @@ def _model():
     return Captioner(model.eval(), vocab, torch.device("cpu")), "transformer_flickr8k, random decoder"
 
 
-def _speaks_packaged_lm(captioner_model) -> bool:
-    """Whether the packaged language model ("coco") shares this captioner's vocabulary."""
-    from captioner.errors import CaptionerError
-    from captioner.language import language_model_for
-
-    try:
-        language_model_for("coco", captioner_model.vocab)
-    except CaptionerError:
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def _before(captioner_model):
     """The encoder in NCHW without folded BatchNorm and the feature cache's reads serial, as before;
@@ -168,6 +156,7 @@ def caption_throughput(quick: bool, photos: int | None = None) -> dict:
     import torch
 
     from captioner.decoding.search import DecodeOptions
+    from captioner.language import fusion_unavailable
     from captioner.models.base import eval_mode
 
     count = photos or (32 if quick else PHOTOS)
@@ -193,7 +182,7 @@ def caption_throughput(quick: bool, photos: int | None = None) -> dict:
                 out[f"caption_{name}_over_before"] = out[f"caption_{name}_per_s"] / out[f"before_{name}_per_s"]
                 out[f"caption_{name}_over_bound"] = out[f"caption_{name}_per_s"] / out[f"bound_{name}_per_s"]
                 out[f"caption_bf16_{name}_over_bound"] = out[f"caption_bf16_{name}_per_s"] / out[f"bound_{name}_per_s"]
-            if _speaks_packaged_lm(m):  # everyday photos with the packaged language model fused in (--lm-weight 0.3)
+            if not fusion_unavailable("coco", m.vocab):  # everyday photos with the packaged language model fused in (--lm-weight 0.3)
                 coco = sets["coco"]
                 out["caption_lm_coco_per_s"] = _rate(
                     lambda: m.caption(coco, beam=3, attention=True, batch_size=32, lm_weight=0.3), count, repeats)
