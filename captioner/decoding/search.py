@@ -11,12 +11,11 @@ bfloat16, else a bfloat16 copy of the decoder; beams are still ranked in float64
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -28,7 +27,9 @@ from captioner.files import size_text
 from captioner.language import FusedDecoder
 from captioner.models.base import CaptionDecoder, State
 from captioner.models.lstm import FusedSATSteps
-from captioner.text import STOP_WORDS, Vocabulary
+from captioner.decoding.rules import (AbsentVeto, ConfidentWords, CopyAttribution, fill_slots, label_reading,
+                                      read_photos, required_reading)
+from captioner.text import STOP_WORDS, Vocabulary, plural_forms
 
 
 logger = logging.getLogger(__name__)
@@ -262,118 +263,91 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
 
 
-def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-           options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
-           content_ids: Sequence[int] = (), word_forms: Mapping[int, Sequence[int]] | None = None,
-           language_model: nn.Module | None = None) -> list[list[Hypothesis]]:
+@dataclass(frozen=True)
+class SearchRules:
+    """What a search needs of the words besides its options: ``<bos>``, ``<eos>``, ``banned_ids`` (never
+    emitted; never ``<eos>``), ``content_ids`` (what ``DecodeOptions.no_repeat_words`` allows once),
+    ``word_forms`` (each word's plurals: they meet a constraint on it, and fill a plural's slot) and, for a
+    model that copies words from its labels, the :class:`~captioner.decoding.rules.CopyAttribution` that
+    keeps the copy's share of each chosen word (:func:`decode` sets it)."""
+
+    bos_id: int
+    eos_id: int
+    banned_ids: tuple[int, ...] = ()
+    content_ids: tuple[int, ...] = ()
+    word_forms: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    copying: CopyAttribution | None = None
+
+    @classmethod
+    def of(cls, vocab: Vocabulary, options: DecodeOptions) -> SearchRules:
+        """The rules of a search over ``vocab`` with ``options``."""
+        return cls(vocab.bos_id, vocab.eos_id, never_emitted_ids(vocab, options), content_word_ids(vocab),
+                   plural_forms(vocab) if options.constrain or options.fill_slots else {})
+
+
+def decode(decoder: CaptionDecoder, features: torch.Tensor, words: Vocabulary | SearchRules,
+           options: DecodeOptions | None = None, lm: nn.Module | None = None) -> list[list[Hypothesis]]:
     """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
-    ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
-    ``content_ids``: what ``options.no_repeat_words`` allows once; ``word_forms``: other ids that meet an
-    ``options.constrain`` constraint on a word (its plural), and the plural ``options.fill_slots`` writes in
-    a plural's slot; ``language_model``: a
-    ``captioner.language.CaptionLanguageModel`` over the decoder's vocabulary, fused with
-    ``options.lm_weight`` (None: none). ``ConfigError`` for features that
-    are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
+    ``decoder``: any ``CaptionDecoder`` in eval mode; ``words``: its vocabulary (or the ids of
+    :class:`SearchRules` directly); ``lm``: a
+    ``captioner.language.CaptionLanguageModel`` over the same vocabulary, fused with ``options.lm_weight``
+    (None: none). Every ``DecodeOptions`` field acts here or in :func:`search`: ``precision`` picks the
+    stepping decoder (:func:`prepare`), ``veto`` wraps it in :class:`~captioner.decoding.rules.AbsentVeto`,
+    ``lm_weight`` in ``FusedDecoder``, ``constrain`` gives each photo its constraint set
+    (:class:`~captioner.decoding.rules.ConfidentWords`), ``fill_slots`` edits the captions after the search
+    (:func:`~captioner.decoding.rules.fill_slots`); a model that copies has its copied words' attention
+    mixed with their labels' maps (:class:`~captioner.decoding.rules.CopyAttribution`). ``ConfigError`` for
+    features that are not (B, N, D), one image's search over :data:`MEMORY_LIMIT`, or a label option asked of
+    a model that reads no labels.
     """
     options = options or DecodeOptions()
     if features.dim() != 3:
         raise ConfigError(f"decode expects features of shape (B, N, D), got {tuple(features.shape)}")
+    labelled = {name: value for name, value in (("veto", options.veto), ("constrain", options.constrain),
+                                                ("fill_slots", options.fill_slots)) if value}
     if features.size(0) == 0:
         return []
+    reading = label_reading(decoder)
+    for name, value in labelled.items():
+        required_reading(decoder, name, value)
     if decoder.training:
         logger.warning("decode() called with the decoder in training mode (dropout / sampling active); "
                        "call .eval() first or use captioner.inference.caption_features()")
+    rules = words if isinstance(words, SearchRules) else SearchRules.of(words, options)
+    rules = replace(rules, copying=CopyAttribution(reading) if reading is not None else None)
+    constraints = ConfidentWords(options.constrain, rules.word_forms) if options.constrain else None
+    out: list[list[Hypothesis]] = []
     # no_grad, and inference mode off even inside a caller's inference_mode, so that the returned
     # attention maps are ordinary tensors that a caller may change in place.
-    search = greedy_search if options.beam_size == 1 else beam_search
-    out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
-        decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
-        if language_model is not None and options.lm_weight:
-            decoder = FusedDecoder(decoder, language_model, options.lm_weight)
-        constraints = constraint_sets(decoder, options.constrain)
-        filling = slot_filling(decoder, options.fill_slots, word_forms)
-        with vetoing(decoder, options.veto), attributing(decoder) as copying:
-            for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-                sets = constraints(features[chunk]) if constraints is not None else []
-                sets = [[v for w in words for v in (w, *(word_forms or {}).get(w, ()))] for words in sets]
-                found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids) \
-                    if not any(sets) else _search_constrained(decoder, features[chunk], bos_id, eos_id, options,
-                                                              banned_ids, content_ids, sets, search)
-                if copying is not None:  # a word copied from the encoder's labels looked where its label is
-                    copying.attribute(features[chunk], found)
-                if filling is not None:  # an absent object's word: what the labels see where it looked
-                    filling(features[chunk], found)
-                out += found
+        stepper, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
+        if options.veto:
+            stepper = AbsentVeto(stepper, reading, options.veto)
+        if lm is not None and options.lm_weight:
+            stepper = FusedDecoder(stepper, lm, options.lm_weight)
+        for chunk in image_chunks(stepper, features, options):  # a refused request raises before any step
+            photos = read_photos(reading, features[chunk]) if reading is not None and labelled else None
+            sets = constraints(photos) if constraints is not None else []
+            found = search(stepper, features[chunk], options, rules, sets)
+            if rules.copying is not None:  # a word copied from the encoder's labels looked where its label is
+                rules.copying.attribute(features[chunk], found)
+            if options.fill_slots:  # an absent object's word: what the labels see where it looked
+                fill_slots(photos, found, options.fill_slots, rules.word_forms)
+            out += found
     return out
 
 
-@contextlib.contextmanager
-def attributing(decoder: nn.Module) -> Iterator[nn.Module | None]:
-    """For one search, the decoder's label reading (None without one) recording the copy's share of every
-    step's words, which the searches keep for the words they choose (``Hypothesis.copy_share``)."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, "copy_share"):
-        yield None
-        return
-    before, extension.attributing = extension.attributing, True
-    try:
-        yield extension
-    finally:
-        extension.attributing = before
-        extension.__dict__.pop("_shares", None)
-
-
-def label_reading(decoder: nn.Module, option: str, value: float, method: str) -> nn.Module:
-    """The decoder's label reading (its extension with ``method``) for the decoding option ``option=value``;
-    ConfigError for a decoder without one."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, method):
-        raise ConfigError(f"decoding {option}={value:g} needs a model that reads the encoder's labels "
-                          "(encoder.labels); this one does not")
-    return extension
-
-
-def constraint_sets(decoder: nn.Module, tau: float) -> Callable[[torch.Tensor], list[list[int]]] | None:
-    """``DecodeOptions.constrain``: features (B, N, D) -> each image's constraint set, read by the decoder's
-    label reading (``confident_words``); None when off, ConfigError for a decoder without one."""
-    if not tau:
-        return None
-    extension = label_reading(decoder, "constrain", tau, "confident_words")
-    return lambda features: extension.confident_words(features, tau)
-
-
-def slot_filling(decoder: nn.Module, tau: float, word_forms: Mapping[int, Sequence[int]] | None
-                 ) -> Callable[[torch.Tensor, list[list[Hypothesis]]], int] | None:
-    """``DecodeOptions.fill_slots``: (features (B, N, D), their hypotheses) -> fills them in place
-    (``fill_slots`` of the decoder's label reading); None when off, ConfigError for a decoder without one."""
-    if not tau:
-        return None
-    extension = label_reading(decoder, "fill_slots", tau, "fill_slots")
-    return lambda features, found: extension.fill_slots(features, found, tau, word_forms)
-
-
-def recording(decoder: nn.Module) -> nn.Module | None:
-    """The decoder's label reading while it records the copy's shares (:func:`attributing`), else None."""
-    extension = getattr(decoder, "extension", None)
-    return extension if getattr(extension, "attributing", False) else None
-
-
-@contextlib.contextmanager
-def vetoing(decoder: nn.Module, veto: float) -> Iterator[None]:
-    """``DecodeOptions.veto`` set on the decoder's label reading for one search (ConfigError without one)."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, "veto"):
-        if veto:
-            label_reading(decoder, "veto", veto, "veto")  # raises: no label reading
-        yield
-        return
-    before, extension.veto = extension.veto, float(veto)
-    try:
-        yield
-    finally:
-        extension.veto = before
+def search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules,
+           constraints: Sequence[Collection[int]] = ()) -> list[list[Hypothesis]]:
+    """``options.n_best`` hypotheses per image of (B, N, D) ``features``, best first, stepping ``decoder`` as it
+    is (no precision, veto or fusion added: :func:`decode` does that). ``constraints``: per image the words one
+    of which its caption must hold (empty or missing: none)."""
+    if any(constraints):
+        return _search_constrained(decoder, features, options, rules, [list(c) for c in constraints])
+    if options.beam_size == 1:
+        return greedy_search(decoder, features, options, rules)
+    return beam_search(decoder, features, options, rules)
 
 
 def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
@@ -390,18 +364,19 @@ def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: in
     return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
 
 
-def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
-                  banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
-    """Batched greedy decoding (argmax at each step); see :func:`decode`."""
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
+def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules
+                  ) -> list[list[Hypothesis]]:
+    """Batched greedy decoding (argmax at each step); see :func:`search`."""
+    bos_id, eos_id, copying = rules.bos_id, rules.eos_id, rules.copying
+    suppress = SuppressTokens(rules.banned_ids, eos_id)
+    repeats = repeat_filter(options, rules.content_ids, eos_id)
     B, N = features.shape[:2]
     T, device = options.max_len, features.device
     state = initial_state(decoder, features)
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (B,)
     steps: list[torch.Tensor] = []  # one (B,) per word: memory grows with the words generated
     attn_steps: list[torch.Tensor] = []  # one (B, N) per word
-    copying, share_steps = recording(decoder), []  # the copy's share of each chosen word: one (B,) per word
+    share_steps: list[torch.Tensor] = []  # the copy's share of each chosen word: one (B,) per word
     log_prob = torch.zeros(B, dtype=torch.float64, device=device)  # (B,)
     n_words = torch.full((B,), T, dtype=torch.long, device=device)  # (B,)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) emitted <eos>
@@ -424,7 +399,7 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
         steps.append(best)
         attn_steps.append(attn.to(torch.float32, copy=True))  # a copy: a decoder may reuse its buffer
         if copying is not None:
-            share_steps.append(copying.copy_share(torch.arange(B, device=device), best))
+            share_steps.append(copying.shares(state.outputs["copy_share"], torch.arange(B, device=device), best))
         done |= ends
         if bool(done.all()):
             break
@@ -442,8 +417,8 @@ def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, 
     return out
 
 
-def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
-                banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
+def beam_search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules
+                ) -> list[list[Hypothesis]]:
     """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
 
     The first step takes each image's K best distinct words. At each step the 2K best candidates of an
@@ -452,8 +427,9 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     batch. The result equals image-by-image search. The state follows the beams through
     ``State.reorder``, ``State.select``, or (a grouped state, the SAT LSTM) ``State.regroup``.
     """
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
+    bos_id, eos_id, copying = rules.bos_id, rules.eos_id, rules.copying
+    suppress = SuppressTokens(rules.banned_ids, eos_id)
+    repeats = repeat_filter(options, rules.content_ids, eos_id)
     B, N = features.shape[:2]
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device = features.device
@@ -461,7 +437,6 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     grouped = bool(getattr(decoder, "groups_rows", False))  # beams read their image's constants in place
     beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
     history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
-    copying = recording(decoder)  # a label reading: the copy's share of each chosen word goes into the history
     prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
     words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
     finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
@@ -477,6 +452,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
 
     for t in range(T + 1):
         log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
+        step_shares = state.outputs.get("copy_share")  # (R, W') of a model that copies
         log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
         if repeats:
             log_probs = repeats(log_probs, words)
@@ -512,7 +488,7 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
         else:
             state = state.select(rows)
         history.append(rows, toks, attn.index_select(0, rows).float(),
-                       None if copying is None else copying.copy_share(rows, toks))
+                       None if copying is None else copying.shares(step_shares, rows, toks))
         if repeats:
             words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
         beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
@@ -521,24 +497,21 @@ def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eo
     return [[next(read) for _ in per_image] for per_image in results]
 
 
-def _search_constrained(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                        options: DecodeOptions, banned_ids: Sequence[int], content_ids: Sequence[int],
-                        sets: list[list[int]], search: Callable[..., list[list[Hypothesis]]]) -> list[list[Hypothesis]]:
-    """The images with a constraint set by :func:`constrained_beam_search`, the others by ``search`` together."""
+def _search_constrained(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules,
+                        sets: list[list[int]]) -> list[list[Hypothesis]]:
+    """The images with a constraint set by :func:`constrained_beam_search`, the others by plain search together."""
     found: list[list[Hypothesis]] = [[] for _ in sets]
     free = [i for i, words in enumerate(sets) if not words]
     if free:
-        for i, hyps in zip(free, search(decoder, features[free], bos_id, eos_id, options, banned_ids, content_ids)):
+        for i, hyps in zip(free, search(decoder, features[free], options, rules)):
             found[i] = hyps
     bound = [i for i, words in enumerate(sets) if words]
-    for i, hyps in zip(bound, constrained_beam_search(decoder, features[bound], bos_id, eos_id, options, banned_ids,
-                                                      content_ids, [sets[i] for i in bound])):
+    for i, hyps in zip(bound, constrained_beam_search(decoder, features[bound], options, rules, [sets[i] for i in bound])):
         found[i] = hyps
     return found
 
 
-def constrained_beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                            options: DecodeOptions, banned_ids: Sequence[int] = (), content_ids: Sequence[int] = (),
+def constrained_beam_search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules,
                             constraints: Sequence[Collection[int]] = ()) -> list[list[Hypothesis]]:
     """Beam search whose captions hold at least one word of their image's constraint set: constrained beam
     search (Anderson et al. 2017) with one disjunctive constraint, so two states, each with its own
@@ -546,12 +519,12 @@ def constrained_beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos
     second state finishes; one in the first is returned only when no caption met the constraint within
     ``max_len`` words. An image whose set is empty (or missing from ``constraints``) is searched as plain
     beam search would. One image at a time; otherwise as :func:`beam_search`."""
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
+    suppress = SuppressTokens(rules.banned_ids, rules.eos_id)
+    repeats = repeat_filter(options, rules.content_ids, rules.eos_id)
     out = []
     for b in range(features.size(0)):
         words = sorted(int(w) for w in constraints[b]) if b < len(constraints) else []
-        out.append(_constrained_one(decoder, features[b:b + 1], bos_id, eos_id, options, suppress, repeats, words))
+        out.append(_constrained_one(decoder, features[b:b + 1], options, rules, suppress, repeats, words))
     return out
 
 
@@ -574,12 +547,12 @@ class _Branch:
         return Hypothesis(list(self.tokens), score, attention, raw, finished, shares)
 
 
-def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
+def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules,
                      suppress: SuppressTokens, repeats: BlockRepeats, words: list[int]) -> list[Hypothesis]:
     """One image (1, N, D) of :func:`constrained_beam_search`; ``words`` its constraint set (vocabulary ids)."""
     K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
     device, n_regions = features.device, features.size(1)
-    copying = recording(decoder)
+    bos_id, eos_id, copying = rules.bos_id, rules.eos_id, rules.copying
     state = initial_state(decoder, features)
     wanted = None
     beams = [_Branch(0.0, not words, [], [], [])]
@@ -588,6 +561,7 @@ def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, bos_id: in
     prev = torch.full((1,), bos_id, dtype=torch.long, device=device)
     for t in range(T + 1):
         log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
+        step_shares = state.outputs.get("copy_share")  # (R, W') of a model that copies
         log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
         if repeats and t:
             log_probs = repeats(log_probs, torch.tensor([b.tokens for b in beams], dtype=torch.long, device=device))
@@ -618,7 +592,7 @@ def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, bos_id: in
             break  # no live beam can beat the n_best captions that met the constraint
         rows = torch.tensor([r for r, _, _ in chosen], dtype=torch.long, device=device)
         toks = torch.tensor([w for _, w, _ in chosen], dtype=torch.long, device=device)
-        shares = copying.copy_share(rows, toks).tolist() if copying is not None else None
+        shares = copying.shares(step_shares, rows, toks).tolist() if copying is not None else None
         maps = attn.index_select(0, rows).float().cpu()
         beams = [_Branch(s, beams[r].met or bool(wanted[w]), beams[r].tokens + [w], beams[r].attention + [maps[i]],
                          beams[r].shares + ([shares[i]] if shares is not None else []))
@@ -651,23 +625,6 @@ def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id:
 def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
     """Ids of the vocabulary's content words (not special, not in ``STOP_WORDS``): what ``no_repeat_words`` limits."""
     return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
-
-
-IRREGULAR_PLURALS = {"man": "men", "woman": "women", "child": "children", "person": "people"}
-
-
-def plural_forms(vocab: Vocabulary) -> dict[int, list[int]]:
-    """Each word's id -> the ids of its plural in the vocabulary ("dog" -> "dogs", "bus" -> "buses", "pony" ->
-    "ponies", "man" -> "men"): what else meets a constraint on the word (``DecodeOptions.constrain``), and which
-    slots are plural (``DecodeOptions.fill_slots``)."""
-    out: dict[int, list[int]] = {}
-    for i, w in enumerate(vocab.itos):
-        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else []) + \
-            ([IRREGULAR_PLURALS[w]] if w in IRREGULAR_PLURALS else [])
-        ids = [vocab.stoi[f] for f in forms if f in vocab.stoi]
-        if ids and i > vocab.unk_id:
-            out[i] = ids
-    return out
 
 
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:
