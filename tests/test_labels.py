@@ -317,7 +317,7 @@ def test_the_copy_mixes_the_label_word_into_a_distribution():
 @pytest.mark.parametrize("family", ["sat", "transformer"])
 def test_both_decoders_read_labels_through_the_extension(family):
     from captioner.config.decoders import SATConfig, TransformerConfig
-    from captioner.decoding.search import SearchRules, beam_search
+    from captioner.decoding.search import SearchRules, search
     from captioner.models.registry import build_decoder
     from captioner.models.model import build_extension
     from captioner.config import ConceptsConfig
@@ -335,7 +335,7 @@ def test_both_decoders_read_labels_through_the_extension(family):
     assert out.logits.shape == (2, 3, len(vocab)) and out.attention.shape == (2, 3, 4)
     torch.testing.assert_close(out.logits.exp().sum(-1), torch.ones(2, 3))  # the copy gives log-probabilities
     with torch.no_grad():
-        hyps = beam_search(decoder, features, DecodeOptions(beam_size=2, max_len=4), SearchRules(vocab.bos_id, vocab.eos_id))
+        hyps = search(decoder, features, DecodeOptions(beam_size=2, max_len=4), SearchRules(vocab.bos_id, vocab.eos_id))
     assert len(hyps) == 2 and all(len(h) == 1 for h in hyps)
     from captioner.inference import search_features
     assert len(search_features(decoder, features, vocab, DecodeOptions(veto=10.0))) == 2
@@ -498,7 +498,7 @@ def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(f
 def test_a_copied_word_looks_where_its_label_is(gate):
     """decode gives a word the copy wrote its label's map, in the share the copy had of its probability."""
     from captioner.config.decoders import SATConfig
-    from captioner.decoding.search import decode, greedy_search
+    from captioner.decoding.search import decode, search
     from captioner.models.registry import build_decoder
 
     torch.manual_seed(0)
@@ -513,7 +513,7 @@ def test_a_copied_word_looks_where_its_label_is(gate):
     # caption level with "dog dog dog" (the closing <eos> costs both the same)
     options = DecodeOptions(beam_size=1, max_len=3)
     with torch.no_grad():
-        plain = greedy_search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id))[0][0]
+        plain = search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id))[0][0]
     found = decode(decoder, features, SearchRules(vocab.bos_id, vocab.eos_id), options)[0][0]
     assert found.tokens == plain.tokens
     torch.testing.assert_close(found.attention.sum(-1), torch.ones(len(found.tokens)))
@@ -577,14 +577,14 @@ def test_constrain_and_fill_slots_need_a_model_that_reads_labels_and_a_probabili
 
 
 def test_a_constraint_that_cannot_be_met_falls_back_to_the_best_caption_without_it():
-    from captioner.decoding.search import constrained_beam_search
+    from captioner.decoding.search import search
 
     decoder, vocab = _constrained_setup()
     features = _labelled_features(batch=1, dog=8.0)
     dog = vocab.stoi["dog"]
     options = DecodeOptions(beam_size=2, max_len=4, n_best=2)
     with torch.no_grad():
-        found = constrained_beam_search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id, [vocab.pad_id, vocab.bos_id, vocab.unk_id, dog]), [[dog]])[0]
+        found = search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id, [vocab.pad_id, vocab.bos_id, vocab.unk_id, dog]), [[dog]])[0]
     assert len(found) == 2 and all(dog not in h.tokens for h in found)  # "dog" banned: never met
     assert all(h.attention.shape == (len(h.tokens), 4) for h in found)
     assert found[0].score >= found[1].score

@@ -382,7 +382,7 @@ def test_4_an_impossible_search_is_one_line_naming_the_options(ckpt: Path, photo
 
 def test_4_a_batch_over_the_limit_is_searched_in_chunks_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     from captioner.decoding import search as budget
-    from captioner.decoding.search import DecodeOptions, decode
+    from captioner.decoding.search import DecodeOptions, SearchRules, decode
 
     features = torch.randn(5, 4, 3)
     options = DecodeOptions(beam_size=3, max_len=6, n_best=2)
