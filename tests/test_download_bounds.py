@@ -232,7 +232,7 @@ def test_a_full_disk_is_not_called_a_lost_connection(monkeypatch: pytest.MonkeyP
         def __exit__(self, *exc: object) -> None:
             pass
 
-    monkeypatch.setattr(dl, "open", Full, raising=False)
+    monkeypatch.setattr(dl, "open_partial", lambda path, append, error: Full(path, "ab" if append else "wb"))
     with hostile(limit=1 << 20) as (url, handler):
         with pytest.raises(DataError, match=r"x\.bin\.part: cannot write the download \(No space left on device\); "
                                             "the partial file was removed; free some space and run again"):
