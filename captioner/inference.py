@@ -36,7 +36,7 @@ from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCapti
 from captioner.language import language_model_for
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
-from captioner.pretrained import is_model_name, pretrained_path
+from captioner.pretrained import check_model_spec, is_model_name, pretrained_path, unknown_model
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
@@ -444,9 +444,13 @@ def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress
         CheckpointError: as :func:`captioner.pretrained.pretrained_path` and
             :func:`captioner.checkpoint.remote.resolve_checkpoint`.
     """
+    check_model_spec(spec)  # '' is not the current folder
     if is_model_name(spec):  # a model shipped with the package
         return pretrained_path(str(spec))
-    return resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    path = resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    if isinstance(spec, str) and "/" not in spec and os.sep not in spec and not os.path.lexists(path):
+        raise unknown_model(spec)  # a bare name: the shipped models, and the nearest
+    return path
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,
