@@ -276,3 +276,35 @@ def test_the_recorded_sha256_is_that_of_the_zip_written(tmp_path: Path) -> None:
     digest = hashlib.sha256(data).hexdigest()
     assert (root / "Flickr8k.sha256").read_text() == f"{digest}  Flickr8k_text.zip\n"
     assert hashlib.sha256((root / "downloads" / "Flickr8k_text.zip").read_bytes()).hexdigest() == digest
+
+
+# --- Ctrl-C: one line and 130, nothing from other libraries ---
+
+AFTER_EXIT_FUNCTIONS = """
+import atexit, logging, os, signal, sys
+def late():  # registered first, so it would run last: inside the interpreter's own shutdown
+    os.write(2, b"LATE\\n")
+    os.kill(os.getpid(), signal.SIGINT)
+atexit.register(late)
+import torch._subclasses.fake_tensor  # its exit function logs the FakeTensor cache stats at INFO
+logging.getLogger("torch").setLevel(logging.NOTSET)  # as after a Ctrl-C while torch's logging was set up
+from captioner.cli import main
+sys.argv = ["captioner", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_a_command_ends_with_its_code_before_the_interpreters_shutdown_and_without_torchs_lines(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    def ctrl_c_as_a_terminal_gives_it() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    done = subprocess.run([sys.executable, "-c", AFTER_EXIT_FUNCTIONS, "make-shapes", "--out", str(tmp_path / "s"),
+                           "--images", "3", "--image-size", "32"], capture_output=True, text=True, timeout=120,
+                          preexec_fn=ctrl_c_as_a_terminal_gives_it)
+    assert done.returncode == 0, done  # not -2: the process ended before the shutdown where Ctrl-C kills it
+    assert "LATE" not in done.stderr and "FakeTensor" not in done.stderr and "cache_hits" not in done.stderr
+    assert done.stdout.startswith("wrote 3 images")

@@ -228,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
     from captioner.inference import decode_options, load
 
     files, problems = expand_paths(args.paths)
+    if not any(os.path.lexists(path) for path in files):  # no input to caption: said before any model loads
+        for problem in problems + [f"{path}: file not found" for path in files]:
+            _error(problem)
+        return 1
     used_dirs: set[str] = {MANIFEST}  # a photo named .captioner-files.json.png gets a folder of another name
     out_dirs = [unique_dir(Path(args.overlay), path.stem, used_dirs) for path in files] if args.overlay else []
     outputs = Outputs(Path(args.overlay or "."), force=args.force, option="--overlay")
