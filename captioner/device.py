@@ -38,12 +38,15 @@ def available_memory() -> int:
         return 4 << 30
 
 
-def check_memory(need: int, what: str, advice: str) -> None:
+def check_memory(need: int, what: str, advice: str, device: torch.device | None = None) -> None:
     """Refuse, in one line before anything is allocated, a size whose memory ``need`` (bytes) passes
-    :data:`MEMORY_SHARE` of the memory available now; ``what`` names the sizes, ``advice`` what to lower."""
-    have = available_memory()
+    :data:`MEMORY_SHARE` of the memory available now (on ``device`` when it is a GPU, else the machine's);
+    ``what`` names the sizes, ``advice`` what to lower."""
+    where, have = "this machine has", available_memory()
+    if device is not None and device.type == "cuda":
+        where, have = f"{device} has", int(torch.cuda.mem_get_info(device)[0])
     if need > MEMORY_SHARE * have:
-        raise ConfigError(f"{what} would need about {size_text(need)} of memory, more than this machine has "
+        raise ConfigError(f"{what} would need about {size_text(need)} of memory, more than {where} "
                           f"available now ({size_text(have)}); {advice}")
 
 

@@ -206,3 +206,24 @@ def test_train_and_evaluate_refuse_such_a_dataset_in_one_line(dataset, tiny, tmp
                  "--epochs", "1"]) == 1
     assert "is outside the dataset's image folder" in _err(capsys)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("*.safetensors"))
+
+
+def test_train_prices_the_model_and_the_batch_before_the_first_write(dataset, tmp_path, memory, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "sat_soft_tiny", "--data", str(dataset), "--out", str(out), "--epochs", "1"]
+    assert main(argv + ["--set", "model.decoder.hidden_dim=30000"]) == 1
+    err = _err(capsys)
+    assert err.startswith("captioner train: error: training with train.batch_size 8 (8 per process), ")
+    assert err.endswith("more than this machine has available now (16.0 GiB); lower train.batch_size (--batch-size) "
+                        "or the model's widths")
+    assert not out.exists()  # refused before the run folder was made
+
+
+def test_a_batch_is_priced_at_most_at_the_captions_the_split_has(memory) -> None:
+    from captioner.config import get_preset
+    from captioner.training.loop import check_training_memory
+
+    cfg = get_preset("sat_soft_tiny", **{"train.batch_size": 10**6})
+    check_training_memory(cfg, 40, torch.device("cpu"), captions=50)  # no batch holds more than 50 captions
+    with pytest.raises(captioner.errors.ConfigError, match=r"train\.batch_size 1000000 \(1000000 per process\)"):
+        check_training_memory(cfg, 40, torch.device("cpu"), captions=10**7)
