@@ -87,7 +87,7 @@ def test_lm_refuses_a_hidden_size_beyond_memory_before_reading_a_model(hidden, g
 
 def test_lm_names_a_missing_caption_file_before_any_model(tmp_path, no_model, capsys) -> None:
     assert main(["lm", "--captions", str(tmp_path / "nope.json"), "--out", str(tmp_path / "lm.safetensors")]) == 1
-    assert _err(capsys) == f"captioner lm: error: {tmp_path / 'nope.json'}: file not found"
+    assert _err(capsys) == f"captioner lm: error: {tmp_path / 'nope.json'}: caption file not found (--captions)"
 
 
 def test_concepts_refuses_a_head_beyond_memory(tmp_path, memory, capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from captioner.commands.options import int_range
 
@@ -65,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_file(args.out, args.force, "--out", "lm.safetensors")  # before anything is read or trained
     for option, paths in (("--captions", args.captions), ("--leave-out", args.leave_out)):
         for path in paths:  # the inputs first: a missing file is named before any model is read
-            check_regular(path, None, DataError, f"caption file ({option})")
+            if not os.path.lexists(path):
+                raise DataError(f"{path}: caption file not found ({option})")
+            check_regular(path, None, DataError, "caption file")
     source = checkpoint_path(args.checkpoint)
     header = read_checkpoint_metadata(source)  # only the vocabulary is needed: the weights are not loaded
     need = training_bytes(header["vocab_size"], args.embed, args.hidden, args.batch_size, MAX_WORDS)
