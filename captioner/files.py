@@ -526,11 +526,16 @@ class Outputs:
 
     def write(self, path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
         """Write one file with :func:`atomic_write` and record it in the manifest in the same step (Ctrl-C
-        held between the two), so that an interrupted command leaves only complete files, each its own."""
-        return atomic_write(path, write, self.error, after=lambda written: self.record([written]))
+        held between the two), so that an interrupted command leaves only complete files, each its own.
 
-    def record(self, paths: Iterable[str | os.PathLike]) -> None:
-        """Add ``paths`` (written by this command) to the manifest; entries whose file is gone are dropped."""
+        Neither is fsync'ed (a command can write them again; the rename is still all or nothing for
+        every reader): thousands of overlays would otherwise wait on the disk several times each."""
+        return atomic_write(path, write, self.error, after=lambda written: self.record([written], sync=False),
+                            sync=False)
+
+    def record(self, paths: Iterable[str | os.PathLike], sync: bool = True) -> None:
+        """Add ``paths`` (written by this command) to the manifest; entries of their folders whose file is
+        gone are dropped. ``sync``: fsync the manifest (see :func:`atomic_file`)."""
         new = {}
         for path in map(Path, paths):
             try:
@@ -544,10 +549,12 @@ class Outputs:
         lock = lock_file(self.manifest)
         try:
             with hold_lock(lock):  # two writers into one folder never lose each other's entries
-                files = {k: v for k, v in self.owned().items() if (Path(self.root) / k).is_file()}
+                folders = {k.rpartition("/")[0] for k in new}  # only these are looked at: one stat per file
+                files = {k: v for k, v in self.owned().items()
+                         if k.rpartition("/")[0] not in folders or (Path(self.root) / k).is_file()}
                 files.update(new)
-                text = json.dumps({"format": "captioner-files", "version": 1, "files": files}, indent=0,
-                                  sort_keys=True)
-                atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error)
+                text = json.dumps({"format": "captioner-files", "version": 1, "files": files}, sort_keys=True,
+                                  separators=(",", ":"))  # json's C encoder: no indent
+                atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error, sync=sync)
         finally:
             release_lock_file(lock, remove_folder=False)

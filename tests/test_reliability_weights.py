@@ -141,5 +141,8 @@ def test_an_empty_name_is_refused_as_empty_not_taken_as_this_folder(spec: str, t
     with pytest.raises(CheckpointError, match=rf"^checkpoint name '{spec}' is empty: give a shipped model's name "
                                               r"\(flickr8k\), a checkpoint file, a run folder or a URL$"):
         captioner.load(spec)
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
     assert main(["caption", "-c", spec, str(tmp_path / "x.png")]) == 1
     assert "is empty" in capsys.readouterr().err
