@@ -499,7 +499,9 @@ class Outputs:
         """
         owned = None
         present, refused = [], []
+        root = os.path.realpath(self.root)
         for path in map(Path, paths):
+            self._check_inside(path, root)
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -523,6 +525,18 @@ class Outputs:
             raise self.error(f"{path}: already exists, {whose}{more}; choose another {self.option} or pass "
                              "--force to replace it")
         return present
+
+    def _check_inside(self, path: Path, root: str) -> None:
+        """Refuse a file below the root whose folder is reached through a symbolic link that leads out of it
+        (``out/photo -> /elsewhere``): the write would land outside the folder the user named."""
+        try:
+            path.relative_to(self.root)
+        except ValueError:
+            return  # not below the root lexically: the caller named it on purpose
+        folder = os.path.realpath(path.parent)
+        if folder != root and not folder.startswith(root.rstrip(os.sep) + os.sep):
+            raise self.error(f"{path.parent}: leads outside {self.root} ({folder}, through a symbolic link); "
+                             f"remove the link or choose another {self.option}")
 
     def write(self, path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
         """Write one file with :func:`atomic_write` and record it in the manifest in the same step (Ctrl-C

@@ -134,9 +134,9 @@ def test_ctrl_c_between_rename_and_record_is_held_until_both_are_done(tmp_path: 
 
     outputs = Outputs(tmp_path)
 
-    def interrupted_record(paths) -> None:  # noqa: ANN001
+    def interrupted_record(paths, **kwargs) -> None:  # noqa: ANN001, ANN003
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the step
-        Outputs.record(outputs, paths)
+        Outputs.record(outputs, paths, **kwargs)
 
     object.__setattr__(outputs, "record", interrupted_record)
     with pytest.raises(KeyboardInterrupt):
@@ -308,3 +308,18 @@ def test_a_command_ends_with_its_code_before_the_interpreters_shutdown_and_witho
     assert done.returncode == 0, done  # not -2: the process ended before the shutdown where Ctrl-C kills it
     assert "LATE" not in done.stderr and "FakeTensor" not in done.stderr and "cache_hits" not in done.stderr
     assert done.stdout.startswith("wrote 3 images")
+
+
+def test_a_linked_folder_below_the_output_folder_that_leads_out_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "00001").symlink_to(elsewhere)
+    with pytest.raises(CaptionerError, match=rf"^{out / '00001'}: leads outside {out} \({elsewhere}, through a "
+                                             r"symbolic link\); remove the link or choose another --overlay$"):
+        Outputs(out, force=True, option="--overlay").check([out / "00001" / "attention.png"])
+    (out / "inside").mkdir()
+    (out / "link").symlink_to(out / "inside")  # a link that stays inside is fine
+    assert Outputs(out).check([out / "link" / "attention.png"]) == []
+    assert os.listdir(elsewhere) == []
