@@ -27,11 +27,13 @@ import threading
 import time
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file as _st_load_file, save as _st_save
@@ -289,6 +291,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
         raise CheckpointError(f"unknown checkpoint file_format {fmt!r}: use safetensors or torch")
     tensors, aliases = _dedupe(model.state_dict())
     header = _header(model, vocab, metadata, aliases)
+    header[CHECKSUM_KEY] = weights_checksum(tensors)
     if fmt == "safetensors":
         data = _st_save(tensors, metadata=header)
         atomic_write(path, lambda f: f.write(data))
@@ -323,6 +326,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"bad device {device!r} ({first_line(exc)})") from None
     header, state = read_file(path, want_tensors=True)
+    check_weights(path, header, state or {})
     info = parse_header(path, header)
     with as_checkpoint_error(path, "bad config or vocabulary in checkpoint"):
         config = model_config_from_dict(info["config"])
@@ -337,6 +341,50 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         state[alias] = state[stored]
     model = build_model_from_state(path, config, info["vocab_size"], state, device)
     return LoadedCheckpoint(model=model, vocab=vocab, config=config, metadata=info["metadata"])
+
+
+# ----------------------------------------------------------------------------- weights checked on load
+
+CHECKSUM_KEY = "weights_crc32"  # header entry: CRC-32 of the stored tensors (names and bytes), as written
+
+
+def weights_checksum(state: Mapping[str, torch.Tensor]) -> str:
+    """CRC-32 (8 hex digits) of the tensors' names, dtypes, shapes and bytes in name order: cheap to
+    recompute on every load (about 1 GB/s), and it changes with any damaged byte of the weights."""
+    crc = 0
+    for name in sorted(state):
+        t = state[name].detach()
+        crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}".encode(), crc)
+        if t.numel():
+            raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            crc = zlib.crc32(memoryview(raw), crc)
+    return f"{crc:08x}"
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite (numpy's test: ten times torch's on this CPU)."""
+    t = t.detach().cpu()
+    if t.dtype not in (torch.float16, torch.float32, torch.float64):  # bfloat16, float8: no numpy dtype
+        t = t.float()
+    return bool(np.isfinite(t.numpy()).all())
+
+
+def check_weights(path: Path, header: Mapping[str, str], state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse damaged weights in one line naming the tensor: every floating tensor finite, and the file's
+    recorded checksum (``weights_crc32``, when it has one) equal to that of the tensors read."""
+    expected = header.get(CHECKSUM_KEY)
+    if expected is not None:
+        actual = weights_checksum(state)
+        if actual != str(expected).lower():
+            raise CheckpointError(f"{path}: damaged weights: their CRC-32 is {actual}, the file recorded "
+                                  f"{str(expected)[:16]} when it was written (a bad disk, copy or transfer); "
+                                  "use an intact copy")
+    for name in sorted(state):
+        t = state[name]
+        if t.is_floating_point() and t.numel() and not _all_finite(t):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{path}: damaged weights: tensor {name[:120]} holds {bad} of {t.numel()} values "
+                                  "that are NaN or infinite; use an intact copy (or retrain)")
 
 
 # ----------------------------------------------------------------------------- training state
@@ -682,6 +730,7 @@ def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bo
     if half:
         state = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
     state = {k: v.contiguous() for k, v in state.items()}
+    header[CHECKSUM_KEY] = weights_checksum(state)  # of the tensors as released (float16, trunk left out)
     data = _st_save(state, metadata=header)
     atomic_write(out, lambda f: f.write(data))
     return {"tensors": len(state), "by_reference": by_reference, "bytes": len(data), "sha256": file_sha256(out)}
