@@ -239,7 +239,7 @@ def build_empty(path: Path, config: ModelConfig, vocab_size: int, state: Mapping
     with (as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
           _SkipMetaInit(), _tensor_budget(path, len(state))):
         model = build_model(config, vocab_size=vocab_size, load_pretrained=False)
-    _check_weights(path, model, state)
+    _check_names_and_shapes(path, model, state)
     derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n not in state)
     if derived > MAX_DERIVED_BYTES:
         raise CheckpointError(f"{path}: config asks for {derived / 2**30:.1f} GiB of tables that are not stored "
@@ -275,7 +275,7 @@ def _tensor_budget(path: Path, stored: int) -> Iterator[None]:
             handle.remove()
 
 
-def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def _check_names_and_shapes(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Names and shapes of the file's tensors against the model's state dict (a meta model is fine)."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
