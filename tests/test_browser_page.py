@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_browser import DESKTOP, viewport
 from test_browser_serve import (_DROP, _answers, _axe_audit, _dark_photo, _in_frame, _pixels, _scene, _serve_page,  # noqa: F401
-                                _upload, _wait, _words_in, a_model, driver, peaked_model)
+                                _settled, _upload, _wait, _words_in, a_model, driver, peaked_model)
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
 
@@ -43,14 +44,6 @@ def _png(data_url: str) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(data_url.split(",", 1)[1]))).convert("RGB"), dtype=np.int16)
-
-
-def _viewport(driver, width: int, height: int) -> None:
-    """Make the page's window (innerWidth x innerHeight) exactly ``width`` x ``height``."""
-    driver.set_window_size(width, height)
-    inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
-    driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])
-    assert driver.execute_script("return [window.innerWidth, window.innerHeight];") == [width, height]
 
 
 def _shipped_page(driver, shipped):
@@ -91,10 +84,9 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    size = driver.get_window_size()
     try:
         with _shipped_page(driver, shipped):
-            _viewport(driver, 1280, 900)
+            viewport(driver, 1280, 900)
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
             _example(driver)
             _wait(driver, "return document.querySelector('#columns iframe').offsetHeight > 300;")
@@ -119,7 +111,7 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
 
             with urllib.request.urlopen(card, timeout=30) as r:
                 assert "Show, Attend and Tell on Flickr8k" in r.read().decode()
-            _viewport(driver, 390, 844)
+            viewport(driver, 390, 844, mobile=True)
             driver.execute_script("window.scrollTo(0, 0);")
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("1")
             _wait(driver, "return document.body.dataset.state === 'done' && "
@@ -130,7 +122,7 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
                                          "document.documentElement.clientWidth;"), "the page scrolls sideways"
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_file(driver, shipped, capsys):
@@ -330,6 +322,11 @@ def test_a_drop_of_text_says_so_and_a_busy_photo_moves_nothing(driver, peaked_mo
     _, second = _scene(tmp_path, seed=6, name="second.png")
     with _serve_page(driver, [("peaked", peaked_model)]):
         _upload(driver, first)
+        _words_in(driver, driver.find_element(By.CSS_SELECTOR, "#columns iframe"))
+        where = ("const f = document.querySelector('#columns iframe').getBoundingClientRect(),"
+                 " c = document.getElementById('columns').getBoundingClientRect();"
+                 " return [Math.round(c.top), Math.round(f.top), Math.round(f.height), Math.round(f.width)];")
+        _settled(driver, where)  # the frame fitted to the window before the drop
         text_drop = ("const data = new DataTransfer(); data.setData('text/plain', 'a dog');"
                      "for (const type of ['dragenter', 'dragover', 'drop']) document.body.dispatchEvent("
                      "new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true }));")
@@ -337,13 +334,10 @@ def test_a_drop_of_text_says_so_and_a_busy_photo_moves_nothing(driver, peaked_mo
         error = driver.find_element(By.ID, "error")
         assert error.is_displayed() and error.text.startswith("That was text, not a photo")
         assert driver.find_element(By.ID, "result").is_displayed()  # the result stays
-        where = ("const f = document.querySelector('#columns iframe').getBoundingClientRect(),"
-                 " c = document.getElementById('columns').getBoundingClientRect();"
-                 " return [Math.round(c.top), Math.round(f.top), Math.round(f.height), Math.round(f.width)];")
         driver.execute_script("window.fetch = (function (real) { return function () { const a = arguments;"
                               " return new Promise(function (ok) { setTimeout(function () { ok(real.apply(null, a)); },"
                               " 1500); }); }; })(window.fetch);")  # a slow answer, to look at the page meanwhile
-        error_shown = driver.execute_script(where)
+        error_shown = _settled(driver, where)
         driver.find_element(By.ID, "file").send_keys(str(second))
         _wait(driver, "return document.body.dataset.state === 'busy';")
         busy = driver.execute_script(where)

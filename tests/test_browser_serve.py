@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from captioner.viz.explorer import opening_word
-from test_browser import chrome
+from test_browser import DESKTOP, chrome, viewport
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
 
@@ -136,6 +136,20 @@ def _words_in(driver, frame) -> list[str]:
     words = [w.text for w in driver.find_elements(By.CSS_SELECTOR, "#caption .word")]
     driver.switch_to.default_content()
     return words
+
+
+def _settled(driver, script: str, timeout: float = 30.0):
+    """The value of ``script`` once it stays the same over three reads 150 ms apart (the frames fitted to the
+    window and their maps drawn, however long that takes on a busy machine)."""
+    import time
+
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        seen = [*seen[-2:], driver.execute_script(script)]
+        if len(seen) == 3 and seen[0] == seen[1] == seen[2]:
+            return seen[-1]
+        time.sleep(0.15)
+    raise AssertionError(f"the page did not settle in {timeout} s: {seen}")
 
 
 def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, tmp_path: Path) -> None:
@@ -349,17 +363,16 @@ def test_narrow_screen_and_accessibility_audit(driver, peaked_model, tagged_mode
     from selenium.webdriver.common.by import By
 
     _, photo = _scene(tmp_path, seed=3, side=500)
-    size = driver.get_window_size()
     try:
         with _serve_page(driver, [("one", peaked_model), ("two", tagged_model)]):  # the tag chips audited too
-            driver.set_window_size(500, 1000)
+            viewport(driver, 500, 1000)
             _upload(driver, photo)
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
                                          "document.documentElement.clientWidth;"), "the page scrolls sideways"
             results = _axe_audit(axe, driver, driver.find_elements(By.CSS_SELECTOR, "#columns iframe"))
             assert results["passes"], "axe checked nothing"
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_taps_alone_show_and_pin_a_word(driver, peaked_model, tmp_path: Path) -> None:
@@ -543,9 +556,8 @@ def test_the_page_does_not_scroll_and_keyboard_focus_stays_in_view(driver, peake
     from selenium.webdriver.support.ui import Select
 
     photos = [_scene(tmp_path, seed=seed, name=f"scene{seed}.png")[1] for seed in (5, 6)]
-    size = driver.get_window_size()
     try:
-        driver.set_window_size(1100, 650)
+        viewport(driver, 1100, 650)
         with _serve_page(driver, [("one", peaked_model), ("two", peaked_model)]):
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
             for photo in photos:  # the first answer, then one that replaces it
@@ -577,7 +589,7 @@ def test_the_page_does_not_scroll_and_keyboard_focus_stays_in_view(driver, peake
             _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';")
             assert abs(driver.execute_script("return window.scrollY;") - scrolled) <= 10  # (a line's change of height)
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 _DROP = """
@@ -643,9 +655,8 @@ def test_side_by_side_shows_the_photo_once_and_says_when_a_caption_lacks_the_wor
     tagged = tagged_model.caption(image, beam=3, attention=True)[0]
     missing = next(w for w in words if w not in tagged.words and w in [t for t, _ in tagged.concepts])
     assert "a" not in tagged.words
-    size = driver.get_window_size()
     try:
-        driver.set_window_size(1400, 1000)
+        viewport(driver, 1400, 1000)
         with _serve_page(driver, [("a", a_model), ("tagged", tagged_model)]):
             _upload(driver, photo)
             left, right = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
@@ -686,7 +697,7 @@ def test_side_by_side_shows_the_photo_once_and_says_when_a_caption_lacks_the_wor
                 _hover(driver, left, f"word-{words.index(shared)}")
                 _in_frame(driver, right, "return document.getElementById('missing').hidden;")
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_on_a_phone_the_columns_stay_side_by_side_and_the_frames_follow_the_window(driver, a_model, tagged_model,
@@ -696,10 +707,9 @@ def test_on_a_phone_the_columns_stay_side_by_side_and_the_frames_follow_the_wind
 
     image, photo = _scene(tmp_path, seed=3, side=500)
     words = a_model.caption(image, beam=3)[0].words
-    size = driver.get_window_size()
     try:
         with _serve_page(driver, [("a", a_model), ("tagged", tagged_model)]):
-            driver.set_window_size(420, 900)
+            viewport(driver, 420, 900)
             width = driver.execute_script("return window.innerWidth;")
             assert width <= 440, f"the window is {width} px wide"
             _upload(driver, photo)
@@ -718,12 +728,12 @@ def test_on_a_phone_the_columns_stay_side_by_side_and_the_frames_follow_the_wind
                                      "!document.getElementById('missing').hidden;")
             _axe_audit(axe, driver, (left, right))  # with the note on show
             # the frames follow the window: grown to 1400 px, no blank left under the explorer
-            driver.set_window_size(1400, 900)
+            viewport(driver, 1400, 900)
             _wait(driver, "return Array.prototype.every.call(document.querySelectorAll('#columns iframe'), function (f) {"
                           " return Math.abs(f.offsetHeight - f.contentDocument.body.getBoundingClientRect().height) < 40;"
                           "});", timeout=10)
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_a_still_pointer_does_not_change_the_word_after_a_rerun(driver, a_model, tmp_path: Path) -> None:
