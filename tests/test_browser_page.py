@@ -130,6 +130,7 @@ def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_
 
     from captioner.cli import main
     from captioner.pretrained import PHOTOS
+    from captioner.share.server import verdict
 
     photo = sorted(PHOTOS.glob("*.jpg"))[1]
     assert main(["caption", str(photo), "--json"]) == 0
@@ -144,13 +145,21 @@ def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_
         answer = driver.execute_script("return window.answers[window.answers.length - 1];")
         best = answer["captions"][0]
         assert best["text"] == cli["caption"] and best["score"] == pytest.approx(cli["score"], abs=1e-4)
-        score = driver.find_element(By.CSS_SELECTOR, ".column .score")
-        assert score.is_displayed()
+        # a verdict in words, its band that of the model's own log-probability per word; the number one click away
         words = len(cli["tokens"])
-        assert score.text == (f"log-probability {cli['score']:.2f} in all \u00b7 {cli['score'] / words:.2f} per word "
-                              f"({words} words)")
+        said = driver.find_element(By.CSS_SELECTOR, ".column .verdict")
+        assert said.is_displayed() and said.find_element(By.CSS_SELECTOR, "strong").text == best["verdict"]
+        assert best["log_prob"] == pytest.approx(cli["score"], abs=1e-4)
+        assert best["verdict"] == verdict(cli["score"], words)
+        score = driver.find_element(By.CSS_SELECTOR, ".column .score")
+        assert not score.is_displayed()
+        driver.find_element(By.CSS_SELECTOR, ".column .numbers summary").click()
+        assert score.is_displayed()
+        assert score.text == (f"the model's own log-probability {cli['score']:.2f} in all \u00b7 {cli['score'] / words:.2f} "
+                              f"per word ({words} words)")
         explain = driver.find_element(By.CSS_SELECTOR, ".column .explain")
         assert explain.is_displayed() and "closer to 0 is more likely" in explain.text
+        assert not driver.find_element(By.CSS_SELECTOR, ".column .fused").is_displayed()  # plain: one number
         assert not driver.find_element(By.CSS_SELECTOR, ".nbest").is_displayed()  # one caption: no list
         # the caption as text to copy
         assert driver.find_element(By.CSS_SELECTOR, ".column .chosen .text").text == cli["caption"]
@@ -384,14 +393,16 @@ def test_everyday_photos_is_offered_where_a_model_offers_it_and_said_in_the_meta
     assert expected != shipped.caption_nbest(photo, n_best=1, beam=3)[0].text
     done = "return +document.body.dataset.answers > {};"  # an answer, or an error
     with _serve_page(driver, [("flickr8k", shipped), ("tiny", peaked_model)]):
-        box, label = driver.find_element(By.ID, "everyday"), driver.find_element(By.ID, "everyday-label")
+        box = driver.find_element(By.ID, "everyday")
         models = Select(driver.find_element(By.ID, "model"))
         # side by side: offered, as one of the models offers it; the label names the box, its title says what it does
         assert box.is_enabled() and not box.is_selected() and box.accessible_name == "everyday photos"
-        assert "better on everyday photos" in label.get_attribute("title")
+        note = driver.find_element(By.ID, "everyday-note")  # said in words on the page, not in a tooltip
+        assert note.is_displayed() and "better for food, animals, streets" in note.text
+        assert box.get_attribute("aria-describedby") == "everyday-note"
         _axe_audit(axe, driver, [])
         models.select_by_value("tiny")  # a model without labels: off, and said why
-        assert not box.is_enabled() and not box.is_selected() and "Not offered" in label.get_attribute("title")
+        assert not box.is_enabled() and not box.is_selected() and note.text.startswith("Not offered by this model")
         models.select_by_value("flickr8k")
         assert box.is_enabled()
         driver.execute_script("arguments[0].focus();", box)
@@ -427,3 +438,77 @@ def test_everyday_photos_is_offered_where_a_model_offers_it_and_said_in_the_meta
         assert not box.is_selected() and "everyday" not in _metas(driver)["tiny"]
         models.select_by_value("flickr8k")
         assert box.is_selected()
+
+
+def _numbers(driver) -> dict[str, str]:
+    """The first column's verdict, its own log-probability line and the fused score's line (shown or not)."""
+    return driver.execute_script(
+        "const c = document.querySelector('.column'); c.querySelector('.numbers').open = true;"
+        "const f = c.querySelector('.fused');"
+        "return {verdict: c.querySelector('.verdict strong').textContent, text: c.querySelector('.chosen .text')"
+        ".textContent, score: c.querySelector('.score').textContent, fused: f.hidden ? '' : f.textContent};")
+
+
+def test_the_verdict_reads_the_models_own_log_probability_with_everyday_photos_on_or_off(driver, shipped):
+    from selenium.webdriver.common.by import By
+
+    from captioner.pretrained import PHOTOS
+    from captioner.share.server import VERDICTS
+
+    photo = PHOTOS / "phone_call.jpg"  # the same caption either way
+    plain = shipped.caption_nbest(photo, n_best=1, beam=3)[0]
+    assert plain.text == "a man in a black shirt is standing in front of a building"
+    assert plain.score / len(plain.words) >= VERDICTS[0][0]  # -0.14 per word: the top band
+    with _shipped_page(driver, shipped):
+        _example(driver, 1)
+        off = _numbers(driver)
+        assert off["verdict"] == "likely right" and off["text"] == plain.text and off["fused"] == ""
+        assert off["score"] == (f"the model's own log-probability {plain.score:.2f} in all \u00b7 "
+                                f"{plain.score / 13:.2f} per word (13 words)")
+        before = _answers(driver)
+        driver.find_element(By.ID, "everyday").click()
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';", 60)
+        on = _numbers(driver)
+        # the same caption, the same verdict and own log-probability; the fused search score named apart
+        assert {k: on[k] for k in ("verdict", "text", "score")} == {k: off[k] for k in ("verdict", "text", "score")}
+        assert "everyday photos" in on["fused"] and "search score" in on["fused"] and "own log-probability" in on["fused"]
+        fused = shipped.caption_nbest(photo, n_best=1, beam=3, veto=2.0, fill_slots=0.05, lm_weight=0.3)[0].score
+        assert f"{fused:.2f}" in on["fused"] and f"{fused:.2f}" not in on["score"]
+
+
+def test_a_50_megapixel_phone_photo_is_shrunk_upright_in_the_browser_and_captioned(driver, shipped, tmp_path: Path):
+    from PIL import Image
+
+    from captioner.pretrained import PHOTOS
+
+    # 8160x6120 (49.9 megapixels), stored on its side with EXIF orientation 6 as a phone stores a portrait photo
+    with Image.open(PHOTOS / "skateboarder.jpg") as im:
+        upright = im.convert("RGB").resize((6120, 8160))  # the photo as seen: portrait
+    noise = np.random.default_rng(0).integers(-2, 3, (8160, 6120, 1), dtype=np.int16)  # a sensor's grain
+    stored = Image.fromarray(np.clip(np.asarray(upright, dtype=np.int16) + noise, 0, 255).astype(np.uint8))
+    stored = stored.transpose(Image.Transpose.ROTATE_90)  # as written: landscape, turned back by orientation 6
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "PXL_20260101_120000.jpg"
+    stored.save(path, quality=75, exif=exif.tobytes())
+    size = path.stat().st_size
+    assert stored.size == (8160, 6120) and 2e6 <= size <= 3.2e6, size
+    with _shipped_page(driver, shipped):
+        driver.execute_script(_SENT_BYTES)
+        before = _answers(driver)
+        driver.find_element("id", "file").send_keys(str(path))
+        _wait(driver, f"return +document.body.dataset.answers > {before};", 120)
+        assert driver.execute_script("return document.body.dataset.state;") == "done", \
+            driver.find_element("id", "error").text
+        answer = driver.execute_script("return window.answers[window.answers.length - 1];")
+        assert answer["image_size"] == [1080, 1440]  # upright: the long side 1440 px, portrait as the EXIF says
+        assert driver.execute_script("return window.sentBytes;") < 1.5e6
+        assert answer["captions"][0]["text"] and answer["file"] == path.name
+        status = driver.find_element("id", "status").text
+        assert status.endswith("sent at 1080\u00d71440 (from 6120\u00d78160)"), status
+
+
+_SENT_BYTES = ("window.answers = []; window.fetch = (function (real) { return function (url, init) {"
+               " if (init && init.body instanceof FormData) window.sentBytes = init.body.get('image').size;"
+               " return real.apply(null, arguments).then(function (r) {"
+               " r.clone().json().then(function (j) { window.answers.push(j); }); return r; }); }; })(window.fetch);")

@@ -18,14 +18,17 @@ from captioner.files import package_texts, size_text
 __all__ = ["PAGE_CSS", "PAGE_HTML", "PAGE_JS", "render_page"]
 
 
-def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int) -> str:
+def render_page(models: list[dict], examples: list[dict], max_beam: int, max_bytes: int,
+                verdicts: list[dict] = (), upload_side: int = 0) -> str:
     """The page as one HTML string.
 
     ``models``: ``[{"name", "decoder", "encoder", "about", "card", "everyday", ...}]``, the first selected;
-    ``examples``: ``{"name", "file"}`` each; ``max_bytes``: largest upload (checked before sending).
+    ``examples``: ``{"name", "file"}`` each; ``max_bytes``: largest upload (checked before sending);
+    ``verdicts``: ``{"name", "note"}`` each, what a caption's verdict means; ``upload_side``: the long side
+    a larger photo is shrunk to in the browser before it is sent (0: sent as it is).
     """
     config = {"models": models, "examples": examples, "max_beam": max_beam, "max_bytes": max_bytes,
-              "max_text": size_text(max_bytes)}
+              "max_text": size_text(max_bytes), "verdicts": list(verdicts), "upload_side": upload_side}
     payload = json.dumps(config, separators=(",", ":")).replace("<", "\\u003c")  # safe inside <script>
     names = html.escape(", ".join(m["name"] for m in models))
     about = "".join(

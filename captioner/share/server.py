@@ -35,7 +35,7 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from captioner.data.images import decode_image, load_image
+from captioner.data.images import DEFAULT_MAX_PIXELS, decode_image, load_image, pixels_text
 from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
 from captioner.config import DecodeOptions
 from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
@@ -50,7 +50,8 @@ from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
 
-__all__ = ["EVERYDAY", "ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
+__all__ = ["EVERYDAY", "VERDICTS", "ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running",
+           "verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,20 @@ LABELS = 5  # the photo's labels shown, for a model whose encoder has an ImageNe
 # are absent made unlikely and, where still written, filled with what the labels see where they looked (better on
 # everyday photos, a little worse on Flickr8k's; docs/decoding_metrics_checkpoint.md)
 EVERYDAY = DecodeOptions(veto=2.0, fill_slots=0.05, lm_weight=0.3)
+# the page's verdict on a caption from the model's own log-probability per word (its words and its end, divided by
+# the words; teacher-forced, so never the fused score of "everyday photos"): at or above the first cut "likely
+# right", below the second "probably wrong", between them "unsure". Fitted by scripts/experiments/verdict_bands.py
+# on the shipped model's captions of the Flickr8k dev photos and the everyday dev photos (coco2014-val168), plain and
+# with EVERYDAY: a caption is right when it names only objects its references name and its CIDEr-D is >= 0.5;
+# the rate of right captions per band is in docs/share_and_show.md
+# what to do about an upload over a limit: the page shrinks a photo before it sends it (UPLOAD_SIDE); another
+# client can do the same, or the server can be started with a higher limit
+PIXELS_HINT = ("shrink it before sending (the model looks at 224 px; a long side of 2,000 px is plenty), or start "
+               "captioner serve with a higher --max-megapixels (at most {most:.0f})")
+BYTES_HINT = "send a smaller copy (the page shrinks photos itself), or start captioner serve with a higher --max-upload-mb"
+VERDICTS = ((-0.30, "likely right", "on the dev photos, about half the captions this sure were right"),
+            (-0.80, "unsure", "on the dev photos, about a quarter of the captions this sure were right"),
+            (float("-inf"), "probably wrong", "on the dev photos, few captions this unsure were right"))
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
@@ -73,6 +88,7 @@ class ServeLimits:
 
     max_bytes: int = 20 * MiB  # largest upload accepted
     max_pixels: int = 40_000_000  # largest image accepted (from its header, before decoding: decompression bombs)
+    # (at most the library's own guard, captioner.data.images.DEFAULT_MAX_PIXELS)
     max_beam: int = 5  # largest beam size (the n-best list is at most the beam)
     max_len: int = 20  # longest caption in words
     display_side: int = 720  # largest side of the picture in the explorer
@@ -89,6 +105,9 @@ class ServeLimits:
                      "body_seconds", "max_connections", "per_client", "queue_seconds"):
             if not getattr(self, name) >= 1 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"{name} must be a finite number >= 1, got {getattr(self, name)}")
+        if self.max_pixels > DEFAULT_MAX_PIXELS:
+            raise ConfigError(f"max_pixels must be at most {DEFAULT_MAX_PIXELS:,} (the image loader's own limit), "
+                              f"got {self.max_pixels:,}")
         if self.decode_bytes is not None and not self.decode_bytes >= 1:
             raise ConfigError(f"decode_bytes must be >= 1, got {self.decode_bytes}")
 
@@ -149,6 +168,13 @@ def card_summary(card: str) -> str:
     return one_line(": ".join(part for part in (title, about) if part))[:200]
 
 
+def verdict(log_prob: float, words: int) -> str:
+    """The page's words for a caption of ``words`` words whose own log-probability is ``log_prob``
+    (:data:`VERDICTS`: by the log-probability per word)."""
+    per_word = log_prob / max(1, words)
+    return next(name for cut, name, _ in VERDICTS if per_word >= cut)
+
+
 def _check_choice(name: str, value: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
@@ -168,14 +194,31 @@ def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, b
     if everyday and not served.everyday:
         raise ConfigError(f"model {served.name!r} does not offer everyday photos: {served.everyday_why_not}")
     t0 = time.perf_counter()
+    _check_pixels(data, filename, limits.max_pixels)
     budget = shared_budget(limits.decode_bytes, limits.queue_seconds)
     with budget.hold(decode_cost(data, limits.max_pixels), filename):
         if not isinstance(data, bytes):
             data.seek(0)
             data = data.read(limits.max_bytes + 1)
             if len(data) > limits.max_bytes:
-                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)})")
+                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)}): {BYTES_HINT}")
         return _caption_image(served, data, filename, beam, n_best, everyday, limits, t0)
+
+
+def _check_pixels(data: bytes | BinaryIO, filename: str, max_pixels: int) -> None:
+    """``ImageLoadError`` saying what to do for an image whose header says it has more than ``max_pixels``
+    pixels (an unreadable header is left to the decoder, which names the problem)."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        with Image.open(stream) as im:
+            width, height = im.size
+    except Exception:  # noqa: BLE001 - not an image: decode_image says so
+        return
+    finally:
+        stream.seek(0)
+    if width * height > max_pixels:
+        raise ImageLoadError(f"{filename}: image too large ({width}x{height} pixels, limit {pixels_text(max_pixels)}): "
+                             + PIXELS_HINT.format(most=DEFAULT_MAX_PIXELS / 1e6))
 
 
 def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, everyday: bool,
@@ -192,7 +235,9 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
     out = []
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
-        out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
+        own = c.log_prob if c.log_prob is not None else c.score
+        out.append({"text": c.text, "score": round(c.score, 4), "log_prob": round(own, 4),
+                    "verdict": verdict(own, len(c.words)), "words": c.words, "finished": c.finished,
                     "concepts": None if c.concepts is None else [{"word": w, "prob": p} for w, p in c.concepts],
                     "labels": None if c.labels is None else [{"word": w, "prob": p} for w, p, _ in c.labels],
                     "record": caption_to_dict(c, decimals=5),
@@ -213,7 +258,8 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     if len(by_name) != len(models):
         raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
-    page = render_page([m.info() for m in models], [e.info() for e in examples], limits.max_beam, limits.max_bytes)
+    page = render_page([m.info() for m in models], [e.info() for e in examples], limits.max_beam, limits.max_bytes,
+                       [{"name": name, "note": note} for _, name, note in VERDICTS], 2 * limits.display_side)
     install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.body_seconds)
     app.state.limits = limits
 
@@ -269,7 +315,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         upload = image.file  # spooled: in memory up to 1 MiB, on disk past it, read under the decode budget
         size = upload.seek(0, 2)
         if size > limits.max_bytes:
-            return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
+            return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)}): {BYTES_HINT}")
         try:
             return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits, everyday=everyday))
         except Refused as exc:
