@@ -297,8 +297,8 @@ def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_
     from captioner.share.server import ServedModel, card_summary, create_app, running
 
     card = model_card_of("flickr8k")
-    assert card_summary(card) == ("Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
-                                  "photos mostly of people and dogs outdoors")
+    assert card_summary(card) == ("knows photos mostly of people and dogs outdoors \u00b7 Show, Attend and Tell on "
+                                  "Flickr8k, reading what its encoder sees")
     assert card_summary("# `x`: A model\n\nsome text") == "A model"
     ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
     assert model_card_of(str(ckpt)) is None  # no card beside it
@@ -318,7 +318,7 @@ def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_
             page = r.read().decode()
         assert '<a href="/cards/1"' in page and '<a href="/cards/0"' not in page and "Carded &lt;b&gt;" in page
         with urllib.request.urlopen(f"{base}/cards/1", timeout=30) as r:
-            assert "# `c`: Carded &lt;b&gt;" in r.read().decode()
+            assert '<h1 id="c-carded-b"><code>c</code>: Carded &lt;b&gt;</h1>' in r.read().decode()
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{base}/cards/0", timeout=30)
         assert missing.value.code == 404 and json.loads(missing.value.read()) == {"error": "no model card for model 0"}
@@ -430,3 +430,18 @@ def test_verdicts_follow_the_bands_and_the_pixel_limit_says_what_to_do(server) -
     assert answer["captions"][0]["verdict"] in (best, middle, worst)
     with pytest.raises(ConfigError, match="max_pixels must be at most 64,000,000"):
         ServeLimits(max_pixels=64_000_001)
+
+
+def test_the_model_card_is_a_page_of_html_with_its_tables() -> None:
+    from captioner.commands.serve import model_card_of
+    from captioner.share.page import card_html, render_card_page
+
+    page = render_card_page("flickr8k", model_card_of("flickr8k"))
+    assert "<pre" not in page and "| ---" not in page and "\n# " not in page and "`" not in page
+    assert page.count("<table>") >= 2 and "<th>CIDEr-D</th>" in page and '<th scope="row">decoder</th>' in page
+    assert '<a href="#how-it-was-trained">below</a>' in page and 'id="how-it-was-trained"' in page
+    assert "<main>" in page and "<h1 " in page and "<ul><li>It knows Flickr8k&#x27;s world best" in page
+    export = ("---\nlibrary_name: captioner\n---\n# `me/m`: M\n\n1. first\n   goes on\n2. second\n\n```python\n"
+              "a < b\n```\n[x](javascript:void) ![map](overlay.png) **bold** <script>")
+    assert card_html(export) == ('<h1 id="mem-m"><code>me/m</code>: M</h1>\n<ol><li>first goes on</li><li>second</li></ol>\n'
+                                 "<pre><code>a &lt; b</code></pre>\n<p>x map <strong>bold</strong> &lt;script&gt;</p>")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import html
 import io
 import logging
 import os
@@ -44,7 +43,7 @@ from captioner.inference import Captioner
 from captioner.language import fusion_unavailable
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
-from captioner.share.page import render_page
+from captioner.share.page import render_card_page, render_page
 from captioner.text import SPECIALS, tokenize
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
@@ -78,9 +77,6 @@ FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around th
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
        "base-uri 'none'")
-CARD_CSS = ("body { font: 15px/1.5 system-ui, sans-serif; margin: 1em auto; max-width: 60em; padding: 0 1em; "
-            "color: #1d1d1f; background: #fafafa; } pre { white-space: pre-wrap; font: inherit; }")
-
 
 @dataclass(frozen=True)
 class ServeLimits:
@@ -159,13 +155,14 @@ class ServedModel:
 
 
 def card_summary(card: str) -> str:
-    """One line about a model from its card (Markdown): the title's text after the model's name, and what
-    its photos are when the card says (a sentence starting "The photos are ...", up to its first comma)."""
+    """One line about a model from its card (Markdown), leading with what it knows: "knows <its photos>"
+    when the card says (a sentence starting "The photos are ...", up to its first comma), then the title's
+    text after the model's name."""
     title = next((line[2:].strip() for line in card.splitlines() if line.startswith("# ")), "")
     title = re.sub(r"^`[^`]*`\s*:\s*", "", title).replace("`", "")
     photos = re.search(r"\bThe photos are ([^,.;]+)", card)
-    about = f"photos {photos.group(1).strip()}" if photos else ""
-    return one_line(": ".join(part for part in (title, about) if part))[:200]
+    knows = f"knows photos {photos.group(1).strip()}" if photos else ""
+    return one_line(" \u00b7 ".join(part for part in (knows, title) if part))[:200]
 
 
 def verdict(log_prob: float, words: int) -> str:
@@ -293,11 +290,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     def card(index: int) -> Response:
         if not 0 <= index < len(models) or models[index].card is None:
             return _error(404, f"no model card for model {index}")
-        name = html.escape(models[index].name)
-        return HTMLResponse(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{name}: model card'
-                            f'</title><link rel="icon" href="data:,"><style>{CARD_CSS}</style></head><body><main>'
-                            f'<p><a href="/">back to the page</a></p><pre>{html.escape(models[index].card)}</pre>'
-                            "</main></body></html>")
+        return HTMLResponse(render_card_page(models[index].name, models[index].card))
 
     @app.get("/examples/{index}")
     def example(index: int) -> Response:
