@@ -75,9 +75,12 @@ def _example(driver, index: int = 0) -> None:
 
 _RECT = """const f = document.querySelector('#columns iframe'), r = f.getBoundingClientRect(), doc = f.contentDocument;
 const v = doc.getElementById('view').getBoundingClientRect(), l = doc.querySelector('.legend').getBoundingClientRect();
-const d = document.querySelector('.downloads').getBoundingClientRect();
-return {map_top: r.top + v.top, map_bottom: r.top + v.bottom, map_width: v.width, legend_bottom: r.top + l.bottom,
-        downloads_bottom: d.bottom, height: window.innerHeight, scroll: window.scrollY};"""
+const p = doc.getElementById('play').getBoundingClientRect(), d = document.querySelector('.downloads').getBoundingClientRect();
+const c = document.querySelector('.chosen').getBoundingClientRect(), j = document.querySelector('.verdict').getBoundingClientRect();
+return {map_top: Math.round(r.top + v.top), map_bottom: Math.round(r.top + v.bottom), map_width: Math.round(v.width),
+        legend_bottom: Math.round(r.top + l.bottom), play_bottom: Math.round(r.top + p.bottom),
+        downloads_bottom: Math.round(d.bottom), caption_top: Math.round(c.top), verdict_bottom: Math.round(j.bottom),
+        height: window.innerHeight, scroll: window.scrollY};"""
 
 
 def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high_on_a_phone(driver, shipped):
@@ -90,8 +93,7 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
             _example(driver)
             _wait(driver, "return document.querySelector('#columns iframe').offsetHeight > 300;")
-            time.sleep(0.3)  # the frame fitted to the window
-            box = driver.execute_script(_RECT)
+            box = _settled(driver, _RECT)  # the frame fitted to the window
             assert box["scroll"] == 0
             assert box["map_bottom"] <= box["height"] and box["legend_bottom"] <= box["height"], box
             assert box["downloads_bottom"] <= box["height"], box
@@ -104,21 +106,25 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
             assert driver.find_elements(By.CSS_SELECTOR, "#result img") == []
             # the model said in one line from its card, the card one click away
             about = driver.find_element(By.CSS_SELECTOR, "#about li").text
-            assert about.startswith("flickr8k: Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
-                                    "photos mostly of people and dogs")
+            assert about.startswith("flickr8k: knows photos mostly of people and dogs outdoors \u00b7 Show, Attend "
+                                    "and Tell on Flickr8k")  # what it knows first
             card = driver.find_element(By.CSS_SELECTOR, "#about a").get_attribute("href")
             import urllib.request
 
             with urllib.request.urlopen(card, timeout=30) as r:
                 assert "Show, Attend and Tell on Flickr8k" in r.read().decode()
+            # a phone: a compact header; caption, verdict, map, legend and Play on the first screen; the downloads
+            # within one short scroll
             viewport(driver, 390, 844, mobile=True)
             driver.execute_script("window.scrollTo(0, 0);")
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("1")
             _wait(driver, "return document.body.dataset.state === 'done' && "
                           "document.querySelectorAll('.nbest .text').length === 1;", 60)
-            time.sleep(0.3)
-            box = driver.execute_script(_RECT)
-            assert box["map_top"] <= 500, box
+            box = _settled(driver, _RECT)
+            assert box["scroll"] == 0 and box["height"] == 844, box
+            assert box["caption_top"] >= 0 and box["verdict_bottom"] < box["map_top"] <= 360, box
+            assert box["legend_bottom"] <= 844 and box["play_bottom"] <= 844, box
+            assert box["downloads_bottom"] <= 1050, box
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
                                          "document.documentElement.clientWidth;"), "the page scrolls sideways"
     finally:
@@ -512,3 +518,53 @@ _SENT_BYTES = ("window.answers = []; window.fetch = (function (real) { return fu
                " if (init && init.body instanceof FormData) window.sentBytes = init.body.get('image').size;"
                " return real.apply(null, arguments).then(function (r) {"
                " r.clone().json().then(function (j) { window.answers.push(j); }); return r; }); }; })(window.fetch);")
+
+
+def test_on_a_phone_the_strip_keeps_the_playing_word_in_view_and_shows_that_it_scrolls(driver, shipped):
+    from selenium.webdriver.common.by import By
+
+    try:
+        with _shipped_page(driver, shipped):
+            viewport(driver, 390, 844, mobile=True)
+            _example(driver, 1)  # 13 words: more than the strip shows
+            frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+            words = _words_in(driver, frame)
+            assert len(words) == 13
+            driver.switch_to.frame(frame)
+            cap = driver.find_element(By.ID, "caption")
+            assert driver.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth + 100;", cap)
+            assert driver.execute_script("return getComputedStyle(arguments[0]).maskImage;", cap) != "none"  # the cue
+            assert "more-right" in cap.get_attribute("class")
+            driver.execute_script(
+                "window.out = []; window.seen = []; const cap = document.getElementById('caption');"
+                "new MutationObserver(function () { const i = document.body.dataset.word;"
+                " const r = document.getElementById('word-' + i).getBoundingClientRect(), c = cap.getBoundingClientRect();"
+                " window.seen.push(i); if (r.left < c.left - 1 || r.right > c.right + 1) window.out.push(i); })"
+                ".observe(document.body, { attributes: true, attributeFilter: ['data-word'] });")
+            driver.find_element(By.ID, "play").click()
+            _wait(driver, "return document.body.dataset.playing === '';", timeout=60)
+            assert driver.execute_script("return window.seen;")[-1] == "12"
+            assert driver.execute_script("return window.out;") == []  # every played word inside the strip
+            assert "more-left" in cap.get_attribute("class")  # scrolled on: the start fades now
+            driver.execute_script("document.getElementById('word-0').focus();")  # the focused word too
+            assert driver.execute_script("const r = document.getElementById('word-0').getBoundingClientRect(),"
+                                         " c = document.getElementById('caption').getBoundingClientRect();"
+                                         " return r.left >= c.left - 1 && r.right <= c.right + 1;")
+            driver.switch_to.default_content()
+    finally:
+        driver.switch_to.default_content()
+        viewport(driver, *DESKTOP)
+
+
+def test_the_model_card_is_html_with_its_table_and_passes_axe(driver, shipped):
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+
+    with _shipped_page(driver, shipped) as base:
+        driver.get(base + "/cards/0")
+        assert driver.find_elements(By.TAG_NAME, "pre") == []
+        assert driver.find_element(By.TAG_NAME, "h1").text.startswith("flickr8k: Show, Attend and Tell")
+        headers = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "table thead th")]
+        assert "CIDEr-D" in headers and len(driver.find_elements(By.CSS_SELECTOR, "table tbody tr")) >= 10
+        assert "|" not in driver.find_element(By.TAG_NAME, "main").text.split("\n")[0]
+        _axe_audit(axe, driver, [])

@@ -85,16 +85,18 @@
     copy.type = "button";
     copy.setAttribute("aria-label", "copy the caption");
     line.appendChild(text); line.appendChild(copy); head.appendChild(line);
-    const verdict = el("p", "verdict"), word = el("strong", "verdict-word"), why = el("span", "why");
-    verdict.appendChild(word); verdict.appendChild(why); head.appendChild(verdict);
+    const judged = el("div", "judged"), verdict = el("p", "verdict");
+    const word = el("strong", "verdict-word"), why = el("span", "why");
+    verdict.appendChild(word); verdict.appendChild(why); judged.appendChild(verdict); head.appendChild(judged);
     // the numbers one click away: the model's own log-probability (never the fused score, said apart)
     const numbers = el("details", "numbers"), score = el("p", "score"), fused = el("p", "fused");
+    const band = el("p", "band");
     numbers.appendChild(el("summary", "", "the numbers"));
-    numbers.appendChild(score); numbers.appendChild(fused);
+    numbers.appendChild(band); numbers.appendChild(score); numbers.appendChild(fused);
     numbers.appendChild(el("p", "explain", "The model's own log-probability of this caption, word by word: 0 would be " +
                            "certain, closer to 0 is more likely. The verdict reads it per word, by bands fitted on " +
                            "dev photos."));
-    head.appendChild(numbers);
+    judged.appendChild(numbers);
     function pick(k) {  // caption k of the list: its text, its score, its map
       shown = k;
       const c = data.captions[k], s = scoreParts(c);
@@ -102,6 +104,7 @@
       word.textContent = c.verdict;
       verdict.dataset.verdict = c.verdict;
       why.textContent = " \u00b7 " + verdictNote(c.verdict);
+      band.textContent = c.verdict + ": " + verdictNote(c.verdict) + ".";
       score.textContent = "";
       score.appendChild(document.createTextNode("the model's own log-probability "));
       score.appendChild(el("strong", "", s.total));
@@ -171,7 +174,9 @@
     const view = doc.getElementById("view"), said = doc.getElementById("summary");
     if (view && said) {  // room for the map: the window less what is above it, and its legend and sentence under it
       const top = frame.getBoundingClientRect().top + window.scrollY + view.getBoundingClientRect().top;
-      const under = said.getBoundingClientRect().bottom - view.getBoundingClientRect().bottom;
+      const play = doc.getElementById("play"), low = view.getBoundingClientRect().bottom;
+      const after = play && play.getBoundingClientRect().top > low ? play.getBoundingClientRect().bottom : 0;
+      const under = Math.max(said.getBoundingClientRect().bottom, after) - low;  // Play too, when it comes after
       const room = Math.max(200, Math.floor(window.innerHeight - top - under - 10));
       if (doc.documentElement.style.getPropertyValue("--map-max") !== room + "px")
         doc.documentElement.style.setProperty("--map-max", room + "px");

@@ -11,7 +11,8 @@ about the shipped model's average on Flickr8k dev). The bands are fitted on all 
 
 * the upper cut: the lowest per-word log-probability at or above which captions are right at least
   ``--high`` of the time (and at least ``--min-share`` of the captions);
-* the lower cut: the highest below which they are right at most ``--low`` of the time (same share).
+* the lower cut: the highest (not above the upper) below which they are right at most ``--low`` of the
+  time (same share).
 
 Prints each run's rate of right captions per band and the fitted cuts (docs/share_and_show.md holds the
 table; ``captioner.share.server.VERDICTS`` the cuts), and writes every caption's record to ``--out``.
@@ -75,8 +76,9 @@ def fit(records: list[dict], good_cider: float, high: float, low: float, min_sha
     y = np.array([right(r, good_cider) for r in records])
     need = min_share * len(x)
     upper = [c for c in GRID if (x >= c).sum() >= need and y[x >= c].mean() >= high]
-    lower = [c for c in GRID if (x < c).sum() >= need and y[x < c].mean() <= low]
-    return (min(upper) if upper else float(GRID[-1]), max(lower) if lower else float(GRID[0]))
+    top = min(upper) if upper else float(GRID[-1])
+    lower = [c for c in GRID if c <= top and (x < c).sum() >= need and y[x < c].mean() <= low]
+    return top, (max(lower) if lower else float(GRID[0]))
 
 
 def table(runs: dict[str, list[dict]], cuts: tuple[float, float], good_cider: float) -> str:
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=Path, help="refit from records written before (no captioning)")
     parser.add_argument("--out", type=Path, default=Path("runs/verdict/records.json"))
     parser.add_argument("--good-cider", type=float, default=0.5, help="CIDEr-D (coco-caption scale) that scores well")
-    parser.add_argument("--high", type=float, default=0.5, help="share right at or above the upper cut")
-    parser.add_argument("--low", type=float, default=0.15, help="share right at most below the lower cut")
+    parser.add_argument("--high", type=float, default=0.6, help="share right at or above the upper cut")
+    parser.add_argument("--low", type=float, default=0.25, help="share right at most below the lower cut")
     parser.add_argument("--min-share", type=float, default=0.1, help="least share of captions in an outer band")
     args = parser.parse_args(argv)
     if args.records:
