@@ -180,13 +180,17 @@ def test_upload_caption_hover_and_errors_all_on_127_0_0_1(driver, peaked_model, 
         items = driver.find_elements(By.CSS_SELECTOR, ".nbest .text")
         assert [li.text for li in items] == [c.text for c in expected]
         scores = driver.find_elements(By.CSS_SELECTOR, ".nbest .score")
-        # the score says what it is: the search's score is the caption's log-probability (its words and its
-        # end), in all and per word (its words counted, not its end)
+        # each caption's verdict and the model's own log-probability per word (its words and its end, divided by
+        # its words; plain decoding: the search's score); the whole figure under "the numbers"
+        from captioner.share.server import verdict
+
         best = expected[0]
         per_word = best.score / len(best.words)
-        assert scores[0].text == f"{per_word:.2f} per word \u00b7 {best.score:.2f} in all"
-        assert driver.find_element(By.CSS_SELECTOR, ".column .score").text == \
-            f"log-probability {best.score:.2f} in all \u00b7 {per_word:.2f} per word ({len(best.words)} words)"
+        assert scores[0].text == f"{verdict(best.score, len(best.words))} \u00b7 {per_word:.2f} per word"
+        driver.find_element(By.CSS_SELECTOR, ".column .numbers summary").click()
+        assert driver.find_element(By.CSS_SELECTOR, ".column .score").text == (
+            f"the model's own log-probability {best.score:.2f} in all \u00b7 {per_word:.2f} per word "
+            f"({len(best.words)} words)")
         assert driver.find_element(By.CSS_SELECTOR, ".column .chosen .text").text == best.text
         assert driver.find_element(By.ID, "file-name").text == "scene.png"
 

@@ -173,7 +173,10 @@
     if (!doc || !doc.body) return;
     const view = doc.getElementById("view"), said = doc.getElementById("summary");
     if (view && said) {  // room for the map: the window less what is above it, and its legend and sentence under it
-      const top = frame.getBoundingClientRect().top + window.scrollY + view.getBoundingClientRect().top;
+      // the map's top on the page; for models stacked one above the other (a phone), its top in its own column
+      const col = frame.closest(".column"), below = col && stacked(col);
+      const top = view.getBoundingClientRect().top + (below ? frame.getBoundingClientRect().top -
+        col.getBoundingClientRect().top : frame.getBoundingClientRect().top + window.scrollY);
       const play = doc.getElementById("play"), low = view.getBoundingClientRect().bottom;
       const after = play && play.getBoundingClientRect().top > low ? play.getBoundingClientRect().bottom : 0;
       const under = Math.max(said.getBoundingClientRect().bottom, after) - low;  // Play too, when it comes after
@@ -184,8 +187,20 @@
     frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
     level();
   }
+  function stacked(col) {  // models one above the other (a phone): col (default: the second) below the one before it
+    col = col || columns.children[1];
+    const before = col && col.previousElementSibling;
+    return !!before && before.getBoundingClientRect().bottom <= col.getBoundingClientRect().top + 1;
+  }
   function level() {  // side by side: every map as far down as the lowest one (rows of chips above a map differ)
     if (!columns.classList.contains("many")) return;
+    if (stacked()) {  // one above the other: nothing to level
+      frames().forEach(function (f) {
+        const doc = f.contentDocument;
+        if (doc && doc.documentElement.style.getPropertyValue("--lead")) doc.documentElement.style.removeProperty("--lead");
+      });
+      return;
+    }
     const views = frames().map(function (f) {
       const doc = f.contentDocument, view = doc && doc.getElementById("view");
       if (!view) return null;
