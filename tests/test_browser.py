@@ -61,7 +61,8 @@ def viewport(drv, width: int, height: int, mobile: bool = False) -> None:
     Chromium's own window and however busy the machine: DevTools' ``Emulation.setDeviceMetricsOverride``
     sizes the viewport itself (a resized window reaches the page a little later, and on a loaded machine
     after the test has read it). ``mobile``: a phone's viewport (overlay scroll bars, the page's
-    ``<meta name="viewport">`` honoured). Returns once the page sees the new size (its resize event fired)."""
+    ``<meta name="viewport">`` honoured: open such a page first, as a page without one is laid out 980 px
+wide). Returns once the page sees the new size (its resize event fired)."""
     drv.switch_to.default_content()  # the page's window, not a frame's
     drv.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
                         {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
