@@ -39,7 +39,7 @@ from captioner.pretrained import check_model_spec, is_model_name, pretrained_pat
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
-           "grid_of", "load", "search_features", "teacher_forced_attention"]
+           "grid_of", "load", "search_features", "teacher_forced_attention", "teacher_forced_log_probs"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
@@ -66,6 +66,9 @@ class Caption:
         finished: False when the caption was cut at ``max_len`` without ``<eos>``.
         concepts, concept_maps: a concept model's top ``(word, probability)`` and their (C, g, g) maps, else None.
         labels: with ``labels=K``, the encoder's ImageNet head's K words as ``(word, probability, (g, g) map)``.
+        log_prob: the model's own log-probability of the caption (its words, and ``<eos>`` when finished) from
+            a teacher-forced pass (:func:`teacher_forced_log_probs`): ``score`` without a language model, a
+            veto or a fill; set by :meth:`Captioner.caption_nbest`, else None.
     """
 
     text: str
@@ -81,6 +84,7 @@ class Caption:
     concepts: list[tuple[str, float]] | None = None
     concept_maps: torch.Tensor | None = None
     labels: list[tuple[str, float, torch.Tensor]] | None = None
+    log_prob: float | None = None
 
     def __repr__(self) -> str:  # shapes, not the tensors' values: a result prints on one line
         def shape(t: torch.Tensor | None) -> str:
@@ -168,6 +172,41 @@ def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tok
         return None
     all_att = out.all_attention[0].float().cpu()  # (L, layers, heads, N)
     return all_att.reshape(*all_att.shape[:3], *grid)  # (L, layers, heads, g, g)
+
+
+def teacher_forced_log_probs(model: torch.nn.Module, features: torch.Tensor, captions: Sequence[Sequence[int]],
+                             bos_id: int, eos_id: int, finished: Sequence[bool] | None = None) -> list[float]:
+    """The model's own log-probability of each caption of one image, from one teacher-forced forward.
+
+    What the decoder alone gives the caption's words, and its ``<eos>`` when ``finished`` (default: all
+    are): the search's score when it ranks by the model alone, and the model's own opinion of a caption a
+    language model, a veto or a fill helped choose (their terms are not in it).
+
+    Args:
+        features: (1, N, D) regions of the image (or (C, N, D), one row per caption).
+        captions: C captions' word ids (no ``<bos>``/``<eos>``).
+    Returns:
+        C floats (0.0 for an empty, unfinished caption).
+    """
+    if not captions:
+        return []
+    finished = [True] * len(captions) if finished is None else list(finished)
+    C, T = len(captions), max(len(t) for t in captions) + 1  # T: the words and the <eos> step
+    inputs = torch.full((C, T), eos_id, dtype=torch.long)  # (C, T): <bos> w1 .. wn, padded
+    targets = torch.full((C, T), eos_id, dtype=torch.long)  # (C, T): w1 .. wn <eos>, padded
+    counted = torch.zeros(C, T, dtype=torch.bool)  # (C, T): the steps that belong to the caption
+    for i, (tokens, done) in enumerate(zip(captions, finished)):
+        n = len(tokens)
+        inputs[i, 0] = bos_id
+        inputs[i, 1:n + 1] = torch.as_tensor(list(tokens), dtype=torch.long)
+        targets[i, :n] = inputs[i, 1:n + 1]
+        counted[i, :n + int(done)] = True
+    if features.size(0) == 1:
+        features = features.expand(C, -1, -1)  # (C, N, D)
+    with eval_mode(model), torch.inference_mode():
+        logits = model.decoder(features, inputs.to(features.device)).logits  # (C, T, V); causal: padding unread
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(logits.device).unsqueeze(-1))
+    return log_probs.squeeze(-1).cpu().masked_fill(~counted, 0.0).sum(1).tolist()  # (C,)
 
 
 def decode_options(options: DecodeOptions | None = None, **overrides: object) -> DecodeOptions:
@@ -382,6 +421,10 @@ class Captioner:
                 if all_heads:
                     c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
                 out.append(c)
+            own = teacher_forced_log_probs(self.model, features, [c.tokens for c in out], self.vocab.bos_id,
+                                           self.vocab.eos_id, [c.finished for c in out])
+        for c, log_prob in zip(out, own):
+            c.log_prob = log_prob
         return out
 
     # ------------------------------------------------------------------------- internals

@@ -145,7 +145,8 @@ class BodyGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return error_response(413, f"upload too large ({size_text(int(length))}; the limit is "
-                                       f"{size_text(self.max_upload)})", CLOSE)
+                                       f"{size_text(self.max_upload)}): send a smaller copy, or start captioner "
+                                       "serve with a higher --max-upload-mb", CLOSE)
         return None
 
     def _counted(self, receive: Any) -> Any:
