@@ -23,6 +23,7 @@ from captioner.config.schema import (
     DataConfig,
     DecodeOptions,
     EncoderConfig,
+    LabelStageConfig,
     ModelConfig,
     ScstConfig,
     TrainConfig,
@@ -35,7 +36,7 @@ from captioner.config.schema import (
 __all__ = [
     "DECODERS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
     "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
+    "EncoderConfig", "LabelStageConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
     "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]
