@@ -400,28 +400,39 @@ def build_label_stage(cfg: Config, init: InitWeights, run_dir: Path, info: ddp.D
     return stage
 
 
-def train_steps(stage: LabelStage, logger: MetricsLogger | None, progress: bool, budget: float | None) -> dict[str, float]:
-    """``train.labels.steps`` steps (fewer when ``budget`` seconds run out); the last logged means."""
-    cfg, decoder = stage.cfg, stage.decoder
-    s, t = cfg.train.labels, cfg.train
+def stage_optimizer(decoder: CaptionDecoder, cfg: Config) -> torch.optim.Optimizer:
+    """Adam over the decoder: its own weights at ``train.lr``, its label reading's at ``train.labels.extension_lr``."""
     new = list(decoder.extension.parameters())
     old = [p for p in decoder.parameters() if all(p is not q for q in new)]
-    optimizer = torch.optim.Adam([{"params": old, "lr": t.lr}, {"params": new, "lr": s.extension_lr}], betas=t.betas)
-    decoder.train()
+    return torch.optim.Adam([{"params": old, "lr": cfg.train.lr}, {"params": new, "lr": cfg.train.labels.extension_lr}],
+                            betas=cfg.train.betas)
+
+
+def train_step(stage: LabelStage, optimizer: torch.optim.Optimizer, regions: torch.Tensor, labels: torch.Tensor,
+               tokens: torch.Tensor, photos: int) -> dict[str, float]:
+    """One optimizer step on a batch (:meth:`LabelStage.batch`); the loss and its terms."""
+    t, decoder = stage.cfg.train, stage.decoder
+    loss, ce, kl = stage_loss(decoder, stage.base, regions, labels, tokens, photos, t.labels.attend_kd, stage.known)
+    if not torch.isfinite(loss):
+        raise DataError(f"label stage: non-finite loss ({float(loss.detach())}); nothing was saved")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if t.grad_clip:
+        torch.nn.utils.clip_grad_norm_(decoder.parameters(), t.grad_clip)
+    optimizer.step()
+    return {"loss": float(loss.detach()), "ce": float(ce.detach()),
+            **({"attention_kl": float(kl.detach())} if kl is not None else {})}
+
+
+def train_steps(stage: LabelStage, logger: MetricsLogger | None, progress: bool, budget: float | None) -> dict[str, float]:
+    """``train.labels.steps`` steps (fewer when ``budget`` seconds run out); the last logged means."""
+    s, t = stage.cfg.train.labels, stage.cfg.train
+    optimizer = stage_optimizer(stage.decoder, stage.cfg)
+    stage.decoder.train()
     start, sums, count, means = time.monotonic(), collections.Counter(), 0, {}
     bar = tqdm(range(1, s.steps + 1), desc="label stage", unit="step", leave=False, disable=not progress or None)
     for step in bar:
-        regions, labels, tokens, photos = stage.batch()
-        loss, ce, kl = stage_loss(decoder, stage.base, regions, labels, tokens, photos, s.attend_kd, stage.known)
-        if not torch.isfinite(loss):
-            raise DataError(f"label stage: non-finite loss ({float(loss)}) at step {step}; nothing was saved")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if t.grad_clip:
-            torch.nn.utils.clip_grad_norm_(decoder.parameters(), t.grad_clip)
-        optimizer.step()
-        sums.update({"loss": float(loss.detach()), "ce": float(ce.detach()),
-                     **({"attention_kl": float(kl.detach())} if kl is not None else {})})
+        sums.update(train_step(stage, optimizer, *stage.batch()))
         count += 1
         elapsed = time.monotonic() - start
         last = step == s.steps or (budget is not None and elapsed >= budget)
