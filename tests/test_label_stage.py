@@ -265,6 +265,9 @@ def test_the_stage_trains_a_model_that_loads_and_reads_labels(stage_files, tmp_p
     [epoch] = [r for r in rows if r["kind"] == "epoch"]
     assert int(epoch["val_images"]) == 3 and epoch["CIDEr-D"] != ""
     assert json.loads((out / "config.json").read_text())["train"]["stage"] == "labels"
+    capsys.readouterr()
+    assert main(_stage_args(stage_files, out)) != 0  # an earlier run is never overwritten unasked
+    assert f"{out} holds an earlier run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [

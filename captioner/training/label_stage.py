@@ -277,24 +277,14 @@ class LabelStage:
     shift: float  # log-odds of a person in the caption-only rows against the training photos
     photo_labels: torch.Tensor  # (P, W+1) every training photo's labels (the probe unshifted)
     targets: list[list[str]]  # per training photo, the captions a step draws from (the teacher's: one)
-    flags: torch.Tensor  # (P,) whether a photo shows a person
     text: list[str]  # the caption-only rows
-    person_scores: dict[bool, torch.Tensor]  # the probe's logits of the photos with that flag
-    photos_by_flag: dict[bool, list[int]]
-
-    def stored(self, rows: list[int]) -> torch.Tensor:
-        """The cached features (B, N, D + LITE_DIM) of training photos ``rows``, float32 on the run's device."""
-        data, device = self.data, next(self.decoder.parameters()).device
-        if data.train_store is not None:
-            x = data.train_store.gather(torch.tensor(rows, dtype=torch.long))
-        else:
-            load = data.train_dataset.load
-            x = load.stack(rows) if callable(getattr(load, "stack", None)) else torch.stack([load(i) for i in rows])
-        return model_input(x, device)
+    person_scores: dict[bool, torch.Tensor]  # the probe's logits of the photos with that person flag
+    photos_by_flag: dict[bool, list[int]]  # the training photos with that person flag (all, where none has it)
 
     def features(self, rows: list[int]) -> torch.Tensor:
         """The regions (B, N, D) of training photos ``rows``."""
-        return self.stored(rows)[..., :self.decoder.extension.feature_dim]
+        device = next(self.decoder.parameters()).device
+        return stored_rows(self.data, rows, device)[..., :self.decoder.extension.feature_dim]
 
     def encode(self, caption: str) -> list[int]:
         """A caption's ids, at most ``data.max_caption_len`` words between ``<bos>`` and ``<eos>``."""
@@ -322,18 +312,29 @@ class LabelStage:
         return regions, labels.to(device), tokens.to(device), s.photos
 
 
+def stored_rows(data: TrainData, rows: list[int], device: torch.device) -> torch.Tensor:
+    """The cached features (B, N, D + LITE_DIM) of training photos ``rows``, float32 on ``device``."""
+    if data.train_store is not None:
+        x = data.train_store.gather(torch.tensor(rows, dtype=torch.long))
+    else:
+        load = data.train_dataset.load
+        x = load.stack(rows) if callable(getattr(load, "stack", None)) else torch.stack([load(i) for i in rows])
+    return model_input(x, device)
+
+
 @torch.no_grad()
-def photo_class_probs(stage: LabelStage) -> torch.Tensor:
+def photo_class_probs(reading: SATLabels, data: TrainData, device: torch.device) -> torch.Tensor:
     """Every training photo's ImageNet class probabilities (P, C), read from its cached label channels."""
-    count, out = len(stage.targets), []
+    count, out = len(data.train_set.images), []
     for start in range(0, count, PROBS_BATCH):
-        out.append(stage.decoder.extension.class_probs(stage.stored(list(range(start, min(start + PROBS_BATCH, count))))))
+        out.append(reading.class_probs(stored_rows(data, list(range(start, min(start + PROBS_BATCH, count))), device)))
     return torch.cat(out).cpu()
 
 
-def build_label_stage(cfg: Config, init: InitWeights, run_dir: Path, info: ddp.DistInfo,
-                      progress: bool) -> LabelStage:
-    """Read the data, grow the vocabulary, build the model from ``init``, cache the features, fit the probe."""
+def build_label_stage(cfg: Config, init: InitWeights, run_dir: Path, info: ddp.DistInfo, progress: bool,
+                      overwrite: bool = False) -> LabelStage:
+    """Read and check the data, then (``overwrite``: an earlier run moved aside) write the run folder's config,
+    grow the vocabulary, build the model from ``init``, cache the features and fit the probe."""
     s = cfg.train.labels
     train_set, val_set = load_caption_sets(cfg)
     if len(train_set) < s.photos:
@@ -350,6 +351,8 @@ def build_label_stage(cfg: Config, init: InitWeights, run_dir: Path, info: ddp.D
     if info.is_main:
         log.info("label stage: vocabulary %d -> %d tokens (%d words of %d caption-only rows)", len(init.vocab),
                  len(vocab), len(added), len(text))
+        if overwrite:
+            move_aside(run_dir)
         make_run_folder(run_dir)
         cfg.save(run_dir / "config.json")
         vocab.save(run_dir / "vocab.json")
@@ -373,31 +376,28 @@ def build_label_stage(cfg: Config, init: InitWeights, run_dir: Path, info: ddp.D
     targets = ([[c] for c in read_teacher(s.teacher, [r.image_id for r in train_set.images])] if s.teacher
                else captions)
     flags = person_flags(captions, s.person_min_captions)
-    stage = LabelStage(cfg, data, model, decoder, base, len(init.vocab), PersonProbe(*[torch.zeros(0)] * 3, 0.0),
-                       0.0, torch.empty(0), targets, flags, text, {}, {})
-
     reading = decoder.extension
-    probs = photo_class_probs(stage)
-    stage.probe = fit_person_probe(probs, flags, steps=s.probe_steps)
-    reading.use_person_probe(stage.probe)  # unshifted while training, as the caption-only rows' scores are
+    probs = photo_class_probs(reading, data, info.device)
+    probe = fit_person_probe(probs, flags, steps=s.probe_steps)
+    reading.use_person_probe(probe)  # unshifted while training, as the caption-only rows' scores are
     reading.use_vocabulary(vocab.stoi, categories=named_objects, tau=s.veto_tau, person_tau=s.veto_person_tau)
-    stage.photo_labels = reading.labels(probs.to(info.device))
-    scores = stage.probe.logit(probs)
-    for f in (True, False):
-        pool = [i for i in range(len(flags)) if bool(flags[i]) == f]
-        stage.photos_by_flag[f] = pool or list(range(len(flags)))  # a flag no photo has: any photo
-        stage.person_scores[f] = scores[flags == f] if pool else scores
+    scores = probe.logit(probs)
+    having = {f: [i for i in range(len(flags)) if bool(flags[i]) == f] for f in (True, False)}
+    shift = 0.0
     if text_rows:
         by_image: dict[int, list[str]] = collections.defaultdict(list)
         for i, c in text_rows:
             by_image[i].append(c)
         prior_text = sum(sum(map(says_person, c)) >= s.person_min_captions for c in by_image.values()) / len(by_image)
         prior_photos = float(flags.float().mean())
-        stage.shift = log_odds(prior_text) - log_odds(prior_photos)
+        shift = log_odds(prior_text) - log_odds(prior_photos)
         if info.is_main:
             log.info("label stage: a person in %.2f of the photos and %.2f of the caption-only images (the saved "
-                     "probe's bias %+.2f)", prior_photos, prior_text, stage.shift)
-    return stage
+                     "probe's bias %+.2f)", prior_photos, prior_text, shift)
+    return LabelStage(cfg, data, model, decoder, base, len(init.vocab), probe, shift,
+                      reading.labels(probs.to(info.device)), targets, text,
+                      {f: scores[flags == f] if having[f] else scores for f in having},
+                      {f: having[f] or list(range(len(flags))) for f in having})
 
 
 def stage_optimizer(decoder: CaptionDecoder, cfg: Config) -> torch.optim.Optimizer:
@@ -468,10 +468,8 @@ def train_labels(cfg: Config, out_dir: str | Path, progress: bool = True, overwr
     try:
         if info.distributed:
             raise ConfigError("train.stage=labels runs in one process: start it without torchrun")
-        if overwrite and info.is_main:
-            move_aside(run_dir)
         seed_everything(cfg.train.seed)
-        stage = build_label_stage(cfg, init, run_dir, info, progress)
+        stage = build_label_stage(cfg, init, run_dir, info, progress, overwrite)
         del init
         logger = MetricsLogger(run_dir)
         try:
