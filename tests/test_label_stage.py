@@ -297,3 +297,29 @@ def test_the_stage_refuses_a_model_that_reads_labels_already_or_another_decoder(
         assert main(_stage_args(files, tmp_path / "run")) != 0
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+THIRD_RELEASE_WORDS = 2538  # the vocabulary the label stage grew: the shipped model's before its fourth release
+
+
+def test_the_stage_grows_the_shipped_vocabulary_and_points_the_copy_and_veto_as_shipped(shared_data):
+    """Known answer: from the COCO caption text (the everyday dev photos left out), the growth rule and
+    ``use_vocabulary`` rebuild the shipped model's vocabulary and its copy and veto buffers exactly."""
+    from captioner.evaluation.chair import named_objects
+
+    shipped = captioner.load("flickr8k")
+    rows = read_text_rows(shared_data / "coco2017-mini/annotations/captions_val2017_text_only.json",
+                          shared_data / "coco2014-val168/annotations/captions_val2014.json")
+    assert len(rows) == 23378  # 841 captions of the dev photos left out
+    base = Vocabulary(shipped.vocab.itos[4:THIRD_RELEASE_WORDS])
+    grown, added = grown_vocabulary(base, [c for _, c in rows], LabelStageConfig().text_min_count)
+    assert grown.itos == shipped.vocab.itos and len(added) == 763
+    shipped_reading = shipped.model.decoder.extension
+    cfg = ModelConfig(encoder=EncoderConfig(name="efficientnet_lite0", grid=7, labels=True),
+                      decoder=SATConfig(embed_dim=8, hidden_dim=8, attention_dim=8))
+    reading = build_model(cfg, len(grown), load_pretrained=False).decoder.extension
+    reading.use_vocabulary(grown.stoi, categories=named_objects, tau=LabelStageConfig().veto_tau,
+                           person_tau=LabelStageConfig().veto_person_tau)
+    for name in ("copy_ids", "label_category", "word_category"):
+        assert torch.equal(getattr(reading, name), getattr(shipped_reading, name).cpu()), name
+    torch.testing.assert_close(reading.veto_tau, shipped_reading.veto_tau.float().cpu(), rtol=0, atol=1e-3)

@@ -94,7 +94,12 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
         from captioner.checkpoint.store import read_checkpoint_metadata
         from captioner.inference import checkpoint_path
 
-        model = read_checkpoint_metadata(checkpoint_path(args.init))["config"]
+        from captioner.errors import CheckpointError
+
+        try:
+            model = read_checkpoint_metadata(checkpoint_path(args.init))["config"]
+        except CheckpointError as exc:
+            raise CheckpointError(f"--init {exc}") from None
         model["encoder"] = {**model["encoder"], "labels": True}
         cfg = resolve_config(preset, config_file, list(args.overrides), model=model)
     flags = {
