@@ -29,8 +29,7 @@ from captioner.checkpoint.store import load_checkpoint
 from captioner.concepts.model import photo_tags
 from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
                                    token_ids)
-from captioner.decoding.search import (DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids,
-                                       plural_forms)
+from captioner.decoding.search import DecodeOptions, Hypothesis, decode
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError
 from captioner.language import language_model_for
@@ -138,9 +137,7 @@ def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Voc
     """
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
-        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options),
-                      content_word_ids(vocab), plural_forms(vocab) if options.constrain or options.fill_slots else None,
-                      language_model_for(options.lm, vocab) if options.lm_weight else None)
+        return decode(decoder, features, vocab, options, language_model_for(options.lm, vocab) if options.lm_weight else None)
 
 
 def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,

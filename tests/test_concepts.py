@@ -17,7 +17,7 @@ import torch
 
 from captioner.config import DecodeOptions, get_preset
 from captioner.data.caption_set import CaptionSet, ImageRecord
-from captioner.decoding.search import BlockRepeats, content_word_ids, decode
+from captioner.decoding.search import SearchRules, BlockRepeats, content_word_ids, decode
 from captioner.errors import CheckpointError, ConfigError
 from captioner.concepts.model import (CONCEPT_TOKENS, ConceptHead, OutOfFoldConcepts, SATConcepts, TransformerConcepts,
                                       build_extension, choose_concepts, feature_fold, load_concepts,
@@ -766,10 +766,10 @@ def test_search_with_no_repeat_never_repeats_a_trigram_or_a_content_word(beam):
     vocab = Vocabulary(["a", "dog", "ball", "grass", "the", "in", "runs", "big", "red", "on"])
     decoder = _repeating_decoder(len(vocab))
     x = torch.randn(2, N, D)
-    plain = decode(decoder, x, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=beam, max_len=8), (0, 1, 3))
+    plain = decode(decoder, x, SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3)), DecodeOptions(beam_size=beam, max_len=8))
     assert plain[0][0].tokens.count(5) > 1  # the loop it would write
     opts = DecodeOptions(beam_size=beam, max_len=8, no_repeat_ngram=3, no_repeat_words=True)
-    for hyps in decode(decoder, x, vocab.bos_id, vocab.eos_id, opts, (0, 1, 3), content_word_ids(vocab)):
+    for hyps in decode(decoder, x, SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3), content_word_ids(vocab)), opts):
         toks = hyps[0].tokens
         grams = [tuple(toks[i:i + 3]) for i in range(len(toks) - 2)]
         assert len(grams) == len(set(grams)), toks

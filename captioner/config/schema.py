@@ -194,6 +194,22 @@ class DecodeOptions:
             raise ConfigError(f"decoding lm must name a language model file or 'coco', got {self.lm!r}")
 
 
+
+# The named decoding setting "everyday photos" (``--everyday``, serve's check box): the packaged language
+# model fused at 0.3, a light veto of absent objects and slots filled by detections; chosen on the everyday
+# dev set for the shipped model (docs/evaluation.md). What differs from DecodeOptions()'s defaults:
+EVERYDAY_PHOTOS = {"lm_weight": 0.3, "veto": 2.0, "fill_slots": 0.05}
+
+
+def everyday_photos(**overrides: object) -> DecodeOptions:
+    """``DecodeOptions`` of the "everyday photos" setting (:data:`EVERYDAY_PHOTOS`), ``overrides`` applied."""
+    return DecodeOptions(**{**EVERYDAY_PHOTOS, **overrides})
+
+
+def flags_of(fields: dict[str, object]) -> str:
+    """Decoding fields as the command-line flags that set them: {"lm_weight": 0.3} -> "--lm-weight 0.3"."""
+    return " ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in fields.items())
+
 @dataclass
 class ScstConfig:
     """Self-critical sequence training (``train.objective = "scst"``, Rennie et al. 2017): ``train.scst``."""

@@ -37,7 +37,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from captioner.data.images import decode_image, load_image
 from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
-from captioner.config import DecodeOptions
+from captioner.config import DecodeOptions, everyday_photos
+from captioner.decoding.rules import label_reading
 from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
 from captioner.files import MiB, read_bytes, size_text
 from captioner.inference import Captioner
@@ -58,7 +59,7 @@ LABELS = 5  # the photo's labels shown, for a model whose encoder has an ImageNe
 # the page's "everyday photos": the packaged language model of COCO caption text fused, object words the labels say
 # are absent made unlikely and, where still written, filled with what the labels see where they looked (better on
 # everyday photos, a little worse on Flickr8k's; docs/decoding_metrics_checkpoint.md)
-EVERYDAY = DecodeOptions(veto=2.0, fill_slots=0.05, lm_weight=0.3)
+EVERYDAY = everyday_photos()  # the named setting (captioner.config.EVERYDAY_PHOTOS), as --everyday
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
@@ -117,7 +118,7 @@ class ServedModel:
             self.labels = LABELS
         except ConfigError:  # tiny, ResNet, timm names: no ImageNet head, no labels, no error
             self.labels = 0
-        if not hasattr(getattr(self.captioner.model.decoder, "extension", None), "veto"):  # as search.vetoing asks
+        if label_reading(self.captioner.model.decoder) is None:  # what the veto and the fill read
             self.everyday_why_not = "its decoder does not read its encoder's labels"
             return
         self.everyday_why_not = fusion_unavailable(EVERYDAY.lm, self.captioner.vocab)  # loaded once (cached)

@@ -56,7 +56,7 @@ from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.concepts.labels import fit_person_probe, read_lexicon
 from captioner.config import DecodeOptions
 from captioner.data.coco import load_caption_set
-from captioner.decoding.search import beam_search, vetoing
+from captioner.decoding.search import SearchRules, search
 from captioner.evaluation.chair import chair_scores, named_objects
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.inference import Captioner
@@ -122,8 +122,8 @@ def teacher(args: argparse.Namespace) -> None:
     caps, t0 = {}, time.time()
     for s in range(0, len(rows), 100):
         chunk = rows[s:s + 100]
-        hyps = beam_search(dec, c8["regions"][chunk].float(), vocab.bos_id, vocab.eos_id, DecodeOptions(),
-                           [vocab.pad_id, vocab.bos_id, vocab.unk_id])
+        hyps = search(dec, c8["regions"][chunk].float(), DecodeOptions(),
+                      SearchRules(vocab.bos_id, vocab.eos_id, (vocab.pad_id, vocab.bos_id, vocab.unk_id)))
         for i, hs in zip(chunk, hyps):
             caps[c8["names"][i]] = " ".join(vocab.itos[t] for t in hs[0].tokens)
         print(f"teacher: {len(caps)}/{len(rows)} photos, {time.time() - t0:.0f} s", flush=True)
@@ -281,19 +281,20 @@ class Probe:
             usable = self.ext.copy_ids >= 0
 
             def boosted(logits, hidden, static):
-                scores = plain(logits, hidden, static)
+                scores, outputs = plain(logits, hidden, static)
                 labels = static["labels"][..., :-1]
                 if scores.dim() == 3:
                     labels = labels.unsqueeze(1)
                 sure = (labels[..., usable] >= self.args.boost_tau).float() * self.args.boost
-                return scores.index_add(-1, self.ext.copy_ids[usable], sure)
+                return scores.index_add(-1, self.ext.copy_ids[usable], sure), outputs
             self.ext.word_scores = boosted
-        with vetoing(self.dec, opts.veto):
-            for s in range(0, regions.size(0), 50):
-                self.given = labels[s:s + 50]
-                hyps = beam_search(self.dec, regions[s:s + 50].float(), vocab.bos_id, vocab.eos_id, opts,
-                                   [vocab.pad_id, vocab.bos_id, vocab.unk_id], content)
-                out += [" ".join(self.itos[t] for t in hs[0].tokens) for hs in hyps]
+        if opts.veto:  # the probe's labels are given, not read from label channels: score the veto on an export
+            raise SystemExit("--veto: export the model, then captioner evaluate --veto G")
+        rules = SearchRules(vocab.bos_id, vocab.eos_id, (vocab.pad_id, vocab.bos_id, vocab.unk_id), content)
+        for s in range(0, regions.size(0), 50):
+            self.given = labels[s:s + 50]
+            hyps = search(self.dec, regions[s:s + 50].float(), opts, rules)
+            out += [" ".join(self.itos[t] for t in hs[0].tokens) for hs in hyps]
         self.ext.__dict__.pop("word_scores", None)
         return out
 
