@@ -16,9 +16,11 @@ import torch
 import captioner
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
-from captioner.concepts.labels import IMAGENET_CLASSES, PersonProbe, fit_person_probe, read_lexicon
-from captioner.config import EncoderConfig, LabelStageConfig, ModelConfig, SATConfig, get_preset
+from captioner.concepts.labels import IMAGENET_CLASSES, fit_person_probe, read_lexicon
+from captioner.config import EncoderConfig, LabelStageConfig, ModelConfig, SATConfig, TransformerConfig, get_preset
+from captioner.data.shapes import make_shapes
 from captioner.errors import ConfigError, DataError
+from captioner.evaluation.chair import named_objects
 from captioner.models.model import build_model
 from captioner.text import Vocabulary
 from captioner.training.attention_terms import attention_kl
@@ -192,7 +194,6 @@ def _init(path: Path, labels: bool = False, decoder: str = "sat") -> Path:
     torch.manual_seed(0)
     dec = SATConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0)
     if decoder != "sat":
-        from captioner.config import TransformerConfig
         dec = TransformerConfig(d_model=16, num_layers=1, num_heads=2, ff_dim=16, dropout=0.0)
     cfg = ModelConfig(encoder=EncoderConfig(name="efficientnet_lite0", grid=2, image_size=64, labels=labels),
                       decoder=dec)
@@ -202,8 +203,6 @@ def _init(path: Path, labels: bool = False, decoder: str = "sat") -> Path:
 @pytest.fixture(scope="module")
 def stage_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The shapes (24 training photos), an --init model, caption-only rows and teacher captions."""
-    from captioner.data.shapes import make_shapes
-
     root = tmp_path_factory.mktemp("label_stage")
     make_shapes(root / "shapes", images=30, seed=0, image_size=64)
     text = root / "text.json"
@@ -305,8 +304,6 @@ THIRD_RELEASE_WORDS = 2538  # the vocabulary the label stage grew: the shipped m
 def test_the_stage_grows_the_shipped_vocabulary_and_points_the_copy_and_veto_as_shipped(shared_data):
     """Known answer: from the COCO caption text (the everyday dev photos left out), the growth rule and
     ``use_vocabulary`` rebuild the shipped model's vocabulary and its copy and veto buffers exactly."""
-    from captioner.evaluation.chair import named_objects
-
     shipped = captioner.load("flickr8k")
     rows = read_text_rows(shared_data / "coco2017-mini/annotations/captions_val2017_text_only.json",
                           shared_data / "coco2014-val168/annotations/captions_val2014.json")
