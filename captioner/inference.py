@@ -35,7 +35,7 @@ from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCapti
 from captioner.language import language_model_for
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
-from captioner.pretrained import is_model_name, pretrained_path
+from captioner.pretrained import check_model_spec, is_model_name, pretrained_path, unknown_model
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
@@ -44,6 +44,9 @@ __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_im
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
 LOADER_THREADS = 2
+STREAM_BYTES = 1 << 30  # caption_stream: pixels and encoder activations of the photos read and encoded at once
+ACTIVATION_FACTOR = 16  # an encoder's live activations per photo, in multiples of its input pixels (EfficientNet-
+# Lite0 at 224 px holds about 8: its 96-channel stride-2 stage; 4096 photos at once asked for 3.2 GB in one tensor)
 
 ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
 """A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
@@ -257,6 +260,7 @@ class Captioner:
         """
         head = self.label_head() if self._check_labels(labels) else None
         keep = attention or all_heads
+        batch_size = self.stream_chunk(batch_size)  # priced: a batch of 4096 photos is read and encoded in parts
         starts = range(0, len(sources), batch_size)
         if not starts:
             return
@@ -295,6 +299,16 @@ class Captioner:
                         source = sources[i]
                         yield empty_caption(str(source) if isinstance(source, Path) else f"image {i} of the input",
                                             options)
+
+    def stream_chunk(self, batch_size: int) -> int:
+        """The photos :meth:`caption_stream` reads and encodes at once: ``batch_size``, or fewer when their
+        pixels and the encoder's activations would pass :data:`STREAM_BYTES` (two chunks are held: one is
+        read ahead). ``ConfigError`` for a batch size below 1."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        side = int(self.transform.size or 224)
+        per_image = 3 * side * side * 4 * (2 + ACTIVATION_FACTOR)  # float32 pixels, twice, and the activations
+        return max(1, min(batch_size, STREAM_BYTES // per_image))
 
     def label_head(self) -> ImageNetLabels:
         """The encoder's ImageNet head as a detector of caption words, built on the first call and kept."""
@@ -441,9 +455,13 @@ def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress
         CheckpointError: as :func:`captioner.pretrained.pretrained_path` and
             :func:`captioner.checkpoint.remote.resolve_checkpoint`.
     """
+    check_model_spec(spec)  # '' is not the current folder
     if is_model_name(spec):  # a model shipped with the package
         return pretrained_path(str(spec))
-    return resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    path = resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    if isinstance(spec, str) and "/" not in spec and os.sep not in spec and not os.path.lexists(path):
+        raise unknown_model(spec)  # a bare name: the shipped models, and the nearest
+    return path
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,

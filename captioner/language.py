@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from captioner.checkpoint.store import check_weights
 from captioner.config.schema import check_number
 from captioner.errors import CheckpointError, ConfigError, DataError, one_line
 from captioner.files import atomic_write, check_regular, read_json
@@ -284,6 +285,7 @@ def _load(path: Path, size: int, mtime: int) -> tuple[CaptionLanguageModel, Voca
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if meta.get("version") != str(VERSION):
         raise bad(f"version {meta.get('version')!r}; this captioner reads version {VERSION}")
+    check_weights(path, meta, state)  # every tensor finite (and its checksum, when the file records one)
     try:
         config = LanguageModelConfig(**json.loads(meta["config"]))
         vocab = Vocabulary.from_dict({"itos": json.loads(meta["vocab"])})

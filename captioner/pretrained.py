@@ -8,6 +8,7 @@ the data's terms, dev scores, how it was trained). ``example_photos()`` are a fe
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from pathlib import Path
 from captioner.errors import CheckpointError
 from captioner.files import file_kind, file_sha256
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "checked_package_file", "example_photos",
-           "is_model_name", "model_card", "packaged_language_models", "pretrained_path"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "check_model_spec", "checked_package_file",
+           "example_photos", "is_model_name", "model_card", "nearest_model", "packaged_language_models",
+           "pretrained_path", "unknown_model"]
 
 PACKAGE = Path(__file__).resolve().parent
 WEIGHTS = PACKAGE / "weights"
@@ -87,6 +89,30 @@ def is_model_name(spec: object) -> bool:
                               f"({os.path.abspath(spec)}); write ./{spec} for the {kind}, or run from another "
                               "folder for the shipped model")
     return True
+
+
+def nearest_model(spec: str) -> str | None:
+    """The shipped model a mistyped name most likely meant (``'FLICKR8K'``, ``'flickr8k '``, ``'flikr8k'``), or None."""
+    key = spec.strip().lower()
+    names = available_models()
+    exact = [name for name in names if name.lower() == key]
+    return exact[0] if exact else next(iter(difflib.get_close_matches(key, names, n=1, cutoff=0.6)), None)
+
+
+def check_model_spec(spec: object) -> None:
+    """Refuse an empty or blank checkpoint name (``''`` would otherwise be the current folder)."""
+    if isinstance(spec, str) and not spec.strip():
+        raise CheckpointError(f"checkpoint name {spec!r} is empty: give a shipped model's name "
+                              f"({', '.join(available_models()) or 'none'}), a checkpoint file, a run folder or a URL")
+
+
+def unknown_model(spec: str) -> CheckpointError:
+    """The one line for a bare name that is neither a file here nor a shipped model: the shipped
+    models, and the nearest of them."""
+    near = nearest_model(spec)
+    hint = f"; did you mean {near!r}?" if near is not None else ""
+    return CheckpointError(f"{spec!r}: checkpoint not found: no such file or folder, and not a shipped model "
+                           f"(shipped: {', '.join(available_models()) or 'none'}){hint}")
 
 
 def _entry(name: str) -> PretrainedModel:

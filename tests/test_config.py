@@ -43,7 +43,7 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
                       "concept_cross_fit": True, "word_distill": None, "word_distill_weight": 1.0,
                       "stage": "captions", "labels": dataclasses.asdict(LabelStageConfig())}
 # data fields added after the snapshot: run-local feature caches by default
-ADDED_DATA_FIELDS = {"shared_feature_cache": False}
+ADDED_DATA_FIELDS = {"shared_feature_cache": False, "files_outside": False}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"labels": False, "dilate": False}
 # the model section added after the snapshot: the decoder's extension (no concepts, no concept prior by default)

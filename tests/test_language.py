@@ -186,6 +186,12 @@ def test_bad_files_are_refused_in_one_line_naming_them(tmp_path, untrained_check
     cut.write_bytes(good.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="cut.safetensors: not a captioner language model"):
         load_language_model(cut)
+    rotten = tiny_lm(len(vocab))
+    with torch.no_grad():
+        rotten.lstm.weight_hh_l0[3, :5] = float("nan")  # a bit-rotted copy: refused, not fused into captions
+    rotten = save_language_model(tmp_path / "rotten.safetensors", rotten, vocab)
+    with pytest.raises(CheckpointError, match=r"rotten.safetensors: damaged weights: tensor lstm.weight_hh_l0 holds 5 "):
+        load_language_model(rotten)
     other = Vocabulary(["a", "red", "green"])
     with pytest.raises(ConfigError, match=r"its vocabulary is not this captioner's \(word 6 is"):
         language_model_for(str(good), other)

@@ -110,6 +110,7 @@ class DataConfig:
     min_freq: int = 1  # vocabulary: rarer words become <unk> (5 for COCO)
     max_caption_len: int = 30  # words kept per training caption
     skip_missing: bool = False  # skip images that are missing or unreadable instead of failing
+    files_outside: bool = False  # read images a caption file names outside the image folder ('..', absolute paths)
     num_workers: int = 0  # DataLoader workers
     feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
     # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else (with

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from captioner.device import available_memory
 from captioner.errors import CaptionerError, one_line
 from captioner.files import size_text
 
@@ -186,21 +187,6 @@ def install_guards(app: FastAPI, max_upload: int, overhead: int = 0, bind: str =
 
 
 # --- memory: the decode budget ---
-
-def available_memory() -> int:
-    """Bytes of memory available now (``MemAvailable`` of /proc/meminfo; else the physical memory)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
-
 
 def default_decode_bytes() -> int:
     """The decode budget: a quarter of the memory available, between 256 MiB and 1 GiB."""

@@ -40,7 +40,7 @@ from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_sc
 from captioner.config import DecodeOptions, everyday_photos
 from captioner.decoding.rules import label_reading
 from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
-from captioner.files import MiB, read_bytes, size_text
+from captioner.files import MiB, atomic_write, read_bytes, size_text
 from captioner.inference import Captioner
 from captioner.language import fusion_unavailable
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
@@ -184,7 +184,7 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
     image = decode_image(data, filename, limits.max_pixels)  # checked here; drawn by the explorer
     with tempfile.TemporaryDirectory(prefix="captioner-serve-") as folder:
         upload = Path(folder) / "upload"  # captioned from a file, as `captioner caption FILE` does: the same
-        upload.write_bytes(data)          # decoding (a JPEG at the scale the encoder needs), the same score
+        atomic_write(upload, lambda f: f.write(data), DataError, sync=False)  # the same decoding, the same score
         with served.lock:
             captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best,
                                             options=EVERYDAY if everyday else None, beam=beam,

@@ -11,6 +11,7 @@ Shape legend: B batch, T caption steps, N regions, D feature width, S image side
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from captioner.config import SELECT_METRICS, Config, EncoderConfig
 from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
-from captioner.files import check_regular
+from captioner.files import atomic_file, check_regular, open_partial
 from captioner.models.model import CaptionModel
 from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
 from captioner.training.optim import Precision, nonfinite_tensors
@@ -99,11 +100,13 @@ class MetricsLogger:
         if keep_until_step is not None and self.path.exists():
             with open(self.path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= keep_until_step]
-        with open(self.path, "w", newline="") as f:
-            writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        with atomic_file(self.path, CaptionerError) as f:  # the rows kept, then appended to as training goes
+            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+            writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        self._file = open(self.path, "a", newline="")
+            text.detach()
+        self._file = io.TextIOWrapper(open_partial(self.path, True, CaptionerError), encoding="utf-8", newline="")
         self._writer = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         self._tb = None
         if tensorboard:
