@@ -38,8 +38,8 @@ from captioner.models.base import DecoderExtension, SATExtension, TransformerExt
 from captioner.models.encoder import IMAGENET_CLASSES, LITE_DIM, LITE_STAGES, efficientnet_lite_state_dict
 from captioner.text import SPECIALS
 
-__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "SATLabels",
-           "TransformerLabels", "label_head", "read_lexicon"]
+__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "PersonProbe", "SATLabels",
+           "TransformerLabels", "fit_person_probe", "label_head", "read_lexicon"]
 
 LEXICON_FILE = Path(__file__).with_name("imagenet_lexicon.tsv")
 _HEADER = ["index", "wnid", "name", "word"]
@@ -190,6 +190,47 @@ def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageN
     return ImageNetLabels(state["classifier.weight"], state["classifier.bias"], lexicon)
 
 
+# ----------------------------------------------------------------------------- the person probe
+
+
+@dataclass(frozen=True)
+class PersonProbe:
+    """A logistic probe of the ImageNet classifier's log-probabilities: is a person in the photo (no ImageNet
+    class says so). ``z = (log p - mu) / sd`` (C,), the photo's logit ``w . z + b``."""
+
+    mu: torch.Tensor  # (C,) mean log-probability of each class over the photos it was fitted on
+    sd: torch.Tensor  # (C,) their standard deviation (+ 1e-4)
+    w: torch.Tensor  # (C,)
+    b: float
+
+    def logit(self, class_probs: torch.Tensor) -> torch.Tensor:
+        """Class probabilities (B, C) -> the probe's logits (B,)."""
+        return ((class_probs.float().clamp_min(1e-6).log() - self.mu) / self.sd) @ self.w + self.b
+
+
+def fit_person_probe(class_probs: torch.Tensor, flags: torch.Tensor, steps: int = 300, lr: float = 1e-2,
+                     l2: float = 1e-3) -> PersonProbe:
+    """Fit a :class:`PersonProbe` to photos' class probabilities (B, C) and whether each shows a person (B,) bool:
+    ``steps`` of full-batch Adam on the logistic loss plus ``l2`` x |w|^2, from zero (deterministic).
+    ConfigError for mismatched shapes or no photo."""
+    if class_probs.dim() != 2 or flags.shape != class_probs.shape[:1] or not len(flags):
+        raise ConfigError(f"a person probe needs class probabilities (B, C) and B flags, got "
+                          f"{tuple(class_probs.shape)} and {tuple(flags.shape)}")
+    x = class_probs.float().clamp_min(1e-6).log()  # (B, C)
+    mu, sd = x.mean(0), x.std(0) + 1e-4
+    z = (x - mu) / sd
+    w = torch.zeros(z.size(1), requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.Adam([w, b], lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = F.binary_cross_entropy_with_logits(z @ w + b, flags.float()) + l2 * w.pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return PersonProbe(mu, sd, w.detach(), float(b.detach()))
+
+
 # ----------------------------------------------------------------------------- what a decoder reads of them
 
 
@@ -201,7 +242,8 @@ class LabelReading(DecoderExtension):
     ``classifier``: frozen, the wheel's, on the mean of those channels over the regions, as it was trained)
     and a **person** score: ``sigmoid(w . z + b)``, z the
     standardised log class probabilities (``person_mu``, ``person_sd``), a logistic probe no ImageNet class
-    needs (fitted by the training that grows the decoder: ``fit_person_probe``).
+    needs (:func:`fit_person_probe`, fitted by the label stage, ``captioner.training.label_stage``; set by
+    :meth:`use_person_probe`).
 
     The copy, a pointer-generator after LSTM-C (Yao et al. 2017): with g = sigmoid(``gate`` x) read from the
     state x the decoder's logits come from, ``P(y) = (1 - g) softmax(logits)_y + g P_copy(y)``, P_copy a
@@ -245,6 +287,15 @@ class LabelReading(DecoderExtension):
         with torch.no_grad():
             self.classifier.weight.copy_(weight.reshape(self.classifier.weight.shape))
             self.classifier.bias.copy_(bias)
+
+    def use_person_probe(self, probe: PersonProbe, shift: float = 0.0) -> None:
+        """Score the person label with ``probe``, its bias moved by ``shift`` (the log-odds of a person's prior
+        where the model will be used against where the probe was fitted: 0 keeps the probe's)."""
+        with torch.no_grad():
+            self.person_mu.copy_(probe.mu)
+            self.person_sd.copy_(probe.sd)
+            self.person_w.copy_(probe.w)
+            self.person_b.fill_(probe.b + shift)
 
     def use_vocabulary(self, stoi: dict[str, int], categories: Callable[[list[str]], list[str]] | None = None,
                        tau: float = VETO_TAU, person_tau: float = VETO_PERSON_TAU) -> None:

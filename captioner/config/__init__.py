@@ -24,6 +24,7 @@ from captioner.config.schema import (
     DataConfig,
     DecodeOptions,
     EncoderConfig,
+    LabelStageConfig,
     ModelConfig,
     ScstConfig,
     TrainConfig,
@@ -38,7 +39,7 @@ from captioner.config.schema import (
 __all__ = [
     "DECODERS", "EVERYDAY_PHOTOS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
     "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
+    "EncoderConfig", "LabelStageConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
     "everyday_photos", "flags_of", "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]

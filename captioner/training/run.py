@@ -47,6 +47,7 @@ COLUMNS = (
     "concept_guide", "concept_guided_words", "share_concept_guide",  # train.concept_guide
     "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # concepts.prior
     "word_distill", "word_distill_rows", "share_word_distill",  # train.word_distill
+    "attention_kl",  # train.labels.attend_kd (the label stage)
     "scst_reward", "scst_baseline_reward", "scst_better", "scst_greedy_reward", "scst_better_than_greedy", "scst_xe",
     "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "attention_entropy",
     "val_images", "val_words", "partial", "seconds",
