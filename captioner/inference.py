@@ -24,9 +24,9 @@ import torch
 from PIL import Image
 
 from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
-from captioner.concepts.labels import ImageNetLabels, label_head
+from captioner.models.labels import ImageNetLabels, label_head
 from captioner.checkpoint.store import load_checkpoint
-from captioner.concepts.model import photo_tags
+from captioner.models.concepts import photo_tags
 from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
                                    token_ids)
 from captioner.decoding.search import DecodeOptions, Hypothesis, decode

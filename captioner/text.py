@@ -19,7 +19,7 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 MAX_VOCAB_BYTES = 64 * MiB  # a 1M-word vocabulary is about 15 MB of JSON
 
-# Function words: never a concept (captioner.concepts.model), free to repeat in a caption
+# Function words: never a concept (captioner.models.concepts), free to repeat in a caption
 # (DecodeOptions.no_repeat_words). Articles, pronouns, prepositions, conjunctions, auxiliaries,
 # and the commonest quantity words. Content words (nouns, verbs, adjectives, colours) remain.
 STOP_WORDS = frozenset("""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from captioner.concepts.model import SATConcepts
+from captioner.models.concepts import SATConcepts
 from captioner.config import get_preset
 from captioner.inference import caption_features
 from captioner.decoding.search import (SearchRules, DecodeOptions, decode, length_penalty, search,

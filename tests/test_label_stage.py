@@ -16,7 +16,7 @@ import torch
 import captioner
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
 from captioner.cli import main
-from captioner.concepts.labels import IMAGENET_CLASSES, fit_person_probe, read_lexicon
+from captioner.models.labels import IMAGENET_CLASSES, fit_person_probe, read_lexicon
 from captioner.config import EncoderConfig, LabelStageConfig, ModelConfig, SATConfig, TransformerConfig, get_preset
 from captioner.data.shapes import make_shapes
 from captioner.errors import ConfigError, DataError

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import captioner
-from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels,
+from captioner.models.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels,
                                        TransformerLabels, label_head, read_lexicon)
 from captioner.config import DecodeOptions, EncoderConfig
 from captioner.decoding.rules import AbsentVeto, ConfidentWords, fill_slots, read_photos

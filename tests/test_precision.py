@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.concepts.model import SATConcepts
+from captioner.models.concepts import SATConcepts
 from captioner.config import DecodeOptions, get_preset
 from captioner.decoding.search import SearchRules, decode, decoder_for
 from captioner.errors import ConfigError
@@ -139,7 +139,7 @@ def test_precision_is_checked_by_name():
 def _label_decoder() -> tuple[SATDecoder, torch.Tensor]:
     """A SAT decoder reading labels (its reading's weights random, the copy's gate half open) and features
     of 16 regions (8 values, then 1280 label channels)."""
-    from captioner.concepts.labels import SATLabels
+    from captioner.models.labels import SATLabels
 
     torch.manual_seed(0)
     reading = SATLabels(8, hidden_dim=10, embed_dim=8, vocab_size=20)

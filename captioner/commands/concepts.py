@@ -73,12 +73,12 @@ def say_what_downloads(cfg, preset: str | None) -> None:  # noqa: ANN001 - a Con
         raise ConfigError(f"no --preset: the default encoder needs {source.label}{where}, which is not downloaded and "
                           f"offline mode is on ({OFFLINE_ENV}); use --preset {OFFLINE_PRESET} (weights installed "
                           "with the package) or --set encoder.weights=FILE")
-    logging.getLogger("captioner.concepts").warning(
+    logging.getLogger("captioner.training.concepts").warning(
         "no --preset: the default encoder downloads %s%s%s; --preset %s needs no download", source.label, where,
         f" into {source.cached.parent}" if source.cached is not None else "", OFFLINE_PRESET)
 
 
-SCORE_BATCH = 256  # images whose region scores the head computes at once (captioner.concepts.training)
+SCORE_BATCH = 256  # images whose region scores the head computes at once (captioner.training.concepts)
 
 
 def head_bytes(dim: int, regions: int, hidden: int, concepts: int) -> int:
@@ -91,7 +91,7 @@ def head_bytes(dim: int, regions: int, hidden: int, concepts: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
-    from captioner.concepts.training import check_output_file, learn_concepts
+    from captioner.training.concepts import check_output_file, learn_concepts
     from captioner.device import check_memory
     from captioner.models.registry import encoder_entry
 

@@ -54,7 +54,7 @@ def training_bytes(vocab_size: int, embed: int, hidden: int, batch_size: int, wo
 
 def run(args: argparse.Namespace) -> int:
     from captioner.checkpoint.store import as_checkpoint_error, read_checkpoint_metadata
-    from captioner.concepts.training import check_output_file, concepts_output
+    from captioner.training.concepts import check_output_file, concepts_output
     from captioner.device import check_memory
     from captioner.errors import DataError
     from captioner.files import check_regular

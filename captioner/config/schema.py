@@ -256,7 +256,7 @@ class LabelStageConfig:
     # weight of the photo rows' attention KL to the --init decoder's on the same words (0: off)
     attend_kd: float = 1.0
     person_min_captions: int = 3  # a photo shows a person when at least this many of its captions name one
-    probe_steps: int = 300  # Adam steps of the person probe (captioner.concepts.labels.fit_person_probe)
+    probe_steps: int = 300  # Adam steps of the person probe (captioner.models.labels.fit_person_probe)
     veto_tau: float = 0.05  # the veto's thresholds stored in the model: object labels, ...
     veto_person_tau: float = 0.2  # ... and the person score
 

@@ -2,7 +2,7 @@
 ``DecodeOptions``, none of them inside the model.
 
 A model whose decoder reads its encoder's labels (``encoder.labels``: the decoder's ``extension`` is a
-:class:`~captioner.concepts.labels.LabelReading`) says, read-only, what the labels of a batch of photos
+:class:`~captioner.models.labels.LabelReading`) says, read-only, what the labels of a batch of photos
 are, which object categories they call absent, and each region's class activation maps. The rules act
 on the search with that reading:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner.concepts.labels import LabelReading
+from captioner.models.labels import LabelReading
 from captioner.errors import ConfigError
 from captioner.models.base import State, WrappedDecoder, expand_groups
 

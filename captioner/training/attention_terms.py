@@ -3,7 +3,7 @@
 ``AttentionSupervision`` (``train.attention_supervision``: a word's attention onto the box of the
 object it names, Liu et al. 2017) is a ``LossTerm`` of ``CrossEntropy`` built for a run by
 :func:`build_attention_supervision` (None when the run does not ask for it); :func:`grounding_loss` is
-shared with the concept guide (``captioner.concepts.training``); :func:`attention_kl` holds a decoder's
+shared with the concept guide (``captioner.training.concepts``); :func:`attention_kl` holds a decoder's
 attention to another's (the label stage's ``train.labels.attend_kd``). docs/grounding.md explains the terms.
 
 Shape legend: B batch, T caption steps, N regions.

