@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -566,6 +567,8 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
 
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DecodeOptions.precision -> dtype
 assert tuple(PRECISIONS) == DECODE_PRECISIONS
+# each decoder's low-precision stepper, kept while its weights are unchanged (gone with the decoder)
+_LOW_PRECISION: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
@@ -582,13 +585,13 @@ def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
     device = tensors[0].device if tensors else torch.device("cpu")
     key = (dtype, device, getattr(decoder, "hard_test_mode", None),
            tuple((t.data_ptr(), t._version) for t in tensors))
-    cached = decoder.__dict__.get("_low_precision")
+    cached = _LOW_PRECISION.get(decoder)
     if cached is not None and cached[0] == key:
         return cached[1]
     fused = getattr(decoder, "fused_steps", None)
     low = (fused(dtype) if fused is not None else None) or _copy_in(decoder, dtype)
     low.eval()
-    decoder.__dict__["_low_precision"] = (key, low)
+    _LOW_PRECISION[decoder] = (key, low)
     return low
 
 
@@ -603,7 +606,7 @@ def prepare(decoder: nn.Module, features: torch.Tensor, precision: str) -> tuple
 def _copy_in(decoder: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``decoder`` with its floating-point weights in ``dtype`` (the original untouched), but
     for the submodules that declare ``runs_in_float32`` (the concept head)."""
-    caches = ("_low_precision", "_step_cache")  # what the decoder keeps of its weights: not copied into the copy
+    caches = ("_step_cache",)  # what the decoder keeps of its weights: not copied into the copy
     saved = {key: decoder.__dict__.pop(key) for key in caches if key in decoder.__dict__}
     try:
         low = copy.deepcopy(decoder).to(dtype)
