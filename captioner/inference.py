@@ -29,6 +29,7 @@ from captioner.checkpoint.store import load_checkpoint
 from captioner.models.concepts import photo_tags
 from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
                                    token_ids)
+from captioner.config import everyday_photos
 from captioner.decoding.search import DecodeOptions, Hypothesis, decode
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError
@@ -39,7 +40,8 @@ from captioner.pretrained import check_model_spec, is_model_name, pretrained_pat
 from captioner.text import Vocabulary
 
 __all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
-           "grid_of", "load", "search_features", "teacher_forced_attention", "teacher_forced_log_probs"]
+           "everyday_photos", "grid_of", "load", "search_features", "teacher_forced_attention",
+           "teacher_forced_log_probs"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
