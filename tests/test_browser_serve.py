@@ -126,7 +126,7 @@ def _upload(driver, path: Path) -> None:
 
     before = _answers(driver)
     driver.find_element(By.ID, "file").send_keys(str(path))
-    _wait(driver, f"return +document.body.dataset.answers > {before};")
+    _wait(driver, f"return +document.body.dataset.answers > {before};", timeout=120.0)  # two models on a busy machine
 
 
 def _scene(tmp_path: Path, seed: int = 3, side: int = 192, name: str = "scene.png") -> tuple[Image.Image, Path]:
