@@ -153,6 +153,7 @@ def test_cli_options_with_wrong_values_give_one_line_and_change_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     ws = workspace["ws"]
     monkeypatch.chdir(ws / "out")  # relative defaults (runs/<preset>) land in the output folder
+    reset_peak_memory()  # the peak of these cases, not of the tests this process ran before them
     before = _tree(ws, tiny_shapes)
     failures = []
     for what, argv in _cases(ws, tiny_shapes, workspace["ckpt"], workspace["image"]):
@@ -171,8 +172,7 @@ def test_cli_options_with_wrong_values_give_one_line_and_change_nothing(
     after = {k: v for k, v in _tree(ws, tiny_shapes).items() if not k.startswith(str(ws / "out"))}
     assert after == {k: v for k, v in before.items() if not k.startswith(str(ws / "out"))}, "files changed"
     assert not failures, "\n".join(failures)
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
-    assert peak_gb < 2.0
+    assert peak_memory_gb() < 2.0
 
 
 def _api_values(rng: random.Random, side: int) -> list[Any]:

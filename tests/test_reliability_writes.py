@@ -40,6 +40,8 @@ ALLOWED = {
     ("features/cache.py", 'lock.write_text("")'): "the same lock file, emptied before it is released",
     ("training/loop.py", 'cfg.save(run_dir / "config.json")'): "Config.save is atomic_write",
     ("training/loop.py", 'vocab.save(run_dir / "vocab.json")'): "Vocabulary.save is atomic_write",
+    ("training/label_stage.py", 'cfg.save(run_dir / "config.json")'): "Config.save is atomic_write",
+    ("training/label_stage.py", 'vocab.save(run_dir / "vocab.json")'): "Vocabulary.save is atomic_write",
 }
 
 
@@ -271,7 +273,7 @@ def test_the_recorded_sha256_is_that_of_the_zip_written(tmp_path: Path) -> None:
         for t in threads:
             t.join()
     refused = [r for r in results if isinstance(r, CaptionerError)]
-    assert all("another captioner download is writing into this folder" in str(r) for r in refused)
+    assert all("another captioner download is writing into this folder" in str(r) for r in refused), refused
     assert len(refused) <= 1
     digest = hashlib.sha256(data).hexdigest()
     assert (root / "Flickr8k.sha256").read_text() == f"{digest}  Flickr8k_text.zip\n"

@@ -240,7 +240,7 @@ def test_banned_ids_get_no_gradient_from_the_scst_term(preset: str, head: str) -
 
 @pytest.mark.parametrize("baseline", ["mean", "greedy"])
 def test_the_greedy_reward_is_logged_with_either_baseline(baseline: str) -> None:
-    from captioner.decoding.search import DecodeOptions, decode
+    from captioner.decoding.search import DecodeOptions, SearchRules, decode
     from captioner.text import Vocabulary
     from captioner.training.scst import SelfCritical
 
@@ -251,8 +251,8 @@ def test_the_greedy_reward_is_logged_with_either_baseline(baseline: str) -> None
     features = torch.randn(2, 16, model.encoder.out_dim)
     torch.manual_seed(0)
     result = loss.batch_loss(model.decoder, model.decoder, None, features, torch.tensor([0, 1]))
-    greedy = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=1, max_len=6),
-                    loss.banned)
+    greedy = decode(model.decoder, features, SearchRules(vocab.bos_id, vocab.eos_id, tuple(loss.banned)),
+                    DecodeOptions(beam_size=1, max_len=6))
     words = [float(len(loss._texts([h[0].tokens])[0])) for h in greedy]
     assert result.parts["scst_greedy_reward"] == pytest.approx(sum(words) / 2)
     sampled = result.parts["scst_reward"]
