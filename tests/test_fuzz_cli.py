@@ -147,6 +147,26 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, untrained_checkpoint) ->
     return {"ws": ws, "ckpt": ckpt, "image": image}
 
 
+
+def reset_peak_memory() -> None:
+    """Start the process's peak resident memory (VmHWM) afresh, where Linux allows it (clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_gb() -> float:
+    """The process's peak resident memory since :func:`reset_peak_memory` (VmHWM), else since it started."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024**2  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
+
+
 @pytest.mark.timeout(300)
 def test_cli_options_with_wrong_values_give_one_line_and_change_nothing(
         workspace: dict[str, Path], tiny_shapes: Path, capsys: pytest.CaptureFixture,
