@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 
 from captioner.commands.caption import add_common_arguments, add_force_argument, add_style_arguments, checkpoints
-from captioner.commands.options import decoding_overrides, int_range
+from captioner.commands.options import decoding_overrides, encoder_precision, int_range
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         [(photo, Path(args.out) / photo.stem) for photo in example_photos()]
     outputs = Outputs(Path(args.out), force=args.force, option="--out")
     outputs.check([p for _, out in jobs for p in overlay_paths(out, args.stem).values()])  # before any work
-    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh,
+                 precision=encoder_precision(args))
     for path, out in jobs:
         outputs.record(_attend(model, args, path, out, decoding))
     if args.image is None:

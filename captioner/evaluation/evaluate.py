@@ -170,6 +170,7 @@ class EvaluateOptions:
     max_images: int | None = None
     skip_missing: bool = False
     device: str | torch.device = "cpu"
+    precision: str | None = None  # the encoder's arithmetic, as ``load(precision=...)``: float32, int8; None: the default
     progress: bool = True
     num_workers: int = 0
     meteor: bool = True
@@ -202,7 +203,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     options = decode_options(options, **{k: v for k, v in changes.items() if k not in _EVALUATE_FIELDS})
     start = time.perf_counter()
     checkpoint, out_dir, ensemble = _output_folder(checkpoint, settings.out_dir)
-    loaded = model if model is not None else load(checkpoint, device=settings.device)
+    loaded = model if model is not None else load(checkpoint, device=settings.device, precision=settings.precision)
     name = safe_name(split, "split")
     outputs = Outputs(Path(out_dir), force=settings.overwrite, option="--out", replace_own=False, error=DataError)
     outputs.check([Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json"])
