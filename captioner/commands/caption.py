@@ -256,8 +256,9 @@ def _caption_files(args: argparse.Namespace, model: Any, options: Any, files: li
     each; True when any failed."""
     from captioner.data.images import load_image
     from captioner.errors import EmptyCaptionError, ImageLoadError
-    from captioner.viz.overlays import write_overlays
 
+    if args.overlay:  # the overlays' drawing, pages and GIF code: only for --overlay (a plain caption's start)
+        from captioner.viz.overlays import write_overlays
     failed = False
     t0, done = time.perf_counter(), 0
     # files are read, encoded and searched in an overlapping pipeline (Captioner.caption_stream)
