@@ -234,9 +234,9 @@ class Captioner:
             raise ConfigError(f"precision int8: the 8-bit encoder runs on a CPU, not {self.device}; use float32 there")
         encoder = self.model.encoder
         encoders = getattr(encoder, "encoders", [encoder])  # an ensemble's distinct encoders
-        ranges = read_calibration(Path(calibration))
+        measured = read_calibration(Path(calibration))
         for each in encoders:
-            each.use_int8(Int8Lite(each.trunk, ranges))
+            each.use_int8(Int8Lite(each.trunk, measured))
         self.precision = "int8"
 
     def crop_box(self, image: Image.Image) -> tuple[int, int, int, int]:

@@ -51,7 +51,7 @@ MODELS: dict[str, PretrainedModel] = {
         card="flickr8k.md",
         preset="sat_soft_flickr8k",
         int8="flickr8k.int8.json",
-        int8_sha256="5a5ce51c0f7d502b132a1e4a7420d7f67f3a4332fc183fb77a252c4c966513ae",
+        int8_sha256="328aa639e9af26b467747dd1b981d67f7b486241fac86e5ea9760cae115195fc",
         summary="Show, Attend and Tell with soft attention over an EfficientNet-Lite0 whose last stage was trained "
                 "with it, reading the labels of the encoder's ImageNet classifier and able to copy their words; "
                 "Flickr8k, then COCO caption text; 3,301 tokens",

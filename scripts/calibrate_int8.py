@@ -60,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             yield torch.stack([model.transform(load_image(p)) for p in paths[start:start + BATCH]])
 
     t0 = time.perf_counter()
-    ranges = calibrate(model.model.encoder.trunk, batches())
+    measured = calibrate(model.model.encoder.trunk, batches())
     out = args.out or WEIGHTS / f"{args.model}.int8.json"
-    write_calibration(out, ranges, {"model": args.model, "photos": len(paths),
+    write_calibration(out, measured, {"model": args.model, "photos": len(paths),
                                     "data": f"{args.data.name} train split, shuffled with seed 0"})
-    print(f"wrote {out}: {len(ranges)} activations from {len(paths)} photos in {time.perf_counter() - t0:.0f} s; "
+    print(f"wrote {out}: {len(measured.ranges)} activations from {len(paths)} photos in {time.perf_counter() - t0:.0f} s; "
           f"sha256 {file_sha256(out)}")
     return 0
 

@@ -13,9 +13,10 @@ label reading stay float32.
 
 ``calibrate(trunk, batches)`` runs the float trunk (BatchNorm folded) over a few hundred photos and
 returns each activation's ``(scale, zero_point)`` (histogram observers, as PyTorch's static
-quantization uses): a small JSON document shipped beside a model (``write_calibration`` /
-``read_calibration``). ``Int8Lite(trunk, ranges)`` builds the int8 trunk from the float weights and
-those ranges: the weights' quantization is deterministic, so nothing is calibrated at a user's call.
+quantization uses) and each convolution's mean input per channel (for the bias correction): a small
+JSON document shipped beside a model (``write_calibration`` / ``read_calibration``).
+``Int8Lite(trunk, calibration)`` builds the int8 trunk from the float weights and that calibration:
+the weights' quantization is deterministic, so nothing is calibrated at a user's call.
 
 A stride-2 "SAME" convolution pads asymmetrically, and quantized tensors have no fast asymmetric
 pad: it runs at stride 1 with symmetric padding and keeps every second output (from the second on
@@ -30,6 +31,7 @@ import json
 import math
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,12 +90,22 @@ class ConvAct(nn.Module):
         pad_h, pad_w = _same_pad(h, self.kernel, self.stride), _same_pad(w, self.kernel, self.stride)
         return F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2))
 
-    def quantize(self, qparams: tuple[float, int]) -> None:
-        """Pack the weights in 8 bits (symmetric, per output channel) for outputs in ``qparams``."""
+    def quantize(self, qparams: tuple[float, int], input_mean: torch.Tensor | None = None) -> None:
+        """Pack the weights in 8 bits (symmetric, per output channel) for outputs in ``qparams``.
+
+        ``input_mean`` (C,): the calibration photos' mean input per channel; the bias then takes back the
+        mean shift that rounding the weights causes (empirical bias correction, Nagel et al. 2019), which
+        halves the trunk's error (weights alone: 0.16 -> 0.09 of the features' norm).
+        """
         scales = (self.weight.abs().amax(dim=(1, 2, 3)) / 127.0).clamp(min=1e-12).double()  # (C',)
         qweight = torch.quantize_per_channel(self.weight, scales, torch.zeros(len(scales), dtype=torch.long), 0,
                                              torch.qint8)
-        self.packed = torch.ops.quantized.conv2d_prepack(qweight, self.bias, [self.stride] * 2, [self.padding] * 2,
+        bias = self.bias
+        if input_mean is not None:
+            change = (qweight.dequantize() - self.weight).sum(dim=(2, 3))  # (C', C/groups)
+            shift = change @ input_mean if self.groups == 1 else change[:, 0] * input_mean  # (C',)
+            bias = bias - shift
+        self.packed = torch.ops.quantized.conv2d_prepack(qweight, bias, [self.stride] * 2, [self.padding] * 2,
                                                          [self.dilation] * 2, self.groups)
         self.qparams = qparams
 
@@ -149,20 +161,29 @@ def _stage(blocks: Iterable[nn.Module], conv_head: nn.Conv2d, bn2: nn.BatchNorm2
     return nn.Sequential(*[Block(b) for b in blocks], ConvAct(conv_head, bn2, True))
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured: ``ranges`` ``{site: (scale, zero_point)}`` of every activation (and
+    :data:`INPUT`), and ``means`` ``{site: (C,)}``, the mean input per channel of every convolution."""
+
+    ranges: dict[str, tuple[float, int]]
+    means: dict[str, torch.Tensor]
+
+
 class Int8Lite(nn.Module):
     """An EfficientNet-Lite trunk (its label top too) as 8-bit convolutions: images (B,3,H,W) -> the float
     trunk's map (B,D,h,w), float32.
 
     Args:
         trunk: the float trunk (its weights are copied, BatchNorm folded).
-        ranges: ``{site: (scale, zero_point)}`` from :func:`calibrate`; None: a float copy of the same
+        calibration: from :func:`calibrate` (or :func:`read_calibration`); None: a float copy of the same
             layers (what :func:`calibrate` observes).
 
     Raises:
-        ConfigError: this PyTorch has no quantized engine for it, or ``ranges`` lacks a site.
+        ConfigError: this PyTorch has no quantized engine for it, or ``calibration`` lacks a site.
     """
 
-    def __init__(self, trunk: EfficientNetLiteFeatures, ranges: dict[str, tuple[float, int]] | None = None) -> None:
+    def __init__(self, trunk: EfficientNetLiteFeatures, calibration: Calibration | None = None) -> None:
         super().__init__()
         if not isinstance(trunk, EfficientNetLiteFeatures):
             raise ConfigError(f"int8 needs an EfficientNet-Lite encoder, not {type(trunk).__name__}")
@@ -173,8 +194,8 @@ class Int8Lite(nn.Module):
         self.label_top = None if label_top is None else _stage(label_top.stage, label_top.conv_head, label_top.bn2)
         self.input_qparams: tuple[float, int] | None = None
         self.eval()
-        if ranges is not None:
-            quantize_modules(self, ranges)
+        if calibration is not None:
+            quantize_modules(self, calibration)
 
     def train(self, mode: bool = True) -> "Int8Lite":
         return super().train(False)  # inference only: no BatchNorm left, nothing to train
@@ -202,14 +223,16 @@ def _has_skip(model: Int8Lite, add_name: str) -> bool:
     return model.get_submodule(add_name.rpartition(".")[0]).has_skip
 
 
-def quantize_modules(model: Int8Lite, ranges: dict[str, tuple[float, int]]) -> None:
-    """Swap each float convolution of ``model`` for an 8-bit one (weights per channel, symmetric) whose
-    output has the calibrated ``ranges[site]``; set the residual sums' and the input's ranges."""
+def quantize_modules(model: Int8Lite, calibration: Calibration) -> None:
+    """Swap each float convolution of ``model`` for an 8-bit one (weights per channel, symmetric, bias
+    corrected) whose output has its calibrated range; set the residual sums' and the input's ranges."""
     if not int8_available():
         raise ConfigError(f"int8: this PyTorch has no {ENGINE!r} quantized engine "
                           f"(it has {', '.join(torch.backends.quantized.supported_engines)}); use float32")
+    ranges, means = calibration.ranges, calibration.means
     wanted = [INPUT, *sites(model)]
     missing = [name for name in wanted if name not in ranges]
+    missing += [name for name, module in sites(model).items() if isinstance(module, ConvAct) and name not in means]
     if missing:
         raise ConfigError(f"int8 calibration lacks {len(missing)} of {len(wanted)} activations (e.g. {missing[0]})")
     torch.backends.quantized.engine = ENGINE  # weights are packed for the engine set when they are
@@ -217,8 +240,12 @@ def quantize_modules(model: Int8Lite, ranges: dict[str, tuple[float, int]]) -> N
     for name, module in sites(model).items():
         if isinstance(module, Add):
             module.qparams = _qparams(ranges[name])
-        else:
-            module.quantize(_qparams(ranges[name]))
+            continue
+        mean = means[name]
+        if mean.shape != (module.weight.shape[1] * module.groups,):
+            raise ConfigError(f"int8 calibration of {name}: {tuple(mean.shape)} channel means, the convolution "
+                              f"takes {module.weight.shape[1] * module.groups}")
+        module.quantize(_qparams(ranges[name]), mean)
 
 
 def _qparams(pair: Iterable) -> tuple[float, int]:
@@ -227,16 +254,28 @@ def _qparams(pair: Iterable) -> tuple[float, int]:
 
 
 # ----------------------------------------------------------------------------- calibration
-def calibrate(trunk: EfficientNetLiteFeatures, batches: Iterable[torch.Tensor]) -> dict[str, tuple[float, int]]:
-    """``{site: (scale, zero_point)}`` of every activation of the int8 trunk, from the float trunk's values on
-    ``batches`` of transformed images (B,3,S,S): histogram observers (unsigned 8 bits, the full range)."""
+def calibrate(trunk: EfficientNetLiteFeatures, batches: Iterable[torch.Tensor]) -> Calibration:
+    """The :class:`Calibration` of ``trunk`` on ``batches`` of transformed images (B,3,S,S), read from the float
+    trunk (BatchNorm folded): histogram observers (unsigned 8 bits, the full range, as PyTorch's static
+    quantization uses) and each convolution's mean input per channel."""
     from torch.ao.quantization.observer import HistogramObserver
 
     model = Int8Lite(trunk)  # float: the same layers, BatchNorm folded
-    observers = {name: HistogramObserver(dtype=torch.quint8, reduce_range=False) for name in [INPUT, *sites(model)]}
+    where = sites(model)
+    observers = {name: HistogramObserver(dtype=torch.quint8, reduce_range=False) for name in [INPUT, *where]}
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def add_mean(name: str, x: torch.Tensor) -> None:
+        total = x.detach().double().sum(dim=(0, 2, 3))  # (C,) over photos and positions
+        sums[name] = sums[name] + total if name in sums else total
+        counts[name] = counts.get(name, 0) + x[:, 0].numel()
+
     hooks = [module.register_forward_hook(lambda _m, _i, out, name=name: observers[name](out.detach()))
-             for name, module in sites(model).items()]
-    stem_input = model.stem.register_forward_pre_hook(lambda _m, args: observers[INPUT](args[0].detach()))
+             for name, module in where.items()]
+    hooks += [module.register_forward_pre_hook(lambda _m, args, name=name: add_mean(name, args[0]))
+              for name, module in where.items() if isinstance(module, ConvAct)]
+    hooks.append(model.stem.register_forward_pre_hook(lambda _m, args: observers[INPUT](args[0].detach())))
     seen = 0
     try:
         with torch.no_grad():
@@ -244,38 +283,41 @@ def calibrate(trunk: EfficientNetLiteFeatures, batches: Iterable[torch.Tensor]) 
                 model(images)
                 seen += len(images)
     finally:
-        for hook in [*hooks, stem_input]:
+        for hook in hooks:
             hook.remove()
     if not seen:
         raise ConfigError("int8 calibration needs at least one image")
-    out = {}
+    ranges = {}
     for name, observer in observers.items():
         scale, zero_point = observer.calculate_qparams()
-        out[name] = (float(scale), int(zero_point))
-    return out
+        ranges[name] = (float(scale), int(zero_point))
+    return Calibration(ranges, {name: (total / counts[name]).float() for name, total in sums.items()})
 
 
-def write_calibration(path: Path, ranges: dict[str, tuple[float, int]], about: dict) -> None:
-    """Write ``ranges`` (and ``about``: what was calibrated on what) as JSON, atomically."""
+def write_calibration(path: Path, calibration: Calibration, about: dict) -> None:
+    """Write ``calibration`` (and ``about``: what was calibrated on what) as JSON, atomically."""
     document = {"format": FORMAT, "engine": ENGINE, **about,
-                "ranges": {name: [scale, zero_point] for name, (scale, zero_point) in ranges.items()}}
+                "ranges": {name: [scale, zero_point] for name, (scale, zero_point) in calibration.ranges.items()},
+                "means": {name: [float(f"{v:.5g}") for v in mean.tolist()] for name, mean in calibration.means.items()}}
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(document, separators=(",", ":")) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
-def read_calibration(path: Path) -> dict[str, tuple[float, int]]:
-    """The ``{site: (scale, zero_point)}`` of a calibration file (``CheckpointError`` naming it, one line)."""
+def read_calibration(path: Path) -> Calibration:
+    """The :class:`Calibration` of a file of :func:`write_calibration` (``CheckpointError`` naming it, one line)."""
     check_regular(path, MAX_CALIBRATION_BYTES, CheckpointError, "int8 calibration file")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
         if document.get("format") != FORMAT:
             raise ValueError(f"format {document.get('format')!r}, expected {FORMAT}")
         ranges = {str(k): _qparams(v) for k, v in document["ranges"].items()}
+        means = {str(k): torch.tensor([float(x) for x in v], dtype=torch.float32) for k, v in document["means"].items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: not an int8 calibration file ({type(exc).__name__}: {str(exc)[:120]})") from None
     bad = [k for k, (scale, zero_point) in ranges.items() if not (math.isfinite(scale) and scale > 0)
            or not 0 <= zero_point <= 255]
+    bad += [k for k, mean in means.items() if not bool(torch.isfinite(mean).all())]
     if bad:
-        raise CheckpointError(f"{path}: int8 calibration range of {bad[0]} is out of bounds")
-    return ranges
+        raise CheckpointError(f"{path}: int8 calibration of {bad[0]} is out of bounds")
+    return Calibration(ranges, means)
