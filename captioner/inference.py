@@ -40,8 +40,8 @@ from captioner.models.quantize import Int8Lite, int8_available, read_calibration
 from captioner.pretrained import int8_calibration, is_model_name, pretrained_path
 from captioner.text import Vocabulary
 
-__all__ = ["ENCODER_PRECISIONS", "Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
-           "grid_of", "load", "search_features", "teacher_forced_attention"]
+__all__ = ["ENCODER_PRECISIONS", "Caption", "Captioner", "ImageInput", "caption_features", "caption_images",
+           "decode_options", "empty_caption", "grid_of", "load", "search_features", "teacher_forced_attention"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder

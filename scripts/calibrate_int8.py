@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or WEIGHTS / f"{args.model}.int8.json"
     write_calibration(out, measured, {"model": args.model, "photos": len(paths),
                                     "data": f"{args.data.name} train split, shuffled with seed 0"})
-    print(f"wrote {out}: {len(measured.ranges)} activations from {len(paths)} photos in {time.perf_counter() - t0:.0f} s; "
+    seconds = time.perf_counter() - t0
+    print(f"wrote {out}: {len(measured.ranges)} activations from {len(paths)} photos in {seconds:.0f} s; "
           f"sha256 {file_sha256(out)}")
     return 0
 

@@ -141,9 +141,9 @@ def test_int8_and_float32_agree_on_the_example_photos():
     cosine = torch.nn.functional.cosine_similarity(int8_features, float_features, dim=-1)  # (B, N)
     assert float(cosine.mean()) > 0.97
     same = [a.text == b.text for a, b in zip(got, want)]
-    assert sum(same) >= 3, [(a.text, b.text) for a, b in zip(got, want)]  # word for word (4 of 4 before bias correction)
+    assert sum(same) >= 3, [(a.text, b.text) for a, b in zip(got, want)]  # word for word
     for a, b, equal in zip(got, want, same):
-        assert a.words[:4] == b.words[:4]  # a caption that differs, differs late ("... on a street" / "... in front of")
+        assert a.words[:4] == b.words[:4]  # one that differs, differs late ("... on a street" / "... in front of")
         assert a.labels[0][0] == b.labels[0][0]  # the label head's first word
         if equal:
             assert a.attention.shape == b.attention.shape

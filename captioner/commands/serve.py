@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         name, spec = model_name(spec, taken)
         taken.add(name)
-        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh, precision=encoder_precision(args)),
-                                  card=model_card_of(spec)))
+        loaded = load(spec, device=device, refresh=args.refresh, precision=encoder_precision(args))
+        models.append(ServedModel(name, loaded, card=model_card_of(spec)))
         log.info("loaded %s as %r", spec, name)
     # photo models get the example photos, models trained on the synthetic scenes get scenes (by vocabulary)
     examples = user_examples or default_examples([m.captioner.vocab.itos for m in models], PHOTOS)

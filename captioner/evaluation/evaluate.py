@@ -170,7 +170,7 @@ class EvaluateOptions:
     max_images: int | None = None
     skip_missing: bool = False
     device: str | torch.device = "cpu"
-    precision: str | None = None  # the encoder's arithmetic, as ``load(precision=...)``: float32, int8; None: the default
+    precision: str | None = None  # the encoder's arithmetic as ``load(precision=...)``: float32, int8; None: default
     progress: bool = True
     num_workers: int = 0
     meteor: bool = True

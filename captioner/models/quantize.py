@@ -314,7 +314,8 @@ def read_calibration(path: Path) -> Calibration:
         ranges = {str(k): _qparams(v) for k, v in document["ranges"].items()}
         means = {str(k): torch.tensor([float(x) for x in v], dtype=torch.float32) for k, v in document["means"].items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: not an int8 calibration file ({type(exc).__name__}: {str(exc)[:120]})") from None
+        raise CheckpointError(f"{path}: not an int8 calibration file "
+                              f"({type(exc).__name__}: {str(exc)[:120]})") from None
     bad = [k for k, (scale, zero_point) in ranges.items() if not (math.isfinite(scale) and scale > 0)
            or not 0 <= zero_point <= 255]
     bad += [k for k, mean in means.items() if not bool(torch.isfinite(mean).all())]
