@@ -17,7 +17,7 @@ HELP_SCRIPTS = ("benchmark.py", "flickr8k_results.py",
                 "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
                 "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
                 "experiments/reading_step_attention.py", "experiments/label_quality.py",
-                "experiments/dev_captions.py", "experiments/everyday_levers.py")
+                "experiments/dev_captions.py", "experiments/everyday_levers.py", "calibrate_int8.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("gpu_summary.py", "benchmarks/timing.py")
 
