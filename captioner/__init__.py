@@ -17,14 +17,15 @@ from typing import Any
 from captioner.pretrained import DEFAULT_MODEL, available_models, example_photos, model_card
 from captioner.version import __version__
 
-__all__ = ["Caption", "Captioner", "DEFAULT_MODEL", "DecodeOptions", "available_models", "example_photos", "load",
-           "model_card", "__version__"]
+__all__ = ["Caption", "Captioner", "DEFAULT_MODEL", "DecodeOptions", "available_models", "everyday_photos",
+           "example_photos", "load", "model_card", "__version__"]
 
-_INFERENCE_NAMES = frozenset({"Caption", "Captioner", "DecodeOptions", "load"})
+_INFERENCE_NAMES = frozenset({"Caption", "Captioner", "DecodeOptions", "everyday_photos", "load"})
 
 
 def __getattr__(name: str) -> Any:
-    """``captioner.load`` / ``Captioner`` / ``Caption`` / ``DecodeOptions``, imported from :mod:`captioner.inference` when first used."""
+    """``captioner.load`` / ``Captioner`` / ``Caption`` / ``DecodeOptions`` / ``everyday_photos``, imported from
+    :mod:`captioner.inference` when first used."""
     if name in _INFERENCE_NAMES:
         from captioner import inference
 

@@ -9,6 +9,7 @@ interrupted (Ctrl-C); 141 stdout closed early (``| head -1``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
 import os
@@ -87,11 +88,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s" if not args.verbose else "%(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # the package's lines only: no other library's INFO (torch's cache stats at exit)
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
     prog = f"captioner {args.command}"
     code = run_reporting_errors(prog, lambda: int(args._run(args) or 0), args._interrupted)
     if argv is None:
         interrupt_quietly_at_exit(prog, code)
+        _EXIT.append(code)
     return code
+
+
+QUIET_LIBRARIES = ("torch", "timm", "PIL", "filelock", "urllib3", "huggingface_hub", "matplotlib", "h11", "uvicorn.error")
+_EXIT: list[int] = []  # the exit code of the console command, once main(None) has returned
+
+
+@atexit.register  # registered before torch is imported: runs after every other exit function
+def _end_at_once() -> None:
+    """The console command's last step: flush and end the process with its exit code, without the
+    interpreter's own shutdown, where Python's Ctrl-C handler is gone (a Ctrl-C there was exit -2).
+    Does nothing when ``main`` was called from a program (``main(argv)``)."""
+    if not _EXIT:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            pass
+    os._exit(_EXIT[-1])
 
 
 def interrupt_quietly_at_exit(prog: str, code: int) -> None:

@@ -16,9 +16,38 @@ import torch
 import torch.distributed as dist
 
 from captioner.errors import ConfigError
+from captioner.files import size_text
 
 
 DEVICE_HINT = "use auto, cpu, cuda or cuda:N"
+MEMORY_SHARE = 0.8  # of the memory available now, what one sized request may plan for
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (``MemAvailable`` of /proc/meminfo; else the physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def check_memory(need: int, what: str, advice: str, device: torch.device | None = None) -> None:
+    """Refuse, in one line before anything is allocated, a size whose memory ``need`` (bytes) passes
+    :data:`MEMORY_SHARE` of the memory available now (on ``device`` when it is a GPU, else the machine's);
+    ``what`` names the sizes, ``advice`` what to lower."""
+    where, have = "this machine has", available_memory()
+    if device is not None and device.type == "cuda":
+        where, have = f"{device} has", int(torch.cuda.mem_get_info(device)[0])
+    if need > MEMORY_SHARE * have:
+        raise ConfigError(f"{what} would need about {size_text(need)} of memory, more than {where} "
+                          f"available now ({size_text(have)}); {advice}")
 
 
 def resolve_device(spec: str | torch.device, local_rank: int = 0, option: str = "device") -> torch.device:

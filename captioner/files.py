@@ -3,8 +3,11 @@
 Every file read on a user's behalf goes through :func:`read_bytes` / :func:`read_text` /
 :func:`read_json`, is opened with :func:`open_regular` or is checked with :func:`check_regular`, so a
 named pipe cannot block, ``/dev/zero`` cannot fill memory and a huge file is refused from its size;
-the error names the kind of file. Writes go
-through :func:`atomic_write` (temporary file, fsync, ``os.replace``, folder fsync'ed). Commands that
+the error names the kind of file. Every write goes
+through :func:`atomic_file` / :func:`atomic_write` (a temporary file in the same folder, fsync,
+``os.replace``, folder fsync'ed): a symbolic link in the way is replaced, never followed, and a file
+with other hard links is never written into; a file filled over time and resumed (a download's
+``.part``) is opened with :func:`open_partial`, under the same two rules. Commands that
 write into a folder a user names go through :class:`Outputs`, which never replaces a file captioner
 did not write there (the folder's manifest, :data:`MANIFEST`, records its own files' size and
 time) unless ``--force``. Two writers of one file take turns with :func:`hold_lock`, a ``filelock``
@@ -18,8 +21,10 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
 from importlib import resources
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,9 +35,9 @@ from filelock import FileLock, Timeout
 
 from captioner.errors import CaptionerError, CheckpointError, ConfigError
 
-__all__ = ["MANIFEST", "MiB", "Outputs", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
+__all__ = ["MANIFEST", "MiB", "Outputs", "atomic_file", "atomic_write", "check_regular", "file_kind", "hold_lock", "lock_file",
            "lock_is_free", "open_regular", "package_texts", "read_bytes", "read_json", "read_text", "release_lock_file",
-           "safe_name", "size_text", "writable_folder"]
+           "safe_name", "size_text", "interrupts_held", "open_partial", "writable_folder", "write_output"]
 
 MiB = 1 << 20
 _CHUNK = 8 * MiB
@@ -243,34 +248,121 @@ def current_umask() -> int:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any],
-                 error: type[CaptionerError] = CheckpointError) -> Path:
+                 error: type[CaptionerError] = CheckpointError,
+                 after: Callable[[Path], Any] | None = None, sync: bool = True) -> Path:
     """Write a file so that readers see either the old or the complete new content.
 
     ``write(f)`` fills a temporary file in the same folder, renamed over ``path``; on any failure it
-    is removed and ``path`` left untouched. The file gets a plain ``open``'s mode.
+    is removed and ``path`` left untouched. The file gets a plain ``open``'s mode. ``after(path)``
+    runs right after the rename, with Ctrl-C held until it returns (a manifest entry: an interrupted
+    run leaves no file that its manifest does not name). See :func:`atomic_file`.
+    """
+    with atomic_file(path, error, after, sync) as f:
+        write(f)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, error: type[CaptionerError] = CheckpointError,
+                after: Callable[[Path], Any] | None = None, sync: bool = True) -> Iterator[IO[bytes]]:
+    """The one write path: a binary file to fill in the ``with`` block, then renamed over ``path`` at once.
+
+    A temporary file in the same folder (``.<name>.*.tmp``, created exclusively), fsync'ed, then
+    ``os.replace``: a symbolic link at ``path`` is replaced, never followed, and a file with other
+    hard links keeps its content (a new inode takes the name). On any failure or interrupt the
+    temporary file is removed and ``path`` is untouched; an ``OSError`` becomes one ``error`` line.
+    ``sync=False`` skips the fsyncs (thousands of files a command can make again, such as the shapes'
+    images: still all or nothing for every reader, only not flushed to the disk one by one).
     """
     path = Path(path)
     folder = path.parent
     if not folder.is_dir():
         raise error(f"{path}: folder {folder} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=folder)
     except OSError as exc:
         raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            yield f
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            if sync:
+                os.fsync(f.fileno())
+        with interrupts_held():
+            os.replace(tmp, path)
+            if after is not None:
+                after(path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
         raise
-    _fsync_dir(folder)
-    return path
+    if sync:
+        _fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) for a few statements that must finish together, then act on it.
+
+    Only in the main thread (elsewhere, and where signals cannot be set, the block runs as is).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and previous is not signal.SIG_IGN:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            else:  # SIG_DFL, or a handler set outside Python
+                raise KeyboardInterrupt
+
+
+def open_partial(path: str | os.PathLike, append: bool, error: type[CaptionerError] = CaptionerError) -> IO[bytes]:
+    """Open a partial file that captioner fills over time and renames when complete (a download's ``.part``).
+
+    ``append``: continue the file; otherwise it starts empty (an old one is unlinked first, never
+    truncated in place). Never through a symbolic link, never into a file with other hard links:
+    both are one ``error`` line naming ``path``.
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        if append:
+            flags |= os.O_APPEND
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            flags |= os.O_EXCL
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise error(f"{path}: is a symbolic link; captioner does not write through it (remove it)") from None
+        raise error(f"{path}: cannot write ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        why = "has other hard links" if stat.S_ISREG(st.st_mode) else f"is a {file_kind(st.st_mode)}"
+        raise error(f"{path}: {why}; captioner does not write into it (remove it)")
+    return os.fdopen(fd, "ab" if append else "wb")
+
+
+def write_output(path: str | os.PathLike, write: Callable[[IO[bytes]], Any], outputs: "Outputs | None" = None,
+                 error: type[CaptionerError] = CaptionerError) -> Path:
+    """:meth:`Outputs.write` when a command passes its ``outputs``, else :func:`atomic_write` (a library call)."""
+    if outputs is not None:
+        return outputs.write(path, write)
+    return atomic_write(path, write, error)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -407,7 +499,9 @@ class Outputs:
         """
         owned = None
         present, refused = [], []
+        root = os.path.realpath(self.root)
         for path in map(Path, paths):
+            self._check_inside(path, root)
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -432,8 +526,30 @@ class Outputs:
                              "--force to replace it")
         return present
 
-    def record(self, paths: Iterable[str | os.PathLike]) -> None:
-        """Add ``paths`` (written by this command) to the manifest; entries whose file is gone are dropped."""
+    def _check_inside(self, path: Path, root: str) -> None:
+        """Refuse a file below the root whose folder is reached through a symbolic link that leads out of it
+        (``out/photo -> /elsewhere``): the write would land outside the folder the user named."""
+        try:
+            path.relative_to(self.root)
+        except ValueError:
+            return  # not below the root lexically: the caller named it on purpose
+        folder = os.path.realpath(path.parent)
+        if folder != root and not folder.startswith(root.rstrip(os.sep) + os.sep):
+            raise self.error(f"{path.parent}: leads outside {self.root} ({folder}, through a symbolic link); "
+                             f"remove the link or choose another {self.option}")
+
+    def write(self, path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
+        """Write one file with :func:`atomic_write` and record it in the manifest in the same step (Ctrl-C
+        held between the two), so that an interrupted command leaves only complete files, each its own.
+
+        Neither is fsync'ed (a command can write them again; the rename is still all or nothing for
+        every reader): thousands of overlays would otherwise wait on the disk several times each."""
+        return atomic_write(path, write, self.error, after=lambda written: self.record([written], sync=False),
+                            sync=False)
+
+    def record(self, paths: Iterable[str | os.PathLike], sync: bool = True) -> None:
+        """Add ``paths`` (written by this command) to the manifest; entries of their folders whose file is
+        gone are dropped. ``sync``: fsync the manifest (see :func:`atomic_file`)."""
         new = {}
         for path in map(Path, paths):
             try:
@@ -447,10 +563,12 @@ class Outputs:
         lock = lock_file(self.manifest)
         try:
             with hold_lock(lock):  # two writers into one folder never lose each other's entries
-                files = {k: v for k, v in self.owned().items() if (Path(self.root) / k).is_file()}
+                folders = {k.rpartition("/")[0] for k in new}  # only these are looked at: one stat per file
+                files = {k: v for k, v in self.owned().items()
+                         if k.rpartition("/")[0] not in folders or (Path(self.root) / k).is_file()}
                 files.update(new)
-                text = json.dumps({"format": "captioner-files", "version": 1, "files": files}, indent=0,
-                                  sort_keys=True)
-                atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error)
+                text = json.dumps({"format": "captioner-files", "version": 1, "files": files}, sort_keys=True,
+                                  separators=(",", ":"))  # json's C encoder: no indent
+                atomic_write(self.manifest, lambda f: f.write(text.encode("utf-8")), error=self.error, sync=sync)
         finally:
             release_lock_file(lock, remove_folder=False)

@@ -24,28 +24,32 @@ import torch
 from PIL import Image
 
 from captioner.checkpoint.remote import cached_hint, resolve_checkpoint
-from captioner.concepts.labels import ImageNetLabels, label_head
+from captioner.models.labels import ImageNetLabels, label_head
 from captioner.checkpoint.store import load_checkpoint
-from captioner.concepts.model import photo_tags
+from captioner.models.concepts import photo_tags
 from captioner.data.images import (ImageSource, ImageTransform, crop_box, image_sources, load_for_encoder, pil_image,
                                    token_ids)
-from captioner.decoding.search import (DecodeOptions, Hypothesis, content_word_ids, decode, never_emitted_ids,
-                                       plural_forms)
+from captioner.config import everyday_photos
+from captioner.decoding.search import DecodeOptions, Hypothesis, decode
 from captioner.device import resolve_device
 from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCaptionError, ImageLoadError
 from captioner.language import language_model_for
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
 from captioner.models.quantize import Int8Lite, int8_available, read_calibration
-from captioner.pretrained import int8_calibration, is_model_name, pretrained_path
+from captioner.pretrained import check_model_spec, int8_calibration, is_model_name, pretrained_path, unknown_model
 from captioner.text import Vocabulary
 
 __all__ = ["ENCODER_PRECISIONS", "Caption", "Captioner", "ImageInput", "caption_features", "caption_images",
-           "decode_options", "empty_caption", "grid_of", "load", "search_features", "teacher_forced_attention"]
+           "decode_options", "empty_caption", "everyday_photos", "grid_of", "load", "search_features",
+           "teacher_forced_attention", "teacher_forced_log_probs"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
 LOADER_THREADS = 2
+STREAM_BYTES = 1 << 30  # caption_stream: pixels and encoder activations of the photos read and encoded at once
+ACTIVATION_FACTOR = 16  # an encoder's live activations per photo, in multiples of its input pixels (EfficientNet-
+# Lite0 at 224 px holds about 8: its 96-channel stride-2 stage; 4096 photos at once asked for 3.2 GB in one tensor)
 
 # load(precision=...): the encoder's arithmetic ("int8": an 8-bit EfficientNet-Lite trunk on a CPU, the
 # decoder float32); the decoder's own float32/bfloat16 is a decoding option (DecodeOptions.precision)
@@ -70,6 +74,9 @@ class Caption:
         finished: False when the caption was cut at ``max_len`` without ``<eos>``.
         concepts, concept_maps: a concept model's top ``(word, probability)`` and their (C, g, g) maps, else None.
         labels: with ``labels=K``, the encoder's ImageNet head's K words as ``(word, probability, (g, g) map)``.
+        log_prob: the model's own log-probability of the caption (its words, and ``<eos>`` when finished) from
+            a teacher-forced pass (:func:`teacher_forced_log_probs`): ``score`` without a language model, a
+            veto or a fill; set by :meth:`Captioner.caption_nbest`, else None.
     """
 
     text: str
@@ -85,6 +92,7 @@ class Caption:
     concepts: list[tuple[str, float]] | None = None
     concept_maps: torch.Tensor | None = None
     labels: list[tuple[str, float, torch.Tensor]] | None = None
+    log_prob: float | None = None
 
     def __repr__(self) -> str:  # shapes, not the tensors' values: a result prints on one line
         def shape(t: torch.Tensor | None) -> str:
@@ -144,9 +152,7 @@ def search_features(decoder: torch.nn.Module, features: torch.Tensor, vocab: Voc
     """
     options = options if options is not None else DecodeOptions()
     with eval_mode(decoder):
-        return decode(decoder, features, vocab.bos_id, vocab.eos_id, options, never_emitted_ids(vocab, options),
-                      content_word_ids(vocab), plural_forms(vocab) if options.constrain or options.fill_slots else None,
-                      language_model_for(options.lm, vocab) if options.lm_weight else None)
+        return decode(decoder, features, vocab, options, language_model_for(options.lm, vocab) if options.lm_weight else None)
 
 
 def caption_images(model: torch.nn.Module, images: torch.Tensor, vocab: Vocabulary,
@@ -174,6 +180,41 @@ def teacher_forced_attention(model: torch.nn.Module, features: torch.Tensor, tok
         return None
     all_att = out.all_attention[0].float().cpu()  # (L, layers, heads, N)
     return all_att.reshape(*all_att.shape[:3], *grid)  # (L, layers, heads, g, g)
+
+
+def teacher_forced_log_probs(model: torch.nn.Module, features: torch.Tensor, captions: Sequence[Sequence[int]],
+                             bos_id: int, eos_id: int, finished: Sequence[bool] | None = None) -> list[float]:
+    """The model's own log-probability of each caption of one image, from one teacher-forced forward.
+
+    What the decoder alone gives the caption's words, and its ``<eos>`` when ``finished`` (default: all
+    are): the search's score when it ranks by the model alone, and the model's own opinion of a caption a
+    language model, a veto or a fill helped choose (their terms are not in it).
+
+    Args:
+        features: (1, N, D) regions of the image (or (C, N, D), one row per caption).
+        captions: C captions' word ids (no ``<bos>``/``<eos>``).
+    Returns:
+        C floats (0.0 for an empty, unfinished caption).
+    """
+    if not captions:
+        return []
+    finished = [True] * len(captions) if finished is None else list(finished)
+    C, T = len(captions), max(len(t) for t in captions) + 1  # T: the words and the <eos> step
+    inputs = torch.full((C, T), eos_id, dtype=torch.long)  # (C, T): <bos> w1 .. wn, padded
+    targets = torch.full((C, T), eos_id, dtype=torch.long)  # (C, T): w1 .. wn <eos>, padded
+    counted = torch.zeros(C, T, dtype=torch.bool)  # (C, T): the steps that belong to the caption
+    for i, (tokens, done) in enumerate(zip(captions, finished)):
+        n = len(tokens)
+        inputs[i, 0] = bos_id
+        inputs[i, 1:n + 1] = torch.as_tensor(list(tokens), dtype=torch.long)
+        targets[i, :n] = inputs[i, 1:n + 1]
+        counted[i, :n + int(done)] = True
+    if features.size(0) == 1:
+        features = features.expand(C, -1, -1)  # (C, N, D)
+    with eval_mode(model), torch.inference_mode():
+        logits = model.decoder(features, inputs.to(features.device)).logits  # (C, T, V); causal: padding unread
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.to(logits.device).unsqueeze(-1))
+    return log_probs.squeeze(-1).cpu().masked_fill(~counted, 0.0).sum(1).tolist()  # (C,)
 
 
 def decode_options(options: DecodeOptions | None = None, **overrides: object) -> DecodeOptions:
@@ -285,6 +326,7 @@ class Captioner:
         """
         head = self.label_head() if self._check_labels(labels) else None
         keep = attention or all_heads
+        batch_size = self.stream_chunk(batch_size)  # priced: a batch of 4096 photos is read and encoded in parts
         starts = range(0, len(sources), batch_size)
         if not starts:
             return
@@ -323,6 +365,16 @@ class Captioner:
                         source = sources[i]
                         yield empty_caption(str(source) if isinstance(source, Path) else f"image {i} of the input",
                                             options)
+
+    def stream_chunk(self, batch_size: int) -> int:
+        """The photos :meth:`caption_stream` reads and encodes at once: ``batch_size``, or fewer when their
+        pixels and the encoder's activations would pass :data:`STREAM_BYTES` (two chunks are held: one is
+        read ahead). ``ConfigError`` for a batch size below 1."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        side = int(self.transform.size or 224)
+        per_image = 3 * side * side * 4 * (2 + ACTIVATION_FACTOR)  # float32 pixels, twice, and the activations
+        return max(1, min(batch_size, STREAM_BYTES // per_image))
 
     def label_head(self) -> ImageNetLabels:
         """The encoder's ImageNet head as a detector of caption words, built on the first call and kept."""
@@ -396,6 +448,10 @@ class Captioner:
                 if all_heads:
                     c.all_attention = teacher_forced_attention(self.model, features, c.tokens, self.vocab.bos_id, grid)
                 out.append(c)
+            own = teacher_forced_log_probs(self.model, features, [c.tokens for c in out], self.vocab.bos_id,
+                                           self.vocab.eos_id, [c.finished for c in out])
+        for c, log_prob in zip(out, own):
+            c.log_prob = log_prob
         return out
 
     # ------------------------------------------------------------------------- internals
@@ -502,9 +558,13 @@ def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress
         CheckpointError: as :func:`captioner.pretrained.pretrained_path` and
             :func:`captioner.checkpoint.remote.resolve_checkpoint`.
     """
+    check_model_spec(spec)  # '' is not the current folder
     if is_model_name(spec):  # a model shipped with the package
         return pretrained_path(str(spec))
-    return resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    path = resolve_checkpoint(spec, sha256=sha256, progress=progress, refresh=refresh)
+    if isinstance(spec, str) and "/" not in spec and os.sep not in spec and not os.path.lexists(path):
+        raise unknown_model(spec)  # a bare name: the shipped models, and the nearest
+    return path
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,

@@ -30,21 +30,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from captioner.checkpoint.store import check_weights
 from captioner.config.schema import check_number
 from captioner.errors import CheckpointError, ConfigError, DataError, one_line
 from captioner.files import atomic_write, check_regular, read_json
-from captioner.models.base import CaptionDecoder, State
+from captioner.models.base import State, WrappedDecoder
 from captioner import pretrained
 from captioner.text import Vocabulary
 
-__all__ = ["FORMAT", "PACKAGED", "CaptionLanguageModel", "FusedDecoder", "LanguageModelConfig", "caption_texts",
+__all__ = ["FORMAT", "CaptionLanguageModel", "FusedDecoder", "LanguageModelConfig", "caption_texts",
            "fusion_unavailable", "language_model_for", "load_language_model", "save_language_model", "train_language_model"]
 
 FORMAT = "captioner-lm"  # the ``format`` metadata of a language model file
 VERSION = 1
 MAX_LM_BYTES = 1 << 30  # a language model file larger than this is refused unread
-# the language models in captioner/weights: name -> (file, SHA-256), checked when first read
-PACKAGED = {"coco": ("coco_text_lm.safetensors", "605a7e3cc212847f8ffe44367558e716722c4da77f1251ccd4d3898b347da0e4")}
 MAX_CAPTION_FILE_BYTES = 1 << 30  # a caption JSON larger than this is refused unread
 MAX_WORDS = 20  # words of a caption the model reads (a search writes at most DecodeOptions.max_len)
 
@@ -94,34 +93,21 @@ class CaptionLanguageModel(nn.Module):
         return F.log_softmax(self.out(hidden[:, 0]).float(), dim=-1), (h[0], c[0])
 
 
-class FusedDecoder(CaptionDecoder):
+class FusedDecoder(WrappedDecoder):
     """``decoder`` with a language model's word scores added (shallow fusion): what the search steps.
 
     ``step`` returns ``log P_decoder(y) + weight * log P_lm(y)`` for every word y; the attention is the
     decoder's. The language model's (h, c) ride in ``State.dynamic`` beside the decoder's, so beams that
-    move take theirs along. The decoder's extension (a label reading's veto, copy shares, constraints)
-    is the wrapped decoder's own.
+    move take theirs along. The decoder's extension (a label reading) and the step's ``State.outputs``
+    are the wrapped decoder's own.
     """
 
     def __init__(self, decoder: nn.Module, lm: CaptionLanguageModel, weight: float) -> None:
-        super().__init__()
         if lm.config.vocab_size != decoder.vocab_size:
             raise ConfigError(f"the language model has {lm.config.vocab_size} words and the decoder "
                               f"{decoder.vocab_size}: they must share one vocabulary")
-        self.decoder, self.lm, self.weight = decoder, lm, float(weight)
-        self.vocab_size = decoder.vocab_size
-        self.training = decoder.training  # not .train(): that would switch the shared language model's dropout on
-
-    @property
-    def extension(self) -> nn.Module | None:  # type: ignore[override]
-        return getattr(self.decoder, "extension", None)
-
-    @property
-    def groups_rows(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.decoder, "groups_rows", False))
-
-    def state_bytes_per_word(self) -> int:
-        return self.decoder.state_bytes_per_word() if hasattr(self.decoder, "state_bytes_per_word") else 0
+        super().__init__(decoder)
+        self.lm, self.weight = lm, float(weight)
 
     def init_state(self, features: torch.Tensor) -> State:
         inner = self.decoder.init_state(features)
@@ -134,7 +120,7 @@ class FusedDecoder(CaptionDecoder):
                                                                             state.group))
         lm_log_probs, lm_state = self.lm.step(prev_tokens, state.dynamic["lm"])
         fused = log_probs.float() + self.weight * lm_log_probs
-        return fused, State(inner.static, {"decoder": inner.dynamic, "lm": lm_state}, inner.group), attention
+        return fused, State(inner.static, {"decoder": inner.dynamic, "lm": lm_state}, inner.group, inner.outputs), attention
 
 
 def caption_texts(files: Sequence[str | os.PathLike], leave_out: Sequence[str | os.PathLike] = ()
@@ -263,9 +249,9 @@ def save_language_model(path: str | os.PathLike, lm: CaptionLanguageModel, vocab
 
 
 def load_language_model(spec: str | os.PathLike) -> tuple[CaptionLanguageModel, Vocabulary, dict[str, Any]]:
-    """A language model file, or a packaged name (:data:`PACKAGED`): the model (float32, eval mode), its
+    """A language model file, or a packaged name (``pretrained.packaged_language_models()``): the model (float32, eval mode), its
     vocabulary and what it read. ``CheckpointError`` names the file and what is wrong with it."""
-    path = packaged_path(spec) if isinstance(spec, str) and spec in PACKAGED else Path(spec)
+    path = packaged_path(spec) if isinstance(spec, str) and spec in pretrained.packaged_language_models() else Path(spec)
     check_regular(path, MAX_LM_BYTES, CheckpointError, "language model file")
     st = path.stat()
     return _load(path.resolve(), st.st_size, st.st_mtime_ns)
@@ -273,9 +259,10 @@ def load_language_model(spec: str | os.PathLike) -> tuple[CaptionLanguageModel, 
 
 def packaged_path(name: str) -> Path:
     """The packaged language model ``name``; ``CheckpointError`` when this install lacks it."""
-    file, sha256 = PACKAGED[name]
+    entry = pretrained.MODELS[name]
     # the package's weights folder as it is now (read at each call, not bound once at import)
-    return pretrained.checked_package_file(pretrained.WEIGHTS / file, sha256, f"the packaged language model {name!r}")
+    return pretrained.checked_package_file(pretrained.WEIGHTS / entry.file, entry.sha256,
+                                           f"the packaged language model {name!r}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -298,6 +285,7 @@ def _load(path: Path, size: int, mtime: int) -> tuple[CaptionLanguageModel, Voca
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if meta.get("version") != str(VERSION):
         raise bad(f"version {meta.get('version')!r}; this captioner reads version {VERSION}")
+    check_weights(path, meta, state)  # every tensor finite (and its checksum, when the file records one)
     try:
         config = LanguageModelConfig(**json.loads(meta["config"]))
         vocab = Vocabulary.from_dict({"itos": json.loads(meta["vocab"])})

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.errors import CaptionerError, ConfigError, DataError
-from captioner.files import open_regular
+from captioner.files import open_partial, open_regular
 
 __all__ = ["CHUNK", "Bounds", "DownloadError", "Inspect", "Refused", "download", "file_digest", "read_head", "redact",
            "verify"]
@@ -209,10 +209,7 @@ def _fetch_part(url: str, part: Path, size: int | None, progress: bool | None, o
         if bounds.max_bytes is not None and total is not None and total > bounds.max_bytes:
             raise _TooLarge(total, bounds.max_bytes, "the limit is")
         head = _Head(inspect, part, have)
-        try:
-            f = open(part, "ab" if resumed else "wb")
-        except OSError as exc:
-            raise _CannotWrite(exc) from None
+        f = open_partial(part, resumed, DataError)  # never through a link, never into another file's inode
         with f, tqdm(total=total, initial=have, unit="B", unit_scale=True, desc=label,
                         disable=not show_progress(progress)) as bar:
             sock = getattr(getattr(getattr(response, "fp", None), "raw", None), "_sock", None)

@@ -8,6 +8,7 @@ the data's terms, dev scores, how it was trained). ``example_photos()`` are a fe
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from pathlib import Path
 from captioner.errors import CheckpointError
 from captioner.files import file_kind, file_sha256
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "checked_package_file", "example_photos",
-           "int8_calibration", "is_model_name", "model_card", "pretrained_path"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "check_model_spec", "checked_package_file",
+           "example_photos", "int8_calibration", "is_model_name", "model_card", "nearest_model",
+           "packaged_language_models", "pretrained_path", "unknown_model"]
 
 PACKAGE = Path(__file__).resolve().parent
 WEIGHTS = PACKAGE / "weights"
@@ -26,14 +28,17 @@ PHOTOS = PACKAGE / "photos"
 
 @dataclass(frozen=True)
 class PretrainedModel:
-    """One shipped model: ``weights/<file>`` pinned by its SHA-256, and its card ``weights/<card>``."""
+    """One file that ships in ``weights/``, pinned by its SHA-256: a captioning model (``kind`` "captioner",
+    with its card ``weights/<card>`` and the preset ``captioner train --init NAME`` starts from) or a caption
+    language model (``kind`` "language model", fused by ``DecodeOptions.lm``)."""
 
     name: str
     file: str
     sha256: str
-    card: str
     summary: str
-    preset: str  # the training settings ``captioner train --init NAME`` starts from
+    card: str = ""
+    preset: str = ""  # the training settings ``captioner train --init NAME`` starts from
+    kind: str = "captioner"
     int8: str = ""  # ``weights/<int8>``: its encoder's int8 calibration (scripts/calibrate_int8.py); "": none
     int8_sha256: str = ""
 
@@ -56,18 +61,31 @@ MODELS: dict[str, PretrainedModel] = {
                 "with it, reading the labels of the encoder's ImageNet classifier and able to copy their words; "
                 "Flickr8k, then COCO caption text; 3,301 tokens",
     ),
+    "coco": PretrainedModel(
+        name="coco",
+        file="coco_text_lm.safetensors",
+        sha256="605a7e3cc212847f8ffe44367558e716722c4da77f1251ccd4d3898b347da0e4",
+        kind="language model",
+        summary="an LSTM language model of COCO caption text (the dev photos' captions left out), in the "
+                "vocabulary of 'flickr8k': --lm coco",
+    ),
 }
 DEFAULT_MODEL = "flickr8k"  # what caption, attend and serve use without --checkpoint
 
 
 def available_models() -> list[str]:
-    """Names of the models shipped with the package (``captioner.load(name)``)."""
-    return sorted(name for name, entry in MODELS.items() if entry.sha256)
+    """Names of the captioning models shipped with the package (``captioner.load(name)``)."""
+    return sorted(name for name, entry in MODELS.items() if entry.sha256 and entry.kind == "captioner")
+
+
+def packaged_language_models() -> list[str]:
+    """Names of the caption language models shipped with the package (``DecodeOptions.lm``)."""
+    return sorted(name for name, entry in MODELS.items() if entry.sha256 and entry.kind == "language model")
 
 
 def is_model_name(spec: object) -> bool:
     """Whether ``spec`` names a shipped model; ``CheckpointError`` when it is also an existing path (ambiguous)."""
-    if not (isinstance(spec, str) and spec in MODELS):
+    if not (isinstance(spec, str) and spec in available_models()):
         return False
     if os.path.lexists(spec):
         kind = "folder" if os.path.isdir(spec) else "file"
@@ -77,9 +95,33 @@ def is_model_name(spec: object) -> bool:
     return True
 
 
+def nearest_model(spec: str) -> str | None:
+    """The shipped model a mistyped name most likely meant (``'FLICKR8K'``, ``'flickr8k '``, ``'flikr8k'``), or None."""
+    key = spec.strip().lower()
+    names = available_models()
+    exact = [name for name in names if name.lower() == key]
+    return exact[0] if exact else next(iter(difflib.get_close_matches(key, names, n=1, cutoff=0.6)), None)
+
+
+def check_model_spec(spec: object) -> None:
+    """Refuse an empty or blank checkpoint name (``''`` would otherwise be the current folder)."""
+    if isinstance(spec, str) and not spec.strip():
+        raise CheckpointError(f"checkpoint name {spec!r} is empty: give a shipped model's name "
+                              f"({', '.join(available_models()) or 'none'}), a checkpoint file, a run folder or a URL")
+
+
+def unknown_model(spec: str) -> CheckpointError:
+    """The one line for a bare name that is neither a file here nor a shipped model: the shipped
+    models, and the nearest of them."""
+    near = nearest_model(spec)
+    hint = f"; did you mean {near!r}?" if near is not None else ""
+    return CheckpointError(f"{spec!r}: checkpoint not found: no such file or folder, and not a shipped model "
+                           f"(shipped: {', '.join(available_models()) or 'none'}){hint}")
+
+
 def _entry(name: str) -> PretrainedModel:
     entry = MODELS.get(name)
-    if entry is None or not entry.sha256:
+    if entry is None or not entry.sha256 or entry.kind != "captioner":
         known = ", ".join(available_models()) or "none"
         raise CheckpointError(f"{name!r} is not a shipped model (shipped: {known})")
     return entry

@@ -19,7 +19,7 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 MAX_VOCAB_BYTES = 64 * MiB  # a 1M-word vocabulary is about 15 MB of JSON
 
-# Function words: never a concept (captioner.concepts.model), free to repeat in a caption
+# Function words: never a concept (captioner.models.concepts), free to repeat in a caption
 # (DecodeOptions.no_repeat_words). Articles, pronouns, prepositions, conjunctions, auxiliaries,
 # and the commonest quantity words. Content words (nouns, verbs, adjectives, colours) remain.
 STOP_WORDS = frozenset("""
@@ -154,3 +154,20 @@ class Vocabulary:
             return cls.from_dict(data)
         except DataError as exc:
             raise DataError(f"{path}: {exc}") from None
+
+
+IRREGULAR_PLURALS = {"man": "men", "woman": "women", "child": "children", "person": "people"}
+
+
+def plural_forms(vocab: Vocabulary) -> dict[int, list[int]]:
+    """Each word's id -> the ids of its plural in the vocabulary ("dog" -> "dogs", "bus" -> "buses", "pony" ->
+    "ponies", "man" -> "men"): what else meets a constraint on the word (``DecodeOptions.constrain``), and which
+    slots are plural (``DecodeOptions.fill_slots``)."""
+    out: dict[int, list[int]] = {}
+    for i, w in enumerate(vocab.itos):
+        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else []) + \
+            ([IRREGULAR_PLURALS[w]] if w in IRREGULAR_PLURALS else [])
+        ids = [vocab.stoi[f] for f in forms if f in vocab.stoi]
+        if ids and i > vocab.unk_id:
+            out[i] = ids
+    return out

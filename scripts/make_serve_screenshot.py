@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     width, height = (int(v) for v in args.size.split(","))
-    driver.set_window_size(width, height)  # the flag alone stops at 500 px wide
+    # the page's window exactly WIDTH x HEIGHT, sized by DevTools (a phone's viewport below 600 px wide)
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                                   "deviceScaleFactor": 1, "mobile": width < 600})
     wait = WebDriverWait(driver, 60)
     try:
         with running(app) as base:
             driver.get(base + "/")
             wait.until(lambda d: d.execute_script("return document.body.dataset.state === 'idle';"))
-            inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
-            driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])  # the page's window, not Chromium's
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value(str(args.n_best))
             if args.everyday:
                 driver.find_element(By.ID, "everyday").click()

@@ -28,10 +28,11 @@
 # With EVERYDAY=FOLDER (a folder holding flickr8k/ in the layout above, coco2014-val168/ and
 # coco2017-mini/annotations/captions_val2017_text_only.json, as ../shared/data does), after the release:
 #   4. everyday   the release taught to read its encoder's ImageNet labels (encoder.labels) and the COCO
-#                 caption words (scripts/experiments/everyday_levers.py: features, teacher, then 2,000
-#                 steps on its own captions of the Flickr8k photos beside COCO caption-only rows, the
-#                 Flickr8k rows' attention held to the release's by --attend-kd 1), packed
-#                 again as $ROOT/release/flickr8k.safetensors (the step 3 file kept as flickr8k_stage3.safetensors)
+#                 caption words, by two captioner commands: captioner evaluate (its own captions of the Flickr8k
+#                 training photos, beam 3), then captioner train --preset flickr8k_labels (the label stage: 2,000
+#                 steps on those captions beside COCO caption-only rows, the Flickr8k rows' attention held to
+#                 the release's, train.labels.attend_kd 1) in $ROOT/everyday/run, whose release.safetensors becomes
+#                 $ROOT/release/flickr8k.safetensors (the step 3 file kept as flickr8k_stage3.safetensors)
 # Settings (environment): ROOT (runs/shipped), DEVICE (cpu; cuda on a GPU), JOBS (1: stages one after
 # the other; 2 trains the two new teachers at once, on a GPU), SCST_SECONDS (2100), WORKERS (data loader
 # workers, 0), STUDENT_EPOCHS (3), WORD_WEIGHT (0: off; 3 is the best weight measured), STUDENT_SCST_STAGES (2),
@@ -154,26 +155,26 @@ info = pack_release(best / "best.safetensors", out, metadata={"trained_from": be
 print(json.dumps({"from": best.name, "dev_CIDEr-D_validation": cider(best), **info}))
 EOF
 
-# 4. everyday: the release reads its encoder's labels and learns the COCO caption words
+# 4. everyday: the release reads its encoder's labels and learns the COCO caption words (the label stage)
 if [ -n "${EVERYDAY:-}" ]; then
     release=$ROOT/release/flickr8k.safetensors stage3=$ROOT/release/flickr8k_stage3.safetensors
-    every=(--data "$EVERYDAY" --cache "$ROOT/everyday")
     [ -f "$stage3" ] || cp "$release" "$stage3"
     if [ -f "$ROOT/everyday/done" ]; then log "everyday: trained already, kept"; else
-        log "everyday"
-        python scripts/experiments/everyday_levers.py features "${every[@]}" --base "$stage3"
-        python scripts/experiments/everyday_levers.py teacher "${every[@]}" --base "$stage3"
-        python scripts/experiments/everyday_levers.py train "${every[@]}" --base "$stage3" --photo-targets shipped \
-            --attend-kd 1 --steps "${EVERYDAY_STEPS:-2000}" --out "$ROOT/everyday/everyday.safetensors" > "$ROOT/everyday.log" 2>&1
+        log "everyday: the release's own captions of the training photos"
+        mkdir -p "$ROOT/everyday"  # one level below $ROOT: step 3 does not take its run for a candidate
+        "${CAPTIONER[@]}" evaluate "$stage3" --data "$EVERYDAY/flickr8k" --split train --beam 3 --no-progress \
+            --no-coco-caption --no-meteor --device "$DEVICE" --force --out "$ROOT/everyday/teacher" \
+            > "$ROOT/everyday/teacher.log" 2>&1
+        log "everyday: the label stage"
+        "${CAPTIONER[@]}" train --preset flickr8k_labels --init "$stage3" --data "$EVERYDAY/flickr8k" \
+            --out "$ROOT/everyday/run" --overwrite --device "$DEVICE" --no-progress \
+            --set train.labels.steps="${EVERYDAY_STEPS:-2000}" \
+            --set train.labels.teacher="$ROOT/everyday/teacher/captions_train_results.json" \
+            --set train.labels.text="$EVERYDAY/coco2017-mini/annotations/captions_val2017_text_only.json" \
+            --set train.labels.text_exclude="$EVERYDAY/coco2014-val168/annotations/captions_val2014.json" \
+            --set data.feature_cache_dir="$ROOT/features" > "$ROOT/everyday/run.log" 2>&1
         touch "$ROOT/everyday/done"
     fi
-    python - "$ROOT" <<'EOF2'
-import json, sys
-from pathlib import Path
-from captioner.checkpoint.store import pack_release
-root = Path(sys.argv[1])
-info = pack_release(root / "everyday" / "everyday.safetensors", root / "release" / "flickr8k.safetensors",
-                    metadata={"trained_from": "everyday"})
-print(json.dumps({"from": "everyday", **info}))
-EOF2
+    cp "$ROOT/everyday/run/release.safetensors" "$release"
+    log "everyday: $release"
 fi

@@ -45,11 +45,28 @@ def chrome(*logs: str) -> Iterator[Any]:
     options.set_capability("goog:loggingPrefs", dict.fromkeys(logs, "ALL"))
     drv = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     drv.set_page_load_timeout(30)
+    viewport(drv, *DESKTOP)
     try:
         yield drv
     finally:
         drv.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+DESKTOP = (1100, 900)  # every test's page window, unless it sizes its own
+
+
+def viewport(drv, width: int, height: int, mobile: bool = False) -> None:
+    """Make the page's window (innerWidth x innerHeight) exactly ``width`` x ``height``, whatever the size of
+    Chromium's own window and however busy the machine: DevTools' ``Emulation.setDeviceMetricsOverride``
+    sizes the viewport itself (a resized window reaches the page a little later, and on a loaded machine
+    after the test has read it). ``mobile``: a phone's viewport (overlay scroll bars, the page's
+    ``<meta name="viewport">`` honoured: open such a page first, as a page without one is laid out 980 px
+wide). Returns once the page sees the new size (its resize event fired)."""
+    drv.switch_to.default_content()  # the page's window, not a frame's
+    drv.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+    _wait_for(drv, f"return window.innerWidth === {width} && window.innerHeight === {height};")
 
 
 @pytest.fixture(scope="module")

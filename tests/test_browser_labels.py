@@ -16,7 +16,8 @@ import pytest
 
 from captioner.pretrained import PHOTOS
 from captioner.viz.explorer import LABELS_LABEL
-from test_browser_page import _example, _shipped_page, _viewport, shipped  # noqa: F401
+from test_browser import DESKTOP, viewport
+from test_browser_page import _example, _shipped_page, shipped  # noqa: F401
 from test_browser_serve import (_axe_audit, _in_frame, _pixels, _serve_page, _upload, _wait, _words_in,  # noqa: F401
                                 a_model, driver)
 
@@ -33,10 +34,9 @@ def test_the_photos_labels_show_their_maps_by_hover_and_keyboard_with_no_accessi
 
     expected = shipped.caption(PHOTOS / PHOTO, beam=3, labels=5)[0].labels
     chips_text = [f"{w} {p:.2f}" for w, p, _ in expected]
-    size = driver.get_window_size()
     try:
         with _shipped_page(driver, shipped):
-            _viewport(driver, 1280, 900)
+            viewport(driver, 1280, 900)
             _example(driver)
             frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
             words = _words_in(driver, frame)
@@ -90,17 +90,16 @@ def test_the_photos_labels_show_their_maps_by_hover_and_keyboard_with_no_accessi
             results = _axe_audit(axe, driver, driver.find_elements(By.CSS_SELECTOR, "#columns iframe"))
             assert results["passes"], "axe checked nothing"
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_side_by_side_a_model_without_an_imagenet_head_shows_no_labels_and_the_maps_stay_level(driver, shipped,
                                                                                                a_model):
     from selenium.webdriver.common.by import By
 
-    size = driver.get_window_size()
     try:
         with _serve_page(driver, [("flickr8k", shipped), ("tiny", a_model)]):
-            _viewport(driver, 1280, 900)
+            viewport(driver, 1280, 900)
             _upload(driver, PHOTOS / PHOTO)
             assert driver.find_element(By.ID, "error").is_displayed() is False
             left, right = driver.find_elements(By.CSS_SELECTOR, "#columns iframe")
@@ -119,4 +118,4 @@ def test_side_by_side_a_model_without_an_imagenet_head_shows_no_labels_and_the_m
                                             ".getPropertyValue('--lead') || 'none';")
             assert lead.strip().endswith("px") and float(lead.strip()[:-2]) > 10, lead
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)

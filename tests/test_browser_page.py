@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_browser import DESKTOP, viewport
 from test_browser_serve import (_DROP, _answers, _axe_audit, _dark_photo, _in_frame, _pixels, _scene, _serve_page,  # noqa: F401
-                                _upload, _wait, _words_in, a_model, driver, peaked_model)
+                                _settled, _upload, _wait, _words_in, a_model, driver, peaked_model)
 
 pytestmark = pytest.mark.slow  # starts a browser and a server
 
@@ -43,14 +44,6 @@ def _png(data_url: str) -> np.ndarray:
     from PIL import Image
 
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(data_url.split(",", 1)[1]))).convert("RGB"), dtype=np.int16)
-
-
-def _viewport(driver, width: int, height: int) -> None:
-    """Make the page's window (innerWidth x innerHeight) exactly ``width`` x ``height``."""
-    driver.set_window_size(width, height)
-    inner = driver.execute_script("return [window.innerWidth, window.innerHeight];")
-    driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])
-    assert driver.execute_script("return [window.innerWidth, window.innerHeight];") == [width, height]
 
 
 def _shipped_page(driver, shipped):
@@ -82,24 +75,25 @@ def _example(driver, index: int = 0) -> None:
 
 _RECT = """const f = document.querySelector('#columns iframe'), r = f.getBoundingClientRect(), doc = f.contentDocument;
 const v = doc.getElementById('view').getBoundingClientRect(), l = doc.querySelector('.legend').getBoundingClientRect();
-const d = document.querySelector('.downloads').getBoundingClientRect();
-return {map_top: r.top + v.top, map_bottom: r.top + v.bottom, map_width: v.width, legend_bottom: r.top + l.bottom,
-        downloads_bottom: d.bottom, height: window.innerHeight, scroll: window.scrollY};"""
+const p = doc.getElementById('play').getBoundingClientRect(), d = document.querySelector('.downloads').getBoundingClientRect();
+const c = document.querySelector('.chosen').getBoundingClientRect(), j = document.querySelector('.verdict').getBoundingClientRect();
+return {map_top: Math.round(r.top + v.top), map_bottom: Math.round(r.top + v.bottom), map_width: Math.round(v.width),
+        legend_bottom: Math.round(r.top + l.bottom), play_bottom: Math.round(r.top + p.bottom),
+        downloads_bottom: Math.round(d.bottom), caption_top: Math.round(c.top), verdict_bottom: Math.round(j.bottom),
+        height: window.innerHeight, scroll: window.scrollY};"""
 
 
 def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high_on_a_phone(driver, shipped):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    size = driver.get_window_size()
     try:
         with _shipped_page(driver, shipped):
-            _viewport(driver, 1280, 900)
+            viewport(driver, 1280, 900)
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("3")
             _example(driver)
             _wait(driver, "return document.querySelector('#columns iframe').offsetHeight > 300;")
-            time.sleep(0.3)  # the frame fitted to the window
-            box = driver.execute_script(_RECT)
+            box = _settled(driver, _RECT)  # the frame fitted to the window
             assert box["scroll"] == 0
             assert box["map_bottom"] <= box["height"] and box["legend_bottom"] <= box["height"], box
             assert box["downloads_bottom"] <= box["height"], box
@@ -112,25 +106,29 @@ def test_the_first_result_holds_what_matters_at_1280x900_and_starts_the_map_high
             assert driver.find_elements(By.CSS_SELECTOR, "#result img") == []
             # the model said in one line from its card, the card one click away
             about = driver.find_element(By.CSS_SELECTOR, "#about li").text
-            assert about.startswith("flickr8k: Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
-                                    "photos mostly of people and dogs")
+            assert about.startswith("flickr8k: knows photos mostly of people and dogs outdoors \u00b7 Show, Attend "
+                                    "and Tell on Flickr8k")  # what it knows first
             card = driver.find_element(By.CSS_SELECTOR, "#about a").get_attribute("href")
             import urllib.request
 
             with urllib.request.urlopen(card, timeout=30) as r:
                 assert "Show, Attend and Tell on Flickr8k" in r.read().decode()
-            _viewport(driver, 390, 844)
+            # a phone: a compact header; caption, verdict, map, legend and Play on the first screen; the downloads
+            # within one short scroll
+            viewport(driver, 390, 844, mobile=True)
             driver.execute_script("window.scrollTo(0, 0);")
             Select(driver.find_element(By.ID, "nbest-count")).select_by_value("1")
             _wait(driver, "return document.body.dataset.state === 'done' && "
                           "document.querySelectorAll('.nbest .text').length === 1;", 60)
-            time.sleep(0.3)
-            box = driver.execute_script(_RECT)
-            assert box["map_top"] <= 500, box
+            box = _settled(driver, _RECT)
+            assert box["scroll"] == 0 and box["height"] == 844, box
+            assert box["caption_top"] >= 0 and box["verdict_bottom"] < box["map_top"] <= 360, box
+            assert box["legend_bottom"] <= 844 and box["play_bottom"] <= 844, box
+            assert box["downloads_bottom"] <= 1050, box
             assert driver.execute_script("return document.documentElement.scrollWidth <= "
                                          "document.documentElement.clientWidth;"), "the page scrolls sideways"
     finally:
-        driver.set_window_size(size["width"], size["height"])
+        viewport(driver, *DESKTOP)
 
 
 def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_file(driver, shipped, capsys):
@@ -138,6 +136,7 @@ def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_
 
     from captioner.cli import main
     from captioner.pretrained import PHOTOS
+    from captioner.share.server import verdict
 
     photo = sorted(PHOTOS.glob("*.jpg"))[1]
     assert main(["caption", str(photo), "--json"]) == 0
@@ -152,13 +151,21 @@ def test_the_score_is_shown_by_default_and_equals_captioner_caption_on_the_same_
         answer = driver.execute_script("return window.answers[window.answers.length - 1];")
         best = answer["captions"][0]
         assert best["text"] == cli["caption"] and best["score"] == pytest.approx(cli["score"], abs=1e-4)
-        score = driver.find_element(By.CSS_SELECTOR, ".column .score")
-        assert score.is_displayed()
+        # a verdict in words, its band that of the model's own log-probability per word; the number one click away
         words = len(cli["tokens"])
-        assert score.text == (f"log-probability {cli['score']:.2f} in all \u00b7 {cli['score'] / words:.2f} per word "
-                              f"({words} words)")
+        said = driver.find_element(By.CSS_SELECTOR, ".column .verdict")
+        assert said.is_displayed() and said.find_element(By.CSS_SELECTOR, "strong").text == best["verdict"]
+        assert best["log_prob"] == pytest.approx(cli["score"], abs=1e-4)
+        assert best["verdict"] == verdict(cli["score"], words)
+        score = driver.find_element(By.CSS_SELECTOR, ".column .score")
+        assert not score.is_displayed()
+        driver.find_element(By.CSS_SELECTOR, ".column .numbers summary").click()
+        assert score.is_displayed()
+        assert score.text == (f"the model's own log-probability {cli['score']:.2f} in all \u00b7 {cli['score'] / words:.2f} "
+                              f"per word ({words} words)")
         explain = driver.find_element(By.CSS_SELECTOR, ".column .explain")
         assert explain.is_displayed() and "closer to 0 is more likely" in explain.text
+        assert not driver.find_element(By.CSS_SELECTOR, ".column .fused").is_displayed()  # plain: one number
         assert not driver.find_element(By.CSS_SELECTOR, ".nbest").is_displayed()  # one caption: no list
         # the caption as text to copy
         assert driver.find_element(By.CSS_SELECTOR, ".column .chosen .text").text == cli["caption"]
@@ -330,6 +337,11 @@ def test_a_drop_of_text_says_so_and_a_busy_photo_moves_nothing(driver, peaked_mo
     _, second = _scene(tmp_path, seed=6, name="second.png")
     with _serve_page(driver, [("peaked", peaked_model)]):
         _upload(driver, first)
+        _words_in(driver, driver.find_element(By.CSS_SELECTOR, "#columns iframe"))
+        where = ("const f = document.querySelector('#columns iframe').getBoundingClientRect(),"
+                 " c = document.getElementById('columns').getBoundingClientRect();"
+                 " return [Math.round(c.top), Math.round(f.top), Math.round(f.height), Math.round(f.width)];")
+        _settled(driver, where)  # the frame fitted to the window before the drop
         text_drop = ("const data = new DataTransfer(); data.setData('text/plain', 'a dog');"
                      "for (const type of ['dragenter', 'dragover', 'drop']) document.body.dispatchEvent("
                      "new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true }));")
@@ -337,13 +349,10 @@ def test_a_drop_of_text_says_so_and_a_busy_photo_moves_nothing(driver, peaked_mo
         error = driver.find_element(By.ID, "error")
         assert error.is_displayed() and error.text.startswith("That was text, not a photo")
         assert driver.find_element(By.ID, "result").is_displayed()  # the result stays
-        where = ("const f = document.querySelector('#columns iframe').getBoundingClientRect(),"
-                 " c = document.getElementById('columns').getBoundingClientRect();"
-                 " return [Math.round(c.top), Math.round(f.top), Math.round(f.height), Math.round(f.width)];")
         driver.execute_script("window.fetch = (function (real) { return function () { const a = arguments;"
                               " return new Promise(function (ok) { setTimeout(function () { ok(real.apply(null, a)); },"
                               " 1500); }); }; })(window.fetch);")  # a slow answer, to look at the page meanwhile
-        error_shown = driver.execute_script(where)
+        error_shown = _settled(driver, where)
         driver.find_element(By.ID, "file").send_keys(str(second))
         _wait(driver, "return document.body.dataset.state === 'busy';")
         busy = driver.execute_script(where)
@@ -390,14 +399,16 @@ def test_everyday_photos_is_offered_where_a_model_offers_it_and_said_in_the_meta
     assert expected != shipped.caption_nbest(photo, n_best=1, beam=3)[0].text
     done = "return +document.body.dataset.answers > {};"  # an answer, or an error
     with _serve_page(driver, [("flickr8k", shipped), ("tiny", peaked_model)]):
-        box, label = driver.find_element(By.ID, "everyday"), driver.find_element(By.ID, "everyday-label")
+        box = driver.find_element(By.ID, "everyday")
         models = Select(driver.find_element(By.ID, "model"))
         # side by side: offered, as one of the models offers it; the label names the box, its title says what it does
         assert box.is_enabled() and not box.is_selected() and box.accessible_name == "everyday photos"
-        assert "better on everyday photos" in label.get_attribute("title")
+        note = driver.find_element(By.ID, "everyday-note")  # said in words on the page, not in a tooltip
+        assert note.is_displayed() and "better for food, animals, streets" in note.text
+        assert box.get_attribute("aria-describedby") == "everyday-note"
         _axe_audit(axe, driver, [])
         models.select_by_value("tiny")  # a model without labels: off, and said why
-        assert not box.is_enabled() and not box.is_selected() and "Not offered" in label.get_attribute("title")
+        assert not box.is_enabled() and not box.is_selected() and note.text.startswith("Not offered by this model")
         models.select_by_value("flickr8k")
         assert box.is_enabled()
         driver.execute_script("arguments[0].focus();", box)
@@ -433,3 +444,127 @@ def test_everyday_photos_is_offered_where_a_model_offers_it_and_said_in_the_meta
         assert not box.is_selected() and "everyday" not in _metas(driver)["tiny"]
         models.select_by_value("flickr8k")
         assert box.is_selected()
+
+
+def _numbers(driver) -> dict[str, str]:
+    """The first column's verdict, its own log-probability line and the fused score's line (shown or not)."""
+    return driver.execute_script(
+        "const c = document.querySelector('.column'); c.querySelector('.numbers').open = true;"
+        "const f = c.querySelector('.fused');"
+        "return {verdict: c.querySelector('.verdict strong').textContent, text: c.querySelector('.chosen .text')"
+        ".textContent, score: c.querySelector('.score').textContent, fused: f.hidden ? '' : f.textContent};")
+
+
+def test_the_verdict_reads_the_models_own_log_probability_with_everyday_photos_on_or_off(driver, shipped):
+    from selenium.webdriver.common.by import By
+
+    from captioner.pretrained import PHOTOS
+    from captioner.share.server import VERDICTS
+
+    photo = PHOTOS / "phone_call.jpg"  # the same caption either way
+    plain = shipped.caption_nbest(photo, n_best=1, beam=3)[0]
+    assert plain.text == "a man in a black shirt is standing in front of a building"
+    assert plain.score / len(plain.words) >= VERDICTS[0][0]  # -0.14 per word: the top band
+    with _shipped_page(driver, shipped):
+        _example(driver, 1)
+        off = _numbers(driver)
+        assert off["verdict"] == "likely right" and off["text"] == plain.text and off["fused"] == ""
+        assert off["score"] == (f"the model's own log-probability {plain.score:.2f} in all \u00b7 "
+                                f"{plain.score / 13:.2f} per word (13 words)")
+        before = _answers(driver)
+        driver.find_element(By.ID, "everyday").click()
+        _wait(driver, f"return +document.body.dataset.answers > {before} && document.body.dataset.state === 'done';", 60)
+        on = _numbers(driver)
+        # the same caption, the same verdict and own log-probability; the fused search score named apart
+        assert {k: on[k] for k in ("verdict", "text", "score")} == {k: off[k] for k in ("verdict", "text", "score")}
+        assert "everyday photos" in on["fused"] and "search score" in on["fused"] and "own log-probability" in on["fused"]
+        fused = shipped.caption_nbest(photo, n_best=1, beam=3, veto=2.0, fill_slots=0.05, lm_weight=0.3)[0].score
+        assert f"{fused:.2f}" in on["fused"] and f"{fused:.2f}" not in on["score"]
+
+
+def test_a_50_megapixel_phone_photo_is_shrunk_upright_in_the_browser_and_captioned(driver, shipped, tmp_path: Path):
+    from PIL import Image
+
+    from captioner.pretrained import PHOTOS
+
+    # 8160x6120 (49.9 megapixels), stored on its side with EXIF orientation 6 as a phone stores a portrait photo
+    with Image.open(PHOTOS / "skateboarder.jpg") as im:
+        upright = im.convert("RGB").resize((6120, 8160))  # the photo as seen: portrait
+    noise = np.random.default_rng(0).integers(-2, 3, (8160, 6120, 1), dtype=np.int16)  # a sensor's grain
+    stored = Image.fromarray(np.clip(np.asarray(upright, dtype=np.int16) + noise, 0, 255).astype(np.uint8))
+    stored = stored.transpose(Image.Transpose.ROTATE_90)  # as written: landscape, turned back by orientation 6
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "PXL_20260101_120000.jpg"
+    stored.save(path, quality=75, exif=exif.tobytes())
+    size = path.stat().st_size
+    assert stored.size == (8160, 6120) and 2e6 <= size <= 3.2e6, size
+    with _shipped_page(driver, shipped):
+        driver.execute_script(_SENT_BYTES)
+        before = _answers(driver)
+        driver.find_element("id", "file").send_keys(str(path))
+        _wait(driver, f"return +document.body.dataset.answers > {before};", 120)
+        assert driver.execute_script("return document.body.dataset.state;") == "done", \
+            driver.find_element("id", "error").text
+        answer = driver.execute_script("return window.answers[window.answers.length - 1];")
+        assert answer["image_size"] == [1080, 1440]  # upright: the long side 1440 px, portrait as the EXIF says
+        assert driver.execute_script("return window.sentBytes;") < 1.5e6
+        assert answer["captions"][0]["text"] and answer["file"] == path.name
+        status = driver.find_element("id", "status").text
+        assert status.endswith("sent at 1080\u00d71440 (from 6120\u00d78160)"), status
+
+
+_SENT_BYTES = ("window.answers = []; window.fetch = (function (real) { return function (url, init) {"
+               " if (init && init.body instanceof FormData) window.sentBytes = init.body.get('image').size;"
+               " return real.apply(null, arguments).then(function (r) {"
+               " r.clone().json().then(function (j) { window.answers.push(j); }); return r; }); }; })(window.fetch);")
+
+
+def test_on_a_phone_the_strip_keeps_the_playing_word_in_view_and_shows_that_it_scrolls(driver, shipped):
+    from selenium.webdriver.common.by import By
+
+    try:
+        with _shipped_page(driver, shipped):
+            viewport(driver, 390, 844, mobile=True)
+            _example(driver, 1)  # 13 words: more than the strip shows
+            frame = driver.find_element(By.CSS_SELECTOR, "#columns iframe")
+            words = _words_in(driver, frame)
+            assert len(words) == 13
+            driver.switch_to.frame(frame)
+            cap = driver.find_element(By.ID, "caption")
+            assert driver.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth + 100;", cap)
+            assert driver.execute_script("return getComputedStyle(arguments[0]).maskImage;", cap) != "none"  # the cue
+            assert "more-right" in cap.get_attribute("class")
+            driver.execute_script(
+                "window.out = []; window.seen = []; const cap = document.getElementById('caption');"
+                "new MutationObserver(function () { const i = document.body.dataset.word;"
+                " const r = document.getElementById('word-' + i).getBoundingClientRect(), c = cap.getBoundingClientRect();"
+                " window.seen.push(i); if (r.left < c.left - 1 || r.right > c.right + 1) window.out.push(i); })"
+                ".observe(document.body, { attributes: true, attributeFilter: ['data-word'] });")
+            driver.find_element(By.ID, "play").click()
+            _wait(driver, "return document.body.dataset.playing === '';", timeout=60)
+            assert driver.execute_script("return window.seen;")[-1] == "12"
+            assert driver.execute_script("return window.out;") == []  # every played word inside the strip
+            assert "more-left" in cap.get_attribute("class")  # scrolled on: the start fades now
+            driver.execute_script("document.getElementById('word-0').focus();")  # the focused word too
+            assert driver.execute_script("const r = document.getElementById('word-0').getBoundingClientRect(),"
+                                         " c = document.getElementById('caption').getBoundingClientRect();"
+                                         " return r.left >= c.left - 1 && r.right <= c.right + 1;")
+            driver.switch_to.default_content()
+    finally:
+        driver.switch_to.default_content()
+        viewport(driver, *DESKTOP)
+
+
+def test_the_model_card_is_html_with_its_table_and_passes_axe(driver, shipped):
+    axe = pytest.importorskip("axe_core_python.selenium")
+    from selenium.webdriver.common.by import By
+
+    with _shipped_page(driver, shipped) as base:
+        driver.get(base + "/cards/0")
+        assert driver.find_elements(By.TAG_NAME, "pre") == []
+        assert driver.find_element(By.TAG_NAME, "h1").text.startswith("flickr8k: Show, Attend and Tell")
+        headers = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "table thead th")]
+        assert "CIDEr-D" in headers and len(driver.find_elements(By.CSS_SELECTOR, "table tbody tr")) >= 10
+        assert "|" not in driver.find_element(By.TAG_NAME, "main").text.split("\n")[0]
+        _axe_audit(axe, driver, [])

@@ -116,6 +116,26 @@ def test_veto_and_fill_slots_need_a_model_that_reads_labels_and_a_number_in_rang
     assert code == 2 and out == [] and "--fill-slots" in "\n".join(err)
 
 
+
+def test_everyday_is_the_named_setting_and_flags_beside_it_win(capsys, checkpoints, photos):
+    from captioner.cli import build_parser
+    from captioner.commands.options import decoding_overrides
+    from captioner.config import EVERYDAY_PHOTOS, everyday_photos
+    from captioner.share.server import EVERYDAY
+
+    parser = build_parser()
+    assert decoding_overrides(parser.parse_args(["caption", "x.jpg", "--everyday"])) == EVERYDAY_PHOTOS
+    assert decoding_overrides(parser.parse_args(["caption", "x.jpg", "--everyday", "--veto", "10"])) == \
+        {**EVERYDAY_PHOTOS, "veto": 10.0}
+    assert EVERYDAY == everyday_photos()  # serve's check box reads the same setting
+    with pytest.raises(SystemExit):
+        parser.parse_args(["caption", "--help"])
+    assert "--lm-weight 0.3 --veto 2 --fill-slots 0.05" in " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    code, out, err = _run(capsys, "caption", str(photos / GOOD[0]), "-c", str(checkpoints["sat_soft_tiny"]),
+                          "--everyday")
+    assert code == 1 and out == [] and len(err) == 1  # a tiny model: another vocabulary, no labels: one line
+
+
 def test_globs_and_missing_files(capsys, checkpoints, photos, tmp_path):
     missing = tmp_path / "nowhere.jpg"
     code, out, err = _run(capsys, "caption", str(photos / "*.png"), str(missing), str(tmp_path / "*.gif"),

@@ -6,14 +6,15 @@ import json
 import os
 import pickle
 import random
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
-                                        save_train_state)
+from captioner.checkpoint.store import (build_empty, load_checkpoint, load_train_state, read_checkpoint_metadata,
+                                        save_checkpoint, save_train_state)
 from captioner.config import get_preset
 from captioner.errors import CheckpointError
 from captioner.text import Vocabulary
@@ -109,6 +110,25 @@ def test_header_fields_of_the_wrong_type_are_refused(tmp_path, field, value, say
     with pytest.raises(CheckpointError, match=says) as err:
         load_checkpoint(path)
     assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_build_empty_draws_no_random_numbers_and_load_state_dict_fills_it(tmp_path, preset):
+    """The loading's build step: the model its config describes, every tensor on the device with the file's
+    names and shapes, built without random initialisation (the global RNG untouched); the weights come from
+    ``load_state_dict`` on top."""
+    model = _model(preset)
+    path = save_checkpoint(tmp_path / "m.safetensors", model, VOCAB)
+    state = model.state_dict()
+    before = torch.random.get_rng_state()
+    empty = build_empty(path, model.config, len(VOCAB), state, torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert {k: v.shape for k, v in empty.state_dict().items()} == {k: v.shape for k, v in state.items()}
+    assert not any(t.is_meta for t in [*empty.parameters(), *empty.buffers()])
+    empty.load_state_dict(state, strict=True)
+    torch.testing.assert_close(_logits(empty.eval()), _logits(model), rtol=0, atol=0)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path))}: weights do not match the model built from"):
+        build_empty(path, model.config, len(VOCAB) + 1, state, torch.device("cpu"))
 
 
 def test_absurd_layer_count_is_refused_quickly(tmp_path):

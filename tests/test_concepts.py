@@ -1,4 +1,4 @@
-"""Concept detectors learnt from captions (captioner.concepts), the decoder extension that reads them, the
+"""Concept detectors learnt from captions (captioner.models.concepts, captioner.training.concepts), the decoder extension that reads them, the
 guide term, the ``captioner concepts`` command, and decoding that does not repeat."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from captioner.config import DecodeOptions, get_preset
 from captioner.data.caption_set import CaptionSet, ImageRecord
-from captioner.decoding.search import BlockRepeats, content_word_ids, decode
+from captioner.decoding.search import SearchRules, BlockRepeats, content_word_ids, decode
 from captioner.errors import CheckpointError, ConfigError
-from captioner.concepts.model import (CONCEPT_TOKENS, ConceptHead, OutOfFoldConcepts, SATConcepts, TransformerConcepts,
+from captioner.models.concepts import (CONCEPT_TOKENS, ConceptHead, OutOfFoldConcepts, SATConcepts, TransformerConcepts,
                                       build_extension, choose_concepts, feature_fold, load_concepts,
                                       load_concepts_with_folds, photo_tags, restrict_to_vocab, save_concepts)
-from captioner.concepts.training import (ConceptGuide, RunConcepts, average_precision, concept_targets, run_concepts,
+from captioner.training.concepts import (ConceptGuide, RunConcepts, average_precision, concept_targets, run_concepts,
                                          train_concepts)
 from captioner.models.lstm import SATDecoder
 from captioner.models.model import build_model
@@ -163,7 +163,7 @@ def test_train_concepts_refuses_mismatched_targets():
 
 
 def test_top_k_precision_known_answer():
-    from captioner.concepts.training import top_k_precision
+    from captioner.training.concepts import top_k_precision
 
     scores = torch.tensor([[0.9, 0.8, 0.1], [0.1, 0.2, 0.3]])
     positives = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.bool)
@@ -243,7 +243,7 @@ def test_a_decoder_reads_the_fold_heads_while_training_and_its_own_head_otherwis
 def test_fold_heads_score_each_training_photo_without_having_seen_it():
     """Concepts that cannot be learnt (random targets over random features) are memorised in-sample; the
     out-of-fold scores of the same photos know nothing of them."""
-    from captioner.concepts.training import image_scores, train_fold_heads
+    from captioner.training.concepts import image_scores, train_fold_heads
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(120, N, D, generator=gen)
@@ -397,7 +397,7 @@ def test_concept_prior_multiplies_attention_by_the_map_the_pointer_names():
 
 
 def test_concept_pointer_targets_and_loss():
-    from captioner.concepts.training import ConceptPointer
+    from captioner.training.concepts import ConceptPointer
 
     vocab = Vocabulary(["a", "dog", "ball", "runs"])
     pointer = ConceptPointer(["dog", "ball"], vocab, weight=1.0, min_prob=0.5)
@@ -766,10 +766,10 @@ def test_search_with_no_repeat_never_repeats_a_trigram_or_a_content_word(beam):
     vocab = Vocabulary(["a", "dog", "ball", "grass", "the", "in", "runs", "big", "red", "on"])
     decoder = _repeating_decoder(len(vocab))
     x = torch.randn(2, N, D)
-    plain = decode(decoder, x, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=beam, max_len=8), (0, 1, 3))
+    plain = decode(decoder, x, SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3)), DecodeOptions(beam_size=beam, max_len=8))
     assert plain[0][0].tokens.count(5) > 1  # the loop it would write
     opts = DecodeOptions(beam_size=beam, max_len=8, no_repeat_ngram=3, no_repeat_words=True)
-    for hyps in decode(decoder, x, vocab.bos_id, vocab.eos_id, opts, (0, 1, 3), content_word_ids(vocab)):
+    for hyps in decode(decoder, x, SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3), content_word_ids(vocab)), opts):
         toks = hyps[0].tokens
         grams = [tuple(toks[i:i + 3]) for i in range(len(toks) - 2)]
         assert len(grams) == len(set(grams)), toks
@@ -832,14 +832,14 @@ def test_concepts_numbers_are_checked_while_parsing(tmp_path, capsys, option, va
 
 
 def learn_concepts_checks(**kwargs):
-    from captioner.concepts.training import check_concept_options
+    from captioner.training.concepts import check_concept_options
 
     check_concept_options(**{"k": 10, "epochs": 1, "hidden": 0, **kwargs})
 
 
 def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_path, capsys, monkeypatch):
     from captioner.cli import main
-    from captioner.concepts import training as detectors
+    from captioner.training import concepts as detectors
 
     monkeypatch.setattr(detectors, "build_encoder", lambda *a, **k: pytest.fail("work started"))
     common = ["--preset", "sat_soft_demo", "--data", str(tiny_shapes), "--set", "encoder.fine_tune=false"]
@@ -860,7 +860,7 @@ def test_concepts_output_and_boxes_are_checked_before_any_work(tiny_shapes, tmp_
 
 def test_concepts_without_a_preset_say_what_they_download(tmp_path, capsys, caplog, monkeypatch):
     from captioner.cli import main
-    from captioner.concepts import training as detectors
+    from captioner.training import concepts as detectors
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # nothing downloaded there
     monkeypatch.setenv("CAPTIONER_OFFLINE", "1")

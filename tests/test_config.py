@@ -21,6 +21,7 @@ from captioner.config import (
     Config,
     DecodeOptions,
     DecoderConfig,
+    LabelStageConfig,
     ModelConfig,
     SATConfig,
     TransformerConfig,
@@ -39,9 +40,10 @@ ADDED_TRAIN_FIELDS = {"scst_xe_weight": 0.0, "length_buckets": 0, "cuda_graph": 
                       "attention_supervision": 0.0, "attention_supervision_form": "cross_entropy",
                       "concepts": None, "concept_input": True, "concept_guide": 0.0, "concept_guide_min_prob": 0.1,
                       "concept_guide_sharpness": 1.0, "concept_pointer": 1.0,
-                      "concept_cross_fit": True, "word_distill": None, "word_distill_weight": 1.0}
+                      "concept_cross_fit": True, "word_distill": None, "word_distill_weight": 1.0,
+                      "stage": "captions", "labels": dataclasses.asdict(LabelStageConfig())}
 # data fields added after the snapshot: run-local feature caches by default
-ADDED_DATA_FIELDS = {"shared_feature_cache": False}
+ADDED_DATA_FIELDS = {"shared_feature_cache": False, "files_outside": False}
 # encoder fields added after the snapshot: no dilated trunk by default
 ADDED_ENCODER_FIELDS = {"labels": False, "dilate": False}
 # the model section added after the snapshot: the decoder's extension (no concepts, no concept prior by default)
@@ -72,12 +74,13 @@ def _as_json(data: dict) -> dict:
 # ----------------------------------------------------------------------------- presets
 
 
-NEW_PRESETS = {"sat_soft_flickr8k", "sat_hard_flickr8k", "transformer_flickr8k"}  # added after the snapshot
+NEW_PRESETS = {"sat_soft_flickr8k", "sat_hard_flickr8k", "transformer_flickr8k",  # added after the snapshot
+               "flickr8k_labels"}
 
 
 def test_preset_names_are_the_snapshots() -> None:
     assert list_presets() == sorted([*SNAPSHOT, *NEW_PRESETS])
-    with pytest.raises(ConfigError, match=r"unknown preset 'nope'; available: sat_hard, "):
+    with pytest.raises(ConfigError, match=r"unknown preset 'nope'; available: flickr8k_labels, sat_hard, "):
         get_preset("nope")
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from captioner.concepts.model import SATConcepts
+from captioner.models.concepts import SATConcepts
 from captioner.config import get_preset
 from captioner.inference import caption_features
-from captioner.decoding.search import (DecodeOptions, beam_search, decode, greedy_search, length_penalty,
+from captioner.decoding.search import (SearchRules, DecodeOptions, decode, length_penalty, search,
                                        never_emitted_ids)
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, State, expand_groups
@@ -162,11 +162,11 @@ def test_options_validated():
 def test_greedy_falls_into_trap_and_beam_finds_best():
     dec = TableDecoder(GREEDY_TRAP, DEFAULT).eval()
     feats = torch.zeros(1, 4, 2)
-    greedy = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=1))[0][0]
+    greedy = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=1))[0][0]
     assert greedy.tokens == [A]
     assert greedy.score == pytest.approx(math.log(0.5 * 0.3), abs=1e-6)
     for k in (2, 3):
-        best = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=k, n_best=2))[0]
+        best = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=k, n_best=2))[0]
         assert best[0].tokens == [B_]
         assert best[0].score == pytest.approx(math.log(0.4 * 0.9), abs=1e-6)
         assert best[0].finished
@@ -179,9 +179,9 @@ def test_length_penalty_changes_choice():
     table = {(): probs(eos=0.5, a=0.45), (A,): probs(eos=0.98)}
     dec = TableDecoder(table, probs(eos=0.9)).eval()
     feats = torch.zeros(1, 4, 2)
-    raw = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=2))[0][0]
+    raw = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=2))[0][0]
     assert raw.tokens == [] and raw.score == pytest.approx(math.log(0.5), abs=1e-6)
-    pen = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=2, length_penalty=1.5))[0][0]
+    pen = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=2, length_penalty=1.5))[0][0]
     assert pen.tokens == [A]
     assert pen.log_prob == pytest.approx(math.log(0.441), abs=1e-6)
     assert pen.score == pytest.approx(math.log(0.441) / (7 / 6) ** 1.5, abs=1e-6)
@@ -193,7 +193,7 @@ def test_max_len_respected_and_no_eos_still_returns_hypotheses():
     dec = TableDecoder({}, never_eos).eval()
     feats = torch.zeros(2, 4, 2)
     for k in (1, 3):
-        out = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=k, max_len=5, n_best=k))
+        out = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=k, max_len=5, n_best=k))
         for hyps in out:
             assert len(hyps) == k
             assert all(len(h.tokens) == 5 and not h.finished for h in hyps)
@@ -205,7 +205,7 @@ def test_max_len_respected_and_no_eos_still_returns_hypotheses():
              (A, A, A): probs(eos=0.8)}
     dec = TableDecoder(table, DEFAULT).eval()
     for k in (1, 2):
-        h = decode(dec, torch.zeros(1, 4, 2), BOS, EOS, DecodeOptions(beam_size=k, max_len=3))[0][0]
+        h = decode(dec, torch.zeros(1, 4, 2), SearchRules(BOS, EOS), DecodeOptions(beam_size=k, max_len=3))[0][0]
         assert h.tokens == [A] * 3 and h.finished
         assert h.log_prob == pytest.approx(3 * math.log(0.9) + math.log(0.8), abs=1e-5)
 
@@ -214,7 +214,7 @@ def test_attention_row_per_word_from_chosen_beam():
     table = {(): probs(b=0.6, a=0.3), (B_,): probs(c=0.8), (B_, C): probs(a=0.7), (B_, C, A): probs(eos=0.9)}
     dec = TableDecoder(table, DEFAULT, n_regions=6).eval()
     for k in (1, 3):
-        h = decode(dec, torch.zeros(1, 6, 2), BOS, EOS, DecodeOptions(beam_size=k))[0][0]
+        h = decode(dec, torch.zeros(1, 6, 2), SearchRules(BOS, EOS), DecodeOptions(beam_size=k))[0][0]
         assert h.tokens == [B_, C, A]
         assert h.attention.shape == (3, 6)
         torch.testing.assert_close(h.attention.sum(-1), torch.ones(3))
@@ -226,10 +226,10 @@ def test_attention_row_per_word_from_chosen_beam():
 def test_declaring_per_image_constants_changes_nothing(cls):
     feats = torch.randn(5, 5, 8, generator=torch.Generator().manual_seed(8))
     opts = DecodeOptions(beam_size=3, max_len=12, n_best=3)
-    fast = decode(cls(seed=3).eval(), feats, BOS, EOS, opts)
+    fast = decode(cls(seed=3).eval(), feats, SearchRules(BOS, EOS), opts)
     with torch.inference_mode():  # callers may decode inside inference mode (inference tensors)
-        inside = decode(cls(seed=3).eval(), feats.clone(), BOS, EOS, opts)
-    full = decode(all_dynamic(cls)(seed=3).eval(), feats, BOS, EOS, opts)
+        inside = decode(cls(seed=3).eval(), feats.clone(), SearchRules(BOS, EOS), opts)
+    full = decode(all_dynamic(cls)(seed=3).eval(), feats, SearchRules(BOS, EOS), opts)
     for a, b, c in zip(fast, full, inside):
         assert [h.tokens for h in a] == [h.tokens for h in b] == [h.tokens for h in c]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
@@ -238,7 +238,7 @@ def test_declaring_per_image_constants_changes_nothing(cls):
 def test_beam_search_copies_per_image_constants_only_when_rows_change_image():
     dec = StaticWatcher(seed=3).eval()
     feats = torch.randn(4, 5, 8, generator=torch.Generator().manual_seed(0))
-    decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=3, max_len=12))
+    decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=3, max_len=12))
     sizes = [n for n, _ in dec.seen]
     assert sizes[:3] == [4, 12, 9] and sizes[-1] == 6  # one row per image, 3 beams each, images finishing
     for (n_prev, keys_prev), (n, keys) in zip(dec.seen, dec.seen[1:]):
@@ -308,11 +308,11 @@ def test_grouped_state_search_equals_a_copy_per_beam(which):
             feats = torch.cat([feats, feats.flip(0)], dim=-1)
     assert decoder.groups_rows
     opts = DecodeOptions(beam_size=3, max_len=8, n_best=2)
-    grouped = decode(decoder, feats, BOS, EOS, opts)
+    grouped = decode(decoder, feats, SearchRules(BOS, EOS), opts)
     for member in getattr(decoder, "members", [decoder]):
         member.groups_rows = False  # the instance attribute hides the class's: a copy per beam
     assert not decoder.groups_rows
-    copied = decode(decoder, feats, BOS, EOS, opts)
+    copied = decode(decoder, feats, SearchRules(BOS, EOS), opts)
     for a, b in zip(grouped, copied):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
@@ -326,20 +326,19 @@ def test_a_decoder_without_state_is_refused():
             return {"h": features.mean(1)}
 
     with pytest.raises(TypeError, match="DictDecoder.init_state returned a dict, not a captioner.models.base.State"):
-        decode(DictDecoder().eval(), torch.zeros(1, 5, 8), BOS, EOS, DecodeOptions(beam_size=2))
+        decode(DictDecoder().eval(), torch.zeros(1, 5, 8), SearchRules(BOS, EOS), DecodeOptions(beam_size=2))
 
 
-def test_beam_one_equals_greedy_and_hand_loop():
+def test_beam_one_is_greedy_the_hand_loop():
+    """Greedy decoding is the one search at beam 1: the argmax at every step, as a hand loop takes it."""
     dec = TinyGRUDecoder().eval()
     feats = torch.randn(5, 6, 8, generator=torch.Generator().manual_seed(1))
     opts = DecodeOptions(beam_size=1, max_len=12)
     with torch.no_grad():
-        greedy = greedy_search(dec, feats, BOS, EOS, opts)
-        beam1 = beam_search(dec, feats, BOS, EOS, opts)
+        beam1 = search(dec, feats, opts, SearchRules(BOS, EOS))
         for b in range(5):
             words, total = hand_greedy(dec, feats[b:b + 1], 12)
-            assert greedy[b][0].tokens == words == beam1[b][0].tokens
-            assert greedy[b][0].score == pytest.approx(total, abs=1e-4)
+            assert beam1[b][0].tokens == words
             assert beam1[b][0].score == pytest.approx(total, abs=1e-4)
 
 
@@ -348,10 +347,10 @@ def test_batched_equals_one_by_one(k, alpha):
     dec = TinyGRUDecoder(seed=2).eval()
     feats = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(3))
     opts = DecodeOptions(beam_size=k, max_len=10, length_penalty=alpha, n_best=k)
-    batched = decode(dec, feats, BOS, EOS, opts)
+    batched = decode(dec, feats, SearchRules(BOS, EOS), opts)
     assert len(batched) == 6
     for b in range(6):
-        single = decode(dec, feats[b:b + 1], BOS, EOS, opts)[0]
+        single = decode(dec, feats[b:b + 1], SearchRules(BOS, EOS), opts)[0]
         assert [h.tokens for h in batched[b]] == [h.tokens for h in single]
         for hb, hs in zip(batched[b], single):
             assert hb.score == pytest.approx(hs.score, abs=1e-4)
@@ -381,7 +380,7 @@ def test_wide_beam_equals_exhaustive_search():
     dec = TinyGRUDecoder(vocab_size=6, seed=6).eval()
     feats = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(7))
     # 5 non-<eos> words: 125 beams keep every prefix of 3 words, so the search is exhaustive
-    out = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=125, max_len=3, n_best=5))
+    out = decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=125, max_len=3, n_best=5))
     with torch.no_grad():
         for b in range(2):
             truth = _exhaustive(dec, feats[b:b + 1], 3)[:5]
@@ -391,7 +390,7 @@ def test_wide_beam_equals_exhaustive_search():
 
 def test_search_stops_once_finished_beat_live_beams():
     table = TableDecoder(GREEDY_TRAP, DEFAULT).eval()
-    decode(table, torch.zeros(1, 4, 2), BOS, EOS, DecodeOptions(beam_size=2, max_len=50))
+    decode(table, torch.zeros(1, 4, 2), SearchRules(BOS, EOS), DecodeOptions(beam_size=2, max_len=50))
     assert table.calls == 2  # both beams end at step 2 and beat every live beam: no 50-step search
 
 
@@ -399,9 +398,9 @@ def test_banned_ids_are_never_emitted():
     table = {(): probs(bos=0.4, pad=0.3, a=0.2, eos=0.05), (A,): probs(pad=0.6, eos=0.3)}
     dec = TableDecoder(table, DEFAULT).eval()
     feats = torch.zeros(1, 4, 2)
-    assert decode(dec, feats, BOS, EOS, DecodeOptions())[0][0].tokens[0] == BOS  # unbanned: the model's argmax
+    assert decode(dec, feats, SearchRules(BOS, EOS), DecodeOptions())[0][0].tokens[0] == BOS  # unbanned: the model's argmax
     for k in (1, 3):
-        h = decode(dec, feats, BOS, EOS, DecodeOptions(beam_size=k), banned_ids=(0, BOS))[0][0]
+        h = decode(dec, feats, SearchRules(BOS, EOS, (0, BOS)), DecodeOptions(beam_size=k))[0][0]
         assert h.tokens == [A]
         assert h.log_prob == pytest.approx(math.log(0.2 * 0.3), abs=1e-6)  # not renormalised
 
@@ -465,10 +464,10 @@ def test_real_decoders_batched_equals_one_by_one_and_scores_match_forward(preset
         feats, grid = model.encode(images)  # (3, 16, D)
     opts = DecodeOptions(beam_size=3, max_len=6, n_best=3)
     with torch.inference_mode():  # as in training-time validation
-        batched = decode(model.decoder, feats.clone(), BOS, EOS, opts)
-    greedy = decode(model.decoder, feats, BOS, EOS, DecodeOptions(max_len=6))
+        batched = decode(model.decoder, feats.clone(), SearchRules(BOS, EOS), opts)
+    greedy = decode(model.decoder, feats, SearchRules(BOS, EOS), DecodeOptions(max_len=6))
     for b in range(3):
-        single = decode(model.decoder, feats[b:b + 1], BOS, EOS, opts)[0]
+        single = decode(model.decoder, feats[b:b + 1], SearchRules(BOS, EOS), opts)[0]
         assert [h.tokens for h in batched[b]] == [h.tokens for h in single]
         assert [h.score for h in batched[b]] == pytest.approx([h.score for h in single], abs=1e-4)
         for h in batched[b] + greedy[b]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.decoding.search import DecodeOptions, decode, sample_captions
+from captioner.decoding.search import SearchRules, DecodeOptions, decode, sample_captions
 from captioner.models.base import CaptionDecoder
 from captioner.models.lstm import SATDecoder
 from captioner.models.transformer import TransformerCaptionDecoder
@@ -78,13 +78,14 @@ def _run_all(decoders: dict[str, CaptionDecoder], features: torch.Tensor) -> dic
                 decoder.hard_test_mode = mode
             for case, (options, banned) in SEARCHES.items():
                 key = f"{name}/{case}" + (f"/{mode}" if mode else "")
-                results[key] = _search_record(decode(decoder, features, BOS, EOS, options, banned))
+                results[key] = _search_record(decode(decoder, features, SearchRules(BOS, EOS, banned), options))
         bias = _output_layer(decoder).bias
         saved = bias.detach().clone()
         with torch.no_grad():
             bias[EOS] = float("-inf")  # <eos> impossible: every caption is cut at max_len, unfinished
         for case in ("greedy", "beam3"):
-            results[f"{name}/{case}/no_eos"] = _search_record(decode(decoder, features, BOS, EOS, *SEARCHES[case]))
+            results[f"{name}/{case}/no_eos"] = _search_record(decode(decoder, features, SearchRules(BOS, EOS, SEARCHES[case][1]),
+                                                                              SEARCHES[case][0]))
         with torch.no_grad():
             bias.copy_(saved)
         results[f"{name}/sample_eval"] = _sample_record(decoder, features, train=False, seed=11)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from captioner.decoding.graphs import GraphedSteps
-from captioner.decoding.search import DecodeOptions, decode
+from captioner.decoding.search import SearchRules, DecodeOptions, decode
 from captioner.errors import ConfigError
 from captioner.models.lstm import SATDecoder
 from captioner.models.transformer import TransformerCaptionDecoder
@@ -50,10 +50,10 @@ def _same(a: list, b: list) -> None:
 @pytest.mark.parametrize("attention", ["soft", "hard"])
 def test_graphed_steps_give_the_plain_search_exactly(options: DecodeOptions, attention: str) -> None:
     decoder, features = _decoder(attention=attention), _features(6)
-    plain = decode(decoder, features, BOS, EOS, options, banned_ids=(0, BOS))
+    plain = decode(decoder, features, SearchRules(BOS, EOS, (0, BOS)), options)
     graphed = GraphedSteps(decoder, capture=False)
     for _ in range(2):  # the second call reuses the first call's buffers
-        _same(decode(graphed, features, BOS, EOS, options, banned_ids=(0, BOS)), plain)
+        _same(decode(graphed, features, SearchRules(BOS, EOS, (0, BOS)), options), plain)
     lengths = {len(h[0].tokens) for h in plain}
     assert len(lengths) > 1  # captions end at different steps: the batch shrinks mid-search
     if options.beam_size > 1:  # B rows, then B*K, then fewer as images finish: several shapes
@@ -65,11 +65,11 @@ def test_graphed_steps_give_the_plain_search_exactly(options: DecodeOptions, att
 def test_per_image_constants_are_copied_only_when_the_search_hands_over_new_ones() -> None:
     """Greedy search keeps one ``State.static`` for the whole caption: one copy per call, however many steps."""
     graphed = GraphedSteps(_decoder(), capture=False)
-    decode(graphed, _features(4), BOS, EOS, DecodeOptions(beam_size=1, max_len=12))
+    decode(graphed, _features(4), SearchRules(BOS, EOS), DecodeOptions(beam_size=1, max_len=12))
     assert graphed.stats.static_copies == 1 and graphed.stats.eager_steps > 1
     other = _features(4) + 1.0  # new images of the same shape: their constants must replace the old ones
-    _same(decode(graphed, other, BOS, EOS, DecodeOptions(beam_size=1, max_len=12)),
-          decode(_decoder(), other, BOS, EOS, DecodeOptions(beam_size=1, max_len=12)))
+    _same(decode(graphed, other, SearchRules(BOS, EOS), DecodeOptions(beam_size=1, max_len=12)),
+          decode(_decoder(), other, SearchRules(BOS, EOS), DecodeOptions(beam_size=1, max_len=12)))
     assert graphed.stats.static_copies == 2
 
 
@@ -89,17 +89,17 @@ def test_captured_steps_give_the_plain_search_exactly_on_cuda() -> None:
     graphed = GraphedSteps(decoder)
     for beam in (1, 3):
         options = DecodeOptions(beam_size=beam, max_len=9)
-        plain = decode(decoder, features, BOS, EOS, options)
-        _same(decode(graphed, features, BOS, EOS, options), plain)
+        plain = decode(decoder, features, SearchRules(BOS, EOS), options)
+        _same(decode(graphed, features, SearchRules(BOS, EOS), options), plain)
     assert graphed.stats.captures >= 2 and graphed.stats.replays > 0 and graphed.stats.failed == 0
 
 
 def test_only_shapes_that_come_back_get_buffers_and_at_most_max_graphs() -> None:
     """A shrinking beam batch passes through sizes seen once: those run the decoder's own step."""
     features, options = _features(6), DecodeOptions(beam_size=3, max_len=9)
-    plain = decode(_decoder(), features, BOS, EOS, options)
+    plain = decode(_decoder(), features, SearchRules(BOS, EOS), options)
     graphed = GraphedSteps(_decoder(), max_graphs=1, capture=False)
-    _same(decode(graphed, features, BOS, EOS, options), plain)
+    _same(decode(graphed, features, SearchRules(BOS, EOS), options), plain)
     assert len(graphed._entries) == 1 and graphed.stats.shapes >= 3
     (key,) = graphed._entries
     assert key[0] == (18,)  # 6 images x 3 beams: the shape of most steps

@@ -32,8 +32,8 @@ def code_spans(text: str) -> list[str]:
 
 
 def development_tree(text: str) -> tuple[list[str], list[str]]:
-    """Files and folders the README's Development tree names under ``captioner/`` and ``scripts/``."""
-    block = re.search(r"^## Development\n.*?^```\n(.*?)^```", text, flags=re.S | re.M)
+    """Files and folders a Development tree (the architecture page's "The folders") names under ``captioner/`` and ``scripts/``."""
+    block = re.search(r"^## (?:Development|The folders)\n.*?^```\n(.*?)^```", text, flags=re.S | re.M)
     package, scripts, current = [], [], None
     for line in (block.group(1).splitlines() if block else []):
         head = line.split()[0] if line.strip() else ""
@@ -76,8 +76,8 @@ def test_architecture_names_only_what_exists():
     assert missing_names(text, registered_commands(), architecture=True) == []
 
 
-def test_the_readme_has_a_development_tree():
-    files, scripts = development_tree((ROOT / "README.md").read_text(encoding="utf-8"))
+def test_the_architecture_page_has_a_development_tree():
+    files, scripts = development_tree((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
     assert "training/" in files and "inference.py" in files and "benchmark.py" in scripts
 
 

@@ -6,6 +6,7 @@ served on 127.0.0.1; the bounds are lowered where a real bound would need GiBs.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -101,7 +102,7 @@ def test_members_that_understate_their_size_are_counted_as_they_are_written(tmp_
                                             r"compressed bytes, more than 2 times"):
             for info in zf.infolist():
                 zf.getinfo(info.filename).file_size = 600 << 10  # zipfile stops at the stated size otherwise
-                archives._copy_member(zf, info, tmp_path / "x.tmp", path, bounds, budget)
+                archives._copy_member(zf, info, io.BytesIO(), tmp_path / "x", path, bounds, budget)
 
 
 def test_a_full_disk_while_extracting_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -115,12 +116,17 @@ def test_a_full_disk_while_extracting_names_the_file(tmp_path: Path, monkeypatch
     good = _zip({"Flickr8k.token.txt": TOKEN})
     root = tmp_path / "f8k"
     with serve({"Flickr8k_text.zip": good}, "m") as (mirror, _):
-        real_open = open
-        monkeypatch.setattr(archives, "open", lambda p, mode="r", *a, **k: Full() if str(p).endswith(".tmp")
-                            else real_open(p, mode, *a, **k), raising=False)
+        real_file = archives.atomic_file
+
+        @contextlib.contextmanager
+        def full_disk(path, *args, **kwargs):  # a member's temporary file fills the disk
+            with real_file(path, *args, **kwargs) as f:
+                yield Full() if Path(path).name == "Flickr8k.token.txt" else f
+
+        monkeypatch.setattr(archives, "atomic_file", full_disk)
         assert _run(root, mirror, "--only", "text") == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Flickr8k.token.txt.tmp: cannot write while extracting" in err
+    assert err.count("\n") == 1 and "Flickr8k.token.txt: cannot write while extracting" in err
     assert "(No space left on device)" in err and "free some space and run again" in err
     assert _left(root) == []
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import captioner
 from captioner import network as dl
@@ -185,8 +186,9 @@ def test_a_stall_costs_one_window_not_one_per_retry(tmp_path: Path) -> None:
 
 
 def test_a_stalled_checkpoint_url_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")  # a photo that exists: inputs are read before the model
     with hostile(hold=3.0) as (url, _):
-        code = main(["caption", str(tmp_path / "none.png"), "-c", f"{url}/stall/model.safetensors"])
+        code = main(["caption", str(tmp_path / "photo.png"), "-c", f"{url}/stall/model.safetensors"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "the transfer stalled (less than 1 KiB/s over 0.5 s)" in err
 
@@ -202,6 +204,7 @@ def test_a_malformed_url_is_a_checkpoint_error(capsys: pytest.CaptureFixture[str
         captioner.load("http://[::1/model.safetensors")
     with pytest.raises(CheckpointError, match="not a valid URL"):
         url_cache_path("http://127.0.0.1:port/model.safetensors")
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")  # a photo that exists: inputs are read before the model
     assert main(["caption", str(tmp_path / "x.png"), "-c", "http://[::1/model.safetensors"]) == 1
     assert capsys.readouterr().err.startswith("captioner caption: error: http://[::1/model.safetensors: not a valid")
 
@@ -232,7 +235,7 @@ def test_a_full_disk_is_not_called_a_lost_connection(monkeypatch: pytest.MonkeyP
         def __exit__(self, *exc: object) -> None:
             pass
 
-    monkeypatch.setattr(dl, "open", Full, raising=False)
+    monkeypatch.setattr(dl, "open_partial", lambda path, append, error: Full(path, "ab" if append else "wb"))
     with hostile(limit=1 << 20) as (url, handler):
         with pytest.raises(DataError, match=r"x\.bin\.part: cannot write the download \(No space left on device\); "
                                             "the partial file was removed; free some space and run again"):
@@ -263,7 +266,8 @@ def test_a_bad_cached_file_names_itself_and_refresh_fetches_again(ckpt: bytes, i
         with pytest.raises(CheckpointError, match=rf"it is a cached download of {spec}: load it again with "
                                                   rf"--refresh \(refresh=True\) or delete {cached}"):
             captioner.load(spec, device="cpu")
-        assert main(["caption", str(isolated / "none.png"), "-c", spec]) == 1
+        Image.new("RGB", (8, 8)).save(isolated / "photo.png")  # inputs are read before the model
+        assert main(["caption", str(isolated / "photo.png"), "-c", spec]) == 1
         assert "--refresh" in capsys.readouterr().err and handler.requests == 0
         assert captioner.load(spec, device="cpu", refresh=True).vocab is not None
         assert handler.requests == 1 and cached.read_bytes() == ckpt

@@ -164,14 +164,14 @@ function element(tag) {
   const el = { tagName: tag.toUpperCase(), dataset: {}, hidden: true, value: "", handlers: {}, children: [],
     complete: true, naturalWidth: 1, style: {}, classList: { toggle() {}, contains() { return false; } },
     addEventListener(type, fn) { this.handlers[type] = fn; }, add(o) { this.children.push(o); },
-    setAttribute() {}, focus() {},
+    setAttribute() {}, focus() {}, getBoundingClientRect() { return { left: 0, right: 0, top: 0, bottom: 0 }; },
     appendChild(c) { if (c.tagName === "BUTTON") spans.push(c); },
     getContext() { return { drawImage(src) { if (src.image) el.last = src.image; }, fillRect() {},
       createImageData(w, h) { return { width: w, height: h, data: new Uint8ClampedArray(4 * w * h) }; },
       putImageData(img) { el.image = img; } }; } };
   return el;
 }
-global.window = {};
+global.window = { addEventListener() {} };
 window.parent = window;
 global.Option = function (text, value) { this.text = text; this.value = value; };
 global.document = { body: { dataset: {} }, addEventListener() {}, createTextNode() { return {}; },
@@ -349,10 +349,13 @@ def test_a_word_missing_from_the_caption_is_said_so_and_its_tag_or_nearest_word_
     page = render_explorer(Image.new("RGB", (128, 128)), record)
     near_bottom_right = np.zeros((g, g))
     near_bottom_right[g - 1, g - 1], near_bottom_right[0, 0] = 0.7, 0.3
+    finer = np.kron(near_bottom_right, np.ones((2, 2))) / 4  # the same map from a model of an 8 x 8 grid
     out = _run_in_node(tmp_path, page, [{"show": ["ball", "word", None]},
                                         {"show": ["cat", "word", near_bottom_right.tolist()]},
-                                        {"show": ["dog", "word", near_bottom_right.tolist()]}])
-    same, nearest, tag = out["shots"]
+                                        {"show": ["dog", "word", near_bottom_right.tolist()]},
+                                        {"show": ["cat", "word", finer.tolist()]}])
+    same, nearest, tag, across = out["shots"]
+    assert {k: across[k] for k in ("shown", "missing")} == {k: nearest[k] for k in ("shown", "missing")}
     assert same["shown"] == "1" and same["missing"] is None  # in the caption: shown, nothing to say
     assert nearest["shown"] == "1" and nearest["big"] == "\u201cball\u201d"  # the map most like the one sent
     assert nearest["missing"].startswith("No \u201ccat\u201d in this caption: its nearest word")

@@ -264,3 +264,27 @@ def test_encode_gives_the_regions_of_a_batch(checkpoints, photos):
         model.encode([paths[0], photos / "broken.jpg"])
     with pytest.raises(DataError, match="at least one image"):
         model.encode([])
+
+
+@pytest.mark.parametrize("preset", ["sat_soft_tiny", "transformer_tiny"])
+def test_the_models_own_log_probability_is_the_search_score_and_the_step_by_step_sum(checkpoints, photos, preset):
+    from captioner.inference import teacher_forced_log_probs
+
+    model = load(checkpoints[preset], device="cpu")
+    found = model.caption_nbest(photos / "wide.png", n_best=3, beam=3, max_len=6)
+    assert len(found) >= 2
+    for c in found:  # no language model, veto or fill: the search ranks by the model alone
+        assert c.log_prob == pytest.approx(c.score, abs=1e-4)
+    # a caption the search did not choose, finished and not: the sum of step()'s log-probabilities
+    vocab, net = model.vocab, model.model
+    tokens = [vocab.stoi[w] for w in vocab.itos if w.isalpha()][:3]
+    features, _ = model.encode(photos / "wide.png")  # (1, N, D)
+    with torch.no_grad():
+        state, prev, total = net.decoder.init_state(features), torch.tensor([vocab.bos_id]), []
+        for token in [*tokens, vocab.eos_id]:
+            log_probs, state, _ = net.decoder.step(prev, state)  # (1, V)
+            total.append(float(log_probs[0, token]))
+            prev = torch.tensor([token])
+    finished, cut = teacher_forced_log_probs(net, features, [tokens, tokens], vocab.bos_id, vocab.eos_id, [True, False])
+    assert finished == pytest.approx(sum(total), abs=1e-4) and cut == pytest.approx(sum(total[:-1]), abs=1e-4)
+    assert teacher_forced_log_probs(net, features, [], vocab.bos_id, vocab.eos_id) == []

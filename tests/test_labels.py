@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -12,12 +13,15 @@ import pytest
 import torch
 
 import captioner
-from captioner.concepts.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels,
+from captioner.models.labels import (IMAGENET_CLASSES, LEXICON_FILE, ImageNetLabels, Lexicon, SATLabels,
                                        TransformerLabels, label_head, read_lexicon)
 from captioner.config import DecodeOptions, EncoderConfig
+from captioner.decoding.rules import AbsentVeto, ConfidentWords, fill_slots, read_photos
+from captioner.decoding.search import SearchRules
 from captioner.data.images import ImageTransform, load_image
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.chair import CHAIR_SYNONYMS, named_objects
+from captioner.models.base import CaptionDecoder, State
 from captioner.models.encoder import build_encoder
 from captioner.models.registry import resolve_encoder
 from captioner.text import Vocabulary
@@ -297,20 +301,23 @@ def test_the_copy_mixes_the_label_word_into_a_distribution():
     static = reading.read(_labelled_features())
     logits = torch.zeros(2, 3, len(vocab))  # a generator with no opinion, at 3 steps
     hidden = torch.zeros(2, 3, 4)
-    scores = reading.word_scores(logits, hidden, static)
+    scores, outputs = reading.word_scores(logits, hidden, static)
     torch.testing.assert_close(scores.exp().sum(-1), torch.ones(2, 3))
     g = torch.sigmoid(torch.tensor(-3.0))  # the gate's start
     dog = vocab.stoi["dog"]
     torch.testing.assert_close(scores[0, 0, dog].exp(), (1 - g) / len(vocab) + g)  # the only copyable word
+    # the step reports the copy's share of each copyable word's probability (here "dog" alone)
+    assert outputs["copy_share"].shape == (2, 3, 1)
+    torch.testing.assert_close(outputs["copy_share"][0, 0, 0], g / ((1 - g) / len(vocab) + g))
     with torch.no_grad():
         reading.gate.bias.fill_(8.0)  # the gate open: the copy's word wins
-    assert int(reading.word_scores(logits[:, 0], hidden[:, 0], static).argmax(-1)[0]) == dog
+    assert int(reading.word_scores(logits[:, 0], hidden[:, 0], static)[0].argmax(-1)[0]) == dog
 
 
 @pytest.mark.parametrize("family", ["sat", "transformer"])
 def test_both_decoders_read_labels_through_the_extension(family):
     from captioner.config.decoders import SATConfig, TransformerConfig
-    from captioner.decoding.search import beam_search
+    from captioner.decoding.search import SearchRules, search
     from captioner.models.registry import build_decoder
     from captioner.models.model import build_extension
     from captioner.config import ConceptsConfig
@@ -328,10 +335,11 @@ def test_both_decoders_read_labels_through_the_extension(family):
     assert out.logits.shape == (2, 3, len(vocab)) and out.attention.shape == (2, 3, 4)
     torch.testing.assert_close(out.logits.exp().sum(-1), torch.ones(2, 3))  # the copy gives log-probabilities
     with torch.no_grad():
-        hyps = beam_search(decoder, features, vocab.bos_id, vocab.eos_id, DecodeOptions(beam_size=2, max_len=4))
+        hyps = search(decoder, features, DecodeOptions(beam_size=2, max_len=4), SearchRules(vocab.bos_id, vocab.eos_id))
     assert len(hyps) == 2 and all(len(h) == 1 for h in hyps)
     from captioner.inference import search_features
-    assert len(search_features(decoder, features, vocab, DecodeOptions(veto=10.0))) == 2 and ext.veto == 0.0
+    assert len(search_features(decoder, features, vocab, DecodeOptions(veto=10.0))) == 2
+    assert not {"veto", "attributing", "_shares"} & set(vars(ext))  # the model holds no test-time switch
     low = search_features(decoder, features, vocab, DecodeOptions(precision="bfloat16"))  # a bfloat16 copy decodes
     assert len(low) == 2 and all(torch.isfinite(h[0].attention).all() for h in low)
     with pytest.raises(ConfigError, match="reads concepts .* or the encoder's labels"):
@@ -374,15 +382,26 @@ def test_the_veto_silences_object_words_whose_labels_say_absent():
     reading.use_vocabulary(vocab.stoi, categories=named_objects)
     with torch.no_grad():
         reading.person_b.fill_(-5.0)  # nobody in the photo
-    static = reading.read(_labelled_features())  # every region says terrier: a dog, no cat
-    logits, hidden = torch.zeros(2, len(vocab)), torch.zeros(2, 4)
-    plain = reading.eval().word_scores(logits, hidden, static)
-    reading.veto = 10.0
-    vetoed = reading.word_scores(logits, hidden, static)
-    drop = (plain - vetoed)[0]
+    features = _labelled_features()  # every region says terrier: a dog, no cat
+
+    class Uniform(CaptionDecoder):  # every word alike at every step
+        vocab_size = len(vocab)
+
+        def init_state(self, f):
+            return State({"f": f}, {})
+
+        def step(self, prev, state):
+            return torch.full((len(prev), len(vocab)), -math.log(len(vocab))), state, torch.full((len(prev), 4), 0.25)
+
+    vetoed = AbsentVeto(Uniform(), reading, 10.0)  # the decoder's steps less the penalty, renormalised
+    drop = vetoed.penalty(read_photos(reading, features))[0]
     assert drop[vocab.stoi["man"]] == drop[vocab.stoi["cat"]] == 10.0  # person and cat absent
     assert drop[vocab.stoi["dog"]] == drop[vocab.stoi["a"]] == drop[vocab.stoi["runs"]] == 0.0
-    assert torch.equal(reading.train().word_scores(logits, hidden, static), plain)  # never while training
+    log_probs = vetoed.step(torch.tensor([1, 1]), vetoed.init_state(features))[0]
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(2))
+    row = log_probs[0]
+    assert row[vocab.stoi["dog"]] == row[vocab.stoi["a"]] and row[vocab.stoi["dog"]] - row[vocab.stoi["cat"]] == \
+        pytest.approx(10.0)
 
     from captioner.config.decoders import SATConfig
     from captioner.models.registry import build_decoder
@@ -422,7 +441,7 @@ def _hypothesis(vocab: Vocabulary, words: list[str], looks: list[int]):
 def test_an_absent_objects_word_is_filled_with_what_the_labels_see_where_it_looked():
     """Slots filled by detections (after Neural Baby Talk): "dog", "dogs" and "man" are absent by the labels;
     each becomes "cat"/"cats" where it looked at the cat's region, and stays where it looked at nothing."""
-    from captioner.decoding.search import plural_forms
+    from captioner.text import plural_forms
 
     reading, vocab, features = _filling_setup()
     labels = reading.labels(reading.class_probs(features))[0]
@@ -431,27 +450,28 @@ def test_an_absent_objects_word_is_filled_with_what_the_labels_see_where_it_look
             _hypothesis(vocab, ["a", "man", "cat"], [1, 2, 2]), _hypothesis(vocab, ["a", "dog"], [1, 0]),
             _hypothesis(vocab, ["cats", "runs"], [0, 1]), _hypothesis(vocab, ["people", "runs"], [2, 2])]
     before = [h.attention.clone() for h in hyps]
-    filled = reading.fill_slots(features.expand(len(hyps), -1, -1), [[h] for h in hyps], tau=0.5,
-                                word_forms=plural_forms(vocab))  # a photo each, the same photo
+    filled = fill_slots(read_photos(reading, features.expand(len(hyps), -1, -1)), [[h] for h in hyps], tau=0.5,
+                        word_forms=plural_forms(vocab))  # a photo each, the same photo
     assert [vocab.decode(h.tokens) for h in hyps] == ["a cat runs", "cats runs", "a cat cat", "a dog", "cats runs",
                                                       "cats runs"]
     assert filled == 4  # the dog that looked at nothing stays: nothing there is 0.5 likely
     assert all(torch.equal(h.attention, a) and h.score == -1.5 for h, a in zip(hyps, before))
     # nothing present is sure enough, or the word is present: nothing changes
     again = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2])]
-    assert reading.fill_slots(features, [again], tau=1.0) == 0 and vocab.decode(again[0].tokens) == "a dog runs"
+    assert fill_slots(read_photos(reading, features), [again], 1.0, {}) == 0
+    assert vocab.decode(again[0].tokens) == "a dog runs"
     # an n-best list holds each caption once: the second, equal to the first once filled, is dropped
     nbest = [_hypothesis(vocab, ["a", "dog", "runs"], [0, 2, 2]), _hypothesis(vocab, ["a", "cat", "runs"], [0, 2, 2]),
              _hypothesis(vocab, ["a", "cat"], [0, 2])]
     first = nbest[0]
-    assert reading.fill_slots(features, [nbest], tau=0.5) == 1
+    assert fill_slots(read_photos(reading, features), [nbest], 0.5, {}) == 1
     assert [vocab.decode(h.tokens) for h in nbest] == ["a cat runs", "a cat"] and nbest[0] is first
 
 
 @pytest.mark.parametrize("family", ["sat", "transformer"])
 def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(family):
     from captioner.config.decoders import SATConfig, TransformerConfig
-    from captioner.decoding.search import plural_forms
+    from captioner.text import plural_forms
     from captioner.inference import search_features
     from captioner.models.registry import build_decoder
 
@@ -467,7 +487,7 @@ def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(f
     plain = search_features(decoder, features, vocab, DecodeOptions(max_len=4))[0][0]
     assert vocab.stoi["dog"] in plain.tokens
     filled = search_features(decoder, features, vocab, DecodeOptions(max_len=4, fill_slots=0.01))[0][0]
-    reading.fill_slots(features, [[plain]], 0.01, plural_forms(vocab))  # the search's caption, filled by hand
+    fill_slots(read_photos(reading, features), [[plain]], 0.01, plural_forms(vocab))  # the search's caption, filled by hand
     assert filled.tokens == plain.tokens and vocab.stoi["dog"] not in filled.tokens
     assert filled.score == pytest.approx(plain.score)
     off = search_features(decoder, features, vocab, DecodeOptions(max_len=4, fill_slots=0.0))[0][0]
@@ -478,7 +498,7 @@ def test_decoding_fills_the_slots_of_the_searched_captions_and_only_when_asked(f
 def test_a_copied_word_looks_where_its_label_is(gate):
     """decode gives a word the copy wrote its label's map, in the share the copy had of its probability."""
     from captioner.config.decoders import SATConfig
-    from captioner.decoding.search import decode, greedy_search
+    from captioner.decoding.search import decode, search
     from captioner.models.registry import build_decoder
 
     torch.manual_seed(0)
@@ -493,8 +513,8 @@ def test_a_copied_word_looks_where_its_label_is(gate):
     # caption level with "dog dog dog" (the closing <eos> costs both the same)
     options = DecodeOptions(beam_size=1, max_len=3)
     with torch.no_grad():
-        plain = greedy_search(decoder, features, vocab.bos_id, vocab.eos_id, options)[0][0]
-    found = decode(decoder, features, vocab.bos_id, vocab.eos_id, options)[0][0]
+        plain = search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id))[0][0]
+    found = decode(decoder, features, SearchRules(vocab.bos_id, vocab.eos_id), options)[0][0]
     assert found.tokens == plain.tokens
     torch.testing.assert_close(found.attention.sum(-1), torch.ones(len(found.tokens)))
     dog = [t for t, w in enumerate(found.tokens) if w == vocab.stoi["dog"]]
@@ -537,7 +557,7 @@ def test_constrained_search_writes_a_confident_label_word(beam):
         assert forced[b][0].attention.shape == (len(forced[b][0].tokens), 4)
     assert forced[2][0].tokens == plain[2][0].tokens  # no confident label: plain beam search
     assert forced[2][0].score == pytest.approx(plain[2][0].score)
-    assert decoder.extension.confident_words(features, 0.5) == [[dog], [dog], []]
+    assert ConfidentWords(0.5, {})(read_photos(decoder.extension, features)) == [[dog], [dog], []]
 
 
 @pytest.mark.parametrize("option", ["constrain", "fill_slots"])
@@ -557,23 +577,21 @@ def test_constrain_and_fill_slots_need_a_model_that_reads_labels_and_a_probabili
 
 
 def test_a_constraint_that_cannot_be_met_falls_back_to_the_best_caption_without_it():
-    from captioner.decoding.search import constrained_beam_search
+    from captioner.decoding.search import search
 
     decoder, vocab = _constrained_setup()
     features = _labelled_features(batch=1, dog=8.0)
     dog = vocab.stoi["dog"]
     options = DecodeOptions(beam_size=2, max_len=4, n_best=2)
     with torch.no_grad():
-        found = constrained_beam_search(decoder, features, vocab.bos_id, vocab.eos_id, options,
-                                        banned_ids=[vocab.pad_id, vocab.bos_id, vocab.unk_id, dog],
-                                        constraints=[[dog]])[0]
+        found = search(decoder, features, options, SearchRules(vocab.bos_id, vocab.eos_id, [vocab.pad_id, vocab.bos_id, vocab.unk_id, dog]), [[dog]])[0]
     assert len(found) == 2 and all(dog not in h.tokens for h in found)  # "dog" banned: never met
     assert all(h.attention.shape == (len(h.tokens), 4) for h in found)
     assert found[0].score >= found[1].score
 
 
 def test_a_constraint_on_a_word_is_met_by_its_plural_too():
-    from captioner.decoding.search import plural_forms
+    from captioner.text import plural_forms
 
     vocab = Vocabulary(["a", "dog", "dogs", "bus", "buses", "pony", "ponies", "grass", "man", "men", "people"])
     forms = plural_forms(vocab)

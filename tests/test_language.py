@@ -3,6 +3,7 @@ the search and the ``captioner lm`` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -13,9 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner import pretrained
 from captioner.cli import main
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.search import decode
+from captioner.decoding.search import SearchRules, decode
 from captioner.errors import CheckpointError, ConfigError, DataError
 from captioner.language import (CaptionLanguageModel, FusedDecoder, LanguageModelConfig, caption_texts,
                                 language_model_for, load_language_model, save_language_model, train_language_model)
@@ -109,7 +111,7 @@ def test_fused_beam_search_finds_the_fused_best_caption(weight):
     table = table / table.sum(1, keepdim=True)
     lm = tiny_lm(7, seed=4)
     options = DecodeOptions(beam_size=40, n_best=1, max_len=3, lm_weight=weight)
-    found = decode(ConstantDecoder(table), torch.zeros(1, 4, 3), 1, 2, options, (0, 1), language_model=lm)[0][0]
+    found = decode(ConstantDecoder(table), torch.zeros(1, 4, 3), SearchRules(1, 2, (0, 1)), options, lm)[0][0]
     best, score = _brute_force(table, lm, weight, 3)
     assert found.tokens == best
     assert found.log_prob == pytest.approx(score, abs=1e-4)
@@ -128,10 +130,9 @@ def test_weight_zero_or_no_model_is_the_plain_search():
     table[1, 2] = 1e-3  # no empty caption
     table = table / table.sum(1, keepdim=True)
     lm = tiny_lm(7, seed=6)
-    plain = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), 1, 2, DecodeOptions(max_len=4), (0, 1))
-    off = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), 1, 2, DecodeOptions(max_len=4), (0, 1), language_model=lm)
-    fused = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), 1, 2, DecodeOptions(max_len=4, lm_weight=3.0), (0, 1),
-                   language_model=lm)
+    plain = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), SearchRules(1, 2, (0, 1)), DecodeOptions(max_len=4))
+    off = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), SearchRules(1, 2, (0, 1)), DecodeOptions(max_len=4), lm)
+    fused = decode(ConstantDecoder(table), torch.zeros(2, 4, 3), SearchRules(1, 2, (0, 1)), DecodeOptions(max_len=4, lm_weight=3.0), lm)
     assert [h[0].tokens for h in off] == [h[0].tokens for h in plain]
     assert [h[0].tokens for h in fused] != [h[0].tokens for h in plain]  # the language model moves this search
 
@@ -147,10 +148,9 @@ def test_fusion_batched_equals_one_by_one_on_real_decoders(preset, beam):
         features = model.encode(torch.rand(3, 3, 64, 64))[0]
     lm = tiny_lm(len(vocab), seed=7)
     options = DecodeOptions(beam_size=beam, max_len=6, lm_weight=1.0)
-    together = decode(model.decoder, features, vocab.bos_id, vocab.eos_id, options, (0, 1, 3), language_model=lm)
+    together = decode(model.decoder, features, SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3)), options, lm)
     for i in range(3):
-        alone = decode(model.decoder, features[i:i + 1], vocab.bos_id, vocab.eos_id, options, (0, 1, 3),
-                       language_model=lm)
+        alone = decode(model.decoder, features[i:i + 1], SearchRules(vocab.bos_id, vocab.eos_id, (0, 1, 3)), options, lm)
         assert alone[0][0].tokens == together[i][0].tokens
         assert alone[0][0].log_prob == pytest.approx(together[i][0].log_prob, abs=1e-4)
         torch.testing.assert_close(alone[0][0].attention, together[i][0].attention, atol=1e-5, rtol=1e-5)
@@ -186,6 +186,12 @@ def test_bad_files_are_refused_in_one_line_naming_them(tmp_path, untrained_check
     cut.write_bytes(good.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="cut.safetensors: not a captioner language model"):
         load_language_model(cut)
+    rotten = tiny_lm(len(vocab))
+    with torch.no_grad():
+        rotten.lstm.weight_hh_l0[3, :5] = float("nan")  # a bit-rotted copy: refused, not fused into captions
+    rotten = save_language_model(tmp_path / "rotten.safetensors", rotten, vocab)
+    with pytest.raises(CheckpointError, match=r"rotten.safetensors: damaged weights: tensor lstm.weight_hh_l0 holds 5 "):
+        load_language_model(rotten)
     other = Vocabulary(["a", "red", "green"])
     with pytest.raises(ConfigError, match=r"its vocabulary is not this captioner's \(word 6 is"):
         language_model_for(str(good), other)
@@ -292,6 +298,6 @@ def test_packaged_language_model_speaks_the_shipped_models_vocabulary(monkeypatc
     assert log_likelihood(sentence) > log_likelihood(shuffled) + 20.0
     fused = shipped.caption([str(example_photos()[0])], lm_weight=0.3)[0]
     assert fused.finished and 3 <= len(fused.words) <= 20
-    monkeypatch.setitem(language.PACKAGED, "coco", (language.PACKAGED["coco"][0], "0" * 64))
+    monkeypatch.setitem(pretrained.MODELS, "coco", dataclasses.replace(pretrained.MODELS["coco"], sha256="0" * 64))
     with pytest.raises(CheckpointError, match="differs from the registry"):
         load_language_model("coco")

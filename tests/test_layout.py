@@ -146,12 +146,11 @@ def test_only_the_cli_imports_the_commands():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-# captioner.concepts is a vertical slice: its model side (the head, the decoder extension, the tags) sits with the
-# lower layers; its training side (the ``captioner concepts`` job, the run's hook, the loss terms) with training
-LOWER = ("captioner.data", "captioner.models", "captioner.decoding", "captioner.checkpoint", "captioner.features",
-         "captioner.concepts.model")
+# the concept detectors and the label reading are model parts (captioner.models.concepts, .labels); the
+# ``captioner concepts`` job, the run's hook and the loss terms are training (captioner.training.concepts)
+LOWER = ("captioner.data", "captioner.models", "captioner.decoding", "captioner.checkpoint", "captioner.features")
 UPPER = ("captioner.training", "captioner.evaluation", "captioner.demo", "captioner.viz", "captioner.commands",
-         "captioner.inference", "captioner.concepts.training")
+         "captioner.inference")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
@@ -175,20 +174,22 @@ def test_upward_import_check_sees_each_upper_layer():
 PAPERS = ("captioner.models.base", "captioner.models.lstm", "captioner.models.transformer")
 
 
-def test_the_papers_decoders_never_import_the_concepts():
-    graph = import_graph()
-    assert {name: sorted(t for t in graph[name] if t.startswith("captioner.concepts")) for name in PAPERS} == {
-        name: [] for name in PAPERS}
-    assert "captioner.concepts.model" in graph["captioner.models.model"]  # the registry builds the extension
+EXTENSIONS = ("captioner.models.concepts", "captioner.models.labels")
 
 
-def test_the_concepts_slice_keeps_its_inner_order():
+def test_the_papers_decoders_never_import_their_extensions():
     graph = import_graph()
-    model_side = ("captioner.concepts.model", "captioner.concepts.labels")
-    for name in model_side:  # the model layer's modules never reach up to the training side
-        assert "captioner.concepts.training" not in graph[name]
-    assert {name for name in graph if name.startswith("captioner.concepts")} == {
-        "captioner.concepts", *model_side, "captioner.concepts.training"}
+    assert {name: sorted(t for t in graph[name] if t in EXTENSIONS) for name in PAPERS} == {name: [] for name in PAPERS}
+    assert "captioner.models.concepts" in graph["captioner.models.model"]  # the registry builds the extension
+
+
+def test_no_package_is_tied_both_ways_to_another():
+    """Imports between the package's folders go one way: no folder imports one that imports it back."""
+    graph = import_graph()
+    folder = lambda name: ".".join(name.split(".")[:2])  # noqa: E731 - captioner.x
+    edges = {(folder(a), folder(b)) for a, targets in graph.items() for b in targets
+             if b.startswith("captioner.") and folder(a) != folder(b)}
+    assert sorted((a, b) for a, b in edges if (b, a) in edges and a < b) == []
 
 
 def test_the_papers_decoders_hardly_mention_concepts():

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.concepts.model import SATConcepts
+from captioner.models.concepts import SATConcepts
 from captioner.config import DecodeOptions, get_preset
-from captioner.decoding.search import decode, decoder_for
+from captioner.decoding.search import SearchRules, decode, decoder_for
 from captioner.errors import ConfigError
 from captioner.models.base import State
 from captioner.models.lstm import FusedSATSteps, SATDecoder
@@ -61,7 +61,7 @@ def test_fused_steps_compute_the_decoders_step(preset, mode):
     fused = _fused_steps_match(decoder, feats)
     # and the whole search, beams grouped per image, finds the same captions
     opts = DecodeOptions(beam_size=3, max_len=8, n_best=2)
-    for a, b in zip(decode(fused, feats, BOS, EOS, opts), decode(decoder, feats, BOS, EOS, opts)):
+    for a, b in zip(decode(fused, feats, SearchRules(BOS, EOS), opts), decode(decoder, feats, SearchRules(BOS, EOS), opts)):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
 
@@ -83,8 +83,8 @@ def test_bfloat16_search_gives_float32_attention_and_close_scores(preset):
         _sharp(model.decoder)
     feats = _features(model, count=6)
     opts = DecodeOptions(beam_size=3, max_len=8)
-    full = decode(model.decoder, feats, BOS, EOS, opts)
-    low = decode(model.decoder, feats, BOS, EOS, DecodeOptions(beam_size=3, max_len=8, precision="bfloat16"))
+    full = decode(model.decoder, feats, SearchRules(BOS, EOS), opts)
+    low = decode(model.decoder, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=3, max_len=8, precision="bfloat16"))
     assert next(model.decoder.parameters()).dtype == torch.float32  # the model itself untouched
     same = 0
     for (a,), (b,) in zip(low, full):
@@ -122,7 +122,7 @@ def test_bfloat16_copy_for_decoders_the_fused_steps_do_not_cover():
     assert next(concepts.parameters()).dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in low.extension.concept_head.parameters())  # reads float32 features
     feats = torch.randn(3, 16, 8, generator=torch.Generator().manual_seed(2))
-    for (h,) in decode(concepts, feats, BOS, EOS, DecodeOptions(beam_size=2, max_len=6, precision="bfloat16")):
+    for (h,) in decode(concepts, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=2, max_len=6, precision="bfloat16")):
         assert h.attention.dtype == torch.float32 and len(h.tokens) <= 6
 
 
@@ -139,7 +139,7 @@ def test_precision_is_checked_by_name():
 def _label_decoder() -> tuple[SATDecoder, torch.Tensor]:
     """A SAT decoder reading labels (its reading's weights random, the copy's gate half open) and features
     of 16 regions (8 values, then 1280 label channels)."""
-    from captioner.concepts.labels import SATLabels
+    from captioner.models.labels import SATLabels
 
     torch.manual_seed(0)
     reading = SATLabels(8, hidden_dim=10, embed_dim=8, vocab_size=20)
@@ -162,11 +162,11 @@ def test_fused_steps_compute_a_label_readers_step_and_its_search():
     assert decoder.fuses() and decoder_for(decoder, "bfloat16").extension is decoder.extension
     fused = _fused_steps_match(decoder, feats)
     for options in (DecodeOptions(beam_size=3, max_len=8, n_best=2), DecodeOptions(beam_size=3, max_len=8, veto=10.0)):
-        for a, b in zip(decode(fused, feats, BOS, EOS, options), decode(decoder, feats, BOS, EOS, options)):
+        for a, b in zip(decode(fused, feats, SearchRules(BOS, EOS), options), decode(decoder, feats, SearchRules(BOS, EOS), options)):
             assert [h.tokens for h in a] == [h.tokens for h in b]
             assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
             for x, y in zip(a, b):  # the copy's shares and the copied words' maps too
                 torch.testing.assert_close(x.copy_share, y.copy_share, atol=1e-5, rtol=1e-4)
                 torch.testing.assert_close(x.attention, y.attention, atol=1e-5, rtol=1e-4)
-    low = decode(decoder, feats, BOS, EOS, DecodeOptions(beam_size=3, max_len=8, precision="bfloat16"))
+    low = decode(decoder, feats, SearchRules(BOS, EOS), DecodeOptions(beam_size=3, max_len=8, precision="bfloat16"))
     assert all(h.copy_share is not None and h.attention.dtype == torch.float32 for (h,) in low)

@@ -172,6 +172,7 @@ def _transplant(tmp_path: Path, header_from: Path, weights_from: Path) -> Path:
 
     with safe_open(str(header_from), framework="pt") as f:
         meta = f.metadata()
+    meta.pop("weights_crc32", None)  # put together elsewhere: no checksum of its weights (with one, it is "damaged")
     path = tmp_path / "mixed.safetensors"
     save_file(load_file(str(weights_from)), str(path), metadata=meta)
     return path

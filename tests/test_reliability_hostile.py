@@ -353,14 +353,14 @@ class _EndsSoon(torch.nn.Module):
 @pytest.mark.timeout(60)
 def test_4_search_memory_grows_with_the_words_generated_not_max_len(monkeypatch: pytest.MonkeyPatch) -> None:
     from captioner.decoding import search as budget
-    from captioner.decoding.search import DecodeOptions, decode
+    from captioner.decoding.search import SearchRules, DecodeOptions, decode
 
     features = torch.zeros(2, 4, 3)
-    want = decode(_EndsSoon(), features, 1, 2, DecodeOptions(beam_size=3, max_len=20))
+    want = decode(_EndsSoon(), features, SearchRules(1, 2), DecodeOptions(beam_size=3, max_len=20))
     monkeypatch.setattr(budget, "MEMORY_LIMIT", 1 << 60)  # allow the request; only the words generated count
     for beam in (1, 3):
         began = time.monotonic()
-        got = decode(_EndsSoon(), features, 1, 2, DecodeOptions(beam_size=beam, max_len=10**9))
+        got = decode(_EndsSoon(), features, SearchRules(1, 2), DecodeOptions(beam_size=beam, max_len=10**9))
         assert time.monotonic() - began < 5.0  # a (rows, max_len, N) history would be 10**10 floats
         if beam == 3:
             assert [[(h.tokens, h.score) for h in per] for per in got] == \
@@ -382,15 +382,15 @@ def test_4_an_impossible_search_is_one_line_naming_the_options(ckpt: Path, photo
 
 def test_4_a_batch_over_the_limit_is_searched_in_chunks_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     from captioner.decoding import search as budget
-    from captioner.decoding.search import DecodeOptions, decode
+    from captioner.decoding.search import DecodeOptions, SearchRules, decode
 
     features = torch.randn(5, 4, 3)
     options = DecodeOptions(beam_size=3, max_len=6, n_best=2)
-    whole = decode(_EndsSoon(), features, 1, 2, options)
+    whole = decode(_EndsSoon(), features, SearchRules(1, 2), options)
     one = budget.search_bytes(3, 6, 4, 6)
     monkeypatch.setattr(budget, "MEMORY_LIMIT", 2 * one)
     assert [(s.start, s.stop) for s in budget.image_chunks(_EndsSoon(), features, options)] == [(0, 2), (2, 4), (4, 5)]
-    chunked = decode(_EndsSoon(), features, 1, 2, options)
+    chunked = decode(_EndsSoon(), features, SearchRules(1, 2), options)
     assert [[(h.tokens, h.score, h.attention.tolist()) for h in per] for per in chunked] == \
         [[(h.tokens, h.score, h.attention.tolist()) for h in per] for per in whole]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from captioner.checkpoint import remote
 from captioner.checkpoint.remote import parse_hub, resolve_checkpoint, split_sha256, url_cache_path
@@ -189,6 +190,7 @@ def test_downloaded_pickle_is_refused_like_a_local_one(tmp_path: Path, capsys) -
             return (print, ("ran",))
 
     data = pickle.dumps({"x": Evil()}, protocol=2)
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")  # a photo that exists: inputs are read before the model
     with serve({"evil.pt": data}, "f") as (base, _):
         code = main(["caption", str(tmp_path / "x.png"), "-c", f"{base}/evil.pt"])
     assert code == 1
@@ -196,9 +198,10 @@ def test_downloaded_pickle_is_refused_like_a_local_one(tmp_path: Path, capsys) -
     assert "evil.pt: refused" in err and "ran" not in capsys.readouterr().out
 
 
-def test_cli_reports_a_bad_url_in_one_line(capsys) -> None:
+def test_cli_reports_a_bad_url_in_one_line(capsys, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{_free_port()}/m.safetensors"
-    assert main(["caption", "x.jpg", "-c", url]) == 1
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.jpg")  # a photo that exists: inputs are read before the model
+    assert main(["caption", str(tmp_path / "x.jpg"), "-c", url]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("captioner caption: error: ") and url in err and len(err.splitlines()) == 1
 

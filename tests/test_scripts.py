@@ -17,7 +17,9 @@ HELP_SCRIPTS = ("benchmark.py", "flickr8k_results.py",
                 "make_serve_screenshot.py", "experiments/grounding_ablation.py", "experiments/grounding_coco.py",
                 "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
                 "experiments/reading_step_attention.py", "experiments/label_quality.py",
-                "experiments/dev_captions.py", "experiments/everyday_levers.py", "calibrate_int8.py")
+                "experiments/dev_captions.py", "experiments/everyday_levers.py", "experiments/verdict_bands.py",
+                "experiments/label_stage_check.py", "experiments/everyday_probe.py", "experiments/person_signal.py",
+                "calibrate_int8.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("gpu_summary.py", "benchmarks/timing.py")
 
@@ -254,3 +256,18 @@ def test_reproduce_flickr8k_self_critical_stage_starts_from_the_better_sat(tmp_p
     assert f"--out {root}/{expected}_scst " in trains[0]
     assert ("concepts.prior=true" in trains[0]) == (expected == "sat_soft_concepts")
     assert (f"train.concepts={root}/concepts.safetensors" in trains[0]) == (expected == "sat_soft_concepts")
+
+
+def test_verdict_bands_fits_the_cuts_where_the_captions_stop_being_right(tmp_path: Path):
+    def record(per_word: float, right: bool) -> dict:
+        return {"per_word": per_word, "absent": [] if right else ["dog"], "cider": 1.0}
+
+    # 4 in 5 right at -0.1 per word, half at -0.4, 1 in 10 at -1.0
+    runs = {"a": [record(-0.1, i % 5 != 0) for i in range(50)] + [record(-0.4, i % 2 == 0) for i in range(50)]
+            + [record(-1.0, i % 10 == 0) for i in range(50)]}
+    (tmp_path / "records.json").write_text(json.dumps(runs))
+    done = _run([sys.executable, str(SCRIPTS / "experiments/verdict_bands.py"), "--records", str(tmp_path / "records.json"),
+                 "--high", "0.7", "--low", "0.2"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("fitted cuts: likely right >= -0.35, probably wrong < -0.40 "), done.stdout
+    assert "| a | 80% right of 50 | 50% right of 50 | 10% right of 50 | 47% right of 150 |" in done.stdout

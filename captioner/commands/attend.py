@@ -80,25 +80,27 @@ def run(args: argparse.Namespace) -> int:
         [(photo, Path(args.out) / photo.stem) for photo in example_photos()]
     outputs = Outputs(Path(args.out), force=args.force, option="--out")
     outputs.check([p for _, out in jobs for p in overlay_paths(out, args.stem).values()])  # before any work
+    from captioner.data.images import load_image
+
+    jobs = [(load_image(path), path, out) for path, out in jobs]  # the photos, read before any model loads
     model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh,
                  precision=encoder_precision(args))
-    for path, out in jobs:
-        outputs.record(_attend(model, args, path, out, decoding))
+    for image, path, out in jobs:  # each file is recorded in the manifest as it is written
+        _attend(model, args, image, path, out, decoding, outputs)
     if args.image is None:
         print(f"credits of the example photos: {PHOTOS / 'CREDITS.md'}")
     return 0
 
 
-def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> list:
-    """Caption ``path`` and write its overlays, GIF, JSON and explorer to ``out``; the files written.
+def _attend(model, args: argparse.Namespace, image, path, out, decoding: dict, outputs) -> list:
+    """Caption ``image`` (read from ``path``) and write its overlays, GIF, JSON and explorer to ``out`` (recorded
+    in ``outputs``); the files written.
 
     An empty caption is an error (``EmptyCaptionError``, from the model): nothing is drawn for it."""
-    from captioner.data.images import load_image
     from captioner.errors import ConfigError
     from captioner.inference import decode_options, empty_caption
     from captioner.viz.overlays import write_overlays
 
-    image = load_image(path)
     result = model.caption(image, all_heads=True, labels=args.labels, allow_empty=True, **decoding)[0]
     if not result.words:  # nothing to draw: an error naming the file
         raise empty_caption(str(path), decode_options(None, **decoding))
@@ -112,7 +114,7 @@ def _attend(model, args: argparse.Namespace, path, out, decoding: dict) -> list:
     paths = write_overlays(
         image, dataclasses.replace(result, attention=attention), out, cmap=args.cmap, alpha=args.alpha,
         style=args.style, stem=args.stem, layer=-1 if args.layer is None else args.layer - 1,
-        head=None if args.head is None else args.head - 1,
+        head=None if args.head is None else args.head - 1, outputs=outputs,
     )
     print(f"{path}\t{result.text}")
     for written in paths.values():  # png, gif, json, html (and the tags' and labels' png when there are some)

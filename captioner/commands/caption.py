@@ -229,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
     from captioner.inference import decode_options, load
 
     files, problems = expand_paths(args.paths)
+    if not any(os.path.lexists(path) for path in files):  # no input to caption: said before any model loads
+        for problem in problems + [f"{path}: file not found" for path in files]:
+            _error(problem)
+        return 1
     used_dirs: set[str] = {MANIFEST}  # a photo named .captioner-files.json.png gets a folder of another name
     out_dirs = [unique_dir(Path(args.overlay), path.stem, used_dirs) for path in files] if args.overlay else []
     outputs = Outputs(Path(args.overlay or "."), force=args.force, option="--overlay")
@@ -241,18 +245,15 @@ def run(args: argparse.Namespace) -> int:
     options = decode_options(None, **decoding)
     for problem in problems:
         _error(problem)
-    written: list[Path] = []
-    try:
-        failed = _caption_files(args, model, options, files, out_dirs, written) or bool(problems)
-    finally:  # also after an error or Ctrl-C: the overlays written so far are known as captioner's
-        if args.overlay:
-            outputs.record(written)
+    # each overlay file is recorded in the manifest as it is written: after an error or Ctrl-C the
+    # overlays written so far are known as captioner's
+    failed = _caption_files(args, model, options, files, out_dirs, outputs) or bool(problems)
     return 1 if failed else 0
 
 
 def _caption_files(args: argparse.Namespace, model: Any, options: Any, files: list[Path], out_dirs: list[Path],
-                   written: list[Path]) -> bool:
-    """Caption ``files`` (and write their overlays into ``out_dirs``, adding them to ``written``), one line
+                   outputs: Any) -> bool:
+    """Caption ``files`` (and write their overlays into ``out_dirs``, each recorded in ``outputs``), one line
     each; True when any failed."""
     from captioner.data.images import load_image
     from captioner.errors import EmptyCaptionError, ImageLoadError
@@ -285,8 +286,8 @@ def _caption_files(args: argparse.Namespace, model: Any, options: Any, files: li
                 failed = True
                 continue
             out_dir = out_dirs[index]
-            written.extend(write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha,
-                                                  style=args.style).values())
+            write_overlays(image, result, out_dir, cmap=args.cmap, alpha=args.alpha, style=args.style,
+                           outputs=outputs)
             row["overlay"] = str(out_dir)
         line = json_line(row) if args.json else f"{plain_field(str(path))}\t{plain_field(result.text)}"
         print(line, flush=True)

@@ -73,18 +73,36 @@ def say_what_downloads(cfg, preset: str | None) -> None:  # noqa: ANN001 - a Con
         raise ConfigError(f"no --preset: the default encoder needs {source.label}{where}, which is not downloaded and "
                           f"offline mode is on ({OFFLINE_ENV}); use --preset {OFFLINE_PRESET} (weights installed "
                           "with the package) or --set encoder.weights=FILE")
-    logging.getLogger("captioner.concepts").warning(
+    logging.getLogger("captioner.training.concepts").warning(
         "no --preset: the default encoder downloads %s%s%s; --preset %s needs no download", source.label, where,
         f" into {source.cached.parent}" if source.cached is not None else "", OFFLINE_PRESET)
 
 
+SCORE_BATCH = 256  # images whose region scores the head computes at once (captioner.training.concepts)
+
+
+def head_bytes(dim: int, regions: int, hidden: int, concepts: int) -> int:
+    """Bytes that training a concept head needs: its float32 weights five times (weights, gradients, Adam's
+    two moments, the best epoch's copy) and the region scores of :data:`SCORE_BATCH` images (with their
+    hidden layer; three copies for the forward, the pooling and the backward)."""
+    params = dim * hidden + hidden + hidden * concepts + concepts if hidden else dim * concepts + concepts
+    return 4 * (5 * params + 3 * SCORE_BATCH * regions * (hidden + concepts))
+
+
 def run(args: argparse.Namespace) -> int:
     from captioner.config import resolve_config
-    from captioner.concepts.training import check_output_file, learn_concepts
+    from captioner.training.concepts import check_output_file, learn_concepts
+    from captioner.device import check_memory
+    from captioner.models.registry import encoder_entry
 
     cfg = resolve_config(args.preset, args.config, list(args.overrides))
     if args.data:
         cfg = cfg.override(**{"data.root": args.data})
+    enc = cfg.model.encoder
+    dim = encoder_entry(enc.name).feature_dim(enc)
+    check_memory(head_bytes(dim, enc.grid ** 2, args.hidden, args.concepts),
+                 f"a concept head with --hidden {args.hidden} and --concepts {args.concepts} over {dim}-wide regions",
+                 "lower --hidden or --concepts")
     check_output_file(args.out, args.force, "--out")  # before anything is downloaded or trained
     say_what_downloads(cfg, args.preset or args.config)
     print(learn_concepts(cfg, args.out, k=args.concepts, epochs=args.epochs, hidden=args.hidden,

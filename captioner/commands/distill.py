@@ -55,15 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.device import resolve_device
-    from captioner.inference import load
     from captioner.training.distill import teacher_dataset, write_word_targets
 
     if args.step == "captions":
         summary = teacher_dataset(args.data, args.results, args.out, split=args.split,
                                   keep_human=not args.teacher_only)
     else:
-        teacher = load(args.teacher if len(args.teacher) > 1 else args.teacher[0], device=resolve_device(args.device, option="--device"))
+        teacher = args.teacher if len(args.teacher) > 1 else args.teacher[0]  # loaded once --data is read
         summary = write_word_targets(teacher, args.data, args.out, split=args.split, top_k=args.top_k,
-                                     batch_size=args.batch_size, progress=False if args.no_progress else None)
+                                     batch_size=args.batch_size, progress=False if args.no_progress else None,
+                                     device=str(resolve_device(args.device, option="--device")))
     print(json.dumps(summary))
     return 0

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the checkpoint's folder)")
     parser.add_argument("--max-images", type=int_range(1, 10**9), default=None, metavar="N", help="score only the first N images")
     parser.add_argument("--skip-missing", action="store_true", help="skip missing or unreadable images")
+    parser.add_argument("--files-outside", action="store_true",
+                        help="score images the caption file names outside its image folder ('..', absolute paths; "
+                             "refused by default)")
     parser.add_argument("--workers", type=int_range(0, MAX_WORKERS), default=0, metavar="N", help="DataLoader workers for image decoding")
     parser.add_argument("--device", default="auto", metavar="NAME", help="cpu, cuda, cuda:1 or auto (default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -152,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be between 0 and {MAX_WORKERS}, got {args.workers}")
     settings = EvaluateOptions(
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
-        skip_missing=args.skip_missing, device=args.device, precision=encoder_precision(args),
+        skip_missing=args.skip_missing, files_outside=args.files_outside, device=args.device,
+        precision=encoder_precision(args),
         progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
         coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from captioner.commands.options import int_range
 
@@ -42,13 +43,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def training_bytes(vocab_size: int, embed: int, hidden: int, batch_size: int, words: int) -> int:
+    """Bytes that training a one-layer LSTM language model of these widths needs: its float32 weights five
+    times (the weights, their gradients, Adam's two moments, the best epoch's copy) and one step's
+    activations over ``words`` + 1 positions (logits, their softmax and gradient; the LSTM's gates)."""
+    params = vocab_size * embed + 4 * hidden * (embed + hidden) + 8 * hidden + hidden * vocab_size + vocab_size
+    activations = batch_size * (words + 1) * (3 * vocab_size + 12 * hidden + 2 * embed)
+    return 4 * (5 * params + activations)
+
+
 def run(args: argparse.Namespace) -> int:
-    import captioner
-    from captioner.concepts.training import check_output_file, concepts_output
-    from captioner.language import LanguageModelConfig, caption_texts, save_language_model, train_language_model
+    from captioner.checkpoint.store import as_checkpoint_error, read_checkpoint_metadata
+    from captioner.training.concepts import check_output_file, concepts_output
+    from captioner.device import check_memory
+    from captioner.errors import DataError
+    from captioner.files import check_regular
+    from captioner.inference import checkpoint_path
+    from captioner.language import (MAX_WORDS, LanguageModelConfig, caption_texts, save_language_model,
+                                    train_language_model)
+    from captioner.text import Vocabulary
 
     out = check_output_file(args.out, args.force, "--out", "lm.safetensors")  # before anything is read or trained
-    vocab = captioner.load(args.checkpoint, device="cpu").vocab
+    for option, paths in (("--captions", args.captions), ("--leave-out", args.leave_out)):
+        for path in paths:  # the inputs first: a missing file is named before any model is read
+            if not os.path.lexists(path):
+                raise DataError(f"{path}: caption file not found ({option})")
+            check_regular(path, None, DataError, "caption file")
+    source = checkpoint_path(args.checkpoint)
+    header = read_checkpoint_metadata(source)  # only the vocabulary is needed: the weights are not loaded
+    need = training_bytes(header["vocab_size"], args.embed, args.hidden, args.batch_size, MAX_WORDS)
+    check_memory(need, f"a language model with --hidden {args.hidden}, --embed {args.embed} and --batch-size "
+                       f"{args.batch_size} over {header['vocab_size']} words", "lower --hidden, --embed or --batch-size")
+    with as_checkpoint_error(source, "bad vocabulary in checkpoint"):
+        vocab = Vocabulary.from_dict(header["vocab"])
     captions, read = caption_texts(args.captions, args.leave_out)
     for entry in read["files"]:
         print(f"{entry['file']}: {entry['captions']} captions")

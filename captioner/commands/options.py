@@ -10,6 +10,7 @@ import argparse
 import math
 from collections.abc import Callable
 
+from captioner.config import EVERYDAY_PHOTOS, flags_of
 from captioner.errors import ConfigError
 
 def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -79,8 +80,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
                              "(slots filled by detections; 0.05 suits the shipped model; default: 0, off)")
     parser.add_argument("--lm-weight", type=float_range(0.0, 10.0), default=None, metavar="W",
                         help="add W times a caption language model's log-probability to every word (shallow "
-                             "fusion: sentences as people write them about everyday photos; 0.3 with --veto 2 "
-                             "--fill-slots 0.05 suits the shipped model on them; default: 0, off)")
+                             "fusion: sentences as people write them about everyday photos; default: 0, off)")
+    parser.add_argument("--everyday", action="store_true",
+                        help=f"the 'everyday photos' setting, for a model reading the encoder's labels: "
+                             f"{flags_of(EVERYDAY_PHOTOS)} (flags given beside it win)")
     parser.add_argument("--lm", default=None, metavar="FILE",
                         help="the language model of --lm-weight: a file written by captioner lm (default: coco, "
                              "the packaged one, COCO caption text)")
@@ -110,8 +113,9 @@ def encoder_precision(args: argparse.Namespace) -> str | None:
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """The ``DecodeOptions`` fields the user set, checked (one line naming the flag when < 1)."""
-    out: dict[str, object] = {}
+    """The ``DecodeOptions`` fields the user set, checked (one line naming the flag when < 1); ``--everyday``
+    sets :data:`~captioner.config.EVERYDAY_PHOTOS` under the other flags."""
+    out: dict[str, object] = dict(EVERYDAY_PHOTOS) if getattr(args, "everyday", False) else {}
     for dest, field in FLAGS.items():
         value = getattr(args, dest, None)
         if value is None:
@@ -139,7 +143,8 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
     if getattr(args, "lm_weight", None) is not None:
         out["lm_weight"] = args.lm_weight
     if getattr(args, "lm", None) is not None:
-        if not getattr(args, "lm_weight", None):
-            raise ConfigError("--lm names the language model of --lm-weight W; give --lm-weight too (0.5 for example)")
+        if not out.get("lm_weight"):
+            raise ConfigError(f"--lm names the language model of --lm-weight W; give --lm-weight too "
+                              f"({EVERYDAY_PHOTOS['lm_weight']:g} for example)")
         out["lm"] = args.lm
     return out

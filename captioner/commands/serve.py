@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "synthetic scenes for a model trained on them)")
     parser.add_argument("--max-upload-mb", type=float_range(0, 1024, low_open=True), default=20.0,
                         help="largest upload in MiB, over 0 and at most 1024 (default: 20)")
+    parser.add_argument("--max-megapixels", type=float_range(0, 64, low_open=True), default=40.0,
+                        help="largest image in megapixels, over 0 and at most 64 (default: 40; the page shrinks "
+                             "larger photos before it sends them, this guards other clients)")
     parser.add_argument("--max-beam", type=int_range(1, MAX_BEAM), default=5,
                         help=f"largest beam offered, 1 to {MAX_BEAM} (default: 5)")
 
@@ -150,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("loaded %s as %r", spec, name)
     # photo models get the example photos, models trained on the synthetic scenes get scenes (by vocabulary)
     examples = user_examples or default_examples([m.captioner.vocab.itos for m in models], PHOTOS)
-    limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_beam=args.max_beam, host=args.host)
+    limits = ServeLimits(max_bytes=max(1, int(args.max_upload_mb * MiB)), max_pixels=max(1, int(args.max_megapixels * 1e6)),
+                         max_beam=args.max_beam, host=args.host)
     app = create_app(models, examples, limits)
     with _listen(args.host, args.port) as sock:  # bound here: --port 0 gets its port before it is printed
         port = sock.getsockname()[1]

@@ -22,6 +22,9 @@ EXAMPLES = """
   captioner train --preset sat_hard_lite --data data/shapes --time-budget 600 --no-progress
   captioner train --preset sat_soft_flickr8k --data data/flickr8k --out runs/flickr8k/sat_soft  # docs/flickr8k.md
   captioner train --init flickr8k --data my_photos --epochs 3       # adapt the shipped model to your captions
+  captioner train --preset flickr8k_labels --init runs/shipped/release/flickr8k_stage3.safetensors \
+      --data data/flickr8k --out runs/labels --set train.labels.teacher=runs/teacher/captions_train_results.json \
+      --set train.labels.text=captions_val2017_text_only.json  # the shipped model's label stage (docs/training.md)
   torchrun --nproc_per_node=4 -m captioner train --preset sat_soft --data data/coco --out runs/coco_sat
 """
 
@@ -86,6 +89,19 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
         if not args.out:
             out = Path("runs") / f"{args.init}_finetuned"
     cfg = resolve_config(preset, config_file, list(args.overrides), model=model)
+    if args.init and cfg.train.stage == "labels" and model is None:
+        # the label stage continues its --init model: that model's architecture, reading its encoder's labels
+        from captioner.checkpoint.store import read_checkpoint_metadata
+        from captioner.inference import checkpoint_path
+
+        from captioner.errors import CheckpointError
+
+        try:
+            model = read_checkpoint_metadata(checkpoint_path(args.init))["config"]
+        except CheckpointError as exc:
+            raise CheckpointError(f"--init {exc}") from None
+        model["encoder"] = {**model["encoder"], "labels": True}
+        cfg = resolve_config(preset, config_file, list(args.overrides), model=model)
     flags = {
         "data.root": args.data,
         "train.epochs": args.epochs,
@@ -102,10 +118,17 @@ def resolve(args: argparse.Namespace):  # -> tuple[Config, Path]
 
 def run(args: argparse.Namespace) -> int:
     """Train and print a one-line summary (rank 0 only under torchrun)."""
+    from captioner.errors import ConfigError
+    from captioner.training.label_stage import train_labels
     from captioner.training.loop import train
 
     cfg, out = resolve(args)
-    result = train(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
+    if cfg.train.stage == "labels":
+        if args.resume:
+            raise ConfigError("train.stage=labels is not resumed: run it again with --overwrite")
+        result = train_labels(cfg, out, progress=not args.no_progress, overwrite=args.overwrite)
+    else:
+        result = train(cfg, out, resume=args.resume, progress=not args.no_progress, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:
         chosen = "" if result.select_metric == "BLEU-4" else f", {result.select_metric} {result.best_score:.4f}"
         print(f"best val BLEU-4 {result.best_bleu4:.4f} (0-1 scale){chosen}, selected on {result.select_metric} "

@@ -15,6 +15,7 @@ from captioner.config.decoders import (
 )
 from captioner.config.parse import load_config_file, parse_override
 from captioner.config.schema import (
+    EVERYDAY_PHOTOS,
     GPU_BATCH,
     PRESETS,
     PREPROCESSING_FIELDS,
@@ -23,9 +24,12 @@ from captioner.config.schema import (
     DataConfig,
     DecodeOptions,
     EncoderConfig,
+    LabelStageConfig,
     ModelConfig,
     ScstConfig,
     TrainConfig,
+    everyday_photos,
+    flags_of,
     get_preset,
     list_presets,
     model_config_from_dict,
@@ -33,9 +37,9 @@ from captioner.config.schema import (
 )
 
 __all__ = [
-    "DECODERS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
+    "DECODERS", "EVERYDAY_PHOTOS", "GPU_BATCH", "PREPROCESSING_FIELDS", "PRESETS", "SELECT_METRICS", "ConceptsConfig",
     "Config", "DataConfig", "DecodeOptions", "DecoderConfig",
-    "EncoderConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
-    "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
+    "EncoderConfig", "LabelStageConfig", "ModelConfig", "SATConfig", "ScstConfig", "TrainConfig", "TransformerConfig", "decoder_families", "decoder_family",
+    "everyday_photos", "flags_of", "get_preset", "list_presets", "load_config_file", "model_config_from_dict", "parse_override",
     "resolve_config",
 ]

@@ -26,6 +26,7 @@ SELECT_METRICS = ("CIDEr-D", "BLEU-4")  # train.select_metric
 SCHEDULES = ("constant", "warmup", "cosine")
 DECODE_PRECISIONS = ("float32", "bfloat16")  # decoding.precision: captioner.decoding.search
 OBJECTIVES = ("xe", "scst")  # train.objective; their builders: captioner.training.loop.BUILDERS
+STAGES = ("captions", "labels")  # train.stage: the loop of captioner.training.loop, or captioner.training.label_stage
 SCST_BASELINES = ("mean", "greedy")  # train.scst.baseline
 MAX_WORKERS = 64  # data.num_workers, evaluate --workers: a DataLoader process each, so a typo cannot fork thousands  # train.schedule, train.encoder_schedule
 
@@ -109,6 +110,7 @@ class DataConfig:
     min_freq: int = 1  # vocabulary: rarer words become <unk> (5 for COCO)
     max_caption_len: int = 30  # words kept per training caption
     skip_missing: bool = False  # skip images that are missing or unreadable instead of failing
+    files_outside: bool = False  # read images a caption file names outside the image folder ('..', absolute paths)
     num_workers: int = 0  # DataLoader workers
     feature_cache: bool = True  # frozen encoder: compute region features once, memory-mapped fp16
     # folder for feature caches (shareable between runs); None: $CAPTIONER_FEATURE_CACHE, else (with
@@ -193,6 +195,22 @@ class DecodeOptions:
             raise ConfigError(f"decoding lm must name a language model file or 'coco', got {self.lm!r}")
 
 
+
+# The named decoding setting "everyday photos" (``--everyday``, serve's check box): the packaged language
+# model fused at 0.3, a light veto of absent objects and slots filled by detections; chosen on the everyday
+# dev set for the shipped model (docs/evaluation.md). What differs from DecodeOptions()'s defaults:
+EVERYDAY_PHOTOS = {"lm_weight": 0.3, "veto": 2.0, "fill_slots": 0.05}
+
+
+def everyday_photos(**overrides: object) -> DecodeOptions:
+    """``DecodeOptions`` of the "everyday photos" setting (:data:`EVERYDAY_PHOTOS`), ``overrides`` applied."""
+    return DecodeOptions(**{**EVERYDAY_PHOTOS, **overrides})
+
+
+def flags_of(fields: dict[str, object]) -> str:
+    """Decoding fields as the command-line flags that set them: {"lm_weight": 0.3} -> "--lm-weight 0.3"."""
+    return " ".join(f"--{name.replace('_', '-')} {value:g}" for name, value in fields.items())
+
 @dataclass
 class ScstConfig:
     """Self-critical sequence training (``train.objective = "scst"``, Rennie et al. 2017): ``train.scst``."""
@@ -213,6 +231,48 @@ class ScstConfig:
         check_number("train.scst.temperature", self.temperature, lambda v: 0.0 < v < math.inf, "a number > 0")
         check_number("train.scst.bleu_weight", self.bleu_weight, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         check_number("train.scst.xe_weight", self.xe_weight, lambda v: 0.0 <= v < math.inf, "a number >= 0")
+
+
+@dataclass
+class LabelStageConfig:
+    """The label stage (``train.stage = "labels"``, :mod:`captioner.training.label_stage`): ``train.labels``.
+
+    A caption model that does not read labels (``--init``) is taught to read its encoder's ImageNet labels
+    (``encoder.labels``) and copy their words, beside caption-only rows whose labels are read from their
+    own words; the last stage of the shipped model (docs/training.md).
+    """
+
+    steps: int = 2000  # optimizer steps
+    photos: int = 48  # photo rows per step (and as many caption-only rows when ``text`` is set)
+    extension_lr: float = 1e-3  # learning rate of the label reading (the decoder's other weights: train.lr)
+    # the photo rows' captions: a COCO results file of the --init model's own captions of the training photos
+    # (captioner evaluate INIT --split train: self-distillation, Kim & Rush 2016); None: a human caption each step
+    teacher: str | None = None
+    # caption-only rows: a COCO captions JSON (annotations with image_id and caption); None: photo rows only
+    text: str | None = None
+    # a COCO captions JSON whose image ids are left out of ``text`` (a dev set's photos, so it stays unseen)
+    text_exclude: str | None = None
+    text_min_count: int = 5  # words of ``text`` used at least this often join the vocabulary
+    # weight of the photo rows' attention KL to the --init decoder's on the same words (0: off)
+    attend_kd: float = 1.0
+    person_min_captions: int = 3  # a photo shows a person when at least this many of its captions name one
+    probe_steps: int = 300  # Adam steps of the person probe (captioner.models.labels.fit_person_probe)
+    veto_tau: float = 0.05  # the veto's thresholds stored in the model: object labels, ...
+    veto_person_tau: float = 0.2  # ... and the person score
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "photos", "text_min_count", "person_min_captions", "probe_steps"):
+            check_number(f"train.labels.{key}", getattr(self, key), lambda v: v >= 1, "an integer >= 1", int)
+        check_number("train.labels.extension_lr", self.extension_lr, lambda v: 0.0 < v <= 10.0, "a number in (0, 10]")
+        check_number("train.labels.attend_kd", self.attend_kd, lambda v: 0.0 <= v < math.inf, "a number >= 0 (0 = off)")
+        for key in ("veto_tau", "veto_person_tau"):
+            check_number(f"train.labels.{key}", getattr(self, key), lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
+        for key in ("teacher", "text", "text_exclude"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"train.labels.{key} must be a file's path or null, got {value!r}")
+        if self.text_exclude is not None and self.text is None:
+            raise ConfigError("train.labels.text_exclude leaves photos out of train.labels.text: set that too")
 
 
 @dataclass
@@ -265,6 +325,10 @@ class TrainConfig:
     init: str | None = None  # start from this checkpoint's weights and vocabulary (fresh optimizer): ``--init``
     objective: str = "xe"  # one of OBJECTIVES: "xe" (cross-entropy, teacher forcing) or "scst" (self-critical)
     scst: ScstConfig = field(default_factory=ScstConfig)  # the self-critical objective's settings
+    # one of STAGES: "captions" (the epochs of captioner.training.loop) or "labels" (from --init, the label
+    # stage of train.labels: captioner.training.label_stage)
+    stage: str = "captions"
+    labels: LabelStageConfig = field(default_factory=LabelStageConfig)
     # --- grounding ---
     # weight of the attention supervision from object boxes (instances_<split>.json): each target word that
     # names an object (with its colour/size words) pulls its attention onto that object's box; 0 = off
@@ -356,6 +420,8 @@ class TrainConfig:
             raise ConfigError(f"train.val_max_len must be >= 1, got {self.val_max_len}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective={self.objective!r}: use {' or '.join(OBJECTIVES)}")
+        if self.stage not in STAGES:
+            raise ConfigError(f"train.stage={self.stage!r}: use {' or '.join(STAGES)}")
 
     def _check_attention_terms(self) -> None:
         """The doubly stochastic penalty and hard attention's REINFORCE terms."""
@@ -486,6 +552,15 @@ FLICKR8K: Layer = {"data": dict(root="data/flickr8k", val_split="dev", min_freq=
                    **_train(epochs=6, batch_size=32, schedule="cosine", warmup_steps=100, length_buckets=50,
                             patience=0, decay_patience=0)}
 
+# --- the shipped model's last stage (train.stage=labels: captioner.training.label_stage; docs/training.md) ------
+# From a Flickr8k model that does not read labels (--init), its encoder's labels read (encoder.labels) and
+# 2,000 steps of 48 photo rows beside 48 caption-only rows: Adam at 1e-4 (the label reading at 1e-3), the
+# photo rows' attention held to the --init model's (attend_kd 1), captions of at most 19 words, validated on
+# the first 1,000 dev photos. The files come with --set train.labels.teacher=... train.labels.text=...
+FLICKR8K_LABELS: Layer = {**_encoder(labels=True, fine_tune=False), "data": dict(max_caption_len=19),
+                          **_train(stage="labels", lr=1e-4, grad_clip=5.0, val_max_images=1000,
+                                   labels=dict(steps=2000, photos=48, extension_lr=1e-3, attend_kd=1.0))}
+
 # --- GPU: the lite encoder at 448 px (a real 14 x 14 grid of 1280-d regions), batch 128 ----------------------
 # Adam's learning rate scaled by the square root of the batch ratio (x2 for 32 -> 128), the warm-up kept
 # at the same number of captions, fp32 (bf16 autocast measured 0.80-0.86x as fast on an H200 at these sizes),
@@ -535,6 +610,8 @@ PRESETS: dict[str, tuple[Layer, ...]] = {
     # 2 layers and dropout 0.3: at 3 layers and 0.1 the dev CIDEr-D peaked at epoch 2 of 6 and fell (GPU sweep)
     "transformer_flickr8k": ("transformer_lite", FLICKR8K, _transformer(num_layers=2, dropout=0.3),
                              _train(schedule="cosine", lr=5e-4, warmup_steps=1000)),
+    # the shipped model's last stage, from a model of sat_soft_flickr8k (--init)
+    "flickr8k_labels": ("sat_soft_flickr8k", FLICKR8K_LABELS),
     # GPU (SAT lite's warm-up is the unused default, 4000 steps)
     "sat_soft_lite_gpu": ("sat_soft_lite", _gpu(lr=SAT_LR, warmup_steps=4000, compile=True)),
     "sat_hard_lite_gpu": ("sat_hard_lite", _gpu(lr=SAT_LR, warmup_steps=4000, compile=True)),

@@ -15,6 +15,7 @@ did not write (a user's) is read, never replaced or deleted.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import logging
@@ -28,7 +29,8 @@ from typing import Any
 
 from captioner.network import CHUNK, Bounds, download, file_digest, verify
 from captioner.errors import ConfigError, DataError
-from captioner.files import Outputs, check_regular
+from captioner.files import (MiB, Outputs, atomic_file, atomic_write, check_regular, hold_lock, read_text,
+                             release_lock_file)
 
 __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INSTANCE_MEMBERS", "ArchiveBounds",
            "CocoArchive", "Flickr8kArchive", "Steps", "coco", "coco_is_present", "extract_coco", "extract_flickr8k",
@@ -38,6 +40,7 @@ __all__ = ["BOUNDS", "COCO_ARCHIVES", "FLICKR8K_ARCHIVES", "FLICKR8K_BASE", "INS
 log = logging.getLogger("captioner.download")
 _flickr8k_log = logging.getLogger("captioner.download.flickr8k")
 MARKER = ".extracted"  # in an extracted folder: its archive was extracted completely
+LOCK = ".captioner-download.lock"  # in a dataset folder: held by the download writing into it
 
 
 # --- archives: what both datasets share ---
@@ -110,20 +113,17 @@ def _check_stated(zf: zipfile.ZipFile, zip_path: Path, names: Sequence[str], bou
     budget.check("its members state")
 
 
-def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, tmp: Path, zip_path: Path, bounds: ArchiveBounds,
-                 budget: _Budget) -> int:
-    """Stream one member into ``tmp``, counted against the member bound and the archive's ``budget``."""
+def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dst: Any, out: Path, zip_path: Path,
+                 bounds: ArchiveBounds, budget: _Budget) -> int:
+    """Stream one member into ``dst`` (the temporary file of ``out``), counted against the member bound and
+    the archive's ``budget``."""
     limit = bounds.member_bytes
     where = f"{zip_path}: member {info.filename!r}"
     if info.flag_bits & 0x1:
         raise DataError(f"{where} cannot be extracted (it is encrypted: a password would be needed)")
     budget.compressed += info.compress_size
     written = 0
-    try:
-        dst = open(tmp, "wb")
-    except OSError as exc:
-        raise _cannot_write(tmp, zip_path, exc) from None
-    with zf.open(info) as src, dst:
+    with zf.open(info) as src:
         while chunk := src.read(CHUNK):
             written += len(chunk)
             budget.written += len(chunk)
@@ -136,7 +136,7 @@ def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, tmp: Path, zip_path
             try:
                 dst.write(chunk)
             except OSError as exc:
-                raise _cannot_write(tmp, zip_path, exc) from None
+                raise _cannot_write(out, zip_path, exc) from None
     return written
 
 
@@ -148,7 +148,7 @@ def _cannot_write(path: Path, zip_path: Path, exc: OSError) -> DataError:
 
 def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterable[tuple[str, str]],
                   bounds: ArchiveBounds | None = None) -> list[Path]:
-    """Extract ``(member name, destination relative to root)`` pairs, each through a ``.tmp`` file, within ``bounds``.
+    """Extract ``(member name, destination relative to root)`` pairs, each written atomically, within ``bounds``.
 
     On any failure what this call wrote is removed. Raises ``DataError`` (one line naming it) for a
     destination outside ``root``, a bound crossed, a corrupt, encrypted or unsupported member, or a
@@ -158,7 +158,6 @@ def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterab
     pairs = list(pairs)
     written: list[Path] = []
     base = root.resolve()
-    tmp = None
     try:
         _check_stated(zf, zip_path, [name for name, _ in pairs], bounds)
         budget = _Budget(zip_path, bounds)
@@ -170,16 +169,13 @@ def write_members(zf: zipfile.ZipFile, zip_path: Path, root: Path, pairs: Iterab
                 out.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise _cannot_write(out.parent, zip_path, exc) from None
-            tmp = out.with_name(out.name + ".tmp")
             try:
-                _copy_member(zf, zf.getinfo(name), tmp, zip_path, bounds, budget)
+                with atomic_file(out, DataError, after=written.append) as dst:
+                    _copy_member(zf, zf.getinfo(name), dst, out, zip_path, bounds, budget)
             except _CORRUPT as exc:
                 raise DataError(f"{zip_path}: member {name!r} cannot be extracted ({_why(exc)})") from None
-            tmp.replace(out)
-            tmp = None
-            written.append(out)
     except BaseException:
-        for path in ([tmp] if tmp is not None else []) + written:
+        for path in written:
             path.unlink(missing_ok=True)
         raise
     return written
@@ -234,13 +230,24 @@ def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = F
     no empty folder it created.
     """
     outputs = Outputs(root, force=force, option="--root")
-    for a in archives:
-        if not steps.is_present(root, a):
-            outputs.check(steps.writes(root, a))
     downloads = root / "downloads"
     made = [d for d in (downloads, root, *root.parents) if not d.exists()]  # deepest first
+    lock = root / LOCK
     try:
-        return _prepare(root, archives, steps, dry_run, keep_archives, progress, outputs)
+        with contextlib.ExitStack() as held:
+            if not dry_run:  # one download into a root at a time: another would share its .part files
+                try:
+                    root.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise DataError(f"{root}: cannot create the dataset folder ({exc.strerror or exc})") from None
+                held.callback(release_lock_file, lock, False)
+                held.enter_context(hold_lock(lock, 0.0, busy=lambda: DataError(
+                    f"{root}: another captioner download is writing into this folder (it holds {lock}); wait "
+                    "for it to finish, then run again")))
+            for a in archives:
+                if not steps.is_present(root, a):
+                    outputs.check(steps.writes(root, a))
+            return _prepare(root, archives, steps, dry_run, keep_archives, progress, outputs)
     except BaseException:
         _remove_empty(made)
         raise
@@ -379,7 +386,7 @@ def extract_coco(zip_path: Path, root: Path, archive: CocoArchive, outputs: Outp
         written = write_members(zf, zip_path, root, pairs)
     target = root / archive.target
     if target.is_dir():
-        (target / MARKER).write_text(f"extracted from {zip_path.name}\n")
+        _write_marker(target, zip_path)
         written.append(target / MARKER)
     return written
 
@@ -491,7 +498,7 @@ def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive, outpu
             raise DataError(f"{zip_path}: has no {what} (is it the right archive?)")
         outputs.check([root / dest for _, dest in pairs] + flickr8k_writes(root, archive))
         written = write_members(zf, zip_path, root, pairs)
-    (root / archive.folder / MARKER).write_text(f"extracted from {zip_path.name}\n")
+    _write_marker(root / archive.folder, zip_path)
     digest = archive.sha256 or file_digest(zip_path, "sha256")
     record_digest(root, zip_path.name, digest)
     written += [root / archive.folder / MARKER, root / FLICKR8K_RECORD]
@@ -503,9 +510,15 @@ def extract_flickr8k(zip_path: Path, root: Path, archive: Flickr8kArchive, outpu
 def record_digest(root: Path, name: str, digest: str) -> None:
     """Add or replace ``name``'s line in ``root/Flickr8k.sha256``."""
     path = root / FLICKR8K_RECORD
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = read_text(path, MiB, DataError, "SHA-256 record").splitlines() if path.exists() else []
     lines = [line for line in lines if not line.endswith(f"  {name}")] + [f"{digest}  {name}"]
-    path.write_text("\n".join(sorted(lines, key=lambda line: line.split("  ", 1)[-1])) + "\n")
+    text = "\n".join(sorted(lines, key=lambda line: line.split("  ", 1)[-1])) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), DataError)
+
+
+def _write_marker(folder: Path, zip_path: Path) -> None:
+    """The completion marker of an extracted folder."""
+    atomic_write(folder / MARKER, lambda f: f.write(f"extracted from {zip_path.name}\n".encode("utf-8")), DataError)
 
 
 def _fetch_flickr8k(zip_path: Path, root: Path, a: Flickr8kArchive, progress: bool | None) -> None:

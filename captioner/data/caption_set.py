@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,7 @@ class CaptionSet:
     captions: dict[int, list[str]]
     root: Path
     images_dir: Path | None = None  # where image files were looked for (for messages)
+    source: Path | None = None  # the caption file the set was read from (for messages)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -163,7 +165,32 @@ def build_caption_set(source: Path, name: str, split: str, entries: list[tuple[I
     if not images:
         raise DataError(f"{source}: split {split!r} has no captioned images")
     return CaptionSet(name=name, split=split, images=images, captions=captions, root=source.parent,
-                      images_dir=images_dir)
+                      images_dir=images_dir, source=source)
+
+
+OUTSIDE_OPTION = "data.files_outside=true"  # the setting that lets a caption file name images outside its folder
+
+
+def confine(cs: CaptionSet) -> CaptionSet:
+    """``cs`` when every image path stays inside its image folder, else one ``DataError`` line naming the
+    caption file and the first entry that leaves it (``../../etc/passwd``, an absolute path).
+
+    Checked on the names as written (no file is opened): a downloaded dataset cannot make training or
+    evaluation read any other image file of the user's. A folder reached through a symbolic link the user
+    made inside the dataset stays allowed.
+    """
+    if cs.images_dir is None:
+        return cs
+    base = os.path.normpath(os.path.abspath(cs.images_dir))
+    inside = base.rstrip(os.sep) + os.sep
+    for record in cs.images:
+        path = os.path.normpath(os.path.abspath(record.path))
+        if not path.startswith(inside):
+            how = "an absolute path" if os.path.isabs(record.file_name) else "it leaves the folder"
+            raise DataError(f"{cs.source or cs.root}: image {record.image_id}'s file {_short(record.file_name, 80)} is "
+                            f"outside the dataset's image folder {cs.images_dir} ({how}); it is not read unless "
+                            f"allowed ({OUTSIDE_OPTION}; evaluate: --files-outside)")
+    return cs
 
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.data.caption_set import (SAMPLE, CaptionSet, ImageRecord, InstanceBoxes, ObjectBox, _is_int, _short,
-                                        build_caption_set, pick_image_dir)
+                                        build_caption_set, confine, pick_image_dir)
 from captioner.errors import DataError
 from captioner.files import MiB, check_regular, read_bytes, read_json, read_text
 
@@ -40,12 +40,14 @@ _BOX_KEYS = {"id", "image_id", "category_id", "bbox", "area", "iscrowd", "segmen
 
 # ----------------------------------------------------------------------------- loading
 def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None = None, *,
-                     include_restval: bool = True) -> CaptionSet:
+                     include_restval: bool = True, files_outside: bool = False) -> CaptionSet:
     """Load one split of a caption dataset, whatever its layout (:data:`LAYOUTS`); image paths are not checked.
 
     ``root``: a dataset folder, a COCO captions JSON or a Karpathy split JSON; ``split``: e.g. ``"train"``,
-    ``"dev"``, ``"all"``; ``include_restval``: Karpathy ``"train"`` also takes ``restval``. Raises
-    ``DataError`` when no layout matches, for an unknown split (listing them) or an invalid file.
+    ``"dev"``, ``"all"``; ``include_restval``: Karpathy ``"train"`` also takes ``restval``;
+    ``files_outside``: accept image names that leave the image folder (``..``, absolute paths;
+    :func:`~captioner.data.caption_set.confine`). Raises ``DataError`` when no layout matches, for an
+    unknown split (listing them), an invalid file or an image outside its folder.
     """
     root = Path(root)
     images = Path(images_dir) if images_dir is not None else None
@@ -53,14 +55,15 @@ def load_caption_set(root: str | Path, split: str, images_dir: str | Path | None
         raise DataError(f"{root}: dataset path does not exist")
     cs = _load(root, str(split), images, include_restval)
     cs.root = root
-    return cs
+    return cs if files_outside else confine(cs)
 
 
 class UnknownSplitError(DataError):
     """A split the dataset does not have (the message lists those it has)."""
 
 
-def load_validation_set(root: str | Path, split: str, images_dir: str | Path | None = None) -> CaptionSet:
+def load_validation_set(root: str | Path, split: str, images_dir: str | Path | None = None,
+                        files_outside: bool = False) -> CaptionSet:
     """:func:`load_caption_set` of a validation split, by whichever of :data:`VALIDATION_SPLITS` the data has.
 
     ``split`` comes first; when it is one of those names and the data lacks it, the first of the others
@@ -71,13 +74,13 @@ def load_validation_set(root: str | Path, split: str, images_dir: str | Path | N
             splits it has and ``--set data.val_split=NAME``.
     """
     try:
-        return load_caption_set(root, split, images_dir)
+        return load_caption_set(root, split, images_dir, files_outside=files_outside)
     except UnknownSplitError as exc:
         missing = exc
     if split in VALIDATION_SPLITS:
         for other in (name for name in VALIDATION_SPLITS if name != split):
             try:
-                cs = load_caption_set(root, other, images_dir)
+                cs = load_caption_set(root, other, images_dir, files_outside=files_outside)
             except UnknownSplitError:
                 continue
             log.info("%s has no %r split: validating on its %r split (--set data.val_split=NAME picks another)",

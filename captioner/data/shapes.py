@@ -253,9 +253,9 @@ def _split_sizes(n: int, fractions: tuple[float, float, float]) -> list[int]:
     return [n - val - test, val, test]
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, written: list[Path]) -> None:
     text = json.dumps(data, separators=(",", ":")) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")), error=DataError, after=written.append)
 
 
 def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image_size: int = 128,
@@ -301,6 +301,32 @@ def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image
     order = np.random.default_rng([seed, images, 7]).permutation(images)
     bounds = np.cumsum([0] + _split_sizes(images, split_fractions))
     test_rank = {int(k): r for r, k in enumerate(sorted(order[bounds[2]:]))}  # test scenes, in image order
+    written: list[Path] = []  # recorded in the manifest however the run ends: an interrupted one is rerun with --force
+    try:
+        records, counts = _write_images(image_dir, images, seed, image_size, held, test_rank, width, written)
+        _write_splits(out, records, order, bounds, _dataset_info(seed, image_size, images, held), written)
+    finally:
+        outputs.record(written)
+    sizes = {name: int(hi - lo) for name, lo, hi in zip(SPLITS, bounds[:-1], bounds[1:])}
+    stats = {"out": str(out), "images": images, "captions": images * CAPTIONS_PER_IMAGE,
+             "objects": sum(len(r[2]) for r in records), "splits": sizes, "objects_per_image": counts,
+             "seconds": round(time.perf_counter() - start, 2), "unseen_pairs": [list(p) for p in held]}
+    log.info("shapes: wrote %d images (%s) to %s in %.1fs", images, sizes, out, stats["seconds"])
+    return stats
+
+
+def _dataset_info(seed: int, image_size: int, images: int, held: list[tuple[str, str]]) -> dict:
+    """The ``info`` entry of the dataset's JSON files."""
+    about = {"description": "captioner synthetic shapes", "version": "1", "seed": seed,
+             "image_size": image_size, "images": images}
+    if held:
+        about["unseen_pairs"] = [list(pair) for pair in held]
+    return about
+
+
+def _write_images(image_dir: Path, images: int, seed: int, image_size: int, held: list[tuple[str, str]],
+                  test_rank: dict[int, int], width: int, written: list[Path]) -> tuple[list, dict[int, int]]:
+    """Render and write every scene (each PNG atomically, added to ``written``); the records and object counts."""
     records, counts = [], {1: 0, 2: 0, 3: 0}
     for i in range(images):
         rng = np.random.default_rng([seed, i])
@@ -311,15 +337,19 @@ def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image
         else:
             objects = sample_scene(rng, image_size)
         file_name = f"{i + 1:0{width}d}.png"
-        render_scene(rng, objects, image_size).save(image_dir / file_name, format="PNG", compress_level=1)
+        scene = render_scene(rng, objects, image_size)
+        atomic_write(image_dir / file_name, lambda f: scene.save(f, format="PNG", compress_level=1), DataError,
+                     after=written.append, sync=False)
         records.append((i + 1, file_name, objects))
         counts[len(objects)] += 1
+    return records, counts
 
+
+def _write_splits(out: Path, records: list, order: np.ndarray, bounds: np.ndarray, info: dict,
+                  written: list[Path]) -> None:
+    """Write each split's caption and instance files (added to ``written``)."""
+    image_size = info["image_size"]
     categories = [{"id": k + 1, "name": s, "supercategory": "shape"} for k, s in enumerate(SHAPES)]
-    info = {"description": "captioner synthetic shapes", "version": "1", "seed": seed,
-            "image_size": image_size, "images": images}
-    if held:
-        info["unseen_pairs"] = [list(pair) for pair in held]
     caption_id = object_id = 0
     for name, lo, hi in zip(SPLITS, bounds[:-1], bounds[1:]):
         chosen = sorted(int(k) for k in order[lo:hi])
@@ -333,16 +363,10 @@ def make_shapes(out: str | os.PathLike, images: int = 3000, seed: int = 0, image
             for obj in caption_order(objects):
                 object_id += 1
                 boxes.append(_instance(object_id, image_id, obj))
-        _write_json(out / f"captions_{name}.json", {"info": info, "licenses": [], "images": imgs, "annotations": caps})
+        _write_json(out / f"captions_{name}.json", {"info": info, "licenses": [], "images": imgs, "annotations": caps},
+                    written)
         _write_json(out / f"instances_{name}.json", {"info": info, "licenses": [], "images": imgs,
-                                                    "annotations": boxes, "categories": categories})
-    sizes = {name: int(hi - lo) for name, lo, hi in zip(SPLITS, bounds[:-1], bounds[1:])}
-    stats = {"out": str(out), "images": images, "captions": images * CAPTIONS_PER_IMAGE,
-             "objects": sum(len(r[2]) for r in records), "splits": sizes, "objects_per_image": counts,
-             "seconds": round(time.perf_counter() - start, 2), "unseen_pairs": [list(p) for p in held]}
-    outputs.record(planned)
-    log.info("shapes: wrote %d images (%s) to %s in %.1fs", images, sizes, out, stats["seconds"])
-    return stats
+                                                    "annotations": boxes, "categories": categories}, written)
 
 
 def dataset_files(out: Path) -> list[Path]:

@@ -186,7 +186,7 @@ class GraphedSteps(CaptionDecoder):
         if entry.graph is None:
             self.stats.eager_steps += 1
             log_probs, new, attn = self.decoder.step(entry.prev, State(entry.static, entry.dynamic))
-            return log_probs, State(state.static, new.dynamic), attn
+            return log_probs, State(state.static, new.dynamic, outputs=new.outputs), attn
         entry.graph.replay()
         self.stats.replays += 1
         log_probs, dynamic, attn = entry.out

@@ -1,5 +1,6 @@
-"""Decoding: greedy and batched beam search and sampling, written only against a decoder's
-``init_state`` / ``step`` contract. docs/decoding_metrics_checkpoint.md explains lengths, scores and
+"""Decoding: one batched beam search (greedy is beam 1; a constraint is a second, "met", state of the same
+beams) and sampling, written only against a decoder's ``init_state`` / ``step`` contract. The rules that
+read a model's labels are objects of ``captioner.decoding.rules``, composed by :func:`decode`. docs/decoding_metrics_checkpoint.md explains lengths, scores and
 batching.
 
 Shape legend: B images, K beams, A images still searching, R rows in the decoder batch (A * beams),
@@ -11,12 +12,12 @@ bfloat16, else a bfloat16 copy of the decoder; beams are still ranked in float64
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -28,7 +29,9 @@ from captioner.files import size_text
 from captioner.language import FusedDecoder
 from captioner.models.base import CaptionDecoder, State
 from captioner.models.lstm import FusedSATSteps
-from captioner.text import STOP_WORDS, Vocabulary
+from captioner.decoding.rules import (AbsentVeto, ConfidentWords, CopyAttribution, fill_slots, label_reading,
+                                      read_photos, required_reading)
+from captioner.text import STOP_WORDS, Vocabulary, plural_forms
 
 
 logger = logging.getLogger(__name__)
@@ -131,23 +134,30 @@ class LiveBeams:
         """The first ``words`` words of ``row``; scored over ``words`` tokens, plus ``<eos>`` if finished."""
         return Pending(row, words, raw / length_penalty(words + int(finished), alpha), raw, finished)
 
-    def unfinished(self, a: int, words: int, alpha: float, count: int) -> list[Pending]:
-        """Group ``a``'s ``count`` best live beams (finite scores; at least one) as unfinished hypotheses."""
-        order = self.scores[a].argsort(descending=True).tolist()
+    def unfinished(self, a: int, words: int, alpha: float, count: int, order: torch.Tensor | None = None
+                   ) -> list[Pending]:
+        """Group ``a``'s ``count`` best live beams (finite scores; at least one) as unfinished hypotheses;
+        ``order`` (width,) bool: those marked True first (a constrained search's beams that met it)."""
+        key = self.scores[a] if order is None else torch.stack([order.double(), self.scores[a]], 1)
+        order = self.scores[a].argsort(descending=True).tolist() if order is None else \
+            sorted(range(self.width), key=lambda i: tuple(key[i].tolist()), reverse=True)
         beams = [i for i in order if math.isfinite(self.scores[a, i].item())] or order[:1]
         return [self.pending(a * self.width + i, words, self.scores[a, i].item(), alpha, finished=False)
                 for i in beams[:count]]
 
 
-def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int
+def top_candidates(scores: torch.Tensor, log_probs: torch.Tensor, count: int, exclude: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best ``count`` (beam, word) extensions of each group, best first: (raw sums, source rows, words), (A, C) each.
 
-    ``scores``: (A, W) raw log-prob sums of the live beams; ``log_probs``: (A * W, V) of their rows.
+    ``scores``: (A, W) raw log-prob sums of the live beams; ``log_probs``: (A * W, V) of their rows;
+    ``exclude``: (A, W*V) bool, extensions never taken (another state's).
     """
     A, W = scores.shape
     V = log_probs.size(1)
     cand = (scores.view(-1, 1) + log_probs).view(A, W * V)  # (A, W*V)
+    if exclude is not None:
+        cand = cand.masked_fill(exclude, NEG_INF)
     top_s, top_i = cand.topk(min(count, W * V), dim=1)  # (A, C)
     src = torch.arange(A, device=scores.device).view(-1, 1) * W + top_i // V  # (A, C)
     return top_s, src, top_i % V
@@ -262,118 +272,194 @@ def image_chunks(decoder: torch.nn.Module, features: torch.Tensor, options: Deco
     return [slice(i, min(i + per_chunk, batch)) for i in range(0, batch, per_chunk)]
 
 
-def decode(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-           options: DecodeOptions | None = None, banned_ids: Sequence[int] = (),
-           content_ids: Sequence[int] = (), word_forms: Mapping[int, Sequence[int]] | None = None,
-           language_model: nn.Module | None = None) -> list[list[Hypothesis]]:
+@dataclass(frozen=True)
+class SearchRules:
+    """What a search needs of the words besides its options: ``<bos>``, ``<eos>``, ``banned_ids`` (never
+    emitted; never ``<eos>``), ``content_ids`` (what ``DecodeOptions.no_repeat_words`` allows once),
+    ``word_forms`` (each word's plurals: they meet a constraint on it, and fill a plural's slot) and, for a
+    model that copies words from its labels, the :class:`~captioner.decoding.rules.CopyAttribution` that
+    keeps the copy's share of each chosen word (:func:`decode` sets it)."""
+
+    bos_id: int
+    eos_id: int
+    banned_ids: tuple[int, ...] = ()
+    content_ids: tuple[int, ...] = ()
+    word_forms: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    copying: CopyAttribution | None = None
+
+    @classmethod
+    def of(cls, vocab: Vocabulary, options: DecodeOptions) -> SearchRules:
+        """The rules of a search over ``vocab`` with ``options``."""
+        return cls(vocab.bos_id, vocab.eos_id, never_emitted_ids(vocab, options), content_word_ids(vocab),
+                   plural_forms(vocab) if options.constrain or options.fill_slots else {})
+
+
+def decode(decoder: CaptionDecoder, features: torch.Tensor, words: Vocabulary | SearchRules,
+           options: DecodeOptions | None = None, lm: nn.Module | None = None) -> list[list[Hypothesis]]:
     """Caption a batch of (B, N, D) region features; per image ``options.n_best`` hypotheses, best first.
 
-    ``decoder``: any ``CaptionDecoder`` in eval mode; ``banned_ids``: never emitted (never ``<eos>``);
-    ``content_ids``: what ``options.no_repeat_words`` allows once; ``word_forms``: other ids that meet an
-    ``options.constrain`` constraint on a word (its plural), and the plural ``options.fill_slots`` writes in
-    a plural's slot; ``language_model``: a
-    ``captioner.language.CaptionLanguageModel`` over the decoder's vocabulary, fused with
-    ``options.lm_weight`` (None: none). ``ConfigError`` for features that
-    are not (B, N, D) or one image's search over :data:`MEMORY_LIMIT`.
+    ``decoder``: any ``CaptionDecoder`` in eval mode; ``words``: its vocabulary (or the ids of
+    :class:`SearchRules` directly); ``lm``: a
+    ``captioner.language.CaptionLanguageModel`` over the same vocabulary, fused with ``options.lm_weight``
+    (None: none). Every ``DecodeOptions`` field acts here or in :func:`search`: ``precision`` picks the
+    stepping decoder (:func:`prepare`), ``veto`` wraps it in :class:`~captioner.decoding.rules.AbsentVeto`,
+    ``lm_weight`` in ``FusedDecoder``, ``constrain`` gives each photo its constraint set
+    (:class:`~captioner.decoding.rules.ConfidentWords`), ``fill_slots`` edits the captions after the search
+    (:func:`~captioner.decoding.rules.fill_slots`); a model that copies has its copied words' attention
+    mixed with their labels' maps (:class:`~captioner.decoding.rules.CopyAttribution`). ``ConfigError`` for
+    features that are not (B, N, D), one image's search over :data:`MEMORY_LIMIT`, or a label option asked of
+    a model that reads no labels.
     """
     options = options or DecodeOptions()
     if features.dim() != 3:
         raise ConfigError(f"decode expects features of shape (B, N, D), got {tuple(features.shape)}")
+    labelled = {name: value for name, value in (("veto", options.veto), ("constrain", options.constrain),
+                                                ("fill_slots", options.fill_slots)) if value}
     if features.size(0) == 0:
         return []
+    reading = label_reading(decoder)
+    for name, value in labelled.items():
+        required_reading(decoder, name, value)
     if decoder.training:
         logger.warning("decode() called with the decoder in training mode (dropout / sampling active); "
                        "call .eval() first or use captioner.inference.caption_features()")
+    rules = words if isinstance(words, SearchRules) else SearchRules.of(words, options)
+    rules = replace(rules, copying=CopyAttribution(reading) if reading is not None else None)
+    constraints = ConfidentWords(options.constrain, rules.word_forms) if options.constrain else None
+    out: list[list[Hypothesis]] = []
     # no_grad, and inference mode off even inside a caller's inference_mode, so that the returned
     # attention maps are ordinary tensors that a caller may change in place.
-    search = greedy_search if options.beam_size == 1 else beam_search
-    out: list[list[Hypothesis]] = []
     with torch.inference_mode(False), torch.no_grad():
-        decoder, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
-        if language_model is not None and options.lm_weight:
-            decoder = FusedDecoder(decoder, language_model, options.lm_weight)
-        constraints = constraint_sets(decoder, options.constrain)
-        filling = slot_filling(decoder, options.fill_slots, word_forms)
-        with vetoing(decoder, options.veto), attributing(decoder) as copying:
-            for chunk in image_chunks(decoder, features, options):  # a refused request raises before any step
-                sets = constraints(features[chunk]) if constraints is not None else []
-                sets = [[v for w in words for v in (w, *(word_forms or {}).get(w, ()))] for words in sets]
-                found = search(decoder, features[chunk], bos_id, eos_id, options, banned_ids, content_ids) \
-                    if not any(sets) else _search_constrained(decoder, features[chunk], bos_id, eos_id, options,
-                                                              banned_ids, content_ids, sets, search)
-                if copying is not None:  # a word copied from the encoder's labels looked where its label is
-                    copying.attribute(features[chunk], found)
-                if filling is not None:  # an absent object's word: what the labels see where it looked
-                    filling(features[chunk], found)
-                out += found
+        stepper, features = prepare(decoder, features, options.precision)  # float32: the decoder itself
+        if options.veto:
+            stepper = AbsentVeto(stepper, reading, options.veto)
+        if lm is not None and options.lm_weight:
+            stepper = FusedDecoder(stepper, lm, options.lm_weight)
+        for chunk in image_chunks(stepper, features, options):  # a refused request raises before any step
+            photos = read_photos(reading, features[chunk]) if reading is not None and labelled else None
+            sets = constraints(photos) if constraints is not None else []
+            found = search(stepper, features[chunk], options, rules, sets)
+            if rules.copying is not None:  # a word copied from the encoder's labels looked where its label is
+                rules.copying.attribute(features[chunk], found)
+            if options.fill_slots:  # an absent object's word: what the labels see where it looked
+                fill_slots(photos, found, options.fill_slots, rules.word_forms)
+            out += found
     return out
 
 
-@contextlib.contextmanager
-def attributing(decoder: nn.Module) -> Iterator[nn.Module | None]:
-    """For one search, the decoder's label reading (None without one) recording the copy's share of every
-    step's words, which the searches keep for the words they choose (``Hypothesis.copy_share``)."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, "copy_share"):
-        yield None
-        return
-    before, extension.attributing = extension.attributing, True
-    try:
-        yield extension
-    finally:
-        extension.attributing = before
-        extension.__dict__.pop("_shares", None)
+def search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptions, rules: SearchRules,
+           constraints: Sequence[Collection[int]] = ()) -> list[list[Hypothesis]]:
+    """Batched beam search (greedy is beam 1): all images and beams go through ``decoder.step`` as one batch;
+    ``options.n_best`` hypotheses per image of (B, N, D) ``features``, best first, stepping ``decoder`` as it is
+    (:func:`decode` adds the precision, the veto and the fusion).
 
+    The first step takes each image's K best distinct words. At each step the 2K best candidates of an
+    image are ranked; an ``<eos>`` among the K best finishes a hypothesis and the K best others live on.
+    An image stops once no live beam can beat its ``n_best`` finished ones, and its rows leave the
+    batch. The result equals image-by-image search. The state follows the beams through
+    ``State.reorder``, ``State.select``, or (a grouped state, the SAT LSTM) ``State.regroup``.
 
-def label_reading(decoder: nn.Module, option: str, value: float, method: str) -> nn.Module:
-    """The decoder's label reading (its extension with ``method``) for the decoding option ``option=value``;
-    ConfigError for a decoder without one."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, method):
-        raise ConfigError(f"decoding {option}={value:g} needs a model that reads the encoder's labels "
-                          "(encoder.labels); this one does not")
-    return extension
+    ``constraints``: per image the words one of which its caption must hold (empty or missing: none):
+    constrained beam search (Anderson et al. 2017) with one disjunctive constraint. Every beam is in one of
+    two states, the constraint met or not, and each state keeps its own K beams, ranked as above; only a
+    caption that met it is finished, one that did not is returned only when too few met it within
+    ``max_len`` words. Without constraints every beam starts met and the search is the plain one.
+    """
+    bos_id, eos_id, copying = rules.bos_id, rules.eos_id, rules.copying
+    suppress = SuppressTokens(rules.banned_ids, eos_id)
+    repeats = repeat_filter(options, rules.content_ids, eos_id)
+    B, N = features.shape[:2]
+    K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
+    device = features.device
+    bound_images = [b for b in range(B) if b < len(constraints) and constraints[b]]
+    states = (False, True) if bound_images else (True,)  # whether a beam has met its image's constraint
+    wanted = None  # (B, V): the words that meet each image's constraint, built at the first step
+    state = initial_state(decoder, features)  # B rows: one copy per image for the first step
+    grouped = bool(getattr(decoder, "groups_rows", False))  # beams read their image's constants in place
+    beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
+    met = torch.tensor([b not in bound_images for b in range(B)], device=device)[:, None]  # (A, width)
+    history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
+    prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
+    words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
+    finished = {s: [[] for _ in range(B)] for s in states}  # per state and image, best first, at most n_best
+    results: list[list[Pending]] = [[] for _ in range(B)]
 
+    def close(a: int, t: int) -> None:
+        """Group ``a``'s image is done after ``t`` words; too few finished: add its best live beams."""
+        image = beams.images[a]
+        hyps = finished[True][image]
+        if image not in bound_images:
+            if len(hyps) < n_best:
+                hyps += beams.unfinished(a, t, alpha, n_best - len(hyps))
+            hyps.sort(key=lambda h: h.score, reverse=True)
+        elif len(hyps) < n_best:  # too few met the constraint: the best of the rest, finished first
+            hyps += finished[False][image][:n_best - len(hyps)]
+            hyps += beams.unfinished(a, t, alpha, n_best - len(hyps), order=met[a])
+        results[image] = hyps[:n_best]
 
-def constraint_sets(decoder: nn.Module, tau: float) -> Callable[[torch.Tensor], list[list[int]]] | None:
-    """``DecodeOptions.constrain``: features (B, N, D) -> each image's constraint set, read by the decoder's
-    label reading (``confident_words``); None when off, ConfigError for a decoder without one."""
-    if not tau:
-        return None
-    extension = label_reading(decoder, "constrain", tau, "confident_words")
-    return lambda features: extension.confident_words(features, tau)
-
-
-def slot_filling(decoder: nn.Module, tau: float, word_forms: Mapping[int, Sequence[int]] | None
-                 ) -> Callable[[torch.Tensor, list[list[Hypothesis]]], int] | None:
-    """``DecodeOptions.fill_slots``: (features (B, N, D), their hypotheses) -> fills them in place
-    (``fill_slots`` of the decoder's label reading); None when off, ConfigError for a decoder without one."""
-    if not tau:
-        return None
-    extension = label_reading(decoder, "fill_slots", tau, "fill_slots")
-    return lambda features, found: extension.fill_slots(features, found, tau, word_forms)
-
-
-def recording(decoder: nn.Module) -> nn.Module | None:
-    """The decoder's label reading while it records the copy's shares (:func:`attributing`), else None."""
-    extension = getattr(decoder, "extension", None)
-    return extension if getattr(extension, "attributing", False) else None
-
-
-@contextlib.contextmanager
-def vetoing(decoder: nn.Module, veto: float) -> Iterator[None]:
-    """``DecodeOptions.veto`` set on the decoder's label reading for one search (ConfigError without one)."""
-    extension = getattr(decoder, "extension", None)
-    if not hasattr(extension, "veto"):
-        if veto:
-            label_reading(decoder, "veto", veto, "veto")  # raises: no label reading
-        yield
-        return
-    before, extension.veto = extension.veto, float(veto)
-    try:
-        yield
-    finally:
-        extension.veto = before
+    for t in range(T + 1):
+        log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
+        step_shares = state.outputs.get("copy_share")  # (R, W') of a model that copies
+        log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
+        if repeats:
+            log_probs = repeats(log_probs, words)
+        if bound_images and wanted is None:
+            wanted = torch.zeros(B, log_probs.size(1), dtype=torch.bool, device=device)
+            for b in bound_images:
+                wanted[b, [w for w in constraints[b] if 0 <= w < log_probs.size(1)]] = True
+        live_s, live_src, live_tok, live_met, keep_parts = [], [], [], [], []
+        for s in states:  # as plain beam search, per state: the 2K best candidates, ...
+            scores = beams.scores
+            if bound_images:
+                now = met.unsqueeze(-1) | wanted[beams.images].unsqueeze(1)  # (A, W, V) the state after each word
+                now[:, :, eos_id] = met  # <eos> ends a beam in its state
+                mask = (now != s).view(len(beams.images), -1)  # (A, W*V)
+            top_s, src, tok = top_candidates(scores, log_probs, 2 * K, None if not bound_images else mask)
+            is_eos = tok == eos_id  # (A, C)
+            ends = is_eos & torch.isfinite(top_s)
+            ends[:, K:] = False  # ... an <eos> among the K best finishes a caption in that state ...
+            for a, c in ends.nonzero().tolist():
+                hyp = beams.pending(int(src[a, c]), t, float(top_s[a, c]), alpha, finished=True)
+                keep_best(finished[s][beams.images[a]], hyp, n_best)
+            best, pos = top_s.masked_fill(is_eos, NEG_INF).topk(min(K, top_s.size(1)), dim=1)  # (A, K')
+            live_s.append(best)  # ... and the K best others live on
+            live_src.append(src.gather(1, pos))
+            live_tok.append(tok.gather(1, pos))
+            live_met.append(torch.full_like(pos, s, dtype=torch.bool))
+        if t == T:
+            for a in range(len(beams.images)):
+                close(a, t)
+            break
+        live_s, live_src, live_tok, live_met = (torch.cat(x, 1) for x in (live_s, live_src, live_tok, live_met))
+        keep = []
+        for a, bound in enumerate(best_reachable(live_s.max(dim=1).values, t, T, alpha).tolist()):
+            hyps = finished[True][beams.images[a]]
+            if bound == NEG_INF or (len(hyps) >= n_best and hyps[n_best - 1].score >= bound):
+                close(a, t)
+            else:
+                keep.append(a)
+        if not keep:
+            break
+        keep_t = torch.tensor(keep, device=device)
+        rows = live_src[keep_t].reshape(-1)  # (A'*W',) source row of each new beam
+        toks = live_tok[keep_t].reshape(-1)  # (A'*W',)
+        width = live_s.size(1)
+        same_groups = len(keep) == len(beams.images) and width == beams.width
+        if same_groups:
+            state = state.reorder(rows)
+        elif grouped:  # each image's constants once for its beams: only the dropped images' go
+            state = state.regroup(None if len(keep) == len(beams.images) else keep_t, rows, width)
+        else:
+            state = state.select(rows)
+        history.append(rows, toks, attn.index_select(0, rows).float(),
+                       None if copying is None else copying.shares(step_shares, rows, toks))
+        if repeats:
+            words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
+        beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
+        met = live_met[keep_t]
+        prev = toks
+    read = iter(history.read([h for per_image in results for h in per_image], N))
+    return [[next(read) for _ in per_image] for per_image in results]
 
 
 def initial_state(decoder: CaptionDecoder, features: torch.Tensor) -> State:
@@ -390,254 +476,6 @@ def repeat_filter(options: DecodeOptions, content_ids: Sequence[int], eos_id: in
     return BlockRepeats(options.no_repeat_ngram, content_ids if options.no_repeat_words else (), eos_id)
 
 
-def greedy_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
-                  banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
-    """Batched greedy decoding (argmax at each step); see :func:`decode`."""
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
-    B, N = features.shape[:2]
-    T, device = options.max_len, features.device
-    state = initial_state(decoder, features)
-    prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (B,)
-    steps: list[torch.Tensor] = []  # one (B,) per word: memory grows with the words generated
-    attn_steps: list[torch.Tensor] = []  # one (B, N) per word
-    copying, share_steps = recording(decoder), []  # the copy's share of each chosen word: one (B,) per word
-    log_prob = torch.zeros(B, dtype=torch.float64, device=device)  # (B,)
-    n_words = torch.full((B,), T, dtype=torch.long, device=device)  # (B,)
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) emitted <eos>
-    for t in range(T + 1):
-        log_probs, state, attn = decoder.step(prev, state)  # (B, V), (B, N)
-        if t == T:  # only <eos> may follow max_len words
-            eos_lp = log_probs[:, eos_id].double()  # (B,)
-            ends = ~done & torch.isfinite(eos_lp)
-            log_prob = torch.where(ends, log_prob + eos_lp, log_prob)
-            done |= ends
-            break
-        log_probs = suppress(log_probs)
-        if repeats and steps:
-            log_probs = repeats(log_probs, torch.stack(steps, 1))
-        best_lp, best = log_probs.max(dim=-1)  # (B,), (B,)
-        live = ~done
-        log_prob = torch.where(live, log_prob + best_lp.double(), log_prob)
-        ends = live & (best == eos_id)
-        n_words = torch.where(ends, torch.full_like(n_words, t), n_words)
-        steps.append(best)
-        attn_steps.append(attn.to(torch.float32, copy=True))  # a copy: a decoder may reuse its buffer
-        if copying is not None:
-            share_steps.append(copying.copy_share(torch.arange(B, device=device), best))
-        done |= ends
-        if bool(done.all()):
-            break
-        prev = best
-    tokens = torch.stack(steps, 1) if steps else torch.zeros(B, 0, dtype=torch.long, device=device)  # (B, L)
-    attn_hist = torch.stack(attn_steps, 1) if attn_steps else features.new_zeros(B, 0, N).float()  # (B, L, N)
-    shares = None
-    if copying is not None:
-        shares = (torch.stack(share_steps, 1) if share_steps else torch.zeros(B, 0, device=device)).cpu()  # (B, L)
-    out = []
-    for b, (n, lp_b, fin) in enumerate(zip(n_words.tolist(), log_prob.tolist(), done.tolist())):
-        scored = n + int(fin)
-        out.append([Hypothesis(tokens[b, :n].tolist(), lp_b / length_penalty(scored, options.length_penalty),
-                               attn_hist[b, :n].cpu(), lp_b, fin, None if shares is None else shares[b, :n].clone())])
-    return out
-
-
-def beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
-                banned_ids: Sequence[int] = (), content_ids: Sequence[int] = ()) -> list[list[Hypothesis]]:
-    """Batched beam search: all images and beams go through ``decoder.step`` as one batch.
-
-    The first step takes each image's K best distinct words. At each step the 2K best candidates of an
-    image are ranked; an ``<eos>`` among the K best finishes a hypothesis and the K best others live on.
-    An image stops once no live beam can beat its ``n_best`` finished ones, and its rows leave the
-    batch. The result equals image-by-image search. The state follows the beams through
-    ``State.reorder``, ``State.select``, or (a grouped state, the SAT LSTM) ``State.regroup``.
-    """
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
-    B, N = features.shape[:2]
-    K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
-    device = features.device
-    state = initial_state(decoder, features)  # B rows: one copy per image for the first step
-    grouped = bool(getattr(decoder, "groups_rows", False))  # beams read their image's constants in place
-    beams = LiveBeams(scores=torch.zeros(B, 1, dtype=torch.float64, device=device), images=list(range(B)))
-    history = BeamHistory()  # what each step chose: memory grows with the words generated, not max_len
-    copying = recording(decoder)  # a label reading: the copy's share of each chosen word goes into the history
-    prev = torch.full((B,), bos_id, dtype=torch.long, device=device)  # (R,)
-    words = torch.zeros(B, 0, dtype=torch.long, device=device)  # (R, t) each row's words so far (BlockRepeats)
-    finished: list[list[Pending]] = [[] for _ in range(B)]  # per image, best first, at most n_best
-    results: list[list[Pending]] = [[] for _ in range(B)]
-
-    def close(a: int, t: int) -> None:
-        """Group ``a``'s image is done after ``t`` words; too few finished: add its best live beams."""
-        hyps = finished[beams.images[a]]
-        if len(hyps) < n_best:
-            hyps += beams.unfinished(a, t, alpha, n_best - len(hyps))
-        hyps.sort(key=lambda h: h.score, reverse=True)
-        results[beams.images[a]] = hyps[:n_best]
-
-    for t in range(T + 1):
-        log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
-        log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
-        if repeats:
-            log_probs = repeats(log_probs, words)
-        top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K)  # (A, C) each
-        is_eos = tok == eos_id  # (A, C)
-        ends = is_eos & torch.isfinite(top_s)
-        ends[:, K:] = False  # only an <eos> among the K best candidates finishes a hypothesis
-        for a, c in ends.nonzero().tolist():
-            hyp = beams.pending(int(src[a, c]), t, float(top_s[a, c]), alpha, finished=True)
-            keep_best(finished[beams.images[a]], hyp, n_best)
-        if t == T:
-            for a in range(len(beams.images)):
-                close(a, t)
-            break
-        live_s, pos = top_s.masked_fill(is_eos, NEG_INF).topk(min(K, top_s.size(1)), dim=1)  # (A, K')
-        keep = []
-        for a, bound in enumerate(best_reachable(live_s[:, 0], t, T, alpha).tolist()):
-            hyps = finished[beams.images[a]]
-            if bound == NEG_INF or (len(hyps) >= n_best and hyps[n_best - 1].score >= bound):
-                close(a, t)
-            else:
-                keep.append(a)
-        if not keep:
-            break
-        keep_t = torch.tensor(keep, device=device)
-        rows = src.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',) source row of each new beam
-        toks = tok.gather(1, pos)[keep_t].reshape(-1)  # (A'*K',)
-        same_groups = len(keep) == len(beams.images) and pos.size(1) == beams.width
-        if same_groups:
-            state = state.reorder(rows)
-        elif grouped:  # each image's constants once for its beams: only the dropped images' go
-            state = state.regroup(None if len(keep) == len(beams.images) else keep_t, rows, pos.size(1))
-        else:
-            state = state.select(rows)
-        history.append(rows, toks, attn.index_select(0, rows).float(),
-                       None if copying is None else copying.copy_share(rows, toks))
-        if repeats:
-            words = torch.cat([words.index_select(0, rows), toks.unsqueeze(1)], dim=1)
-        beams = LiveBeams(live_s[keep_t], [beams.images[a] for a in keep])
-        prev = toks
-    read = iter(history.read([h for per_image in results for h in per_image], N))
-    return [[next(read) for _ in per_image] for per_image in results]
-
-
-def _search_constrained(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                        options: DecodeOptions, banned_ids: Sequence[int], content_ids: Sequence[int],
-                        sets: list[list[int]], search: Callable[..., list[list[Hypothesis]]]) -> list[list[Hypothesis]]:
-    """The images with a constraint set by :func:`constrained_beam_search`, the others by ``search`` together."""
-    found: list[list[Hypothesis]] = [[] for _ in sets]
-    free = [i for i, words in enumerate(sets) if not words]
-    if free:
-        for i, hyps in zip(free, search(decoder, features[free], bos_id, eos_id, options, banned_ids, content_ids)):
-            found[i] = hyps
-    bound = [i for i, words in enumerate(sets) if words]
-    for i, hyps in zip(bound, constrained_beam_search(decoder, features[bound], bos_id, eos_id, options, banned_ids,
-                                                      content_ids, [sets[i] for i in bound])):
-        found[i] = hyps
-    return found
-
-
-def constrained_beam_search(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int,
-                            options: DecodeOptions, banned_ids: Sequence[int] = (), content_ids: Sequence[int] = (),
-                            constraints: Sequence[Collection[int]] = ()) -> list[list[Hypothesis]]:
-    """Beam search whose captions hold at least one word of their image's constraint set: constrained beam
-    search (Anderson et al. 2017) with one disjunctive constraint, so two states, each with its own
-    ``options.beam_size`` beams: no word of the set written yet, and one written. Only a caption in the
-    second state finishes; one in the first is returned only when no caption met the constraint within
-    ``max_len`` words. An image whose set is empty (or missing from ``constraints``) is searched as plain
-    beam search would. One image at a time; otherwise as :func:`beam_search`."""
-    suppress = SuppressTokens(banned_ids, eos_id)
-    repeats = repeat_filter(options, content_ids, eos_id)
-    out = []
-    for b in range(features.size(0)):
-        words = sorted(int(w) for w in constraints[b]) if b < len(constraints) else []
-        out.append(_constrained_one(decoder, features[b:b + 1], bos_id, eos_id, options, suppress, repeats, words))
-    return out
-
-
-@dataclass
-class _Branch:
-    """One live beam of :func:`constrained_beam_search`: its raw log-prob sum, whether it met the constraint,
-    its words, the attention (N,) and the copy's share of each."""
-
-    raw: float
-    met: bool
-    tokens: list[int]
-    attention: list[torch.Tensor]
-    shares: list[float]
-
-    def hypothesis(self, alpha: float, finished: bool, raw: float | None = None) -> Hypothesis:
-        raw = self.raw if raw is None else raw
-        score = raw / length_penalty(len(self.tokens) + int(finished), alpha)
-        attention = torch.stack(self.attention) if self.attention else torch.zeros(0, 0)
-        shares = torch.tensor(self.shares, dtype=torch.float32) if self.shares else None
-        return Hypothesis(list(self.tokens), score, attention, raw, finished, shares)
-
-
-def _constrained_one(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int, eos_id: int, options: DecodeOptions,
-                     suppress: SuppressTokens, repeats: BlockRepeats, words: list[int]) -> list[Hypothesis]:
-    """One image (1, N, D) of :func:`constrained_beam_search`; ``words`` its constraint set (vocabulary ids)."""
-    K, T, alpha, n_best = options.beam_size, options.max_len, options.length_penalty, options.n_best
-    device, n_regions = features.device, features.size(1)
-    copying = recording(decoder)
-    state = initial_state(decoder, features)
-    wanted = None
-    beams = [_Branch(0.0, not words, [], [], [])]
-    met_done: list[Hypothesis] = []  # finished, the constraint met: best first, at most n_best
-    other_done: list[Hypothesis] = []  # finished without it: the fallback
-    prev = torch.full((1,), bos_id, dtype=torch.long, device=device)
-    for t in range(T + 1):
-        log_probs, state, attn = decoder.step(prev, state)  # (R, V), (R, N)
-        log_probs = _search_log_probs(log_probs, suppress, eos_id, eos_only=t == T)  # (R, V) float64
-        if repeats and t:
-            log_probs = repeats(log_probs, torch.tensor([b.tokens for b in beams], dtype=torch.long, device=device))
-        if wanted is None:
-            wanted = torch.zeros(log_probs.size(1), dtype=torch.bool, device=device)
-            wanted[[w for w in words if 0 <= w < log_probs.size(1)]] = True
-        total = torch.tensor([b.raw for b in beams], dtype=torch.float64, device=device)[:, None] + log_probs
-        was_met = torch.tensor([b.met for b in beams], device=device)[:, None]  # (R, 1)
-        met = was_met | wanted[None, :]  # (R, V) the state after each word
-        met[:, eos_id] = was_met[:, 0]  # <eos> ends a beam in its state
-        chosen = []
-        for state_met in (False, True):  # as beam search, per state: the 2K best candidates, ...
-            scores = total.masked_fill(met != state_met, NEG_INF).flatten()
-            top, index = scores.topk(min(2 * K, scores.numel()))
-            ranked = [(int(i) // total.size(1), int(i) % total.size(1), float(s)) for s, i in zip(top, index)
-                      if math.isfinite(float(s))]
-            done = met_done if state_met else other_done
-            for r, w, s in ranked[:K]:  # ... an <eos> among the K best finishes a caption in that state ...
-                if w == eos_id:
-                    done.append(beams[r].hypothesis(alpha, finished=True, raw=s))
-            done.sort(key=lambda h: h.score, reverse=True)
-            del done[n_best:]
-            chosen += [c for c in ranked if c[1] != eos_id][:K]  # ... and the K best others live on
-        if t == T or not chosen:
-            break
-        bound = float(best_reachable(torch.tensor([max(s for _, _, s in chosen)]), t, T, alpha)[0])
-        if len(met_done) >= n_best and met_done[-1].score >= bound:
-            break  # no live beam can beat the n_best captions that met the constraint
-        rows = torch.tensor([r for r, _, _ in chosen], dtype=torch.long, device=device)
-        toks = torch.tensor([w for _, w, _ in chosen], dtype=torch.long, device=device)
-        shares = copying.copy_share(rows, toks).tolist() if copying is not None else None
-        maps = attn.index_select(0, rows).float().cpu()
-        beams = [_Branch(s, beams[r].met or bool(wanted[w]), beams[r].tokens + [w], beams[r].attention + [maps[i]],
-                         beams[r].shares + ([shares[i]] if shares is not None else []))
-                 for i, (r, w, s) in enumerate(chosen)]
-        state = state.select(rows)
-        prev = toks
-    found = met_done[:n_best]
-    if len(found) < n_best:  # too few met the constraint: the best of the rest, finished first
-        rest = sorted(beams, key=lambda b: (b.met, b.raw), reverse=True)
-        found += other_done[:n_best - len(found)]
-        found += [b.hypothesis(alpha, finished=False) for b in rest][:n_best - len(found)]
-    for h in found:
-        if h.attention.numel() == 0:
-            h.attention = torch.zeros(0, n_regions)
-        if copying is None:
-            h.copy_share = None
-    return found
-
-
 def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id: int, eos_only: bool) -> torch.Tensor:
     """float64 log-probs (R, V) with suppressed ids at -inf; with ``eos_only`` every id but ``<eos>``."""
     log_probs = suppress(log_probs.double())
@@ -651,23 +489,6 @@ def _search_log_probs(log_probs: torch.Tensor, suppress: SuppressTokens, eos_id:
 def content_word_ids(vocab: Vocabulary) -> tuple[int, ...]:
     """Ids of the vocabulary's content words (not special, not in ``STOP_WORDS``): what ``no_repeat_words`` limits."""
     return tuple(i for i, w in enumerate(vocab.itos) if i > vocab.unk_id and w not in STOP_WORDS)
-
-
-IRREGULAR_PLURALS = {"man": "men", "woman": "women", "child": "children", "person": "people"}
-
-
-def plural_forms(vocab: Vocabulary) -> dict[int, list[int]]:
-    """Each word's id -> the ids of its plural in the vocabulary ("dog" -> "dogs", "bus" -> "buses", "pony" ->
-    "ponies", "man" -> "men"): what else meets a constraint on the word (``DecodeOptions.constrain``), and which
-    slots are plural (``DecodeOptions.fill_slots``)."""
-    out: dict[int, list[int]] = {}
-    for i, w in enumerate(vocab.itos):
-        forms = [w + "s", w + "es"] + ([w[:-1] + "ies"] if w.endswith("y") else []) + \
-            ([IRREGULAR_PLURALS[w]] if w in IRREGULAR_PLURALS else [])
-        ids = [vocab.stoi[f] for f in forms if f in vocab.stoi]
-        if ids and i > vocab.unk_id:
-            out[i] = ids
-    return out
 
 
 def never_emitted_ids(vocab: Vocabulary, options: DecodeOptions | None = None) -> tuple[int, ...]:
@@ -746,6 +567,8 @@ def sample_captions(decoder: CaptionDecoder, features: torch.Tensor, bos_id: int
 
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # DecodeOptions.precision -> dtype
 assert tuple(PRECISIONS) == DECODE_PRECISIONS
+# each decoder's low-precision stepper, kept while its weights are unchanged (gone with the decoder)
+_LOW_PRECISION: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
@@ -762,13 +585,13 @@ def decoder_for(decoder: nn.Module, precision: str) -> nn.Module:
     device = tensors[0].device if tensors else torch.device("cpu")
     key = (dtype, device, getattr(decoder, "hard_test_mode", None),
            tuple((t.data_ptr(), t._version) for t in tensors))
-    cached = decoder.__dict__.get("_low_precision")
+    cached = _LOW_PRECISION.get(decoder)
     if cached is not None and cached[0] == key:
         return cached[1]
     fused = getattr(decoder, "fused_steps", None)
     low = (fused(dtype) if fused is not None else None) or _copy_in(decoder, dtype)
     low.eval()
-    decoder.__dict__["_low_precision"] = (key, low)
+    _LOW_PRECISION[decoder] = (key, low)
     return low
 
 
@@ -783,7 +606,7 @@ def prepare(decoder: nn.Module, features: torch.Tensor, precision: str) -> tuple
 def _copy_in(decoder: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``decoder`` with its floating-point weights in ``dtype`` (the original untouched), but
     for the submodules that declare ``runs_in_float32`` (the concept head)."""
-    caches = ("_low_precision", "_step_cache")  # what the decoder keeps of its weights: not copied into the copy
+    caches = ("_step_cache",)  # what the decoder keeps of its weights: not copied into the copy
     saved = {key: decoder.__dict__.pop(key) for key in caches if key in decoder.__dict__}
     try:
         low = copy.deepcopy(decoder).to(dtype)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.checkpoint.remote import is_remote
+from captioner.checkpoint.store import read_checkpoint_metadata
 from captioner.data.caption_set import check_images
 from captioner.data.coco import load_caption_set, load_instances
 from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe, image_loader
@@ -36,7 +37,7 @@ from captioner.evaluation.chair import chair_scores
 from captioner.evaluation.metrics import (COCO_KEYS, METRIC_KEYS, SCALE_NOTE, caption_metrics, coco_caption_metrics,
                                           write_coco_results)
 from captioner.files import Outputs, atomic_write, safe_name, writable_folder
-from captioner.inference import Captioner, decode_options, load
+from captioner.inference import Captioner, checkpoint_path, decode_options, load
 from captioner.models.base import eval_mode
 from captioner.pretrained import is_model_name
 from captioner.text import tokenize
@@ -76,7 +77,8 @@ def caption_split(engine: Captioner, caption_set: Any, options: DecodeOptions | 
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     options = decode_options(options, **decoding)
     data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
-    batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+    batches = DataLoader(data, batch_size=engine.stream_chunk(batch_size), num_workers=num_workers,
+                         collate_fn=collate_safe)  # priced as caption_stream prices it
     kept: list[int] = []
     results: list[Any] = []
     with tqdm(total=len(data), desc=f"captioning {caption_set.split}", unit="img", disable=not progress or None) as bar:
@@ -113,7 +115,8 @@ def reference_attention(engine: Captioner, caption_set: Any, batch_size: int = 3
     shift = int(reading_step)  # 1: the steps read <bos> w1 .. wL and word t takes step t + 1's map
     limit = max(1, engine.config.decoder.max_len - 1 - shift)  # every decoder family has max_len (DecoderConfig)
     data = SafeImages(image_loader(caption_set, engine.transform), len(caption_set.images))
-    batches = DataLoader(data, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_safe)
+    batches = DataLoader(data, batch_size=engine.stream_chunk(batch_size), num_workers=num_workers,
+                         collate_fn=collate_safe)
     out: list[list[ForcedCaption]] = [[] for _ in caption_set.images]
     with eval_mode(model), torch.inference_mode(), tqdm(total=len(data), desc="attention on the references",
                                                        unit="img", disable=not progress or None) as bar:
@@ -158,7 +161,8 @@ class EvaluateOptions:
     Attributes:
         out_dir: where the two JSON files go (default: the checkpoint's folder).
         images_dir: image folder when it is not where the layout puts it.
-        max_images: score only the first N images; ``skip_missing``: leave out unreadable ones.
+        max_images: score only the first N images; ``skip_missing``: leave out unreadable ones;
+            ``files_outside``: score images the caption file names outside its image folder.
         meteor: compute METEOR (starts Java); ``coco_caption``: also the coco-caption scores.
         references_attention: with boxes, also score attention along the references (encodes twice).
         overwrite: replace an earlier evaluation's files of the same split (False: refuse them).
@@ -169,6 +173,7 @@ class EvaluateOptions:
     images_dir: str | os.PathLike | None = None
     max_images: int | None = None
     skip_missing: bool = False
+    files_outside: bool = False
     device: str | torch.device = "cpu"
     precision: str | None = None  # the encoder's arithmetic as ``load(precision=...)``: float32, int8; None: default
     progress: bool = True
@@ -203,16 +208,20 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     options = decode_options(options, **{k: v for k, v in changes.items() if k not in _EVALUATE_FIELDS})
     start = time.perf_counter()
     checkpoint, out_dir, ensemble = _output_folder(checkpoint, settings.out_dir)
-    loaded = model if model is not None else load(checkpoint, device=settings.device, precision=settings.precision)
+    if model is None:  # each checkpoint found and its header read (no weights) before anything else
+        for spec in checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]:
+            read_checkpoint_metadata(checkpoint_path(spec))
     name = safe_name(split, "split")
     outputs = Outputs(Path(out_dir), force=settings.overwrite, option="--out", replace_own=False, error=DataError)
     outputs.check([Path(out_dir) / f"metrics_{name}.json", Path(out_dir) / f"captions_{name}_results.json"])
-    cs = load_caption_set(data_root, split, settings.images_dir)
+    cs = load_caption_set(data_root, split, settings.images_dir, files_outside=settings.files_outside)
     listed = len(cs.images)
     cs = check_images(cs, skip_missing=settings.skip_missing)
     missing = listed - len(cs.images)
     if settings.max_images is not None and settings.max_images < len(cs.images):
         cs = cs.subset(range(settings.max_images))
+    loaded = model if model is not None else load(checkpoint, device=settings.device,  # once the inputs are read
+                                                  precision=settings.precision)
     log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), options.beam_size)
     decoded = caption_split(loaded, cs, options, batch_size=settings.batch_size, skip_bad=settings.skip_missing,
                             progress=settings.progress, num_workers=settings.num_workers)

@@ -40,8 +40,8 @@ from captioner.data.dataset import SafeImages, check_batch_errors, collate_safe,
 from captioner.errors import CaptionerError, DataError, ImageLoadError
 from captioner.features.dtype import (FLOAT16_MAX, VERSIONS, check_range, decode_row, encode_rows, map_dtype, peak,
                                       stored_rows, version_of, widen_in_place)
-from captioner.files import (check_regular, hold_lock, lock_file, lock_is_free, open_regular, read_text,
-                             release_lock_file)
+from captioner.files import (atomic_file, check_regular, hold_lock, lock_file, lock_is_free, open_partial,
+                             open_regular, read_text, release_lock_file)
 from captioner.models.registry import resolve_encoder
 
 log = logging.getLogger(__name__)
@@ -217,9 +217,9 @@ def write_trailer(f: Any, header: dict[str, Any]) -> None:
 
 def write_cache_file(path: str | os.PathLike, blocks: np.ndarray | Iterable[np.ndarray],
                      header: dict[str, Any]) -> Path:
-    """A cache file of ``blocks`` of rows (..., N, D) in the map's dtype, then ``header`` (not atomic, not locked)."""
+    """A cache file of ``blocks`` of rows (..., N, D) in the map's dtype, then ``header``, written atomically (not locked)."""
     path = Path(path)
-    with open(path, "wb") as f:
+    with atomic_file(path, DataError) as f:
         for block in [blocks] if isinstance(blocks, np.ndarray) else blocks:
             f.write(np.ascontiguousarray(block).tobytes())
         write_trailer(f, header)
@@ -396,7 +396,7 @@ class FeatureCache:
                                          names, device, progress, skip_bad)
                 header["key"] = key
                 header["invalid_names"] = [caption_set.images[i].file_name for i in header["invalid"]]
-                with open(partial, "ab") as f:
+                with open_partial(partial, True, DataError) as f:
                     write_trailer(f, header)
                     f.flush()
                     os.fsync(f.fileno())
@@ -425,7 +425,7 @@ def _encode_to_file(encoder: nn.Module, name: str, batches: DataLoader, out: Pat
     invalid: list[int] = []
     pending_zeros = 0  # invalid rows seen before the row shape is known
     try:
-        with open(out, "wb") as f, torch.inference_mode(), \
+        with open_partial(out, False, DataError) as f, torch.inference_mode(), \
                 tqdm(total=len(images), desc="encoding features", unit="img", disable=not progress or None) as bar:
             for pixels, indices, errors in batches:
                 check_batch_errors(errors, skip_bad, f"feature cache {final}")

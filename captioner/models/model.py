@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from captioner.concepts.model import build_extension
+from captioner.models.concepts import build_extension
 from captioner.config import ModelConfig
 from captioner.errors import ConfigError
 from captioner.models import lstm, transformer  # noqa: F401  register the decoders "sat" and "transformer"

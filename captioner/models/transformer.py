@@ -285,7 +285,7 @@ class TransformerCaptionDecoder(CaptionDecoder):
         extra = self.extension.read(features)  # from the regions as given
         memory = self._memory(features, extra)  # L x (B, H, S, dh)
         h, weights, _, records = self._run(self._embed(tokens, 0), memory, None, need_all_attention, extra)  # (B,T,d)
-        logits = self.extension.word_scores(self.out(h), h, extra)  # (B, T, V)
+        logits, _ = self.extension.word_scores(self.out(h), h, extra)  # (B, T, V)
         attention = weights[-1].mean(dim=1)  # (B, T, N)
         all_attention = None
         if need_all_attention:
@@ -334,6 +334,6 @@ class TransformerCaptionDecoder(CaptionDecoder):
             dynamic["self_k"] = [k for k, _ in presents]  # L x (B, H, t+1, dh)
             dynamic["self_v"] = [v for _, v in presents]
         last = h[:, -1]  # (B, d)
-        log_probs = F.log_softmax(self.extension.word_scores(self.out(last), last, state.static).float(), dim=-1)
+        scores, outputs = self.extension.word_scores(self.out(last), last, state.static)
         attention = weights[-1][:, :, -1].mean(dim=1)  # (B, N)
-        return log_probs, State(state.static, dynamic), attention
+        return F.log_softmax(scores.float(), dim=-1), State(state.static, dynamic, outputs=outputs), attention

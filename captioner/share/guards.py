@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from captioner.device import available_memory
 from captioner.errors import CaptionerError, one_line
 from captioner.files import size_text
 
@@ -144,7 +145,8 @@ class BodyGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return error_response(413, f"upload too large ({size_text(int(length))}; the limit is "
-                                       f"{size_text(self.max_upload)})", CLOSE)
+                                       f"{size_text(self.max_upload)}): send a smaller copy, or start captioner "
+                                       "serve with a higher --max-upload-mb", CLOSE)
         return None
 
     def _counted(self, receive: Any) -> Any:
@@ -186,21 +188,6 @@ def install_guards(app: FastAPI, max_upload: int, overhead: int = 0, bind: str =
 
 
 # --- memory: the decode budget ---
-
-def available_memory() -> int:
-    """Bytes of memory available now (``MemAvailable`` of /proc/meminfo; else the physical memory)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
-
 
 def default_decode_bytes() -> int:
     """The decode budget: a quarter of the memory available, between 256 MiB and 1 GiB."""

@@ -23,7 +23,7 @@
   fillNbest();
   // everyday photos (the server's EVERYDAY decoding), for the models that offer it; the user's choice is kept while
   // only models without it are chosen
-  const everydayTitle = $("everyday-label").title;
+  const everydayNote = $("everyday-note").textContent;
   let everyday = false;
   function offers(name) { return CFG.models.some(function (m) { return m.name === name && m.everyday; }); }
   function fillEveryday() {
@@ -31,8 +31,8 @@
     $("everyday").disabled = !offered;
     $("everyday").checked = offered && everyday;
     $("everyday-label").classList.toggle("off", !offered);
-    $("everyday-label").title = offered ? everydayTitle : "Not offered here: it needs a model that reads its " +
-      "encoder's labels (as the shipped model does).";
+    $("everyday-note").textContent = offered ? everydayNote : "Not offered by this model: it needs one that reads " +
+      "its encoder's labels (as the shipped model does).";
   }
   fillEveryday();
 
@@ -63,9 +63,13 @@
     return e;
   }
 
-  function scoreParts(c) {  // the search's score: the caption's log-probability (its words and its end)
-    const n = c.words.length, per = n ? c.score / n : c.score;  // per word: the words alone are counted
-    return { total: c.score.toFixed(2), per: per.toFixed(2), n: n };
+  function scoreParts(c) {  // the model's own log-probability in all and per word (the words alone are counted)
+    const v = c.log_prob, n = c.words.length, per = n ? v / n : v;
+    return { total: v.toFixed(2), per: per.toFixed(2), n: n };
+  }
+  function verdictNote(name) {
+    const v = CFG.verdicts.filter(function (x) { return x.name === name; })[0];
+    return v ? v.note : "";
   }
 
   function column(data, many, keep) {  // one model's answer: the caption, its score, the n-best list, the map
@@ -81,20 +85,37 @@
     copy.type = "button";
     copy.setAttribute("aria-label", "copy the caption");
     line.appendChild(text); line.appendChild(copy); head.appendChild(line);
-    const score = el("p", "score");
-    head.appendChild(score);
-    head.appendChild(el("p", "explain", "How likely the model finds this caption (its log-probability): 0 would " +
-                        "be certain, closer to 0 is more likely."));
+    const judged = el("div", "judged"), verdict = el("p", "verdict");
+    const word = el("strong", "verdict-word"), why = el("span", "why");
+    verdict.appendChild(word); verdict.appendChild(why); judged.appendChild(verdict); head.appendChild(judged);
+    // the numbers one click away: the model's own log-probability (never the fused score, said apart)
+    const numbers = el("details", "numbers"), score = el("p", "score"), fused = el("p", "fused");
+    const band = el("p", "band");
+    numbers.appendChild(el("summary", "", "the numbers"));
+    numbers.appendChild(band); numbers.appendChild(score); numbers.appendChild(fused);
+    numbers.appendChild(el("p", "explain", "The model's own log-probability of this caption, word by word: 0 would be " +
+                           "certain, closer to 0 is more likely. The verdict reads it per word, by bands fitted on " +
+                           "dev photos."));
+    judged.appendChild(numbers);
     function pick(k) {  // caption k of the list: its text, its score, its map
       shown = k;
       const c = data.captions[k], s = scoreParts(c);
       text.textContent = c.text || "(empty caption)";
+      word.textContent = c.verdict;
+      verdict.dataset.verdict = c.verdict;
+      why.textContent = " \u00b7 " + verdictNote(c.verdict);
+      band.textContent = c.verdict + ": " + verdictNote(c.verdict) + ".";
       score.textContent = "";
-      score.appendChild(document.createTextNode("log-probability "));
+      score.appendChild(document.createTextNode("the model's own log-probability "));
       score.appendChild(el("strong", "", s.total));
       score.appendChild(document.createTextNode(" in all \u00b7 "));
       score.appendChild(el("strong", "", s.per));
       score.appendChild(document.createTextNode(" per word (" + s.n + (s.n === 1 ? " word)" : " words)")));
+      fused.hidden = !data.everyday;  // "everyday photos": the search's score is another number, named as such
+      fused.textContent = data.everyday ? "The caption was chosen with \u201ceveryday photos\u201d: its search " +
+        "score, with the COCO language model and the labels' veto and fill (" + CFG.everyday_setting + "), is " +
+        c.score.toFixed(2) +
+        " in all. The model's own log-probability above leaves them out." : "";
       list.querySelectorAll("button").forEach(function (o, j) { o.setAttribute("aria-pressed", String(j === k)); });
       chosen[data.model] = k;
     }
@@ -106,7 +127,7 @@
       b.type = "button"; b.id = "nbest-" + (many ? data.model + "-" : "") + k;
       const s = scoreParts(c);
       b.appendChild(el("span", "text", c.text || "(empty caption)"));
-      b.appendChild(el("span", "score", s.per + " per word \u00b7 " + s.total + " in all"));
+      b.appendChild(el("span", "score", c.verdict + " \u00b7 " + s.per + " per word"));
       b.addEventListener("click", function () { pick(k); load(frame, c.explorer, false); });
       li.appendChild(b); list.appendChild(li);
     });
@@ -134,7 +155,8 @@
     });
     json.addEventListener("click", function () {
       const c = data.captions[shown];
-      const record = Object.assign({ model: data.model, file: data.file, score: c.score }, c.record);
+      const record = Object.assign({ model: data.model, file: data.file, score: c.score, log_prob: c.log_prob,
+                                   verdict: c.verdict }, c.record);
       const url = URL.createObjectURL(new Blob([JSON.stringify(record)], { type: "application/json" }));
       save(url, stem() + "_" + data.model + "_caption" + (shown + 1) + "_attention.json");
       setTimeout(function () { URL.revokeObjectURL(url); }, 1000);
@@ -152,8 +174,13 @@
     if (!doc || !doc.body) return;
     const view = doc.getElementById("view"), said = doc.getElementById("summary");
     if (view && said) {  // room for the map: the window less what is above it, and its legend and sentence under it
-      const top = frame.getBoundingClientRect().top + window.scrollY + view.getBoundingClientRect().top;
-      const under = said.getBoundingClientRect().bottom - view.getBoundingClientRect().bottom;
+      // the map's top on the page; for models stacked one above the other (a phone), its top in its own column
+      const col = frame.closest(".column"), below = col && stacked(col);
+      const top = view.getBoundingClientRect().top + (below ? frame.getBoundingClientRect().top -
+        col.getBoundingClientRect().top : frame.getBoundingClientRect().top + window.scrollY);
+      const play = doc.getElementById("play"), low = view.getBoundingClientRect().bottom;
+      const after = play && play.getBoundingClientRect().top > low ? play.getBoundingClientRect().bottom : 0;
+      const under = Math.max(said.getBoundingClientRect().bottom, after) - low;  // Play too, when it comes after
       const room = Math.max(200, Math.floor(window.innerHeight - top - under - 10));
       if (doc.documentElement.style.getPropertyValue("--map-max") !== room + "px")
         doc.documentElement.style.setProperty("--map-max", room + "px");
@@ -161,8 +188,20 @@
     frame.style.height = Math.ceil(doc.body.getBoundingClientRect().height + 12) + "px";
     level();
   }
+  function stacked(col) {  // models one above the other (a phone): col (default: the second) below the one before it
+    col = col || columns.children[1];
+    const before = col && col.previousElementSibling;
+    return !!before && before.getBoundingClientRect().bottom <= col.getBoundingClientRect().top + 1;
+  }
   function level() {  // side by side: every map as far down as the lowest one (rows of chips above a map differ)
     if (!columns.classList.contains("many")) return;
+    if (stacked()) {  // one above the other: nothing to level
+      frames().forEach(function (f) {
+        const doc = f.contentDocument;
+        if (doc && doc.documentElement.style.getPropertyValue("--lead")) doc.documentElement.style.removeProperty("--lead");
+      });
+      return;
+    }
     const views = frames().map(function (f) {
       const doc = f.contentDocument, view = doc && doc.getElementById("view");
       if (!view) return null;
@@ -207,7 +246,8 @@
     errorBox.hidden = true;
     if (photo.blob.size > CFG.max_bytes) {
       fail(photo.name + ": too large (" + (photo.blob.size / 1048576).toFixed(1) + " MiB; the limit is " +
-           CFG.max_text + ")");
+           CFG.max_text + ") and this browser could not shrink it: save a smaller copy (a long side of 2,000 " +
+           "pixels is plenty), or start captioner serve with a higher --max-upload-mb");
       return;
     }
     setState("busy"); started = performance.now();
@@ -250,16 +290,41 @@
         const ms = performance.now() - started;
         body.dataset.ms = ms.toFixed(0);
         statusLine.textContent = models.length + (models.length > 1 ? " models" : " model") + " \u00b7 " +
-          (ms / 1000).toFixed(2) + " s from upload to map";
+          (ms / 1000).toFixed(2) + " s from upload to map" + (photo.note ? " \u00b7 " + photo.note : "");
         columns.style.minHeight = "";
         setState("done"); answered();
       });
     });
   }
 
+  // a photo larger than the model and the map need (a phone's 50 megapixels) is shrunk here before it is sent:
+  // its long side to CFG.upload_side, upright as its EXIF orientation says; anything the browser cannot decode is
+  // sent as it is, for the server to name what is wrong with it
+  async function shrunk(blob) {
+    if (!CFG.upload_side || !window.createImageBitmap) return null;
+    let bitmap;
+    try { bitmap = await createImageBitmap(blob, { imageOrientation: "from-image" }); } catch (e) { return null; }
+    const w = bitmap.width, h = bitmap.height, scale = CFG.upload_side / Math.max(w, h);
+    if (!(scale < 1)) { bitmap.close(); return null; }
+    const sw = Math.max(1, Math.round(w * scale)), sh = Math.max(1, Math.round(h * scale));
+    const canvas = document.createElement("canvas"), ctx = canvas.getContext("2d");
+    canvas.width = sw; canvas.height = sh;
+    ctx.imageSmoothingQuality = "high";
+    ctx.drawImage(bitmap, 0, 0, sw, sh);
+    bitmap.close();
+    const out = await new Promise(function (ok) { canvas.toBlob(ok, "image/jpeg", 0.92); });
+    canvas.width = canvas.height = 0;  // its pixels let go at once
+    return out && { blob: out, note: "sent at " + sw + "\u00d7" + sh + " (from " + w + "\u00d7" + h + ")" };
+  }
   let serial = 0;
-  function choose(blob, name) {
-    last = { blob: blob, name: name, serial: ++serial };
+  async function choose(blob, name) {
+    const mine = ++serial;
+    if (blob.size > 4 * 1048576 || blob.size > CFG.max_bytes) {  // a large file: say why it takes a moment
+      setState("busy"); statusLine.textContent = "shrinking the photo\u2026";
+    }
+    const small = await shrunk(blob);
+    if (mine !== serial) return;  // another photo was chosen meanwhile
+    last = { blob: small ? small.blob : blob, name: name, serial: mine, note: small ? small.note : "" };
     send();
   }
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import html
 import io
 import logging
 import os
@@ -35,22 +34,24 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from captioner.data.images import decode_image, load_image
+from captioner.data.images import DEFAULT_MAX_PIXELS, decode_image, load_image, pixels_text
 from captioner.data.shapes import COLORS, SHAPES, SIZES, render_scene, sample_scene, scene_captions
-from captioner.config import DecodeOptions
+from captioner.config import DecodeOptions, everyday_photos
+from captioner.decoding.rules import label_reading
 from captioner.errors import CaptionerError, ConfigError, DataError, ImageLoadError, one_line
-from captioner.files import MiB, read_bytes, size_text
+from captioner.files import MiB, atomic_write, read_bytes, size_text
 from captioner.inference import Captioner
 from captioner.language import fusion_unavailable
 from captioner.share.guards import (DEFAULT_BODY, DEFAULT_HEAD, MAX_CONNECTIONS, PER_CLIENT, QUEUE_SECONDS, Refused,
                                     decode_cost, error_response, install_guards, shared_budget, uvicorn_options)
-from captioner.share.page import render_page
+from captioner.share.page import render_card_page, render_page
 from captioner.text import SPECIALS, tokenize
 from captioner.viz.attention_json import caption_to_dict
 from captioner.viz.explorer import render_explorer
 
 
-__all__ = ["EVERYDAY", "ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running"]
+__all__ = ["EVERYDAY", "VERDICTS", "ServeLimits", "ServedModel", "caption_upload", "card_summary", "create_app", "running",
+           "verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,26 @@ LABELS = 5  # the photo's labels shown, for a model whose encoder has an ImageNe
 # the page's "everyday photos": the packaged language model of COCO caption text fused, object words the labels say
 # are absent made unlikely and, where still written, filled with what the labels see where they looked (better on
 # everyday photos, a little worse on Flickr8k's; docs/decoding_metrics_checkpoint.md)
-EVERYDAY = DecodeOptions(veto=2.0, fill_slots=0.05, lm_weight=0.3)
+EVERYDAY = everyday_photos()  # the named setting (captioner.config.EVERYDAY_PHOTOS), as --everyday
+# the page's verdict on a caption from the model's own log-probability per word (its words and its end, divided by
+# the words; teacher-forced, so never the fused score of "everyday photos"): at or above the first cut "likely
+# right", below the second "probably wrong", between them "unsure". Fitted by scripts/experiments/verdict_bands.py
+# on the shipped model's captions (beam 3) of the first 500 Flickr8k dev photos and the 168 everyday dev photos
+# (coco2014-val168), plain and with EVERYDAY (1,336 captions): a caption is right when it names only objects its
+# references name and its CIDEr-D is >= 0.5; right were 65% of those >= -0.15 per word, 41% between, 22% below -0.30
+# (the table per set is in docs/share_and_show.md)
+VERDICTS = ((-0.15, "likely right", "2 in 3 such captions of the dev photos were right"),
+            (-0.30, "unsure", "2 in 5 such captions of the dev photos were right"),
+            (float("-inf"), "probably wrong", "1 in 5 such captions of the dev photos was right"))
+# what to do about an upload over a limit: the page shrinks a photo before it sends it (its long side to twice
+# ServeLimits.display_side); another client can do the same, or the server can be started with a higher limit
+PIXELS_HINT = ("shrink it before sending (the model looks at 224 px; a long side of 2,000 px is plenty), or start "
+               "captioner serve with a higher --max-megapixels (at most {most:.0f})")
+BYTES_HINT = "send a smaller copy (the page shrinks photos itself), or start captioner serve with a higher --max-upload-mb"
 FORM_OVERHEAD = 64 * 1024  # multipart boundaries and the small fields around the file
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
        "img-src 'self' data: blob:; connect-src 'self'; frame-src 'self' about:; form-action 'self'; "
        "base-uri 'none'")
-CARD_CSS = ("body { font: 15px/1.5 system-ui, sans-serif; margin: 1em auto; max-width: 60em; padding: 0 1em; "
-            "color: #1d1d1f; background: #fafafa; } pre { white-space: pre-wrap; font: inherit; }")
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class ServeLimits:
 
     max_bytes: int = 20 * MiB  # largest upload accepted
     max_pixels: int = 40_000_000  # largest image accepted (from its header, before decoding: decompression bombs)
+    # (at most the library's own guard, captioner.data.images.DEFAULT_MAX_PIXELS)
     max_beam: int = 5  # largest beam size (the n-best list is at most the beam)
     max_len: int = 20  # longest caption in words
     display_side: int = 720  # largest side of the picture in the explorer
@@ -89,6 +104,9 @@ class ServeLimits:
                      "body_seconds", "max_connections", "per_client", "queue_seconds"):
             if not getattr(self, name) >= 1 or getattr(self, name) == float("inf"):
                 raise ConfigError(f"{name} must be a finite number >= 1, got {getattr(self, name)}")
+        if self.max_pixels > DEFAULT_MAX_PIXELS:
+            raise ConfigError(f"max_pixels must be at most {DEFAULT_MAX_PIXELS:,} (the image loader's own limit), "
+                              f"got {self.max_pixels:,}")
         if self.decode_bytes is not None and not self.decode_bytes >= 1:
             raise ConfigError(f"decode_bytes must be >= 1, got {self.decode_bytes}")
 
@@ -117,7 +135,7 @@ class ServedModel:
             self.labels = LABELS
         except ConfigError:  # tiny, ResNet, timm names: no ImageNet head, no labels, no error
             self.labels = 0
-        if not hasattr(getattr(self.captioner.model.decoder, "extension", None), "veto"):  # as search.vetoing asks
+        if label_reading(self.captioner.model.decoder) is None:  # what the veto and the fill read
             self.everyday_why_not = "its decoder does not read its encoder's labels"
             return
         self.everyday_why_not = fusion_unavailable(EVERYDAY.lm, self.captioner.vocab)  # loaded once (cached)
@@ -140,13 +158,21 @@ class ServedModel:
 
 
 def card_summary(card: str) -> str:
-    """One line about a model from its card (Markdown): the title's text after the model's name, and what
-    its photos are when the card says (a sentence starting "The photos are ...", up to its first comma)."""
+    """One line about a model from its card (Markdown), leading with what it knows: "knows <its photos>"
+    when the card says (a sentence starting "The photos are ...", up to its first comma), then the title's
+    text after the model's name."""
     title = next((line[2:].strip() for line in card.splitlines() if line.startswith("# ")), "")
     title = re.sub(r"^`[^`]*`\s*:\s*", "", title).replace("`", "")
     photos = re.search(r"\bThe photos are ([^,.;]+)", card)
-    about = f"photos {photos.group(1).strip()}" if photos else ""
-    return one_line(": ".join(part for part in (title, about) if part))[:200]
+    knows = f"knows photos {photos.group(1).strip()}" if photos else ""
+    return one_line(" \u00b7 ".join(part for part in (knows, title) if part))[:200]
+
+
+def verdict(log_prob: float, words: int) -> str:
+    """The page's words for a caption of ``words`` words whose own log-probability is ``log_prob``
+    (:data:`VERDICTS`: by the log-probability per word)."""
+    per_word = log_prob / max(1, words)
+    return next(name for cut, name, _ in VERDICTS if per_word >= cut)
 
 
 def _check_choice(name: str, value: int, low: int, high: int) -> int:
@@ -168,14 +194,31 @@ def caption_upload(served: ServedModel, data: bytes | BinaryIO, filename: str, b
     if everyday and not served.everyday:
         raise ConfigError(f"model {served.name!r} does not offer everyday photos: {served.everyday_why_not}")
     t0 = time.perf_counter()
+    _check_pixels(data, filename, limits.max_pixels)
     budget = shared_budget(limits.decode_bytes, limits.queue_seconds)
     with budget.hold(decode_cost(data, limits.max_pixels), filename):
         if not isinstance(data, bytes):
             data.seek(0)
             data = data.read(limits.max_bytes + 1)
             if len(data) > limits.max_bytes:
-                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)})")
+                raise ImageLoadError(f"{filename}: upload too large (over {size_text(limits.max_bytes)}): {BYTES_HINT}")
         return _caption_image(served, data, filename, beam, n_best, everyday, limits, t0)
+
+
+def _check_pixels(data: bytes | BinaryIO, filename: str, max_pixels: int) -> None:
+    """``ImageLoadError`` saying what to do for an image whose header says it has more than ``max_pixels``
+    pixels (an unreadable header is left to the decoder, which names the problem)."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        with Image.open(stream) as im:
+            width, height = im.size
+    except Exception:  # noqa: BLE001 - not an image: decode_image says so
+        return
+    finally:
+        stream.seek(0)
+    if width * height > max_pixels:
+        raise ImageLoadError(f"{filename}: image too large ({width}x{height} pixels, limit {pixels_text(max_pixels)}): "
+                             + PIXELS_HINT.format(most=DEFAULT_MAX_PIXELS / 1e6))
 
 
 def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n_best: int, everyday: bool,
@@ -183,7 +226,7 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
     image = decode_image(data, filename, limits.max_pixels)  # checked here; drawn by the explorer
     with tempfile.TemporaryDirectory(prefix="captioner-serve-") as folder:
         upload = Path(folder) / "upload"  # captioned from a file, as `captioner caption FILE` does: the same
-        upload.write_bytes(data)          # decoding (a JPEG at the scale the encoder needs), the same score
+        atomic_write(upload, lambda f: f.write(data), DataError, sync=False)  # the same decoding, the same score
         with served.lock:
             captions = served.worker.submit(served.captioner.caption_nbest, upload, n_best=n_best,
                                             options=EVERYDAY if everyday else None, beam=beam,
@@ -192,7 +235,9 @@ def _caption_image(served: ServedModel, data: bytes, filename: str, beam: int, n
     out = []
     for rank, c in enumerate(captions, start=1):
         title = f"{served.name}: caption {rank} of {len(captions)}"
-        out.append({"text": c.text, "score": round(c.score, 4), "words": c.words, "finished": c.finished,
+        own = c.log_prob if c.log_prob is not None else c.score
+        out.append({"text": c.text, "score": round(c.score, 4), "log_prob": round(own, 4),
+                    "verdict": verdict(own, len(c.words)), "words": c.words, "finished": c.finished,
                     "concepts": None if c.concepts is None else [{"word": w, "prob": p} for w, p in c.concepts],
                     "labels": None if c.labels is None else [{"word": w, "prob": p} for w, p, _ in c.labels],
                     "record": caption_to_dict(c, decimals=5),
@@ -213,7 +258,8 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     if len(by_name) != len(models):
         raise ConfigError(f"two models have the same name: {[m.name for m in models]}")
     app = FastAPI(title="captioner", docs_url=None, redoc_url=None, openapi_url=None)  # the docs pages use CDNs
-    page = render_page([m.info() for m in models], [e.info() for e in examples], limits.max_beam, limits.max_bytes)
+    page = render_page([m.info() for m in models], [e.info() for e in examples], limits.max_beam, limits.max_bytes,
+                       [{"name": name, "note": note} for _, name, note in VERDICTS], 2 * limits.display_side)
     install_guards(app, limits.max_bytes, FORM_OVERHEAD, limits.host, limits.body_seconds)
     app.state.limits = limits
 
@@ -247,11 +293,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
     def card(index: int) -> Response:
         if not 0 <= index < len(models) or models[index].card is None:
             return _error(404, f"no model card for model {index}")
-        name = html.escape(models[index].name)
-        return HTMLResponse(f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{name}: model card'
-                            f'</title><link rel="icon" href="data:,"><style>{CARD_CSS}</style></head><body><main>'
-                            f'<p><a href="/">back to the page</a></p><pre>{html.escape(models[index].card)}</pre>'
-                            "</main></body></html>")
+        return HTMLResponse(render_card_page(models[index].name, models[index].card))
 
     @app.get("/examples/{index}")
     def example(index: int) -> Response:
@@ -269,7 +311,7 @@ def create_app(models: Sequence[ServedModel], examples: Sequence[Example] = (),
         upload = image.file  # spooled: in memory up to 1 MiB, on disk past it, read under the decode budget
         size = upload.seek(0, 2)
         if size > limits.max_bytes:
-            return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)})")
+            return _error(413, f"{name}: upload too large (over {size_text(limits.max_bytes)}): {BYTES_HINT}")
         try:
             return JSONResponse(caption_upload(served, upload, name, beam, n_best, limits, everyday=everyday))
         except Refused as exc:

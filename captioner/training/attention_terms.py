@@ -3,7 +3,8 @@
 ``AttentionSupervision`` (``train.attention_supervision``: a word's attention onto the box of the
 object it names, Liu et al. 2017) is a ``LossTerm`` of ``CrossEntropy`` built for a run by
 :func:`build_attention_supervision` (None when the run does not ask for it); :func:`grounding_loss` is
-shared with the concept guide (``captioner.concepts.training``). docs/grounding.md explains the terms.
+shared with the concept guide (``captioner.training.concepts``); :func:`attention_kl` holds a decoder's
+attention to another's (the label stage's ``train.labels.attend_kd``). docs/grounding.md explains the terms.
 
 Shape legend: B batch, T caption steps, N regions.
 """
@@ -66,6 +67,14 @@ def grounding_loss(attention: torch.Tensor, coverage: torch.Tensor, form: str = 
     loss = (per_word * supervised).sum() / words.clamp(min=1.0)
     in_box = (mass.detach() * supervised).sum() / words.clamp(min=1.0)
     return GroundingTerm(loss, words.detach(), in_box)
+
+
+def attention_kl(target: torch.Tensor, attention: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Attention maps (B, T, N), the target's and the one trained, and which steps are words (B, T) -> the
+    mean over the words of KL(target || attention), in nats; 0 when they agree."""
+    kl = (target * (target.clamp_min(1e-8).log() - attention.clamp_min(1e-8).log())).sum(-1)  # (B, T)
+    words = words.to(kl.dtype)
+    return (kl * words).sum() / words.sum().clamp_min(1.0)
 
 
 class GroundingTargets:

@@ -178,8 +178,10 @@ class TrainData:
 def load_caption_sets(cfg: Config) -> tuple[Any, Any]:
     """Load and check the training and validation caption sets (before any training starts)."""
     d = cfg.data
-    train_set = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
-    val_set = check_images(load_validation_set(d.root, d.val_split, d.images), skip_missing=d.skip_missing)
+    train_set = check_images(load_caption_set(d.root, d.train_split, d.images, files_outside=d.files_outside),
+                             skip_missing=d.skip_missing)
+    val_set = check_images(load_validation_set(d.root, d.val_split, d.images, d.files_outside),
+                           skip_missing=d.skip_missing)
     if len(train_set) == 0:
         raise DataError(f"{d.root}: the {d.train_split!r} split has no usable images")
     if len(val_set) == 0:

@@ -1,7 +1,7 @@
 """Word detectors: words found in image regions, learnt from captions alone (Fang et al. 2015).
 
 They pretrain the demo's from-scratch CNN encoder (``pretrain_word_detectors``). The concept detectors
-over a frozen encoder's features are ``captioner.concepts``. docs/concepts.md explains both.
+over a frozen encoder's features are ``captioner.training.concepts``. docs/concepts.md explains both.
 
 Shape legend: B images, D feature width, g grid side, N = g*g regions, V vocabulary.
 """
@@ -154,7 +154,8 @@ def pretrain_word_detectors(cfg: Config, out: str | os.PathLike, seconds: float 
     if not 0.0 <= recolour <= 1.0:
         raise ConfigError(f"recolour must be a share in [0, 1], got {recolour}")
     d = cfg.data
-    cs = check_images(load_caption_set(d.root, d.train_split, d.images), skip_missing=d.skip_missing)
+    cs = check_images(load_caption_set(d.root, d.train_split, d.images, files_outside=d.files_outside),
+                      skip_missing=d.skip_missing)
     vocab = Vocabulary.build(cs.all_captions(), min_freq=d.min_freq, max_len=d.max_caption_len)
     targets = word_targets(cs, vocab)  # (C, V)
     if not targets.any():

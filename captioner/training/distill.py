@@ -116,10 +116,12 @@ def _chunks(n: int, size: int) -> list[range]:
 
 
 def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.PathLike, split: str = "train",
-                 top_k: int = 8, batch_size: int = 32, progress: bool | None = None) -> dict[str, float]:
+                 top_k: int = 8, batch_size: int = 32, progress: bool | None = None,
+                 device: str = "auto") -> dict[str, float]:
     """Write ``out`` (safetensors): the teacher's ``top_k`` next words along every caption of ``split``.
 
-    ``teacher``: a ``Captioner`` or what ``captioner.load`` takes; ``batch_size``: images at a time.
+    ``teacher``: a ``Captioner`` or what ``captioner.load`` takes (loaded on ``device`` once the data is read);
+    ``batch_size``: images at a time (fewer where their pixels and activations would take too much memory).
     Returns ``{"images", "captions", "steps", "top_k", "mass"}`` (``mass``: the mean probability kept).
     Raises ``DataError`` for an unreadable dataset or image, ``ConfigError`` for a size < 1 or ``top_k``
     over :data:`MAX_TOP_K`.
@@ -127,12 +129,13 @@ def write_word_targets(teacher: Any, data: str | os.PathLike, out: str | os.Path
     check_number("write_word_targets: top_k", top_k, lambda v: 1 <= v <= MAX_TOP_K, f"an integer from 1 to {MAX_TOP_K}",
                  int)
     check_number("write_word_targets: batch_size", batch_size, lambda v: v >= 1, "an integer from 1", int)
-    model = teacher if isinstance(teacher, Captioner) else load(teacher, progress=False)
-    vocab: Vocabulary = model.vocab
-    k = min(top_k, len(vocab))
-    cs = load_caption_set(data, split)
+    cs = load_caption_set(data, split)  # the input first: a bad dataset is named before the teacher loads
     if not len(cs):
         raise DataError(f"{data}: split {split!r} has no images")
+    model = teacher if isinstance(teacher, Captioner) else load(teacher, device=device, progress=False)
+    vocab: Vocabulary = model.vocab
+    k = min(top_k, len(vocab))
+    batch_size = model.stream_chunk(batch_size)  # priced as caption_stream prices it
     tokens: list[int] = []
     offsets, step_offsets, image_of = [0], [0], []
     top_ids: list[torch.Tensor] = []

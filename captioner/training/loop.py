@@ -29,7 +29,7 @@ from captioner import device as ddp
 from captioner import inference
 from captioner.checkpoint.store import (load_checkpoint, load_train_state, read_checkpoint_metadata, save_checkpoint,
                                         save_train_state)
-from captioner.concepts.training import run_concepts
+from captioner.training.concepts import run_concepts
 from captioner.config import Config, ModelConfig
 from captioner.config.parse import MAX_CONFIG_BYTES
 from captioner.data.images import attention_entropy
@@ -39,6 +39,7 @@ from captioner.evaluation.metrics import bleu, cider_d
 from captioner.features.dtype import model_input
 from captioner.files import read_text, writable_folder
 from captioner.models.model import CaptionModel, build_model, resolve_model
+from captioner.models.registry import encoder_entry
 from captioner.text import SPECIALS, Vocabulary
 from captioner.training.data import (TrainData, load_caption_sets, load_or_build_vocab, prepare_data, train_loader,
                                      training_vocabulary, val_loader)
@@ -52,11 +53,6 @@ from captioner.training.scst import build_self_critical
 from captioner.training.step import GraphedStep, check_cuda_graph, train_one_epoch
 
 log = logging.getLogger(__name__)
-
-# The one hook through which the model's optional extension joins a run: (cfg, vocab) -> its setup, whose
-# ``cfg`` is the run's config sized to the extension's files (checked before the first write) and whose
-# ``install(decoder, device)`` fills the built decoder's extension from them.
-JOIN_EXTENSION = run_concepts
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -498,6 +494,25 @@ class TrainResult:
     best_epoch: int = 0  # 1-based epoch of the best checkpoint
 
 
+def check_training_memory(cfg: Config, vocab_size: int, device: torch.device, world_size: int = 1,
+                          captions: int | None = None) -> None:
+    """Refuse, before the first write, a ``train.batch_size`` whose least memory passes what ``device`` has:
+    the weights with their gradients and Adam's two moments (the model counted on the meta device), and
+    one step's logits (with their softmax and gradient) and region features. A lower bound: what it
+    refuses cannot run; a model of absurd widths is refused the same way. ``captions``: how many the
+    training split has (no batch holds more)."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(cfg.model, vocab_size, load_pretrained=False).parameters())
+    enc = cfg.model.encoder
+    regions, dim = enc.grid ** 2, encoder_entry(enc.name).feature_dim(enc)
+    batch = math.ceil(min(cfg.train.batch_size, captions or cfg.train.batch_size) / max(1, world_size))
+    words = cfg.data.max_caption_len + 1
+    need = 4 * (4 * params + batch * (3 * words * vocab_size + regions * dim))
+    ddp.check_memory(need, f"training with train.batch_size {cfg.train.batch_size} ({batch} per process), "
+                           f"{params:,} parameters and {vocab_size} words",
+                     "lower train.batch_size (--batch-size) or the model's widths", device)
+
+
 def train(cfg: Config, out_dir: str | Path, resume: bool = False, progress: bool = True,
           overwrite: bool = False) -> TrainResult:
     """Train a captioner; all outputs go to the run folder ``out_dir`` (on every rank: a ``TrainResult``).
@@ -538,7 +553,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
     else:
         if cfg.train.init:  # checked before any data is read: a wrong checkpoint fails in seconds
             init = read_init_checkpoint(cfg.train.init)
-            extension = JOIN_EXTENSION(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
+            extension = run_concepts(cfg, init.vocab)  # it sizes the decoder the checkpoint must match
             cfg = extension.cfg
             check_init_config(init.path, init.config, cfg.model)
             replay = replay_warning(init, cfg.train)
@@ -557,10 +572,11 @@ def _train(cfg: Config, run_dir: Path, resume: bool, progress: bool, info: ddp.D
                      else "every word of the training captions is in the checkpoint's vocabulary")
     else:
         vocab = load_or_build_vocab(train_set, cfg.data.min_freq, run_dir, resume, cfg.data.max_caption_len)
-        extension = JOIN_EXTENSION(cfg, vocab)  # checked before the first write
+        extension = run_concepts(cfg, vocab)  # checked before the first write
         cfg = extension.cfg
     if resume:
         check_resume_vocab(vocab, run_dir)
+    check_training_memory(cfg, len(vocab), info.device, info.world_size, train_set.num_captions)
     if info.is_main:  # config, data and folder are checked: the first write to the run folder
         if resume:
             remove_stale_temp_files(run_dir)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.concepts.training import concept_terms
+from captioner.training.concepts import concept_terms
 from captioner.config import Config, DecoderConfig, TrainConfig
 from captioner.errors import ConfigError
 from captioner.models.base import CaptionDecoder, DecoderOutput

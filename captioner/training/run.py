@@ -11,6 +11,7 @@ Shape legend: B batch, T caption steps, N regions, D feature width, S image side
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from captioner.config import SELECT_METRICS, Config, EncoderConfig
 from captioner.device import RANK_SEED_STRIDE, DistInfo
 from captioner.errors import CaptionerError, CheckpointError, ImageLoadError
-from captioner.files import check_regular
+from captioner.files import atomic_file, check_regular, open_partial
 from captioner.models.model import CaptionModel
 from captioner.training.objective import LossResult, Objective, TrainModel, term_shares, weighted_terms
 from captioner.training.optim import Precision, nonfinite_tensors
@@ -46,6 +47,7 @@ COLUMNS = (
     "concept_guide", "concept_guided_words", "share_concept_guide",  # train.concept_guide
     "concept_pointer", "concept_pointer_words", "share_concept_pointer",  # concepts.prior
     "word_distill", "word_distill_rows", "share_word_distill",  # train.word_distill
+    "attention_kl",  # train.labels.attend_kd (the label stage)
     "scst_reward", "scst_baseline_reward", "scst_better", "scst_greedy_reward", "scst_better_than_greedy", "scst_xe",
     "lr", "captions_per_s", "BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "attention_entropy",
     "val_images", "val_words", "partial", "seconds",
@@ -98,11 +100,13 @@ class MetricsLogger:
         if keep_until_step is not None and self.path.exists():
             with open(self.path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= keep_until_step]
-        with open(self.path, "w", newline="") as f:
-            writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        with atomic_file(self.path, CaptionerError) as f:  # the rows kept, then appended to as training goes
+            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+            writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        self._file = open(self.path, "a", newline="")
+            text.detach()
+        self._file = io.TextIOWrapper(open_partial(self.path, True, CaptionerError), encoding="utf-8", newline="")
         self._writer = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         self._tb = None
         if tensorboard:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from captioner.data.images import as_array
 from captioner.errors import DataError, one_line
-from captioner.files import MiB, read_json
+from captioner.files import MiB, Outputs, read_json, write_output
 from captioner.inference import Caption
 
 __all__ = ["caption_from_dict", "caption_to_dict", "on_image", "read_attention_json", "write_attention_json"]
@@ -138,11 +138,10 @@ def caption_from_dict(data: dict) -> Caption:
         raise DataError(f"malformed attention record ({type(exc).__name__}: {exc})") from None
 
 
-def write_attention_json(path: str | Path, caption: Caption) -> Path:
-    """Write ``caption`` as JSON (floats rounded to 6 decimals)."""
-    path = Path(path)
-    path.write_text(json.dumps(caption_to_dict(caption), separators=(",", ":")) + "\n")
-    return path
+def write_attention_json(path: str | Path, caption: Caption, outputs: Outputs | None = None) -> Path:
+    """Write ``caption`` as JSON (floats rounded to 6 decimals), atomically (recorded in ``outputs`` when given)."""
+    data = (json.dumps(caption_to_dict(caption), separators=(",", ":")) + "\n").encode("utf-8")
+    return write_output(path, lambda f: f.write(data), outputs, DataError)
 
 
 def read_attention_json(path: str | Path) -> Caption:

@@ -267,6 +267,17 @@
     }
   }
 
+  function follow(i) {  // the strip scrolls to keep word i in view (playing, stepping, focused), not the page
+    if (i < 0 || i >= L) return;
+    const r = spans[i].getBoundingClientRect(), c = cap.getBoundingClientRect(), edge = 40;  // clear of the fade
+    if (r.left < c.left + edge) cap.scrollLeft -= c.left + edge - r.left;
+    else if (r.right > c.right - edge) cap.scrollLeft += r.right - (c.right - edge);
+  }
+  function cue() {  // the strip's faded ends say there is more of it to scroll to
+    cap.classList.toggle("more-left", cap.scrollLeft > 1);
+    cap.classList.toggle("more-right", cap.scrollLeft + cap.clientWidth < cap.scrollWidth - 1);
+  }
+
   function select(i, quiet) {  // pin item i (click, tap, Enter, Space, arrows)
     current = i;
     buttons.forEach(function (s, k) {
@@ -275,6 +286,7 @@
     if (i < L) spans.forEach(function (s, k) { s.tabIndex = k === i ? 0 : -1; });  // the strip: one Tab stop
     document.body.dataset.word = id(current);
     show(current, quiet);
+    follow(current);
   }
 
   function bind(s, i) {  // hover, focus, tap and keys: the same for a word and a tag
@@ -283,12 +295,14 @@
       if (over !== i) { over = i; show(i); }       // still pointer gets only mouseover/mouseenter, keeps its word
     });
     s.addEventListener("mouseleave", function () { over = -1; show(current); });
-    s.addEventListener("focus", function () { show(i); });
+    s.addEventListener("focus", function () { show(i); follow(i); });
     s.addEventListener("blur", function () { show(current); });
     buttons.push(s);
   }
 
   const cap = document.getElementById("caption");
+  cap.addEventListener("scroll", cue, { passive: true });
+  window.addEventListener("resize", cue);
   const miniH = 88, miniW = Math.max(1, Math.round(miniH * canvas.width / canvas.height));
   D.words.forEach(function (word, i) {
     const s = document.createElement("button"), mini = document.createElement("canvas");
@@ -366,6 +380,19 @@
     a.forEach(function (row, r) { row.forEach(function (v, c) { s += Math.min(v / sa, b[r][c] / sb); }); });
     return s;
   }
+  function regrid(map, rows, cols) {  // another model's map on this grid: each of its cells shared out by overlap
+    const m = map.length, n = map[0].length;
+    if (m === rows && n === cols) return map;
+    const out = [];
+    for (let r = 0; r < rows; r++) out.push(new Array(cols).fill(0));
+    for (let i = 0; i < m; i++) for (let j = 0; j < n; j++) {
+      const r0 = i * rows / m, r1 = (i + 1) * rows / m, c0 = j * cols / n, c1 = (j + 1) * cols / n;
+      for (let r = Math.floor(r0); r < Math.min(rows, Math.ceil(r1)); r++)
+        for (let c = Math.floor(c0); c < Math.min(cols, Math.ceil(c1)); c++)
+          out[r][c] += map[i][j] * (Math.min(r1, r + 1) - Math.max(r0, r)) * (Math.min(c1, c + 1) - Math.max(c0, c));
+    }
+    return out;
+  }
   function find(kind, word) {  // the item of that kind and name (a word of the caption, a tag, a label), or -1
     if (kind === "word") return D.words.indexOf(word);
     for (let j = 0; j < C; j++) if (chips[j].kind === kind && chips[j].word === word) return L + j;
@@ -381,8 +408,9 @@
       return;
     }
     let best = -1, most = -1;  // else the caption's word whose map is most like the one shown beside
-    if (map && map.length === g) for (let j = 0; j < L; j++) {
-      const o = overlap(weights(j), map);
+    const mine = map && map.length && map[0].length ? regrid(map, g, L ? weights(0)[0].length : g) : null;
+    if (mine) for (let j = 0; j < L; j++) {
+      const o = overlap(weights(j), mine);
       if (o > most) { most = o; best = j; }
     }
     if (best < 0) { show(current, true, "No \u201c" + word + "\u201d " + where + "."); return; }
@@ -421,6 +449,7 @@
   function start() {
     if (L) select(D.start, true); else { current = -1; show(-1, true); }  // an empty caption: the photo, and a line saying so
     drawMinis();
+    cue();
     document.body.dataset.ready = "1";
   }
   if (photo.complete && photo.naturalWidth) start(); else photo.addEventListener("load", start);

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from captioner.errors import ConfigError, DataError
-from captioner.files import package_texts
+from captioner.files import Outputs, package_texts, write_output
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image
 from captioner.viz.heatmaps import (BLUR_CELLS, DEFAULT_ALPHA, DEFAULT_CMAP, DEFAULT_STYLE, DIM, HEAT_DIM, LIT_MAX_GAIN,
@@ -155,11 +155,11 @@ def render_explorer(image: Image.Image, caption: Caption, cmap: str = DEFAULT_CM
                                 tag_where=tag_where, tag_help=tag_help, payload=payload, js=EXPLORER_JS)
 
 
-def write_explorer(path: str | Path, image: Image.Image, caption: Caption, **options: object) -> Path:
-    """Write :func:`render_explorer`'s page to ``path`` (options as there)."""
-    path = Path(path)
-    path.write_text(render_explorer(image, caption, **options), encoding="utf-8")  # type: ignore[arg-type]
-    return path
+def write_explorer(path: str | Path, image: Image.Image, caption: Caption, outputs: Outputs | None = None,
+                   **options: object) -> Path:
+    """Write :func:`render_explorer`'s page to ``path`` (options as there), atomically (recorded in ``outputs``)."""
+    data = render_explorer(image, caption, **options).encode("utf-8")  # type: ignore[arg-type]
+    return write_output(path, lambda f: f.write(data), outputs, DataError)
 
 
 # The page's template, stylesheet and script, filled in by render_explorer and shipped as package data.

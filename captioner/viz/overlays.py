@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from captioner.data.images import as_array
 from captioner.errors import ConfigError, DataError
-from captioner.files import safe_name
+from captioner.files import Outputs, safe_name, write_output
 from captioner.inference import Caption
 from captioner.viz.attention_json import on_image, read_attention_json, write_attention_json
 from captioner.viz.explorer import write_explorer
@@ -331,12 +331,14 @@ def overlay_paths(out_dir: str | Path, stem: str = "attention") -> dict[str, Pat
 
 def write_overlays(image: Image.Image, caption: Caption, out_dir: str | Path, cmap: str = DEFAULT_CMAP,
                    alpha: float = DEFAULT_ALPHA, stem: str = "attention", layer: int = -1, head: int | None = None,
-                   style: str = DEFAULT_STYLE) -> dict[str, Path]:
+                   style: str = DEFAULT_STYLE, outputs: Outputs | None = None) -> dict[str, Path]:
     """Write the PNG grid, the GIF, the raw JSON and the HTML explorer of one captioned ORIGINAL image.
 
     Also ``<stem>_tags.png`` and ``<stem>_labels.png`` for a caption with concepts or labels. ``stem``
     is a plain file name (:func:`check_stem`); ``cmap``, ``alpha``, ``style`` as for ``overlay_heatmap``;
-    ``layer``, ``head``: what the explorer shows first. Returns ``{"png", "gif", "json", "html", ...}`` paths.
+    ``layer``, ``head``: what the explorer shows first; ``outputs``: the command's output folder, whose
+    manifest records each file as it is written. Each file is written atomically (``captioner.files``).
+    Returns ``{"png", "gif", "json", "html", ...}`` paths.
     """
     colormap_lut(cmap)  # fail early on a bad name
     check_style(style)
@@ -359,14 +361,15 @@ def write_overlays(image: Image.Image, caption: Caption, out_dir: str | Path, cm
         paths["labels"] = labels_path
     try:
         out.mkdir(parents=True, exist_ok=True)
-        grid.save(paths["png"])
-        frames[0].save(paths["gif"], save_all=True, append_images=frames[1:], duration=900, loop=0, disposal=1)
-        write_attention_json(paths["json"], record)
-        write_explorer(paths["html"], image, record, cmap=cmap, alpha=alpha, layer=layer, head=head, style=style)
-        if tags is not None:
-            tags.save(paths["tags"])
-        if labels is not None:
-            labels.save(paths["labels"])
+        write_output(paths["png"], lambda f: grid.save(f, format="PNG"), outputs, DataError)
+        write_output(paths["gif"], lambda f: frames[0].save(f, format="GIF", save_all=True, append_images=frames[1:],
+                                                            duration=900, loop=0, disposal=1), outputs, DataError)
+        write_attention_json(paths["json"], record, outputs)
+        write_explorer(paths["html"], image, record, outputs, cmap=cmap, alpha=alpha, layer=layer, head=head,
+                       style=style)
+        for kind, picture in (("tags", tags), ("labels", labels)):
+            if picture is not None:
+                write_output(paths[kind], lambda f, picture=picture: picture.save(f, format="PNG"), outputs, DataError)
     except OSError as exc:
         raise DataError(f"{out}: cannot write overlays ({exc.strerror or exc})") from None
     log.debug("overlays for %r written to %s", record.text, out)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from captioner.decoding.search import DecodeOptions, decode
+from captioner.decoding.search import SearchRules, DecodeOptions, decode
 from captioner.models.base import State
 from captioner.models.lstm import SATDecoder
 
@@ -48,20 +48,20 @@ def bench_beam(quick: bool = False) -> dict:
     decoder = _decoder(vocab, dim)
     features = torch.randn(n_images, regions, dim, generator=torch.Generator().manual_seed(1))  # (B, N, D)
     opts = DecodeOptions(beam_size=3, max_len=20)
-    decode(decoder, features[:2], BOS, EOS, opts)  # warm-up
+    decode(decoder, features[:2], SearchRules(BOS, EOS), opts)  # warm-up
 
     t0 = time.perf_counter()
-    batched = decode(decoder, features, BOS, EOS, opts)
+    batched = decode(decoder, features, SearchRules(BOS, EOS), opts)
     t_batched = time.perf_counter() - t0
 
     # the same search when every state entry is copied at every step (no per-image constants declared)
     copying = _decoder(vocab, dim, _AllDynamic)
     t0 = time.perf_counter()
-    decode(copying, features, BOS, EOS, opts)
+    decode(copying, features, SearchRules(BOS, EOS), opts)
     t_copying = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    single = [decode(decoder, features[b:b + 1], BOS, EOS, opts)[0] for b in range(n_images)]
+    single = [decode(decoder, features[b:b + 1], SearchRules(BOS, EOS), opts)[0] for b in range(n_images)]
     t_single = time.perf_counter() - t0
 
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(batched, single))

@@ -42,7 +42,7 @@ from bench_sat import PAPER, QUICK, TutorialSAT, make_batch, tutorial_loss  # no
 from timing import sync  # noqa: E402
 
 from captioner.decoding.graphs import GraphedSteps  # noqa: E402
-from captioner.decoding.search import DecodeOptions, decode  # noqa: E402
+from captioner.decoding.search import SearchRules, DecodeOptions, decode  # noqa: E402
 from captioner.models.lstm import SATDecoder  # noqa: E402
 from captioner.training.objective import CaptionLoss  # noqa: E402
 from captioner.training.step import GraphedStep  # noqa: E402
@@ -170,7 +170,7 @@ def beam_graph(quick: bool = False) -> dict:
         results = {}
 
         def run(which: str, dec) -> None:  # noqa: ANN001
-            results[which] = decode(dec, features, 1, 2, opts, banned_ids=(0, 1))
+            results[which] = decode(dec, features, SearchRules(1, 2, (0, 1)), opts)
 
         times = _rounds({"eager": lambda: run("eager", decoder), "graph": lambda: run("graph", graphed)},
                         device, steps=1, rounds=3)

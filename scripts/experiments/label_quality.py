@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import captioner
-from captioner.concepts.labels import label_head
+from captioner.models.labels import label_head
 from captioner.data.coco import load_caption_set
 from captioner.data.images import crop_box, load_image
 from captioner.models.encoder import efficientnet_lite_state_dict

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +38,8 @@ from captioner.models.base import DecoderExtension, SATExtension, TransformerExt
 from captioner.models.encoder import IMAGENET_CLASSES, LITE_DIM, LITE_STAGES, efficientnet_lite_state_dict
 from captioner.text import SPECIALS
 
-__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "SATLabels",
-           "TransformerLabels", "label_head", "read_lexicon"]
+__all__ = ["LEXICON_FILE", "IMAGENET_CLASSES", "ImageNetLabels", "LabelReading", "Lexicon", "PersonProbe", "SATLabels",
+           "TransformerLabels", "fit_person_probe", "label_head", "read_lexicon"]
 
 LEXICON_FILE = Path(__file__).with_name("imagenet_lexicon.tsv")
 _HEADER = ["index", "wnid", "name", "word"]
@@ -190,6 +190,47 @@ def label_head(encoder: EncoderConfig, lexicon: Lexicon | None = None) -> ImageN
     return ImageNetLabels(state["classifier.weight"], state["classifier.bias"], lexicon)
 
 
+# ----------------------------------------------------------------------------- the person probe
+
+
+@dataclass(frozen=True)
+class PersonProbe:
+    """A logistic probe of the ImageNet classifier's log-probabilities: is a person in the photo (no ImageNet
+    class says so). ``z = (log p - mu) / sd`` (C,), the photo's logit ``w . z + b``."""
+
+    mu: torch.Tensor  # (C,) mean log-probability of each class over the photos it was fitted on
+    sd: torch.Tensor  # (C,) their standard deviation (+ 1e-4)
+    w: torch.Tensor  # (C,)
+    b: float
+
+    def logit(self, class_probs: torch.Tensor) -> torch.Tensor:
+        """Class probabilities (B, C) -> the probe's logits (B,)."""
+        return ((class_probs.float().clamp_min(1e-6).log() - self.mu) / self.sd) @ self.w + self.b
+
+
+def fit_person_probe(class_probs: torch.Tensor, flags: torch.Tensor, steps: int = 300, lr: float = 1e-2,
+                     l2: float = 1e-3) -> PersonProbe:
+    """Fit a :class:`PersonProbe` to photos' class probabilities (B, C) and whether each shows a person (B,) bool:
+    ``steps`` of full-batch Adam on the logistic loss plus ``l2`` x |w|^2, from zero (deterministic).
+    ConfigError for mismatched shapes or no photo."""
+    if class_probs.dim() != 2 or flags.shape != class_probs.shape[:1] or not len(flags):
+        raise ConfigError(f"a person probe needs class probabilities (B, C) and B flags, got "
+                          f"{tuple(class_probs.shape)} and {tuple(flags.shape)}")
+    x = class_probs.float().clamp_min(1e-6).log()  # (B, C)
+    mu, sd = x.mean(0), x.std(0) + 1e-4
+    z = (x - mu) / sd
+    w = torch.zeros(z.size(1), requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.Adam([w, b], lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = F.binary_cross_entropy_with_logits(z @ w + b, flags.float()) + l2 * w.pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return PersonProbe(mu, sd, w.detach(), float(b.detach()))
+
+
 # ----------------------------------------------------------------------------- what a decoder reads of them
 
 
@@ -201,7 +242,8 @@ class LabelReading(DecoderExtension):
     ``classifier``: frozen, the wheel's, on the mean of those channels over the regions, as it was trained)
     and a **person** score: ``sigmoid(w . z + b)``, z the
     standardised log class probabilities (``person_mu``, ``person_sd``), a logistic probe no ImageNet class
-    needs (fitted by the training that grows the decoder: ``fit_person_probe``).
+    needs (:func:`fit_person_probe`, fitted by the label stage, ``captioner.training.label_stage``; set by
+    :meth:`use_person_probe`).
 
     The copy, a pointer-generator after LSTM-C (Yao et al. 2017): with g = sigmoid(``gate`` x) read from the
     state x the decoder's logits come from, ``P(y) = (1 - g) softmax(logits)_y + g P_copy(y)``, P_copy a
@@ -225,8 +267,6 @@ class LabelReading(DecoderExtension):
         self.register_buffer("label_category", torch.full((words + 1,), -1, dtype=torch.long))  # (W+1,)
         self.register_buffer("word_category", torch.full((vocab_size,), -1, dtype=torch.long))  # (V,)
         self.register_buffer("veto_tau", torch.tensor([VETO_TAU, VETO_PERSON_TAU]))  # objects, person
-        self.veto = 0.0  # a test-time switch: DecodeOptions.veto, set by the search
-        self.attributing = False  # while True, word_scores keeps each copyable word's copy share (copy_share)
         self.gate = nn.Linear(width, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, -3.0)  # g = 5% at first: the decoder as it was
@@ -247,6 +287,15 @@ class LabelReading(DecoderExtension):
         with torch.no_grad():
             self.classifier.weight.copy_(weight.reshape(self.classifier.weight.shape))
             self.classifier.bias.copy_(bias)
+
+    def use_person_probe(self, probe: PersonProbe, shift: float = 0.0) -> None:
+        """Score the person label with ``probe``, its bias moved by ``shift`` (the log-odds of a person's prior
+        where the model will be used against where the probe was fitted: 0 keeps the probe's)."""
+        with torch.no_grad():
+            self.person_mu.copy_(probe.mu)
+            self.person_sd.copy_(probe.sd)
+            self.person_w.copy_(probe.w)
+            self.person_b.fill_(probe.b + shift)
 
     def use_vocabulary(self, stoi: dict[str, int], categories: Callable[[list[str]], list[str]] | None = None,
                        tau: float = VETO_TAU, person_tau: float = VETO_PERSON_TAU) -> None:
@@ -315,7 +364,10 @@ class LabelReading(DecoderExtension):
     def regions(self, features: torch.Tensor) -> torch.Tensor:
         return features[..., :self.feature_dim]
 
-    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]) -> torch.Tensor:
+    def word_scores(self, logits: torch.Tensor, hidden: torch.Tensor, static: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The copy mixed in: log-probabilities (..., V), and ``copy_share`` (..., W'), the copy's share of each
+        copyable word's probability (the search keeps it for the words it chooses)."""
         labels = static["labels"]  # (B, W+1)
         if logits.dim() == 3:
             labels = labels.unsqueeze(1)  # (B, 1, W+1): every step
@@ -326,113 +378,30 @@ class LabelReading(DecoderExtension):
         log_copy = F.logsigmoid(gate) + F.log_softmax(scores.masked_fill(~usable, -1e4), dim=-1)
         ids = self.copy_ids[usable].expand(*log_gen.shape[:-1], -1)  # (..., W')
         mixed = torch.logaddexp(log_gen.gather(-1, ids), log_copy[..., usable])
-        if self.attributing:  # the copy's share of each copyable word's probability (..., W'), for copy_share
-            self.__dict__["_shares"] = (log_copy[..., usable] - mixed).exp()
-        out = log_gen.scatter(-1, ids, mixed)  # (..., V) log-probabilities
-        if self.veto and not self.training:
-            out = out - self.veto * self.absent(labels)[..., self.word_category.clamp_min(0)].float() \
-                * (self.word_category >= 0)  # (..., V)
-        return out
+        return log_gen.scatter(-1, ids, mixed), {"copy_share": (log_copy[..., usable] - mixed).exp()}
 
-    @torch.no_grad()
-    def confident_words(self, features: torch.Tensor, tau: float) -> list[list[int]]:
-        """Per photo of ``features`` (B, N, D + LITE_DIM), the vocabulary ids of the lexicon words the copy can
-        write whose label is at least ``tau`` likely: the constraint set of constrained beam search."""
-        sure = (self.labels(self.class_probs(features))[:, :-1] >= tau) & (self.copy_ids >= 0)  # (B, W)
-        return [self.copy_ids[row].tolist() for row in sure]
-
-    @torch.no_grad()
-    def fill_slots(self, features: torch.Tensor, found: list[list], tau: float,
-                   word_forms: Mapping[int, Sequence[int]] | None = None) -> int:
-        """Slots filled by detections, after Neural Baby Talk (Lu et al. 2018), at decoding: in every hypothesis
-        of ``found`` (per photo of ``features`` (B, N, D + LITE_DIM)), an object word whose category the labels
-        say is absent (:meth:`absent`, the veto's reading) becomes the object word the labels see where that
-        word looked: its attention (N,) over the regions' word probabilities (the classifier on each region's
-        label channels, its CAM, through the lexicon), among the words the copy can write whose category is
-        present, when the best is at least ``tau`` likely there; a plural (a form in ``word_forms``) is filled
-        with its plural when the vocabulary has one. In place; the score and the attention stay the search's
-        (the word was chosen by where it looked), and a hypothesis the fill makes equal to a better one of the
-        same photo is dropped (an n-best list holds each caption once). Returns how many words were filled."""
-        words = len(self.lexicon.words)
-        absent = self.absent(self.labels(self.class_probs(features)))  # (B, W+1) per category
-        category = self.label_category[:words]  # (W,)
-        word_absent = absent.gather(1, category.clamp_min(0).expand(absent.size(0), -1))  # (B, W)
-        present = ((self.copy_ids >= 0) & (category >= 0) & ~word_absent).cpu()  # (B, W) what can fill a slot
+    def region_words(self, features: torch.Tensor) -> torch.Tensor:
+        """Features (B, N, D + LITE_DIM) -> each region's lexicon word probabilities (B, N, W): the classifier on
+        the region's label channels (its class activation map) through the lexicon."""
         region_probs = torch.softmax(self.class_logits(features[..., self.feature_dim:]), dim=-1)  # (B, N, C)
-        seen = (region_probs @ self.to_words.float()).cpu()  # (B, N, W) each region's words
-        absent, slot_category, ids = absent.cpu(), self.word_category.cpu(), self.copy_ids.cpu()
-        forms = word_forms or {}
-        plurals = {p for more in forms.values() for p in more}
-        filled = 0
-        for b, hyps in enumerate(found):
-            for h in hyps:
-                for t, token in enumerate(h.tokens):
-                    g = int(slot_category[token]) if 0 <= token < len(slot_category) else -1
-                    if g < 0 or not bool(absent[b, g]):
-                        continue
-                    there = (h.attention[t].float() @ seen[b]).masked_fill(~present[b], -1.0)  # (W,)
-                    k = int(there.argmax())
-                    if float(there[k]) < tau:
-                        continue
-                    word = int(ids[k])
-                    h.tokens[t] = forms[word][0] if token in plurals and forms.get(word) else word
-                    filled += 1
-            unique: dict[tuple[int, ...], object] = {}
-            for h in hyps:  # best first: the first of equal captions stays
-                unique.setdefault(tuple(h.tokens), h)
-            hyps[:] = unique.values()
-        return filled
+        return region_probs @ self.to_words.float()
 
-    def copy_share(self, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-        """The copy's share of the probability of ``words`` (R',) at ``rows`` (R',) of the step just read while
-        :attr:`attributing` (the last :meth:`word_scores`): (R',) float32, 0 for a word the copy cannot write."""
-        shares = self.__dict__.pop("_shares")  # (R, W')
-        column = self._columns().to(words.device)[words]  # (R',) copy column of each word, -1: none
-        return torch.where(column >= 0, shares[rows, column.clamp_min(0)], 0.0).float()
-
-    def _columns(self) -> torch.Tensor:
-        """(V,) each vocabulary id's column among the copyable words (``word_scores``'s W'), -1: none."""
-        ids = self.copy_ids[self.copy_ids >= 0]
-        column = torch.full((len(self.word_category),), -1, dtype=torch.long, device=ids.device)
-        column[ids] = torch.arange(len(ids), device=ids.device)
-        return column
-
-    @torch.no_grad()
-    def attribute(self, features: torch.Tensor, found: list[list]) -> None:
-        """Where a copied word looked: each word of each hypothesis in ``found`` (per photo of ``features``
-        (B, N, D + LITE_DIM)) with a copy share ``s > 0`` (``Hypothesis.copy_share``, recorded by the search) gets the
-        attention ``(1 - s) alpha + s m``: ``alpha`` the decoder's attention at its step, ``m`` its label's map
-        (its classes' activation maps weighted by their probability, a softmax over the regions, as
-        ``ImageNetLabels`` draws it; the CAMs are linear in the label channels, so only the mix of each
-        word's classes is read there). In place; rows still sum to 1."""
-        word_of = torch.full((len(self.word_category),), -1, dtype=torch.long)  # vocabulary id -> lexicon word
-        usable = (self.copy_ids >= 0).cpu()
-        word_of[self.copy_ids.cpu()[usable]] = torch.arange(len(usable))[usable]
-        todo = [(b, h, (h.copy_share > 0).nonzero().flatten()) for b, hyps in enumerate(found) for h in hyps
-                if h.copy_share is not None]
-        todo = [(b, h, steps) for b, h, steps in todo if len(steps)]
-        if not todo:
-            return
+    def word_maps(self, features: torch.Tensor, photos: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """The map of lexicon word ``words[e]`` (E,) in photo ``photos[e]`` (E,) of ``features`` (B, N, D + LITE_DIM):
+        its classes' activation maps weighted by their probability, a softmax over the regions (E, N), as
+        ``ImageNetLabels`` draws it (the CAMs are linear in the label channels, so only each word's mix of
+        classes is read there)."""
         label = features[..., self.feature_dim:].float()  # (B, N, LITE_DIM)
-        photos = torch.tensor([b for b, _, steps in todo for _ in steps], device=label.device)  # (E,) every entry's
-        words = torch.cat([word_of[torch.tensor(h.tokens)[steps]] for _, h, steps in todo]).to(label.device)  # (E,)
+        photos, words = photos.to(label.device), words.to(label.device)
         probs = torch.softmax(self.class_logits(label.mean(1)), -1)  # (B, C)
         mix = probs[photos] * self.to_words[:, words].T  # (E, C): each word's classes, by their probability
         mix = mix / mix.sum(1, keepdim=True).clamp_min(1e-12)
-        # a word's CAM mix is linear in the label channels: read (mix W) there, plus mix . b
-        weight, bias = self.classifier.weight.float(), self.classifier.bias.float()
-        through = mix @ weight  # (E, LITE_DIM)
+        through = mix @ self.classifier.weight.float()  # (E, LITE_DIM)
         scores = torch.empty(len(words), label.size(1), device=label.device)  # (E, N)
         for b in photos.unique().tolist():
             mine = photos == b
             scores[mine] = through[mine] @ label[b].T
-        maps = torch.softmax(scores + (mix @ bias)[:, None], dim=1).cpu()  # (E, N) over the regions
-        at = 0
-        for _, h, steps in todo:
-            share = h.copy_share[steps, None].to(h.attention.dtype)  # (S, 1)
-            m = maps[at:at + len(steps)].to(h.attention.dtype)
-            h.attention[steps] = (1.0 - share) * h.attention[steps] + share * m
-            at += len(steps)
+        return torch.softmax(scores + (mix @ self.classifier.bias.float())[:, None], dim=1)
 
 
 class SATLabels(LabelReading, SATExtension):

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from captioner.config.decoders import CONCEPT_POOLINGS, ConceptsConfig, DecoderConfig, SATConfig, TransformerConfig
-from captioner.concepts.labels import SATLabels, TransformerLabels
+from captioner.models.labels import SATLabels, TransformerLabels
 from captioner.errors import CheckpointError, ConfigError
 from captioner.files import atomic_write, check_regular
 from captioner.models.base import DecoderExtension, SATExtension, TransformerExtension

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from captioner.concepts.model import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
+from captioner.models.concepts import (READERS, ConceptHead, OutOfFoldConcepts, choose_concepts, feature_fold,
                                       read_concepts, read_concepts_with_folds, save_concepts)
 from captioner.checkpoint.remote import cache_root
 from captioner.data.caption_set import check_images
@@ -518,7 +518,7 @@ class ConceptPointer:
 
     A SAT decoder with ``concepts.prior`` reads, at every step, a pointer q over the photo's K
     concepts and "none" (``aux["concept_pointer"]``, log q (B,T,K+1)); its attention is multiplied by
-    the maps of the concepts q points at (:class:`captioner.concepts.model.SATConcepts`). This term teaches q to name the
+    the maps of the concepts q points at (:class:`captioner.models.concepts.SATConcepts`). This term teaches q to name the
     concept of the word the step predicts: the cross-entropy of q against that concept where the word is
     one and the head finds it in the photo (P >= ``min_prob``, as the guide), against "none" elsewhere.
     Logged as ``concept_pointer`` and ``concept_pointer_words`` (the share of words pointed at a concept).
