@@ -91,7 +91,8 @@ def test_calibration_file_round_trip_and_bad_files(tmp_path):
     back = read_calibration(path)
     assert back.ranges == measured.ranges and torch.equal(back.means["stem"], measured.means["stem"])
     assert json.loads(path.read_text())["photos"] == 2
-    for text, reason in (("{", "not an int8 calibration file"), ('{"format": 9, "ranges": {}}', "format 9"),
+    for text, reason in (("{", "invalid JSON at line 1"), ("[]", "expected a JSON object"),
+                         ('{"format": 9, "ranges": {}}', "format 9"),
                          ('{"format": 1, "ranges": {"stem": [-1, 0]}, "means": {}}', "of stem is out of bounds"),
                          ('{"format": 1, "ranges": {"stem": [0.1, 300]}, "means": {}}', "out of bounds"),
                          ('{"format": 1, "ranges": {}, "means": {"stem": [NaN]}}', "of stem is out of bounds"),
@@ -100,7 +101,7 @@ def test_calibration_file_round_trip_and_bad_files(tmp_path):
         with pytest.raises(CheckpointError, match=reason) as info:
             read_calibration(path)
         assert "\n" not in str(info.value) and str(path) in str(info.value)
-    with pytest.raises(CheckpointError, match="none.json: file not found"):
+    with pytest.raises(CheckpointError, match="none.json: int8 calibration file not found"):
         read_calibration(tmp_path / "none.json")
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from captioner.errors import CheckpointError, ConfigError
-from captioner.files import check_regular
+from captioner.files import atomic_write, read_json
 from captioner.models.encoder import (Conv2dSame, DepthwiseSeparableConv, EfficientNetLiteFeatures, InvertedResidual,
                                       _same_pad)
 
@@ -299,21 +299,19 @@ def write_calibration(path: Path, calibration: Calibration, about: dict) -> None
     document = {"format": FORMAT, "engine": ENGINE, **about,
                 "ranges": {name: [scale, zero_point] for name, (scale, zero_point) in calibration.ranges.items()},
                 "means": {name: [float(f"{v:.5g}") for v in mean.tolist()] for name, mean in calibration.means.items()}}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(document, separators=(",", ":")) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    data = (json.dumps(document, separators=(",", ":")) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(data), CheckpointError)
 
 
 def read_calibration(path: Path) -> Calibration:
     """The :class:`Calibration` of a file of :func:`write_calibration` (``CheckpointError`` naming it, one line)."""
-    check_regular(path, MAX_CALIBRATION_BYTES, CheckpointError, "int8 calibration file")
+    document = read_json(path, MAX_CALIBRATION_BYTES, CheckpointError, "int8 calibration file", expect=dict)
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
         if document.get("format") != FORMAT:
             raise ValueError(f"format {document.get('format')!r}, expected {FORMAT}")
         ranges = {str(k): _qparams(v) for k, v in document["ranges"].items()}
         means = {str(k): torch.tensor([float(x) for x in v], dtype=torch.float32) for k, v in document["means"].items()}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: not an int8 calibration file "
                               f"({type(exc).__name__}: {str(exc)[:120]})") from None
     bad = [k for k, (scale, zero_point) in ranges.items() if not (math.isfinite(scale) and scale > 0)
