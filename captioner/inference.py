@@ -36,12 +36,13 @@ from captioner.errors import CheckpointError, ConfigError, DataError, EmptyCapti
 from captioner.language import language_model_for
 from captioner.models.base import eval_mode
 from captioner.models.ensemble import build_ensemble
-from captioner.pretrained import check_model_spec, is_model_name, pretrained_path, unknown_model
+from captioner.models.quantize import Int8Lite, int8_available, read_calibration
+from captioner.pretrained import check_model_spec, int8_calibration, is_model_name, pretrained_path, unknown_model
 from captioner.text import Vocabulary
 
-__all__ = ["Caption", "Captioner", "ImageInput", "caption_features", "caption_images", "decode_options", "empty_caption",
-           "everyday_photos", "grid_of", "load", "search_features", "teacher_forced_attention",
-           "teacher_forced_log_probs"]
+__all__ = ["ENCODER_PRECISIONS", "Caption", "Captioner", "ImageInput", "caption_features", "caption_images",
+           "decode_options", "empty_caption", "everyday_photos", "grid_of", "load", "search_features",
+           "teacher_forced_attention", "teacher_forced_log_probs"]
 
 # threads that read and transform image files while the encoder and the search run (PIL releases the
 # GIL while it decodes and resizes); torch keeps its intra-op threads (one per core) for the encoder
@@ -49,6 +50,11 @@ LOADER_THREADS = 2
 STREAM_BYTES = 1 << 30  # caption_stream: pixels and encoder activations of the photos read and encoded at once
 ACTIVATION_FACTOR = 16  # an encoder's live activations per photo, in multiples of its input pixels (EfficientNet-
 # Lite0 at 224 px holds about 8: its 96-channel stride-2 stage; 4096 photos at once asked for 3.2 GB in one tensor)
+
+# load(precision=...): the encoder's arithmetic ("int8": an 8-bit EfficientNet-Lite trunk on a CPU, the
+# decoder float32); the decoder's own float32/bfloat16 is a decoding option (DecodeOptions.precision)
+ENCODER_PRECISIONS = ("float32", "int8")
+INT8_DEFAULT = False  # whether load(precision=None) on a CPU takes int8 where a calibration ships
 
 ImageInput = Union[str, os.PathLike, Image.Image, torch.Tensor]
 """A path, a PIL image, an already-transformed (3, S, S) tensor or a (B, 3, S, S) batch."""
@@ -248,12 +254,31 @@ class Captioner:
         self.config = model.config  # ModelConfig
         self.transform = ImageTransform(self.config.encoder)
         self._label_head: ImageNetLabels | None = None  # built on the first request for labels
+        self.precision = "float32"  # the encoder's arithmetic (:meth:`use_int8`)
 
     def __repr__(self) -> str:
         names = getattr(self.model.decoder, "member_names", None)  # an ensemble (load([a, b])): its members'
         decoder = f"ensemble={' + '.join(names)!r}" if names else f"decoder={self.config.decoder.name!r}"
+        precision = ", precision='int8'" if self.precision == "int8" else ""
         return (f"Captioner({decoder}, encoder={self.config.encoder.name!r}, "
-                f"vocab={len(self.vocab)}, device={str(self.device)!r})")
+                f"vocab={len(self.vocab)}, device={str(self.device)!r}{precision})")
+
+    def use_int8(self, calibration: str | os.PathLike) -> None:
+        """Encode in 8-bit integers from now on: the EfficientNet-Lite trunk quantized with the activation
+        ranges of ``calibration`` (a file of ``scripts/calibrate_int8.py``); regions, attention maps and
+        labels are computed from its output as before, the decoder stays float32.
+
+        Raises ``ConfigError`` (not on a CPU, not a Lite encoder, no quantized engine) or ``CheckpointError``
+        (a bad calibration file).
+        """
+        if self.device.type != "cpu":
+            raise ConfigError(f"precision int8: the 8-bit encoder runs on a CPU, not {self.device}; use float32 there")
+        encoder = self.model.encoder
+        encoders = getattr(encoder, "encoders", [encoder])  # an ensemble's distinct encoders
+        measured = read_calibration(Path(calibration))
+        for each in encoders:
+            each.use_int8(Int8Lite(each.trunk, measured))
+        self.precision = "int8"
 
     def crop_box(self, image: Image.Image) -> tuple[int, int, int, int]:
         """``(left, top, right, bottom)`` of ``image`` (original pixels) that the encoder sees."""
@@ -467,16 +492,23 @@ class Captioner:
 
 
 def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: str | torch.device = "auto",
-         sha256: str | None = None, progress: bool | None = None, refresh: bool = False) -> Captioner:
+         sha256: str | None = None, progress: bool | None = None, refresh: bool = False,
+         precision: str | None = None) -> Captioner:
     """Load a trained checkpoint for inference: a :class:`Captioner` in eval mode on ``device``.
 
     ``checkpoint``: a shipped model's name (``"flickr8k"``), a file, a run folder, an ``https://`` URL
     (``#sha256=HEX`` checks it) or ``hf://org/repo[/file]``; a list: an ensemble averaging their
     next-word probabilities. ``device``: ``"auto"``, ``"cpu"``, ``"cuda:1"``... ``refresh`` downloads
-    again. Raises ``CheckpointError`` (bad file, download or hash) or ``ConfigError`` (device, hash).
+    again. ``precision``: the encoder's arithmetic, ``"float32"`` or ``"int8"`` (a CPU, a model whose
+    int8 calibration ships with it or lies beside its file as ``<name>.int8.json``; the decoder stays
+    float32); None: :func:`default_precision`. Raises ``CheckpointError`` (bad file, download or hash)
+    or ``ConfigError`` (device, hash, precision).
     """
+    if precision is not None and precision not in ENCODER_PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(ENCODER_PRECISIONS)} (the encoder's arithmetic; "
+                          f"the decoder's bfloat16 is a decoding option), got {precision!r}")
     if isinstance(checkpoint, (list, tuple)):
-        return _load_ensemble(list(checkpoint), device, sha256, progress, refresh)
+        return _load_ensemble(list(checkpoint), device, sha256, progress, refresh, precision)
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint must be a path or a list of paths, got {type(checkpoint).__name__}")
     if not isinstance(device, (str, torch.device)):
@@ -487,7 +519,33 @@ def load(checkpoint: str | os.PathLike | Sequence[str | os.PathLike], device: st
         loaded = load_checkpoint(path, device=str(dev))
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{cached_hint(checkpoint, path)}") from None
-    return Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
+    model = Captioner(loaded.model.to(dev).eval(), loaded.vocab, dev)
+    calibration = calibration_path(checkpoint, path)
+    if precision is None:
+        precision = default_precision(dev, calibration)
+    if precision == "int8":
+        if calibration is None:
+            raise ConfigError(f"{checkpoint}: precision int8 needs the encoder's calibration ({path.stem}.int8.json "
+                              "beside the checkpoint, written by scripts/calibrate_int8.py); use float32")
+        model.use_int8(calibration)
+    return model
+
+
+def calibration_path(spec: str | os.PathLike, path: Path) -> Path | None:
+    """The int8 calibration of checkpoint ``spec`` (read from ``path``): a shipped model's (its SHA-256
+    checked), else ``<stem>.int8.json`` beside the file; None when there is none."""
+    if is_model_name(spec):
+        return int8_calibration(str(spec))
+    beside = path.with_name(f"{path.stem}.int8.json")
+    return beside if beside.is_file() else None
+
+
+def default_precision(device: torch.device, calibration: Path | None) -> str:
+    """The encoder's arithmetic when none is asked for: int8 on a CPU where a calibration exists and
+    :data:`INT8_DEFAULT` says int8 held the quality bounds (docs/benchmarks.md), else float32."""
+    if INT8_DEFAULT and device.type == "cpu" and calibration is not None and int8_available():
+        return "int8"
+    return "float32"
 
 
 def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress: bool | None = None,
@@ -510,15 +568,15 @@ def checkpoint_path(spec: str | os.PathLike, sha256: str | None = None, progress
 
 
 def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | None, progress: bool | None,
-                   refresh: bool) -> Captioner:
+                   refresh: bool, precision: str | None = None) -> Captioner:
     """:func:`load` of several checkpoints: one :class:`Captioner` decoding them as an ensemble."""
     if not checkpoints:
         raise CheckpointError("an ensemble needs at least one checkpoint, got an empty list")
     if len(checkpoints) == 1:
-        return load(checkpoints[0], device, sha256, progress, refresh)
+        return load(checkpoints[0], device, sha256, progress, refresh, precision)
     if sha256 is not None:
         raise ConfigError("sha256= checks one file; for an ensemble put #sha256=HEX on each URL")
-    members = [load(c, device, None, progress, refresh) for c in checkpoints]
+    members = [load(c, device, None, progress, refresh, precision) for c in checkpoints]
     names = [str(c) for c in checkpoints]
     for member, name in zip(members[1:], names[1:]):
         differs = member.vocab.first_difference(members[0].vocab)
@@ -527,4 +585,6 @@ def _load_ensemble(checkpoints: list, device: str | torch.device, sha256: str | 
                               f"({len(members[0].vocab)} words): {differs}; the models of an ensemble must be "
                               "trained with one vocabulary (the same data and data.min_freq)")
     model = build_ensemble([m.model for m in members], names)
-    return Captioner(model, members[0].vocab, members[0].device)
+    out = Captioner(model, members[0].vocab, members[0].device)
+    out.precision = members[0].precision  # each member's encoder as it was loaded
+    return out

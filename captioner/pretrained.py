@@ -18,8 +18,8 @@ from captioner.errors import CheckpointError
 from captioner.files import file_kind, file_sha256
 
 __all__ = ["DEFAULT_MODEL", "MODELS", "PretrainedModel", "available_models", "check_model_spec", "checked_package_file",
-           "example_photos", "is_model_name", "model_card", "nearest_model", "packaged_language_models",
-           "pretrained_path", "unknown_model"]
+           "example_photos", "int8_calibration", "is_model_name", "model_card", "nearest_model",
+           "packaged_language_models", "pretrained_path", "unknown_model"]
 
 PACKAGE = Path(__file__).resolve().parent
 WEIGHTS = PACKAGE / "weights"
@@ -39,6 +39,8 @@ class PretrainedModel:
     card: str = ""
     preset: str = ""  # the training settings ``captioner train --init NAME`` starts from
     kind: str = "captioner"
+    int8: str = ""  # ``weights/<int8>``: its encoder's int8 calibration (scripts/calibrate_int8.py); "": none
+    int8_sha256: str = ""
 
 
     @property
@@ -53,6 +55,8 @@ MODELS: dict[str, PretrainedModel] = {
         sha256="59582d14d634f0dd4edc4f4006a6b24d95445c92c65121ee867ae0baab57ffde",
         card="flickr8k.md",
         preset="sat_soft_flickr8k",
+        int8="flickr8k.int8.json",
+        int8_sha256="328aa639e9af26b467747dd1b981d67f7b486241fac86e5ea9760cae115195fc",
         summary="Show, Attend and Tell with soft attention over an EfficientNet-Lite0 whose last stage was trained "
                 "with it, reading the labels of the encoder's ImageNet classifier and able to copy their words; "
                 "Flickr8k, then COCO caption text; 3,301 tokens",
@@ -151,6 +155,14 @@ def checked_package_file(path: Path, sha256: str, what: str) -> Path:
         raise CheckpointError(f"{what}: its file {path} is a {kind}, not a regular file; reinstall captioner")
     _checked(path, sha256, st.st_size, st.st_mtime)
     return path
+
+
+def int8_calibration(name: str) -> Path | None:
+    """The int8 calibration file of shipped model ``name`` after checking its SHA-256; None when it has none."""
+    entry = _entry(name)
+    if not entry.int8:
+        return None
+    return checked_package_file(WEIGHTS / entry.int8, entry.int8_sha256, f"the int8 calibration of {name!r}")
 
 
 def model_card(name: str) -> str:

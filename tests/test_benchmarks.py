@@ -44,9 +44,11 @@ def test_caption_throughput_benchmark_runs_both_paths_and_restores_the_encoder()
     figures = module.caption_throughput(quick=True, photos=8)
     assert figures["photos"] == 8 and figures["model"]
     for key in ("caption_coco_per_s", "caption_bf16_coco_per_s", "before_coco_per_s", "bound_coco_per_s", "cache_per_s",
-                "cache_before_per_s", "caption_lm_coco_per_s"):  # the shipped model: the packaged LM fits it
+                "cache_before_per_s", "caption_lm_coco_per_s",  # the shipped model: the packaged LM fits it
+                "caption_int8_coco_per_s", "bound_int8_small_per_s"):  # and its int8 calibration ships
         assert figures[key] > 0, key
     m, _ = module._model()  # the "before" switch is undone: the encoder is channels-last and folds again
     with module._before(m):
         assert not m.model.encoder.fold_batchnorm
     assert m.model.encoder.fold_batchnorm and m.model.encoder.memory_format is None
+    assert m.model.encoder.int8_trunk is None and m.precision == "float32"  # the float rows stay float

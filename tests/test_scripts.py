@@ -18,7 +18,8 @@ HELP_SCRIPTS = ("benchmark.py", "flickr8k_results.py",
                 "experiments/caption_stats.py", "experiments/gallery.py", "experiments/concept_maps_on_references.py",
                 "experiments/reading_step_attention.py", "experiments/label_quality.py",
                 "experiments/dev_captions.py", "experiments/everyday_levers.py", "experiments/verdict_bands.py",
-                "experiments/label_stage_check.py", "experiments/everyday_probe.py", "experiments/person_signal.py")
+                "experiments/label_stage_check.py", "experiments/everyday_probe.py", "experiments/person_signal.py",
+                "calibrate_int8.py")
 # modules the scripts import (not run on their own), and the one script checked by a dry run below
 NOT_RUN = ("gpu_summary.py", "benchmarks/timing.py")
 

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 
 from captioner.commands.caption import add_common_arguments, add_force_argument, add_style_arguments, checkpoints
-from captioner.commands.options import decoding_overrides, int_range
+from captioner.commands.options import decoding_overrides, encoder_precision, int_range
 
 NAME = "attend"
 HELP = "caption one image and write its attention overlays: PNG grid, GIF, JSON and an HTML explorer"
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from captioner.data.images import load_image
 
     jobs = [(load_image(path), path, out) for path, out in jobs]  # the photos, read before any model loads
-    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh,
+                 precision=encoder_precision(args))
     for image, path, out in jobs:  # each file is recorded in the manifest as it is written
         _attend(model, args, image, path, out, decoding, outputs)
     if args.image is None:

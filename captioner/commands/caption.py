@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from captioner.commands.options import add_decoding_arguments, decoding_overrides, float_range, int_range
+from captioner.commands.options import (add_decoding_arguments, decoding_overrides, encoder_precision, float_range,
+                                        int_range)
 
 NAME = "caption"
 HELP = "caption images (files, folders, globs) with a checkpoint; optionally write attention overlays"
@@ -239,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         from captioner.viz.overlays import overlay_paths
 
         outputs.check([p for d in out_dirs for p in overlay_paths(d).values()])
-    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh)
+    model = load(checkpoints(args), device=resolve_device(args.device, option="--device"), refresh=args.refresh,
+                 precision=encoder_precision(args))
     options = decode_options(None, **decoding)
     for problem in problems:
         _error(problem)
@@ -255,8 +257,9 @@ def _caption_files(args: argparse.Namespace, model: Any, options: Any, files: li
     each; True when any failed."""
     from captioner.data.images import load_image
     from captioner.errors import EmptyCaptionError, ImageLoadError
-    from captioner.viz.overlays import write_overlays
 
+    if args.overlay:  # the overlays' drawing, pages and GIF code: only for --overlay (a plain caption's start)
+        from captioner.viz.overlays import write_overlays
     failed = False
     t0, done = time.perf_counter(), 0
     # files are read, encoded and searched in an overlapping pipeline (Captioner.caption_stream)

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from captioner.commands.options import add_decoding_arguments, decoding_overrides, int_range
+from captioner.commands.options import add_decoding_arguments, decoding_overrides, encoder_precision, int_range
 from captioner.config.schema import MAX_WORKERS
 
 NAME = "evaluate"
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     settings = EvaluateOptions(
         batch_size=args.batch_size, out_dir=args.out, images_dir=args.images, max_images=args.max_images,
         skip_missing=args.skip_missing, files_outside=args.files_outside, device=args.device,
+        precision=encoder_precision(args),
         progress=not args.no_progress,
         num_workers=args.workers, meteor=not args.no_meteor,
         coco_caption=not args.no_coco_caption, references_attention=not args.no_reference_attention,

@@ -87,9 +87,29 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, beam_help: str = "be
     parser.add_argument("--lm", default=None, metavar="FILE",
                         help="the language model of --lm-weight: a file written by captioner lm (default: coco, "
                              "the packaged one, COCO caption text)")
-    parser.add_argument("--precision", choices=("float32", "bfloat16"), default=None,
-                        help="the decoder's arithmetic: bfloat16 searches about twice as fast on a CPU with "
-                             "native bfloat16, a few captions differing (default: float32)")
+    add_precision_argument(parser)
+
+
+PRECISIONS = ("float32", "bfloat16", "int8")  # --precision: the decoder's (float32, bfloat16) or the encoder's (int8)
+
+
+def add_precision_argument(parser: argparse.ArgumentParser, decoder: bool = True) -> None:
+    """``--precision``; ``decoder``: with the decoder's bfloat16 (commands that take the decoding flags)."""
+    bfloat16 = ("bfloat16: the decoder in bfloat16 (searches about twice as fast on a CPU with native bfloat16, "
+                "a few captions differing), the encoder float32; ") if decoder else ""
+    parser.add_argument("--precision", choices=PRECISIONS if decoder else ("float32", "int8"), default=None,
+                        help=f"float32: every part in float32; {bfloat16}int8: the encoder in 8-bit integers on a "
+                             "CPU (a model whose calibration ships with it, as the shipped one's), the decoder "
+                             "float32 (default: float32)")
+
+
+def encoder_precision(args: argparse.Namespace) -> str | None:
+    """The encoder's arithmetic ``--precision`` asks for (``load(precision=...)``): int8 for int8, float32 for
+    float32 and bfloat16 (the decoder's), None when the flag is left out (the default)."""
+    precision = getattr(args, "precision", None)
+    if precision is None:
+        return None
+    return "int8" if precision == "int8" else "float32"
 
 
 def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -112,7 +132,7 @@ def decoding_overrides(args: argparse.Namespace) -> dict[str, object]:
         out["no_repeat_ngram"] = ngram
     if getattr(args, "no_repeat_words", False):
         out["no_repeat_words"] = True
-    if getattr(args, "precision", None):
+    if getattr(args, "precision", None) in ("float32", "bfloat16"):  # the decoder's; int8 is the encoder's
         out["precision"] = args.precision
     if getattr(args, "veto", None) is not None:
         out["veto"] = args.veto

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from captioner.commands.options import MAX_BEAM, float_range, int_range
+from captioner.commands.options import MAX_BEAM, add_precision_argument, encoder_precision, float_range, int_range
 from captioner.commands.caption import CHECKPOINT_HELP, add_refresh_argument
 
 NAME = "serve"
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int_range(0, 65535), default=8000,
                         help="port (default: 8000; 0: any free port, printed)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 or auto")
+    add_precision_argument(parser, decoder=False)
     parser.add_argument("--examples", metavar="DIR", default=None,
                         help="offer the images in DIR as examples (default: the package's example photos, and "
                              "synthetic scenes for a model trained on them)")
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         name, spec = model_name(spec, taken)
         taken.add(name)
-        models.append(ServedModel(name, load(spec, device=device, refresh=args.refresh), card=model_card_of(spec)))
+        loaded = load(spec, device=device, refresh=args.refresh, precision=encoder_precision(args))
+        models.append(ServedModel(name, loaded, card=model_card_of(spec)))
         log.info("loaded %s as %r", spec, name)
     # photo models get the example photos, models trained on the synthetic scenes get scenes (by vocabulary)
     examples = user_examples or default_examples([m.captioner.vocab.itos for m in models], PHOTOS)

@@ -175,6 +175,7 @@ class EvaluateOptions:
     skip_missing: bool = False
     files_outside: bool = False
     device: str | torch.device = "cpu"
+    precision: str | None = None  # the encoder's arithmetic as ``load(precision=...)``: float32, int8; None: default
     progress: bool = True
     num_workers: int = 0
     meteor: bool = True
@@ -219,7 +220,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike | list, data_root: str | o
     missing = listed - len(cs.images)
     if settings.max_images is not None and settings.max_images < len(cs.images):
         cs = cs.subset(range(settings.max_images))
-    loaded = model if model is not None else load(checkpoint, device=settings.device)  # once the inputs are read
+    loaded = model if model is not None else load(checkpoint, device=settings.device,  # once the inputs are read
+                                                  precision=settings.precision)
     log.info("evaluating %s on %s/%s: %d images, beam %d", checkpoint, data_root, split, len(cs), options.beam_size)
     decoded = caption_split(loaded, cs, options, batch_size=settings.batch_size, skip_bad=settings.skip_missing,
                             progress=settings.progress, num_workers=settings.num_workers)

@@ -411,6 +411,9 @@ class Encoder(nn.Module):
         self.memory_format: torch.memory_format | None = None  # None: MEMORY_FORMATS by device
         self._trunk_format = torch.contiguous_format
         self.fold_batchnorm = True  # inference (eval, no grad) runs a copy with BatchNorm folded in
+        # an 8-bit copy of the trunk that inference on a CPU runs instead (captioner.models.quantize.Int8Lite;
+        # kept out of the state dict, as the folded copy)
+        self.__dict__["int8_trunk"] = None
         split = len(stages) - fine_tune_stages
         self.frozen_modules = [name for stage in self.stages[:split] for name in stage]
         self.trainable_modules = [name for stage in self.stages[split:] for name in stage]
@@ -430,6 +433,12 @@ class Encoder(nn.Module):
             self.trunk.get_submodule(name).eval()
         return self
 
+    def use_int8(self, trunk: nn.Module | None) -> None:
+        """Run ``trunk`` (an 8-bit copy of :attr:`trunk`, ``captioner.models.quantize.Int8Lite``) instead of
+        the float trunk for inference on a CPU (eval mode, no gradients); None: the float trunk again. The
+        copy is not a submodule: the state dict, training and other devices keep the float trunk."""
+        self.__dict__["int8_trunk"] = trunk
+
     def memory_format_on(self, device: torch.device) -> torch.memory_format:
         """The layout the trunk runs in on ``device``: :attr:`memory_format` when set, else
         :data:`MEMORY_FORMATS` for the device type (channels-last on a CPU, as measured there)."""
@@ -439,8 +448,11 @@ class Encoder(nn.Module):
 
     def feature_map(self, images: torch.Tensor) -> torch.Tensor:
         """images (B,3,S,S) -> trunk feature map (B,D,h,w), in the device's memory format."""
+        inference = not self.training and not torch.is_grad_enabled()
+        if self.int8_trunk is not None and inference and images.device.type == "cpu":
+            return self.int8_trunk(images)  # (B, D, h, w) float32, from 8-bit arithmetic
         fmt = self.memory_format_on(images.device)
-        if self.fold_batchnorm and not self.training and not torch.is_grad_enabled():
+        if self.fold_batchnorm and inference:
             folded = self._folded_trunk(images, fmt)
             if folded is not None:
                 return folded(images.contiguous(memory_format=fmt))

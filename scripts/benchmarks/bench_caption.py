@@ -1,4 +1,5 @@
-"""Cold start of the caption command: a fresh ``python -m captioner caption IMG --checkpoint CKPT``.
+"""Cold start of the caption command: a fresh ``python -m captioner caption IMG --checkpoint CKPT``
+(``caption_cold_start``), and the user's first caption and attend beside ``import torch`` (``first_caption``).
 
 The checkpoint is a base-size model (preset ``sat_soft_lite``: EfficientNet-Lite0 + 512-wide
 Show-Attend-Tell decoder) with a 10,000-word vocabulary. Figures (seconds, best of the runs):
@@ -109,4 +110,53 @@ def caption_cold_start(quick: bool) -> dict:
         }
 
 
-BENCHMARKS = {"caption_cold_start": caption_cold_start}
+def _run_seconds(argv: list[str]) -> float:
+    """Wall seconds from process start to its exit (a failure raises, naming the command)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:5])} ... failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return elapsed
+
+
+def first_caption(quick: bool) -> dict:
+    """The user's first caption against ``python -c "import torch"``, side by side: each round runs every
+    command once in turn, and each figure is the median of the rounds (5; 2 with ``quick``), seconds to exit.
+
+    * ``torch_seconds``: ``python -c "import torch"``, the floor under any command;
+    * ``caption_seconds``: ``captioner caption PHOTO`` (the shipped model, one example photo);
+      ``caption_int8_seconds``: the same with ``--precision int8``;
+    * ``attend_seconds``: ``captioner attend`` (the 4 example photos: overlays, GIFs, explorer pages);
+    * ``*_over_torch_seconds``: each minus ``torch_seconds``.
+    """
+    import statistics
+
+    import captioner
+    from captioner.pretrained import example_photos
+
+    if not captioner.available_models():
+        return {"skipped": "no shipped model"}
+    rounds = 2 if quick else 5
+    photo = str(example_photos()[0])
+    with tempfile.TemporaryDirectory(prefix="bench-first-") as tmp:
+        commands = {
+            "torch": [sys.executable, "-c", "import torch"],
+            "caption": [sys.executable, "-m", "captioner", "caption", photo],
+            "caption_int8": [sys.executable, "-m", "captioner", "caption", photo, "--precision", "int8"],
+            "attend": [sys.executable, "-m", "captioner", "attend", "--out", str(Path(tmp) / "overlays"), "--force"],
+        }
+        for argv in commands.values():  # warm the page cache: measure start-up, not the first disk read
+            _run_seconds(argv)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for _ in range(rounds):
+            for name, argv in commands.items():
+                times[name].append(_run_seconds(argv))
+    out = {f"{name}_seconds": statistics.median(values) for name, values in times.items()}
+    for name in ("caption", "caption_int8", "attend"):
+        out[f"{name}_over_torch_seconds"] = out[f"{name}_seconds"] - out["torch_seconds"]
+    out["rounds"] = rounds
+    return out
+
+
+BENCHMARKS = {"caption_cold_start": caption_cold_start, "first_caption": first_caption}

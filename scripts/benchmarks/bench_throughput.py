@@ -9,6 +9,9 @@ the same photos and the same model for every row.
   layers, each batch read, then encoded, then searched, one after the other;
 * ``caption_bf16_*``: the same with ``precision="bfloat16"`` (the decoder's arithmetic in bfloat16:
   :mod:`captioner.decoding.search`; the encoder and the reading as above);
+* ``caption_int8_*``: the same with the encoder in 8-bit integers (``load(..., precision="int8")``: the
+  shipped model's calibration; the decoder float32), and ``bound_int8_*`` its reading + encoding alone;
+  ``caption_int8_*_over_caption``: int8 photos/s over float32's, measured side by side;
 * ``bound_*``: reading + encoding alone (no search), as the caption path now does it: what the caption
   path could reach if the search cost nothing;
 * ``cache_*``: ``FeatureCache.build`` on the 224-px photos, now and as before (NCHW, serial reads).
@@ -69,14 +72,25 @@ def _model():
 
     name = os.environ.get("CAPTIONER_BENCH_MODEL")
     if name:
-        return captioner.load(name, device="cpu"), name
+        return captioner.load(name, device="cpu", precision="float32"), name
     default = getattr(captioner, "DEFAULT_MODEL", None)
     if default:
-        return captioner.load(default, device="cpu"), default
+        return captioner.load(default, device="cpu", precision="float32"), default
     torch.manual_seed(0)
     vocab = Vocabulary([f"word{i}" for i in range(2600)])
     model = build_model(get_preset("transformer_flickr8k").model, len(vocab), load_pretrained=True)
     return Captioner(model.eval(), vocab, torch.device("cpu")), "transformer_flickr8k, random decoder"
+
+
+def _calibration(model_name: str) -> Path | None:
+    """The int8 calibration of the benchmarked model (a shipped name or a checkpoint file); None: no int8 rows."""
+    from captioner.errors import CaptionerError
+    from captioner.inference import calibration_path, checkpoint_path
+
+    try:
+        return calibration_path(model_name, checkpoint_path(model_name))
+    except CaptionerError:  # the random-decoder fallback: no file, no calibration
+        return None
 
 
 @contextlib.contextmanager
@@ -159,11 +173,25 @@ def caption_throughput(quick: bool, photos: int | None = None) -> dict:
     from captioner.language import fusion_unavailable
     from captioner.models.base import eval_mode
 
+    from captioner.models.quantize import Int8Lite, int8_available, read_calibration
+
     count = photos or (32 if quick else PHOTOS)
     repeats = 1 if quick else 2  # each row the best of two runs: the bound and the paths alike
     m, model_name = _model()
     options = DecodeOptions(beam_size=3)
     out: dict = {"model": model_name, "photos": count, "threads": torch.get_num_threads()}
+    encoder = m.model.encoder
+    calibration = _calibration(model_name)
+    int8 = Int8Lite(encoder.trunk, read_calibration(calibration)) if calibration and int8_available() else None
+
+    @contextlib.contextmanager
+    def in_int8():
+        encoder.use_int8(int8)
+        try:
+            yield
+        finally:
+            encoder.use_int8(None)
+
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         folder = Path(tmp)
         sets = {"coco": _photos(folder / "coco", count, small=False),
@@ -171,12 +199,23 @@ def caption_throughput(quick: bool, photos: int | None = None) -> dict:
         with eval_mode(m.model):
             m.caption(sets["small"][:4], beam=3, batch_size=4)  # warm-up: weights converted, kernels chosen
             m.caption(sets["small"][:4], beam=3, batch_size=4, precision="bfloat16")
+            with in_int8():
+                m.caption(sets["small"][:4], beam=3, batch_size=4)
             for name, paths in sets.items():
                 out[f"caption_{name}_per_s"] = _rate(
                     lambda: m.caption(paths, beam=3, attention=True, batch_size=32), count, repeats)
                 out[f"caption_bf16_{name}_per_s"] = _rate(
                     lambda: m.caption(paths, beam=3, attention=True, batch_size=32, precision="bfloat16"), count, repeats)
                 out[f"bound_{name}_per_s"] = _rate(lambda: _bound(m, paths, 32), count, repeats)
+                if int8 is not None:
+                    with in_int8():
+                        out[f"caption_int8_{name}_per_s"] = _rate(
+                            lambda: m.caption(paths, beam=3, attention=True, batch_size=32), count, repeats)
+                        out[f"bound_int8_{name}_per_s"] = _rate(lambda: _bound(m, paths, 32), count, repeats)
+                    out[f"caption_int8_{name}_over_caption"] = (out[f"caption_int8_{name}_per_s"]
+                                                                / out[f"caption_{name}_per_s"])
+                    out[f"caption_int8_{name}_over_bound_int8"] = (out[f"caption_int8_{name}_per_s"]
+                                                                   / out[f"bound_int8_{name}_per_s"])
                 with _before(m):
                     out[f"before_{name}_per_s"] = _rate(lambda: _caption_before(m, paths, 32, options), count, repeats)
                 out[f"caption_{name}_over_before"] = out[f"caption_{name}_per_s"] / out[f"before_{name}_per_s"]
