@@ -233,6 +233,7 @@ def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = F
     downloads = root / "downloads"
     made = [d for d in (downloads, root, *root.parents) if not d.exists()]  # deepest first
     lock = root / LOCK
+    locked = dry_run  # the folders made are ours to remove only once the root is ours
     try:
         with contextlib.ExitStack() as held:
             if not dry_run:  # one download into a root at a time: another would share its .part files
@@ -244,12 +245,14 @@ def prepare(root: Path, archives: Sequence[Any], steps: Steps, dry_run: bool = F
                 held.enter_context(hold_lock(lock, 0.0, busy=lambda: DataError(
                     f"{root}: another captioner download is writing into this folder (it holds {lock}); wait "
                     "for it to finish, then run again")))
+                locked = True
             for a in archives:
                 if not steps.is_present(root, a):
                     outputs.check(steps.writes(root, a))
             return _prepare(root, archives, steps, dry_run, keep_archives, progress, outputs)
     except BaseException:
-        _remove_empty(made)
+        if locked:  # refused the lock: the folders may be the holder's, which is writing into them now
+            _remove_empty(made)
         raise
 
 
