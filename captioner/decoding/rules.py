@@ -158,6 +158,10 @@ class CopyAttribution:
         column = torch.full((len(reading.word_category),), -1, dtype=torch.long, device=ids.device)
         column[ids] = torch.arange(len(ids), device=ids.device)
         self.column = column  # (V,) each vocabulary id's column among the copyable words (W'), -1: none
+        usable = (reading.copy_ids >= 0).cpu()
+        word_of = torch.full((len(reading.word_category),), -1, dtype=torch.long)  # vocabulary id -> lexicon word
+        word_of[reading.copy_ids.cpu()[usable]] = torch.arange(len(usable))[usable]
+        self.word_of = word_of
 
     def shares(self, step_shares: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """The copy's share of ``words`` (R',) chosen at ``rows`` (R',) of a step whose decoder reported
@@ -169,10 +173,7 @@ class CopyAttribution:
     def attribute(self, features: torch.Tensor, found: list[list]) -> None:
         """Every word with a copy share ``s > 0`` in ``found`` (per photo of ``features`` (B, N, D + LITE_DIM))
         gets the attention ``(1 - s) alpha + s m``. In place; rows still sum to 1."""
-        reading = self.reading
-        word_of = torch.full((len(reading.word_category),), -1, dtype=torch.long)  # vocabulary id -> lexicon word
-        usable = (reading.copy_ids >= 0).cpu()
-        word_of[reading.copy_ids.cpu()[usable]] = torch.arange(len(usable))[usable]
+        reading, word_of = self.reading, self.word_of
         todo = [(b, h, (h.copy_share > 0).nonzero().flatten()) for b, hyps in enumerate(found) for h in hyps
                 if h.copy_share is not None]
         todo = [(b, h, steps) for b, h, steps in todo if len(steps)]

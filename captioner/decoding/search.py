@@ -407,14 +407,13 @@ def search(decoder: CaptionDecoder, features: torch.Tensor, options: DecodeOptio
             wanted = torch.zeros(B, log_probs.size(1), dtype=torch.bool, device=device)
             for b in bound_images:
                 wanted[b, [w for w in constraints[b] if 0 <= w < log_probs.size(1)]] = True
-        live_s, live_src, live_tok, live_met, keep_parts = [], [], [], [], []
+        live_s, live_src, live_tok, live_met = [], [], [], []
+        if bound_images:
+            now = met.unsqueeze(-1) | wanted[beams.images].unsqueeze(1)  # (A, W, V) the state after each word
+            now[:, :, eos_id] = met  # <eos> ends a beam in its state
+            now = now.view(len(beams.images), -1)  # (A, W*V)
         for s in states:  # as plain beam search, per state: the 2K best candidates, ...
-            scores = beams.scores
-            if bound_images:
-                now = met.unsqueeze(-1) | wanted[beams.images].unsqueeze(1)  # (A, W, V) the state after each word
-                now[:, :, eos_id] = met  # <eos> ends a beam in its state
-                mask = (now != s).view(len(beams.images), -1)  # (A, W*V)
-            top_s, src, tok = top_candidates(scores, log_probs, 2 * K, None if not bound_images else mask)
+            top_s, src, tok = top_candidates(beams.scores, log_probs, 2 * K, (now != s) if bound_images else None)
             is_eos = tok == eos_id  # (A, C)
             ends = is_eos & torch.isfinite(top_s)
             ends[:, K:] = False  # ... an <eos> among the K best finishes a caption in that state ...
